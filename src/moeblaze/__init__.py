@@ -1,0 +1,1 @@
+from moeblaze.reference import moe_experts_reference

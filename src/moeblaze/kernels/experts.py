@@ -1,0 +1,232 @@
+"""Triton kernels of the zero-buffer, fused expert computation (all experts in one launch each).
+
+Rows are the L·K (token, expert) pairs in expert order (RoutingIndex.expert_token_idx). A row GEMM
+program owns one tile of BLOCK_M rows of one expert (from the tile schedule built on the device) and
+one BLOCK_N column tile; where GATHER is set it loads its rows of the input straight from the token
+matrix through expert_token_idx, so no (L·K, D) copy of x or dy exists. Weight gradients loop over an
+expert's rows (the reduction axis) and gather the same way. Accumulation is fp32 everywhere.
+
+Activation codes (ACT): 0 SiLU, 1 GELU (erf), 2 ReLU, 3 squared ReLU. GATED: act(gate) * up, with the
+gate columns of the pre-activation first and the up columns H further on.
+"""
+import triton
+import triton.language as tl
+
+ACT_CODES = {"swiglu": 0, "geglu": 1, "silu": 0, "gelu": 1, "relu": 2, "relu2": 3}
+
+
+@triton.jit
+def _act(g, ACT: tl.constexpr):
+    if ACT == 0:
+        return g * tl.sigmoid(g)
+    elif ACT == 1:
+        return 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+    elif ACT == 2:
+        return tl.maximum(g, 0.0)
+    else:
+        r = tl.maximum(g, 0.0)
+        return r * r
+
+
+@triton.jit
+def _act_grad(g, ACT: tl.constexpr):
+    """d act(g) / d g, recomputed from the saved pre-activation."""
+    if ACT == 0:
+        s = tl.sigmoid(g)
+        return s * (1.0 + g * (1.0 - s))
+    elif ACT == 1:
+        return 0.5 * (1.0 + tl.erf(g * 0.7071067811865476)) + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)
+    elif ACT == 2:
+        return (g > 0.0).to(g.dtype)
+    else:
+        return 2.0 * tl.maximum(g, 0.0)
+
+
+@triton.jit
+def _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M: tl.constexpr):
+    """(expert, row ids, row mask) of one schedule tile; expert < 0 marks an unused tile."""
+    e = tl.load(tile_expert_ptr + tile)
+    row0 = tl.load(tile_row_ptr + tile)
+    row_end = tl.load(expert_offsets_ptr + e + 1, mask=e >= 0, other=0)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    return e, rows, rows < row_end
+
+
+@triton.jit
+def _rows_dot(a_ptr, a_rows, rmask, stride_al, stride_ad, b_ptr, stride_bk, stride_bn, offs_n, nmask, K_DIM,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 (BLOCK_M, BLOCK_N) = A[a_rows, :K_DIM] @ B[:K_DIM, offs_n] (B addressed by strides)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_al
+    b_base = b_ptr + offs_n[None, :] * stride_bn
+    for k0 in range(0, K_DIM, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < K_DIM
+        a = tl.load(a_base + offs_k[None, :] * stride_ad, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _expert_up_fwd_kernel(
+    x_ptr, w1_ptr, preact_ptr, act_ptr, expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+    D, H, stride_xl, stride_xd, stride_we, stride_wf, stride_wd, stride_pl, stride_al,
+    GATED: tl.constexpr, ACT: tl.constexpr, STORE_PREACT: tl.constexpr, STORE_ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Up-projection of gathered x rows with the activation in the epilogue: writes A = act(H) (the
+    down-projection input) and, if STORE_PREACT, the pre-activation H for backward."""
+    pid = tl.program_id(0)
+    n_tiles_n = tl.cdiv(H, BLOCK_N)
+    tile, pid_n = pid // n_tiles_n, pid % n_tiles_n
+    e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
+    if e < 0:
+        return
+    tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < H
+    w_e = w1_ptr + e.to(tl.int64) * stride_we
+    gate = _rows_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wd, stride_wf, offs_n, nmask, D,
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    rows64 = rows.to(tl.int64)
+    omask = rmask[:, None] & nmask[None, :]
+    if GATED:
+        up = _rows_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e + H * stride_wf, stride_wd, stride_wf, offs_n,
+                       nmask, D, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        if STORE_PREACT:
+            p_ptrs = preact_ptr + rows64[:, None] * stride_pl + offs_n[None, :]
+            tl.store(p_ptrs, gate.to(preact_ptr.dtype.element_ty), mask=omask)
+            tl.store(p_ptrs + H, up.to(preact_ptr.dtype.element_ty), mask=omask)
+        if STORE_ACT:
+            out = _act(gate, ACT) * up
+            tl.store(act_ptr + rows64[:, None] * stride_al + offs_n[None, :], out.to(act_ptr.dtype.element_ty),
+                     mask=omask)
+    else:
+        if STORE_PREACT:
+            tl.store(preact_ptr + rows64[:, None] * stride_pl + offs_n[None, :],
+                     gate.to(preact_ptr.dtype.element_ty), mask=omask)
+        if STORE_ACT:
+            tl.store(act_ptr + rows64[:, None] * stride_al + offs_n[None, :],
+                     _act(gate, ACT).to(act_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _expert_rows_kernel(
+    a_ptr, b_ptr, c_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+    N, K_DIM, stride_al, stride_ad, stride_be, stride_bk, stride_bn, stride_cl,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """C[rows] = A[rows] @ B[e] for every expert's contiguous rows (down-projection; dH @ W1)."""
+    pid = tl.program_id(0)
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    tile, pid_n = pid // n_tiles_n, pid % n_tiles_n
+    e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
+    if e < 0:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < N
+    acc = _rows_dot(a_ptr, rows, rmask, stride_al, stride_ad, b_ptr + e.to(tl.int64) * stride_be, stride_bk,
+                    stride_bn, offs_n, nmask, K_DIM, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cl + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _expert_down_bwd_kernel(
+    dy_ptr, w2_ptr, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+    expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+    D, H, LK, stride_dyl, stride_dyd, stride_we, stride_wd, stride_wh, stride_pl, stride_al,
+    GATED: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dA' = dy[token] @ W2[e] (dy gathered in the load), then in the epilogue, from the saved H:
+    A = act(H) recomputed; dS partial = <dA', A> over this column tile (the router-weight gradient,
+    without the down-projection output); dH = d act(s * dA'); s * A for dW2."""
+    pid = tl.program_id(0)
+    n_tiles_n = tl.cdiv(H, BLOCK_N)
+    tile, pid_n = pid // n_tiles_n, pid % n_tiles_n
+    e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
+    if e < 0:
+        return
+    tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs_n < H
+    dact = _rows_dot(dy_ptr, tok, rmask, stride_dyl, stride_dyd, w2_ptr + e.to(tl.int64) * stride_we, stride_wd,
+                     stride_wh, offs_n, nmask, D, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    rows64 = rows.to(tl.int64)
+    omask = rmask[:, None] & nmask[None, :]
+    p_ptrs = preact_ptr + rows64[:, None] * stride_pl + offs_n[None, :]
+    dp_ptrs = dpreact_ptr + rows64[:, None] * stride_pl + offs_n[None, :]
+    s = tl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)
+    g = tl.load(p_ptrs, mask=omask, other=0.0).to(tl.float32)
+    if GATED:
+        u = tl.load(p_ptrs + H, mask=omask, other=0.0).to(tl.float32)
+        act_g = _act(g, ACT)
+        a = act_g * u
+        da = dact * s[:, None]
+        tl.store(dp_ptrs, (da * u * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=omask)
+        tl.store(dp_ptrs + H, (da * act_g).to(dpreact_ptr.dtype.element_ty), mask=omask)
+    else:
+        a = _act(g, ACT)
+        tl.store(dp_ptrs, (dact * s[:, None] * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=omask)
+    tl.store(act_scaled_ptr + rows64[:, None] * stride_al + offs_n[None, :],
+             (a * s[:, None]).to(act_scaled_ptr.dtype.element_ty), mask=omask)
+    tl.store(ds_part_ptr + pid_n * LK + rows64, tl.sum(dact * a, axis=1), mask=rmask)
+
+
+@triton.jit
+def _expert_weight_grad_kernel(
+    p_ptr, q_ptr, dw_ptr, expert_token_idx_ptr, expert_offsets_ptr,
+    N, P, stride_pl, stride_pn, stride_ql, stride_qp, stride_de, stride_dn, stride_dp,
+    GATHER_P: tl.constexpr, GATHER_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dW[e] = Pm[rows of e]^T @ Qm[rows of e], reducing over the expert's rows; either side may be
+    gathered from a token matrix through expert_token_idx. An expert with no rows gets zeros."""
+    pid = tl.program_id(0)
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    n_tiles_p = tl.cdiv(P, BLOCK_P)
+    e = pid // (n_tiles_n * n_tiles_p)
+    rem = pid % (n_tiles_n * n_tiles_p)
+    pid_n, pid_p = rem // n_tiles_p, rem % n_tiles_p
+    start = tl.load(expert_offsets_ptr + e)
+    end = tl.load(expert_offsets_ptr + e + 1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    nmask = offs_n < N
+    pmask = offs_p < P
+    acc = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_K):
+        rows = r0 + tl.arange(0, BLOCK_K)
+        rmask = rows < end
+        tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
+        p_rows = (tok if GATHER_P else rows).to(tl.int64)
+        q_rows = (tok if GATHER_Q else rows).to(tl.int64)
+        pt = tl.load(p_ptr + p_rows[None, :] * stride_pl + offs_n[:, None] * stride_pn,
+                     mask=nmask[:, None] & rmask[None, :], other=0.0)
+        qt = tl.load(q_ptr + q_rows[:, None] * stride_ql + offs_p[None, :] * stride_qp,
+                     mask=rmask[:, None] & pmask[None, :], other=0.0)
+        acc = tl.dot(pt, qt, acc, input_precision=PRECISION)
+    tl.store(dw_ptr + e.to(tl.int64) * stride_de + offs_n[:, None] * stride_dn + offs_p[None, :] * stride_dp,
+             acc.to(dw_ptr.dtype.element_ty), mask=nmask[:, None] & pmask[None, :])
+
+
+@triton.jit
+def _combine_kernel(rows_ptr, token_slot_ptr, weights_ptr, out_ptr, L, D, stride_rl, stride_ol,
+                    K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = sum_k (w[t, k] *) rows[token_slot[t, k]]: each token gathers its K rows, in fixed order,
+    accumulated in fp32 (no atomics: deterministic)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    tmask = t < L
+    mask = tmask[:, None] & (cols < D)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for k in tl.static_range(K):
+        slot = tl.load(token_slot_ptr + t * K + k, mask=tmask, other=0).to(tl.int64)
+        r = tl.load(rows_ptr + slot[:, None] * stride_rl + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            r = r * tl.load(weights_ptr + t * K + k, mask=tmask, other=0.0)[:, None]
+        acc += r
+    tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ol + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask)

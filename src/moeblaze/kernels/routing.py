@@ -1,0 +1,53 @@
+"""Triton kernels of MoEBlaze's sort-free, atomic-free routing index build.
+
+The dense (token x expert) hit map of one tile of BLOCK_L tokens lives in registers only; each tile
+writes its per-expert counts (n_tiles x E int32), a column prefix sum over tiles (done between the two
+launches) gives every tile its base position per expert, and the placement kernel scans the hit map
+down its columns to write each (token, k) pair straight to its final slot. Each slot is written by
+exactly one program, so no atomics are needed and the result is deterministic, with tokens ascending
+inside each expert.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile_hits(topk_idx_ptr, t, L, e, K: tl.constexpr, BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
+    """(BLOCK_L, E_PAD) int32: 1 where token t routes to expert e."""
+    hits = tl.zeros((BLOCK_L, E_PAD), dtype=tl.int32)
+    for k in tl.static_range(K):
+        ek = tl.load(topk_idx_ptr + t * K + k, mask=t < L, other=-1).to(tl.int32)
+        hits += (ek[:, None] == e[None, :]).to(tl.int32)
+    return hits
+
+
+@triton.jit
+def _routing_tile_count_kernel(topk_idx_ptr, tile_counts_ptr, L, E,
+                               K: tl.constexpr, BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
+    pid = tl.program_id(0)
+    t = pid * BLOCK_L + tl.arange(0, BLOCK_L)
+    e = tl.arange(0, E_PAD)
+    counts = tl.sum(_tile_hits(topk_idx_ptr, t, L, e, K, BLOCK_L, E_PAD), axis=0)
+    tl.store(tile_counts_ptr + pid * E + e, counts, mask=e < E)
+
+
+@triton.jit
+def _routing_place_kernel(topk_idx_ptr, tile_counts_ptr, tile_counts_incl_ptr, expert_offsets_ptr,
+                          expert_token_idx_ptr, token_slot_ptr, L, E,
+                          K: tl.constexpr, BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
+    pid = tl.program_id(0)
+    t = pid * BLOCK_L + tl.arange(0, BLOCK_L)
+    e = tl.arange(0, E_PAD)
+    emask = e < E
+    hits = _tile_hits(topk_idx_ptr, t, L, e, K, BLOCK_L, E_PAD)
+    # first slot of this tile inside each expert's segment: expert start + tokens of earlier tiles
+    base = (tl.load(expert_offsets_ptr + e, mask=emask, other=0)
+            + tl.load(tile_counts_incl_ptr + pid * E + e, mask=emask, other=0)
+            - tl.load(tile_counts_ptr + pid * E + e, mask=emask, other=0))
+    pos = base[None, :] + tl.cumsum(hits, axis=0) - hits  # exclusive scan down each expert column
+    tmask = t < L
+    for k in tl.static_range(K):
+        ek = tl.load(topk_idx_ptr + t * K + k, mask=tmask, other=-1).to(tl.int32)
+        slot = tl.sum(tl.where(ek[:, None] == e[None, :], pos, 0), axis=1)
+        tl.store(token_slot_ptr + t * K + k, slot, mask=tmask)
+        tl.store(expert_token_idx_ptr + slot, t, mask=tmask)

@@ -1,0 +1,51 @@
+"""The functional MoE expert computation: `moe_experts`, over the reference or the Triton kernels."""
+from __future__ import annotations
+
+import torch
+
+from ..reference import check_activation, moe_experts_reference
+from ..routing import RoutingIndex, check_expert_inputs, check_topk_weights
+from .experts import CHECKPOINTS, experts_fwd, tile_schedule
+
+IMPLS = ("auto", "triton", "reference")
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    return impl
+
+
+def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tensor, w1: torch.Tensor,
+                w2: torch.Tensor, activation: str = "swiglu", checkpoint: str = "preact", impl: str = "auto",
+                check: bool = True) -> torch.Tensor:
+    """Combined expert outputs (L, D) for tokens x (L, D) routed by `routing` with weights (L, K).
+
+    w1: (E, F, D), F = 2H with the gate rows first for gated activations (SwiGLU, GeGLU), F = H for
+    plain ones; w2: (E, D, H). Differentiable in x, w1, w2 and topk_weights. checkpoint: "preact"
+    keeps the pre-activation for backward, "recompute" keeps nothing beyond the routing index (Triton
+    only; the reference keeps everything autograd needs). impl: "triton", "reference" or "auto"
+    (Triton on CUDA, the reference elsewhere).
+    """
+    check_activation(activation)
+    if checkpoint not in CHECKPOINTS:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
+    check_expert_inputs(x, w1, w2, activation)
+    if routing.num_tokens != x.shape[0] or routing.num_experts != w1.shape[0]:
+        raise ValueError(f"routing index is for L={routing.num_tokens}, E={routing.num_experts}; "
+                         f"x has L={x.shape[0]} and w1 has E={w1.shape[0]}")
+    if routing.token_slot.device != x.device:
+        raise ValueError(f"routing index is on {routing.token_slot.device} but x is on {x.device}")
+    check_topk_weights(topk_weights, routing.token_slot, check_values=check)
+    impl = resolve_impl(impl, x.device)
+    if impl == "reference":
+        return moe_experts_reference(x, routing.topk_idx(), topk_weights, w1, w2, activation)
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"the Triton experts take float16, bfloat16 or float32, got {x.dtype}")
+    out, _ = experts_fwd(x, w1, w2, topk_weights, *routing.tensors(), activation, checkpoint == "preact")
+    return out
+
+
+__all__ = ["CHECKPOINTS", "IMPLS", "moe_experts", "resolve_impl", "tile_schedule"]

@@ -1,0 +1,198 @@
+"""The fused, zero-buffer expert computation: launchers, torch.library custom ops and autograd.
+
+Forward (3 launches + the tile schedule):
+  up      A = act(x[expert_token_idx] @ W1[e]^T)    gather in the load, activation in the epilogue
+  down    Y = A @ W2[e]^T                           (L·K, D), transient
+  combine out[t] = sum_k w[t,k] Y[token_slot[t,k]]   fp32, no atomics
+Backward (5 launches, +1 with checkpoint="recompute"):
+  [up     H = x[expert_token_idx] @ W1[e]^T          only under "recompute"]
+  dH      dA' = dy[expert_token_idx] @ W2[e]; epilogue: A from H, dS = <dA', A>, dH, s·A
+  dW2     dy[expert_token_idx]^T @ (s·A)             per expert, reduction over its rows
+  dW1     dH^T @ x[expert_token_idx]                 per expert
+  dX~     dH @ W1[e]                                 (L·K, D), transient
+  dx      dx[t] = sum_k dX~[token_slot[t,k]]         fp32, no atomics
+
+Memory contract (bytes kept from forward to backward, beyond x, the weights and topk_weights, which
+exist anyway; b = bytes per element of x's dtype):
+  checkpoint="preact"     H: L·K·F·b (F = 2H gated, H plain) + the routing index 4·(2·L·K + 2·E + 1)
+  checkpoint="recompute"  the routing index only; H is recomputed in backward (one more GEMM)
+Never kept: any (L·K, D) gathered copy of x or dy, A = act(H), Y, dY. Transient in forward: A and Y;
+in backward: H (recompute), dH, s·A, dX~. No host synchronization anywhere: tile counts are bounded
+by L·K // BLOCK_M + E and unused tiles exit at once.
+
+Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert, E experts, K top-k.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from ..kernels.experts import (ACT_CODES, _combine_kernel, _expert_down_bwd_kernel, _expert_rows_kernel,
+                               _expert_up_fwd_kernel, _expert_weight_grad_kernel)
+from ..reference import is_gated
+
+CHECKPOINTS = ("preact", "recompute")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _cfg():
+    """Block sizes: small under the CPU interpreter (tests), Hopper-sized on GPUs."""
+    if _interpreting():
+        return dict(BM=16, BN=32, BK=32, warps=4, stages=1)
+    return dict(BM=128, BN=128, BK=64, warps=8, stages=3)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def tile_schedule(expert_counts: torch.Tensor, expert_offsets: torch.Tensor, num_rows: int, block_m: int):
+    """(tile_expert, tile_row) int32 of length num_rows // block_m + E: the expert and first row of
+    every BLOCK_M row tile, expert by expert; -1 marks the unused tail. Built on the device."""
+    E = expert_counts.shape[0]
+    max_tiles = num_rows // block_m + E
+    tiles_e = (expert_counts + block_m - 1) // block_m
+    tile_end = tiles_e.cumsum(0)
+    ids = torch.arange(max_tiles, device=expert_counts.device, dtype=tile_end.dtype)
+    e = torch.searchsorted(tile_end, ids, right=True)
+    valid = e < E
+    e = e.clamp(max=E - 1)
+    row = expert_offsets[e] + (ids - (tile_end[e] - tiles_e[e])) * block_m
+    return torch.where(valid, e, -1).to(torch.int32), row.to(torch.int32)
+
+
+def _up(x, w1, eti, offsets, sched, activation, store_preact, store_act, cfg):
+    LK, (E, F, D) = eti.shape[0], w1.shape
+    H = F // 2 if is_gated(activation) else F
+    preact = x.new_empty(LK, F) if store_preact else x.new_empty(0)
+    act = x.new_empty(LK, H) if store_act else x.new_empty(0)
+    grid = (sched[0].shape[0] * triton.cdiv(H, cfg["BN"]),)
+    _expert_up_fwd_kernel[grid](
+        x, w1, preact, act, eti, sched[0], sched[1], offsets,
+        D, H, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), F, H,
+        GATED=is_gated(activation), ACT=ACT_CODES[activation], STORE_PREACT=store_preact, STORE_ACT=store_act,
+        BLOCK_M=cfg["BM"], BLOCK_N=cfg["BN"], BLOCK_K=cfg["BK"], PRECISION=_precision(x.dtype),
+        num_warps=cfg["warps"], num_stages=cfg["stages"])
+    return preact, act
+
+
+def _rows(a, b, b_strides_ekn, n, offsets, sched, cfg):
+    """C (rows, n) = A[rows] @ B[e] with B[e] addressed as (k, n) through b_strides_ekn."""
+    c = a.new_empty(a.shape[0], n)
+    grid = (sched[0].shape[0] * triton.cdiv(n, cfg["BN"]),)
+    _expert_rows_kernel[grid](
+        a, b, c, sched[0], sched[1], offsets, n, a.shape[1], a.stride(0), a.stride(1), *b_strides_ekn, c.stride(0),
+        BLOCK_M=cfg["BM"], BLOCK_N=cfg["BN"], BLOCK_K=cfg["BK"], PRECISION=_precision(a.dtype),
+        num_warps=cfg["warps"], num_stages=cfg["stages"])
+    return c
+
+
+def _combine(rows, token_slot, weights, out_dtype):
+    L, K = token_slot.shape
+    D = rows.shape[1]
+    out = torch.empty(L, D, dtype=out_dtype, device=rows.device)
+    bt, bd = (16, 32) if _interpreting() else (16, 256)
+    _combine_kernel[(triton.cdiv(L, bt), triton.cdiv(D, bd))](
+        rows, token_slot, weights if weights is not None else rows, out, L, D, rows.stride(0), out.stride(0),
+        K=K, WEIGHTED=weights is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
+    return out
+
+
+def _weight_grad(p, q, out_shape, eti, offsets, gather_p, gather_q, cfg, out_dtype):
+    """dW (E, N, P) with dW[e] = P[rows of e]^T Q[rows of e]."""
+    E, N, P = out_shape
+    dw = torch.empty(out_shape, dtype=out_dtype, device=p.device)
+    bn, bp = cfg["BN"], cfg["BN"]
+    grid = (E * triton.cdiv(N, bn) * triton.cdiv(P, bp),)
+    _expert_weight_grad_kernel[grid](
+        p, q, dw, eti, offsets, N, P, p.stride(0), p.stride(1), q.stride(0), q.stride(1),
+        dw.stride(0), dw.stride(1), dw.stride(2), GATHER_P=gather_p, GATHER_Q=gather_q,
+        BLOCK_N=bn, BLOCK_P=bp, BLOCK_K=cfg["BK"], PRECISION=_precision(p.dtype),
+        num_warps=cfg["warps"], num_stages=cfg["stages"])
+    return dw
+
+
+# ---- custom ops -----------------------------------------------------------------------------------
+
+@torch.library.custom_op("moeblaze::experts_fwd", mutates_args=())
+def experts_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
+                expert_counts: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
+                token_slot: torch.Tensor, activation: str, save_preact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (L, D), preact (L·K, F) if save_preact else an empty tensor)."""
+    cfg = _cfg()
+    LK = expert_token_idx.shape[0]
+    sched = tile_schedule(expert_counts, expert_offsets, LK, cfg["BM"])
+    preact, act = _up(x, w1, expert_token_idx, expert_offsets, sched, activation, save_preact, True, cfg)
+    y = _rows(act, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), w2.shape[1], expert_offsets, sched, cfg)
+    del act
+    return _combine(y, token_slot, topk_w.float().contiguous(), x.dtype), preact
+
+
+@experts_fwd.register_fake
+def _(x, w1, w2, topk_w, expert_counts, expert_offsets, expert_token_idx, token_slot, activation, save_preact):
+    LK = expert_token_idx.shape[0]
+    return x.new_empty(x.shape), (x.new_empty(LK, w1.shape[1]) if save_preact else x.new_empty(0))
+
+
+@torch.library.custom_op("moeblaze::experts_bwd", mutates_args=())
+def experts_bwd(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
+                expert_counts: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
+                token_slot: torch.Tensor, preact: torch.Tensor, activation: str,
+                has_preact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw1, dw2, dtopk_w)."""
+    cfg = _cfg()
+    E, F, D = w1.shape
+    H = w2.shape[2]
+    LK = expert_token_idx.shape[0]
+    eti, offsets = expert_token_idx, expert_offsets
+    sched = tile_schedule(expert_counts, offsets, LK, cfg["BM"])
+    if not has_preact:
+        preact, _ = _up(x, w1, eti, offsets, sched, activation, True, False, cfg)
+    w_sorted = torch.empty(LK, dtype=torch.float32, device=x.device)
+    w_sorted[token_slot.reshape(-1).long()] = topk_w.reshape(-1).float()
+    dpreact = torch.empty_like(preact)
+    act_scaled = x.new_empty(LK, H)
+    n_tiles_h = triton.cdiv(H, cfg["BN"])
+    ds_part = torch.empty(n_tiles_h, LK, dtype=torch.float32, device=x.device)
+    _expert_down_bwd_kernel[(sched[0].shape[0] * n_tiles_h,)](
+        dy, w2, preact, w_sorted, dpreact, act_scaled, ds_part, eti, sched[0], sched[1], offsets,
+        D, H, LK, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), F, H,
+        GATED=is_gated(activation), ACT=ACT_CODES[activation],
+        BLOCK_M=cfg["BM"], BLOCK_N=cfg["BN"], BLOCK_K=cfg["BK"], PRECISION=_precision(x.dtype),
+        num_warps=cfg["warps"], num_stages=cfg["stages"])
+    del preact
+    dtopk_w = ds_part.sum(0)[token_slot.long()].to(topk_w.dtype)
+    dw2 = _weight_grad(dy, act_scaled, (E, D, H), eti, offsets, True, False, cfg, w2.dtype)
+    del act_scaled
+    dw1 = _weight_grad(dpreact, x, (E, F, D), eti, offsets, False, True, cfg, w1.dtype)
+    dx_rows = _rows(dpreact, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), D, offsets, sched, cfg)
+    del dpreact
+    dx = _combine(dx_rows, token_slot, None, x.dtype)
+    return dx, dw1, dw2, dtopk_w
+
+
+@experts_bwd.register_fake
+def _(dy, x, w1, w2, topk_w, expert_counts, expert_offsets, expert_token_idx, token_slot, preact, activation,
+      has_preact):
+    return x.new_empty(x.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape), topk_w.new_empty(topk_w.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w1, w2, topk_w, counts, offsets, eti, slot, activation, save_preact = inputs
+    ctx.save_for_backward(x, w1, w2, topk_w, counts, offsets, eti, slot, output[1])
+    ctx.activation, ctx.has_preact = activation, save_preact
+
+
+def _backward(ctx, dout, _dpreact):
+    x, w1, w2, topk_w, counts, offsets, eti, slot, preact = ctx.saved_tensors
+    dx, dw1, dw2, dw = experts_bwd(dout.contiguous(), x, w1, w2, topk_w, counts, offsets, eti, slot, preact,
+                                   ctx.activation, ctx.has_preact)
+    return dx, dw1, dw2, dw, None, None, None, None, None, None
+
+
+experts_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,60 @@
+"""The pure PyTorch oracle for the expert computation of an MoE layer.
+
+    y[t] = sum_k topk_w[t, k] * W2[e] act(W1[e] x[t]),   e = topk_idx[t, k]
+
+Loops over experts, gathers each expert's tokens, and accumulates the weighted expert outputs in fp32
+(or fp64 for fp64 inputs). Differentiable in x, w1, w2 and topk_w through autograd. It is the
+reference every kernel is checked against, and is slow and memory-hungry by design: it keeps every
+intermediate for backward and synchronizes with the host (one nonzero per expert).
+
+Legend: L tokens, D hidden, H expert intermediate, E experts, K experts per token.
+"""
+from __future__ import annotations
+
+import torch
+
+from .activations import apply_activation
+
+
+def moe_experts_reference(
+    x_LD: torch.Tensor,
+    topk_idx_LK: torch.Tensor,
+    topk_w_LK: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDH: torch.Tensor,
+    activation: str = "swiglu",
+) -> torch.Tensor:
+    """Expert outputs combined per token: (L, D) in x's dtype.
+
+    w1_EFD: (E, F, D) with F = 2H (gate rows, then up rows) for gated activations, F = H otherwise.
+    w2_EDH: (E, D, H). topk_idx_LK: integer expert ids. topk_w_LK: router weights (any float dtype).
+    """
+    L, D = x_LD.shape
+    E = w1_EFD.shape[0]
+    acc_dtype = torch.float64 if x_LD.dtype == torch.float64 else torch.float32
+    out_LD = x_LD.new_zeros((L, D), dtype=acc_dtype)
+    for e in range(E):
+        tok, slot = (topk_idx_LK == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = x_LD[tok] @ w1_EFD[e].t()
+        y = apply_activation(h, activation) @ w2_EDH[e].t()
+        out_LD = out_LD.index_add(0, tok, y.to(acc_dtype) * topk_w_LK[tok, slot, None].to(acc_dtype))
+    return out_LD.to(x_LD.dtype)
+
+
+def moe_experts_dense(
+    x_LD: torch.Tensor,
+    topk_idx_LK: torch.Tensor,
+    topk_w_LK: torch.Tensor,
+    w1_EFD: torch.Tensor,
+    w2_EDH: torch.Tensor,
+    activation: str = "swiglu",
+) -> torch.Tensor:
+    """The same function computed token by token with every expert's weights gathered per pair: an
+    independent second oracle (O(L·K·F·D) weight memory), for tiny sizes in tests only."""
+    w1 = w1_EFD[topk_idx_LK.long()]  # (L, K, F, D)
+    w2 = w2_EDH[topk_idx_LK.long()]  # (L, K, D, H)
+    h = torch.einsum("lkfd,ld->lkf", w1, x_LD)
+    y = torch.einsum("lkdh,lkh->lkd", w2, apply_activation(h, activation))
+    return torch.einsum("lkd,lk->ld", y, topk_w_LK.to(y.dtype)).to(x_LD.dtype)

@@ -1,0 +1,81 @@
+"""Input checks shared by the router, the index builders and the expert layers.
+
+Shape, dtype and device checks are free (metadata only) and always run. Value checks (expert ids in
+range, no duplicate expert per token, finite router weights) read tensor data: on the CPU they raise
+ValueError at once; on an accelerator, or inside torch.compile, they become device-side asserts
+(torch._assert_async) so that the layer never synchronizes with the host, and a bad value still stops
+the program instead of producing a wrong answer.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _fail_if(bad: torch.Tensor, message: str) -> None:
+    """Raise (CPU, eager) or assert on the device (accelerators, compile) when `bad` holds True."""
+    if bad.device.type == "cpu" and not torch.compiler.is_compiling():
+        if bool(bad):
+            raise ValueError(message)
+    else:
+        torch._assert_async(~bad, message)
+
+
+def check_topk_idx(topk_idx_LK: torch.Tensor, num_experts: int, check_values: bool = True) -> None:
+    if not isinstance(topk_idx_LK, torch.Tensor):
+        raise TypeError(f"topk_idx must be a tensor, got {type(topk_idx_LK).__name__}")
+    if topk_idx_LK.dim() != 2:
+        raise ValueError(f"topk_idx must have shape (L, K), got shape {tuple(topk_idx_LK.shape)}")
+    if topk_idx_LK.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx_LK.dtype}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    K = topk_idx_LK.shape[1]
+    if K < 1 or K > num_experts:
+        raise ValueError(f"top-k must satisfy 1 <= K <= num_experts ({num_experts}), got K={K}")
+    if not check_values or topk_idx_LK.numel() == 0:
+        return
+    _fail_if(((topk_idx_LK < 0) | (topk_idx_LK >= num_experts)).any(),
+             f"topk_idx holds an expert id outside [0, {num_experts})")
+    if K > 1:
+        srt = topk_idx_LK.sort(dim=1).values
+        _fail_if((srt[:, 1:] == srt[:, :-1]).any(), "topk_idx routes a token to the same expert twice")
+
+
+def check_topk_weights(topk_w_LK: torch.Tensor, topk_idx_LK: torch.Tensor, check_values: bool = True) -> None:
+    if not isinstance(topk_w_LK, torch.Tensor):
+        raise TypeError(f"topk_weights must be a tensor, got {type(topk_w_LK).__name__}")
+    if topk_w_LK.shape != topk_idx_LK.shape:
+        raise ValueError(f"topk_weights shape {tuple(topk_w_LK.shape)} must equal topk_idx shape "
+                         f"{tuple(topk_idx_LK.shape)}")
+    if not topk_w_LK.is_floating_point():
+        raise TypeError(f"topk_weights must be a float tensor, got {topk_w_LK.dtype}")
+    if topk_w_LK.device != topk_idx_LK.device:
+        raise ValueError(f"topk_weights is on {topk_w_LK.device} but topk_idx is on {topk_idx_LK.device}")
+    if check_values and topk_w_LK.numel():
+        _fail_if(~torch.isfinite(topk_w_LK).all(), "topk_weights holds NaN or Inf")
+
+
+def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, activation: str) -> None:
+    """Shapes, dtypes and devices of the expert computation's dense inputs."""
+    from ..reference import up_width
+
+    if x_LD.dim() != 2:
+        raise ValueError(f"x must have shape (L, D), got shape {tuple(x_LD.shape)}")
+    if w1_EFD.dim() != 3 or w2_EDH.dim() != 3:
+        raise ValueError(f"w1 must be (E, F, D) and w2 (E, D, H); got {tuple(w1_EFD.shape)} and {tuple(w2_EDH.shape)}")
+    E, F, D = w1_EFD.shape
+    E2, D2, H = w2_EDH.shape
+    if D != x_LD.shape[1] or D2 != D:
+        raise ValueError(f"hidden size mismatch: x has D={x_LD.shape[1]}, w1 has D={D}, w2 has D={D2}")
+    if E2 != E:
+        raise ValueError(f"expert count mismatch: w1 has E={E}, w2 has E={E2}")
+    if F != up_width(activation, H):
+        raise ValueError(f"w1 must have {up_width(activation, H)} rows per expert for activation {activation!r} "
+                         f"with H={H} (gate rows first for gated activations), got {F}")
+    for name, t in (("w1", w1_EFD), ("w2", w2_EDH)):
+        if t.dtype != x_LD.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from x dtype {x_LD.dtype}")
+        if t.device != x_LD.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x_LD.device}")
+    if not x_LD.is_floating_point():
+        raise TypeError(f"x must be a float tensor, got {x_LD.dtype}")

@@ -1,0 +1,147 @@
+"""The routing index: everything a zero-buffer MoE layer needs to move tokens, in O(L·K) int32.
+
+    expert_counts     (E,)    tokens routed to each expert
+    expert_offsets    (E+1,)  exclusive prefix sum of the counts; expert e owns rows [off[e], off[e+1])
+    expert_token_idx  (L·K,)  token ids grouped expert by expert, ascending inside each expert
+    token_slot        (L, K)  position of pair (t, k) in that order: expert_token_idx[token_slot[t, k]] == t
+
+No (L·K, D) copy of the activations is ever made: kernels gather rows of x through expert_token_idx
+and combine through token_slot. Memory: 4·(2·L·K + 2·E + 1) bytes.
+
+Builders (identical results, both deterministic, neither synchronizes with the host):
+  "sort":  stable argsort of the flattened expert ids (the conventional way; cost independent of E).
+  "dense": MoEBlaze's sort-free, atomic-free build. Triton on GPUs (see kernels/routing.py); on the
+           CPU a PyTorch version that materializes the L x E hit map. Its work grows as L·K·E (every
+           pair is compared against every expert in registers), so for many experts the sort wins:
+           "auto" uses "dense" up to DENSE_MAX_EXPERTS experts and "sort" beyond (crossover measured
+           with `moeblaze bench --dispatch`, see bench/results/).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .checks import check_topk_idx
+
+METHODS = ("auto", "dense", "sort")
+# Above this many experts the dense build's O(L·K·E) compare work overtakes a radix sort's O(L·K)
+# passes on an H100/H200 (see the dispatch table in bench/results/).
+DENSE_MAX_EXPERTS = 128
+
+
+@dataclass
+class RoutingIndex:
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+    expert_token_idx: torch.Tensor
+    token_slot: torch.Tensor
+
+    @property
+    def num_experts(self) -> int:
+        return self.expert_counts.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_slot.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.token_slot.shape[1]
+
+    def tensors(self):
+        return self.expert_counts, self.expert_offsets, self.expert_token_idx, self.token_slot
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def topk_idx(self) -> torch.Tensor:
+        """(L, K) int32 expert ids recovered from the index (the expert owning each pair's slot)."""
+        ends = self.expert_offsets[1:].contiguous()
+        return torch.searchsorted(ends, self.token_slot.contiguous(), right=True).to(torch.int32)
+
+
+def _offsets(counts_E: torch.Tensor) -> torch.Tensor:
+    return F.pad(counts_E.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def build_index_sort(topk_idx_LK: torch.Tensor, num_experts: int) -> RoutingIndex:
+    """Conventional build: stable argsort of the L·K expert ids (pair order is token-major, so a stable
+    sort keeps tokens ascending inside each expert)."""
+    L, K = topk_idx_LK.shape
+    flat = topk_idx_LK.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    slot = torch.empty(L * K, dtype=torch.int32, device=flat.device)
+    slot[order] = torch.arange(L * K, dtype=torch.int32, device=flat.device)
+    return RoutingIndex(counts, _offsets(counts), (order // K).to(torch.int32), slot.view(L, K))
+
+
+def build_index_dense_torch(topk_idx_LK: torch.Tensor, num_experts: int) -> RoutingIndex:
+    """MoEBlaze's build in PyTorch (the CPU path): L x E hit map, column reductions for the counts, a
+    prefix sum for the offsets, and a column scan that gives every pair its final slot."""
+    L, K = topk_idx_LK.shape
+    dev = topk_idx_LK.device
+    idx = topk_idx_LK.long()
+    hits_LE = torch.zeros(L, num_experts, dtype=torch.int32, device=dev).scatter_(1, idx, 1)
+    incl_LE = hits_LE.cumsum(0, dtype=torch.int32)
+    counts = hits_LE.sum(0, dtype=torch.int32)
+    offsets = _offsets(counts)
+    slot_LK = (offsets[idx] + (incl_LE - hits_LE).gather(1, idx)).to(torch.int32)
+    tokens = torch.arange(L, dtype=torch.int32, device=dev).repeat_interleave(K)
+    expert_token_idx = torch.empty(L * K, dtype=torch.int32, device=dev).scatter_(0, slot_LK.reshape(-1).long(), tokens)
+    return RoutingIndex(counts, offsets, expert_token_idx, slot_LK)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def dense_tile_size(num_experts: int) -> int:
+    """Tokens per tile: keep the register hit map near 8k int32 (BLOCK_L x E_PAD), 16..256 tokens."""
+    return max(16, min(256, 8192 // _next_pow2(num_experts)))
+
+
+def build_index_dense_triton(topk_idx_LK: torch.Tensor, num_experts: int) -> RoutingIndex:
+    """MoEBlaze's build in two Triton launches (per-tile counts, then placement) and two cumsums."""
+    from ..kernels.routing import _routing_place_kernel, _routing_tile_count_kernel
+
+    L, K = topk_idx_LK.shape
+    dev = topk_idx_LK.device
+    idx = topk_idx_LK.contiguous()
+    E_PAD = _next_pow2(num_experts)
+    BLOCK_L = dense_tile_size(num_experts)
+    n_tiles = max(1, -(-L // BLOCK_L))
+    tile_counts = torch.empty(n_tiles, num_experts, dtype=torch.int32, device=dev)
+    _routing_tile_count_kernel[(n_tiles,)](idx, tile_counts, L, num_experts, K=K, BLOCK_L=BLOCK_L, E_PAD=E_PAD)
+    tile_incl = tile_counts.cumsum(0, dtype=torch.int32)
+    counts = tile_incl[-1]
+    offsets = _offsets(counts)
+    expert_token_idx = torch.empty(L * K, dtype=torch.int32, device=dev)
+    slot = torch.empty(L, K, dtype=torch.int32, device=dev)
+    _routing_place_kernel[(n_tiles,)](idx, tile_counts, tile_incl, offsets, expert_token_idx, slot, L, num_experts,
+                                      K=K, BLOCK_L=BLOCK_L, E_PAD=E_PAD)
+    return RoutingIndex(counts, offsets, expert_token_idx, slot)
+
+
+def _triton_usable(t: torch.Tensor) -> bool:
+    import os
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def build_routing_index(topk_idx_LK: torch.Tensor, num_experts: int, method: str = "auto",
+                        check: bool = True) -> RoutingIndex:
+    """Build the RoutingIndex of a top-k routing. `check` validates ids (range, duplicates) without a
+    host sync on accelerators (see routing/checks.py)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_topk_idx(topk_idx_LK, num_experts, check_values=check)
+    if method == "auto":
+        method = "dense" if num_experts <= DENSE_MAX_EXPERTS else "sort"
+    if method == "sort":
+        return build_index_sort(topk_idx_LK, num_experts)
+    if _triton_usable(topk_idx_LK) and topk_idx_LK.shape[0] > 0:
+        return build_index_dense_triton(topk_idx_LK, num_experts)
+    return build_index_dense_torch(topk_idx_LK, num_experts)
