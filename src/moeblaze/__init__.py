@@ -1,1 +1,14 @@
-from moeblaze.reference import moe_experts_reference
+"""moeblaze: memory-efficient Mixture-of-Experts training layers (PyTorch + Triton).
+
+    from moeblaze import MoELayer
+    layer = MoELayer(d_model=1024, d_expert=4096, num_experts=16, top_k=2)  # SwiGLU, Triton on CUDA
+    out, aux_loss, z_loss = layer(x)
+"""
+from .layers import ModelConfig, MoEBlock, MoELayer, MoEModel, MoEOutput
+from .ops import moe_experts
+from .reference import moe_experts_reference
+from .routing import RoutingIndex, TopKRouter, build_routing_index
+
+__version__ = "0.1.0"
+__all__ = ["ModelConfig", "MoEBlock", "MoELayer", "MoEModel", "MoEOutput", "moe_experts", "moe_experts_reference",
+           "RoutingIndex", "TopKRouter", "build_routing_index", "__version__"]

@@ -1,0 +1,90 @@
+"""A small decoder-only MoE language model: token + position embeddings, pre-norm blocks of causal
+self-attention (scaled_dot_product_attention) and an MoE feed-forward, RMSNorm, tied output head.
+
+Memory: attention and norms keep what autograd keeps; each MoE FFN keeps what its MoELayer's contract says.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .moe import MoELayer
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    max_seq_len: int = 128
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    num_experts: int = 8
+    top_k: int = 2
+    d_expert: int = 256
+    activation: str = "swiglu"
+    impl: str = "auto"
+    checkpoint: str = "preact"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MoEBlock(nn.Module):
+    """x + attn(norm(x)), then + moe(norm(x)); returns the new x and the block's router losses."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads)
+        self.norm2 = nn.RMSNorm(cfg.d_model)
+        self.moe = MoELayer(cfg.d_model, cfg.d_expert, cfg.num_experts, cfg.top_k, cfg.activation, cfg.impl,
+                            cfg.checkpoint)
+
+    def forward(self, x: torch.Tensor):
+        x = x + self.attn(self.norm1(x))
+        m = self.moe(self.norm2(x))
+        return x + m.out, m.aux_loss, m.z_loss
+
+
+class MoEModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model)
+        nn.init.normal_(self.tok_emb.weight, std=0.02)
+        nn.init.normal_(self.pos_emb.weight, std=0.02)
+
+    def forward(self, idx_BT: torch.Tensor):
+        """(logits (B, T, V), aux_loss, z_loss), the losses summed over blocks."""
+        B, T = idx_BT.shape
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+        x = self.tok_emb(idx_BT) + self.pos_emb(torch.arange(T, device=idx_BT.device))
+        aux = z = x.new_zeros((), dtype=torch.float32)
+        for block in self.blocks:
+            x, a, zl = block(x)
+            aux, z = aux + a, z + zl
+        logits = self.norm(x) @ self.tok_emb.weight.t()
+        return logits, aux, z

@@ -1,0 +1,73 @@
+"""MoELayer: router + routing index + experts + combine, as one nn.Module.
+
+Memory contract: the router's (L, E) fp32 logits (as in every MoE), the routing index (O(L·K) int32)
+and what the expert implementation keeps (see ops/experts.py: the pre-activation under
+checkpoint="preact", nothing more under "recompute"). No (L·K, D) routing buffer is ever allocated by
+the Triton implementation.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+from ..ops import CHECKPOINTS, moe_experts, resolve_impl
+from ..reference import check_activation, up_width
+from ..routing import METHODS, TopKRouter, build_routing_index
+
+
+class MoEOutput(NamedTuple):
+    out: torch.Tensor  # same shape as the input
+    aux_loss: torch.Tensor  # switch load-balancing loss (unscaled)
+    z_loss: torch.Tensor  # router z-loss (unscaled)
+
+
+class MoELayer(nn.Module):
+    """Token-choice top-k MoE feed-forward layer, dropless.
+
+    Weights: w1 (E, F, D) with F = 2·d_expert (gate rows first) for gated activations and d_expert for
+    plain ones; w2 (E, D, d_expert). impl: "auto" (Triton on CUDA, the PyTorch reference elsewhere),
+    "triton" or "reference". checkpoint: "preact" or "recompute". index_method: "auto", "dense" or "sort".
+    """
+
+    def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, activation: str = "swiglu",
+                 impl: str = "auto", checkpoint: str = "preact", scoring: str = "softmax_topk",
+                 renormalize: bool = True, index_method: str = "auto", device=None, dtype=None):
+        super().__init__()
+        check_activation(activation)
+        if checkpoint not in CHECKPOINTS:
+            raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
+        if index_method not in METHODS:
+            raise ValueError(f"index_method must be one of {METHODS}, got {index_method!r}")
+        resolve_impl(impl, torch.device("cpu"))
+        self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
+        self.activation, self.impl, self.checkpoint, self.index_method = activation, impl, checkpoint, index_method
+        self.router = TopKRouter(d_model, num_experts, top_k, scoring, renormalize, device=device)
+        F = up_width(activation, d_expert)
+        self.w1 = nn.Parameter(torch.empty(num_experts, F, d_model, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w1, std=1.0 / math.sqrt(self.d_model))
+        nn.init.normal_(self.w2, std=1.0 / math.sqrt(self.d_expert))
+
+    def forward(self, x: torch.Tensor) -> MoEOutput:
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"expected last dimension {self.d_model}, got input of shape {tuple(x.shape)}")
+        x_LD = x.reshape(-1, self.d_model)
+        r = self.router(x_LD)
+        routing = build_routing_index(r.topk_idx, self.num_experts, self.index_method, check=False)
+        w1, w2 = self.w1, self.w2
+        if torch.is_autocast_enabled(x.device.type):  # the experts run in the autocast dtype, like nn.Linear
+            dt = torch.get_autocast_dtype(x.device.type)
+            x_LD, w1, w2 = x_LD.to(dt), w1.to(dt), w2.to(dt)
+        out = moe_experts(x_LD, routing, r.topk_weights, w1, w2, self.activation, self.checkpoint, self.impl,
+                          check=False)
+        return MoEOutput(out.view(x.shape), r.aux_loss, r.z_loss)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "
+                f"top_k={self.top_k}, activation={self.activation}, impl={self.impl}, checkpoint={self.checkpoint}")

@@ -1,0 +1,39 @@
+"""Shared test setup: seeds, the Triton interpreter for CPU runs, NaN-poisoned allocations."""
+import os
+
+import pytest
+
+
+def pytest_configure(config):
+    # The Triton kernels run under the interpreter on the CPU; it must be set before triton is imported.
+    # `pytest -m gpu` (tests/gpu, on a CUDA machine) runs the compiled kernels instead.
+    markexpr = config.getoption("-m") or ""
+    if "gpu" not in markexpr or "not gpu" in markexpr:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    import torch
+
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def poison_alloc(monkeypatch):
+    """Make fresh float tensors NaN and fresh int tensors -77777 while a test runs, so that an output row
+    a kernel forgets to write shows up instead of hiding behind zeros."""
+    import torch
+
+    real_empty, real_empty_like, real_new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def fill(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype in (torch.int32, torch.int64):
+            t.fill_(-77777)
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: fill(real_new_empty(self, *a, **k)))

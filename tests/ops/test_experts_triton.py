@@ -1,0 +1,98 @@
+"""The Triton expert kernels under the interpreter, against the fp64 reference, with NaN-poisoned
+allocations: output and every gradient (x, w1, w2, router weights)."""
+import pytest
+import torch
+
+from moeblaze.ops import moe_experts
+from moeblaze.reference import ACTIVATIONS, moe_experts_reference
+from moeblaze.routing import build_routing_index
+from helpers import random_problem, rel_err
+
+# fp32 under the interpreter is exact IEEE arithmetic: only summation order differs from fp64.
+# fp16 stores H, A, Y, dH and dX~ in fp16 (unit roundoff 4.9e-4); measured ~4e-4 here.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def run_both(L, D, H, E, K, activation="swiglu", checkpoint="preact", dtype=torch.float32, skew="uniform"):
+    x, w1, w2, idx, w = random_problem(L, D, H, E, K, activation, dtype, skew)
+    routing = build_routing_index(idx, E)
+    ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
+    out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], activation, checkpoint, impl="triton")
+    dy = torch.randn_like(out)
+    grads = torch.autograd.grad(out, ins, dy)
+    ref_ins = [t.double().requires_grad_() for t in (x, w1, w2, w)]
+    ref = moe_experts_reference(ref_ins[0], idx, ref_ins[3], ref_ins[1], ref_ins[2], activation)
+    ref_grads = torch.autograd.grad(ref, ref_ins, dy.double())
+    names = ("out", "dx", "dw1", "dw2", "dtopk_w")
+    return {n: rel_err(a, b) for n, a, b in zip(names, (out,) + grads, (ref,) + ref_grads)}
+
+
+def assert_close(errs, dtype):
+    bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
+    assert not bad, f"relative errors over {TOL[dtype]}: {bad}"
+
+
+@pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_every_activation_and_policy(poison_alloc, activation, checkpoint):
+    assert_close(run_both(37, 40, 24, 5, 2, activation, checkpoint), torch.float32)
+
+
+@pytest.mark.parametrize("L,D,H,E,K,skew", [
+    (3, 16, 16, 4, 2, "uniform"),  # L smaller than a row tile
+    (45, 37, 19, 6, 2, "uniform"),  # odd D and H (masked tiles on every axis)
+    (40, 32, 16, 8, 1, "uniform"),  # top-1
+    (21, 24, 16, 4, 4, "uniform"),  # K = E
+    (50, 32, 24, 8, 2, "empty"),  # half the experts get no tokens: their weight grads must be zeros
+    (60, 32, 16, 6, 2, "one"),  # every token to expert 0 (plus one more)
+    (64, 48, 40, 13, 3, "uniform"),  # prime E
+])
+@pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
+def test_edge_shapes(poison_alloc, L, D, H, E, K, skew, checkpoint):
+    assert_close(run_both(L, D, H, E, K, "swiglu", checkpoint, skew=skew), torch.float32)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_fp16(poison_alloc, activation):
+    assert_close(run_both(48, 32, 32, 4, 2, activation, "preact", torch.float16), torch.float16)
+
+
+def test_all_tokens_to_one_expert_top1(poison_alloc):
+    x, w1, w2, _, w = random_problem(33, 16, 16, 4, 1)
+    idx = torch.zeros(33, 1, dtype=torch.int32)
+    w1.requires_grad_()
+    out = moe_experts(x, build_routing_index(idx, 4), w, w1, w2, impl="triton")
+    out.sum().backward()
+    assert rel_err(out, moe_experts_reference(x.double(), idx, w.double(), w1.double(), w2.double())) < 1e-5
+    assert torch.count_nonzero(w1.grad[1:]) == 0
+
+
+def test_deterministic(poison_alloc):
+    x, w1, w2, idx, w = random_problem(40, 32, 16, 4, 2)
+    r = build_routing_index(idx, 4)
+    runs = []
+    for _ in range(2):
+        ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
+        out = moe_experts(ins[0], r, ins[3], ins[1], ins[2], impl="triton")
+        runs.append((out,) + torch.autograd.grad(out.square().sum(), ins))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("mutate,exc,match", [
+    (lambda a: a.update(x=a["x"][:, :-1]), ValueError, "hidden size"),
+    (lambda a: a.update(x=a["x"].double()), TypeError, "dtype"),
+    (lambda a: a.update(w1=a["w1"][:, :-1]), ValueError, "rows per expert"),
+    (lambda a: a.update(w2=a["w2"][:-1]), ValueError, "expert count"),
+    (lambda a: a.update(w=a["w"][:-1]), ValueError, "topk_weights shape"),
+    (lambda a: a.update(w=a["w"].index_fill(0, torch.tensor([2]), float("nan"))), ValueError, "NaN"),
+    (lambda a: a.update(activation="tanh"), ValueError, "activation"),
+    (lambda a: a.update(checkpoint="none"), ValueError, "checkpoint"),
+    (lambda a: a.update(x=a["x"][:-1]), ValueError, "routing index is for"),
+])
+def test_bad_inputs_are_rejected(mutate, exc, match):
+    x, w1, w2, idx, w = random_problem(8, 16, 8, 4, 2)
+    a = dict(x=x, w1=w1, w2=w2, w=w, activation="swiglu", checkpoint="preact")
+    mutate(a)
+    with pytest.raises(exc, match=match):
+        moe_experts(a["x"], build_routing_index(idx, 4), a["w"], a["w1"], a["w2"], a["activation"], a["checkpoint"],
+                    impl="triton")
