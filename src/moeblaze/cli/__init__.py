@@ -8,15 +8,11 @@ import sys
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="moeblaze", description="Memory-efficient Mixture-of-Experts training")
     sub = p.add_subparsers(dest="command")
-    from . import train
+    from . import bench, profile, train
+
     train.add_arguments(sub.add_parser("train", help="train the small MoE language model on the built-in corpus"))
-    try:
-        from . import bench, profile
-    except ImportError:
-        bench = profile = None
-    if bench is not None:
-        bench.add_arguments(sub.add_parser("bench", help="time and measure MoE layers side by side with peers"))
-        profile.add_arguments(sub.add_parser("profile", help="where a layer's memory goes in one training step"))
+    bench.add_arguments(sub.add_parser("bench", help="time and measure MoE layers side by side with peers"))
+    profile.add_arguments(sub.add_parser("profile", help="where a layer's memory goes in one training step"))
     args = p.parse_args(argv)
     if args.command is None:
         args = p.parse_args(["train"] + list(argv if argv is not None else sys.argv[1:]))

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One GPU session: the GPU tests, then the benchmark; everything is written under $OUT (default ./out).
+#   usage: bash scripts/gpu.sh [tests] [dispatch] [layer] [scale] [profile]   (default: all)
+# Peers: with .peers/ (bash ../shared/peers/get-peers.sh) beside the code, SonicMoE and Liger join the run.
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export LIGER_FUSED_MOE_AUTOTUNE=${LIGER_FUSED_MOE_AUTOTUNE:-0}
+[ -f .peers/activate.sh ] && source .peers/activate.sh
+steps=${*:-tests dispatch layer scale profile}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+for s in $steps; do
+  echo "=== $s"
+  case $s in
+    tests) python3 -m pytest -m gpu tests/gpu -x -q 2>&1 | tee "$OUT/tests.log" ;;
+    dispatch) python3 -m moeblaze.cli bench --dispatch --out "$OUT" ;;
+    layer) python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
+    scale) python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
+    profile) python3 -m moeblaze.cli profile 2>&1 | tee "$OUT/profile.log" ;;
+  esac
+done

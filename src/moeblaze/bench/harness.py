@@ -1,0 +1,255 @@
+"""The side-by-side MoE layer benchmark: every implementation gets the same routing (int32 top-k ids,
+fp32 weights that need gradients), the same weights in its own layout (a free view of ours), and the
+same rotated inputs; timings are CUDA-event medians after warm-up, memory comes from the allocator
+(GPU) or from the tensors autograd saved (CPU)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from ..ops import moe_experts
+from ..reference import moe_experts_reference, up_width
+from ..routing import build_index_sort, build_routing_index, route_topk
+from .baselines import torch_gmm_experts
+from .memory import SavedTensorCounter
+
+# (L tokens, d hidden, h expert intermediate, E experts, K top-k): the anchors' configs
+CONFIGS = {
+    "A": (8192, 1024, 4096, 16, 2),
+    "B": (32768, 2048, 8192, 16, 2),
+    "C": (24576, 1536, 256, 128, 8),
+    "D": (32768, 2048, 768, 128, 8),
+    "E": (32768, 4096, 1024, 64, 4),
+}
+MB = 2 ** 20
+
+
+@dataclasses.dataclass
+class Problem:
+    L: int
+    d: int
+    h: int
+    E: int
+    K: int
+    activation: str
+    dtype: torch.dtype
+    device: torch.device
+    w1: torch.Tensor  # (E, F, d) leaves in moeblaze's layout
+    w2: torch.Tensor  # (E, d, h)
+    sets: list  # [(x, topk_idx, topk_w, dy)], rotated between iterations
+
+    @property
+    def flops(self) -> float:
+        """Forward + backward FLOPs: 18·L·K·d·h gated (6 forward, 12 backward), 12·L·K·d·h plain."""
+        return (18 if up_width(self.activation, 1) == 2 else 12) * self.L * self.K * self.d * self.h
+
+
+def make_problem(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device="cuda", n_sets=2, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dev = torch.device(device)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dev, dtype)
+
+    w1 = randn(E, up_width(activation, h), d, scale=d ** -0.5).requires_grad_()
+    w2 = randn(E, d, h, scale=h ** -0.5).requires_grad_()
+    sets = []
+    for _ in range(n_sets):
+        idx, w = route_topk(torch.randn(L, E, generator=g).to(dev), K)  # near-balanced, like a fresh router
+        sets.append((randn(L, d).requires_grad_(), idx, w.requires_grad_(), randn(L, d)))
+    return Problem(L, d, h, E, K, activation, dtype, dev, w1, w2, sets)
+
+
+# ---- implementations: name -> (policies, builder(problem, policy) -> call(x, idx, w, w1, w2) -> out) ----
+
+def _moeblaze(p: Problem, policy: str):
+    def call(x, idx, w, w1, w2):
+        r = build_routing_index(idx, p.E, check=False)
+        return moe_experts(x, r, w, w1, w2, p.activation, policy, impl="triton", check=False)
+    return call
+
+
+def _reference(p: Problem, policy: str):
+    return lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2, p.activation)
+
+
+def _torch_gmm(p: Problem, policy: str):
+    return lambda x, idx, w, w1, w2: torch_gmm_experts(x, idx, w, w1, w2, p.activation)
+
+
+def _sonicmoe(p: Problem, policy: str):
+    import sonicmoe
+    from sonicmoe.enums import ActivationType
+
+    if p.activation != "swiglu":
+        raise NotImplementedError("benchmarked with SwiGLU only (concatenated gate/up layout)")
+
+    def call(x, idx, w, w1, w2):
+        tokens = torch.arange(p.L, device=x.device, dtype=torch.int32).repeat_interleave(p.K)
+        out, _ = sonicmoe.moe_general_routing_inputs(
+            x, w.reshape(-1), tokens, idx.reshape(-1), w1.permute(1, 2, 0), None, w2.permute(1, 2, 0), None, p.E,
+            torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU, False, True)
+        return out
+    return call
+
+
+def _liger(p: Problem, policy: str):
+    from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+    if p.activation != "swiglu":
+        raise NotImplementedError("Liger's fused MoE is SwiGLU only")
+    return lambda x, idx, w, w1, w2: LigerFusedMoEFunction.apply(x, w1, w2, idx, w)
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+IMPLS: dict[str, tuple[Callable[[], bool], tuple, Callable]] = {
+    "moeblaze": (lambda: torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                 ("preact", "recompute"), _moeblaze),
+    "reference": (lambda: True, ("-",), _reference),
+    "torch_gmm": (lambda: hasattr(torch, "_grouped_mm"), ("-",), _torch_gmm),
+    "sonicmoe": (lambda: torch.cuda.is_available() and _importable("sonicmoe"), ("-",), _sonicmoe),
+    "liger": (lambda: torch.cuda.is_available() and _importable("liger_kernel"),
+              ("autotune" if os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1") != "0" else "pinned",), _liger),
+}
+
+
+def available_impls(names=None) -> list[str]:
+    return [n for n in (names or IMPLS) if IMPLS[n][0]()]
+
+
+# ---- measurement --------------------------------------------------------------------------------
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+        else:
+            self.ms_cpu = (time.perf_counter() - self.t0) * 1e3
+
+    @property
+    def ms(self) -> float:
+        return self.start.elapsed_time(self.end) if self.cuda else self.ms_cpu
+
+
+def _step(call, p: Problem, i: int, backward: bool):
+    x, idx, w, dy = p.sets[i % len(p.sets)]
+    out = call(x, idx, w, p.w1, p.w2)
+    if backward:
+        return out, torch.autograd.grad(out, (x, p.w1, p.w2, w), dy)
+    return out, None
+
+
+def reference_grads(p: Problem):
+    """fp32 reference output and gradients for rotation set 0."""
+    x, idx, w, dy = p.sets[0]
+    leaves = [t.detach().float().requires_grad_() for t in (x, p.w1, p.w2, w)]
+    out = moe_experts_reference(leaves[0], idx, leaves[3], leaves[1], leaves[2], p.activation)
+    return (out.detach(),) + tuple(g.detach() for g in torch.autograd.grad(out, leaves, dy.float()))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def measure(call, p: Problem, ref=None, warmup: int = 3, iters: int = 10) -> dict:
+    """fwd_ms, step_ms, kept_mb, peak_mb, tflops and rel_err (out, dx, dw1, dw2, dtopk_w) of one impl."""
+    cuda = p.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    res = {}
+    if ref is not None:
+        out, grads = _step(call, p, 0, True)
+        names = ("out", "dx", "dw1", "dw2", "dtopk_w")
+        res["rel_err"] = {n: _rel(a, b) for n, a, b in zip(names, (out,) + grads, ref)}
+        del out, grads
+    for i in range(warmup):
+        _step(call, p, i, True)
+    sync()
+    # memory: what forward leaves allocated (minus its output), and the peak over forward + backward
+    x, idx, w, dy = p.sets[0]
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = call(x, idx, w, p.w1, p.w2)
+        sync()
+        res["kept_mb"] = (torch.cuda.memory_allocated() - base - out.untyped_storage().nbytes()) / MB
+        grads = torch.autograd.grad(out, (x, p.w1, p.w2, w), dy)
+        sync()
+        res["peak_mb"] = (torch.cuda.max_memory_allocated() - base) / MB
+        del out, grads
+    else:
+        with SavedTensorCounter(exclude=(x, idx, w, p.w1, p.w2)) as c:
+            out = call(x, idx, w, p.w1, p.w2)
+        res["kept_mb"], res["peak_mb"] = c.total_bytes / MB, None
+        del out
+    for key, backward in (("fwd_ms", False), ("step_ms", True)):
+        timers = []
+        for i in range(iters):
+            with _Timer(p.device) as t:
+                r = _step(call, p, i, backward)
+            timers.append(t)
+            del r
+        sync()
+        res[key] = statistics.median(t.ms for t in timers)
+    res["tflops"] = p.flops / (res["step_ms"] * 1e-3) / 1e12
+    return res
+
+
+# ---- dispatch: routing index builders --------------------------------------------------------------
+
+def _argsort_bincount_cumsum(idx: torch.Tensor, E: int):
+    flat = idx.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int32, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return order, counts.cumsum(0)
+
+
+DISPATCH = {
+    "dense": lambda idx, E: build_routing_index(idx, E, "dense", check=False),
+    "sort": lambda idx, E: build_index_sort(idx, E),
+    "argsort_bincount_cumsum": _argsort_bincount_cumsum,
+}
+
+
+def time_dispatch(L: int, E: int, K: int, device, iters: int = 20) -> dict:
+    """Median ms of each routing-index builder on one uniform routing, after checking dense == sort."""
+    g = torch.Generator(device="cpu").manual_seed(L * 131 + E * 7 + K)
+    idx = torch.randn(L, E, generator=g).topk(K, dim=-1).indices.to(torch.int32).to(device)
+    a, b = DISPATCH["dense"](idx, E), DISPATCH["sort"](idx, E)
+    if not all(torch.equal(u, v) for u, v in zip(a.tensors(), b.tensors())):
+        raise AssertionError(f"dense and sort builders disagree at L={L} E={E} K={K}")
+    res = {}
+    for name, fn in DISPATCH.items():
+        for _ in range(3):
+            fn(idx, E)
+        timers = []
+        for _ in range(iters):
+            with _Timer(torch.device(device)) as t:
+                fn(idx, E)
+            timers.append(t)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        res[name] = statistics.median(t.ms for t in timers)
+    return res

@@ -1,0 +1,187 @@
+"""`moeblaze bench`: one MoE layer's forward and training step, side by side with every implementation
+importable here, in one run; `--scale` (tokens until out of memory), `--dispatch` (routing index
+builders); rows appended as JSON lines to bench/results/<gpu>.jsonl, sharing one run_id."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import uuid
+
+import torch
+
+from ..bench.harness import CONFIGS, IMPLS, available_impls, make_problem, measure, reference_grads, time_dispatch
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--configs", default=None,
+                   help="named configs, from A-E (see README); default all five unless --config, --scale or --dispatch is given")
+    p.add_argument("--config", action="append", default=[], metavar="L,d,h,E,K", help="extra config (repeatable)")
+    p.add_argument("--impls", default=None, help=f"comma list from {','.join(IMPLS)} (default: all available)")
+    p.add_argument("--policies", default=None, help="moeblaze checkpoint policies (default: preact,recompute)")
+    p.add_argument("--activation", default="swiglu")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference errors")
+    p.add_argument("--scale", action="store_true", help="tokens from --min-tokens doubling until OOM or --max-tokens")
+    p.add_argument("--scale-config", default="E", help="config whose d,h,E,K the scaling sweep uses")
+    p.add_argument("--min-tokens", type=int, default=8192)
+    p.add_argument("--max-tokens", type=int, default=2 ** 21)
+    p.add_argument("--dispatch", action="store_true", help="time the routing index builders")
+    p.add_argument("--dispatch-L", default="32768,524288,2097152")
+    p.add_argument("--dispatch-E", default="8,16,64,256")
+    p.add_argument("--dispatch-K", default="1,2,8")
+    p.add_argument("--out", default="bench/results", help="results folder")
+    p.add_argument("--plot", action="store_true", help="write PNG charts next to the results")
+    p.add_argument("--readme", default=None, metavar="README.md",
+                   help="only regenerate that file's Results section from the results folder, measure nothing")
+
+
+def _env(device: torch.device) -> dict:
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    sha = os.environ.get("MOEBLAZE_GIT_SHA")
+    if not sha:
+        try:
+            sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                 cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
+        except OSError:
+            sha = "unknown"
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "git_sha": sha,
+            "run_id": uuid.uuid4().hex[:12], "command": "moeblaze bench " + shlex.join(sys.argv[2:]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+class Recorder:
+    def __init__(self, out_dir: str, env: dict):
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, f"{_slug(env['gpu'])}.jsonl")
+        self.env, self.rows = env, []
+
+    def add(self, row: dict) -> dict:
+        row = {**row, **self.env}
+        self.rows.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return row
+
+
+def _fmt(v, nd=2):
+    return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+
+def _print_row(r: dict) -> None:
+    err = max(r["rel_err"].values()) if r.get("rel_err") else None
+    print(f"  {r['impl']:>10} {r['policy']:>9} | fwd {_fmt(r.get('fwd_ms')):>8} ms | step {_fmt(r.get('step_ms')):>8} ms"
+          f" | kept {_fmt(r.get('kept_mb'), 1):>8} MB | peak {_fmt(r.get('peak_mb'), 1):>8} MB"
+          f" | {_fmt(r.get('tflops'), 1):>6} TF/s | max rel err {_fmt(err, 4):>7} | {r['status']}", flush=True)
+
+
+def _oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _run_one(rec, impl, policy, p, ref, args, mode):
+    base = dict(mode=mode, impl=impl, policy=policy, L=p.L, d=p.d, h=p.h, E=p.E, K=p.K, activation=p.activation,
+                dtype=str(p.dtype).replace("torch.", ""), fwd_ms=None, step_ms=None, kept_mb=None, peak_mb=None,
+                tflops=None, rel_err=None)
+    try:
+        call = IMPLS[impl][2](p, policy)
+        res = measure(call, p, ref, args.warmup, args.iters)
+        row = rec.add({**base, **res, "status": "ok"})
+    except Exception as e:  # one implementation's failure is reported in its row and never stops the run
+        status = "oom" if _oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        row = rec.add({**base, "status": status})
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    _print_row(row)
+    return row
+
+
+def _impl_policies(args):
+    names = available_impls(args.impls.split(",") if args.impls else None)
+    out = []
+    for n in names:
+        pols = IMPLS[n][1]
+        if n == "moeblaze" and args.policies:
+            pols = tuple(args.policies.split(","))
+        out += [(n, pol) for pol in pols]
+    return out
+
+
+def _configs(args):
+    default = "" if args.scale or args.dispatch or args.config else ",".join(CONFIGS)
+    names = args.configs if args.configs is not None else default
+    cfgs = [(n, CONFIGS[n]) for n in names.split(",") if n]
+    cfgs += [(c, tuple(int(v) for v in c.split(","))) for c in args.config]
+    return cfgs
+
+
+def run(args):
+    if args.readme:
+        from .report import update_readme
+        update_readme(args.readme, args.out)
+        return
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    rec = Recorder(args.out, _env(device))
+    print(f"moeblaze bench: run {rec.env['run_id']} on {rec.env['gpu']}, torch {rec.env['torch']}, "
+          f"triton {rec.env['triton']}; rows -> {rec.path}", flush=True)
+    pairs = _impl_policies(args)
+    if args.dispatch:
+        for L in map(int, args.dispatch_L.split(",")):
+            for E in map(int, args.dispatch_E.split(",")):
+                for K in map(int, args.dispatch_K.split(",")):
+                    if K > E:
+                        continue
+                    try:
+                        ms = time_dispatch(L, E, K, device)
+                        status = "ok"
+                    except Exception as e:
+                        ms, status = {}, ("oom" if _oom(e) else f"error: {type(e).__name__}: {e}")
+                    row = rec.add(dict(mode="dispatch", L=L, E=E, K=K, dispatch_ms=ms, status=status))
+                    sp = ms.get("sort", 0) / ms["dense"] if ms.get("dense") else None
+                    print(f"  dispatch L={L:>8} E={E:>4} K={K}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
+                          + (f" | sort/dense {sp:.2f}x" if sp else "") + f" | {row['status']}", flush=True)
+    for name, (L, d, h, E, K) in _configs(args):
+        print(f"config {name}: L={L} d={d} h={h} E={E} K={K} {args.activation} {dtype}", flush=True)
+        p = make_problem(L, d, h, E, K, args.activation, dtype, device)
+        ref = None if args.no_ref else reference_grads(p)
+        for impl, pol in pairs:
+            _run_one(rec, impl, pol, p, ref, args, "layer")
+        del p, ref
+    if args.scale:
+        _, d, h, E, K = CONFIGS.get(args.scale_config) or tuple(int(v) for v in args.scale_config.split(","))
+        alive = dict.fromkeys(pairs, True)
+        L = args.min_tokens
+        while L <= args.max_tokens and any(alive.values()):
+            print(f"scale: L={L} d={d} h={h} E={E} K={K}", flush=True)
+            try:
+                p = make_problem(L, d, h, E, K, args.activation, dtype, device, n_sets=1)
+            except Exception as e:
+                if not _oom(e):
+                    raise
+                print("  inputs do not fit: stop", flush=True)
+                break
+            for pair in pairs:
+                if alive[pair]:
+                    row = _run_one(rec, *pair, p, None, args, "scale")
+                    alive[pair] = row["status"] == "ok"
+            del p
+            L *= 2
+    if args.plot:
+        from .report import plot_run
+        for path in plot_run(rec.rows, os.path.dirname(rec.path) or "."):
+            print(f"plot: {path}")

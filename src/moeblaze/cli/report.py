@@ -1,0 +1,148 @@
+"""Charts and the README's Results section, made from the benchmark's JSON lines."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections import defaultdict
+
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def load_rows(results_dir: str) -> list[dict]:
+    rows = []
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.jsonl"))):
+        with open(path) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return rows
+
+
+def _label(r: dict) -> str:
+    return r["impl"] if r.get("policy") in (None, "-") else f"{r['impl']}/{r['policy']}"
+
+
+def _cfg(r: dict) -> str:
+    return f"{r['L']},{r['d']},{r['h']},{r['E']},{r['K']}"
+
+
+def plot_run(rows: list[dict], out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    run_id = rows[0]["run_id"] if rows else "none"
+    layer = [r for r in rows if r.get("mode") == "layer"]
+    if layer:
+        cfgs = list(dict.fromkeys(_cfg(r) for r in layer))
+        labels = list(dict.fromkeys(_label(r) for r in layer))
+        fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+        for ax, key, title in ((axes[0], "step_ms", "forward+backward (ms)"), (axes[1], "kept_mb", "kept for backward (MB)")):
+            width = 0.8 / len(labels)
+            for i, lab in enumerate(labels):
+                vals = [next((r[key] or 0 for r in layer if _cfg(r) == c and _label(r) == lab and r["status"] == "ok"), 0)
+                        for c in cfgs]
+                ax.bar([j + i * width for j in range(len(cfgs))], vals, width, label=lab)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cfgs))], cfgs, rotation=20, fontsize=7)
+            ax.set_title(title)
+            ax.set_xlabel("L,d,h,E,K")
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"MoE layer, {layer[0]['activation']} {layer[0]['dtype']}, {layer[0]['gpu']} (run {run_id})")
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, f"layer-{run_id}.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    scale = [r for r in rows if r.get("mode") == "scale"]
+    if scale:
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+        by = defaultdict(list)
+        for r in scale:
+            if r["status"] == "ok":
+                by[_label(r)].append(r)
+        for lab, rs in by.items():
+            axes[0].plot([r["L"] for r in rs], [r["step_ms"] for r in rs], "o-", label=lab)
+            mem = "peak_mb" if rs[0]["peak_mb"] is not None else "kept_mb"  # the CPU has no allocator peak
+            axes[1].plot([r["L"] for r in rs], [r[mem] * 1024 / r["L"] for r in rs], "o-", label=lab)
+        for ax, t in ((axes[0], "forward+backward (ms)"), (axes[1], "memory per token (KB): peak on GPU, kept on CPU")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("tokens")
+            ax.set_title(t)
+        axes[0].set_yscale("log")
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"scaling, d,h,E,K = {scale[0]['d']},{scale[0]['h']},{scale[0]['E']},{scale[0]['K']}, {scale[0]['gpu']}")
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, f"scale-{run_id}.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def _latest(rows: list[dict], mode: str) -> list[dict]:
+    rs = [r for r in rows if r.get("mode") == mode and r.get("gpu") != "cpu"]
+    if not rs:
+        return []
+    last = max(rs, key=lambda r: r["date"])["run_id"]
+    return [r for r in rs if r["run_id"] == last]
+
+
+def results_markdown(rows: list[dict]) -> str:
+    out = []
+    layer = _latest(rows, "layer")
+    if layer:
+        r0 = layer[0]
+        out += [f"One MoE layer, forward+backward, {r0['activation']} {r0['dtype']}, {r0['gpu']}, torch {r0['torch']}, "
+                f"triton {r0['triton']}, commit {r0['git_sha']}, {r0['date'][:10]}. Command: `{r0['command']}`.",
+                "`kept MB`: allocated after forward minus the output (what the layer keeps for backward); "
+                "`peak MB`: peak over forward+backward above the pre-forward baseline; `vs sonic`: SonicMoE step time "
+                "/ this one (>1 is faster than SonicMoE); `err`: largest relative error of the output and the "
+                "gradients against the fp32 reference.", "",
+                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | vs sonic | TF/s | kept MB | peak MB | err |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for cfg in dict.fromkeys(_cfg(r) for r in layer):
+            rs = [r for r in layer if _cfg(r) == cfg]
+            sonic = next((r["step_ms"] for r in rs if r["impl"] == "sonicmoe" and r["status"] == "ok"), None)
+            for r in rs:
+                if r["status"] != "ok":
+                    out.append(f"| {cfg} | {_label(r)} | {r['status'][:60]} |  |  |  |  |  |  |")
+                    continue
+                vs = f"{sonic / r['step_ms']:.2f}" if sonic else "-"
+                err = f"{max(r['rel_err'].values()):.1e}" if r.get("rel_err") else "-"
+                out.append(f"| {cfg} | {_label(r)} | {r['fwd_ms']:.2f} | {r['step_ms']:.2f} | {vs} | {r['tflops']:.0f} | "
+                           f"{r['kept_mb']:.0f} | {r['peak_mb']:.0f} | {err} |")
+    disp = _latest(rows, "dispatch")
+    if disp:
+        r0 = disp[0]
+        out += ["", f"Routing index build, {r0['gpu']}, commit {r0['git_sha']}. Command: `{r0['command']}`.", "",
+                "| L | E | K | dense ms | sort ms | argsort+bincount+cumsum ms | sort / dense |", "|---|---|---|---|---|---|---|"]
+        for r in disp:
+            m = r.get("dispatch_ms") or {}
+            if r["status"] == "ok":
+                out.append(f"| {r['L']} | {r['E']} | {r['K']} | {m['dense']:.3f} | {m['sort']:.3f} | "
+                           f"{m['argsort_bincount_cumsum']:.3f} | {m['sort'] / m['dense']:.2f} |")
+            else:
+                out.append(f"| {r['L']} | {r['E']} | {r['K']} | {r['status'][:40]} | | | |")
+    scale = _latest(rows, "scale")
+    if scale:
+        r0 = scale[0]
+        out += ["", f"Scaling, d,h,E,K = {r0['d']},{r0['h']},{r0['E']},{r0['K']}, {r0['gpu']}, commit {r0['git_sha']}. "
+                f"Command: `{r0['command']}`.", "", "| tokens | implementation | step ms | peak MB | KB per token |",
+                "|---|---|---|---|---|"]
+        for r in sorted(scale, key=lambda r: (_label(r), r["L"])):
+            if r["status"] == "ok":
+                out.append(f"| {r['L']} | {_label(r)} | {r['step_ms']:.1f} | {r['peak_mb']:.0f} | "
+                           f"{r['peak_mb'] * 1024 / r['L']:.1f} |")
+            else:
+                out.append(f"| {r['L']} | {_label(r)} | {r['status'][:40]} | | |")
+    return "\n".join(out) if out else "No GPU results recorded yet."
+
+
+def update_readme(readme: str, results_dir: str) -> None:
+    text = open(readme).read()
+    if START not in text or END not in text:
+        raise SystemExit(f"{readme} has no {START} ... {END} section")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    with open(readme, "w") as f:
+        f.write(head + START + "\n" + results_markdown(load_rows(results_dir)) + "\n" + END + tail)
+    print(f"updated the Results section of {readme}")

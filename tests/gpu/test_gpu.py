@@ -1,0 +1,94 @@
+"""On a CUDA GPU (`pytest -m gpu`): the compiled Triton kernels at the benchmark configs in bf16.
+
+Tolerance: the error of PyTorch's own bf16 computation (the reference run in bf16) against the fp32
+reference, times a small factor: our kernels round H, A, Y and dH to bf16 like any bf16 pipeline."""
+import pytest
+import torch
+
+from moeblaze import MoELayer
+from moeblaze.bench.harness import CONFIGS, make_problem, reference_grads
+from moeblaze.ops import moe_experts
+from moeblaze.reference import moe_experts_reference
+from moeblaze.routing import build_index_sort, build_routing_index
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+FACTOR = 2.0
+NAMES = ("out", "dx", "dw1", "dw2", "dtopk_w")
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _run(p, fn):
+    x, idx, w, dy = p.sets[0]
+    out = fn(x, idx, w, p.w1, p.w2)
+    return (out,) + torch.autograd.grad(out, (x, p.w1, p.w2, w), dy)
+
+
+def _ours(p, checkpoint):
+    return lambda x, idx, w, w1, w2: moe_experts(x, build_routing_index(idx, p.E), w, w1, w2, p.activation,
+                                                 checkpoint, impl="triton")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_configs_bf16_against_fp32_reference(name):
+    p = make_problem(*CONFIGS[name], dtype=torch.bfloat16, device="cuda")
+    ref = reference_grads(p)
+    torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2, p.activation))
+    bound = {n: FACTOR * _rel(a, r) + 1e-4 for n, a, r in zip(NAMES, torch_bf16, ref)}
+    del torch_bf16
+    for checkpoint in ("preact", "recompute"):
+        got = _run(p, _ours(p, checkpoint))
+        for n, a, r in zip(NAMES, got, ref):
+            assert torch.isfinite(a).all(), (checkpoint, n)
+            assert _rel(a, r) <= bound[n], (checkpoint, n, _rel(a, r), bound[n])
+        del got
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("activation", ["geglu", "silu", "gelu", "relu", "relu2"])
+def test_other_activations_bf16(activation):
+    p = make_problem(4096, 512, 384, 16, 2, activation, torch.bfloat16, "cuda")
+    ref = reference_grads(p)
+    torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2, activation))
+    got = _run(p, _ours(p, "preact"))
+    for n, a, t, r in zip(NAMES, got, torch_bf16, ref):
+        assert _rel(a, r) <= FACTOR * _rel(t, r) + 1e-4, (n, _rel(a, r), _rel(t, r))
+
+
+def test_bitwise_deterministic():
+    p = make_problem(*CONFIGS["C"], dtype=torch.bfloat16, device="cuda")
+    a, b = _run(p, _ours(p, "preact")), _run(p, _ours(p, "preact"))
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_dense_index_equals_sort_on_gpu():
+    for L, E, K in ((32768, 8, 2), (100_003, 64, 8), (5000, 256, 4)):
+        idx = torch.randn(L, E, device="cuda").topk(K, dim=-1).indices.int()
+        a, b = build_routing_index(idx, E, "dense"), build_index_sort(idx, E)
+        assert all(torch.equal(u, v) for u, v in zip(a.tensors(), b.tensors()))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    layer = MoELayer(512, 256, 16, 2, impl="triton").cuda().to(torch.bfloat16)
+    x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    eager = layer(x)
+    compiled = torch.compile(layer, fullgraph=True)(x)
+    assert torch.equal(eager.out, compiled.out)
+    g1 = torch.autograd.grad(eager.out.float().sum(), (x, layer.w1))
+    g2 = torch.autograd.grad(compiled.out.float().sum(), (x, layer.w1))
+    assert all(torch.equal(u, v) for u, v in zip(g1, g2))
+
+
+def test_training_step_never_syncs_with_host():
+    layer = MoELayer(512, 256, 16, 2, impl="triton").cuda().to(torch.bfloat16)
+    x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x).out.float().sum().backward()  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, aux, z = layer(x)
+        (out.float().sum() + aux + z).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
