@@ -14,10 +14,10 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for s in $steps; do
   echo "=== $s"
   case $s in
-    tests) python3 -m pytest -m gpu tests/gpu -x -q 2>&1 | tee "$OUT/tests.log" ;;
+    tests) python3 -m pytest -m gpu tests/gpu -q -p no:logging ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" ;;
     dispatch) python3 -m moeblaze.cli bench --dispatch --out "$OUT" ;;
     layer) python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
     scale) python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
-    profile) python3 -m moeblaze.cli profile 2>&1 | tee "$OUT/profile.log" ;;
+    profile) for c in ${PROFILE_CONFIGS:-8192,1024,4096,16,2}; do IFS=, read L d h E K <<< "$c"; python3 -m moeblaze.cli profile --kernels --tokens $L --d-model $d --d-expert $h --num-experts $E --top-k $K; done 2>&1 | tee "$OUT/profile.log" ;;
   esac
 done

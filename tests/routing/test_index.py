@@ -15,6 +15,7 @@ CASES = [  # (L, E, K, skew): what edge each one hits
     (70, 8, 2, "one"),  # every token's first choice is expert 0
     (300, 64, 8, "uniform"),  # many experts, several tiles
     (33, 256, 4, "uniform"),  # E = 256: the smallest dense tile
+    (6000, 256, 2, "uniform"),  # more tiles than one step of the tile scan
 ]
 
 

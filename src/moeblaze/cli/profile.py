@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--no-compare", action="store_true", help="skip the conventional pipeline")
+    p.add_argument("--kernels", action="store_true", help="also list GPU time per kernel (torch.profiler)")
 
 
 def profile_step(module: torch.nn.Module, make_loss, inputs, device: torch.device) -> dict:
@@ -60,6 +61,28 @@ def profile_step(module: torch.nn.Module, make_loss, inputs, device: torch.devic
     return {"rows": counter.rows, "saved_bytes": counter.total_bytes, "kept_alloc": after_fwd,
             "peak_alloc": torch.cuda.max_memory_allocated() - base if cuda else None,
             "ms": (time.perf_counter() - t0) * 1e3}
+
+
+def kernel_times(step, top: int = 15) -> list[tuple[str, int, float]]:
+    """[(kernel, calls, total ms)] of one call of step(), by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t and getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type):
+            rows.append((ev.key, ev.count, t / 1e3))
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
+def _print_kernels(title: str, rows) -> None:
+    print(f"\n{title}: GPU time per kernel")
+    total = sum(r[2] for r in rows)
+    for name, n, ms in rows:
+        print(f"  {name[:70]:<70} {n:>4} {ms:>9.3f} ms {100 * ms / total:>5.1f}%")
 
 
 def _print(title: str, r: dict, top: int = 12) -> None:
@@ -125,12 +148,16 @@ def run(args) -> dict:
     profile_step(None, ours, [x, routing_w, dy], device)  # warm-up (kernel compilation)
     results["moeblaze"] = profile_step(layer, ours, [x, routing_w, dy], device)
     _print(f"moeblaze experts (impl={args.impl}, checkpoint={args.checkpoint_policy}), {head}", results["moeblaze"])
+    if args.kernels and cuda:
+        _print_kernels("moeblaze", kernel_times(lambda: ours().backward()))
     if not args.no_compare:
         try:
             profile_step(None, conventional, [x, routing_w, dy], device)
             results["torch_gmm"] = profile_step(layer, conventional, [x, routing_w, dy], device)
             _print(f"conventional pipeline (argsort, gather, torch._grouped_mm, unfused activation, scatter-add), {head}",
                    results["torch_gmm"])
+            if args.kernels and cuda:
+                _print_kernels("conventional", kernel_times(lambda: conventional().backward()))
             ratio = results["torch_gmm"]["saved_bytes"] / max(results["moeblaze"]["saved_bytes"], 1)
             print(f"\nmoeblaze saves {ratio:.1f}x fewer bytes for backward than the conventional pipeline")
         except RuntimeError as e:

@@ -9,10 +9,37 @@ expert's rows (the reduction axis) and gather the same way. Accumulation is fp32
 Activation codes (ACT): 0 SiLU, 1 GELU (erf), 2 ReLU, 3 squared ReLU. GATED: act(gate) * up, with the
 gate columns of the pre-activation first and the up columns H further on.
 """
+import os
+
 import triton
 import triton.language as tl
 
 ACT_CODES = {"swiglu": 0, "geglu": 1, "silu": 0, "gelu": 1, "relu": 2, "relu2": 3}
+
+# Launch configurations. Rows per tile (BLOCK_M) are fixed because the tile schedule is built for them;
+# the rest is autotuned per shape on GPUs. Under the CPU interpreter (tests) one small config is used.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+BLOCK_M = 16 if INTERPRET else 128
+# The dH kernel writes one router-gradient partial per column tile, so its BLOCK_N is fixed too.
+DH_BLOCK_N = 32 if INTERPRET else 128
+GROUP_M = 8  # row tiles that sweep the columns together, so a weight tile is reused from L2
+
+
+def _configs(gpu, interp):
+    keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    if INTERPRET:
+        return [triton.Config(dict(zip(keys[:2], interp[:2])), num_warps=interp[2], num_stages=interp[3])]
+    return [triton.Config(dict(zip(keys[:2], c[:2])), num_warps=c[2], num_stages=c[3]) for c in gpu]
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages)
+ROWS_CONFIGS = _configs([(128, 64, 8, 3), (128, 64, 4, 4), (256, 64, 8, 3), (64, 64, 4, 4), (128, 32, 4, 5)],
+                        (32, 32, 4, 1))
+UP_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 4), (128, 32, 8, 4), (64, 64, 8, 4)], (32, 32, 4, 1))
+DH_CONFIGS = [triton.Config({"BLOCK_K": c.kwargs["BLOCK_K"]}, num_warps=c.num_warps, num_stages=c.num_stages)
+              for c in _configs([(0, 64, 8, 3), (0, 64, 4, 4), (0, 32, 8, 4)], (0, 32, 4, 1))]
+# weight gradients: BLOCK_N = BLOCK_P
+WGRAD_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (128, 64, 4, 3)], (32, 32, 4, 1))
 
 
 @triton.jit
@@ -43,6 +70,15 @@ def _act_grad(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _swizzle(pid, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program pid: GROUP_M row tiles sweep the columns together."""
+    width = GROUP_M * n_tiles_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(n_tiles_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@triton.jit
 def _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M: tl.constexpr):
     """(expert, row ids, row mask) of one schedule tile; expert < 0 marks an unused tile."""
     e = tl.load(tile_expert_ptr + tile)
@@ -68,18 +104,18 @@ def _rows_dot(a_ptr, a_rows, rmask, stride_al, stride_ad, b_ptr, stride_bk, stri
     return acc
 
 
+@triton.autotune(configs=UP_CONFIGS, key=["D", "H", "GATED", "STORE_PREACT", "STORE_ACT"])
 @triton.jit
 def _expert_up_fwd_kernel(
     x_ptr, w1_ptr, preact_ptr, act_ptr, expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-    D, H, stride_xl, stride_xd, stride_we, stride_wf, stride_wd, stride_pl, stride_al,
+    NUM_TILES, D, H, stride_xl, stride_xd, stride_we, stride_wf, stride_wd, stride_pl, stride_al,
     GATED: tl.constexpr, ACT: tl.constexpr, STORE_PREACT: tl.constexpr, STORE_ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """Up-projection of gathered x rows with the activation in the epilogue: writes A = act(H) (the
     down-projection input) and, if STORE_PREACT, the pre-activation H for backward."""
-    pid = tl.program_id(0)
-    n_tiles_n = tl.cdiv(H, BLOCK_N)
-    tile, pid_n = pid // n_tiles_n, pid % n_tiles_n
+    tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
     if e < 0:
         return
@@ -111,16 +147,16 @@ def _expert_up_fwd_kernel(
                      _act(gate, ACT).to(act_ptr.dtype.element_ty), mask=omask)
 
 
+@triton.autotune(configs=ROWS_CONFIGS, key=["N", "K_DIM"])
 @triton.jit
 def _expert_rows_kernel(
     a_ptr, b_ptr, c_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-    N, K_DIM, stride_al, stride_ad, stride_be, stride_bk, stride_bn, stride_cl,
+    NUM_TILES, N, K_DIM, stride_al, stride_ad, stride_be, stride_bk, stride_bn, stride_cl,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """C[rows] = A[rows] @ B[e] for every expert's contiguous rows (down-projection; dH @ W1)."""
-    pid = tl.program_id(0)
-    n_tiles_n = tl.cdiv(N, BLOCK_N)
-    tile, pid_n = pid // n_tiles_n, pid % n_tiles_n
+    tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
     if e < 0:
         return
@@ -132,20 +168,20 @@ def _expert_rows_kernel(
              mask=rmask[:, None] & nmask[None, :])
 
 
+@triton.autotune(configs=DH_CONFIGS, key=["D", "H", "GATED"])
 @triton.jit
 def _expert_down_bwd_kernel(
     dy_ptr, w2_ptr, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
     expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-    D, H, LK, stride_dyl, stride_dyd, stride_we, stride_wd, stride_wh, stride_pl, stride_al,
+    NUM_TILES, D, H, LK, stride_dyl, stride_dyd, stride_we, stride_wd, stride_wh, stride_pl, stride_al,
     GATED: tl.constexpr, ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """dA' = dy[token] @ W2[e] (dy gathered in the load), then in the epilogue, from the saved H:
     A = act(H) recomputed; dS partial = <dA', A> over this column tile (the router-weight gradient,
     without the down-projection output); dH = d act(s * dA'); s * A for dW2."""
-    pid = tl.program_id(0)
-    n_tiles_n = tl.cdiv(H, BLOCK_N)
-    tile, pid_n = pid // n_tiles_n, pid % n_tiles_n
+    tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
     if e < 0:
         return
@@ -175,28 +211,29 @@ def _expert_down_bwd_kernel(
     tl.store(ds_part_ptr + pid_n * LK + rows64, tl.sum(dact * a, axis=1), mask=rmask)
 
 
+@triton.autotune(configs=WGRAD_CONFIGS, key=["N", "P", "GATHER_P", "GATHER_Q"])
 @triton.jit
 def _expert_weight_grad_kernel(
     p_ptr, q_ptr, dw_ptr, expert_token_idx_ptr, expert_offsets_ptr,
     N, P, stride_pl, stride_pn, stride_ql, stride_qp, stride_de, stride_dn, stride_dp,
     GATHER_P: tl.constexpr, GATHER_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dW[e] = Pm[rows of e]^T @ Qm[rows of e], reducing over the expert's rows; either side may be
     gathered from a token matrix through expert_token_idx. An expert with no rows gets zeros."""
     pid = tl.program_id(0)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
-    n_tiles_p = tl.cdiv(P, BLOCK_P)
+    n_tiles_p = tl.cdiv(P, BLOCK_N)
     e = pid // (n_tiles_n * n_tiles_p)
     rem = pid % (n_tiles_n * n_tiles_p)
     pid_n, pid_p = rem // n_tiles_p, rem % n_tiles_p
     start = tl.load(expert_offsets_ptr + e)
     end = tl.load(expert_offsets_ptr + e + 1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_p = pid_p * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     pmask = offs_p < P
-    acc = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_N), dtype=tl.float32)
     for r0 in range(start, end, BLOCK_K):
         rows = r0 + tl.arange(0, BLOCK_K)
         rmask = rows < end

@@ -29,8 +29,8 @@ import os
 import torch
 import triton
 
-from ..kernels.experts import (ACT_CODES, _combine_kernel, _expert_down_bwd_kernel, _expert_rows_kernel,
-                               _expert_up_fwd_kernel, _expert_weight_grad_kernel)
+from ..kernels.experts import (ACT_CODES, BLOCK_M, DH_BLOCK_N, GROUP_M, _combine_kernel, _expert_down_bwd_kernel,
+                               _expert_rows_kernel, _expert_up_fwd_kernel, _expert_weight_grad_kernel)
 from ..reference import is_gated
 
 CHECKPOINTS = ("preact", "recompute")
@@ -38,13 +38,6 @@ CHECKPOINTS = ("preact", "recompute")
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _cfg():
-    """Block sizes: small under the CPU interpreter (tests), Hopper-sized on GPUs."""
-    if _interpreting():
-        return dict(BM=16, BN=32, BK=32, warps=4, stages=1)
-    return dict(BM=128, BN=128, BK=64, warps=8, stages=3)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -66,29 +59,31 @@ def tile_schedule(expert_counts: torch.Tensor, expert_offsets: torch.Tensor, num
     return torch.where(valid, e, -1).to(torch.int32), row.to(torch.int32)
 
 
-def _up(x, w1, eti, offsets, sched, activation, store_preact, store_act, cfg):
+def _grid(num_tiles: int, n: int):
+    return lambda meta: (num_tiles * triton.cdiv(n, meta["BLOCK_N"]),)
+
+
+def _up(x, w1, eti, offsets, sched, activation, store_preact, store_act):
     LK, (E, F, D) = eti.shape[0], w1.shape
     H = F // 2 if is_gated(activation) else F
     preact = x.new_empty(LK, F) if store_preact else x.new_empty(0)
     act = x.new_empty(LK, H) if store_act else x.new_empty(0)
-    grid = (sched[0].shape[0] * triton.cdiv(H, cfg["BN"]),)
-    _expert_up_fwd_kernel[grid](
+    num_tiles = sched[0].shape[0]
+    _expert_up_fwd_kernel[_grid(num_tiles, H)](
         x, w1, preact, act, eti, sched[0], sched[1], offsets,
-        D, H, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), F, H,
+        num_tiles, D, H, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), F, H,
         GATED=is_gated(activation), ACT=ACT_CODES[activation], STORE_PREACT=store_preact, STORE_ACT=store_act,
-        BLOCK_M=cfg["BM"], BLOCK_N=cfg["BN"], BLOCK_K=cfg["BK"], PRECISION=_precision(x.dtype),
-        num_warps=cfg["warps"], num_stages=cfg["stages"])
+        BLOCK_M=BLOCK_M, PRECISION=_precision(x.dtype), GROUP_M=GROUP_M)
     return preact, act
 
 
-def _rows(a, b, b_strides_ekn, n, offsets, sched, cfg):
+def _rows(a, b, b_strides_ekn, n, offsets, sched):
     """C (rows, n) = A[rows] @ B[e] with B[e] addressed as (k, n) through b_strides_ekn."""
     c = a.new_empty(a.shape[0], n)
-    grid = (sched[0].shape[0] * triton.cdiv(n, cfg["BN"]),)
-    _expert_rows_kernel[grid](
-        a, b, c, sched[0], sched[1], offsets, n, a.shape[1], a.stride(0), a.stride(1), *b_strides_ekn, c.stride(0),
-        BLOCK_M=cfg["BM"], BLOCK_N=cfg["BN"], BLOCK_K=cfg["BK"], PRECISION=_precision(a.dtype),
-        num_warps=cfg["warps"], num_stages=cfg["stages"])
+    num_tiles = sched[0].shape[0]
+    _expert_rows_kernel[_grid(num_tiles, n)](
+        a, b, c, sched[0], sched[1], offsets, num_tiles, n, a.shape[1], a.stride(0), a.stride(1), *b_strides_ekn,
+        c.stride(0), BLOCK_M=BLOCK_M, PRECISION=_precision(a.dtype), GROUP_M=GROUP_M)
     return c
 
 
@@ -103,17 +98,15 @@ def _combine(rows, token_slot, weights, out_dtype):
     return out
 
 
-def _weight_grad(p, q, out_shape, eti, offsets, gather_p, gather_q, cfg, out_dtype):
+def _weight_grad(p, q, out_shape, eti, offsets, gather_p, gather_q, out_dtype):
     """dW (E, N, P) with dW[e] = P[rows of e]^T Q[rows of e]."""
     E, N, P = out_shape
     dw = torch.empty(out_shape, dtype=out_dtype, device=p.device)
-    bn, bp = cfg["BN"], cfg["BN"]
-    grid = (E * triton.cdiv(N, bn) * triton.cdiv(P, bp),)
+    grid = lambda meta: (E * triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(P, meta["BLOCK_N"]),)  # noqa: E731
     _expert_weight_grad_kernel[grid](
         p, q, dw, eti, offsets, N, P, p.stride(0), p.stride(1), q.stride(0), q.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2), GATHER_P=gather_p, GATHER_Q=gather_q,
-        BLOCK_N=bn, BLOCK_P=bp, BLOCK_K=cfg["BK"], PRECISION=_precision(p.dtype),
-        num_warps=cfg["warps"], num_stages=cfg["stages"])
+        PRECISION=_precision(p.dtype))
     return dw
 
 
@@ -124,11 +117,10 @@ def experts_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: tor
                 expert_counts: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
                 token_slot: torch.Tensor, activation: str, save_preact: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (L, D), preact (L·K, F) if save_preact else an empty tensor)."""
-    cfg = _cfg()
     LK = expert_token_idx.shape[0]
-    sched = tile_schedule(expert_counts, expert_offsets, LK, cfg["BM"])
-    preact, act = _up(x, w1, expert_token_idx, expert_offsets, sched, activation, save_preact, True, cfg)
-    y = _rows(act, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), w2.shape[1], expert_offsets, sched, cfg)
+    sched = tile_schedule(expert_counts, expert_offsets, LK, BLOCK_M)
+    preact, act = _up(x, w1, expert_token_idx, expert_offsets, sched, activation, save_preact, True)
+    y = _rows(act, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), w2.shape[1], expert_offsets, sched)
     del act
     return _combine(y, token_slot, topk_w.float().contiguous(), x.dtype), preact
 
@@ -145,32 +137,31 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.T
                 token_slot: torch.Tensor, preact: torch.Tensor, activation: str,
                 has_preact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw2, dtopk_w)."""
-    cfg = _cfg()
     E, F, D = w1.shape
     H = w2.shape[2]
     LK = expert_token_idx.shape[0]
     eti, offsets = expert_token_idx, expert_offsets
-    sched = tile_schedule(expert_counts, offsets, LK, cfg["BM"])
+    sched = tile_schedule(expert_counts, offsets, LK, BLOCK_M)
+    num_tiles = sched[0].shape[0]
     if not has_preact:
-        preact, _ = _up(x, w1, eti, offsets, sched, activation, True, False, cfg)
+        preact, _ = _up(x, w1, eti, offsets, sched, activation, True, False)
     w_sorted = torch.empty(LK, dtype=torch.float32, device=x.device)
     w_sorted[token_slot.reshape(-1).long()] = topk_w.reshape(-1).float()
     dpreact = torch.empty_like(preact)
     act_scaled = x.new_empty(LK, H)
-    n_tiles_h = triton.cdiv(H, cfg["BN"])
+    n_tiles_h = triton.cdiv(H, DH_BLOCK_N)
     ds_part = torch.empty(n_tiles_h, LK, dtype=torch.float32, device=x.device)
-    _expert_down_bwd_kernel[(sched[0].shape[0] * n_tiles_h,)](
+    _expert_down_bwd_kernel[(num_tiles * n_tiles_h,)](
         dy, w2, preact, w_sorted, dpreact, act_scaled, ds_part, eti, sched[0], sched[1], offsets,
-        D, H, LK, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), F, H,
+        num_tiles, D, H, LK, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), F, H,
         GATED=is_gated(activation), ACT=ACT_CODES[activation],
-        BLOCK_M=cfg["BM"], BLOCK_N=cfg["BN"], BLOCK_K=cfg["BK"], PRECISION=_precision(x.dtype),
-        num_warps=cfg["warps"], num_stages=cfg["stages"])
+        BLOCK_M=BLOCK_M, BLOCK_N=DH_BLOCK_N, PRECISION=_precision(x.dtype), GROUP_M=GROUP_M)
     del preact
     dtopk_w = ds_part.sum(0)[token_slot.long()].to(topk_w.dtype)
-    dw2 = _weight_grad(dy, act_scaled, (E, D, H), eti, offsets, True, False, cfg, w2.dtype)
+    dw2 = _weight_grad(dy, act_scaled, (E, D, H), eti, offsets, True, False, w2.dtype)
     del act_scaled
-    dw1 = _weight_grad(dpreact, x, (E, F, D), eti, offsets, False, True, cfg, w1.dtype)
-    dx_rows = _rows(dpreact, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), D, offsets, sched, cfg)
+    dw1 = _weight_grad(dpreact, x, (E, F, D), eti, offsets, False, True, w1.dtype)
+    dx_rows = _rows(dpreact, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), D, offsets, sched)
     del dpreact
     dx = _combine(dx_rows, token_slot, None, x.dtype)
     return dx, dw1, dw2, dtopk_w

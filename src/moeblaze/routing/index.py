@@ -100,28 +100,31 @@ def _next_pow2(n: int) -> int:
 
 
 def dense_tile_size(num_experts: int) -> int:
-    """Tokens per tile: keep the register hit map near 8k int32 (BLOCK_L x E_PAD), 16..256 tokens."""
-    return max(16, min(256, 8192 // _next_pow2(num_experts)))
+    """Tokens per tile: keep the register hit map near 8k int32 (BLOCK_L x E_PAD), 16..1024 tokens."""
+    return max(16, min(1024, 8192 // _next_pow2(num_experts)))
 
 
 def build_index_dense_triton(topk_idx_LK: torch.Tensor, num_experts: int) -> RoutingIndex:
-    """MoEBlaze's build in two Triton launches (per-tile counts, then placement) and two cumsums."""
-    from ..kernels.routing import _routing_place_kernel, _routing_tile_count_kernel
+    """MoEBlaze's build in three Triton launches: per-tile counts, column scan, placement."""
+    from ..kernels.routing import _routing_place_kernel, _routing_tile_count_kernel, _routing_tile_scan_kernel
 
     L, K = topk_idx_LK.shape
+    E = num_experts
     dev = topk_idx_LK.device
     idx = topk_idx_LK.contiguous()
-    E_PAD = _next_pow2(num_experts)
-    BLOCK_L = dense_tile_size(num_experts)
+    E_PAD = _next_pow2(E)
+    BLOCK_L = dense_tile_size(E)
     n_tiles = max(1, -(-L // BLOCK_L))
-    tile_counts = torch.empty(n_tiles, num_experts, dtype=torch.int32, device=dev)
-    _routing_tile_count_kernel[(n_tiles,)](idx, tile_counts, L, num_experts, K=K, BLOCK_L=BLOCK_L, E_PAD=E_PAD)
-    tile_incl = tile_counts.cumsum(0, dtype=torch.int32)
-    counts = tile_incl[-1]
-    offsets = _offsets(counts)
+    tile_base = torch.empty(n_tiles, E, dtype=torch.int32, device=dev)
+    _routing_tile_count_kernel[(n_tiles,)](idx, tile_base, L, E, K=K, BLOCK_L=BLOCK_L, E_PAD=E_PAD)
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    block_e = min(E_PAD, 32)
+    _routing_tile_scan_kernel[(-(-E // block_e),)](tile_base, counts, n_tiles, E, BLOCK_T=max(16, 4096 // block_e),
+                                                   BLOCK_E=block_e)
+    offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     expert_token_idx = torch.empty(L * K, dtype=torch.int32, device=dev)
     slot = torch.empty(L, K, dtype=torch.int32, device=dev)
-    _routing_place_kernel[(n_tiles,)](idx, tile_counts, tile_incl, offsets, expert_token_idx, slot, L, num_experts,
+    _routing_place_kernel[(n_tiles,)](idx, tile_base, counts, offsets, expert_token_idx, slot, L, E,
                                       K=K, BLOCK_L=BLOCK_L, E_PAD=E_PAD)
     return RoutingIndex(counts, offsets, expert_token_idx, slot)
 
