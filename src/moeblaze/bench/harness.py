@@ -67,10 +67,16 @@ def make_problem(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, devic
 
 # ---- implementations: name -> (policies, builder(problem, policy) -> call(x, idx, w, w1, w2) -> out) ----
 
+CHUNK_TOKENS = 262144  # the "-chunked" policies: token chunks for millions of tokens
+
+
 def _moeblaze(p: Problem, policy: str):
+    checkpoint, _, chunked = policy.partition("-")
+    chunk = CHUNK_TOKENS if chunked == "chunked" else None
+
     def call(x, idx, w, w1, w2):
         r = build_routing_index(idx, p.E, check=False)
-        return moe_experts(x, r, w, w1, w2, p.activation, policy, impl="triton", check=False)
+        return moe_experts(x, r, w, w1, w2, p.activation, checkpoint, impl="triton", check=False, chunk_tokens=chunk)
     return call
 
 

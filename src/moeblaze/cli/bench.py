@@ -21,7 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="named configs, from A-E (see README); default all five unless --config, --scale or --dispatch is given")
     p.add_argument("--config", action="append", default=[], metavar="L,d,h,E,K", help="extra config (repeatable)")
     p.add_argument("--impls", default=None, help=f"comma list from {','.join(IMPLS)} (default: all available)")
-    p.add_argument("--policies", default=None, help="moeblaze checkpoint policies (default: preact,recompute)")
+    p.add_argument("--policies", default=None,
+                   help="moeblaze policies: preact, recompute, and their token-chunked variants preact-chunked, "
+                        "recompute-chunked (default: preact,recompute; with --scale also recompute-chunked)")
     p.add_argument("--activation", default="swiglu")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="default bfloat16 on cuda, float32 on cpu")
@@ -110,13 +112,13 @@ def _run_one(rec, impl, policy, p, ref, args, mode):
     return row
 
 
-def _impl_policies(args):
+def _impl_policies(args, scale=False):
     names = available_impls(args.impls.split(",") if args.impls else None)
     out = []
     for n in names:
         pols = IMPLS[n][1]
-        if n == "moeblaze" and args.policies:
-            pols = tuple(args.policies.split(","))
+        if n == "moeblaze":
+            pols = tuple(args.policies.split(",")) if args.policies else pols + (("recompute-chunked",) if scale else ())
         out += [(n, pol) for pol in pols]
     return out
 
@@ -164,6 +166,7 @@ def run(args):
         del p, ref
     if args.scale:
         _, d, h, E, K = CONFIGS.get(args.scale_config) or tuple(int(v) for v in args.scale_config.split(","))
+        pairs = _impl_policies(args, scale=True)
         alive = dict.fromkeys(pairs, True)
         L = args.min_tokens
         while L <= args.max_tokens and any(alive.values()):

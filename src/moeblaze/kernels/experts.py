@@ -21,7 +21,7 @@ ACT_CODES = {"swiglu": 0, "geglu": 1, "silu": 0, "gelu": 1, "relu": 2, "relu2": 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16 if INTERPRET else 128
 # The dH kernel writes one router-gradient partial per column tile, so its BLOCK_N is fixed too.
-DH_BLOCK_N = 32 if INTERPRET else 128
+DH_BLOCK_N = 32 if INTERPRET else 64
 GROUP_M = 8  # row tiles that sweep the columns together, so a weight tile is reused from L2
 
 
@@ -35,11 +35,15 @@ def _configs(gpu, interp):
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 ROWS_CONFIGS = _configs([(128, 64, 8, 3), (128, 64, 4, 4), (256, 64, 8, 3), (64, 64, 4, 4), (128, 32, 4, 5)],
                         (32, 32, 4, 1))
-UP_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 4), (128, 32, 8, 4), (64, 64, 8, 4)], (32, 32, 4, 1))
+# gated up-projection: the MMA is BLOCK_M x 2·BLOCK_N (gate and up columns together)
+UP_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4), (64, 64, 8, 4)], (16, 32, 4, 1))
 DH_CONFIGS = [triton.Config({"BLOCK_K": c.kwargs["BLOCK_K"]}, num_warps=c.num_warps, num_stages=c.num_stages)
-              for c in _configs([(0, 64, 8, 3), (0, 64, 4, 4), (0, 32, 8, 4)], (0, 32, 4, 1))]
-# weight gradients: BLOCK_N = BLOCK_P
-WGRAD_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 4, 4), (64, 64, 4, 4), (128, 64, 4, 3)], (32, 32, 4, 1))
+              for c in _configs([(0, 64, 8, 3), (0, 64, 4, 4), (0, 64, 4, 3), (0, 32, 8, 4)], (0, 32, 4, 1))]
+# weight gradients: (BLOCK_N, BLOCK_P, BLOCK_K, num_warps, num_stages)
+WGRAD_CONFIGS = ([triton.Config({"BLOCK_N": 32, "BLOCK_P": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)] if INTERPRET
+                 else [triton.Config({"BLOCK_N": n, "BLOCK_P": p, "BLOCK_K": k}, num_warps=w, num_stages=st)
+                       for n, p, k, w, st in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+                                              (128, 128, 64, 4, 4), (128, 128, 32, 4, 4)]])
 
 
 @triton.jit
@@ -123,13 +127,16 @@ def _expert_up_fwd_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < H
     w_e = w1_ptr + e.to(tl.int64) * stride_we
-    gate = _rows_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wd, stride_wf, offs_n, nmask, D,
-                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     rows64 = rows.to(tl.int64)
     omask = rmask[:, None] & nmask[None, :]
     if GATED:
-        up = _rows_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e + H * stride_wf, stride_wd, stride_wf, offs_n,
-                       nmask, D, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        # One (BLOCK_K, 2·BLOCK_N) weight tile holds the gate and up rows interleaved (column 2j: gate row
+        # n+j, column 2j+1: up row H+n+j), so a single wide MMA serves both halves; split afterwards.
+        j = tl.arange(0, 2 * BLOCK_N)
+        w_rows = (j % 2) * H + pid_n * BLOCK_N + j // 2
+        acc = _rows_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wd, stride_wf, w_rows,
+                        (pid_n * BLOCK_N + j // 2) < H, D, BLOCK_M, 2 * BLOCK_N, BLOCK_K, PRECISION)
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         if STORE_PREACT:
             p_ptrs = preact_ptr + rows64[:, None] * stride_pl + offs_n[None, :]
             tl.store(p_ptrs, gate.to(preact_ptr.dtype.element_ty), mask=omask)
@@ -139,6 +146,8 @@ def _expert_up_fwd_kernel(
             tl.store(act_ptr + rows64[:, None] * stride_al + offs_n[None, :], out.to(act_ptr.dtype.element_ty),
                      mask=omask)
     else:
+        gate = _rows_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wd, stride_wf, offs_n, nmask, D,
+                         BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         if STORE_PREACT:
             tl.store(preact_ptr + rows64[:, None] * stride_pl + offs_n[None, :],
                      gate.to(preact_ptr.dtype.element_ty), mask=omask)
@@ -168,7 +177,9 @@ def _expert_rows_kernel(
              mask=rmask[:, None] & nmask[None, :])
 
 
-@triton.autotune(configs=DH_CONFIGS, key=["D", "H", "GATED"])
+# restore_value: under checkpoint="recompute" the kernel writes dH over the H it reads, so the tuner's
+# repeated trial launches must each start from the original H.
+@triton.autotune(configs=DH_CONFIGS, key=["D", "H", "GATED"], restore_value=["preact_ptr"])
 @triton.jit
 def _expert_down_bwd_kernel(
     dy_ptr, w2_ptr, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
@@ -217,23 +228,23 @@ def _expert_weight_grad_kernel(
     p_ptr, q_ptr, dw_ptr, expert_token_idx_ptr, expert_offsets_ptr,
     N, P, stride_pl, stride_pn, stride_ql, stride_qp, stride_de, stride_dn, stride_dp,
     GATHER_P: tl.constexpr, GATHER_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dW[e] = Pm[rows of e]^T @ Qm[rows of e], reducing over the expert's rows; either side may be
     gathered from a token matrix through expert_token_idx. An expert with no rows gets zeros."""
     pid = tl.program_id(0)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
-    n_tiles_p = tl.cdiv(P, BLOCK_N)
+    n_tiles_p = tl.cdiv(P, BLOCK_P)
     e = pid // (n_tiles_n * n_tiles_p)
     rem = pid % (n_tiles_n * n_tiles_p)
     pid_n, pid_p = rem // n_tiles_p, rem % n_tiles_p
     start = tl.load(expert_offsets_ptr + e)
     end = tl.load(expert_offsets_ptr + e + 1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_p = pid_p * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     nmask = offs_n < N
     pmask = offs_p < P
-    acc = tl.zeros((BLOCK_N, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
     for r0 in range(start, end, BLOCK_K):
         rows = r0 + tl.arange(0, BLOCK_K)
         rmask = rows < end

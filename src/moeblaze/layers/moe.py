@@ -30,11 +30,13 @@ class MoELayer(nn.Module):
     Weights: w1 (E, F, D) with F = 2·d_expert (gate rows first) for gated activations and d_expert for
     plain ones; w2 (E, D, d_expert). impl: "auto" (Triton on CUDA, the PyTorch reference elsewhere),
     "triton" or "reference". checkpoint: "preact" or "recompute". index_method: "auto", "dense" or "sort".
+    chunk_tokens: process the experts in token chunks of this size (see moeblaze.ops.moe_experts).
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, activation: str = "swiglu",
                  impl: str = "auto", checkpoint: str = "preact", scoring: str = "softmax_topk",
-                 renormalize: bool = True, index_method: str = "auto", device=None, dtype=None):
+                 renormalize: bool = True, index_method: str = "auto", chunk_tokens: int | None = None,
+                 device=None, dtype=None):
         super().__init__()
         check_activation(activation)
         if checkpoint not in CHECKPOINTS:
@@ -44,6 +46,7 @@ class MoELayer(nn.Module):
         resolve_impl(impl, torch.device("cpu"))
         self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
         self.activation, self.impl, self.checkpoint, self.index_method = activation, impl, checkpoint, index_method
+        self.chunk_tokens = chunk_tokens
         self.router = TopKRouter(d_model, num_experts, top_k, scoring, renormalize, device=device)
         F = up_width(activation, d_expert)
         self.w1 = nn.Parameter(torch.empty(num_experts, F, d_model, device=device, dtype=dtype))
@@ -65,7 +68,7 @@ class MoELayer(nn.Module):
             dt = torch.get_autocast_dtype(x.device.type)
             x_LD, w1, w2 = x_LD.to(dt), w1.to(dt), w2.to(dt)
         out = moe_experts(x_LD, routing, r.topk_weights, w1, w2, self.activation, self.checkpoint, self.impl,
-                          check=False)
+                          check=False, chunk_tokens=self.chunk_tokens)
         return MoEOutput(out.view(x.shape), r.aux_loss, r.z_loss)
 
     def extra_repr(self) -> str:

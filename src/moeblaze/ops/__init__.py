@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import check_activation, moe_experts_reference
-from ..routing import RoutingIndex, check_expert_inputs, check_topk_weights
+from ..routing import RoutingIndex, build_routing_index, check_expert_inputs, check_topk_weights
 from .experts import CHECKPOINTS, experts_fwd, tile_schedule
 
 IMPLS = ("auto", "triton", "reference")
@@ -20,14 +20,17 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, activation: str = "swiglu", checkpoint: str = "preact", impl: str = "auto",
-                check: bool = True) -> torch.Tensor:
+                check: bool = True, chunk_tokens: int | None = None) -> torch.Tensor:
     """Combined expert outputs (L, D) for tokens x (L, D) routed by `routing` with weights (L, K).
 
     w1: (E, F, D), F = 2H with the gate rows first for gated activations (SwiGLU, GeGLU), F = H for
     plain ones; w2: (E, D, H). Differentiable in x, w1, w2 and topk_weights. checkpoint: "preact"
     keeps the pre-activation for backward, "recompute" keeps nothing beyond the routing index (Triton
     only; the reference keeps everything autograd needs). impl: "triton", "reference" or "auto"
-    (Triton on CUDA, the reference elsewhere).
+    (Triton on CUDA, the reference elsewhere). chunk_tokens: run the Triton experts on chunks of this many
+    tokens, each with its own routing index, so that the transient (L·K, D) and (L·K, F) buffers of
+    forward and backward scale with the chunk instead of L (for millions of tokens; the weights are
+    read once per chunk, and the outputs and dx are concatenated).
     """
     check_activation(activation)
     if checkpoint not in CHECKPOINTS:
@@ -39,13 +42,21 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     if routing.token_slot.device != x.device:
         raise ValueError(f"routing index is on {routing.token_slot.device} but x is on {x.device}")
     check_topk_weights(topk_weights, routing.token_slot, check_values=check)
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive number of tokens, got {chunk_tokens}")
     impl = resolve_impl(impl, x.device)
     if impl == "reference":
         return moe_experts_reference(x, routing.topk_idx(), topk_weights, w1, w2, activation)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"the Triton experts take float16, bfloat16 or float32, got {x.dtype}")
-    out, _ = experts_fwd(x, w1, w2, topk_weights, *routing.tensors(), activation, checkpoint == "preact")
-    return out
+    save = checkpoint == "preact"
+    if chunk_tokens is not None and x.shape[0] > chunk_tokens:
+        idx = routing.topk_idx()
+        outs = [experts_fwd(xc, w1, w2, wc, *build_routing_index(ic, w1.shape[0], check=False).tensors(), activation,
+                            save)[0]
+                for xc, ic, wc in zip(x.split(chunk_tokens), idx.split(chunk_tokens), topk_weights.split(chunk_tokens))]
+        return torch.cat(outs)
+    return experts_fwd(x, w1, w2, topk_weights, *routing.tensors(), activation, save)[0]
 
 
 __all__ = ["CHECKPOINTS", "IMPLS", "moe_experts", "resolve_impl", "tile_schedule"]

@@ -102,7 +102,7 @@ def _weight_grad(p, q, out_shape, eti, offsets, gather_p, gather_q, out_dtype):
     """dW (E, N, P) with dW[e] = P[rows of e]^T Q[rows of e]."""
     E, N, P = out_shape
     dw = torch.empty(out_shape, dtype=out_dtype, device=p.device)
-    grid = lambda meta: (E * triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(P, meta["BLOCK_N"]),)  # noqa: E731
+    grid = lambda meta: (E * triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(P, meta["BLOCK_P"]),)  # noqa: E731
     _expert_weight_grad_kernel[grid](
         p, q, dw, eti, offsets, N, P, p.stride(0), p.stride(1), q.stride(0), q.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2), GATHER_P=gather_p, GATHER_Q=gather_q,
@@ -147,7 +147,9 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.T
         preact, _ = _up(x, w1, eti, offsets, sched, activation, True, False)
     w_sorted = torch.empty(LK, dtype=torch.float32, device=x.device)
     w_sorted[token_slot.reshape(-1).long()] = topk_w.reshape(-1).float()
-    dpreact = torch.empty_like(preact)
+    # Under "recompute" H is a fresh buffer that nothing else reads: each dH tile overwrites the H tile
+    # it was computed from (read before written, by the same program), saving an (L·K, F) buffer.
+    dpreact = preact if not has_preact else torch.empty_like(preact)
     act_scaled = x.new_empty(LK, H)
     n_tiles_h = triton.cdiv(H, DH_BLOCK_N)
     ds_part = torch.empty(n_tiles_h, LK, dtype=torch.float32, device=x.device)
