@@ -50,8 +50,13 @@ class SavedTensorCounter:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         self.ops = _OpTracker()
-        self.hooks = [register_module_forward_pre_hook(lambda m, a: self.module_stack.append(self.names.get(m, type(m).__name__))),
-                      register_module_forward_hook(lambda m, a, o: self.module_stack.pop())]
+        def enter(module, args):
+            self.module_stack.append(self.names.get(module, type(module).__name__))
+
+        def leave(module, args, output):  # returns None: a forward hook's return value replaces the output
+            self.module_stack.pop()
+
+        self.hooks = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
         self.saved = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self.saved.__enter__()
         self.ops.__enter__()

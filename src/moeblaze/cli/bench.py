@@ -15,6 +15,7 @@ import uuid
 import torch
 
 from ..bench.harness import CONFIGS, IMPLS, available_impls, make_problem, measure, reference_grads, time_dispatch
+from .report import slug
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=None,
@@ -61,14 +62,10 @@ def _env(device: torch.device) -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
-
-
 class Recorder:
     def __init__(self, out_dir: str, env: dict):
         os.makedirs(out_dir, exist_ok=True)
-        self.path = os.path.join(out_dir, f"{_slug(env['gpu'])}.jsonl")
+        self.path = os.path.join(out_dir, f"{slug(env['gpu'])}.jsonl")
         self.env, self.rows = env, []
 
     def add(self, row: dict) -> dict:

@@ -25,7 +25,13 @@ def _cfg(r: dict) -> str:
     return f"{r['L']},{r['d']},{r['h']},{r['E']},{r['K']}"
 
 
-def plot_run(rows: list[dict], out_dir: str) -> list[str]:
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+def plot_run(rows: list[dict], out_dir: str, name: str | None = None) -> list[str]:
+    """PNG charts of the layer rows (time and kept memory per config) and of the scale rows (time and
+    memory per token against tokens); file names carry `name` or the run id."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -48,9 +54,10 @@ def plot_run(rows: list[dict], out_dir: str) -> list[str]:
             ax.set_title(title)
             ax.set_xlabel("L,d,h,E,K")
         axes[0].legend(fontsize=8)
-        fig.suptitle(f"MoE layer, {layer[0]['activation']} {layer[0]['dtype']}, {layer[0]['gpu']} (run {run_id})")
+        fig.suptitle(f"MoE layer, {layer[0]['activation']} {layer[0]['dtype']}, {layer[0]['gpu']} "
+                     f"(runs {', '.join(dict.fromkeys(r['run_id'] for r in layer))})")
         fig.tight_layout()
-        paths.append(os.path.join(out_dir, f"layer-{run_id}.png"))
+        paths.append(os.path.join(out_dir, f"{name or 'layer-' + run_id}.png"))
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     scale = [r for r in rows if r.get("mode") == "scale"]
@@ -72,18 +79,36 @@ def plot_run(rows: list[dict], out_dir: str) -> list[str]:
         axes[0].legend(fontsize=8)
         fig.suptitle(f"scaling, d,h,E,K = {scale[0]['d']},{scale[0]['h']},{scale[0]['E']},{scale[0]['K']}, {scale[0]['gpu']}")
         fig.tight_layout()
-        paths.append(os.path.join(out_dir, f"scale-{run_id}.png"))
+        paths.append(os.path.join(out_dir, f"{name or 'scale-' + run_id}.png"))
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
 
 
 def _latest(rows: list[dict], mode: str) -> list[dict]:
+    """GPU rows of `mode` from the newest run that measured each config (layer, dispatch) or each
+    (tokens, implementation) pair (scale): ratios are only ever taken between rows of one run."""
     rs = [r for r in rows if r.get("mode") == mode and r.get("gpu") != "cpu"]
-    if not rs:
-        return []
-    last = max(rs, key=lambda r: r["date"])["run_id"]
-    return [r for r in rs if r["run_id"] == last]
+    if mode == "scale":
+        newest = {}
+        for r in sorted(rs, key=lambda r: r["date"]):
+            newest[(r["L"], _label(r))] = r
+        return list(newest.values())
+    newest_run = {}
+    for r in sorted(rs, key=lambda r: r["date"]):
+        newest_run[(_cfg_key(r), r["gpu"])] = r["run_id"]
+    return [r for r in rs if newest_run[(_cfg_key(r), r["gpu"])] == r["run_id"]]
+
+
+def _cfg_key(r: dict) -> str:
+    return f"{r['L']},{r['E']},{r['K']}" if r.get("mode") == "dispatch" else _cfg(r)
+
+
+def _runs(rows: list[dict]) -> str:
+    runs = {}
+    for r in rows:
+        runs.setdefault(r["run_id"], r)
+    return "; ".join(f"run {k} (commit {r['git_sha']}, {r['date'][:16]}): `{r['command']}`" for k, r in runs.items())
 
 
 def results_markdown(rows: list[dict]) -> str:
@@ -92,7 +117,7 @@ def results_markdown(rows: list[dict]) -> str:
     if layer:
         r0 = layer[0]
         out += [f"One MoE layer, forward+backward, {r0['activation']} {r0['dtype']}, {r0['gpu']}, torch {r0['torch']}, "
-                f"triton {r0['triton']}, commit {r0['git_sha']}, {r0['date'][:10]}. Command: `{r0['command']}`.",
+                f"triton {r0['triton']}. All rows of a config come from one run: {_runs(layer)}.",
                 "`kept MB`: allocated after forward minus the output (what the layer keeps for backward); "
                 "`peak MB`: peak over forward+backward above the pre-forward baseline; `vs sonic`: SonicMoE step time "
                 "/ this one (>1 is faster than SonicMoE); `err`: largest relative error of the output and the "
@@ -113,7 +138,7 @@ def results_markdown(rows: list[dict]) -> str:
     disp = _latest(rows, "dispatch")
     if disp:
         r0 = disp[0]
-        out += ["", f"Routing index build, {r0['gpu']}, commit {r0['git_sha']}. Command: `{r0['command']}`.", "",
+        out += ["", f"Routing index build, {r0['gpu']}, {_runs(disp)}.", "",
                 "| L | E | K | dense ms | sort ms | argsort+bincount+cumsum ms | sort / dense |", "|---|---|---|---|---|---|---|"]
         for r in disp:
             m = r.get("dispatch_ms") or {}
@@ -125,24 +150,33 @@ def results_markdown(rows: list[dict]) -> str:
     scale = _latest(rows, "scale")
     if scale:
         r0 = scale[0]
-        out += ["", f"Scaling, d,h,E,K = {r0['d']},{r0['h']},{r0['E']},{r0['K']}, {r0['gpu']}, commit {r0['git_sha']}. "
-                f"Command: `{r0['command']}`.", "", "| tokens | implementation | step ms | peak MB | KB per token |",
-                "|---|---|---|---|---|"]
+        out += ["", f"Scaling, d,h,E,K = {r0['d']},{r0['h']},{r0['E']},{r0['K']}, {r0['gpu']}; {_runs(scale)}.", "",
+                "| tokens | implementation | step ms | kept MB | peak MB | KB per token (peak) |",
+                "|---|---|---|---|---|---|"]
         for r in sorted(scale, key=lambda r: (_label(r), r["L"])):
             if r["status"] == "ok":
-                out.append(f"| {r['L']} | {_label(r)} | {r['step_ms']:.1f} | {r['peak_mb']:.0f} | "
+                out.append(f"| {r['L']} | {_label(r)} | {r['step_ms']:.1f} | {r['kept_mb']:.0f} | {r['peak_mb']:.0f} | "
                            f"{r['peak_mb'] * 1024 / r['L']:.1f} |")
             else:
-                out.append(f"| {r['L']} | {_label(r)} | {r['status'][:40]} | | |")
+                out.append(f"| {r['L']} | {_label(r)} | {r['status'][:40]} | | | |")
     return "\n".join(out) if out else "No GPU results recorded yet."
 
 
 def update_readme(readme: str, results_dir: str) -> None:
+    """Rewrite the README's Results section, and the charts it shows, from the committed results."""
+    rows = load_rows(results_dir)
+    for gpu in sorted({r["gpu"] for r in rows if r.get("gpu") != "cpu"}):
+        mine = [r for r in rows if r["gpu"] == gpu]
+        for mode in ("layer", "scale"):
+            sel = _latest(mine, mode)
+            if sel:
+                path = plot_run(sel, results_dir, name=f"{slug(gpu)}-{mode}")[0]
+                print(f"plot: {path}")
     text = open(readme).read()
     if START not in text or END not in text:
         raise SystemExit(f"{readme} has no {START} ... {END} section")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     with open(readme, "w") as f:
-        f.write(head + START + "\n" + results_markdown(load_rows(results_dir)) + "\n" + END + tail)
+        f.write(head + START + "\n" + results_markdown(rows) + "\n" + END + tail)
     print(f"updated the Results section of {readme}")

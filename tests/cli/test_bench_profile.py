@@ -1,0 +1,129 @@
+"""`moeblaze bench` and `moeblaze profile` on the CPU at tiny sizes (the reference, the conventional
+pipeline and the Triton kernels under the interpreter)."""
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+from moeblaze.bench import harness
+from moeblaze.cli import main
+from moeblaze.cli.report import START, END, results_markdown, update_readme
+
+ROW_FIELDS = {"impl", "policy", "L", "d", "h", "E", "K", "activation", "dtype", "fwd_ms", "step_ms", "kept_mb",
+              "peak_mb", "tflops", "rel_err", "gpu", "torch", "triton", "git_sha", "run_id", "command", "date", "status",
+              "mode"}
+
+
+def read_rows(out):
+    (path,) = glob.glob(os.path.join(out, "*.jsonl"))
+    return [json.loads(line) for line in open(path)]
+
+
+def test_layer_bench_rows_schema_and_plot(tmp_path):
+    out = str(tmp_path)
+    assert main(["bench", "--config", "48,32,16,4,2", "--impls", "moeblaze,reference,torch_gmm", "--out", out,
+                 "--warmup", "0", "--iters", "1", "--plot"]) == 0
+    rows = read_rows(out)
+    assert [(r["impl"], r["policy"]) for r in rows] == [("moeblaze", "preact"), ("moeblaze", "recompute"),
+                                                       ("reference", "-"), ("torch_gmm", "-")]
+    assert len({r["run_id"] for r in rows}) == 1
+    for r in rows:
+        assert ROW_FIELDS <= set(r), ROW_FIELDS - set(r)
+        assert r["status"] == "ok" and r["step_ms"] > 0 and r["fwd_ms"] > 0 and r["kept_mb"] > 0
+        assert set(r["rel_err"]) == {"out", "dx", "dw1", "dw2", "dtopk_w"}
+        assert max(r["rel_err"].values()) < 1e-5  # fp32 on the CPU
+        assert r["tflops"] == pytest.approx(18 * 48 * 2 * 32 * 16 / (r["step_ms"] * 1e-3) / 1e12)
+    # preact keeps H (L·K x 2h fp32) beyond the index; recompute keeps the index only
+    kept = {r["policy"]: r["kept_mb"] * 2 ** 20 for r in rows if r["impl"] == "moeblaze"}
+    assert kept["preact"] - kept["recompute"] == 48 * 2 * 32 * 4
+    assert glob.glob(os.path.join(out, "layer-*.png"))
+
+
+def test_scale_records_oom_and_keeps_going(tmp_path, monkeypatch):
+    def oom_past_64_tokens(p, policy):
+        def call(x, idx, w, w1, w2):
+            if p.L > 64:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return harness.torch_gmm_experts(x, idx, w, w1, w2, p.activation)
+        return call
+
+    monkeypatch.setitem(harness.IMPLS, "torch_gmm", (lambda: True, ("-",), oom_past_64_tokens))
+    out = str(tmp_path)
+    main(["bench", "--scale", "--scale-config", "0,32,16,4,2", "--min-tokens", "32", "--max-tokens", "256",
+          "--impls", "reference,torch_gmm", "--out", out, "--warmup", "0", "--iters", "1", "--plot"])
+    rows = read_rows(out)
+    gmm = [(r["L"], r["status"]) for r in rows if r["impl"] == "torch_gmm"]
+    assert gmm == [(32, "ok"), (64, "ok"), (128, "oom")]  # stops after its first oom
+    assert [r["L"] for r in rows if r["impl"] == "reference"] == [32, 64, 128, 256]
+    assert all(r["mode"] == "scale" for r in rows)
+    assert glob.glob(os.path.join(out, "scale-*.png"))
+
+
+def test_a_failing_implementation_is_reported_not_fatal(tmp_path, monkeypatch):
+    def broken(p, policy):
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setitem(harness.IMPLS, "torch_gmm", (lambda: True, ("-",), broken))
+    out = str(tmp_path)
+    main(["bench", "--config", "32,16,16,4,2", "--impls", "torch_gmm,reference", "--out", out, "--iters", "1",
+          "--warmup", "0"])
+    status = {r["impl"]: r["status"] for r in read_rows(out)}
+    assert status == {"torch_gmm": "error: RuntimeError: kernel exploded", "reference": "ok"}
+
+
+def test_dispatch_rows(tmp_path):
+    out = str(tmp_path)
+    main(["bench", "--dispatch", "--dispatch-L", "200", "--dispatch-E", "4,16", "--dispatch-K", "1,8", "--out", out])
+    rows = read_rows(out)
+    assert [(r["E"], r["K"]) for r in rows] == [(4, 1), (16, 1), (16, 8)]  # K > E is skipped
+    for r in rows:
+        assert r["status"] == "ok" and set(r["dispatch_ms"]) == {"dense", "sort", "argsort_bincount_cumsum"}
+
+
+def test_readme_results_section(tmp_path):
+    rows = [dict(mode="layer", impl=i, policy=p, L=64, d=32, h=16, E=4, K=2, activation="swiglu", dtype="bfloat16",
+                 fwd_ms=1.0, step_ms=s, kept_mb=k, peak_mb=2 * k, tflops=1.0, rel_err={"out": 1e-3}, gpu="Test GPU",
+                 torch="t", triton="tr", git_sha="abc", run_id="r1", command="moeblaze bench", date="2026-01-01",
+                 status="ok") for i, p, s, k in (("moeblaze", "preact", 2.0, 10.0), ("sonicmoe", "-", 3.0, 10.0))]
+    (tmp_path / "res").mkdir()
+    with open(tmp_path / "res" / "test-gpu.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{START}\nold\n{END}\ntail\n")
+    update_readme(str(readme), str(tmp_path / "res"))
+    text = readme.read_text()
+    assert "old" not in text and text.endswith(f"{END}\ntail\n")
+    assert "| 64,32,16,4,2 | moeblaze/preact | 1.00 | 2.00 | 1.50 |" in text  # 3.0 / 2.0 vs SonicMoE
+    assert os.path.exists(tmp_path / "res" / "test-gpu-layer.png")
+    assert "No GPU results" in results_markdown([])
+
+
+def test_profile_layer_compares_with_conventional(capsys):
+    res = main(["profile", "--tokens", "64", "--d-model", "32", "--d-expert", "32", "--num-experts", "4"])
+    assert res == 0
+    text = capsys.readouterr().out
+    assert "experts_fwd" in text and "fewer bytes for backward" in text
+
+
+def test_profile_numbers(capsys):
+    import argparse
+
+    from moeblaze.cli import profile
+
+    p = argparse.ArgumentParser()
+    profile.add_arguments(p)
+    args = p.parse_args(["--tokens", "64", "--d-model", "32", "--d-expert", "32", "--num-experts", "4",
+                         "--impl", "triton"])
+    res = profile.run(args)
+    ours, conv = res["moeblaze"], res["torch_gmm"]
+    # moeblaze keeps H (64·2 pairs x 64 fp32) and the index (4 arrays); the conventional pipeline far more
+    assert ours["saved_bytes"] == 64 * 2 * 64 * 4 + 4 * (2 * 64 * 2 + 4 + 5)
+    assert conv["saved_bytes"] > 2 * ours["saved_bytes"]
+
+
+def test_profile_model(capsys):
+    assert main(["profile", "--target", "model", "--tokens", "64", "--d-model", "32", "--d-expert", "32",
+                 "--num-experts", "4", "--impl", "reference"]) == 0
+    assert "MoEModel" in capsys.readouterr().out
