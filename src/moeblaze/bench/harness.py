@@ -179,8 +179,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def measure(call, p: Problem, ref=None, warmup: int = 3, iters: int = 10) -> dict:
-    """fwd_ms, step_ms, kept_mb, peak_mb, tflops and rel_err (out, dx, dw1, dw2, dtopk_w) of one impl."""
+def gpu_busy_ms(call, p: Problem) -> float:
+    """Sum of the GPU kernel times of one forward+backward step (torch.profiler). Against step_ms it
+    shows how much of a step is host overhead (Python, launches) rather than GPU work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _step(call, p, 0, True)
+        torch.cuda.synchronize()
+    kernels = [ev for ev in prof.events() if "CUDA" in str(getattr(ev, "device_type", ""))]
+    return sum(ev.time_range.elapsed_us() for ev in kernels) / 1e3
+
+
+def measure(call, p: Problem, ref=None, warmup: int = 3, iters: int = 10, busy: bool = False) -> dict:
+    """fwd_ms, step_ms, kept_mb, peak_mb, tflops and rel_err (out, dx, dw1, dw2, dtopk_w) of one impl;
+    with busy, also gpu_busy_ms (see gpu_busy_ms)."""
     cuda = p.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     res = {}
@@ -220,6 +233,8 @@ def measure(call, p: Problem, ref=None, warmup: int = 3, iters: int = 10) -> dic
         sync()
         res[key] = statistics.median(t.ms for t in timers)
     res["tflops"] = p.flops / (res["step_ms"] * 1e-3) / 1e12
+    if busy and cuda:
+        res["gpu_busy_ms"] = gpu_busy_ms(call, p)
     return res
 
 

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference errors")
+    p.add_argument("--gpu-busy", action="store_true",
+                   help="also record gpu_busy_ms: the kernels' own time in one step (host overhead = step - busy)")
     p.add_argument("--scale", action="store_true", help="tokens from --min-tokens doubling until OOM or --max-tokens")
     p.add_argument("--scale-config", default="E", help="config whose d,h,E,K the scaling sweep uses")
     p.add_argument("--min-tokens", type=int, default=8192)
@@ -84,7 +86,9 @@ def _print_row(r: dict) -> None:
     err = max(r["rel_err"].values()) if r.get("rel_err") else None
     print(f"  {r['impl']:>10} {r['policy']:>9} | fwd {_fmt(r.get('fwd_ms')):>8} ms | step {_fmt(r.get('step_ms')):>8} ms"
           f" | kept {_fmt(r.get('kept_mb'), 1):>8} MB | peak {_fmt(r.get('peak_mb'), 1):>8} MB"
-          f" | {_fmt(r.get('tflops'), 1):>6} TF/s | max rel err {_fmt(err, 4):>7} | {r['status']}", flush=True)
+          f" | {_fmt(r.get('tflops'), 1):>6} TF/s | max rel err {_fmt(err, 4):>7}"
+          + (f" | gpu busy {r['gpu_busy_ms']:.2f} ms" if r.get("gpu_busy_ms") is not None else "")
+          + f" | {r['status']}", flush=True)
 
 
 def _oom(e: BaseException) -> bool:
@@ -97,7 +101,7 @@ def _run_one(rec, impl, policy, p, ref, args, mode):
                 tflops=None, rel_err=None)
     try:
         call = IMPLS[impl][2](p, policy)
-        res = measure(call, p, ref, args.warmup, args.iters)
+        res = measure(call, p, ref, args.warmup, args.iters, busy=args.gpu_busy)
         row = rec.add({**base, **res, "status": "ok"})
     except Exception as e:  # one implementation's failure is reported in its row and never stops the run
         status = "oom" if _oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
