@@ -18,6 +18,8 @@ def load_rows(results_dir: str) -> list[dict]:
 
 
 def _label(r: dict) -> str:
+    if "impl" not in r:  # a dispatch row times every builder
+        return ",".join(sorted(r.get("dispatch_ms") or {}))
     return r["impl"] if r.get("policy") in (None, "-") else f"{r['impl']}/{r['policy']}"
 
 
@@ -86,18 +88,22 @@ def plot_run(rows: list[dict], out_dir: str, name: str | None = None) -> list[st
 
 
 def _latest(rows: list[dict], mode: str) -> list[dict]:
-    """GPU rows of `mode` from the newest run that measured each config (layer, dispatch) or each
-    (tokens, implementation) pair (scale): ratios are only ever taken between rows of one run."""
+    """GPU rows of `mode`: per config (layer, dispatch) all rows of the run that compared the most
+    implementations (the newest among equals), so ratios are only taken inside one run; per
+    (tokens, implementation) the newest row (scale)."""
     rs = [r for r in rows if r.get("mode") == mode and r.get("gpu") != "cpu"]
     if mode == "scale":
         newest = {}
         for r in sorted(rs, key=lambda r: r["date"]):
             newest[(r["L"], _label(r))] = r
         return list(newest.values())
-    newest_run = {}
-    for r in sorted(rs, key=lambda r: r["date"]):
-        newest_run[(_cfg_key(r), r["gpu"])] = r["run_id"]
-    return [r for r in rs if newest_run[(_cfg_key(r), r["gpu"])] == r["run_id"]]
+    runs = {}  # (config, gpu) -> {run_id: (labels measured, newest date)}
+    for r in rs:
+        labels, date = runs.setdefault((_cfg_key(r), r["gpu"]), {}).get(r["run_id"], (set(), ""))
+        runs[(_cfg_key(r), r["gpu"])][r["run_id"]] = (labels | {_label(r)}, max(date, r["date"]))
+    # per config, the run that compared the most implementations, the newest among equals
+    best = {k: max(v, key=lambda run: (len(v[run][0]), v[run][1])) for k, v in runs.items()}
+    return [r for r in rs if best[(_cfg_key(r), r["gpu"])] == r["run_id"]]
 
 
 def _cfg_key(r: dict) -> str:
@@ -177,6 +183,7 @@ def update_readme(readme: str, results_dir: str) -> None:
         raise SystemExit(f"{readme} has no {START} ... {END} section")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
+    text = head + START + "\n" + results_markdown(rows) + "\n" + END + tail  # all computed before the write
     with open(readme, "w") as f:
-        f.write(head + START + "\n" + results_markdown(rows) + "\n" + END + tail)
+        f.write(text)
     print(f"updated the Results section of {readme}")
