@@ -17,27 +17,23 @@ exist anyway; b = bytes per element of x's dtype):
   checkpoint="preact"     H: L·K·F·b (F = 2H gated, H plain) + the routing index 4·(2·L·K + 2·E + 1)
   checkpoint="recompute"  the routing index only; H is recomputed in backward (one more GEMM)
 Never kept: any (L·K, D) gathered copy of x or dy, A = act(H), Y, dY. Transient in forward: A and Y;
-in backward: H (recompute), dH, s·A, dX~. No host synchronization anywhere: tile counts are bounded
+in backward: H (recompute; dH is then written over it), dH, s·A, dX~. moe_experts(chunk_tokens=...)
+bounds every transient by a token chunk. No host synchronization anywhere: tile counts are bounded
 by L·K // BLOCK_M + E and unused tiles exit at once.
 
 Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert, E experts, K top-k.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 
-from ..kernels.experts import (ACT_CODES, BLOCK_M, DH_BLOCK_N, GROUP_M, _combine_kernel, _expert_down_bwd_kernel,
-                               _expert_rows_kernel, _expert_up_fwd_kernel, _expert_weight_grad_kernel)
+from ..kernels.experts import (ACT_CODES, BLOCK_M, DH_BLOCK_N, GROUP_M, INTERPRET, _combine_kernel,
+                               _expert_down_bwd_kernel, _expert_rows_kernel, _expert_up_fwd_kernel,
+                               _expert_weight_grad_kernel)
 from ..reference import is_gated
 
 CHECKPOINTS = ("preact", "recompute")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -91,7 +87,7 @@ def _combine(rows, token_slot, weights, out_dtype):
     L, K = token_slot.shape
     D = rows.shape[1]
     out = torch.empty(L, D, dtype=out_dtype, device=rows.device)
-    bt, bd = (16, 32) if _interpreting() else (16, 256)
+    bt, bd = (16, 32) if INTERPRET else (16, 256)
     _combine_kernel[(triton.cdiv(L, bt), triton.cdiv(D, bd))](
         rows, token_slot, weights if weights is not None else rows, out, L, D, rows.stride(0), out.stride(0),
         K=K, WEIGHTED=weights is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
