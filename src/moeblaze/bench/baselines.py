@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import apply_activation
+from ..routing import count_per_expert
 
 
 def torch_gmm_experts(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_LK: torch.Tensor, w1_EFD: torch.Tensor,
@@ -20,8 +21,7 @@ def torch_gmm_experts(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_LK: 
     E = w1_EFD.shape[0]
     flat = topk_idx_LK.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(E, dtype=torch.int32, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = counts.cumsum(0, dtype=torch.int32)
+    offs = count_per_expert(flat, E).cumsum(0, dtype=torch.int32)
     tok = order // K
     x_sorted = x_LD[tok]
     h = torch._grouped_mm(x_sorted, w1_EFD.transpose(1, 2), offs=offs)

@@ -14,7 +14,7 @@ import torch
 
 from ..ops import moe_experts
 from ..reference import moe_experts_reference, up_width
-from ..routing import build_index_sort, build_routing_index, route_topk
+from ..routing import build_index_sort, build_routing_index, count_per_expert, route_topk
 from .baselines import torch_gmm_experts
 from .memory import SavedTensorCounter
 
@@ -243,8 +243,7 @@ def measure(call, p: Problem, ref=None, warmup: int = 3, iters: int = 10, busy: 
 def _argsort_bincount_cumsum(idx: torch.Tensor, E: int):
     flat = idx.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(E, dtype=torch.int32, device=idx.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    return order, counts.cumsum(0)
+    return order, count_per_expert(flat, E).cumsum(0)
 
 
 DISPATCH = {

@@ -66,6 +66,14 @@ class RoutingIndex:
         return torch.searchsorted(ends, self.token_slot.contiguous(), right=True).to(torch.int32)
 
 
+def count_per_expert(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E,) int32 number of (token, k) pairs routed to each expert, without a host sync (torch.bincount
+    would read the largest id back to size its output)."""
+    flat = topk_idx.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+
+
 def _offsets(counts_E: torch.Tensor) -> torch.Tensor:
     return F.pad(counts_E.cumsum(0, dtype=torch.int32), (1, 0))
 
@@ -76,8 +84,7 @@ def build_index_sort(topk_idx_LK: torch.Tensor, num_experts: int) -> RoutingInde
     L, K = topk_idx_LK.shape
     flat = topk_idx_LK.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    counts = count_per_expert(flat, num_experts)
     slot = torch.empty(L * K, dtype=torch.int32, device=flat.device)
     slot[order] = torch.arange(L * K, dtype=torch.int32, device=flat.device)
     return RoutingIndex(counts, _offsets(counts), (order // K).to(torch.int32), slot.view(L, K))

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .index import count_per_expert
+
 SCORINGS = ("softmax_topk", "topk_softmax")
 
 
@@ -50,9 +52,7 @@ def switch_aux_loss(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor) -> torch
     """E * sum_e f_e * P_e; gradients flow through P (the probabilities), as in Switch Transformer."""
     L, E = logits_LE.shape
     probs_mean_E = logits_LE.float().softmax(dim=-1).mean(dim=0)
-    counts_E = torch.zeros(E, device=logits_LE.device, dtype=torch.float32)
-    counts_E.scatter_add_(0, topk_idx_LK.reshape(-1).long(), torch.ones(topk_idx_LK.numel(), device=logits_LE.device))
-    frac_E = counts_E / max(topk_idx_LK.numel(), 1)
+    frac_E = count_per_expert(topk_idx_LK, E).float() / max(topk_idx_LK.numel(), 1)
     return E * (frac_E * probs_mean_E).sum()
 
 
