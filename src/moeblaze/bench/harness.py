@@ -158,6 +158,19 @@ class _Timer:
         return self.start.elapsed_time(self.end) if self.cuda else self.ms_cpu
 
 
+def _median_ms(fn, device: torch.device, iters: int) -> float:
+    """Median time of fn(i) over i = 0..iters-1: CUDA events on GPUs, the host clock on the CPU."""
+    timers = []
+    for i in range(iters):
+        with _Timer(device) as t:
+            r = fn(i)
+        timers.append(t)
+        del r
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(t.ms for t in timers)
+
+
 def _step(call, p: Problem, i: int, backward: bool):
     x, idx, w, dy = p.sets[i % len(p.sets)]
     out = call(x, idx, w, p.w1, p.w2)
@@ -179,16 +192,25 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def gpu_busy_ms(call, p: Problem) -> float:
-    """Sum of the GPU kernel times of one forward+backward step (torch.profiler). Against step_ms it
-    shows how much of a step is host overhead (Python, launches) rather than GPU work."""
+def kernel_times(step, top: int | None = 15) -> list[tuple[str, int, float]]:
+    """[(kernel, calls, total ms)] of one call of step() on the GPU, longest first (all if top is None)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _step(call, p, 0, True)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        step()
         torch.cuda.synchronize()
-    kernels = [ev for ev in prof.events() if "CUDA" in str(getattr(ev, "device_type", ""))]
-    return sum(ev.time_range.elapsed_us() for ev in kernels) / 1e3
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t and getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type):
+            rows.append((ev.key, ev.count, t / 1e3))
+    return sorted(rows, key=lambda r: -r[2])[:top]
+
+
+def gpu_busy_ms(call, p: Problem) -> float:
+    """Sum of the GPU kernel times of one forward+backward step. Against step_ms it shows how much of
+    a step is host overhead (Python, launches) rather than GPU work."""
+    return sum(ms for _, _, ms in kernel_times(lambda: _step(call, p, 0, True), top=None))
 
 
 def measure(call, p: Problem, ref=None, warmup: int = 3, iters: int = 10, busy: bool = False) -> dict:
@@ -224,14 +246,7 @@ def measure(call, p: Problem, ref=None, warmup: int = 3, iters: int = 10, busy: 
         res["kept_mb"], res["peak_mb"] = c.total_bytes / MB, None
         del out
     for key, backward in (("fwd_ms", False), ("step_ms", True)):
-        timers = []
-        for i in range(iters):
-            with _Timer(p.device) as t:
-                r = _step(call, p, i, backward)
-            timers.append(t)
-            del r
-        sync()
-        res[key] = statistics.median(t.ms for t in timers)
+        res[key] = _median_ms(lambda i: _step(call, p, i, backward), p.device, iters)
     res["tflops"] = p.flops / (res["step_ms"] * 1e-3) / 1e12
     if busy and cuda:
         res["gpu_busy_ms"] = gpu_busy_ms(call, p)
@@ -264,12 +279,5 @@ def time_dispatch(L: int, E: int, K: int, device, iters: int = 20) -> dict:
     for name, fn in DISPATCH.items():
         for _ in range(3):
             fn(idx, E)
-        timers = []
-        for _ in range(iters):
-            with _Timer(torch.device(device)) as t:
-                fn(idx, E)
-            timers.append(t)
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize()
-        res[name] = statistics.median(t.ms for t in timers)
+        res[name] = _median_ms(lambda i: fn(idx, E), torch.device(device), iters)  # noqa: B023
     return res

@@ -50,6 +50,7 @@ class SavedTensorCounter:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         self.ops = _OpTracker()
+
         def enter(module, args):
             self.module_stack.append(self.names.get(module, type(module).__name__))
 

@@ -17,6 +17,7 @@ import torch
 from ..bench.harness import CONFIGS, IMPLS, available_impls, make_problem, measure, reference_grads, time_dispatch
 from .report import slug
 
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=None,
                    help="named configs, from A-E (see README); default all five unless --config, --scale or --dispatch is given")

@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..bench.baselines import torch_gmm_experts
+from ..bench.harness import kernel_times
 from ..bench.memory import SavedTensorCounter
 from ..layers import ModelConfig, MoELayer, MoEModel
 from ..ops import moe_experts
@@ -61,21 +62,6 @@ def profile_step(module: torch.nn.Module, make_loss, inputs, device: torch.devic
     return {"rows": counter.rows, "saved_bytes": counter.total_bytes, "kept_alloc": after_fwd,
             "peak_alloc": torch.cuda.max_memory_allocated() - base if cuda else None,
             "ms": (time.perf_counter() - t0) * 1e3}
-
-
-def kernel_times(step, top: int = 15) -> list[tuple[str, int, float]]:
-    """[(kernel, calls, total ms)] of one call of step(), by GPU time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        step()
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t and getattr(ev, "device_type", None) is not None and "CUDA" in str(ev.device_type):
-            rows.append((ev.key, ev.count, t / 1e3))
-    return sorted(rows, key=lambda r: -r[2])[:top]
 
 
 def _print_kernels(title: str, rows) -> None:
