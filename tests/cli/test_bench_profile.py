@@ -127,3 +127,14 @@ def test_profile_model(capsys):
     assert main(["profile", "--target", "model", "--tokens", "64", "--d-model", "32", "--d-expert", "32",
                  "--num-experts", "4", "--impl", "reference"]) == 0
     assert "MoEModel" in capsys.readouterr().out
+
+
+def test_stage_times_cover_every_launch_of_a_step():
+    from moeblaze.bench.stages import stage_times
+
+    rows = stage_times(40, 24, 40, 4, 2, dtype=torch.float32, device="cpu", iters=1)
+    names = [r[0].split(":")[0] for r in rows]
+    assert names == ["up", "down", "combine", "dH", "dW2", "dW1", "dX~", "dx"]
+    assert all(ms > 0 for _, ms, _, _ in rows)
+    # GEMM stages carry a rate; the gather-sums don't
+    assert [r[2] is not None for r in rows] == [True, True, False, True, True, True, True, False]

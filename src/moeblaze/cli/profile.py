@@ -15,6 +15,7 @@ import torch
 
 from ..bench.baselines import torch_gmm_experts
 from ..bench.harness import kernel_times
+from ..bench.stages import stage_times
 from ..bench.memory import SavedTensorCounter
 from ..layers import ModelConfig, MoELayer, MoEModel
 from ..ops import moe_experts
@@ -69,6 +70,14 @@ def _print_kernels(title: str, rows) -> None:
     total = sum(r[2] for r in rows)
     for name, n, ms in rows:
         print(f"  {name[:70]:<70} {n:>4} {ms:>9.3f} ms {100 * ms / total:>5.1f}%")
+
+
+def _print_stages(rows) -> None:
+    print("\nmoeblaze: each launch of the step timed alone (checkpoint=preact)")
+    print(f"  {'stage':<40} {'ms':>8} {'TF/s':>6}  autotuned config")
+    for name, ms, tflops, cfg in rows:
+        print(f"  {name:<40} {ms:>8.3f} {tflops or 0:>6.0f}  {cfg or '-'}")
+    print(f"  {'total':<40} {sum(r[1] for r in rows):>8.3f}")
 
 
 def _print(title: str, r: dict, top: int = 12) -> None:
@@ -136,6 +145,8 @@ def run(args) -> dict:
     _print(f"moeblaze experts (impl={args.impl}, checkpoint={args.checkpoint_policy}), {head}", results["moeblaze"])
     if args.kernels and cuda:
         _print_kernels("moeblaze", kernel_times(lambda: ours().backward()))
+        if args.impl == "triton":
+            _print_stages(stage_times(L, d, h, args.num_experts, args.top_k, args.activation, dtype, device))
     if not args.no_compare:
         try:
             profile_step(None, conventional, [x, routing_w, dy], device)

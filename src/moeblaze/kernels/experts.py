@@ -20,30 +20,44 @@ ACT_CODES = {"swiglu": 0, "geglu": 1, "silu": 0, "gelu": 1, "relu": 2, "relu2": 
 # the rest is autotuned per shape on GPUs. Under the CPU interpreter (tests) one small config is used.
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16 if INTERPRET else 128
-# The dH kernel writes one router-gradient partial per column tile, so its BLOCK_N is fixed too.
-DH_BLOCK_N = 32 if INTERPRET else 64
+# The dH kernel writes one router-gradient partial per DS_BLOCK columns (its BLOCK_N is a multiple).
+DS_BLOCK = 16 if INTERPRET else 64
 GROUP_M = 8  # row tiles that sweep the columns together, so a weight tile is reused from L2
 
 
-def _configs(gpu, interp):
-    keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-    if INTERPRET:
-        return [triton.Config(dict(zip(keys[:2], interp[:2])), num_warps=interp[2], num_stages=interp[3])]
-    return [triton.Config(dict(zip(keys[:2], c[:2])), num_warps=c[2], num_stages=c[3]) for c in gpu]
+def _configs(keys, gpu, interp):
+    """Autotune configs from tuples (*values of keys, num_warps, num_stages); one small config under the
+    interpreter."""
+    def config(c):
+        return triton.Config(dict(zip(keys, c[:-2])), num_warps=c[-2], num_stages=c[-1])
+    return [config(interp)] if INTERPRET else [config(c) for c in gpu]
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages)
-ROWS_CONFIGS = _configs([(128, 64, 8, 3), (128, 64, 4, 4), (256, 64, 8, 3), (64, 64, 4, 4), (128, 32, 4, 5)],
-                        (32, 32, 4, 1))
+# row GEMMs (down-projection, dX~): (BLOCK_N, BLOCK_K, num_warps, num_stages)
+ROWS_CONFIGS = _configs(("BLOCK_N", "BLOCK_K"),
+                        [(128, 64, 8, 3), (128, 64, 4, 4), (256, 64, 8, 3), (256, 64, 8, 4), (64, 64, 4, 4),
+                         (128, 128, 8, 3), (128, 32, 4, 5)], (32, 32, 4, 1))
 # gated up-projection: the MMA is BLOCK_M x 2·BLOCK_N (gate and up columns together)
-UP_CONFIGS = _configs([(128, 64, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4), (64, 64, 8, 4)], (16, 32, 4, 1))
-DH_CONFIGS = [triton.Config({"BLOCK_K": c.kwargs["BLOCK_K"]}, num_warps=c.num_warps, num_stages=c.num_stages)
-              for c in _configs([(0, 64, 8, 3), (0, 64, 4, 4), (0, 64, 4, 3), (0, 32, 8, 4)], (0, 32, 4, 1))]
+UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K"),
+                      [(128, 64, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4), (64, 64, 8, 4), (64, 128, 8, 3)],
+                      (16, 32, 4, 1))
+# dH: (BLOCK_N, BLOCK_K, PREFETCH_H, num_warps, num_stages); BLOCK_N a multiple of DS_BLOCK
+DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H"),
+                      [(64, 64, 0, 8, 3), (64, 64, 0, 4, 4), (64, 64, 1, 4, 4), (64, 64, 1, 8, 3),
+                       (128, 64, 0, 8, 3), (128, 64, 1, 8, 3), (128, 64, 1, 8, 4), (64, 128, 1, 4, 3)],
+                      (32, 32, 1, 4, 1))
 # weight gradients: (BLOCK_N, BLOCK_P, BLOCK_K, num_warps, num_stages)
-WGRAD_CONFIGS = ([triton.Config({"BLOCK_N": 32, "BLOCK_P": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)] if INTERPRET
-                 else [triton.Config({"BLOCK_N": n, "BLOCK_P": p, "BLOCK_K": k}, num_warps=w, num_stages=st)
-                       for n, p, k, w, st in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-                                              (128, 128, 64, 4, 4), (128, 128, 32, 4, 4)]])
+WGRAD_CONFIGS = _configs(("BLOCK_N", "BLOCK_P", "BLOCK_K"),
+                         [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+                          (128, 128, 32, 4, 4), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3), (256, 128, 64, 8, 4)],
+                         (32, 32, 32, 4, 1))
+
+
+def tuned_configs() -> dict:
+    """{kernel: {autotune key: chosen config}} of the kernels tuned so far in this process."""
+    kernels = {"up": _expert_up_fwd_kernel, "rows": _expert_rows_kernel, "dH": _expert_down_bwd_kernel,
+               "weight_grad": _expert_weight_grad_kernel}
+    return {name: {key: str(cfg) for key, cfg in k.cache.items()} for name, k in kernels.items()}
 
 
 @triton.jit
@@ -185,13 +199,14 @@ def _expert_down_bwd_kernel(
     dy_ptr, w2_ptr, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
     expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
     NUM_TILES, D, H, LK, stride_dyl, stride_dyd, stride_we, stride_wd, stride_wh, stride_pl, stride_al,
-    GATED: tl.constexpr, ACT: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, DS_BLOCK: tl.constexpr, PREFETCH_H: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     """dA' = dy[token] @ W2[e] (dy gathered in the load), then in the epilogue, from the saved H:
-    A = act(H) recomputed; dS partial = <dA', A> over this column tile (the router-weight gradient,
-    without the down-projection output); dH = d act(s * dA'); s * A for dW2."""
+    A = act(H) recomputed; dS partials = <dA', A> per DS_BLOCK columns (the router-weight gradient,
+    without the down-projection output); dH = d act(s * dA'); s * A for dW2. PREFETCH_H issues the
+    loads of H before the main loop, so their latency hides behind it."""
     tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
     if e < 0:
@@ -199,16 +214,24 @@ def _expert_down_bwd_kernel(
     tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < H
-    dact = _rows_dot(dy_ptr, tok, rmask, stride_dyl, stride_dyd, w2_ptr + e.to(tl.int64) * stride_we, stride_wd,
-                     stride_wh, offs_n, nmask, D, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     rows64 = rows.to(tl.int64)
     omask = rmask[:, None] & nmask[None, :]
     p_ptrs = preact_ptr + rows64[:, None] * stride_pl + offs_n[None, :]
+    if PREFETCH_H:
+        g = tl.load(p_ptrs, mask=omask, other=0.0)
+        if GATED:
+            u = tl.load(p_ptrs + H, mask=omask, other=0.0)
+    dact = _rows_dot(dy_ptr, tok, rmask, stride_dyl, stride_dyd, w2_ptr + e.to(tl.int64) * stride_we, stride_wd,
+                     stride_wh, offs_n, nmask, D, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    if not PREFETCH_H:
+        g = tl.load(p_ptrs, mask=omask, other=0.0)
+        if GATED:
+            u = tl.load(p_ptrs + H, mask=omask, other=0.0)
+    g = g.to(tl.float32)
     dp_ptrs = dpreact_ptr + rows64[:, None] * stride_pl + offs_n[None, :]
     s = tl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)
-    g = tl.load(p_ptrs, mask=omask, other=0.0).to(tl.float32)
     if GATED:
-        u = tl.load(p_ptrs + H, mask=omask, other=0.0).to(tl.float32)
+        u = u.to(tl.float32)
         act_g = _act(g, ACT)
         a = act_g * u
         da = dact * s[:, None]
@@ -219,7 +242,11 @@ def _expert_down_bwd_kernel(
         tl.store(dp_ptrs, (dact * s[:, None] * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=omask)
     tl.store(act_scaled_ptr + rows64[:, None] * stride_al + offs_n[None, :],
              (a * s[:, None]).to(act_scaled_ptr.dtype.element_ty), mask=omask)
-    tl.store(ds_part_ptr + pid_n * LK + rows64, tl.sum(dact * a, axis=1), mask=rmask)
+    R: tl.constexpr = BLOCK_N // DS_BLOCK
+    ds = tl.sum(tl.reshape(dact * a, (BLOCK_M, R, DS_BLOCK)), axis=2)  # (BLOCK_M, R)
+    slot = pid_n * R + tl.arange(0, R)
+    tl.store(ds_part_ptr + slot.to(tl.int64)[None, :] * LK + rows64[:, None], ds,
+             mask=rmask[:, None] & (slot * DS_BLOCK < H)[None, :])
 
 
 @triton.autotune(configs=WGRAD_CONFIGS, key=["N", "P", "GATHER_P", "GATHER_Q"])

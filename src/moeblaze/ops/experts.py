@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ..kernels.experts import (ACT_CODES, BLOCK_M, DH_BLOCK_N, GROUP_M, INTERPRET, _combine_kernel,
+from ..kernels.experts import (ACT_CODES, BLOCK_M, DS_BLOCK, GROUP_M, INTERPRET, _combine_kernel,
                                _expert_down_bwd_kernel, _expert_rows_kernel, _expert_up_fwd_kernel,
                                _expert_weight_grad_kernel)
 from ..reference import is_gated
@@ -106,6 +106,20 @@ def _weight_grad(p, q, out_shape, eti, offsets, gather_p, gather_q, out_dtype):
     return dw
 
 
+def _down_bwd(dy, w2, preact, w_sorted, dpreact, eti, offsets, sched, activation):
+    """dH into dpreact (may be preact itself); returns s·A (L·K, H) and the dS partials (H / DS_BLOCK, L·K)."""
+    LK, (E, D, H) = eti.shape[0], w2.shape
+    act_scaled = dy.new_empty(LK, H)
+    ds_part = torch.empty(triton.cdiv(H, DS_BLOCK), LK, dtype=torch.float32, device=dy.device)
+    num_tiles = sched[0].shape[0]
+    _expert_down_bwd_kernel[_grid(num_tiles, H)](
+        dy, w2, preact, w_sorted, dpreact, act_scaled, ds_part, eti, sched[0], sched[1], offsets,
+        num_tiles, D, H, LK, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        preact.stride(0), H, GATED=is_gated(activation), ACT=ACT_CODES[activation], DS_BLOCK=DS_BLOCK,
+        BLOCK_M=BLOCK_M, PRECISION=_precision(dy.dtype), GROUP_M=GROUP_M)
+    return act_scaled, ds_part
+
+
 # ---- custom ops -----------------------------------------------------------------------------------
 
 @torch.library.custom_op("moeblaze::experts_fwd", mutates_args=())
@@ -138,7 +152,6 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.T
     LK = expert_token_idx.shape[0]
     eti, offsets = expert_token_idx, expert_offsets
     sched = tile_schedule(expert_counts, offsets, LK, BLOCK_M)
-    num_tiles = sched[0].shape[0]
     if not has_preact:
         preact, _ = _up(x, w1, eti, offsets, sched, activation, True, False)
     w_sorted = torch.empty(LK, dtype=torch.float32, device=x.device)
@@ -146,14 +159,7 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.T
     # Under "recompute" H is a fresh buffer that nothing else reads: each dH tile overwrites the H tile
     # it was computed from (read before written, by the same program), saving an (L·K, F) buffer.
     dpreact = preact if not has_preact else torch.empty_like(preact)
-    act_scaled = x.new_empty(LK, H)
-    n_tiles_h = triton.cdiv(H, DH_BLOCK_N)
-    ds_part = torch.empty(n_tiles_h, LK, dtype=torch.float32, device=x.device)
-    _expert_down_bwd_kernel[(num_tiles * n_tiles_h,)](
-        dy, w2, preact, w_sorted, dpreact, act_scaled, ds_part, eti, sched[0], sched[1], offsets,
-        num_tiles, D, H, LK, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), F, H,
-        GATED=is_gated(activation), ACT=ACT_CODES[activation],
-        BLOCK_M=BLOCK_M, BLOCK_N=DH_BLOCK_N, PRECISION=_precision(x.dtype), GROUP_M=GROUP_M)
+    act_scaled, ds_part = _down_bwd(dy, w2, preact, w_sorted, dpreact, eti, offsets, sched, activation)
     del preact
     dtopk_w = ds_part.sum(0)[token_slot.long()].to(topk_w.dtype)
     dw2 = _weight_grad(dy, act_scaled, (E, D, H), eti, offsets, True, False, w2.dtype)

@@ -1,0 +1,72 @@
+"""Per-stage time of the fused expert computation: every launch of one forward+backward step
+(checkpoint="preact") timed alone, with its FLOPs, its rate and the autotuned config it ran with. The
+layer is compute-bound, so a stage far below the GPU's GEMM rate is where a step loses its time.
+Holds every intermediate of the step at once (H, dH, A, s·A, Y, dX~): size it for the GPU."""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.experts import BLOCK_M, tuned_configs
+from ..ops.experts import _combine, _down_bwd, _rows, _up, _weight_grad, tile_schedule
+from ..reference import up_width
+from ..routing import build_routing_index
+from .harness import _median_ms, make_problem
+
+
+def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device="cuda", iters=10, seed=0):
+    """[(stage, ms, TFLOP/s or None, tuned config or None)] in the order a training step runs them."""
+    p = make_problem(L, d, h, E, K, activation, dtype, device, n_sets=1, seed=seed)
+    dev = torch.device(device)
+    x, idx, w, dy = (t.detach() for t in p.sets[0])
+    w1, w2 = p.w1.detach(), p.w2.detach()
+    r = build_routing_index(idx, E)
+    eti, offsets, slot = r.expert_token_idx, r.expert_offsets, r.token_slot
+    LK, F = eti.shape[0], up_width(activation, h)
+    sched = tile_schedule(r.expert_counts, offsets, LK, BLOCK_M)
+    w_sorted = torch.empty(LK, dtype=torch.float32, device=dev)
+    w_sorted[slot.reshape(-1).long()] = w.reshape(-1).float()
+    state = {}
+
+    def up():
+        state["preact"], state["act"] = _up(x, w1, eti, offsets, sched, activation, True, True)
+
+    def down():
+        state["y"] = _rows(state["act"], w2, (w2.stride(0), w2.stride(2), w2.stride(1)), d, offsets, sched)
+
+    def combine():
+        _combine(state["y"], slot, w.float(), x.dtype)
+
+    def dh():
+        state["dpreact"] = torch.empty_like(state["preact"])
+        state["act_scaled"], _ = _down_bwd(dy, w2, state["preact"], w_sorted, state["dpreact"], eti, offsets,
+                                           sched, activation)
+
+    def dw2():
+        _weight_grad(dy, state["act_scaled"], tuple(w2.shape), eti, offsets, True, False, w2.dtype)
+
+    def dw1():
+        _weight_grad(state["dpreact"], x, tuple(w1.shape), eti, offsets, False, True, w1.dtype)
+
+    def dx_rows():
+        state["dx_rows"] = _rows(state["dpreact"], w1, (w1.stride(0), w1.stride(1), w1.stride(2)), d, offsets, sched)
+
+    def dx():
+        _combine(state["dx_rows"], slot, None, x.dtype)
+
+    gemm = 2 * LK * d
+    stages = [("up: x[idx] @ W1ᵀ, activation", up, gemm * F, "up"),
+              ("down: A @ W2ᵀ", down, gemm * h, "rows"),
+              ("combine", combine, None, None),
+              ("dH: dy[idx] @ W2, activation backward", dh, gemm * h, "dH"),
+              ("dW2: dy[idx]ᵀ @ s·A", dw2, gemm * h, "weight_grad"),
+              ("dW1: dHᵀ @ x[idx]", dw1, gemm * F, "weight_grad"),
+              ("dX~: dH @ W1", dx_rows, gemm * F, "rows"),
+              ("dx: gather-sum", dx, None, None)]
+    rows = []
+    for name, fn, flops, kernel in stages:
+        fn()  # compiles and autotunes; produces the next stage's inputs
+        ms = _median_ms(lambda i: fn(), dev, iters)
+        tuned = tuned_configs().get(kernel, {}) if kernel else {}
+        # the entry this stage used: the autotune key that was added or matches its shape (last one)
+        rows.append((name, ms, flops / ms / 1e9 if flops else None, list(tuned.values())[-1] if tuned else None))
+    return rows
