@@ -109,3 +109,18 @@ def test_token_chunks_give_the_same_result(poison_alloc, checkpoint):
         runs.append((out,) + torch.autograd.grad(out, ins, torch.ones_like(out)))
     for a, b in zip(*runs):
         assert rel_err(a, b) < 1e-6
+
+
+@pytest.mark.parametrize("block_n,prefetch,split", [(32, 1, 1), (32, 0, 1), (64, 0, 2)])
+@pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
+def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split, checkpoint):
+    """Every code path of the dH kernel the GPU autotuner may pick (H prefetch, split epilogue, several
+    dS partials per tile), on odd H so the last column tile is masked."""
+    import triton
+    from moeblaze.kernels import experts as k
+
+    cfg = triton.Config({"BLOCK_N": block_n, "BLOCK_K": 32, "PREFETCH_H": prefetch, "EPI_SPLIT": split},
+                        num_warps=4, num_stages=1)
+    monkeypatch.setattr(k._expert_down_bwd_kernel, "configs", [cfg])
+    for activation in ("swiglu", "relu2"):
+        assert_close(run_both(37, 40, 72, 5, 2, activation, checkpoint), torch.float32)

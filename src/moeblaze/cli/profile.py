@@ -16,6 +16,7 @@ import torch
 from ..bench.baselines import torch_gmm_experts
 from ..bench.harness import kernel_times
 from ..bench.stages import stage_times
+from ..kernels.experts import compiled_resources
 from ..bench.memory import SavedTensorCounter
 from ..layers import ModelConfig, MoELayer, MoEModel
 from ..ops import moe_experts
@@ -78,6 +79,13 @@ def _print_stages(rows) -> None:
     for name, ms, tflops, cfg in rows:
         print(f"  {name:<40} {ms:>8.3f} {tflops or 0:>6.0f}  {cfg or '-'}")
     print(f"  {'total':<40} {sum(r[1] for r in rows):>8.3f}")
+
+
+def _print_resources(rows) -> None:
+    print("\ncompiled variants (autotuner trials included): registers per thread, spills, shared memory")
+    for name, tile, warps, stages, regs, spills, shared in rows:
+        tile_s = " ".join(f"{k}={v}" for k, v in tile.items())
+        print(f"  {name:<12} {tile_s:<60} w{warps} s{stages} regs={regs} spills={spills} smem={shared // 1024}K")
 
 
 def _print(title: str, r: dict, top: int = 12) -> None:
@@ -147,6 +155,7 @@ def run(args) -> dict:
         _print_kernels("moeblaze", kernel_times(lambda: ours().backward()))
         if args.impl == "triton":
             _print_stages(stage_times(L, d, h, args.num_experts, args.top_k, args.activation, dtype, device))
+            _print_resources(compiled_resources())
     if not args.no_compare:
         try:
             profile_step(None, conventional, [x, routing_w, dy], device)

@@ -41,23 +41,19 @@ ROWS_CONFIGS = _configs(("BLOCK_N", "BLOCK_K"),
 UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K"),
                       [(128, 64, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4), (64, 64, 8, 4), (64, 128, 8, 3)],
                       (16, 32, 4, 1))
-# dH: (BLOCK_N, BLOCK_K, PREFETCH_H, num_warps, num_stages); BLOCK_N a multiple of DS_BLOCK
-DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H"),
-                      [(64, 64, 0, 8, 3), (64, 64, 0, 4, 4), (64, 64, 1, 4, 4), (64, 64, 1, 8, 3),
-                       (128, 64, 0, 8, 3), (128, 64, 1, 8, 3), (128, 64, 1, 8, 4), (64, 128, 1, 4, 3)],
-                      (32, 32, 1, 4, 1))
+# dH: (BLOCK_N, BLOCK_K, PREFETCH_H, EPI_SPLIT, num_warps, num_stages); BLOCK_N / EPI_SPLIT a multiple
+# of DS_BLOCK
+DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT"),
+                      [(64, 64, 1, 1, 8, 3), (64, 64, 1, 1, 4, 4), (64, 64, 1, 1, 4, 3), (128, 64, 1, 1, 8, 4),
+                       (128, 64, 1, 1, 8, 3), (128, 64, 0, 2, 8, 3), (128, 64, 0, 2, 8, 4), (256, 64, 0, 2, 8, 3),
+                       (128, 64, 0, 2, 4, 4), (128, 32, 1, 1, 4, 4)],
+                      (32, 32, 0, 2, 4, 1))
 # weight gradients: (BLOCK_N, BLOCK_P, BLOCK_K, num_warps, num_stages)
 WGRAD_CONFIGS = _configs(("BLOCK_N", "BLOCK_P", "BLOCK_K"),
                          [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
-                          (128, 128, 32, 4, 4), (128, 256, 64, 8, 4), (128, 128, 128, 8, 3), (256, 128, 64, 8, 4)],
+                          (128, 128, 32, 4, 4), (128, 128, 32, 4, 5), (128, 128, 32, 8, 4), (128, 256, 32, 8, 4),
+                          (256, 128, 32, 8, 4), (128, 128, 128, 8, 3)],
                          (32, 32, 32, 4, 1))
-
-
-def tuned_configs() -> dict:
-    """{kernel: {autotune key: chosen config}} of the kernels tuned so far in this process."""
-    kernels = {"up": _expert_up_fwd_kernel, "rows": _expert_rows_kernel, "dH": _expert_down_bwd_kernel,
-               "weight_grad": _expert_weight_grad_kernel}
-    return {name: {key: str(cfg) for key, cfg in k.cache.items()} for name, k in kernels.items()}
 
 
 @triton.jit
@@ -191,39 +187,16 @@ def _expert_rows_kernel(
              mask=rmask[:, None] & nmask[None, :])
 
 
-# restore_value: under checkpoint="recompute" the kernel writes dH over the H it reads, so the tuner's
-# repeated trial launches must each start from the original H.
-@triton.autotune(configs=DH_CONFIGS, key=["D", "H", "GATED"], restore_value=["preact_ptr"])
 @triton.jit
-def _expert_down_bwd_kernel(
-    dy_ptr, w2_ptr, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
-    expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-    NUM_TILES, D, H, LK, stride_dyl, stride_dyd, stride_we, stride_wd, stride_wh, stride_pl, stride_al,
-    GATED: tl.constexpr, ACT: tl.constexpr, DS_BLOCK: tl.constexpr, PREFETCH_H: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    """dA' = dy[token] @ W2[e] (dy gathered in the load), then in the epilogue, from the saved H:
-    A = act(H) recomputed; dS partials = <dA', A> per DS_BLOCK columns (the router-weight gradient,
-    without the down-projection output); dH = d act(s * dA'); s * A for dW2. PREFETCH_H issues the
-    loads of H before the main loop, so their latency hides behind it."""
-    tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(H, BLOCK_N), GROUP_M)
-    e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
-    if e < 0:
-        return
-    tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = offs_n < H
+def _dh_epilogue(dact, col0, rows, rmask, g, u, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
+                 ds_part_ptr, H, LK, stride_pl, stride_al, LOADED: tl.constexpr, GATED: tl.constexpr,
+                 ACT: tl.constexpr, DS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The dH epilogue of columns col0 .. col0+BLOCK_N of dA' (loads H there unless LOADED)."""
+    offs_n = col0 + tl.arange(0, BLOCK_N)
     rows64 = rows.to(tl.int64)
-    omask = rmask[:, None] & nmask[None, :]
-    p_ptrs = preact_ptr + rows64[:, None] * stride_pl + offs_n[None, :]
-    if PREFETCH_H:
-        g = tl.load(p_ptrs, mask=omask, other=0.0)
-        if GATED:
-            u = tl.load(p_ptrs + H, mask=omask, other=0.0)
-    dact = _rows_dot(dy_ptr, tok, rmask, stride_dyl, stride_dyd, w2_ptr + e.to(tl.int64) * stride_we, stride_wd,
-                     stride_wh, offs_n, nmask, D, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-    if not PREFETCH_H:
+    omask = rmask[:, None] & (offs_n < H)[None, :]
+    if not LOADED:
+        p_ptrs = preact_ptr + rows64[:, None] * stride_pl + offs_n[None, :]
         g = tl.load(p_ptrs, mask=omask, other=0.0)
         if GATED:
             u = tl.load(p_ptrs + H, mask=omask, other=0.0)
@@ -244,9 +217,56 @@ def _expert_down_bwd_kernel(
              (a * s[:, None]).to(act_scaled_ptr.dtype.element_ty), mask=omask)
     R: tl.constexpr = BLOCK_N // DS_BLOCK
     ds = tl.sum(tl.reshape(dact * a, (BLOCK_M, R, DS_BLOCK)), axis=2)  # (BLOCK_M, R)
-    slot = pid_n * R + tl.arange(0, R)
+    slot = col0 // DS_BLOCK + tl.arange(0, R)
     tl.store(ds_part_ptr + slot.to(tl.int64)[None, :] * LK + rows64[:, None], ds,
              mask=rmask[:, None] & (slot * DS_BLOCK < H)[None, :])
+
+
+# restore_value: under checkpoint="recompute" the kernel writes dH over the H it reads, so the tuner's
+# repeated trial launches must each start from the original H.
+@triton.autotune(configs=DH_CONFIGS, key=["D", "H", "GATED"], restore_value=["preact_ptr"])
+@triton.jit
+def _expert_down_bwd_kernel(
+    dy_ptr, w2_ptr, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+    expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+    NUM_TILES, D, H, LK, stride_dyl, stride_dyd, stride_we, stride_wd, stride_wh, stride_pl, stride_al,
+    GATED: tl.constexpr, ACT: tl.constexpr, DS_BLOCK: tl.constexpr, PREFETCH_H: tl.constexpr,
+    EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """dA' = dy[token] @ W2[e] (dy gathered in the load), then in the epilogue, from the saved H:
+    A = act(H) recomputed; dS partials = <dA', A> per DS_BLOCK columns (the router-weight gradient,
+    without the down-projection output); dH = d act(s * dA'); s * A for dW2.
+    PREFETCH_H issues the loads of H before the main loop, so their latency hides behind it;
+    EPI_SPLIT = 2 runs the epilogue on two column halves, halving its registers (no prefetch then)."""
+    tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(H, BLOCK_N), GROUP_M)
+    e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
+    if e < 0:
+        return
+    tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
+    col0 = pid_n * BLOCK_N
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    nmask = offs_n < H
+    if PREFETCH_H and EPI_SPLIT == 1:
+        p_ptrs = preact_ptr + rows.to(tl.int64)[:, None] * stride_pl + offs_n[None, :]
+        omask = rmask[:, None] & nmask[None, :]
+        g = tl.load(p_ptrs, mask=omask, other=0.0)
+        u = tl.load(p_ptrs + H, mask=omask & GATED, other=0.0)
+    dact = _rows_dot(dy_ptr, tok, rmask, stride_dyl, stride_dyd, w2_ptr + e.to(tl.int64) * stride_we, stride_wd,
+                     stride_wh, offs_n, nmask, D, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    if EPI_SPLIT == 1:
+        if not PREFETCH_H:
+            g = dact
+            u = dact
+        _dh_epilogue(dact, col0, rows, rmask, g, u, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
+                     ds_part_ptr, H, LK, stride_pl, stride_al, PREFETCH_H, GATED, ACT, DS_BLOCK, BLOCK_M, BLOCK_N)
+    else:
+        d0, d1 = tl.split(tl.permute(tl.reshape(dact, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        _dh_epilogue(d0, col0, rows, rmask, d0, d0, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
+                     ds_part_ptr, H, LK, stride_pl, stride_al, False, GATED, ACT, DS_BLOCK, BLOCK_M, BLOCK_N // 2)
+        _dh_epilogue(d1, col0 + BLOCK_N // 2, rows, rmask, d1, d1, preact_ptr, w_sorted_ptr, dpreact_ptr,
+                     act_scaled_ptr, ds_part_ptr, H, LK, stride_pl, stride_al, False, GATED, ACT, DS_BLOCK,
+                     BLOCK_M, BLOCK_N // 2)
 
 
 @triton.autotune(configs=WGRAD_CONFIGS, key=["N", "P", "GATHER_P", "GATHER_Q"])
@@ -305,3 +325,33 @@ def _combine_kernel(rows_ptr, token_slot_ptr, weights_ptr, out_ptr, L, D, stride
         acc += r
     tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ol + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask)
+
+
+TUNED_KERNELS = {"up": _expert_up_fwd_kernel, "rows": _expert_rows_kernel, "dH": _expert_down_bwd_kernel,
+                 "weight_grad": _expert_weight_grad_kernel}
+
+
+def tuned_configs() -> dict:
+    """{kernel: {autotune key: chosen config}} of the kernels tuned so far in this process."""
+    return {name: {key: str(cfg) for key, cfg in k.cache.items()} for name, k in TUNED_KERNELS.items()}
+
+
+def compiled_resources() -> list[tuple]:
+    """[(kernel, tile constants, warps, stages, registers, spills, shared bytes)] of every variant
+    compiled in this process (the autotuner's trials included): what limits occupancy."""
+    rows = []
+    for name, k in TUNED_KERNELS.items():
+        for cache in getattr(k.fn, "device_caches", {}).values():
+            for ck in cache[0].values():
+                try:
+                    ck._init_handles()
+                    names = ck.src.fn.arg_names
+                    consts = {names[key[0] if isinstance(key, tuple) else key]: v
+                              for key, v in ck.src.constants.items()
+                              if isinstance(key, (tuple, int))}
+                    tile = {n: v for n, v in consts.items() if n.startswith("BLOCK") or n in ("PREFETCH_H", "EPI_SPLIT")}
+                    rows.append((name, tile, ck.metadata.num_warps, ck.metadata.num_stages, ck.n_regs, ck.n_spills,
+                                 ck.metadata.shared))
+                except Exception as e:  # a Triton version without these fields: report, don't fail
+                    rows.append((name, {"unavailable": type(e).__name__}, 0, 0, 0, 0, 0))
+    return rows

@@ -181,9 +181,13 @@ def _setup_context(ctx, inputs, output):
     x, w1, w2, topk_w, counts, offsets, eti, slot, activation, save_preact = inputs
     ctx.save_for_backward(x, w1, w2, topk_w, counts, offsets, eti, slot, output[1])
     ctx.activation, ctx.has_preact = activation, save_preact
+    # preact is saved state, never used downstream: don't let autograd fill an (L·K, F) zero gradient for it
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, _dpreact):
+    if dout is None:  # the output took no part in the loss
+        return (None,) * 10
     x, w1, w2, topk_w, counts, offsets, eti, slot, preact = ctx.saved_tensors
     dx, dw1, dw2, dw = experts_bwd(dout.contiguous(), x, w1, w2, topk_w, counts, offsets, eti, slot, preact,
                                    ctx.activation, ctx.has_preact)
