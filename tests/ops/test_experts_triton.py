@@ -111,7 +111,7 @@ def test_token_chunks_give_the_same_result(poison_alloc, checkpoint):
         assert rel_err(a, b) < 1e-6
 
 
-@pytest.mark.parametrize("block_n,prefetch,split", [(32, 1, 1), (32, 0, 1), (64, 0, 2)])
+@pytest.mark.parametrize("block_n,prefetch,split", [(32, 1, 1), (32, 0, 1), (64, 0, 2), (64, 1, 2)])
 @pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
 def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split, checkpoint):
     """Every code path of the dH kernel the GPU autotuner may pick (H prefetch, split epilogue, several

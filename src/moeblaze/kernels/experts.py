@@ -44,15 +44,12 @@ UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K"),
 # dH: (BLOCK_N, BLOCK_K, PREFETCH_H, EPI_SPLIT, num_warps, num_stages); BLOCK_N / EPI_SPLIT a multiple
 # of DS_BLOCK
 DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT"),
-                      [(64, 64, 1, 1, 8, 3), (64, 64, 1, 1, 4, 4), (64, 64, 1, 1, 4, 3), (128, 64, 1, 1, 8, 4),
-                       (128, 64, 1, 1, 8, 3), (128, 64, 0, 2, 8, 3), (128, 64, 0, 2, 8, 4), (256, 64, 0, 2, 8, 3),
-                       (128, 64, 0, 2, 4, 4), (128, 32, 1, 1, 4, 4)],
+                      [(128, 64, 0, 2, 8, 4), (128, 64, 0, 2, 8, 3), (128, 64, 1, 2, 8, 4), (64, 64, 1, 1, 8, 3)],
                       (32, 32, 0, 2, 4, 1))
 # weight gradients: (BLOCK_N, BLOCK_P, BLOCK_K, num_warps, num_stages)
 WGRAD_CONFIGS = _configs(("BLOCK_N", "BLOCK_P", "BLOCK_K"),
-                         [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
-                          (128, 128, 32, 4, 4), (128, 128, 32, 4, 5), (128, 128, 32, 8, 4), (128, 256, 32, 8, 4),
-                          (256, 128, 32, 8, 4), (128, 128, 128, 8, 3)],
+                         [(128, 128, 32, 4, 4), (128, 128, 32, 4, 5), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+                          (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)],
                          (32, 32, 32, 4, 1))
 
 
@@ -188,18 +185,25 @@ def _expert_rows_kernel(
 
 
 @triton.jit
-def _dh_epilogue(dact, col0, rows, rmask, g, u, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
-                 ds_part_ptr, H, LK, stride_pl, stride_al, LOADED: tl.constexpr, GATED: tl.constexpr,
-                 ACT: tl.constexpr, DS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The dH epilogue of columns col0 .. col0+BLOCK_N of dA' (loads H there unless LOADED)."""
+def _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The saved pre-activation (gate, up) of rows x columns col0 .. col0+BLOCK_N (up is gate if not GATED)."""
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    mask = rmask[:, None] & (offs_n < H)[None, :]
+    ptrs = preact_ptr + rows.to(tl.int64)[:, None] * stride_pl + offs_n[None, :]
+    g = tl.load(ptrs, mask=mask, other=0.0)
+    if GATED:
+        return g, tl.load(ptrs + H, mask=mask, other=0.0)
+    return g, g
+
+
+@triton.jit
+def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
+                 stride_pl, stride_al, GATED: tl.constexpr, ACT: tl.constexpr, DS_BLOCK: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The dH epilogue of columns col0 .. col0+BLOCK_N of dA', given H there (g, u)."""
     offs_n = col0 + tl.arange(0, BLOCK_N)
     rows64 = rows.to(tl.int64)
     omask = rmask[:, None] & (offs_n < H)[None, :]
-    if not LOADED:
-        p_ptrs = preact_ptr + rows64[:, None] * stride_pl + offs_n[None, :]
-        g = tl.load(p_ptrs, mask=omask, other=0.0)
-        if GATED:
-            u = tl.load(p_ptrs + H, mask=omask, other=0.0)
     g = g.to(tl.float32)
     dp_ptrs = dpreact_ptr + rows64[:, None] * stride_pl + offs_n[None, :]
     s = tl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)
@@ -237,8 +241,8 @@ def _expert_down_bwd_kernel(
     """dA' = dy[token] @ W2[e] (dy gathered in the load), then in the epilogue, from the saved H:
     A = act(H) recomputed; dS partials = <dA', A> per DS_BLOCK columns (the router-weight gradient,
     without the down-projection output); dH = d act(s * dA'); s * A for dW2.
-    PREFETCH_H issues the loads of H before the main loop, so their latency hides behind it;
-    EPI_SPLIT = 2 runs the epilogue on two column halves, halving its registers (no prefetch then)."""
+    H is loaded before the main loop (PREFETCH_H, its latency hidden behind the loop) or right after
+    it, all at once; EPI_SPLIT = 2 runs the epilogue math on two column halves (fewer live registers)."""
     tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
     if e < 0:
@@ -246,27 +250,26 @@ def _expert_down_bwd_kernel(
     tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
     col0 = pid_n * BLOCK_N
     offs_n = col0 + tl.arange(0, BLOCK_N)
-    nmask = offs_n < H
-    if PREFETCH_H and EPI_SPLIT == 1:
-        p_ptrs = preact_ptr + rows.to(tl.int64)[:, None] * stride_pl + offs_n[None, :]
-        omask = rmask[:, None] & nmask[None, :]
-        g = tl.load(p_ptrs, mask=omask, other=0.0)
-        u = tl.load(p_ptrs + H, mask=omask & GATED, other=0.0)
+    HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
+    if PREFETCH_H:
+        g0, u0 = _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF)
+        if EPI_SPLIT == 2:
+            g1, u1 = _load_h(preact_ptr, rows, rmask, col0 + HALF, H, stride_pl, GATED, HALF)
     dact = _rows_dot(dy_ptr, tok, rmask, stride_dyl, stride_dyd, w2_ptr + e.to(tl.int64) * stride_we, stride_wd,
-                     stride_wh, offs_n, nmask, D, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+                     stride_wh, offs_n, offs_n < H, D, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    if not PREFETCH_H:
+        g0, u0 = _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF)
+        if EPI_SPLIT == 2:
+            g1, u1 = _load_h(preact_ptr, rows, rmask, col0 + HALF, H, stride_pl, GATED, HALF)
     if EPI_SPLIT == 1:
-        if not PREFETCH_H:
-            g = dact
-            u = dact
-        _dh_epilogue(dact, col0, rows, rmask, g, u, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
-                     ds_part_ptr, H, LK, stride_pl, stride_al, PREFETCH_H, GATED, ACT, DS_BLOCK, BLOCK_M, BLOCK_N)
+        _dh_epilogue(dact, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
+                     stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, BLOCK_N)
     else:
-        d0, d1 = tl.split(tl.permute(tl.reshape(dact, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-        _dh_epilogue(d0, col0, rows, rmask, d0, d0, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
-                     ds_part_ptr, H, LK, stride_pl, stride_al, False, GATED, ACT, DS_BLOCK, BLOCK_M, BLOCK_N // 2)
-        _dh_epilogue(d1, col0 + BLOCK_N // 2, rows, rmask, d1, d1, preact_ptr, w_sorted_ptr, dpreact_ptr,
-                     act_scaled_ptr, ds_part_ptr, H, LK, stride_pl, stride_al, False, GATED, ACT, DS_BLOCK,
-                     BLOCK_M, BLOCK_N // 2)
+        d0, d1 = tl.split(tl.permute(tl.reshape(dact, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        _dh_epilogue(d0, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
+                     stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, HALF)
+        _dh_epilogue(d1, col0 + HALF, rows, rmask, g1, u1, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, HALF)
 
 
 @triton.autotune(configs=WGRAD_CONFIGS, key=["N", "P", "GATHER_P", "GATHER_Q"])
