@@ -138,3 +138,16 @@ def test_stage_times_cover_every_launch_of_a_step():
     assert all(ms > 0 for _, ms, _, _ in rows)
     # GEMM stages carry a rate; the gather-sums don't
     assert [r[2] is not None for r in rows] == [True, True, False, True, True, True, True, False]
+
+
+def test_results_take_the_newest_run_beside_sonicmoe():
+    from moeblaze.cli.report import _latest
+
+    def row(impl, run, date, step):
+        return dict(mode="layer", impl=impl, policy="preact" if impl == "moeblaze" else "-", L=64, d=32, h=16, E=4,
+                    K=2, gpu="G", run_id=run, date=date, step_ms=step, status="ok")
+    rows = [row(i, "old", "2026-01-01", 2.0) for i in ("moeblaze", "sonicmoe", "liger", "torch_gmm")]
+    rows += [row(i, "new", "2026-02-01", 1.0) for i in ("moeblaze", "sonicmoe")]
+    rows += [row(i, "newest", "2026-03-01", 0.5) for i in ("moeblaze", "torch_gmm", "liger")]  # no SonicMoE
+    assert {r["run_id"] for r in _latest(rows, "layer")} == {"new"}
+    assert {r["run_id"] for r in _latest(rows[-3:], "layer")} == {"newest"}

@@ -27,6 +27,14 @@ def _cfg(r: dict) -> str:
     return f"{r['L']},{r['d']},{r['h']},{r['E']},{r['K']}"
 
 
+def _cfg_order(cfg: str) -> tuple:
+    """Named configs A-E first, in their order, then the others."""
+    from ..bench.harness import CONFIGS
+
+    named = [",".join(map(str, c)) for c in CONFIGS.values()]
+    return (named.index(cfg), "") if cfg in named else (len(named), cfg)
+
+
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
 
@@ -43,7 +51,7 @@ def plot_run(rows: list[dict], out_dir: str, name: str | None = None) -> list[st
     run_id = rows[0]["run_id"] if rows else "none"
     layer = [r for r in rows if r.get("mode") == "layer"]
     if layer:
-        cfgs = list(dict.fromkeys(_cfg(r) for r in layer))
+        cfgs = sorted(dict.fromkeys(_cfg(r) for r in layer), key=_cfg_order)
         labels = list(dict.fromkeys(_label(r) for r in layer))
         fig, axes = plt.subplots(1, 2, figsize=(14, 5))
         for ax, key, title in ((axes[0], "step_ms", "forward+backward (ms)"), (axes[1], "kept_mb", "kept for backward (MB)")):
@@ -88,9 +96,10 @@ def plot_run(rows: list[dict], out_dir: str, name: str | None = None) -> list[st
 
 
 def _latest(rows: list[dict], mode: str) -> list[dict]:
-    """GPU rows of `mode`: per config (layer, dispatch) all rows of the run that compared the most
-    implementations (the newest among equals), so ratios are only taken inside one run; per
-    (tokens, implementation) the newest row (scale)."""
+    """GPU rows of `mode`: per config (layer, dispatch) all rows of one run, so ratios are only taken
+    inside one run: the newest run that measured moeblaze beside SonicMoE (the bar), else the one that
+    compared the most implementations, newest among equals; per (tokens, implementation) the newest
+    row (scale)."""
     rs = [r for r in rows if r.get("mode") == mode and r.get("gpu") != "cpu"]
     if mode == "scale":
         newest = {}
@@ -101,8 +110,11 @@ def _latest(rows: list[dict], mode: str) -> list[dict]:
     for r in rs:
         labels, date = runs.setdefault((_cfg_key(r), r["gpu"]), {}).get(r["run_id"], (set(), ""))
         runs[(_cfg_key(r), r["gpu"])][r["run_id"]] = (labels | {_label(r)}, max(date, r["date"]))
-    # per config, the run that compared the most implementations, the newest among equals
-    best = {k: max(v, key=lambda run: (len(v[run][0]), v[run][1])) for k, v in runs.items()}
+    def rank(labels_date):
+        labels, date = labels_date
+        impls = {lb.split("/")[0] for lb in labels}
+        return ({"moeblaze", "sonicmoe"} <= impls, date if {"moeblaze", "sonicmoe"} <= impls else "", len(labels), date)
+    best = {k: max(v, key=lambda run: rank(v[run])) for k, v in runs.items()}
     return [r for r in rs if best[(_cfg_key(r), r["gpu"])] == r["run_id"]]
 
 
@@ -130,7 +142,7 @@ def results_markdown(rows: list[dict]) -> str:
                 "gradients against the fp32 reference.", "",
                 "| config (L,d,h,E,K) | implementation | fwd ms | step ms | vs sonic | TF/s | kept MB | peak MB | err |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for cfg in dict.fromkeys(_cfg(r) for r in layer):
+        for cfg in sorted(dict.fromkeys(_cfg(r) for r in layer), key=_cfg_order):
             rs = [r for r in layer if _cfg(r) == cfg]
             sonic = next((r["step_ms"] for r in rs if r["impl"] == "sonicmoe" and r["status"] == "ok"), None)
             for r in rs:
