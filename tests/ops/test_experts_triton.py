@@ -124,3 +124,17 @@ def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split,
     monkeypatch.setattr(k._expert_down_bwd_kernel, "configs", [cfg])
     for activation in ("swiglu", "relu2"):
         assert_close(run_both(37, 40, 72, 5, 2, activation, checkpoint), torch.float32)
+
+
+@pytest.mark.parametrize("swap,ids_ahead", [(0, 0), (0, 1), (1, 0), (1, 1)])
+def test_weight_grad_kernel_variants(poison_alloc, monkeypatch, swap, ids_ahead):
+    """Every weight-gradient code path the GPU autotuner may pick (swapped operands, token ids loaded
+    one row block ahead), with experts whose row counts are not multiples of the row block."""
+    import triton
+    from moeblaze.kernels import experts as k
+
+    cfg = triton.Config({"BLOCK_N": 32, "BLOCK_P": 16, "BLOCK_K": 16, "SWAP": swap, "IDS_AHEAD": ids_ahead},
+                        num_warps=4, num_stages=1)
+    monkeypatch.setattr(k._expert_weight_grad_kernel, "configs", [cfg])
+    assert_close(run_both(45, 37, 19, 6, 2), torch.float32)
+    assert_close(run_both(50, 32, 24, 8, 2, skew="empty"), torch.float32)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.experts import BLOCK_M, tuned_configs
+from ..kernels.experts import BLOCK_M, TUNED_KERNELS, tuned_configs
 from ..ops.experts import _combine, _down_bwd, _rows, _up, _weight_grad, tile_schedule
 from ..reference import up_width
 from ..routing import build_routing_index
@@ -14,7 +14,8 @@ from .harness import _median_ms, make_problem
 
 
 def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device="cuda", iters=10, seed=0):
-    """[(stage, ms, TFLOP/s or None, tuned config or None)] in the order a training step runs them."""
+    """[(stage, ms, TFLOP/s or None, tuned config or None, {config: ms} of every config the autotuner
+    tried for this stage, empty if it reused an earlier choice)] in the order a training step runs them."""
     p = make_problem(L, d, h, E, K, activation, dtype, device, n_sets=1, seed=seed)
     dev = torch.device(device)
     x, idx, w, dy = (t.detach() for t in p.sets[0])
@@ -64,9 +65,15 @@ def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device
               ("dx: gather-sum", dx, None, None)]
     rows = []
     for name, fn, flops, kernel in stages:
+        tuner = TUNED_KERNELS.get(kernel)
+        if tuner is not None:
+            tuner.configs_timings = None
         fn()  # compiles and autotunes; produces the next stage's inputs
+        trials = {str(c): (t[0] if isinstance(t, (list, tuple)) else t)
+                  for c, t in (getattr(tuner, "configs_timings", None) or {}).items()}
         ms = _median_ms(lambda i: fn(), dev, iters)
         tuned = tuned_configs().get(kernel, {}) if kernel else {}
         # the entry this stage used: the autotune key that was added or matches its shape (last one)
-        rows.append((name, ms, flops / ms / 1e9 if flops else None, list(tuned.values())[-1] if tuned else None))
+        rows.append((name, ms, flops / ms / 1e9 if flops else None, list(tuned.values())[-1] if tuned else None,
+                     trials))
     return rows

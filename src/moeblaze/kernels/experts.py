@@ -46,11 +46,13 @@ UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K"),
 DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT"),
                       [(128, 64, 0, 2, 8, 4), (128, 64, 0, 2, 8, 3), (128, 64, 1, 2, 8, 4), (64, 64, 1, 1, 8, 3)],
                       (32, 32, 0, 2, 4, 1))
-# weight gradients: (BLOCK_N, BLOCK_P, BLOCK_K, num_warps, num_stages)
-WGRAD_CONFIGS = _configs(("BLOCK_N", "BLOCK_P", "BLOCK_K"),
-                         [(128, 128, 32, 4, 4), (128, 128, 32, 4, 5), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
-                          (128, 256, 64, 8, 3), (256, 128, 64, 8, 3)],
-                         (32, 32, 32, 4, 1))
+# weight gradients: (BLOCK_N, BLOCK_P, BLOCK_K, SWAP, IDS_AHEAD, num_warps, num_stages)
+WGRAD_CONFIGS = _configs(("BLOCK_N", "BLOCK_P", "BLOCK_K", "SWAP", "IDS_AHEAD"),
+                         [(128, 128, 32, 0, 0, 4, 4), (128, 128, 32, 0, 0, 4, 5), (128, 128, 64, 0, 0, 8, 3),
+                          (128, 256, 64, 0, 0, 8, 3), (128, 128, 32, 0, 1, 4, 4), (128, 128, 64, 0, 1, 8, 3),
+                          (128, 128, 32, 1, 0, 4, 4), (128, 128, 64, 1, 0, 8, 3), (256, 128, 64, 1, 0, 8, 3),
+                          (128, 128, 64, 1, 1, 8, 3)],
+                         (32, 32, 32, 1, 1, 4, 1))
 
 
 @triton.jit
@@ -277,11 +279,13 @@ def _expert_down_bwd_kernel(
 def _expert_weight_grad_kernel(
     p_ptr, q_ptr, dw_ptr, expert_token_idx_ptr, expert_offsets_ptr,
     N, P, stride_pl, stride_pn, stride_ql, stride_qp, stride_de, stride_dn, stride_dp,
-    GATHER_P: tl.constexpr, GATHER_Q: tl.constexpr,
+    GATHER_P: tl.constexpr, GATHER_Q: tl.constexpr, SWAP: tl.constexpr, IDS_AHEAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dW[e] = Pm[rows of e]^T @ Qm[rows of e], reducing over the expert's rows; either side may be
-    gathered from a token matrix through expert_token_idx. An expert with no rows gets zeros."""
+    gathered from a token matrix through expert_token_idx. An expert with no rows gets zeros.
+    SWAP computes the transposed tile, (Qm^T @ Pm)^T, so the other operand is the MMA's A operand;
+    IDS_AHEAD loads the token ids of the next row block one iteration early."""
     pid = tl.program_id(0)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     n_tiles_p = tl.cdiv(P, BLOCK_P)
@@ -294,20 +298,41 @@ def _expert_weight_grad_kernel(
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     nmask = offs_n < N
     pmask = offs_p < P
-    acc = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
+    rows_k = tl.arange(0, BLOCK_K)
+    tok_next = tl.load(expert_token_idx_ptr + start + rows_k, mask=start + rows_k < end, other=0)
     for r0 in range(start, end, BLOCK_K):
-        rows = r0 + tl.arange(0, BLOCK_K)
+        rows = r0 + rows_k
         rmask = rows < end
-        tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
+        if IDS_AHEAD:
+            tok = tok_next
+            tok_next = tl.load(expert_token_idx_ptr + rows + BLOCK_K, mask=rows + BLOCK_K < end, other=0)
+        else:
+            tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
         p_rows = (tok if GATHER_P else rows).to(tl.int64)
         q_rows = (tok if GATHER_Q else rows).to(tl.int64)
-        pt = tl.load(p_ptr + p_rows[None, :] * stride_pl + offs_n[:, None] * stride_pn,
-                     mask=nmask[:, None] & rmask[None, :], other=0.0)
-        qt = tl.load(q_ptr + q_rows[:, None] * stride_ql + offs_p[None, :] * stride_qp,
-                     mask=rmask[:, None] & pmask[None, :], other=0.0)
-        acc = tl.dot(pt, qt, acc, input_precision=PRECISION)
-    tl.store(dw_ptr + e.to(tl.int64) * stride_de + offs_n[:, None] * stride_dn + offs_p[None, :] * stride_dp,
-             acc.to(dw_ptr.dtype.element_ty), mask=nmask[:, None] & pmask[None, :])
+        if SWAP:
+            qt = tl.load(q_ptr + q_rows[None, :] * stride_ql + offs_p[:, None] * stride_qp,
+                         mask=pmask[:, None] & rmask[None, :], other=0.0)
+            pt = tl.load(p_ptr + p_rows[:, None] * stride_pl + offs_n[None, :] * stride_pn,
+                         mask=rmask[:, None] & nmask[None, :], other=0.0)
+            acc = tl.dot(qt, pt, acc, input_precision=PRECISION)
+        else:
+            pt = tl.load(p_ptr + p_rows[None, :] * stride_pl + offs_n[:, None] * stride_pn,
+                         mask=nmask[:, None] & rmask[None, :], other=0.0)
+            qt = tl.load(q_ptr + q_rows[:, None] * stride_ql + offs_p[None, :] * stride_qp,
+                         mask=rmask[:, None] & pmask[None, :], other=0.0)
+            acc = tl.dot(pt, qt, acc, input_precision=PRECISION)
+    dw = dw_ptr + e.to(tl.int64) * stride_de
+    if SWAP:
+        tl.store(dw + offs_n[None, :] * stride_dn + offs_p[:, None] * stride_dp, acc.to(dw_ptr.dtype.element_ty),
+                 mask=pmask[:, None] & nmask[None, :])
+    else:
+        tl.store(dw + offs_n[:, None] * stride_dn + offs_p[None, :] * stride_dp, acc.to(dw_ptr.dtype.element_ty),
+                 mask=nmask[:, None] & pmask[None, :])
 
 
 @triton.jit
