@@ -126,15 +126,19 @@ def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split,
         assert_close(run_both(37, 40, 72, 5, 2, activation, checkpoint), torch.float32)
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("swap,ids_ahead", [(0, 0), (0, 1), (1, 0), (1, 1)])
-def test_weight_grad_kernel_variants(poison_alloc, monkeypatch, swap, ids_ahead):
+def test_weight_grad_kernel_variants(poison_alloc, monkeypatch, swap, ids_ahead, tma):
     """Every weight-gradient code path the GPU autotuner may pick (swapped operands, token ids loaded
-    one row block ahead), with experts whose row counts are not multiples of the row block."""
+    one row block ahead, the dense side through a tensor descriptor), with experts whose row counts
+    are not multiples of the row block (odd sizes fall back to pointer loads)."""
     import triton
     from moeblaze.kernels import experts as k
+    from moeblaze.ops import experts as ops
 
     cfg = triton.Config({"BLOCK_N": 32, "BLOCK_P": 16, "BLOCK_K": 16, "SWAP": swap, "IDS_AHEAD": ids_ahead},
-                        num_warps=4, num_stages=1)
+                        num_warps=4, num_stages=1, pre_hook=k._dense_block)
     monkeypatch.setattr(k._expert_weight_grad_kernel, "configs", [cfg])
+    monkeypatch.setattr(ops, "DENSE_TMA", tma)
     assert_close(run_both(45, 37, 19, 6, 2), torch.float32)
     assert_close(run_both(50, 32, 24, 8, 2, skew="empty"), torch.float32)

@@ -25,11 +25,11 @@ DS_BLOCK = 16 if INTERPRET else 64
 GROUP_M = 8  # row tiles that sweep the columns together, so a weight tile is reused from L2
 
 
-def _configs(keys, gpu, interp):
+def _configs(keys, gpu, interp, pre_hook=None):
     """Autotune configs from tuples (*values of keys, num_warps, num_stages); one small config under the
     interpreter."""
     def config(c):
-        return triton.Config(dict(zip(keys, c[:-2])), num_warps=c[-2], num_stages=c[-1])
+        return triton.Config(dict(zip(keys, c[:-2])), num_warps=c[-2], num_stages=c[-1], pre_hook=pre_hook)
     return [config(interp)] if INTERPRET else [config(c) for c in gpu]
 
 
@@ -46,13 +46,20 @@ UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K"),
 DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT"),
                       [(128, 64, 0, 2, 8, 4), (128, 64, 0, 2, 8, 3), (128, 64, 1, 2, 8, 4), (64, 64, 1, 1, 8, 3)],
                       (32, 32, 0, 2, 4, 1))
+def _dense_block(nargs):
+    """Block shape of the weight-gradient kernel's tensor descriptor, once the config is chosen."""
+    desc = nargs["dense_desc"]
+    if hasattr(desc, "block_shape"):
+        desc.block_shape = [nargs["BLOCK_K"], nargs["BLOCK_P"] if nargs["GATHER_P"] else nargs["BLOCK_N"]]
+
+
 # weight gradients: (BLOCK_N, BLOCK_P, BLOCK_K, SWAP, IDS_AHEAD, num_warps, num_stages)
 WGRAD_CONFIGS = _configs(("BLOCK_N", "BLOCK_P", "BLOCK_K", "SWAP", "IDS_AHEAD"),
                          [(128, 128, 32, 0, 0, 4, 4), (128, 128, 32, 0, 0, 4, 5), (128, 128, 64, 0, 0, 8, 3),
                           (128, 256, 64, 0, 0, 8, 3), (128, 128, 32, 0, 1, 4, 4), (128, 128, 64, 0, 1, 8, 3),
                           (128, 128, 32, 1, 0, 4, 4), (128, 128, 64, 1, 0, 8, 3), (256, 128, 64, 1, 0, 8, 3),
                           (128, 128, 64, 1, 1, 8, 3)],
-                         (32, 32, 32, 1, 1, 4, 1))
+                         (32, 32, 32, 1, 1, 4, 1), pre_hook=_dense_block)
 
 
 @triton.jit
@@ -277,15 +284,19 @@ def _expert_down_bwd_kernel(
 @triton.autotune(configs=WGRAD_CONFIGS, key=["N", "P", "GATHER_P", "GATHER_Q"])
 @triton.jit
 def _expert_weight_grad_kernel(
-    p_ptr, q_ptr, dw_ptr, expert_token_idx_ptr, expert_offsets_ptr,
+    p_ptr, q_ptr, dense_desc, dw_ptr, expert_token_idx_ptr, expert_offsets_ptr,
     N, P, stride_pl, stride_pn, stride_ql, stride_qp, stride_de, stride_dn, stride_dp,
-    GATHER_P: tl.constexpr, GATHER_Q: tl.constexpr, SWAP: tl.constexpr, IDS_AHEAD: tl.constexpr,
+    GATHER_P: tl.constexpr, GATHER_Q: tl.constexpr, DENSE_TMA: tl.constexpr, SWAP: tl.constexpr,
+    IDS_AHEAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dW[e] = Pm[rows of e]^T @ Qm[rows of e], reducing over the expert's rows; either side may be
     gathered from a token matrix through expert_token_idx. An expert with no rows gets zeros.
     SWAP computes the transposed tile, (Qm^T @ Pm)^T, so the other operand is the MMA's A operand;
-    IDS_AHEAD loads the token ids of the next row block one iteration early."""
+    IDS_AHEAD loads the token ids of the next row block one iteration early. DENSE_TMA (exactly one
+    side gathered) loads the other, row-contiguous side through the tensor descriptor dense_desc
+    (block BLOCK_K rows): its rows past the expert's end are the next expert's, and meet the gathered
+    side's zeros there."""
     pid = tl.program_id(0)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     n_tiles_p = tl.cdiv(P, BLOCK_P)
@@ -314,17 +325,29 @@ def _expert_weight_grad_kernel(
             tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
         p_rows = (tok if GATHER_P else rows).to(tl.int64)
         q_rows = (tok if GATHER_Q else rows).to(tl.int64)
-        if SWAP:
-            qt = tl.load(q_ptr + q_rows[None, :] * stride_ql + offs_p[:, None] * stride_qp,
-                         mask=pmask[:, None] & rmask[None, :], other=0.0)
-            pt = tl.load(p_ptr + p_rows[:, None] * stride_pl + offs_n[None, :] * stride_pn,
-                         mask=rmask[:, None] & nmask[None, :], other=0.0)
+        if SWAP:  # qt (BLOCK_P, BLOCK_K), pt (BLOCK_K, BLOCK_N)
+            if DENSE_TMA and GATHER_P:
+                qt = tl.trans(dense_desc.load([r0, pid_p * BLOCK_P]))
+            else:
+                qt = tl.load(q_ptr + q_rows[None, :] * stride_ql + offs_p[:, None] * stride_qp,
+                             mask=pmask[:, None] & rmask[None, :], other=0.0)
+            if DENSE_TMA and GATHER_Q:
+                pt = dense_desc.load([r0, pid_n * BLOCK_N])
+            else:
+                pt = tl.load(p_ptr + p_rows[:, None] * stride_pl + offs_n[None, :] * stride_pn,
+                             mask=rmask[:, None] & nmask[None, :], other=0.0)
             acc = tl.dot(qt, pt, acc, input_precision=PRECISION)
-        else:
-            pt = tl.load(p_ptr + p_rows[None, :] * stride_pl + offs_n[:, None] * stride_pn,
-                         mask=nmask[:, None] & rmask[None, :], other=0.0)
-            qt = tl.load(q_ptr + q_rows[:, None] * stride_ql + offs_p[None, :] * stride_qp,
-                         mask=rmask[:, None] & pmask[None, :], other=0.0)
+        else:  # pt (BLOCK_N, BLOCK_K), qt (BLOCK_K, BLOCK_P)
+            if DENSE_TMA and GATHER_Q:
+                pt = tl.trans(dense_desc.load([r0, pid_n * BLOCK_N]))
+            else:
+                pt = tl.load(p_ptr + p_rows[None, :] * stride_pl + offs_n[:, None] * stride_pn,
+                             mask=nmask[:, None] & rmask[None, :], other=0.0)
+            if DENSE_TMA and GATHER_P:
+                qt = dense_desc.load([r0, pid_p * BLOCK_P])
+            else:
+                qt = tl.load(q_ptr + q_rows[:, None] * stride_ql + offs_p[None, :] * stride_qp,
+                             mask=rmask[:, None] & pmask[None, :], other=0.0)
             acc = tl.dot(pt, qt, acc, input_precision=PRECISION)
     dw = dw_ptr + e.to(tl.int64) * stride_de
     if SWAP:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.experts import (ACT_CODES, BLOCK_M, DS_BLOCK, GROUP_M, INTERPRET, _combine_kernel,
                                _expert_down_bwd_kernel, _expert_rows_kernel, _expert_up_fwd_kernel,
@@ -34,6 +35,7 @@ from ..kernels.experts import (ACT_CODES, BLOCK_M, DS_BLOCK, GROUP_M, INTERPRET,
 from ..reference import is_gated
 
 CHECKPOINTS = ("preact", "recompute")
+DENSE_TMA = True  # weight gradients: the non-gathered side through a tensor descriptor where aligned
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -94,14 +96,24 @@ def _combine(rows, token_slot, weights, out_dtype):
     return out
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A row-major 2D tensor a tensor descriptor can address (16-byte aligned base and row stride)."""
+    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
 def _weight_grad(p, q, out_shape, eti, offsets, gather_p, gather_q, out_dtype):
     """dW (E, N, P) with dW[e] = P[rows of e]^T Q[rows of e]."""
     E, N, P = out_shape
     dw = torch.empty(out_shape, dtype=out_dtype, device=p.device)
+    dense = q if gather_p else p
+    use_tma = DENSE_TMA and gather_p != gather_q and _tma_ok(dense)
+    # block_shape is set per autotune config by the kernel's pre-hook
+    desc = TensorDescriptor(dense, list(dense.shape), list(dense.stride()), [1, 1]) if use_tma else p
     grid = lambda meta: (E * triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(P, meta["BLOCK_P"]),)  # noqa: E731
     _expert_weight_grad_kernel[grid](
-        p, q, dw, eti, offsets, N, P, p.stride(0), p.stride(1), q.stride(0), q.stride(1),
-        dw.stride(0), dw.stride(1), dw.stride(2), GATHER_P=gather_p, GATHER_Q=gather_q,
+        p, q, desc, dw, eti, offsets, N, P, p.stride(0), p.stride(1), q.stride(0), q.stride(1),
+        dw.stride(0), dw.stride(1), dw.stride(2), GATHER_P=gather_p, GATHER_Q=gather_q, DENSE_TMA=use_tma,
         PRECISION=_precision(p.dtype))
     return dw
 
