@@ -120,7 +120,7 @@ def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split,
     from moeblaze.kernels import experts as k
 
     cfg = triton.Config({"BLOCK_N": block_n, "BLOCK_K": 32, "PREFETCH_H": prefetch, "EPI_SPLIT": split},
-                        num_warps=4, num_stages=1)
+                        num_warps=4, num_stages=1, pre_hook=k._dh_blocks)
     monkeypatch.setattr(k._expert_down_bwd_kernel, "configs", [cfg])
     for activation in ("swiglu", "relu2"):
         assert_close(run_both(37, 40, 72, 5, 2, activation, checkpoint), torch.float32)
@@ -139,6 +139,6 @@ def test_weight_grad_kernel_variants(poison_alloc, monkeypatch, swap, ids_ahead,
     cfg = triton.Config({"BLOCK_N": 32, "BLOCK_P": 16, "BLOCK_K": 16, "SWAP": swap, "IDS_AHEAD": ids_ahead},
                         num_warps=4, num_stages=1, pre_hook=k._dense_block)
     monkeypatch.setattr(k._expert_weight_grad_kernel, "configs", [cfg])
-    monkeypatch.setattr(ops, "DENSE_TMA", tma)
+    monkeypatch.setattr(ops, "TMA", tma)
     assert_close(run_both(45, 37, 19, 6, 2), torch.float32)
     assert_close(run_both(50, 32, 24, 8, 2, skew="empty"), torch.float32)

@@ -33,10 +33,26 @@ def _configs(keys, gpu, interp, pre_hook=None):
     return [config(interp)] if INTERPRET else [config(c) for c in gpu]
 
 
+def _set_block(desc, shape):
+    """Give a host tensor descriptor (a pointer otherwise: nothing to do) its block shape."""
+    if hasattr(desc, "block_shape"):
+        desc.block_shape = list(shape)
+
+
+def _rows_blocks(nargs):
+    _set_block(nargs["a_desc"], (nargs["BLOCK_M"], nargs["BLOCK_K"]))
+    _set_block(nargs["b_desc"], (nargs["BLOCK_N"], nargs["BLOCK_K"]) if nargs["B_KMAJOR"]
+               else (nargs["BLOCK_K"], nargs["BLOCK_N"]))
+
+
+def _dh_blocks(nargs):
+    _set_block(nargs["w2_desc"], (nargs["BLOCK_K"], nargs["BLOCK_N"]))
+
+
 # row GEMMs (down-projection, dX~): (BLOCK_N, BLOCK_K, num_warps, num_stages)
 ROWS_CONFIGS = _configs(("BLOCK_N", "BLOCK_K"),
                         [(128, 64, 8, 3), (128, 64, 4, 4), (256, 64, 8, 3), (256, 64, 8, 4), (64, 64, 4, 4),
-                         (128, 128, 8, 3), (128, 32, 4, 5)], (32, 32, 4, 1))
+                         (128, 128, 8, 3), (128, 32, 4, 5)], (32, 32, 4, 1), pre_hook=_rows_blocks)
 # gated up-projection: the MMA is BLOCK_M x 2·BLOCK_N (gate and up columns together)
 UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K"),
                       [(128, 64, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4), (64, 64, 8, 4), (64, 128, 8, 3)],
@@ -45,12 +61,9 @@ UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K"),
 # of DS_BLOCK
 DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT"),
                       [(128, 64, 0, 2, 8, 4), (128, 64, 0, 2, 8, 3), (128, 64, 1, 2, 8, 4), (64, 64, 1, 1, 8, 3)],
-                      (32, 32, 0, 2, 4, 1))
+                      (32, 32, 0, 2, 4, 1), pre_hook=_dh_blocks)
 def _dense_block(nargs):
-    """Block shape of the weight-gradient kernel's tensor descriptor, once the config is chosen."""
-    desc = nargs["dense_desc"]
-    if hasattr(desc, "block_shape"):
-        desc.block_shape = [nargs["BLOCK_K"], nargs["BLOCK_P"] if nargs["GATHER_P"] else nargs["BLOCK_N"]]
+    _set_block(nargs["dense_desc"], (nargs["BLOCK_K"], nargs["BLOCK_P"] if nargs["GATHER_P"] else nargs["BLOCK_N"]))
 
 
 # weight gradients: (BLOCK_N, BLOCK_P, BLOCK_K, SWAP, IDS_AHEAD, num_warps, num_stages)
@@ -110,16 +123,33 @@ def _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M:
 
 @triton.jit
 def _rows_dot(a_ptr, a_rows, rmask, stride_al, stride_ad, b_ptr, stride_bk, stride_bn, offs_n, nmask, K_DIM,
+              a_desc, b_desc, b_row0, A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """fp32 (BLOCK_M, BLOCK_N) = A[a_rows, :K_DIM] @ B[:K_DIM, offs_n] (B addressed by strides)."""
+    """fp32 (BLOCK_M, BLOCK_N) = A[a_rows, :K_DIM] @ B[:K_DIM, offs_n] (B addressed by strides).
+
+    A_TMA: a_rows are contiguous and A is read through the descriptor a_desc (block BLOCK_M x BLOCK_K).
+    B_TMA: B is read through b_desc over the 2D view of all experts' weights, this expert's first row
+    b_row0, as (n, k) rows if B_KMAJOR else (k, n). A descriptor reads whole blocks: rows of the next
+    expert past K_DIM meet A's zero columns, and columns past N are never stored."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_base = a_ptr + a_rows.to(tl.int64)[:, None] * stride_al
     b_base = b_ptr + offs_n[None, :] * stride_bn
+    row0 = tl.min(a_rows)  # the descriptor paths address blocks by their first row / column
+    n0 = tl.min(offs_n)
     for k0 in range(0, K_DIM, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < K_DIM
-        a = tl.load(a_base + offs_k[None, :] * stride_ad, mask=rmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=kmask[:, None] & nmask[None, :], other=0.0)
+        if A_TMA:
+            a = a_desc.load([row0, k0])
+        else:
+            a = tl.load(a_base + offs_k[None, :] * stride_ad, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if B_TMA:
+            if B_KMAJOR:
+                b = tl.trans(b_desc.load([b_row0 + n0, k0]))
+            else:
+                b = b_desc.load([b_row0 + k0, n0])
+        else:
+            b = tl.load(b_base + offs_k[:, None] * stride_bk, mask=kmask[:, None] & nmask[None, :], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
@@ -151,7 +181,8 @@ def _expert_up_fwd_kernel(
         j = tl.arange(0, 2 * BLOCK_N)
         w_rows = (j % 2) * H + pid_n * BLOCK_N + j // 2
         acc = _rows_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wd, stride_wf, w_rows,
-                        (pid_n * BLOCK_N + j // 2) < H, D, BLOCK_M, 2 * BLOCK_N, BLOCK_K, PRECISION)
+                        (pid_n * BLOCK_N + j // 2) < H, D, x_ptr, w_e, 0, False, False, False,
+                        BLOCK_M, 2 * BLOCK_N, BLOCK_K, PRECISION)
         gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         if STORE_PREACT:
             p_ptrs = preact_ptr + rows64[:, None] * stride_pl + offs_n[None, :]
@@ -163,7 +194,7 @@ def _expert_up_fwd_kernel(
                      mask=omask)
     else:
         gate = _rows_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wd, stride_wf, offs_n, nmask, D,
-                         BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+                         x_ptr, w_e, 0, False, False, False, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         if STORE_PREACT:
             tl.store(preact_ptr + rows64[:, None] * stride_pl + offs_n[None, :],
                      gate.to(preact_ptr.dtype.element_ty), mask=omask)
@@ -175,12 +206,14 @@ def _expert_up_fwd_kernel(
 @triton.autotune(configs=ROWS_CONFIGS, key=["N", "K_DIM"])
 @triton.jit
 def _expert_rows_kernel(
-    a_ptr, b_ptr, c_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-    NUM_TILES, N, K_DIM, stride_al, stride_ad, stride_be, stride_bk, stride_bn, stride_cl,
+    a_ptr, b_ptr, a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+    NUM_TILES, N, K_DIM, B_ROWS, stride_al, stride_ad, stride_be, stride_bk, stride_bn, stride_cl,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """C[rows] = A[rows] @ B[e] for every expert's contiguous rows (down-projection; dH @ W1)."""
+    """C[rows] = A[rows] @ B[e] for every expert's contiguous rows (down-projection; dH @ W1); A and B
+    through tensor descriptors where A_TMA / B_TMA (B_ROWS rows per expert in B's 2D view)."""
     tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
     if e < 0:
@@ -188,7 +221,8 @@ def _expert_rows_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     acc = _rows_dot(a_ptr, rows, rmask, stride_al, stride_ad, b_ptr + e.to(tl.int64) * stride_be, stride_bk,
-                    stride_bn, offs_n, nmask, K_DIM, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+                    stride_bn, offs_n, nmask, K_DIM, a_desc, b_desc, e * B_ROWS, A_TMA, B_TMA, B_KMAJOR,
+                    BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cl + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=rmask[:, None] & nmask[None, :])
 
@@ -240,18 +274,19 @@ def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_s
 @triton.autotune(configs=DH_CONFIGS, key=["D", "H", "GATED"], restore_value=["preact_ptr"])
 @triton.jit
 def _expert_down_bwd_kernel(
-    dy_ptr, w2_ptr, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+    dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
     expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
     NUM_TILES, D, H, LK, stride_dyl, stride_dyd, stride_we, stride_wd, stride_wh, stride_pl, stride_al,
     GATED: tl.constexpr, ACT: tl.constexpr, DS_BLOCK: tl.constexpr, PREFETCH_H: tl.constexpr,
-    EPI_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EPI_SPLIT: tl.constexpr, W2_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """dA' = dy[token] @ W2[e] (dy gathered in the load), then in the epilogue, from the saved H:
     A = act(H) recomputed; dS partials = <dA', A> per DS_BLOCK columns (the router-weight gradient,
     without the down-projection output); dH = d act(s * dA'); s * A for dW2.
     H is loaded before the main loop (PREFETCH_H, its latency hidden behind the loop) or right after
-    it, all at once; EPI_SPLIT = 2 runs the epilogue math on two column halves (fewer live registers)."""
+    it, all at once; EPI_SPLIT = 2 runs the epilogue math on two column halves (fewer live registers).
+    W2_TMA reads W2 through the descriptor w2_desc over its (E·D, H) view."""
     tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
     if e < 0:
@@ -265,7 +300,8 @@ def _expert_down_bwd_kernel(
         if EPI_SPLIT == 2:
             g1, u1 = _load_h(preact_ptr, rows, rmask, col0 + HALF, H, stride_pl, GATED, HALF)
     dact = _rows_dot(dy_ptr, tok, rmask, stride_dyl, stride_dyd, w2_ptr + e.to(tl.int64) * stride_we, stride_wd,
-                     stride_wh, offs_n, offs_n < H, D, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+                     stride_wh, offs_n, offs_n < H, D, dy_ptr, w2_desc, e * D, False, W2_TMA, False,
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     if not PREFETCH_H:
         g0, u0 = _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF)
         if EPI_SPLIT == 2:

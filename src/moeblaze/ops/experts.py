@@ -35,7 +35,7 @@ from ..kernels.experts import (ACT_CODES, BLOCK_M, DS_BLOCK, GROUP_M, INTERPRET,
 from ..reference import is_gated
 
 CHECKPOINTS = ("preact", "recompute")
-DENSE_TMA = True  # weight gradients: the non-gathered side through a tensor descriptor where aligned
+TMA = True  # operands that are not gathered go through tensor descriptors (TMA on Hopper) where aligned
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -55,6 +55,18 @@ def tile_schedule(expert_counts: torch.Tensor, expert_offsets: torch.Tensor, num
     e = e.clamp(max=E - 1)
     row = expert_offsets[e] + (ids - (tile_end[e] - tiles_e[e])) * block_m
     return torch.where(valid, e, -1).to(torch.int32), row.to(torch.int32)
+
+
+def _tma_ok(t: torch.Tensor | None) -> bool:
+    """A row-major 2D tensor a tensor descriptor can address (16-byte aligned base and row stride)."""
+    return (t is not None and t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
+def _desc(t: torch.Tensor | None):
+    """A host tensor descriptor of 2D t where TMA is on and t is aligned for it, else None; its block
+    shape is set per autotune config by the kernel's pre-hook."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1]) if TMA and _tma_ok(t) else None
 
 
 def _grid(num_tiles: int, n: int):
@@ -79,9 +91,12 @@ def _rows(a, b, b_strides_ekn, n, offsets, sched):
     """C (rows, n) = A[rows] @ B[e] with B[e] addressed as (k, n) through b_strides_ekn."""
     c = a.new_empty(a.shape[0], n)
     num_tiles = sched[0].shape[0]
+    a_desc, b_desc = _desc(a), _desc(b.reshape(-1, b.shape[2]) if b.is_contiguous() else None)
     _expert_rows_kernel[_grid(num_tiles, n)](
-        a, b, c, sched[0], sched[1], offsets, num_tiles, n, a.shape[1], a.stride(0), a.stride(1), *b_strides_ekn,
-        c.stride(0), BLOCK_M=BLOCK_M, PRECISION=_precision(a.dtype), GROUP_M=GROUP_M)
+        a, b, a_desc or a, b_desc or b, c, sched[0], sched[1], offsets, num_tiles, n, a.shape[1], b.shape[1],
+        a.stride(0), a.stride(1), *b_strides_ekn, c.stride(0), A_TMA=a_desc is not None,
+        B_TMA=b_desc is not None, B_KMAJOR=b_strides_ekn[1] == 1, BLOCK_M=BLOCK_M, PRECISION=_precision(a.dtype),
+        GROUP_M=GROUP_M)
     return c
 
 
@@ -96,24 +111,17 @@ def _combine(rows, token_slot, weights, out_dtype):
     return out
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
-    """A row-major 2D tensor a tensor descriptor can address (16-byte aligned base and row stride)."""
-    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
-            and t.data_ptr() % 16 == 0)
 
 
 def _weight_grad(p, q, out_shape, eti, offsets, gather_p, gather_q, out_dtype):
     """dW (E, N, P) with dW[e] = P[rows of e]^T Q[rows of e]."""
     E, N, P = out_shape
     dw = torch.empty(out_shape, dtype=out_dtype, device=p.device)
-    dense = q if gather_p else p
-    use_tma = DENSE_TMA and gather_p != gather_q and _tma_ok(dense)
-    # block_shape is set per autotune config by the kernel's pre-hook
-    desc = TensorDescriptor(dense, list(dense.shape), list(dense.stride()), [1, 1]) if use_tma else p
+    desc = _desc(q if gather_p else p) if gather_p != gather_q else None
     grid = lambda meta: (E * triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(P, meta["BLOCK_P"]),)  # noqa: E731
     _expert_weight_grad_kernel[grid](
-        p, q, desc, dw, eti, offsets, N, P, p.stride(0), p.stride(1), q.stride(0), q.stride(1),
-        dw.stride(0), dw.stride(1), dw.stride(2), GATHER_P=gather_p, GATHER_Q=gather_q, DENSE_TMA=use_tma,
+        p, q, desc or p, dw, eti, offsets, N, P, p.stride(0), p.stride(1), q.stride(0), q.stride(1),
+        dw.stride(0), dw.stride(1), dw.stride(2), GATHER_P=gather_p, GATHER_Q=gather_q, DENSE_TMA=desc is not None,
         PRECISION=_precision(p.dtype))
     return dw
 
@@ -124,10 +132,12 @@ def _down_bwd(dy, w2, preact, w_sorted, dpreact, eti, offsets, sched, activation
     act_scaled = dy.new_empty(LK, H)
     ds_part = torch.empty(triton.cdiv(H, DS_BLOCK), LK, dtype=torch.float32, device=dy.device)
     num_tiles = sched[0].shape[0]
+    w2_desc = _desc(w2.reshape(-1, H) if w2.is_contiguous() else None)
     _expert_down_bwd_kernel[_grid(num_tiles, H)](
-        dy, w2, preact, w_sorted, dpreact, act_scaled, ds_part, eti, sched[0], sched[1], offsets,
+        dy, w2, w2_desc or w2, preact, w_sorted, dpreact, act_scaled, ds_part, eti, sched[0], sched[1], offsets,
         num_tiles, D, H, LK, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         preact.stride(0), H, GATED=is_gated(activation), ACT=ACT_CODES[activation], DS_BLOCK=DS_BLOCK,
+        W2_TMA=w2_desc is not None,
         BLOCK_M=BLOCK_M, PRECISION=_precision(dy.dtype), GROUP_M=GROUP_M)
     return act_scaled, ds_part
 
