@@ -142,3 +142,21 @@ def test_weight_grad_kernel_variants(poison_alloc, monkeypatch, swap, ids_ahead,
     monkeypatch.setattr(ops, "TMA", tma)
     assert_close(run_both(45, 37, 19, 6, 2), torch.float32)
     assert_close(run_both(50, 32, 24, 8, 2, skew="empty"), torch.float32)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("two_dots", [0, 1])
+def test_up_kernel_variants(poison_alloc, monkeypatch, two_dots, tma):
+    """Both gated up-projection code paths (one interleaved MMA, or two MMAs whose weights may come
+    through a tensor descriptor), gated and plain, on a width that leaves the last column tile partial."""
+    import triton
+    from moeblaze.kernels import experts as k
+    from moeblaze.ops import experts as ops
+
+    cfg = triton.Config({"BLOCK_N": 16, "BLOCK_K": 32, "TWO_DOTS": two_dots}, num_warps=4, num_stages=1,
+                        pre_hook=k._up_blocks)
+    monkeypatch.setattr(k._expert_up_fwd_kernel, "configs", [cfg])
+    monkeypatch.setattr(ops, "TMA", tma)
+    for activation in ("swiglu", "gelu"):
+        for checkpoint in ("preact", "recompute"):
+            assert_close(run_both(37, 40, 24, 5, 2, activation, checkpoint), torch.float32)

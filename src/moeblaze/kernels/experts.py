@@ -53,10 +53,16 @@ def _dh_blocks(nargs):
 ROWS_CONFIGS = _configs(("BLOCK_N", "BLOCK_K"),
                         [(128, 64, 8, 3), (128, 64, 4, 4), (256, 64, 8, 3), (256, 64, 8, 4), (64, 64, 4, 4),
                          (128, 128, 8, 3), (128, 32, 4, 5)], (32, 32, 4, 1), pre_hook=_rows_blocks)
-# gated up-projection: the MMA is BLOCK_M x 2·BLOCK_N (gate and up columns together)
-UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K"),
-                      [(128, 64, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4), (64, 64, 8, 4), (64, 128, 8, 3)],
-                      (16, 32, 4, 1))
+def _up_blocks(nargs):
+    _set_block(nargs["w1_desc"], (nargs["BLOCK_N"], nargs["BLOCK_K"]))
+
+
+# up-projection: (BLOCK_N, BLOCK_K, TWO_DOTS, num_warps, num_stages); gated, the MMA is BLOCK_M x 2·BLOCK_N
+# (gate and up columns together) or two BLOCK_M x BLOCK_N ones (TWO_DOTS)
+UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "TWO_DOTS"),
+                      [(128, 64, 0, 8, 3), (64, 64, 0, 4, 4), (128, 64, 0, 8, 4), (64, 64, 0, 8, 4),
+                       (128, 64, 1, 8, 3), (128, 64, 1, 8, 4), (64, 64, 1, 4, 4)],
+                      (16, 32, 1, 4, 1), pre_hook=_up_blocks)
 # dH: (BLOCK_N, BLOCK_K, PREFETCH_H, EPI_SPLIT, num_warps, num_stages); BLOCK_N / EPI_SPLIT a multiple
 # of DS_BLOCK
 DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT"),
@@ -154,17 +160,48 @@ def _rows_dot(a_ptr, a_rows, rmask, stride_al, stride_ad, b_ptr, stride_bk, stri
     return acc
 
 
+@triton.jit
+def _gate_up_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wf, stride_wd, offs_n, nmask, D, H,
+                 w1_desc, w_row0, W1_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 (gate, up), each (BLOCK_M, BLOCK_N): the gathered x rows against the gate rows offs_n and the
+    up rows H + offs_n of W1[e], two MMAs on one A tile; W1 through w1_desc over its (E·F, D) view
+    (this expert's first row w_row0) where W1_TMA."""
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_base = x_ptr + tok.to(tl.int64)[:, None] * stride_xl
+    n0 = tl.min(offs_n)
+    for k0 in range(0, D, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        kmask = offs_k < D
+        a = tl.load(a_base + offs_k[None, :] * stride_xd, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if W1_TMA:
+            bg = tl.trans(w1_desc.load([w_row0 + n0, k0]))
+            bu = tl.trans(w1_desc.load([w_row0 + H + n0, k0]))
+        else:
+            b_ptrs = w_e + offs_n[None, :] * stride_wf + offs_k[:, None] * stride_wd
+            bmask = kmask[:, None] & nmask[None, :]
+            bg = tl.load(b_ptrs, mask=bmask, other=0.0)
+            bu = tl.load(b_ptrs + H * stride_wf, mask=bmask, other=0.0)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+    return acc_g, acc_u
+
+
 @triton.autotune(configs=UP_CONFIGS, key=["D", "H", "GATED", "STORE_PREACT", "STORE_ACT"])
 @triton.jit
 def _expert_up_fwd_kernel(
-    x_ptr, w1_ptr, preact_ptr, act_ptr, expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+    x_ptr, w1_ptr, w1_desc, preact_ptr, act_ptr, expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
     NUM_TILES, D, H, stride_xl, stride_xd, stride_we, stride_wf, stride_wd, stride_pl, stride_al,
     GATED: tl.constexpr, ACT: tl.constexpr, STORE_PREACT: tl.constexpr, STORE_ACT: tl.constexpr,
+    W1_TMA: tl.constexpr, TWO_DOTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     """Up-projection of gathered x rows with the activation in the epilogue: writes A = act(H) (the
-    down-projection input) and, if STORE_PREACT, the pre-activation H for backward."""
+    down-projection input) and, if STORE_PREACT, the pre-activation H for backward. Gated: one wide
+    MMA over interleaved gate/up weight rows, or (TWO_DOTS) two MMAs on separate gate and up tiles,
+    which W1 can feed through a tensor descriptor (W1_TMA)."""
     tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
     if e < 0:
@@ -176,14 +213,18 @@ def _expert_up_fwd_kernel(
     rows64 = rows.to(tl.int64)
     omask = rmask[:, None] & nmask[None, :]
     if GATED:
-        # One (BLOCK_K, 2·BLOCK_N) weight tile holds the gate and up rows interleaved (column 2j: gate row
-        # n+j, column 2j+1: up row H+n+j), so a single wide MMA serves both halves; split afterwards.
-        j = tl.arange(0, 2 * BLOCK_N)
-        w_rows = (j % 2) * H + pid_n * BLOCK_N + j // 2
-        acc = _rows_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wd, stride_wf, w_rows,
-                        (pid_n * BLOCK_N + j // 2) < H, D, x_ptr, w_e, 0, False, False, False,
-                        BLOCK_M, 2 * BLOCK_N, BLOCK_K, PRECISION)
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        if TWO_DOTS:
+            gate, up = _gate_up_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wf, stride_wd, offs_n,
+                                    nmask, D, H, w1_desc, e * 2 * H, W1_TMA, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        else:
+            # One (BLOCK_K, 2·BLOCK_N) weight tile holds the gate and up rows interleaved (column 2j: gate
+            # row n+j, column 2j+1: up row H+n+j), so a single wide MMA serves both; split afterwards.
+            j = tl.arange(0, 2 * BLOCK_N)
+            w_rows = (j % 2) * H + pid_n * BLOCK_N + j // 2
+            acc = _rows_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wd, stride_wf, w_rows,
+                            (pid_n * BLOCK_N + j // 2) < H, D, x_ptr, w_e, 0, False, False, False,
+                            BLOCK_M, 2 * BLOCK_N, BLOCK_K, PRECISION)
+            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
         if STORE_PREACT:
             p_ptrs = preact_ptr + rows64[:, None] * stride_pl + offs_n[None, :]
             tl.store(p_ptrs, gate.to(preact_ptr.dtype.element_ty), mask=omask)
@@ -194,7 +235,7 @@ def _expert_up_fwd_kernel(
                      mask=omask)
     else:
         gate = _rows_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wd, stride_wf, offs_n, nmask, D,
-                         x_ptr, w_e, 0, False, False, False, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+                         x_ptr, w1_desc, e * H, False, W1_TMA, True, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
         if STORE_PREACT:
             tl.store(preact_ptr + rows64[:, None] * stride_pl + offs_n[None, :],
                      gate.to(preact_ptr.dtype.element_ty), mask=omask)

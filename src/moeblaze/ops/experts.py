@@ -79,11 +79,12 @@ def _up(x, w1, eti, offsets, sched, activation, store_preact, store_act):
     preact = x.new_empty(LK, F) if store_preact else x.new_empty(0)
     act = x.new_empty(LK, H) if store_act else x.new_empty(0)
     num_tiles = sched[0].shape[0]
+    w1_desc = _desc(w1.reshape(-1, D) if w1.is_contiguous() else None)
     _expert_up_fwd_kernel[_grid(num_tiles, H)](
-        x, w1, preact, act, eti, sched[0], sched[1], offsets,
+        x, w1, w1_desc or w1, preact, act, eti, sched[0], sched[1], offsets,
         num_tiles, D, H, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), F, H,
         GATED=is_gated(activation), ACT=ACT_CODES[activation], STORE_PREACT=store_preact, STORE_ACT=store_act,
-        BLOCK_M=BLOCK_M, PRECISION=_precision(x.dtype), GROUP_M=GROUP_M)
+        W1_TMA=w1_desc is not None, BLOCK_M=BLOCK_M, PRECISION=_precision(x.dtype), GROUP_M=GROUP_M)
     return preact, act
 
 
