@@ -111,16 +111,18 @@ def test_token_chunks_give_the_same_result(poison_alloc, checkpoint):
         assert rel_err(a, b) < 1e-6
 
 
-@pytest.mark.parametrize("block_n,prefetch,split", [(32, 1, 1), (32, 0, 1), (64, 0, 2), (64, 1, 2)])
+@pytest.mark.parametrize("block_n,prefetch,split,persistent",
+                         [(32, 1, 1, 0), (32, 0, 1, 1), (64, 0, 2, 0), (64, 1, 2, 1)])
 @pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
-def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split, checkpoint):
+def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split, persistent, checkpoint):
     """Every code path of the dH kernel the GPU autotuner may pick (H prefetch, split epilogue, several
-    dS partials per tile), on odd H so the last column tile is masked."""
+    dS partials per tile, one program per tile or persistent programs), on odd H so the last column
+    tile is masked."""
     import triton
     from moeblaze.kernels import experts as k
 
-    cfg = triton.Config({"BLOCK_N": block_n, "BLOCK_K": 32, "PREFETCH_H": prefetch, "EPI_SPLIT": split},
-                        num_warps=4, num_stages=1, pre_hook=k._dh_blocks)
+    cfg = triton.Config({"BLOCK_N": block_n, "BLOCK_K": 32, "PREFETCH_H": prefetch, "EPI_SPLIT": split,
+                         "PERSISTENT": persistent}, num_warps=4, num_stages=1, pre_hook=k._dh_blocks)
     monkeypatch.setattr(k._expert_down_bwd_kernel, "configs", [cfg])
     for activation in ("swiglu", "relu2"):
         assert_close(run_both(37, 40, 72, 5, 2, activation, checkpoint), torch.float32)
@@ -160,3 +162,17 @@ def test_up_kernel_variants(poison_alloc, monkeypatch, two_dots, tma):
     for activation in ("swiglu", "gelu"):
         for checkpoint in ("preact", "recompute"):
             assert_close(run_both(37, 40, 24, 5, 2, activation, checkpoint), torch.float32)
+
+
+@pytest.mark.parametrize("persistent", [0, 1])
+def test_rows_kernel_variants(poison_alloc, monkeypatch, persistent):
+    """The row GEMMs with one program per tile and with persistent programs, including a skewed routing
+    whose schedule has many unused tiles."""
+    import triton
+    from moeblaze.kernels import experts as k
+
+    cfg = triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "PERSISTENT": persistent}, num_warps=4, num_stages=1,
+                        pre_hook=k._rows_blocks)
+    monkeypatch.setattr(k._expert_rows_kernel, "configs", [cfg])
+    assert_close(run_both(37, 40, 24, 5, 2), torch.float32)
+    assert_close(run_both(60, 32, 16, 6, 2, skew="one"), torch.float32)

@@ -49,10 +49,11 @@ def _dh_blocks(nargs):
     _set_block(nargs["w2_desc"], (nargs["BLOCK_K"], nargs["BLOCK_N"]))
 
 
-# row GEMMs (down-projection, dX~): (BLOCK_N, BLOCK_K, num_warps, num_stages)
-ROWS_CONFIGS = _configs(("BLOCK_N", "BLOCK_K"),
-                        [(128, 64, 8, 3), (128, 64, 4, 4), (256, 64, 8, 3), (256, 64, 8, 4), (64, 64, 4, 4),
-                         (128, 128, 8, 3), (128, 32, 4, 5)], (32, 32, 4, 1), pre_hook=_rows_blocks)
+# row GEMMs (down-projection, dX~): (BLOCK_N, BLOCK_K, PERSISTENT, num_warps, num_stages)
+ROWS_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PERSISTENT"),
+                        [(128, 64, 0, 8, 3), (128, 64, 0, 4, 4), (256, 64, 0, 8, 3), (256, 64, 0, 8, 4),
+                         (128, 128, 0, 8, 3), (128, 64, 1, 8, 3), (256, 64, 1, 8, 3), (128, 64, 1, 8, 4)],
+                        (32, 32, 1, 4, 1), pre_hook=_rows_blocks)
 def _up_blocks(nargs):
     _set_block(nargs["w1_desc"], (nargs["BLOCK_N"], nargs["BLOCK_K"]))
 
@@ -63,11 +64,12 @@ UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "TWO_DOTS"),
                       [(128, 64, 0, 8, 3), (64, 64, 0, 4, 4), (128, 64, 0, 8, 4), (64, 64, 0, 8, 4),
                        (128, 64, 1, 8, 3), (128, 64, 1, 8, 4), (64, 64, 1, 4, 4)],
                       (16, 32, 1, 4, 1), pre_hook=_up_blocks)
-# dH: (BLOCK_N, BLOCK_K, PREFETCH_H, EPI_SPLIT, num_warps, num_stages); BLOCK_N / EPI_SPLIT a multiple
-# of DS_BLOCK
-DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT"),
-                      [(128, 64, 0, 2, 8, 4), (128, 64, 0, 2, 8, 3), (128, 64, 1, 2, 8, 4), (64, 64, 1, 1, 8, 3)],
-                      (32, 32, 0, 2, 4, 1), pre_hook=_dh_blocks)
+# dH: (BLOCK_N, BLOCK_K, PREFETCH_H, EPI_SPLIT, PERSISTENT, num_warps, num_stages); BLOCK_N / EPI_SPLIT
+# a multiple of DS_BLOCK
+DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT", "PERSISTENT"),
+                      [(128, 64, 0, 2, 0, 8, 4), (128, 64, 0, 2, 0, 8, 3), (128, 64, 1, 2, 0, 8, 4),
+                       (64, 64, 1, 1, 0, 8, 3), (128, 64, 0, 2, 1, 8, 4), (128, 64, 0, 2, 1, 8, 3)],
+                      (32, 32, 0, 2, 1, 4, 1), pre_hook=_dh_blocks)
 def _dense_block(nargs):
     _set_block(nargs["dense_desc"], (nargs["BLOCK_K"], nargs["BLOCK_P"] if nargs["GATHER_P"] else nargs["BLOCK_N"]))
 
@@ -247,18 +249,41 @@ def _expert_up_fwd_kernel(
 @triton.autotune(configs=ROWS_CONFIGS, key=["N", "K_DIM"])
 @triton.jit
 def _expert_rows_kernel(
-    a_ptr, b_ptr, a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+    a_ptr, b_ptr, a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr,
     NUM_TILES, N, K_DIM, B_ROWS, stride_al, stride_ad, stride_be, stride_bk, stride_bn, stride_cl,
-    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, B_KMAJOR: tl.constexpr, PERSISTENT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     """C[rows] = A[rows] @ B[e] for every expert's contiguous rows (down-projection; dH @ W1); A and B
-    through tensor descriptors where A_TMA / B_TMA (B_ROWS rows per expert in B's 2D view)."""
-    tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(N, BLOCK_N), GROUP_M)
-    e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
-    if e < 0:
-        return
+    through tensor descriptors where A_TMA / B_TMA (B_ROWS rows per expert in B's 2D view).
+    PERSISTENT: one program per multiprocessor loops over the used tiles only (their count is read
+    on the device), so the next tile's loads can be issued while this one's epilogue runs."""
+    n_tn = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        n_used = tl.load(used_tiles_ptr)
+        for t in tl.range(tl.program_id(0), n_used * n_tn, tl.num_programs(0), flatten=True):
+            tile, pid_n = _swizzle(t, n_used, n_tn, GROUP_M)
+            e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
+            _rows_tile(e, rows, rmask, pid_n, a_ptr, b_ptr, a_desc, b_desc, c_ptr, N, K_DIM, B_ROWS, stride_al,
+                       stride_ad, stride_be, stride_bk, stride_bn, stride_cl, A_TMA, B_TMA, B_KMAJOR,
+                       BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    else:
+        tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, n_tn, GROUP_M)
+        e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
+        if e < 0:
+            return
+        _rows_tile(e, rows, rmask, pid_n, a_ptr, b_ptr, a_desc, b_desc, c_ptr, N, K_DIM, B_ROWS, stride_al,
+                   stride_ad, stride_be, stride_bk, stride_bn, stride_cl, A_TMA, B_TMA, B_KMAJOR,
+                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+
+
+@triton.jit
+def _rows_tile(e, rows, rmask, pid_n, a_ptr, b_ptr, a_desc, b_desc, c_ptr, N, K_DIM, B_ROWS, stride_al,
+               stride_ad, stride_be, stride_bk, stride_bn, stride_cl, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+               B_KMAJOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """One (row tile of expert e, column tile pid_n) of the row GEMM."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
     acc = _rows_dot(a_ptr, rows, rmask, stride_al, stride_ad, b_ptr + e.to(tl.int64) * stride_be, stride_bk,
@@ -316,22 +341,47 @@ def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_s
 @triton.jit
 def _expert_down_bwd_kernel(
     dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
-    expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+    expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr,
     NUM_TILES, D, H, LK, stride_dyl, stride_dyd, stride_we, stride_wd, stride_wh, stride_pl, stride_al,
     GATED: tl.constexpr, ACT: tl.constexpr, DS_BLOCK: tl.constexpr, PREFETCH_H: tl.constexpr,
-    EPI_SPLIT: tl.constexpr, W2_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
+    EPI_SPLIT: tl.constexpr, W2_TMA: tl.constexpr, PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """dA' = dy[token] @ W2[e] (dy gathered in the load), then in the epilogue, from the saved H:
     A = act(H) recomputed; dS partials = <dA', A> per DS_BLOCK columns (the router-weight gradient,
     without the down-projection output); dH = d act(s * dA'); s * A for dW2.
     H is loaded before the main loop (PREFETCH_H, its latency hidden behind the loop) or right after
     it, all at once; EPI_SPLIT = 2 runs the epilogue math on two column halves (fewer live registers).
-    W2_TMA reads W2 through the descriptor w2_desc over its (E·D, H) view."""
-    tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(H, BLOCK_N), GROUP_M)
-    e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
-    if e < 0:
-        return
+    W2_TMA reads W2 through the descriptor w2_desc over its (E·D, H) view. PERSISTENT: one program
+    per multiprocessor loops over the used tiles, the next tile's loads overlapping this epilogue."""
+    n_tn = tl.cdiv(H, BLOCK_N)
+    if PERSISTENT:
+        n_used = tl.load(used_tiles_ptr)
+        for t in tl.range(tl.program_id(0), n_used * n_tn, tl.num_programs(0), flatten=True):
+            tile, pid_n = _swizzle(t, n_used, n_tn, GROUP_M)
+            e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
+            _dh_tile(e, rows, rmask, pid_n, dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr,
+                     act_scaled_ptr, ds_part_ptr, expert_token_idx_ptr, D, H, LK, stride_dyl, stride_dyd,
+                     stride_we, stride_wd, stride_wh, stride_pl, stride_al, GATED, ACT, DS_BLOCK, PREFETCH_H,
+                     EPI_SPLIT, W2_TMA, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    else:
+        tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, n_tn, GROUP_M)
+        e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
+        if e < 0:
+            return
+        _dh_tile(e, rows, rmask, pid_n, dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr,
+                 act_scaled_ptr, ds_part_ptr, expert_token_idx_ptr, D, H, LK, stride_dyl, stride_dyd,
+                 stride_we, stride_wd, stride_wh, stride_pl, stride_al, GATED, ACT, DS_BLOCK, PREFETCH_H,
+                 EPI_SPLIT, W2_TMA, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+
+
+@triton.jit
+def _dh_tile(e, rows, rmask, pid_n, dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr,
+             act_scaled_ptr, ds_part_ptr, expert_token_idx_ptr, D, H, LK, stride_dyl, stride_dyd,
+             stride_we, stride_wd, stride_wh, stride_pl, stride_al, GATED: tl.constexpr, ACT: tl.constexpr,
+             DS_BLOCK: tl.constexpr, PREFETCH_H: tl.constexpr, EPI_SPLIT: tl.constexpr, W2_TMA: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """One (row tile of expert e, column tile pid_n) of the dH kernel."""
     tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
     col0 = pid_n * BLOCK_N
     offs_n = col0 + tl.arange(0, BLOCK_N)

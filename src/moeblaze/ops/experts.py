@@ -43,8 +43,9 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def tile_schedule(expert_counts: torch.Tensor, expert_offsets: torch.Tensor, num_rows: int, block_m: int):
-    """(tile_expert, tile_row) int32 of length num_rows // block_m + E: the expert and first row of
-    every BLOCK_M row tile, expert by expert; -1 marks the unused tail. Built on the device."""
+    """(tile_expert, tile_row, used) int32: the expert and first row of every BLOCK_M row tile, expert
+    by expert, of length num_rows // block_m + E with -1 marking the unused tail, and the number of
+    used tiles (one element, for persistent kernels). Built on the device."""
     E = expert_counts.shape[0]
     max_tiles = num_rows // block_m + E
     tiles_e = (expert_counts + block_m - 1) // block_m
@@ -54,7 +55,7 @@ def tile_schedule(expert_counts: torch.Tensor, expert_offsets: torch.Tensor, num
     valid = e < E
     e = e.clamp(max=E - 1)
     row = expert_offsets[e] + (ids - (tile_end[e] - tiles_e[e])) * block_m
-    return torch.where(valid, e, -1).to(torch.int32), row.to(torch.int32)
+    return torch.where(valid, e, -1).to(torch.int32), row.to(torch.int32), tile_end[-1:].to(torch.int32)
 
 
 def _tma_ok(t: torch.Tensor | None) -> bool:
@@ -69,8 +70,14 @@ def _desc(t: torch.Tensor | None):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1]) if TMA and _tma_ok(t) else None
 
 
-def _grid(num_tiles: int, n: int):
-    return lambda meta: (num_tiles * triton.cdiv(n, meta["BLOCK_N"]),)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def _grid(num_tiles: int, n: int, device: torch.device | None = None):
+    """One program per (row tile, column tile); persistent configs: one per multiprocessor."""
+    sms = _num_sms(device) if device is not None else None
+    return lambda meta: ((sms if meta.get("PERSISTENT") else num_tiles * triton.cdiv(n, meta["BLOCK_N"])),)
 
 
 def _up(x, w1, eti, offsets, sched, activation, store_preact, store_act):
@@ -93,8 +100,8 @@ def _rows(a, b, b_strides_ekn, n, offsets, sched):
     c = a.new_empty(a.shape[0], n)
     num_tiles = sched[0].shape[0]
     a_desc, b_desc = _desc(a), _desc(b.reshape(-1, b.shape[2]) if b.is_contiguous() else None)
-    _expert_rows_kernel[_grid(num_tiles, n)](
-        a, b, a_desc or a, b_desc or b, c, sched[0], sched[1], offsets, num_tiles, n, a.shape[1], b.shape[1],
+    _expert_rows_kernel[_grid(num_tiles, n, a.device)](
+        a, b, a_desc or a, b_desc or b, c, sched[0], sched[1], sched[2], offsets, num_tiles, n, a.shape[1], b.shape[1],
         a.stride(0), a.stride(1), *b_strides_ekn, c.stride(0), A_TMA=a_desc is not None,
         B_TMA=b_desc is not None, B_KMAJOR=b_strides_ekn[1] == 1, BLOCK_M=BLOCK_M, PRECISION=_precision(a.dtype),
         GROUP_M=GROUP_M)
@@ -134,8 +141,9 @@ def _down_bwd(dy, w2, preact, w_sorted, dpreact, eti, offsets, sched, activation
     ds_part = torch.empty(triton.cdiv(H, DS_BLOCK), LK, dtype=torch.float32, device=dy.device)
     num_tiles = sched[0].shape[0]
     w2_desc = _desc(w2.reshape(-1, H) if w2.is_contiguous() else None)
-    _expert_down_bwd_kernel[_grid(num_tiles, H)](
-        dy, w2, w2_desc or w2, preact, w_sorted, dpreact, act_scaled, ds_part, eti, sched[0], sched[1], offsets,
+    _expert_down_bwd_kernel[_grid(num_tiles, H, dy.device)](
+        dy, w2, w2_desc or w2, preact, w_sorted, dpreact, act_scaled, ds_part, eti, sched[0], sched[1], sched[2],
+        offsets,
         num_tiles, D, H, LK, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         preact.stride(0), H, GATED=is_gated(activation), ACT=ACT_CODES[activation], DS_BLOCK=DS_BLOCK,
         W2_TMA=w2_desc is not None,
