@@ -1,12 +1,13 @@
 """Per-stage time of the fused expert computation: every launch of one forward+backward step
-(checkpoint="preact") timed alone, with its FLOPs, its rate and the autotuned config it ran with. The
-layer is compute-bound, so a stage far below the GPU's GEMM rate is where a step loses its time.
+(checkpoint="preact") timed alone, with its FLOPs, its rate and the autotuned config it ran with, and
+the registers, spills and shared memory of every compiled kernel variant. The layer is compute-bound,
+so a stage far below the GPU's GEMM rate is where a step loses its time.
 Holds every intermediate of the step at once (H, dH, A, s·A, Y, dX~): size it for the GPU."""
 from __future__ import annotations
 
 import torch
 
-from ..kernels.experts import BLOCK_M, TUNED_KERNELS, tuned_configs
+from ..kernels.experts import BLOCK_M, TUNED_KERNELS
 from ..ops.experts import _combine, _down_bwd, _rows, _up, _weight_grad, tile_schedule
 from ..reference import up_width
 from ..routing import build_routing_index
@@ -76,4 +77,31 @@ def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device
         # the entry this stage used: the autotune key that was added or matches its shape (last one)
         rows.append((name, ms, flops / ms / 1e9 if flops else None, list(tuned.values())[-1] if tuned else None,
                      trials))
+    return rows
+
+
+def tuned_configs() -> dict:
+    """{kernel: {autotune key: chosen config}} of the kernels tuned so far in this process."""
+    return {name: {key: str(cfg) for key, cfg in k.cache.items()} for name, k in TUNED_KERNELS.items()}
+
+
+def compiled_resources() -> list[tuple]:
+    """[(kernel, tile constants, warps, stages, registers, spills, shared bytes)] of every variant
+    compiled in this process (the autotuner's trials included): what limits occupancy."""
+    rows = []
+    for name, k in TUNED_KERNELS.items():
+        for cache in getattr(k.fn, "device_caches", {}).values():
+            for ck in cache[0].values():
+                try:
+                    ck._init_handles()
+                    names = ck.src.fn.arg_names
+                    consts = {names[key[0] if isinstance(key, tuple) else key]: v
+                              for key, v in ck.src.constants.items()
+                              if isinstance(key, (tuple, int))}
+                    tuned = {"BLOCK_M"}.union(*(c.kwargs for c in k.configs))
+                    tile = {n: v for n, v in consts.items() if n in tuned}
+                    rows.append((name, tile, ck.metadata.num_warps, ck.metadata.num_stages, ck.n_regs, ck.n_spills,
+                                 ck.metadata.shared))
+                except Exception as e:  # a Triton version without these fields: report, don't fail
+                    rows.append((name, {"unavailable": type(e).__name__}, 0, 0, 0, 0, 0))
     return rows

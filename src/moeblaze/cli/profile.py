@@ -15,8 +15,7 @@ import torch
 
 from ..bench.baselines import torch_gmm_experts
 from ..bench.harness import kernel_times
-from ..bench.stages import stage_times
-from ..kernels.experts import compiled_resources
+from ..bench.stages import compiled_resources, stage_times
 from ..bench.memory import SavedTensorCounter
 from ..layers import ModelConfig, MoELayer, MoEModel
 from ..ops import moe_experts

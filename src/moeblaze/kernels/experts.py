@@ -508,28 +508,3 @@ def _combine_kernel(rows_ptr, token_slot_ptr, weights_ptr, out_ptr, L, D, stride
 TUNED_KERNELS = {"up": _expert_up_fwd_kernel, "rows": _expert_rows_kernel, "dH": _expert_down_bwd_kernel,
                  "weight_grad": _expert_weight_grad_kernel}
 
-
-def tuned_configs() -> dict:
-    """{kernel: {autotune key: chosen config}} of the kernels tuned so far in this process."""
-    return {name: {key: str(cfg) for key, cfg in k.cache.items()} for name, k in TUNED_KERNELS.items()}
-
-
-def compiled_resources() -> list[tuple]:
-    """[(kernel, tile constants, warps, stages, registers, spills, shared bytes)] of every variant
-    compiled in this process (the autotuner's trials included): what limits occupancy."""
-    rows = []
-    for name, k in TUNED_KERNELS.items():
-        for cache in getattr(k.fn, "device_caches", {}).values():
-            for ck in cache[0].values():
-                try:
-                    ck._init_handles()
-                    names = ck.src.fn.arg_names
-                    consts = {names[key[0] if isinstance(key, tuple) else key]: v
-                              for key, v in ck.src.constants.items()
-                              if isinstance(key, (tuple, int))}
-                    tile = {n: v for n, v in consts.items() if n.startswith("BLOCK") or n in ("PREFETCH_H", "EPI_SPLIT")}
-                    rows.append((name, tile, ck.metadata.num_warps, ck.metadata.num_stages, ck.n_regs, ck.n_spills,
-                                 ck.metadata.shared))
-                except Exception as e:  # a Triton version without these fields: report, don't fail
-                    rows.append((name, {"unavailable": type(e).__name__}, 0, 0, 0, 0, 0))
-    return rows
