@@ -1,0 +1,26 @@
+"""scripts/compile_check.py compiles a kernel config for sm_90 on a machine without a GPU (in a child
+process: this test session runs the kernels under the interpreter, which cannot compile them)."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+SNIPPET = """
+import sys, triton
+sys.path.insert(0, "scripts")
+import compile_check as cc
+kernel = cc.K.TUNED_KERNELS["rows"]
+cfg = triton.Config({"BLOCK_N": 128, "BLOCK_K": 64, "PERSISTENT": 0}, num_warps=8, num_stages=3)
+ck = cc.compile_one(kernel, cfg, {"A_TMA": True, "B_TMA": True, "B_KMAJOR": True}, 90)
+regs, local = cc.resource_usage(ck.asm["cubin"])
+print(regs, local, ck.metadata.shared)
+"""
+
+
+def test_one_config_compiles_for_hopper_without_a_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", SNIPPET], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    regs, local, shared = map(int, out.stdout.split())
+    assert 0 < regs <= 255 and local >= 0
+    assert shared >= 3 * (128 * 64 + 64 * 128) * 2  # three pipeline stages of bf16 tiles in shared memory
