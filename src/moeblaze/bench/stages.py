@@ -15,8 +15,9 @@ from .harness import _median_ms, make_problem
 
 
 def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device="cuda", iters=10, seed=0):
-    """[(stage, ms, TFLOP/s or None, tuned config or None, {config: ms} of every config the autotuner
-    tried for this stage, empty if it reused an earlier choice)] in the order a training step runs them."""
+    """[(stage, ms, TFLOP/s or None, autotuned config of its kernel or None, {config: ms} of every config
+    the autotuner tried for this stage, empty if it reused an earlier choice)] in the order a training
+    step runs them."""
     p = make_problem(L, d, h, E, K, activation, dtype, device, n_sets=1, seed=seed)
     dev = torch.device(device)
     x, idx, w, dy = (t.detach() for t in p.sets[0])
@@ -25,8 +26,6 @@ def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device
     eti, offsets, slot = r.expert_token_idx, r.expert_offsets, r.token_slot
     LK, F = eti.shape[0], up_width(activation, h)
     sched = tile_schedule(r.expert_counts, offsets, LK, BLOCK_M)
-    w_sorted = torch.empty(LK, dtype=torch.float32, device=dev)
-    w_sorted[slot.reshape(-1).long()] = w.reshape(-1).float()
     state = {}
 
     def up():
@@ -40,8 +39,8 @@ def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device
 
     def dh():
         state["dpreact"] = torch.empty_like(state["preact"])
-        state["act_scaled"], _ = _down_bwd(dy, w2, state["preact"], w_sorted, state["dpreact"], eti, offsets,
-                                           sched, activation)
+        state["act_scaled"], _ = _down_bwd(dy, w2, state["preact"], w, slot, state["dpreact"], eti, offsets, sched,
+                                           activation)
 
     def dw2():
         _weight_grad(dy, state["act_scaled"], tuple(w2.shape), eti, offsets, True, False, w2.dtype)
@@ -73,16 +72,9 @@ def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device
         trials = {str(c): (t[0] if isinstance(t, (list, tuple)) else t)
                   for c, t in (getattr(tuner, "configs_timings", None) or {}).items()}
         ms = _median_ms(lambda i: fn(), dev, iters)
-        tuned = tuned_configs().get(kernel, {}) if kernel else {}
-        # the entry this stage used: the autotune key that was added or matches its shape (last one)
-        rows.append((name, ms, flops / ms / 1e9 if flops else None, list(tuned.values())[-1] if tuned else None,
-                     trials))
+        config = str(tuner.best_config) if tuner is not None else None  # what its last launch used
+        rows.append((name, ms, flops / ms / 1e9 if flops else None, config, trials))
     return rows
-
-
-def tuned_configs() -> dict:
-    """{kernel: {autotune key: chosen config}} of the kernels tuned so far in this process."""
-    return {name: {key: str(cfg) for key, cfg in k.cache.items()} for name, k in TUNED_KERNELS.items()}
 
 
 def compiled_resources() -> list[tuple]:
@@ -90,6 +82,7 @@ def compiled_resources() -> list[tuple]:
     compiled in this process (the autotuner's trials included): what limits occupancy."""
     rows = []
     for name, k in TUNED_KERNELS.items():
+        tuned = {"BLOCK_M"}.union(*(c.kwargs for c in k.configs))  # the constants configs choose
         for cache in getattr(k.fn, "device_caches", {}).values():
             for ck in cache[0].values():
                 try:
@@ -98,7 +91,6 @@ def compiled_resources() -> list[tuple]:
                     consts = {names[key[0] if isinstance(key, tuple) else key]: v
                               for key, v in ck.src.constants.items()
                               if isinstance(key, (tuple, int))}
-                    tuned = {"BLOCK_M"}.union(*(c.kwargs for c in k.configs))
                     tile = {n: v for n, v in consts.items() if n in tuned}
                     rows.append((name, tile, ck.metadata.num_warps, ck.metadata.num_stages, ck.n_regs, ck.n_spills,
                                  ck.metadata.shared))

@@ -112,8 +112,9 @@ def _latest(rows: list[dict], mode: str) -> list[dict]:
         runs[(_cfg_key(r), r["gpu"])][r["run_id"]] = (labels | {_label(r)}, max(date, r["date"]))
     def rank(labels_date):
         labels, date = labels_date
-        impls = {lb.split("/")[0] for lb in labels}
-        return ({"moeblaze", "sonicmoe"} <= impls, date if {"moeblaze", "sonicmoe"} <= impls else "", len(labels), date)
+        beside_sonic = {"moeblaze", "sonicmoe"} <= {lb.split("/")[0] for lb in labels}
+        # runs beside SonicMoE first, newest first; then the most implementations, newest among equals
+        return (beside_sonic, date if beside_sonic else "", len(labels), date)
     best = {k: max(v, key=lambda run: rank(v[run])) for k, v in runs.items()}
     return [r for r in rs if best[(_cfg_key(r), r["gpu"])] == r["run_id"]]
 

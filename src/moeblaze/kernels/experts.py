@@ -306,6 +306,17 @@ def _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED: tl.constexpr, BL
 
 
 @triton.jit
+def _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED: tl.constexpr, HALF: tl.constexpr,
+                   EPI_SPLIT: tl.constexpr):
+    """(g0, u0, g1, u1): H of the tile's first HALF columns and, when EPI_SPLIT == 2, of its second."""
+    g0, u0 = _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF)
+    if EPI_SPLIT == 2:
+        g1, u1 = _load_h(preact_ptr, rows, rmask, col0 + HALF, H, stride_pl, GATED, HALF)
+        return g0, u0, g1, u1
+    return g0, u0, g0, u0
+
+
+@triton.jit
 def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
                  stride_pl, stride_al, GATED: tl.constexpr, ACT: tl.constexpr, DS_BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -387,16 +398,12 @@ def _dh_tile(e, rows, rmask, pid_n, dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorte
     offs_n = col0 + tl.arange(0, BLOCK_N)
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
     if PREFETCH_H:
-        g0, u0 = _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF)
-        if EPI_SPLIT == 2:
-            g1, u1 = _load_h(preact_ptr, rows, rmask, col0 + HALF, H, stride_pl, GATED, HALF)
+        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, EPI_SPLIT)
     dact = _rows_dot(dy_ptr, tok, rmask, stride_dyl, stride_dyd, w2_ptr + e.to(tl.int64) * stride_we, stride_wd,
                      stride_wh, offs_n, offs_n < H, D, dy_ptr, w2_desc, e * D, False, W2_TMA, False,
                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     if not PREFETCH_H:
-        g0, u0 = _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF)
-        if EPI_SPLIT == 2:
-            g1, u1 = _load_h(preact_ptr, rows, rmask, col0 + HALF, H, stride_pl, GATED, HALF)
+        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, EPI_SPLIT)
     if EPI_SPLIT == 1:
         _dh_epilogue(dact, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
                      stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, BLOCK_N)
@@ -507,4 +514,3 @@ def _combine_kernel(rows_ptr, token_slot_ptr, weights_ptr, out_ptr, L, D, stride
 
 TUNED_KERNELS = {"up": _expert_up_fwd_kernel, "rows": _expert_rows_kernel, "dH": _expert_down_bwd_kernel,
                  "weight_grad": _expert_weight_grad_kernel}
-

@@ -134,9 +134,11 @@ def _weight_grad(p, q, out_shape, eti, offsets, gather_p, gather_q, out_dtype):
     return dw
 
 
-def _down_bwd(dy, w2, preact, w_sorted, dpreact, eti, offsets, sched, activation):
+def _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, activation):
     """dH into dpreact (may be preact itself); returns s·A (L·K, H) and the dS partials (H / DS_BLOCK, L·K)."""
     LK, (E, D, H) = eti.shape[0], w2.shape
+    w_sorted = torch.empty(LK, dtype=torch.float32, device=dy.device)  # router weights in row order
+    w_sorted[token_slot.reshape(-1).long()] = topk_w.reshape(-1).float()
     act_scaled = dy.new_empty(LK, H)
     ds_part = torch.empty(triton.cdiv(H, DS_BLOCK), LK, dtype=torch.float32, device=dy.device)
     num_tiles = sched[0].shape[0]
@@ -185,12 +187,10 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.T
     sched = tile_schedule(expert_counts, offsets, LK, BLOCK_M)
     if not has_preact:
         preact, _ = _up(x, w1, eti, offsets, sched, activation, True, False)
-    w_sorted = torch.empty(LK, dtype=torch.float32, device=x.device)
-    w_sorted[token_slot.reshape(-1).long()] = topk_w.reshape(-1).float()
     # Under "recompute" H is a fresh buffer that nothing else reads: each dH tile overwrites the H tile
     # it was computed from (read before written, by the same program), saving an (L·K, F) buffer.
     dpreact = preact if not has_preact else torch.empty_like(preact)
-    act_scaled, ds_part = _down_bwd(dy, w2, preact, w_sorted, dpreact, eti, offsets, sched, activation)
+    act_scaled, ds_part = _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, activation)
     del preact
     dtopk_w = ds_part.sum(0)[token_slot.long()].to(topk_w.dtype)
     dw2 = _weight_grad(dy, act_scaled, (E, D, H), eti, offsets, True, False, w2.dtype)
