@@ -151,3 +151,21 @@ def test_results_take_the_newest_run_beside_sonicmoe():
     rows += [row(i, "newest", "2026-03-01", 0.5) for i in ("moeblaze", "torch_gmm", "liger")]  # no SonicMoE
     assert {r["run_id"] for r in _latest(rows, "layer")} == {"new"}
     assert {r["run_id"] for r in _latest(rows[-3:], "layer")} == {"newest"}
+
+
+def test_results_compare_each_repeat_with_sonicmoe_of_the_same_repeat():
+    from moeblaze.cli.report import results_markdown
+
+    def row(impl, step):
+        return dict(mode="layer", impl=impl, policy="preact" if impl == "moeblaze" else "-", L=64, d=32, h=16, E=4,
+                    K=2, activation="swiglu", dtype="bfloat16", gpu="G", torch="t", triton="t", git_sha="s",
+                    command="c", run_id="r", date="2026-01-01", fwd_ms=1.0, step_ms=step, tflops=1.0, kept_mb=1.0,
+                    peak_mb=1.0, rel_err=None, status="ok")
+    rows = [row("moeblaze", 3.0), row("sonicmoe", 1.5), row("moeblaze", 2.0), row("sonicmoe", 4.0)]
+    table = [line for line in results_markdown(rows).splitlines() if line.startswith("| 64,")]
+    assert table == [
+        "| 64,32,16,4,2 (repeat 1) | moeblaze/preact | 1.00 | 3.00 | 0.50 | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 1) | sonicmoe | 1.00 | 1.50 | 1.00 | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 2) | moeblaze/preact | 1.00 | 2.00 | 2.00 | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 2) | sonicmoe | 1.00 | 4.00 | 1.00 | 1 | 1 | 1 | - |",
+    ]

@@ -66,8 +66,9 @@ def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device
     rows = []
     for name, fn, flops, kernel in stages:
         tuner = TUNED_KERNELS.get(kernel)
-        if tuner is not None:
+        if tuner is not None:  # tune this launch afresh so its trials are recorded, even if a step tuned it
             tuner.configs_timings = None
+            tuner.cache.clear()
         fn()  # compiles and autotunes; produces the next stage's inputs
         trials = {str(c): (t[0] if isinstance(t, (list, tuple)) else t)
                   for c, t in (getattr(tuner, "configs_timings", None) or {}).items()}
