@@ -176,3 +176,23 @@ def test_rows_kernel_variants(poison_alloc, monkeypatch, persistent):
     monkeypatch.setattr(k._expert_rows_kernel, "configs", [cfg])
     assert_close(run_both(37, 40, 24, 5, 2), torch.float32)
     assert_close(run_both(60, 32, 16, 6, 2, skew="one"), torch.float32)
+
+
+@pytest.mark.parametrize("counts,block_m", [([5, 0, 17, 16, 0, 1], 16), ([0, 0, 0, 40], 16), ([3], 4),
+                                            ([7] * 40 + [0] * 3, 8), ([0, 0, 0], 16),
+                                            ([(e * 37) % 11 for e in range(300)], 4)])
+def test_tile_schedule(counts, block_m):
+    """Every tile of block_m rows, expert by expert (empty experts own none), with -1 for the unused
+    tail up to the bound L·K // block_m + E; the used count; many experts spill over several programs."""
+    from moeblaze.ops.experts import tile_schedule
+
+    counts = torch.tensor(counts, dtype=torch.int32)
+    offsets = torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
+    rows = int(counts.sum())
+    want = [(e, int(offsets[e]) + j * block_m) for e in range(len(counts)) for j in range(-(-int(counts[e]) // block_m))]
+    bound = rows // block_m + len(counts)
+    tile_expert, tile_row, used = tile_schedule(counts, offsets, rows, block_m)
+    assert tile_expert.shape == tile_row.shape == (bound,) and tile_expert.dtype == tile_row.dtype == torch.int32
+    assert list(zip(tile_expert.tolist(), tile_row.tolist()))[:len(want)] == want
+    assert tile_expert[len(want):].tolist() == [-1] * (bound - len(want))
+    assert used.tolist() == [len(want)]

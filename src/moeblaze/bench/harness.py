@@ -158,16 +158,26 @@ class _Timer:
         return self.start.elapsed_time(self.end) if self.cuda else self.ms_cpu
 
 
-def _median_ms(fn, device: torch.device, iters: int) -> float:
-    """Median time of fn(i) over i = 0..iters-1: CUDA events on GPUs, the host clock on the CPU."""
-    timers = []
-    for i in range(iters):
-        with _Timer(device) as t:
-            r = fn(i)
-        timers.append(t)
-        del r
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+MEASURE_S = 1.0  # seconds a GPU timing lasts at least
+
+
+def _median_ms(fn, device: torch.device, iters: int, min_s: float | None = None) -> float:
+    """Median time of fn(i) over rounds of `iters` calls: CUDA events on GPUs, the host clock on the
+    CPU. On GPUs, rounds repeat until min_s (default MEASURE_S) seconds have passed: under sustained
+    load an H200 runs at its power cap and its clock settles over a fraction of a second, so a short
+    burst of steps times a clock that training never sees (bench/NOTES.md)."""
+    cuda = device.type == "cuda"
+    min_s = (MEASURE_S if min_s is None else min_s) if cuda else 0.0
+    timers, t0, i = [], time.perf_counter(), 0
+    while i == 0 or time.perf_counter() - t0 < min_s:
+        for _ in range(iters):
+            with _Timer(device) as t:
+                r = fn(i)
+            timers.append(t)
+            del r
+            i += 1
+        if cuda:
+            torch.cuda.synchronize()
     return statistics.median(t.ms for t in timers)
 
 
@@ -289,5 +299,5 @@ def time_dispatch(L: int, E: int, K: int, device, iters: int = 20) -> dict:
     for name, fn in DISPATCH.items():
         for _ in range(3):
             fn(idx, E)
-        res[name] = _median_ms(lambda i: fn(idx, E), torch.device(device), iters)  # noqa: B023
+        res[name] = _median_ms(lambda i: fn(idx, E), torch.device(device), iters, min_s=0.2)  # noqa: B023
     return res

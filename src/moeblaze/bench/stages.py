@@ -5,6 +5,8 @@ so a stage far below the GPU's GEMM rate is where a step loses its time.
 Holds every intermediate of the step at once (H, dH, A, s·A, Y, dX~): size it for the GPU."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..kernels.experts import BLOCK_M, TUNED_KERNELS
@@ -15,9 +17,9 @@ from .harness import _median_ms, make_problem
 
 
 def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device="cuda", iters=10, seed=0):
-    """[(stage, ms, TFLOP/s or None, autotuned config of its kernel or None, {config: ms} of every config
-    the autotuner tried for this stage, empty if it reused an earlier choice)] in the order a training
-    step runs them."""
+    """[(stage, GPU ms, host µs per call, TFLOP/s or None, autotuned config of its kernel or None,
+    {config: ms} of every config the autotuner tried for this stage)] in the order a training step runs
+    them."""
     p = make_problem(L, d, h, E, K, activation, dtype, device, n_sets=1, seed=seed)
     dev = torch.device(device)
     x, idx, w, dy = (t.detach() for t in p.sets[0])
@@ -74,8 +76,22 @@ def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device
                   for c, t in (getattr(tuner, "configs_timings", None) or {}).items()}
         ms = _median_ms(lambda i: fn(), dev, iters)
         config = str(tuner.best_config) if tuner is not None else None  # what its last launch used
-        rows.append((name, ms, flops / ms / 1e9 if flops else None, config, trials))
+        rows.append((name, ms, _host_us(fn, dev), flops / ms / 1e9 if flops else None, config, trials))
     return rows
+
+
+def _host_us(fn, dev: torch.device, n: int = 20) -> float:
+    """Host time of one call (Python, argument handling, launches), without waiting for the GPU: a
+    step whose summed host time nears its GPU time is launch-bound."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return us
 
 
 def compiled_resources() -> list[tuple]:

@@ -74,10 +74,10 @@ def _print_kernels(title: str, rows) -> None:
 
 def _print_stages(rows) -> None:
     print("\nmoeblaze: each launch of the step timed alone (checkpoint=preact)")
-    print(f"  {'stage':<40} {'ms':>8} {'TF/s':>6}  autotuned config")
-    for name, ms, tflops, cfg, _ in rows:
-        print(f"  {name:<40} {ms:>8.3f} {tflops or 0:>6.0f}  {cfg or '-'}")
-    print(f"  {'total':<40} {sum(r[1] for r in rows):>8.3f}")
+    print(f"  {'stage':<40} {'GPU ms':>8} {'host µs':>8} {'TF/s':>6}  autotuned config")
+    for name, ms, host_us, tflops, cfg, _ in rows:
+        print(f"  {name:<40} {ms:>8.3f} {host_us:>8.0f} {tflops or 0:>6.0f}  {cfg or '-'}")
+    print(f"  {'total':<40} {sum(r[1] for r in rows):>8.3f} {sum(r[2] for r in rows):>8.0f}")
     for name, *_, trials in rows:
         if trials:
             print(f"\n  autotuner trials, {name} (ms, fastest first)")

@@ -512,5 +512,27 @@ def _combine_kernel(rows_ptr, token_slot_ptr, weights_ptr, out_ptr, L, D, stride
              mask=mask)
 
 
+@triton.jit
+def _tile_schedule_kernel(counts_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, used_ptr, E, MAX_TILES,
+                          BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The row-tile schedule of the expert kernels: for tile ids t < MAX_TILES, the expert whose rows
+    tile t covers (tiles of BLOCK_M rows, expert by expert; -1 past the last used tile) and its first
+    row; program 0 also writes the number of used tiles. Each program rebuilds the per-expert tile
+    prefix sum from the E counts (E_POW2 >= E) and finds its tiles' experts by comparison."""
+    ex = tl.arange(0, E_POW2)
+    n_tiles = (tl.load(counts_ptr + ex, mask=ex < E, other=0) + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(n_tiles, 0)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), 1)  # experts whose tiles all lie before t
+    valid = e < E
+    first_tile = tl.sum(tl.where(ex[None, :] == e[:, None], tile_end - n_tiles, 0), 1)
+    row = tl.load(offsets_ptr + e, mask=valid, other=0) + (t - first_tile) * BLOCK_M
+    tmask = t < MAX_TILES
+    tl.store(tile_expert_ptr + t, tl.where(valid, e, -1), mask=tmask)
+    tl.store(tile_row_ptr + t, tl.where(valid, row, 0), mask=tmask)
+    one = tl.arange(0, 1)
+    tl.store(used_ptr + one, tl.sum(n_tiles, 0) + one, mask=one + tl.program_id(0) == 0)
+
+
 TUNED_KERNELS = {"up": _expert_up_fwd_kernel, "rows": _expert_rows_kernel, "dH": _expert_down_bwd_kernel,
                  "weight_grad": _expert_weight_grad_kernel}

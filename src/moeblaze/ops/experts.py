@@ -1,6 +1,6 @@
 """The fused, zero-buffer expert computation: launchers, torch.library custom ops and autograd.
 
-Forward (3 launches + the tile schedule):
+Forward (3 launches + the tile schedule, one launch, reused by backward):
   up      A = act(x[expert_token_idx] @ W1[e]^T)    gather in the load, activation in the epilogue
   down    Y = A @ W2[e]^T                           (L·K, D), transient
   combine out[t] = sum_k w[t,k] Y[token_slot[t,k]]   fp32, no atomics
@@ -14,8 +14,10 @@ Backward (5 launches, +1 with checkpoint="recompute"):
 
 Memory contract (bytes kept from forward to backward, beyond x, the weights and topk_weights, which
 exist anyway; b = bytes per element of x's dtype):
-  checkpoint="preact"     H: L·K·F·b (F = 2H gated, H plain) + the routing index 4·(2·L·K + 2·E + 1)
-  checkpoint="recompute"  the routing index only; H is recomputed in backward (one more GEMM)
+  checkpoint="preact"     H: L·K·F·b (F = 2H gated, H plain) + the routing index's token ids, slots
+                          and offsets 4·(2·L·K + E + 1) + the tile schedule 4·(2·(L·K // 128 + E) + 1)
+  checkpoint="recompute"  the routing index and the tile schedule only; H is recomputed in backward
+                          (one more GEMM)
 Never kept: any (L·K, D) gathered copy of x or dy, A = act(H), Y, dY. Transient in forward: A and Y;
 in backward: H (recompute; dH is then written over it), dH, s·A, dX~. moe_experts(chunk_tokens=...)
 bounds every transient by a token chunk. No host synchronization anywhere: tile counts are bounded
@@ -31,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.experts import (ACT_CODES, BLOCK_M, DS_BLOCK, GROUP_M, INTERPRET, _combine_kernel,
                                _expert_down_bwd_kernel, _expert_rows_kernel, _expert_up_fwd_kernel,
-                               _expert_weight_grad_kernel)
+                               _expert_weight_grad_kernel, _tile_schedule_kernel)
 from ..reference import is_gated
 
 CHECKPOINTS = ("preact", "recompute")
@@ -42,20 +44,24 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def tile_schedule(expert_counts: torch.Tensor, expert_offsets: torch.Tensor, num_rows: int, block_m: int):
-    """(tile_expert, tile_row, used) int32: the expert and first row of every BLOCK_M row tile, expert
-    by expert, of length num_rows // block_m + E with -1 marking the unused tail, and the number of
-    used tiles (one element, for persistent kernels). Built on the device."""
+def tile_schedule(expert_counts: torch.Tensor, expert_offsets: torch.Tensor, num_rows: int,
+                  block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tile_expert, tile_row, used) int32: the expert and first row of every block_m row tile, expert
+    by expert, of length num_rows // block_m + E (a bound on the tile count that needs no host sync)
+    with expert -1 marking the unused tail, and the number of used tiles (one element, for persistent
+    kernels). One launch on the device."""
     E = expert_counts.shape[0]
     max_tiles = num_rows // block_m + E
-    tiles_e = (expert_counts + block_m - 1) // block_m
-    tile_end = tiles_e.cumsum(0)
-    ids = torch.arange(max_tiles, device=expert_counts.device, dtype=tile_end.dtype)
-    e = torch.searchsorted(tile_end, ids, right=True)
-    valid = e < E
-    e = e.clamp(max=E - 1)
-    row = expert_offsets[e] + (ids - (tile_end[e] - tiles_e[e])) * block_m
-    return torch.where(valid, e, -1).to(torch.int32), row.to(torch.int32), tile_end[-1:].to(torch.int32)
+    dev = expert_counts.device
+    tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
+    tile_row = torch.empty(max_tiles, dtype=torch.int32, device=dev)
+    used = torch.empty(1, dtype=torch.int32, device=dev)
+    e_pow2 = triton.next_power_of_2(E)
+    block_t = max(1, min(128, 8192 // e_pow2))  # a (block_t, e_pow2) comparison per program
+    _tile_schedule_kernel[(triton.cdiv(max_tiles, block_t),)](
+        expert_counts, expert_offsets, tile_expert, tile_row, used, E, max_tiles, BLOCK_M=block_m, E_POW2=e_pow2,
+        BLOCK_T=block_t, num_warps=4)
+    return tile_expert, tile_row, used
 
 
 def _tma_ok(t: torch.Tensor | None) -> bool:
@@ -158,25 +164,31 @@ def _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, 
 @torch.library.custom_op("moeblaze::experts_fwd", mutates_args=())
 def experts_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
                 expert_counts: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
-                token_slot: torch.Tensor, activation: str, save_preact: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (L, D), preact (L·K, F) if save_preact else an empty tensor)."""
+                token_slot: torch.Tensor, activation: str,
+                save_preact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out (L, D), preact (L·K, F) if save_preact else an empty tensor, *the tile schedule), the
+    schedule built once here and handed to backward."""
     LK = expert_token_idx.shape[0]
-    sched = tile_schedule(expert_counts, expert_offsets, LK, BLOCK_M)
+    sched = tile_schedule(expert_counts, expert_offsets, LK)
     preact, act = _up(x, w1, expert_token_idx, expert_offsets, sched, activation, save_preact, True)
     y = _rows(act, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), w2.shape[1], expert_offsets, sched)
     del act
-    return _combine(y, token_slot, topk_w.float().contiguous(), x.dtype), preact
+    return (_combine(y, token_slot, topk_w.float().contiguous(), x.dtype), preact, *sched)
 
 
 @experts_fwd.register_fake
 def _(x, w1, w2, topk_w, expert_counts, expert_offsets, expert_token_idx, token_slot, activation, save_preact):
     LK = expert_token_idx.shape[0]
-    return x.new_empty(x.shape), (x.new_empty(LK, w1.shape[1]) if save_preact else x.new_empty(0))
+    tiles = LK // BLOCK_M + expert_counts.shape[0]
+    ints = dict(dtype=torch.int32, device=x.device)
+    return (x.new_empty(x.shape), (x.new_empty(LK, w1.shape[1]) if save_preact else x.new_empty(0)),
+            torch.empty(tiles, **ints), torch.empty(tiles, **ints), torch.empty(1, **ints))
 
 
 @torch.library.custom_op("moeblaze::experts_bwd", mutates_args=())
 def experts_bwd(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
-                expert_counts: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
+                tile_expert: torch.Tensor, tile_row: torch.Tensor, tiles_used: torch.Tensor,
+                expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
                 token_slot: torch.Tensor, preact: torch.Tensor, activation: str,
                 has_preact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw2, dtopk_w)."""
@@ -184,7 +196,7 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.T
     H = w2.shape[2]
     LK = expert_token_idx.shape[0]
     eti, offsets = expert_token_idx, expert_offsets
-    sched = tile_schedule(expert_counts, offsets, LK, BLOCK_M)
+    sched = (tile_expert, tile_row, tiles_used)
     if not has_preact:
         preact, _ = _up(x, w1, eti, offsets, sched, activation, True, False)
     # Under "recompute" H is a fresh buffer that nothing else reads: each dH tile overwrites the H tile
@@ -203,25 +215,25 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.T
 
 
 @experts_bwd.register_fake
-def _(dy, x, w1, w2, topk_w, expert_counts, expert_offsets, expert_token_idx, token_slot, preact, activation,
-      has_preact):
+def _(dy, x, w1, w2, topk_w, tile_expert, tile_row, tiles_used, expert_offsets, expert_token_idx, token_slot, preact,
+      activation, has_preact):
     return x.new_empty(x.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape), topk_w.new_empty(topk_w.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    x, w1, w2, topk_w, counts, offsets, eti, slot, activation, save_preact = inputs
-    ctx.save_for_backward(x, w1, w2, topk_w, counts, offsets, eti, slot, output[1])
+    x, w1, w2, topk_w, _counts, offsets, eti, slot, activation, save_preact = inputs
+    ctx.save_for_backward(x, w1, w2, topk_w, *output[2:], offsets, eti, slot, output[1])
     ctx.activation, ctx.has_preact = activation, save_preact
     # preact is saved state, never used downstream: don't let autograd fill an (L·K, F) zero gradient for it
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, _dpreact):
+def _backward(ctx, dout, *_saved_outputs):
     if dout is None:  # the output took no part in the loss
         return (None,) * 10
-    x, w1, w2, topk_w, counts, offsets, eti, slot, preact = ctx.saved_tensors
-    dx, dw1, dw2, dw = experts_bwd(dout.contiguous(), x, w1, w2, topk_w, counts, offsets, eti, slot, preact,
-                                   ctx.activation, ctx.has_preact)
+    x, w1, w2, topk_w, tile_expert, tile_row, tiles_used, offsets, eti, slot, preact = ctx.saved_tensors
+    dx, dw1, dw2, dw = experts_bwd(dout.contiguous(), x, w1, w2, topk_w, tile_expert, tile_row, tiles_used, offsets,
+                                   eti, slot, preact, ctx.activation, ctx.has_preact)
     return dx, dw1, dw2, dw, None, None, None, None, None, None
 
 
