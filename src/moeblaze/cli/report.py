@@ -119,6 +119,20 @@ def _latest(rows: list[dict], mode: str) -> list[dict]:
     return [r for r in rs if best[(_cfg_key(r), r["gpu"])] == r["run_id"]]
 
 
+def _elsewhere(rows: list[dict], shown: list[dict]) -> list[tuple[dict, dict | None]]:
+    """[(row, torch_gmm row of its run or None)]: per config of `shown` and GPU, the newest row of every
+    implementation that `shown` lacks there (a peer too slow to tune in the same run, say)."""
+    have = {(_cfg(r), r["gpu"], _label(r)) for r in shown}
+    newest = {}
+    for r in sorted((r for r in rows if r.get("mode") == "layer" and r.get("gpu") != "cpu"), key=lambda r: r["date"]):
+        key = (_cfg(r), r["gpu"], _label(r))
+        if key not in have and any(k[:2] == key[:2] for k in have):
+            newest[key] = r
+    picked = sorted(newest.values(), key=lambda r: (_cfg_order(_cfg(r)), _label(r)))
+    return [(r, next((b for b in rows if b.get("run_id") == r["run_id"] and b.get("impl") == "torch_gmm"
+                      and _cfg(b) == _cfg(r) and b["status"] == "ok"), None)) for r in picked]
+
+
 def _cfg_key(r: dict) -> str:
     return f"{r['L']},{r['E']},{r['K']}" if r.get("mode") == "dispatch" else _cfg(r)
 
@@ -160,6 +174,21 @@ def results_markdown(rows: list[dict]) -> str:
                 err = f"{max(r['rel_err'].values()):.1e}" if r.get("rel_err") else "-"
                 out.append(f"| {name} | {_label(r)} | {r['fwd_ms']:.2f} | {r['step_ms']:.2f} | {vs} | {r['tflops']:.0f} | "
                            f"{r['kept_mb']:.0f} | {r['peak_mb']:.0f} | {err} |")
+    others = _elsewhere(rows, layer)
+    if others:
+        out += ["", "Implementations the runs above did not measure, each from the newest run that did, beside "
+                "`torch_gmm` of that same run (`vs torch_gmm`: its step time / this one): "
+                f"{_runs([r for r, _ in others])}.", "",
+                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | vs torch_gmm | TF/s | kept MB | peak MB | err |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for r, base in others:
+            if r["status"] != "ok":
+                out.append(f"| {_cfg(r)} | {_label(r)} | {r['status'][:60]} |  |  |  |  |  |  |")
+                continue
+            vs = f"{base['step_ms'] / r['step_ms']:.2f}" if base else "-"
+            err = f"{max(r['rel_err'].values()):.1e}" if r.get("rel_err") else "-"
+            out.append(f"| {_cfg(r)} | {_label(r)} | {r['fwd_ms']:.2f} | {r['step_ms']:.2f} | {vs} | {r['tflops']:.0f} | "
+                       f"{r['kept_mb']:.0f} | {r['peak_mb']:.0f} | {err} |")
     disp = _latest(rows, "dispatch")
     if disp:
         r0 = disp[0]
