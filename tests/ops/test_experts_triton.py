@@ -112,10 +112,10 @@ def test_token_chunks_give_the_same_result(poison_alloc, checkpoint):
 
 
 @pytest.mark.parametrize("block_n,prefetch,split,persistent",
-                         [(32, 1, 1, 0), (32, 0, 1, 1), (64, 0, 2, 0), (64, 1, 2, 1)])
+                         [(32, 1, 1, 0), (32, 0, 1, 1), (64, 0, 2, 0), (64, 1, 2, 1), (64, 0, 4, 0), (128, 1, 4, 1)])
 @pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
 def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split, persistent, checkpoint):
-    """Every code path of the dH kernel the GPU autotuner may pick (H prefetch, split epilogue, several
+    """Every code path of the dH kernel the GPU autotuner may pick (H prefetch, epilogue in halves or quarters, several
     dS partials per tile, one program per tile or persistent programs), on odd H so the last column
     tile is masked."""
     import triton

@@ -67,7 +67,8 @@ UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "TWO_DOTS"),
 # dH: (BLOCK_N, BLOCK_K, PREFETCH_H, EPI_SPLIT, PERSISTENT, num_warps, num_stages); BLOCK_N / EPI_SPLIT
 # a multiple of DS_BLOCK
 DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT", "PERSISTENT"),
-                      [(128, 64, 0, 2, 0, 8, 4), (128, 64, 0, 2, 0, 8, 3), (128, 64, 1, 2, 0, 8, 4),
+                      [(256, 64, 0, 4, 0, 8, 4), (256, 64, 0, 4, 0, 8, 3),
+                       (128, 64, 0, 2, 0, 8, 4), (128, 64, 0, 2, 0, 8, 3), (128, 64, 1, 2, 0, 8, 4),
                        (64, 64, 1, 1, 0, 8, 3), (128, 64, 0, 2, 1, 8, 4), (128, 64, 0, 2, 1, 8, 3)],
                       (32, 32, 0, 2, 1, 4, 1), pre_hook=_dh_blocks)
 def _dense_block(nargs):
@@ -397,16 +398,32 @@ def _dh_tile(e, rows, rmask, pid_n, dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorte
     col0 = pid_n * BLOCK_N
     offs_n = col0 + tl.arange(0, BLOCK_N)
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
+    PARTS: tl.constexpr = 2 if EPI_SPLIT > 1 else 1  # H parts loaded here (EPI_SPLIT = 4: the first two)
     if PREFETCH_H:
-        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, EPI_SPLIT)
+        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, PARTS)
     dact = _rows_dot(dy_ptr, tok, rmask, stride_dyl, stride_dyd, w2_ptr + e.to(tl.int64) * stride_we, stride_wd,
                      stride_wh, offs_n, offs_n < H, D, dy_ptr, w2_desc, e * D, False, W2_TMA, False,
                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     if not PREFETCH_H:
-        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, EPI_SPLIT)
+        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, PARTS)
     if EPI_SPLIT == 1:
         _dh_epilogue(dact, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
                      stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, BLOCK_N)
+    elif EPI_SPLIT == 4:
+        # quarters of Q columns: column i·2Q + j·Q + q sits at [q, i, j] after the permute
+        Q: tl.constexpr = BLOCK_N // 4
+        lo, hi = tl.split(tl.permute(tl.reshape(dact, (BLOCK_M, 2, 2, Q)), (0, 3, 1, 2)))
+        d0, d2 = tl.split(lo)
+        d1, d3 = tl.split(hi)
+        _dh_epilogue(d0, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
+                     stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+        _dh_epilogue(d1, col0 + Q, rows, rmask, g1, u1, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H,
+                     LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+        g2, u2, g3, u3 = _load_h_halves(preact_ptr, rows, rmask, col0 + 2 * Q, H, stride_pl, GATED, Q, 2)
+        _dh_epilogue(d2, col0 + 2 * Q, rows, rmask, g2, u2, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+        _dh_epilogue(d3, col0 + 3 * Q, rows, rmask, g3, u3, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
     else:
         d0, d1 = tl.split(tl.permute(tl.reshape(dact, (BLOCK_M, 2, HALF)), (0, 2, 1)))
         _dh_epilogue(d0, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
