@@ -16,7 +16,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for s in $steps; do
   echo "=== $s"
   case $s in
-    tests) python3 -m pytest -m gpu tests/gpu -q -p no:logging ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" ;;
+    tests) python3 -m pytest -m gpu tests/gpu -p no:logging ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" ;;
     dispatch) python3 -m moeblaze.cli bench --dispatch --out "$OUT" ;;
     layer) python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
     scale) python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
