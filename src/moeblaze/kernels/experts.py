@@ -62,7 +62,9 @@ def _up_blocks(nargs):
 # (gate and up columns together) or two BLOCK_M x BLOCK_N ones (TWO_DOTS)
 UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "TWO_DOTS"),
                       [(128, 64, 0, 8, 3), (64, 64, 0, 4, 4), (128, 64, 0, 8, 4), (64, 64, 0, 8, 4),
-                       (128, 64, 1, 8, 3), (128, 64, 1, 8, 4), (64, 64, 1, 4, 4)],
+                       (128, 64, 1, 8, 3), (128, 64, 1, 8, 4), (64, 64, 1, 4, 4),
+                       # two programs per multiprocessor (<= 128 registers at 8 warps or 4 warps, <= 96 KB)
+                       (64, 64, 0, 8, 3), (64, 64, 0, 4, 3), (64, 64, 1, 4, 3)],
                       (16, 32, 1, 4, 1), pre_hook=_up_blocks)
 # dH: (BLOCK_N, BLOCK_K, PREFETCH_H, EPI_SPLIT, num_warps, num_stages); BLOCK_N / EPI_SPLIT a multiple of
 # DS_BLOCK. (Persistent programs, the next tile's loads overlapping this one's epilogue, were slower at
