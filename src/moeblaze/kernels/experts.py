@@ -63,7 +63,7 @@ def _up_blocks(nargs):
 UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "TWO_DOTS"),
                       [(128, 64, 0, 8, 3), (64, 64, 0, 4, 4), (128, 64, 0, 8, 4), (64, 64, 0, 8, 4),
                        (128, 64, 1, 8, 3), (128, 64, 1, 8, 4), (64, 64, 1, 4, 4),
-                       # two programs per multiprocessor (<= 128 registers at 8 warps or 4 warps, <= 96 KB)
+                       # two programs per multiprocessor: 8 warps at <= 128 registers or 4 warps, <= 96 KB
                        (64, 64, 0, 8, 3), (64, 64, 0, 4, 3), (64, 64, 1, 4, 3)],
                       (16, 32, 1, 4, 1), pre_hook=_up_blocks)
 # dH: (BLOCK_N, BLOCK_K, PREFETCH_H, EPI_SPLIT, num_warps, num_stages); BLOCK_N / EPI_SPLIT a multiple of
