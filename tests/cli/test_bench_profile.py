@@ -73,6 +73,29 @@ def test_a_failing_implementation_is_reported_not_fatal(tmp_path, monkeypatch):
     assert status == {"torch_gmm": "error: RuntimeError: kernel exploded", "reference": "ok"}
 
 
+def test_an_implementation_failing_while_timed_is_reported_not_fatal(tmp_path, monkeypatch):
+    """It compiles and passes its checks, then fails in the interleaved timing rounds: its row says why,
+    the others are timed."""
+    calls = []
+
+    def fails_once_timed(p, policy):
+        ref = harness.IMPLS["reference"][2](p, policy)
+
+        def call(*args):
+            calls.append(1)
+            if len(calls) >= 6:  # an error check, a compiling step, 2 warm-up steps, a forward for memory
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return ref(*args)
+        return call
+
+    monkeypatch.setitem(harness.IMPLS, "torch_gmm", (lambda: True, ("-",), fails_once_timed))
+    out = str(tmp_path)
+    main(["bench", "--config", "32,16,16,4,2", "--impls", "torch_gmm,reference", "--out", out, "--iters", "2"])
+    rows = {r["impl"]: r for r in read_rows(out)}
+    assert rows["torch_gmm"]["status"] == "oom" and rows["torch_gmm"]["kept_mb"] is not None
+    assert rows["reference"]["status"] == "ok" and rows["reference"]["step_ms"] > 0
+
+
 def test_dispatch_rows(tmp_path):
     out = str(tmp_path)
     main(["bench", "--dispatch", "--dispatch-L", "200", "--dispatch-E", "4,16", "--dispatch-K", "1,8", "--out", out])

@@ -226,9 +226,9 @@ def gpu_busy_ms(call, p: Problem) -> float:
 WARMUP_S = 0.5  # seconds of warm-up steps on GPUs, beyond the first (compiling) one
 
 
-def measure(call, p: Problem, ref=None, warmup: int = 3, iters: int = 10, busy: bool = False) -> dict:
-    """fwd_ms, step_ms, kept_mb, peak_mb, tflops and rel_err (out, dx, dw1, dw2, dtopk_w) of one impl;
-    with busy, also gpu_busy_ms (see gpu_busy_ms)."""
+def prepare(call, p: Problem, ref=None, warmup: int = 3, busy: bool = False) -> dict:
+    """Compile and warm up one impl, then its rel_err (out, dx, dw1, dw2, dtopk_w against ref), kept_mb
+    and peak_mb; with busy, also gpu_busy_ms (see gpu_busy_ms). Times come from time_interleaved."""
     cuda = p.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     res = {}
@@ -265,12 +265,55 @@ def measure(call, p: Problem, ref=None, warmup: int = 3, iters: int = 10, busy: 
             out = call(x, idx, w, p.w1, p.w2)
         res["kept_mb"], res["peak_mb"] = c.total_bytes / MB, None
         del out
-    for key, backward in (("fwd_ms", False), ("step_ms", True)):
-        res[key] = _median_ms(lambda i: _step(call, p, i, backward), p.device, iters)
-    res["tflops"] = p.flops / (res["step_ms"] * 1e-3) / 1e12
     if busy and cuda:
         res["gpu_busy_ms"] = gpu_busy_ms(call, p)
     return res
+
+
+def time_interleaved(calls: dict, p: Problem, iters: int = 10, min_s: float | None = None) -> dict:
+    """{name: {"fwd_ms", "step_ms", "tflops"} or the exception that stopped it} for prepared impls on one
+    problem. The impls take turns, `iters` calls each per round, until every one has had min_s (default
+    MEASURE_S) seconds on GPUs: all see the same clocks, so their ratios are not skewed by the GPU's
+    power state drifting between one impl's timing and the next. Each time is the median over calls."""
+    cuda = p.device.type == "cuda"
+    min_s = (MEASURE_S if min_s is None else min_s) if cuda else 0.0
+    out = {}
+    for key, backward in (("fwd_ms", False), ("step_ms", True)):
+        timers, spent = {n: [] for n in calls if not isinstance(out.get(n), Exception)}, dict.fromkeys(calls, 0.0)
+        i = 0
+        while timers and (i == 0 or min(spent[n] for n in timers) < min_s):
+            for name in list(timers):
+                t0 = time.perf_counter()
+                try:
+                    for _ in range(iters):
+                        with _Timer(p.device) as t:
+                            r = _step(calls[name], p, i, backward)
+                        timers[name].append(t)
+                        del r
+                        i += 1
+                    if cuda:
+                        torch.cuda.synchronize()
+                except Exception as e:  # one impl's failure (out of memory, say) never stops the others
+                    out[name] = e
+                    del timers[name]
+                    if cuda:
+                        torch.cuda.empty_cache()
+                spent[name] += time.perf_counter() - t0
+        for name, ts in timers.items():
+            out.setdefault(name, {})[key] = statistics.median(t.ms for t in ts)
+    for name, res in out.items():
+        if not isinstance(res, Exception):
+            res["tflops"] = p.flops / (res["step_ms"] * 1e-3) / 1e12
+    return out
+
+
+def measure(call, p: Problem, ref=None, warmup: int = 3, iters: int = 10, busy: bool = False) -> dict:
+    """prepare and time_interleaved of one impl: fwd_ms, step_ms, tflops, kept_mb, peak_mb, rel_err."""
+    res = prepare(call, p, ref, warmup, busy)
+    times = time_interleaved({"impl": call}, p, iters)["impl"]
+    if isinstance(times, Exception):
+        raise times
+    return {**res, **times}
 
 
 # ---- dispatch: routing index builders --------------------------------------------------------------

@@ -14,7 +14,8 @@ import uuid
 
 import torch
 
-from ..bench.harness import CONFIGS, IMPLS, available_impls, make_problem, measure, reference_grads, time_dispatch
+from ..bench.harness import (CONFIGS, IMPLS, available_impls, make_problem, measure, prepare, reference_grads,
+                             time_dispatch, time_interleaved)
 from .report import slug
 
 
@@ -96,22 +97,58 @@ def _oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def _run_one(rec, impl, policy, p, ref, args, mode):
-    base = dict(mode=mode, impl=impl, policy=policy, L=p.L, d=p.d, h=p.h, E=p.E, K=p.K, activation=p.activation,
+def _base(impl, policy, p, mode) -> dict:
+    return dict(mode=mode, impl=impl, policy=policy, L=p.L, d=p.d, h=p.h, E=p.E, K=p.K, activation=p.activation,
                 dtype=str(p.dtype).replace("torch.", ""), fwd_ms=None, step_ms=None, kept_mb=None, peak_mb=None,
                 tflops=None, rel_err=None)
+
+
+def _status(e: BaseException) -> str:
+    return "oom" if _oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def _run_one(rec, impl, policy, p, ref, args, mode):
+    """One implementation measured alone (the scaling sweep, where each runs until out of memory)."""
     try:
         call = IMPLS[impl][2](p, policy)
         res = measure(call, p, ref, args.warmup, args.iters, busy=args.gpu_busy)
-        row = rec.add({**base, **res, "status": "ok"})
+        row = rec.add({**_base(impl, policy, p, mode), **res, "status": "ok"})
     except Exception as e:  # one implementation's failure is reported in its row and never stops the run
-        status = "oom" if _oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        row = rec.add({**base, "status": status})
+        row = rec.add({**_base(impl, policy, p, mode), "status": _status(e)})
     finally:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     _print_row(row)
     return row
+
+
+def _run_config(rec, pairs, p, ref, args, mode="layer"):
+    """Every (impl, policy) on one problem: each compiled, checked and its memory measured, then all
+    timed in interleaved rounds (harness.time_interleaved), so their ratios share the GPU's state."""
+    prepared, failed = {}, {}
+    for pair in pairs:
+        try:
+            call = IMPLS[pair[0]][2](p, pair[1])
+            prepared[pair] = (call, prepare(call, p, ref, args.warmup, busy=args.gpu_busy))
+            print(f"  {pair[0]:>10} {pair[1]:>9} | compiled, checked, memory measured", flush=True)
+        except Exception as e:  # one implementation's failure is reported in its row and never stops the run
+            failed[pair] = _status(e)
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    times = time_interleaved({pair: call for pair, (call, _) in prepared.items()}, p, args.iters) if prepared else {}
+    rows = []
+    for pair in pairs:
+        row = _base(*pair, p, mode)
+        if pair in failed:
+            row["status"] = failed[pair]
+        elif isinstance(times[pair], Exception):
+            row.update(prepared[pair][1], status=_status(times[pair]))
+        else:
+            row.update(prepared[pair][1], **times[pair], status="ok")
+        rows.append(rec.add(row))
+        _print_row(rows[-1])
+    return rows
 
 
 def _impl_policies(args, scale=False):
@@ -163,8 +200,7 @@ def run(args):
         print(f"config {name}: L={L} d={d} h={h} E={E} K={K} {args.activation} {dtype}", flush=True)
         p = make_problem(L, d, h, E, K, args.activation, dtype, device)
         ref = None if args.no_ref else reference_grads(p)
-        for impl, pol in pairs:
-            _run_one(rec, impl, pol, p, ref, args, "layer")
+        _run_config(rec, pairs, p, ref, args)
         del p, ref
     if args.scale:
         _, d, h, E, K = CONFIGS.get(args.scale_config) or tuple(int(v) for v in args.scale_config.split(","))
