@@ -308,15 +308,6 @@ def time_interleaved(calls: dict, p: Problem, iters: int = 10, min_s: float | No
     return out
 
 
-def measure(call, p: Problem, ref=None, warmup: int = 3, iters: int = 10, busy: bool = False) -> dict:
-    """prepare and time_interleaved of one impl: fwd_ms, step_ms, tflops, kept_mb, peak_mb, rel_err."""
-    res = prepare(call, p, ref, warmup, busy)
-    times = time_interleaved({"impl": call}, p, iters)["impl"]
-    if isinstance(times, Exception):
-        raise times
-    return {**res, **times}
-
-
 # ---- dispatch: routing index builders --------------------------------------------------------------
 
 def _argsort_bincount_cumsum(idx: torch.Tensor, E: int):
