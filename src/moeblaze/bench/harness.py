@@ -161,24 +161,43 @@ class _Timer:
 MEASURE_S = 1.0  # seconds a GPU timing lasts at least
 
 
-def _median_ms(fn, device: torch.device, iters: int, min_s: float | None = None) -> float:
-    """Median time of fn(i) over rounds of `iters` calls: CUDA events on GPUs, the host clock on the
-    CPU. On GPUs, rounds repeat until min_s (default MEASURE_S) seconds have passed: under sustained
-    load an H200 runs at its power cap and its clock settles over a fraction of a second, so a short
-    burst of steps times a clock that training never sees (bench/NOTES.md)."""
+def _timed_rounds(fns: dict, device: torch.device, iters: int, min_s: float | None = None) -> dict:
+    """{name: median ms of fn(i), or the exception that stopped it}: CUDA events on GPUs, the host clock
+    on the CPU. The fns take turns, `iters` calls each per round, and on GPUs rounds repeat until every
+    fn has had min_s (default MEASURE_S) seconds: under sustained load an H200 runs at its power cap and
+    its clock settles over a fraction of a second, so a short burst times a clock that training never
+    sees, and taking turns gives every fn the same drift (bench/NOTES.md). One fn's failure (out of
+    memory, say) never stops the others."""
     cuda = device.type == "cuda"
     min_s = (MEASURE_S if min_s is None else min_s) if cuda else 0.0
-    timers, t0, i = [], time.perf_counter(), 0
-    while i == 0 or time.perf_counter() - t0 < min_s:
-        for _ in range(iters):
-            with _Timer(device) as t:
-                r = fn(i)
-            timers.append(t)
-            del r
-            i += 1
-        if cuda:
-            torch.cuda.synchronize()
-    return statistics.median(t.ms for t in timers)
+    timers, spent, out, i = {n: [] for n in fns}, dict.fromkeys(fns, 0.0), {}, 0
+    while timers and (i == 0 or min(spent[n] for n in timers) < min_s):
+        for name in list(timers):
+            t0 = time.perf_counter()
+            try:
+                for _ in range(iters):
+                    with _Timer(device) as t:
+                        r = fns[name](i)
+                    timers[name].append(t)
+                    del r
+                    i += 1
+                if cuda:
+                    torch.cuda.synchronize()
+            except Exception as e:
+                out[name] = e
+                del timers[name]
+                if cuda:
+                    torch.cuda.empty_cache()
+            spent[name] += time.perf_counter() - t0
+    return {**out, **{name: statistics.median(t.ms for t in ts) for name, ts in timers.items()}}
+
+
+def _median_ms(fn, device: torch.device, iters: int, min_s: float | None = None) -> float:
+    """Median time of fn(i), timed in rounds of `iters` calls for at least min_s seconds on GPUs."""
+    ms = _timed_rounds({0: fn}, device, iters, min_s)[0]
+    if isinstance(ms, Exception):
+        raise ms
+    return ms
 
 
 def _step(call, p: Problem, i: int, backward: bool):
@@ -272,48 +291,21 @@ def prepare(call, p: Problem, ref=None, warmup: int = 3, busy: bool = False) -> 
 
 def time_interleaved(calls: dict, p: Problem, iters: int = 10, min_s: float | None = None) -> dict:
     """{name: {"fwd_ms", "step_ms", "tflops"} or the exception that stopped it} for prepared impls on one
-    problem. The impls take turns, `iters` calls each per round, until every one has had min_s (default
-    MEASURE_S) seconds on GPUs: all see the same clocks, so their ratios are not skewed by the GPU's
-    power state drifting between one impl's timing and the next. Each time is the median over calls."""
-    cuda = p.device.type == "cuda"
-    min_s = (MEASURE_S if min_s is None else min_s) if cuda else 0.0
-    out = {}
+    problem, timed in turns (_timed_rounds): all see the same clocks, so their ratios are not skewed by
+    the GPU's power state drifting between one impl's timing and the next."""
+    out = {name: {} for name in calls}
     for key, backward in (("fwd_ms", False), ("step_ms", True)):
-        timers, spent = {n: [] for n in calls if not isinstance(out.get(n), Exception)}, dict.fromkeys(calls, 0.0)
-        i = 0
-        while timers and (i == 0 or min(spent[n] for n in timers) < min_s):
-            for name in list(timers):
-                t0 = time.perf_counter()
-                try:
-                    for _ in range(iters):
-                        with _Timer(p.device) as t:
-                            r = _step(calls[name], p, i, backward)
-                        timers[name].append(t)
-                        del r
-                        i += 1
-                    if cuda:
-                        torch.cuda.synchronize()
-                except Exception as e:  # one impl's failure (out of memory, say) never stops the others
-                    out[name] = e
-                    del timers[name]
-                    if cuda:
-                        torch.cuda.empty_cache()
-                spent[name] += time.perf_counter() - t0
-        for name, ts in timers.items():
-            out.setdefault(name, {})[key] = statistics.median(t.ms for t in ts)
-    for name, res in out.items():
+        fns = {n: (lambda i, c=c, b=backward: _step(c, p, i, b))
+               for n, c in calls.items() if not isinstance(out[n], Exception)}
+        for name, ms in _timed_rounds(fns, p.device, iters, min_s).items():
+            if isinstance(ms, Exception):
+                out[name] = ms
+            else:
+                out[name][key] = ms
+    for res in out.values():
         if not isinstance(res, Exception):
             res["tflops"] = p.flops / (res["step_ms"] * 1e-3) / 1e12
     return out
-
-
-def measure(call, p: Problem, ref=None, warmup: int = 3, iters: int = 10, busy: bool = False) -> dict:
-    """prepare and time_interleaved of one impl: fwd_ms, step_ms, tflops, kept_mb, peak_mb, rel_err."""
-    res = prepare(call, p, ref, warmup, busy)
-    times = time_interleaved({"impl": call}, p, iters)["impl"]
-    if isinstance(times, Exception):
-        raise times
-    return {**res, **times}
 
 
 # ---- dispatch: routing index builders --------------------------------------------------------------

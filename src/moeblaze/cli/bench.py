@@ -14,8 +14,8 @@ import uuid
 
 import torch
 
-from ..bench.harness import (CONFIGS, IMPLS, available_impls, make_problem, measure, prepare, reference_grads,
-                             time_dispatch, time_interleaved)
+from ..bench.harness import (CONFIGS, IMPLS, available_impls, make_problem, prepare, reference_grads, time_dispatch,
+                             time_interleaved)
 from .report import slug
 
 
@@ -107,24 +107,10 @@ def _status(e: BaseException) -> str:
     return "oom" if _oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def _run_one(rec, impl, policy, p, ref, args, mode):
-    """One implementation measured alone (the scaling sweep, where each runs until out of memory)."""
-    try:
-        call = IMPLS[impl][2](p, policy)
-        res = measure(call, p, ref, args.warmup, args.iters, busy=args.gpu_busy)
-        row = rec.add({**_base(impl, policy, p, mode), **res, "status": "ok"})
-    except Exception as e:  # one implementation's failure is reported in its row and never stops the run
-        row = rec.add({**_base(impl, policy, p, mode), "status": _status(e)})
-    finally:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    _print_row(row)
-    return row
-
-
 def _run_config(rec, pairs, p, ref, args, mode="layer"):
     """Every (impl, policy) on one problem: each compiled, checked and its memory measured, then all
-    timed in interleaved rounds (harness.time_interleaved), so their ratios share the GPU's state."""
+    timed in interleaved rounds (harness.time_interleaved), so their ratios share the GPU's state.
+    A failure is reported in its row and never stops the others."""
     prepared, failed = {}, {}
     for pair in pairs:
         try:
@@ -218,7 +204,7 @@ def run(args):
                 break
             for pair in pairs:
                 if alive[pair]:
-                    row = _run_one(rec, *pair, p, None, args, "scale")
+                    row = _run_config(rec, [pair], p, None, args, "scale")[0]  # each alone, to its own limit
                     alive[pair] = row["status"] == "ok"
             del p
             L *= 2

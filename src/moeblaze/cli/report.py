@@ -144,6 +144,16 @@ def _runs(rows: list[dict]) -> str:
     return "; ".join(f"run {k} (commit {r['git_sha']}, {r['date'][:16]}): `{r['command']}`" for k, r in runs.items())
 
 
+def _layer_line(name: str, r: dict, baseline_ms: float | None) -> str:
+    """One table line of a layer row; its ratio column is baseline_ms / its step time."""
+    if r["status"] != "ok":
+        return f"| {name} | {_label(r)} | {r['status'][:60]} |  |  |  |  |  |  |"
+    vs = f"{baseline_ms / r['step_ms']:.2f}" if baseline_ms else "-"
+    err = f"{max(r['rel_err'].values()):.1e}" if r.get("rel_err") else "-"
+    return (f"| {name} | {_label(r)} | {r['fwd_ms']:.2f} | {r['step_ms']:.2f} | {vs} | {r['tflops']:.0f} | "
+            f"{r['kept_mb']:.0f} | {r['peak_mb']:.0f} | {err} |")
+
+
 def results_markdown(rows: list[dict]) -> str:
     out = []
     layer = _latest(rows, "layer")
@@ -167,13 +177,7 @@ def results_markdown(rows: list[dict]) -> str:
             sonic = {k: r["step_ms"] for k, r in repeats if r["impl"] == "sonicmoe" and r["status"] == "ok"}
             for k, r in repeats:
                 name = f"{cfg} (repeat {k + 1})" if max(seen.values()) > 1 else cfg
-                if r["status"] != "ok":
-                    out.append(f"| {name} | {_label(r)} | {r['status'][:60]} |  |  |  |  |  |  |")
-                    continue
-                vs = f"{sonic[k] / r['step_ms']:.2f}" if k in sonic else "-"
-                err = f"{max(r['rel_err'].values()):.1e}" if r.get("rel_err") else "-"
-                out.append(f"| {name} | {_label(r)} | {r['fwd_ms']:.2f} | {r['step_ms']:.2f} | {vs} | {r['tflops']:.0f} | "
-                           f"{r['kept_mb']:.0f} | {r['peak_mb']:.0f} | {err} |")
+                out.append(_layer_line(name, r, sonic.get(k)))
     others = _elsewhere(rows, layer)
     if others:
         out += ["", "Implementations the runs above did not measure, each from the newest run that did, beside "
@@ -181,14 +185,7 @@ def results_markdown(rows: list[dict]) -> str:
                 f"{_runs([r for r, _ in others])}.", "",
                 "| config (L,d,h,E,K) | implementation | fwd ms | step ms | vs torch_gmm | TF/s | kept MB | peak MB | err |",
                 "|---|---|---|---|---|---|---|---|---|"]
-        for r, base in others:
-            if r["status"] != "ok":
-                out.append(f"| {_cfg(r)} | {_label(r)} | {r['status'][:60]} |  |  |  |  |  |  |")
-                continue
-            vs = f"{base['step_ms'] / r['step_ms']:.2f}" if base else "-"
-            err = f"{max(r['rel_err'].values()):.1e}" if r.get("rel_err") else "-"
-            out.append(f"| {_cfg(r)} | {_label(r)} | {r['fwd_ms']:.2f} | {r['step_ms']:.2f} | {vs} | {r['tflops']:.0f} | "
-                       f"{r['kept_mb']:.0f} | {r['peak_mb']:.0f} | {err} |")
+        out += [_layer_line(_cfg(r), r, base["step_ms"] if base else None) for r, base in others]
     disp = _latest(rows, "dispatch")
     if disp:
         r0 = disp[0]
