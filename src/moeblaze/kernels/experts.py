@@ -59,19 +59,19 @@ def _up_blocks(nargs):
 
 
 # up-projection: (BLOCK_N, BLOCK_K, TWO_DOTS, num_warps, num_stages); gated, the MMA is BLOCK_M x 2·BLOCK_N
-# (gate and up columns together) or two BLOCK_M x BLOCK_N ones (TWO_DOTS)
+# (gate and up columns together) or two BLOCK_M x BLOCK_N ones (TWO_DOTS). 64-column 3-stage tiles, two
+# programs per multiprocessor, were 5-25% slower at B and E, so they are not listed.
 UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "TWO_DOTS"),
                       [(128, 64, 0, 8, 3), (64, 64, 0, 4, 4), (128, 64, 0, 8, 4), (64, 64, 0, 8, 4),
-                       (128, 64, 1, 8, 3), (128, 64, 1, 8, 4), (64, 64, 1, 4, 4),
-                       # two programs per multiprocessor: 8 warps at <= 128 registers or 4 warps, <= 96 KB
-                       (64, 64, 0, 8, 3), (64, 64, 0, 4, 3), (64, 64, 1, 4, 3)],
+                       (128, 64, 1, 8, 3), (128, 64, 1, 8, 4), (64, 64, 1, 4, 4)],
                       (16, 32, 1, 4, 1), pre_hook=_up_blocks)
 # dH: (BLOCK_N, BLOCK_K, PREFETCH_H, EPI_SPLIT, num_warps, num_stages); BLOCK_N / EPI_SPLIT a multiple of
-# DS_BLOCK. (Persistent programs, the next tile's loads overlapping this one's epilogue, were slower at
-# every config measured: 3.9-5.8 against 3.0 ms at E.)
+# DS_BLOCK. Slower at every config measured, so not listed: persistent programs (the next tile's loads
+# overlapping this one's epilogue, 3.9-5.8 against 3.0 ms at E) and 4-warp tiles for two programs per
+# multiprocessor (they spill ~400 registers: 3.7 against 2.8 ms at E).
 DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT"),
                       [(256, 64, 0, 4, 8, 4), (256, 64, 0, 4, 8, 3), (128, 64, 0, 2, 8, 4), (128, 64, 0, 2, 8, 3),
-                       (128, 64, 1, 2, 8, 4), (64, 64, 1, 1, 8, 3), (128, 64, 0, 2, 4, 3), (128, 32, 0, 2, 4, 4)],
+                       (128, 64, 1, 2, 8, 4), (64, 64, 1, 1, 8, 3)],
                       (32, 32, 0, 2, 4, 1), pre_hook=_dh_blocks)
 def _dense_block(nargs):
     _set_block(nargs["dense_desc"], (nargs["BLOCK_K"], nargs["BLOCK_P"] if nargs["GATHER_P"] else nargs["BLOCK_N"]))
