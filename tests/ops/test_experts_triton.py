@@ -111,34 +111,33 @@ def test_token_chunks_give_the_same_result(poison_alloc, checkpoint):
         assert rel_err(a, b) < 1e-6
 
 
-@pytest.mark.parametrize("block_n,prefetch,split,persistent",
-                         [(32, 1, 1, 0), (32, 0, 1, 1), (64, 0, 2, 0), (64, 1, 2, 1)])
+@pytest.mark.parametrize("block_n,prefetch,split",
+                         [(32, 1, 1), (32, 0, 1), (64, 0, 2), (64, 1, 2), (64, 0, 4), (128, 1, 4)])
 @pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
-def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split, persistent, checkpoint):
-    """Every code path of the dH kernel the GPU autotuner may pick (H prefetch, split epilogue, several
-    dS partials per tile, one program per tile or persistent programs), on odd H so the last column
-    tile is masked."""
+def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split, checkpoint):
+    """Every code path of the dH kernel the GPU autotuner may pick (H prefetch, epilogue in halves or
+    quarters, several dS partials per tile), on odd H so the last column tile is masked."""
     import triton
     from moeblaze.kernels import experts as k
 
-    cfg = triton.Config({"BLOCK_N": block_n, "BLOCK_K": 32, "PREFETCH_H": prefetch, "EPI_SPLIT": split,
-                         "PERSISTENT": persistent}, num_warps=4, num_stages=1, pre_hook=k._dh_blocks)
+    cfg = triton.Config({"BLOCK_N": block_n, "BLOCK_K": 32, "PREFETCH_H": prefetch, "EPI_SPLIT": split},
+                        num_warps=4, num_stages=1, pre_hook=k._dh_blocks)
     monkeypatch.setattr(k._expert_down_bwd_kernel, "configs", [cfg])
     for activation in ("swiglu", "relu2"):
         assert_close(run_both(37, 40, 72, 5, 2, activation, checkpoint), torch.float32)
 
 
 @pytest.mark.parametrize("tma", [False, True])
-@pytest.mark.parametrize("swap,ids_ahead", [(0, 0), (0, 1), (1, 0), (1, 1)])
-def test_weight_grad_kernel_variants(poison_alloc, monkeypatch, swap, ids_ahead, tma):
-    """Every weight-gradient code path the GPU autotuner may pick (swapped operands, token ids loaded
-    one row block ahead, the dense side through a tensor descriptor), with experts whose row counts
+@pytest.mark.parametrize("swap", [0, 1])
+def test_weight_grad_kernel_variants(poison_alloc, monkeypatch, swap, tma):
+    """Every weight-gradient code path the GPU autotuner may pick (swapped operands, the dense side
+    through a tensor descriptor), with experts whose row counts
     are not multiples of the row block (odd sizes fall back to pointer loads)."""
     import triton
     from moeblaze.kernels import experts as k
     from moeblaze.ops import experts as ops
 
-    cfg = triton.Config({"BLOCK_N": 32, "BLOCK_P": 16, "BLOCK_K": 16, "SWAP": swap, "IDS_AHEAD": ids_ahead},
+    cfg = triton.Config({"BLOCK_N": 32, "BLOCK_P": 16, "BLOCK_K": 16, "SWAP": swap},
                         num_warps=4, num_stages=1, pre_hook=k._dense_block)
     monkeypatch.setattr(k._expert_weight_grad_kernel, "configs", [cfg])
     monkeypatch.setattr(ops, "TMA", tma)

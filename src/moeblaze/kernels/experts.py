@@ -59,28 +59,29 @@ def _up_blocks(nargs):
 
 
 # up-projection: (BLOCK_N, BLOCK_K, TWO_DOTS, num_warps, num_stages); gated, the MMA is BLOCK_M x 2·BLOCK_N
-# (gate and up columns together) or two BLOCK_M x BLOCK_N ones (TWO_DOTS)
+# (gate and up columns together) or two BLOCK_M x BLOCK_N ones (TWO_DOTS). 64-column 3-stage tiles, two
+# programs per multiprocessor, were 5-25% slower at B and E, so they are not listed.
 UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "TWO_DOTS"),
                       [(128, 64, 0, 8, 3), (64, 64, 0, 4, 4), (128, 64, 0, 8, 4), (64, 64, 0, 8, 4),
                        (128, 64, 1, 8, 3), (128, 64, 1, 8, 4), (64, 64, 1, 4, 4)],
                       (16, 32, 1, 4, 1), pre_hook=_up_blocks)
-# dH: (BLOCK_N, BLOCK_K, PREFETCH_H, EPI_SPLIT, PERSISTENT, num_warps, num_stages); BLOCK_N / EPI_SPLIT
-# a multiple of DS_BLOCK
-DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT", "PERSISTENT"),
-                      [(128, 64, 0, 2, 0, 8, 4), (128, 64, 0, 2, 0, 8, 3), (128, 64, 1, 2, 0, 8, 4),
-                       (64, 64, 1, 1, 0, 8, 3), (128, 64, 0, 2, 1, 8, 4), (128, 64, 0, 2, 1, 8, 3)],
-                      (32, 32, 0, 2, 1, 4, 1), pre_hook=_dh_blocks)
+# dH: (BLOCK_N, BLOCK_K, PREFETCH_H, EPI_SPLIT, num_warps, num_stages); BLOCK_N / EPI_SPLIT a multiple of
+# DS_BLOCK. Slower at every config measured, so not listed: persistent programs (the next tile's loads
+# overlapping this one's epilogue, 3.9-5.8 against 3.0 ms at E) and 4-warp tiles for two programs per
+# multiprocessor (they spill ~400 registers: 3.7 against 2.8 ms at E).
+DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT"),
+                      [(256, 64, 0, 4, 8, 4), (256, 64, 0, 4, 8, 3), (128, 64, 0, 2, 8, 4), (128, 64, 0, 2, 8, 3),
+                       (128, 64, 1, 2, 8, 4), (64, 64, 1, 1, 8, 3)],
+                      (32, 32, 0, 2, 4, 1), pre_hook=_dh_blocks)
 def _dense_block(nargs):
     _set_block(nargs["dense_desc"], (nargs["BLOCK_K"], nargs["BLOCK_P"] if nargs["GATHER_P"] else nargs["BLOCK_N"]))
 
 
-# weight gradients: (BLOCK_N, BLOCK_P, BLOCK_K, SWAP, IDS_AHEAD, num_warps, num_stages)
-WGRAD_CONFIGS = _configs(("BLOCK_N", "BLOCK_P", "BLOCK_K", "SWAP", "IDS_AHEAD"),
-                         [(128, 128, 32, 0, 0, 4, 4), (128, 128, 32, 0, 0, 4, 5), (128, 128, 64, 0, 0, 8, 3),
-                          (128, 256, 64, 0, 0, 8, 3), (128, 128, 32, 0, 1, 4, 4), (128, 128, 64, 0, 1, 8, 3),
-                          (128, 128, 32, 1, 0, 4, 4), (128, 128, 64, 1, 0, 8, 3), (256, 128, 64, 1, 0, 8, 3),
-                          (128, 128, 64, 1, 1, 8, 3)],
-                         (32, 32, 32, 1, 1, 4, 1), pre_hook=_dense_block)
+# weight gradients: (BLOCK_N, BLOCK_P, BLOCK_K, SWAP, num_warps, num_stages)
+WGRAD_CONFIGS = _configs(("BLOCK_N", "BLOCK_P", "BLOCK_K", "SWAP"),
+                         [(128, 128, 32, 0, 4, 4), (128, 128, 64, 0, 8, 3), (128, 256, 64, 0, 8, 3),
+                          (128, 128, 32, 1, 4, 4), (128, 128, 64, 1, 8, 3), (256, 128, 64, 1, 8, 3)],
+                         (32, 32, 32, 1, 4, 1), pre_hook=_dense_block)
 
 
 @triton.jit
@@ -352,38 +353,26 @@ def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_s
 @triton.jit
 def _expert_down_bwd_kernel(
     dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
-    expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr,
+    expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
     NUM_TILES, D, H, LK, stride_dyl, stride_dyd, stride_we, stride_wd, stride_wh, stride_pl, stride_al,
     GATED: tl.constexpr, ACT: tl.constexpr, DS_BLOCK: tl.constexpr, PREFETCH_H: tl.constexpr,
-    EPI_SPLIT: tl.constexpr, W2_TMA: tl.constexpr, PERSISTENT: tl.constexpr, BLOCK_M: tl.constexpr,
+    EPI_SPLIT: tl.constexpr, W2_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """dA' = dy[token] @ W2[e] (dy gathered in the load), then in the epilogue, from the saved H:
     A = act(H) recomputed; dS partials = <dA', A> per DS_BLOCK columns (the router-weight gradient,
     without the down-projection output); dH = d act(s * dA'); s * A for dW2.
     H is loaded before the main loop (PREFETCH_H, its latency hidden behind the loop) or right after
-    it, all at once; EPI_SPLIT = 2 runs the epilogue math on two column halves (fewer live registers).
-    W2_TMA reads W2 through the descriptor w2_desc over its (E·D, H) view. PERSISTENT: one program
-    per multiprocessor loops over the used tiles, the next tile's loads overlapping this epilogue."""
-    n_tn = tl.cdiv(H, BLOCK_N)
-    if PERSISTENT:
-        n_used = tl.load(used_tiles_ptr)
-        for t in tl.range(tl.program_id(0), n_used * n_tn, tl.num_programs(0), flatten=True):
-            tile, pid_n = _swizzle(t, n_used, n_tn, GROUP_M)
-            e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
-            _dh_tile(e, rows, rmask, pid_n, dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr,
-                     act_scaled_ptr, ds_part_ptr, expert_token_idx_ptr, D, H, LK, stride_dyl, stride_dyd,
-                     stride_we, stride_wd, stride_wh, stride_pl, stride_al, GATED, ACT, DS_BLOCK, PREFETCH_H,
-                     EPI_SPLIT, W2_TMA, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-    else:
-        tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, n_tn, GROUP_M)
-        e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
-        if e < 0:
-            return
-        _dh_tile(e, rows, rmask, pid_n, dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr,
-                 act_scaled_ptr, ds_part_ptr, expert_token_idx_ptr, D, H, LK, stride_dyl, stride_dyd,
-                 stride_we, stride_wd, stride_wh, stride_pl, stride_al, GATED, ACT, DS_BLOCK, PREFETCH_H,
-                 EPI_SPLIT, W2_TMA, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    it, all at once; EPI_SPLIT = 2 or 4 runs the epilogue math on column halves or quarters (fewer
+    live registers). W2_TMA reads W2 through the descriptor w2_desc over its (E·D, H) view."""
+    tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(H, BLOCK_N), GROUP_M)
+    e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
+    if e < 0:
+        return
+    _dh_tile(e, rows, rmask, pid_n, dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr,
+             act_scaled_ptr, ds_part_ptr, expert_token_idx_ptr, D, H, LK, stride_dyl, stride_dyd,
+             stride_we, stride_wd, stride_wh, stride_pl, stride_al, GATED, ACT, DS_BLOCK, PREFETCH_H,
+             EPI_SPLIT, W2_TMA, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
 
 
 @triton.jit
@@ -397,16 +386,32 @@ def _dh_tile(e, rows, rmask, pid_n, dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorte
     col0 = pid_n * BLOCK_N
     offs_n = col0 + tl.arange(0, BLOCK_N)
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
+    PARTS: tl.constexpr = 2 if EPI_SPLIT > 1 else 1  # H parts loaded here (EPI_SPLIT = 4: the first two)
     if PREFETCH_H:
-        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, EPI_SPLIT)
+        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, PARTS)
     dact = _rows_dot(dy_ptr, tok, rmask, stride_dyl, stride_dyd, w2_ptr + e.to(tl.int64) * stride_we, stride_wd,
                      stride_wh, offs_n, offs_n < H, D, dy_ptr, w2_desc, e * D, False, W2_TMA, False,
                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     if not PREFETCH_H:
-        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, EPI_SPLIT)
+        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, PARTS)
     if EPI_SPLIT == 1:
         _dh_epilogue(dact, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
                      stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, BLOCK_N)
+    elif EPI_SPLIT == 4:
+        # quarters of Q columns: column i·2Q + j·Q + q sits at [q, i, j] after the permute
+        Q: tl.constexpr = BLOCK_N // 4
+        lo, hi = tl.split(tl.permute(tl.reshape(dact, (BLOCK_M, 2, 2, Q)), (0, 3, 1, 2)))
+        d0, d2 = tl.split(lo)
+        d1, d3 = tl.split(hi)
+        _dh_epilogue(d0, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
+                     stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+        _dh_epilogue(d1, col0 + Q, rows, rmask, g1, u1, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H,
+                     LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+        g2, u2, g3, u3 = _load_h_halves(preact_ptr, rows, rmask, col0 + 2 * Q, H, stride_pl, GATED, Q, 2)
+        _dh_epilogue(d2, col0 + 2 * Q, rows, rmask, g2, u2, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+        _dh_epilogue(d3, col0 + 3 * Q, rows, rmask, g3, u3, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
     else:
         d0, d1 = tl.split(tl.permute(tl.reshape(dact, (BLOCK_M, 2, HALF)), (0, 2, 1)))
         _dh_epilogue(d0, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
@@ -421,13 +426,14 @@ def _expert_weight_grad_kernel(
     p_ptr, q_ptr, dense_desc, dw_ptr, expert_token_idx_ptr, expert_offsets_ptr,
     N, P, stride_pl, stride_pn, stride_ql, stride_qp, stride_de, stride_dn, stride_dp,
     GATHER_P: tl.constexpr, GATHER_Q: tl.constexpr, DENSE_TMA: tl.constexpr, SWAP: tl.constexpr,
-    IDS_AHEAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dW[e] = Pm[rows of e]^T @ Qm[rows of e], reducing over the expert's rows; either side may be
     gathered from a token matrix through expert_token_idx. An expert with no rows gets zeros.
-    SWAP computes the transposed tile, (Qm^T @ Pm)^T, so the other operand is the MMA's A operand;
-    IDS_AHEAD loads the token ids of the next row block one iteration early. DENSE_TMA (exactly one
+    SWAP computes the transposed tile, (Qm^T @ Pm)^T, so the other operand is the MMA's A operand.
+    The token ids of the next row block are loaded one iteration early: loaded in the iteration that
+    uses them, they make the data loads indirect and Triton's pipeliner then keeps one stage fewer
+    (the weight gradients went from ~420 to 480-536 TF/s on the H200 at configs B and E). DENSE_TMA (exactly one
     side gathered) loads the other, row-contiguous side through the tensor descriptor dense_desc
     (block BLOCK_K rows): its rows past the expert's end are the next expert's, and meet the gathered
     side's zeros there."""
@@ -452,11 +458,8 @@ def _expert_weight_grad_kernel(
     for r0 in range(start, end, BLOCK_K):
         rows = r0 + rows_k
         rmask = rows < end
-        if IDS_AHEAD:
-            tok = tok_next
-            tok_next = tl.load(expert_token_idx_ptr + rows + BLOCK_K, mask=rows + BLOCK_K < end, other=0)
-        else:
-            tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
+        tok = tok_next
+        tok_next = tl.load(expert_token_idx_ptr + rows + BLOCK_K, mask=rows + BLOCK_K < end, other=0)
         p_rows = (tok if GATHER_P else rows).to(tl.int64)
         q_rows = (tok if GATHER_Q else rows).to(tl.int64)
         if SWAP:  # qt (BLOCK_P, BLOCK_K), pt (BLOCK_K, BLOCK_N)

@@ -149,9 +149,8 @@ def _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, 
     ds_part = torch.empty(triton.cdiv(H, DS_BLOCK), LK, dtype=torch.float32, device=dy.device)
     num_tiles = sched[0].shape[0]
     w2_desc = _desc(w2.reshape(-1, H) if w2.is_contiguous() else None)
-    _expert_down_bwd_kernel[_grid(num_tiles, H, dy.device)](
-        dy, w2, w2_desc or w2, preact, w_sorted, dpreact, act_scaled, ds_part, eti, sched[0], sched[1], sched[2],
-        offsets,
+    _expert_down_bwd_kernel[_grid(num_tiles, H)](
+        dy, w2, w2_desc or w2, preact, w_sorted, dpreact, act_scaled, ds_part, eti, sched[0], sched[1], offsets,
         num_tiles, D, H, LK, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         preact.stride(0), H, GATED=is_gated(activation), ACT=ACT_CODES[activation], DS_BLOCK=DS_BLOCK,
         W2_TMA=w2_desc is not None,
