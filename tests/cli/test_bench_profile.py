@@ -3,6 +3,7 @@ pipeline and the Triton kernels under the interpreter)."""
 import glob
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -94,6 +95,25 @@ def test_an_implementation_failing_while_timed_is_reported_not_fatal(tmp_path, m
     rows = {r["impl"]: r for r in read_rows(out)}
     assert rows["torch_gmm"]["status"] == "oom" and rows["torch_gmm"]["kept_mb"] is not None
     assert rows["reference"]["status"] == "ok" and rows["reference"]["step_ms"] > 0
+
+
+def test_a_stalled_implementation_shows_where_it_waits(tmp_path, monkeypatch, capfd):
+    """Past --stall-s, every thread's stack goes to stderr (a peer's JIT that hangs names its frame) and
+    the run goes on."""
+    import time
+
+    def compile_that_stalls(p, policy):
+        time.sleep(1.5)
+        return harness.IMPLS["reference"][2](p, policy)
+
+    monkeypatch.setitem(harness.IMPLS, "torch_gmm", (lambda: True, ("-",), compile_that_stalls))
+    out = str(tmp_path)
+    main(["bench", "--config", "32,16,16,4,2", "--impls", "torch_gmm", "--out", out, "--iters", "1",
+          "--warmup", "0", "--stall-s", "0.5"])
+    captured = capfd.readouterr()
+    assert "compile_that_stalls" in captured.err
+    assert re.search(r"torch_gmm +- \| compiled, checked, memory measured \(\d+ s\)", captured.out)
+    assert read_rows(out)[0]["status"] == "ok"
 
 
 def test_dispatch_rows(tmp_path):

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import shlex
 import subprocess
 import sys
+import time
 import uuid
 
 import torch
@@ -34,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference errors")
+    p.add_argument("--stall-s", type=float, default=300,
+                   help="print every thread's stack (to stderr) when one implementation's compile and checks "
+                        "run longer than this, to show where it hangs; the run goes on (0: off)")
     p.add_argument("--gpu-busy", action="store_true",
                    help="also record gpu_busy_ms: the kernels' own time in one step (host overhead = step - busy)")
     p.add_argument("--scale", action="store_true", help="tokens from --min-tokens doubling until OOM or --max-tokens")
@@ -113,16 +118,24 @@ def _run_config(rec, pairs, p, ref, args, mode="layer"):
     A failure is reported in its row and never stops the others."""
     prepared, failed = {}, {}
     for pair in pairs:
+        t0 = time.perf_counter()
+        if args.stall_s > 0:
+            faulthandler.dump_traceback_later(args.stall_s, exit=False)
         try:
             call = IMPLS[pair[0]][2](p, pair[1])
             prepared[pair] = (call, prepare(call, p, ref, args.warmup, busy=args.gpu_busy))
-            print(f"  {pair[0]:>10} {pair[1]:>9} | compiled, checked, memory measured", flush=True)
+            print(f"  {pair[0]:>10} {pair[1]:>9} | compiled, checked, memory measured "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
         except Exception as e:  # one implementation's failure is reported in its row and never stops the run
             failed[pair] = _status(e)
         finally:
+            faulthandler.cancel_dump_traceback_later()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+    t0 = time.perf_counter()
     times = time_interleaved({pair: call for pair, (call, _) in prepared.items()}, p, args.iters) if prepared else {}
+    if prepared:
+        print(f"  timed in interleaved rounds ({time.perf_counter() - t0:.0f} s)", flush=True)
     rows = []
     for pair in pairs:
         row = _base(*pair, p, mode)
@@ -184,8 +197,10 @@ def run(args):
                           + (f" | sort/dense {sp:.2f}x" if sp else "") + f" | {row['status']}", flush=True)
     for name, (L, d, h, E, K) in _configs(args):
         print(f"config {name}: L={L} d={d} h={h} E={E} K={K} {args.activation} {dtype}", flush=True)
+        t0 = time.perf_counter()
         p = make_problem(L, d, h, E, K, args.activation, dtype, device)
         ref = None if args.no_ref else reference_grads(p)
+        print(f"  inputs and fp32 reference ready ({time.perf_counter() - t0:.0f} s)", flush=True)
         _run_config(rec, pairs, p, ref, args)
         del p, ref
     if args.scale:
