@@ -1,5 +1,5 @@
 """Compile every autotune config of the expert kernels for a GPU target without a GPU (Triton's
-ahead-of-time path and its bundled ptxas), and print each variant's registers, spills and shared
+ahead-of-time path and its bundled ptxas), and print each variant's registers, spill stack and shared
 memory: a config that spills, or does not compile for the target, shows up before any GPU time is
 spent. Approximate: launch-time specialisations (strides equal to 1, 16-divisible sizes) are not
 applied, so the real kernels may use a few registers fewer.
@@ -28,13 +28,14 @@ LAUNCH = dict(GATED=True, ACT=0, STORE_PREACT=True, STORE_ACT=True, BLOCK_M=K.BL
 # arguments the launchers pass as 1 (contiguous last dimensions): Triton specialises them to constants
 UNIT_STRIDES = {"stride_xd", "stride_wd", "stride_dyd", "stride_wh", "stride_ad", "stride_pn", "stride_qp",
                 "stride_dp"}
-TMA_FLAGS = ("A_TMA", "B_TMA", "W1_TMA", "W2_TMA", "DENSE_TMA")
+TMA_FLAGS = ("A_TMA", "B_TMA", "W1_TMA", "W2_TMA", "H_TMA", "DENSE_TMA")
 # which descriptor a kernel reads, and its block shape from the config
 DESC_BLOCK = {
     "a_desc": lambda c: (c["BLOCK_M"], c["BLOCK_K"]),
     "b_desc": lambda c: (c["BLOCK_N"], c["BLOCK_K"]) if c["B_KMAJOR"] else (c["BLOCK_K"], c["BLOCK_N"]),
     "w1_desc": lambda c: (c["BLOCK_N"], c["BLOCK_K"]),
     "w2_desc": lambda c: (c["BLOCK_K"], c["BLOCK_N"]),
+    "h_desc": lambda c: (c["BLOCK_M"], c["BLOCK_N"] // c["EPI_SPLIT"]),
     "dense_desc": lambda c: (c["BLOCK_K"], c["BLOCK_P"] if c["GATHER_P"] else c["BLOCK_N"]),
 }
 
@@ -76,20 +77,25 @@ def compile_one(kernel, cfg, launch, arch):
         sig[n] = "constexpr"
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.maxnreg:
+        opts["maxnreg"] = cfg.maxnreg
     ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     return ck
 
 
 def resource_usage(cubin):
-    """(registers, local memory bytes per thread: the spills) from the bundled cuobjdump."""
+    """(registers, spill stack bytes per thread) from the bundled cuobjdump. ptxas places spilled
+    registers in the thread's stack frame (STACK), not in LOCAL, which stays 0."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
         f.write(cubin)
     out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
     os.unlink(f.name)
     regs = re.search(r"REG:(\d+)", out)
+    stack = re.search(r"STACK:(\d+)", out)
     local = re.search(r"LOCAL:(\d+)", out)
-    return (int(regs.group(1)) if regs else -1), (int(local.group(1)) if local else -1)
+    spill = sum(int(m.group(1)) for m in (stack, local) if m)
+    return (int(regs.group(1)) if regs else -1), (spill if stack or local else -1)
 
 
 def main():
@@ -108,7 +114,7 @@ def main():
                 try:
                     ck = compile_one(kernel, cfg, launch, args.arch)
                     regs, local = resource_usage(ck.asm["cubin"])
-                    res = f"regs {regs:>3} local {local:>5} B  smem {ck.metadata.shared // 1024:>3} KB"
+                    res = f"regs {regs:>3} spill stack {local:>5} B  smem {ck.metadata.shared // 1024:>3} KB"
                 except Exception as e:  # report and go on: this is what the check is for
                     failures += 1
                     res = f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:100]}"
