@@ -111,19 +111,16 @@ def test_token_chunks_give_the_same_result(poison_alloc, checkpoint):
         assert rel_err(a, b) < 1e-6
 
 
-@pytest.mark.parametrize("block_n,prefetch,split,paired",
-                         [(32, 1, 1, 0), (32, 0, 1, 0), (64, 0, 2, 1), (64, 1, 2, 1), (64, 0, 2, 0), (64, 1, 2, 0),
-                          (64, 0, 4, 1), (128, 1, 4, 1), (64, 0, 4, 0), (128, 1, 4, 0)])
+@pytest.mark.parametrize("block_n,prefetch,split",
+                         [(32, 1, 1), (32, 0, 1), (64, 0, 2), (64, 1, 2), (64, 0, 4), (128, 1, 4)])
 @pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
-def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split, paired, checkpoint):
+def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split, checkpoint):
     """Every code path of the dH kernel the GPU autotuner may pick (H prefetch, epilogue in halves or
-    quarters with H read per part or in pairs, several dS partials per tile), on odd H so the last
-    column tile is masked."""
+    quarters, several dS partials per tile), on odd H so the last column tile is masked."""
     import triton
     from moeblaze.kernels import experts as k
 
-    cfg = triton.Config({"BLOCK_N": block_n, "BLOCK_K": 32, "PREFETCH_H": prefetch, "EPI_SPLIT": split,
-                         "H_PAIRED": paired},
+    cfg = triton.Config({"BLOCK_N": block_n, "BLOCK_K": 32, "PREFETCH_H": prefetch, "EPI_SPLIT": split},
                         num_warps=4, num_stages=1, pre_hook=k._dh_blocks)
     monkeypatch.setattr(k._expert_down_bwd_kernel, "configs", [cfg])
     for activation in ("swiglu", "relu2"):

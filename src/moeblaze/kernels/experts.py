@@ -65,15 +65,14 @@ UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "TWO_DOTS"),
                       [(128, 64, 0, 8, 3), (64, 64, 0, 4, 4), (128, 64, 0, 8, 4), (64, 64, 0, 8, 4),
                        (128, 64, 1, 8, 3), (128, 64, 1, 8, 4), (64, 64, 1, 4, 4)],
                       (16, 32, 1, 4, 1), pre_hook=_up_blocks)
-# dH: (BLOCK_N, BLOCK_K, PREFETCH_H, EPI_SPLIT, H_PAIRED, num_warps, num_stages); BLOCK_N / EPI_SPLIT a
-# multiple of DS_BLOCK. Slower at every config measured, so not listed: persistent programs (the next
-# tile's loads overlapping this one's epilogue, 3.9-5.8 against 3.0 ms at E) and 4-warp tiles for two
-# programs per multiprocessor (they spill ~400 registers: 3.7 against 2.8 ms at E).
-DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT", "H_PAIRED"),
-                      [(256, 64, 0, 4, 1, 8, 4), (256, 64, 0, 4, 1, 8, 3), (256, 64, 0, 4, 0, 8, 4),
-                       (256, 64, 0, 4, 0, 8, 3), (128, 64, 0, 2, 1, 8, 4), (128, 64, 0, 2, 1, 8, 3),
-                       (128, 64, 1, 2, 1, 8, 4), (128, 64, 0, 2, 0, 8, 4), (64, 64, 1, 1, 0, 8, 3)],
-                      (32, 32, 0, 2, 1, 4, 1), pre_hook=_dh_blocks)
+# dH: (BLOCK_N, BLOCK_K, PREFETCH_H, EPI_SPLIT, num_warps, num_stages); BLOCK_N / EPI_SPLIT a multiple of
+# DS_BLOCK. Slower at every config measured, so not listed: persistent programs (the next tile's loads
+# overlapping this one's epilogue, 3.9-5.8 against 3.0 ms at E) and 4-warp tiles for two programs per
+# multiprocessor (they spill ~400 registers: 3.7 against 2.8 ms at E).
+DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT"),
+                      [(256, 64, 0, 4, 8, 4), (256, 64, 0, 4, 8, 3), (128, 64, 0, 2, 8, 4), (128, 64, 0, 2, 8, 3),
+                       (128, 64, 1, 2, 8, 4), (64, 64, 1, 1, 8, 3)],
+                      (32, 32, 0, 2, 4, 1), pre_hook=_dh_blocks)
 def _dense_block(nargs):
     _set_block(nargs["dense_desc"], (nargs["BLOCK_K"], nargs["BLOCK_P"] if nargs["GATHER_P"] else nargs["BLOCK_N"]))
 
@@ -134,7 +133,8 @@ def _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M:
 @triton.jit
 def _row_ptrs(ptr, rows, stride, cols):
     """ptr + rows·stride + cols over a tile's consecutive rows: one 64-bit base at the first row, int32
-    offsets from it. Per-element 64-bit addresses cost the dH epilogue ~80 spilled registers per thread."""
+    offsets from it. Per-element 64-bit addresses held the dH epilogue's spills at 448 B per thread
+    against 328 (sm_90, ahead-of-time compile; no time difference measured at config E)."""
     row0 = tl.min(rows)
     return ptr + row0.to(tl.int64) * stride + ((rows - row0)[:, None] * stride + cols[None, :])
 
@@ -314,13 +314,12 @@ def _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED: tl.constexpr, BL
 
 
 @triton.jit
-def _load_h_parts(preact_ptr, rows, rmask, col0, H, stride_pl, GATED: tl.constexpr, PART: tl.constexpr,
-                  PAIRED: tl.constexpr):
-    """(g0, u0, g1, u1): H of the PART columns from col0 and, when PAIRED, of the PART columns after them
-    (else g1, u1 repeat g0, u0 and are not used)."""
-    g0, u0 = _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, PART)
-    if PAIRED:
-        g1, u1 = _load_h(preact_ptr, rows, rmask, col0 + PART, H, stride_pl, GATED, PART)
+def _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED: tl.constexpr, HALF: tl.constexpr,
+                   EPI_SPLIT: tl.constexpr):
+    """(g0, u0, g1, u1): H of the tile's first HALF columns and, when EPI_SPLIT == 2, of its second."""
+    g0, u0 = _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF)
+    if EPI_SPLIT == 2:
+        g1, u1 = _load_h(preact_ptr, rows, rmask, col0 + HALF, H, stride_pl, GATED, HALF)
         return g0, u0, g1, u1
     return g0, u0, g0, u0
 
@@ -331,7 +330,6 @@ def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_s
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The dH epilogue of columns col0 .. col0+BLOCK_N of dA', given H there (g, u)."""
     offs_n = col0 + tl.arange(0, BLOCK_N)
-    row0 = tl.min(rows)
     omask = rmask[:, None] & (offs_n < H)[None, :]
     g = g.to(tl.float32)
     dp_ptrs = _row_ptrs(dpreact_ptr, rows, stride_pl, offs_n)
@@ -351,6 +349,7 @@ def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_s
     R: tl.constexpr = BLOCK_N // DS_BLOCK
     ds = tl.sum(tl.reshape(dact * a, (BLOCK_M, R, DS_BLOCK)), axis=2)  # (BLOCK_M, R)
     slot = col0 // DS_BLOCK + tl.arange(0, R)
+    row0 = tl.min(rows)
     tl.store((ds_part_ptr + row0 + slot.to(tl.int64) * LK)[None, :] + (rows - row0)[:, None], ds,
              mask=rmask[:, None] & (slot * DS_BLOCK < H)[None, :])
 
@@ -364,19 +363,15 @@ def _expert_down_bwd_kernel(
     expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
     NUM_TILES, D, H, LK, stride_dyl, stride_dyd, stride_we, stride_wd, stride_wh, stride_pl, stride_al,
     GATED: tl.constexpr, ACT: tl.constexpr, DS_BLOCK: tl.constexpr, PREFETCH_H: tl.constexpr,
-    EPI_SPLIT: tl.constexpr, H_PAIRED: tl.constexpr, W2_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    EPI_SPLIT: tl.constexpr, W2_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """dA' = dy[token] @ W2[e] (dy gathered in the load), then in the epilogue, from the saved H:
     A = act(H) recomputed; dS partials = <dA', A> per DS_BLOCK columns (the router-weight gradient,
     without the down-projection output); dH = d act(s * dA'); s * A for dW2.
-    EPI_SPLIT = 2 or 4 runs the epilogue on column halves or quarters (fewer live registers). H is read
-    per part right before that part's epilogue, or two parts at once (H_PAIRED: more of its latency
-    hidden, more live registers); the first read before the main loop (PREFETCH_H, its latency hidden
-    behind the loop, its registers held through it) or right after. W2_TMA reads W2 through the
-    descriptor w2_desc over its (E·D, H) view. Stores address the tile's rows from its first row with
-    int32 offsets: 64-bit addresses per element cost the epilogue ~80 spilled registers per thread
-    (sm_90, ahead-of-time compile)."""
+    H is loaded before the main loop (PREFETCH_H, its latency hidden behind the loop) or right after
+    it, all at once; EPI_SPLIT = 2 or 4 runs the epilogue math on column halves or quarters (fewer
+    live registers). W2_TMA reads W2 through the descriptor w2_desc over its (E·D, H) view."""
     tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
     if e < 0:
@@ -384,54 +379,52 @@ def _expert_down_bwd_kernel(
     _dh_tile(e, rows, rmask, pid_n, dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr,
              act_scaled_ptr, ds_part_ptr, expert_token_idx_ptr, D, H, LK, stride_dyl, stride_dyd,
              stride_we, stride_wd, stride_wh, stride_pl, stride_al, GATED, ACT, DS_BLOCK, PREFETCH_H,
-             EPI_SPLIT, H_PAIRED, W2_TMA, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+             EPI_SPLIT, W2_TMA, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
 
 
 @triton.jit
 def _dh_tile(e, rows, rmask, pid_n, dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr,
              act_scaled_ptr, ds_part_ptr, expert_token_idx_ptr, D, H, LK, stride_dyl, stride_dyd,
              stride_we, stride_wd, stride_wh, stride_pl, stride_al, GATED: tl.constexpr, ACT: tl.constexpr,
-             DS_BLOCK: tl.constexpr, PREFETCH_H: tl.constexpr, EPI_SPLIT: tl.constexpr, H_PAIRED: tl.constexpr,
-             W2_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             PRECISION: tl.constexpr):
+             DS_BLOCK: tl.constexpr, PREFETCH_H: tl.constexpr, EPI_SPLIT: tl.constexpr, W2_TMA: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     """One (row tile of expert e, column tile pid_n) of the dH kernel."""
     tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
     col0 = pid_n * BLOCK_N
     offs_n = col0 + tl.arange(0, BLOCK_N)
-    PART: tl.constexpr = BLOCK_N // EPI_SPLIT
-    PAIRED: tl.constexpr = H_PAIRED and EPI_SPLIT > 1
+    HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
+    PARTS: tl.constexpr = 2 if EPI_SPLIT > 1 else 1  # H parts loaded here (EPI_SPLIT = 4: the first two)
     if PREFETCH_H:
-        g0, u0, g1, u1 = _load_h_parts(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, PART, PAIRED)
+        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, PARTS)
     dact = _rows_dot(dy_ptr, tok, rmask, stride_dyl, stride_dyd, w2_ptr + e.to(tl.int64) * stride_we, stride_wd,
                      stride_wh, offs_n, offs_n < H, D, dy_ptr, w2_desc, e * D, False, W2_TMA, False,
                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     if not PREFETCH_H:
-        g0, u0, g1, u1 = _load_h_parts(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, PART, PAIRED)
+        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, PARTS)
     if EPI_SPLIT == 1:
         _dh_epilogue(dact, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
                      stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, BLOCK_N)
-    else:
-        if EPI_SPLIT == 4:  # column i·2P + j·P + q sits at [q, i, j] after the permute
-            lo, hi = tl.split(tl.permute(tl.reshape(dact, (BLOCK_M, 2, 2, PART)), (0, 3, 1, 2)))
-            d0, d2 = tl.split(lo)
-            d1, d3 = tl.split(hi)
-        else:
-            d0, d1 = tl.split(tl.permute(tl.reshape(dact, (BLOCK_M, 2, PART)), (0, 2, 1)))
+    elif EPI_SPLIT == 4:
+        # quarters of Q columns: column i·2Q + j·Q + q sits at [q, i, j] after the permute
+        Q: tl.constexpr = BLOCK_N // 4
+        lo, hi = tl.split(tl.permute(tl.reshape(dact, (BLOCK_M, 2, 2, Q)), (0, 3, 1, 2)))
+        d0, d2 = tl.split(lo)
+        d1, d3 = tl.split(hi)
         _dh_epilogue(d0, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
-                     stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, PART)
-        if not PAIRED:
-            g1, u1 = _load_h(preact_ptr, rows, rmask, col0 + PART, H, stride_pl, GATED, PART)
-        _dh_epilogue(d1, col0 + PART, rows, rmask, g1, u1, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
-                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, PART)
-        if EPI_SPLIT == 4:
-            g2, u2, g3, u3 = _load_h_parts(preact_ptr, rows, rmask, col0 + 2 * PART, H, stride_pl, GATED, PART,
-                                           PAIRED)
-            _dh_epilogue(d2, col0 + 2 * PART, rows, rmask, g2, u2, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
-                         ds_part_ptr, H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, PART)
-            if not PAIRED:
-                g3, u3 = _load_h(preact_ptr, rows, rmask, col0 + 3 * PART, H, stride_pl, GATED, PART)
-            _dh_epilogue(d3, col0 + 3 * PART, rows, rmask, g3, u3, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
-                         ds_part_ptr, H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, PART)
+                     stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+        _dh_epilogue(d1, col0 + Q, rows, rmask, g1, u1, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H,
+                     LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+        g2, u2, g3, u3 = _load_h_halves(preact_ptr, rows, rmask, col0 + 2 * Q, H, stride_pl, GATED, Q, 2)
+        _dh_epilogue(d2, col0 + 2 * Q, rows, rmask, g2, u2, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+        _dh_epilogue(d3, col0 + 3 * Q, rows, rmask, g3, u3, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+    else:
+        d0, d1 = tl.split(tl.permute(tl.reshape(dact, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        _dh_epilogue(d0, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
+                     stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, HALF)
+        _dh_epilogue(d1, col0 + HALF, rows, rmask, g1, u1, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, HALF)
 
 
 @triton.autotune(configs=WGRAD_CONFIGS, key=["N", "P", "GATHER_P", "GATHER_Q"])
