@@ -132,9 +132,10 @@ def _run_config(rec, pairs, p, ref, args, mode="layer"):
             faulthandler.cancel_dump_traceback_later()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    t0 = time.perf_counter()
-    times = time_interleaved({pair: call for pair, (call, _) in prepared.items()}, p, args.iters) if prepared else {}
+    times = {}
     if prepared:
+        t0 = time.perf_counter()
+        times = time_interleaved({pair: call for pair, (call, _) in prepared.items()}, p, args.iters)
         print(f"  timed in interleaved rounds ({time.perf_counter() - t0:.0f} s)", flush=True)
     rows = []
     for pair in pairs:

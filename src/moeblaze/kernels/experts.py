@@ -376,19 +376,6 @@ def _expert_down_bwd_kernel(
     e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
     if e < 0:
         return
-    _dh_tile(e, rows, rmask, pid_n, dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr,
-             act_scaled_ptr, ds_part_ptr, expert_token_idx_ptr, D, H, LK, stride_dyl, stride_dyd,
-             stride_we, stride_wd, stride_wh, stride_pl, stride_al, GATED, ACT, DS_BLOCK, PREFETCH_H,
-             EPI_SPLIT, W2_TMA, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-
-
-@triton.jit
-def _dh_tile(e, rows, rmask, pid_n, dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr,
-             act_scaled_ptr, ds_part_ptr, expert_token_idx_ptr, D, H, LK, stride_dyl, stride_dyd,
-             stride_we, stride_wd, stride_wh, stride_pl, stride_al, GATED: tl.constexpr, ACT: tl.constexpr,
-             DS_BLOCK: tl.constexpr, PREFETCH_H: tl.constexpr, EPI_SPLIT: tl.constexpr, W2_TMA: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """One (row tile of expert e, column tile pid_n) of the dH kernel."""
     tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
     col0 = pid_n * BLOCK_N
     offs_n = col0 + tl.arange(0, BLOCK_N)
