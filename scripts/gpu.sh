@@ -9,6 +9,7 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export LIGER_FUSED_MOE_AUTOTUNE=${LIGER_FUSED_MOE_AUTOTUNE:-0}
+export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}  # SonicMoE compiles its GEMM configs in this many processes (its default: 8)
 [ -f .peers/activate.sh ] && source .peers/activate.sh
 steps=${*:-tests dispatch layer scale profile}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -162,8 +162,9 @@ MEASURE_S = 1.0  # seconds a GPU timing lasts at least
 
 
 def _timed_rounds(fns: dict, device: torch.device, iters: int, min_s: float | None = None) -> dict:
-    """{name: median ms of fn(i), or the exception that stopped it}: CUDA events on GPUs, the host clock
-    on the CPU. The fns take turns, `iters` calls each per round, and on GPUs rounds repeat until every
+    """{name: (median ms of fn(i), median host ms to issue it), or the exception that stopped it}: CUDA
+    events on GPUs, the host clock on the CPU; the host ms is the host clock around the call alone (no
+    synchronization), so where it is close to the first, the host, not the GPU, sets the pace. The fns take turns, `iters` calls each per round, and on GPUs rounds repeat until every
     fn has had min_s (default MEASURE_S) seconds: under sustained load an H200 runs at its power cap and
     its clock settles over a fraction of a second, so a short burst times a clock that training never
     sees, and taking turns gives every fn the same drift (bench/NOTES.md). One fn's failure (out of
@@ -171,13 +172,16 @@ def _timed_rounds(fns: dict, device: torch.device, iters: int, min_s: float | No
     cuda = device.type == "cuda"
     min_s = (MEASURE_S if min_s is None else min_s) if cuda else 0.0
     timers, spent, out, i = {n: [] for n in fns}, dict.fromkeys(fns, 0.0), {}, 0
+    host = {n: [] for n in fns}
     while timers and (i == 0 or min(spent[n] for n in timers) < min_s):
         for name in list(timers):
             t0 = time.perf_counter()
             try:
                 for _ in range(iters):
                     with _Timer(device) as t:
+                        h0 = time.perf_counter()
                         r = fns[name](i)
+                        host[name].append((time.perf_counter() - h0) * 1e3)
                     timers[name].append(t)
                     del r
                     i += 1
@@ -189,7 +193,8 @@ def _timed_rounds(fns: dict, device: torch.device, iters: int, min_s: float | No
                 if cuda:
                     torch.cuda.empty_cache()
             spent[name] += time.perf_counter() - t0
-    return {**out, **{name: statistics.median(t.ms for t in ts) for name, ts in timers.items()}}
+    return {**out, **{name: (statistics.median(t.ms for t in ts), statistics.median(host[name]))
+                      for name, ts in timers.items()}}
 
 
 def _median_ms(fn, device: torch.device, iters: int, min_s: float | None = None) -> float:
@@ -197,7 +202,7 @@ def _median_ms(fn, device: torch.device, iters: int, min_s: float | None = None)
     ms = _timed_rounds({0: fn}, device, iters, min_s)[0]
     if isinstance(ms, Exception):
         raise ms
-    return ms
+    return ms[0]
 
 
 def _step(call, p: Problem, i: int, backward: bool):
@@ -290,9 +295,10 @@ def prepare(call, p: Problem, ref=None, warmup: int = 3, busy: bool = False) -> 
 
 
 def time_interleaved(calls: dict, p: Problem, iters: int = 10, min_s: float | None = None) -> dict:
-    """{name: {"fwd_ms", "step_ms", "tflops"} or the exception that stopped it} for prepared impls on one
-    problem, timed in turns (_timed_rounds): all see the same clocks, so their ratios are not skewed by
-    the GPU's power state drifting between one impl's timing and the next."""
+    """{name: {"fwd_ms", "step_ms", "host_ms", "tflops"} or the exception that stopped it} for prepared
+    impls on one problem, timed in turns (_timed_rounds): all see the same clocks, so their ratios are
+    not skewed by the GPU's power state drifting between one impl's timing and the next. host_ms is the
+    host time to issue one forward+backward step: where it nears step_ms, the step is launch-bound."""
     out = {name: {} for name in calls}
     for key, backward in (("fwd_ms", False), ("step_ms", True)):
         fns = {n: (lambda i, c=c, b=backward: _step(c, p, i, b))
@@ -301,7 +307,9 @@ def time_interleaved(calls: dict, p: Problem, iters: int = 10, min_s: float | No
             if isinstance(ms, Exception):
                 out[name] = ms
             else:
-                out[name][key] = ms
+                out[name][key] = ms[0]
+                if backward:
+                    out[name]["host_ms"] = ms[1]
     for res in out.values():
         if not isinstance(res, Exception):
             res["tflops"] = p.flops / (res["step_ms"] * 1e-3) / 1e12

@@ -92,7 +92,7 @@ def _fmt(v, nd=2):
 def _print_row(r: dict) -> None:
     err = max(r["rel_err"].values()) if r.get("rel_err") else None
     print(f"  {r['impl']:>10} {r['policy']:>9} | fwd {_fmt(r.get('fwd_ms')):>8} ms | step {_fmt(r.get('step_ms')):>8} ms"
-          f" | kept {_fmt(r.get('kept_mb'), 1):>8} MB | peak {_fmt(r.get('peak_mb'), 1):>8} MB"
+          f" | host {_fmt(r.get('host_ms')):>6} ms | kept {_fmt(r.get('kept_mb'), 1):>8} MB | peak {_fmt(r.get('peak_mb'), 1):>8} MB"
           f" | {_fmt(r.get('tflops'), 1):>6} TF/s | max rel err {_fmt(err, 4):>7}"
           + (f" | gpu busy {r['gpu_busy_ms']:.2f} ms" if r.get("gpu_busy_ms") is not None else "")
           + f" | {r['status']}", flush=True)
@@ -104,8 +104,8 @@ def _oom(e: BaseException) -> bool:
 
 def _base(impl, policy, p, mode) -> dict:
     return dict(mode=mode, impl=impl, policy=policy, L=p.L, d=p.d, h=p.h, E=p.E, K=p.K, activation=p.activation,
-                dtype=str(p.dtype).replace("torch.", ""), fwd_ms=None, step_ms=None, kept_mb=None, peak_mb=None,
-                tflops=None, rel_err=None)
+                dtype=str(p.dtype).replace("torch.", ""), fwd_ms=None, step_ms=None, host_ms=None, kept_mb=None,
+                peak_mb=None, tflops=None, rel_err=None)
 
 
 def _status(e: BaseException) -> str:
