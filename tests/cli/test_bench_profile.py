@@ -131,6 +131,7 @@ def test_readme_results_section(tmp_path):
                  fwd_ms=1.0, step_ms=s, kept_mb=k, peak_mb=2 * k, tflops=1.0, rel_err={"out": 1e-3}, gpu="Test GPU",
                  torch="t", triton="tr", git_sha="abc", run_id="r1", command="moeblaze bench", date="2026-01-01",
                  status="ok") for i, p, s, k in (("moeblaze", "preact", 2.0, 10.0), ("sonicmoe", "-", 3.0, 10.0))]
+    rows[0]["host_ms"] = 0.5  # the sonicmoe row is from before host_ms: its cell reads "-"
     (tmp_path / "res").mkdir()
     with open(tmp_path / "res" / "test-gpu.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -139,7 +140,8 @@ def test_readme_results_section(tmp_path):
     update_readme(str(readme), str(tmp_path / "res"))
     text = readme.read_text()
     assert "old" not in text and text.endswith(f"{END}\ntail\n")
-    assert "| 64,32,16,4,2 | moeblaze/preact | 1.00 | 2.00 | 1.50 |" in text  # 3.0 / 2.0 vs SonicMoE
+    assert "| 64,32,16,4,2 | moeblaze/preact | 1.00 | 2.00 | 0.50 | 1.50 |" in text  # 3.0 / 2.0 vs SonicMoE
+    assert "| 64,32,16,4,2 | sonicmoe | 1.00 | 3.00 | - | 1.00 |" in text
     assert os.path.exists(tmp_path / "res" / "test-gpu-layer.png")
     assert "No GPU results" in results_markdown([])
 
@@ -210,10 +212,10 @@ def test_results_compare_each_repeat_with_sonicmoe_of_the_same_repeat():
     rows = [row("moeblaze", 3.0), row("sonicmoe", 1.5), row("moeblaze", 2.0), row("sonicmoe", 4.0)]
     table = [line for line in results_markdown(rows).splitlines() if line.startswith("| 64,")]
     assert table == [
-        "| 64,32,16,4,2 (repeat 1) | moeblaze/preact | 1.00 | 3.00 | 0.50 | 1 | 1 | 1 | - |",
-        "| 64,32,16,4,2 (repeat 1) | sonicmoe | 1.00 | 1.50 | 1.00 | 1 | 1 | 1 | - |",
-        "| 64,32,16,4,2 (repeat 2) | moeblaze/preact | 1.00 | 2.00 | 2.00 | 1 | 1 | 1 | - |",
-        "| 64,32,16,4,2 (repeat 2) | sonicmoe | 1.00 | 4.00 | 1.00 | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 1) | moeblaze/preact | 1.00 | 3.00 | - | 0.50 | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 1) | sonicmoe | 1.00 | 1.50 | - | 1.00 | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 2) | moeblaze/preact | 1.00 | 2.00 | - | 2.00 | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 2) | sonicmoe | 1.00 | 4.00 | - | 1.00 | 1 | 1 | 1 | - |",
     ]
 
 
@@ -229,5 +231,5 @@ def test_results_list_peers_from_other_runs_beside_their_own_baseline():
             row("moeblaze", "main", "2026-01-03", 2.0, "preact"), row("sonicmoe", "main", "2026-01-03", 1.0),
             row("torch_gmm", "main", "2026-01-03", 3.0)]
     text = results_markdown(rows)
-    assert "| 64,32,16,4,2 | liger/pinned | 1.00 | 8.00 | 0.50 | 1 | 1 | 1 | - |" in text  # newest run, own baseline
+    assert "| 64,32,16,4,2 | liger/pinned | 1.00 | 8.00 | - | 0.50 | 1 | 1 | 1 | - |" in text  # newest run, own baseline
     assert "9.00" not in text and text.count("liger/pinned") == 1  # the older liger row is left out

@@ -147,10 +147,11 @@ def _runs(rows: list[dict]) -> str:
 def _layer_line(name: str, r: dict, baseline_ms: float | None) -> str:
     """One table line of a layer row; its ratio column is baseline_ms / its step time."""
     if r["status"] != "ok":
-        return f"| {name} | {_label(r)} | {r['status'][:60]} |  |  |  |  |  |  |"
+        return f"| {name} | {_label(r)} | {r['status'][:60]} |  |  |  |  |  |  |  |"
     vs = f"{baseline_ms / r['step_ms']:.2f}" if baseline_ms else "-"
     err = f"{max(r['rel_err'].values()):.1e}" if r.get("rel_err") else "-"
-    return (f"| {name} | {_label(r)} | {r['fwd_ms']:.2f} | {r['step_ms']:.2f} | {vs} | {r['tflops']:.0f} | "
+    host = f"{r['host_ms']:.2f}" if r.get("host_ms") is not None else "-"  # rows before host_ms have none
+    return (f"| {name} | {_label(r)} | {r['fwd_ms']:.2f} | {r['step_ms']:.2f} | {host} | {vs} | {r['tflops']:.0f} | "
             f"{r['kept_mb']:.0f} | {r['peak_mb']:.0f} | {err} |")
 
 
@@ -161,12 +162,13 @@ def results_markdown(rows: list[dict]) -> str:
         r0 = layer[0]
         out += [f"One MoE layer, forward+backward, {r0['activation']} {r0['dtype']}, {r0['gpu']}, torch {r0['torch']}, "
                 f"triton {r0['triton']}. All rows of a config come from one run: {_runs(layer)}.",
-                "`kept MB`: allocated after forward minus the output (what the layer keeps for backward); "
+                "`host ms`: the host's time to issue one step (near `step ms`, the host sets the pace: launch cost or a "
+                "synchronization); `kept MB`: allocated after forward minus the output (what the layer keeps for backward); "
                 "`peak MB`: peak over forward+backward above the pre-forward baseline; `vs sonic`: SonicMoE step time "
                 "/ this one (>1 is faster than SonicMoE); `err`: largest relative error of the output and the "
                 "gradients against the fp32 reference.", "",
-                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | vs sonic | TF/s | kept MB | peak MB | err |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | vs sonic | TF/s | kept MB | peak MB | err |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for cfg in sorted(dict.fromkeys(_cfg(r) for r in layer), key=_cfg_order):
             # a run may measure a config more than once: the k-th row of each implementation is repeat k,
             # and each row is compared with SonicMoE's row of the same repeat
@@ -183,8 +185,8 @@ def results_markdown(rows: list[dict]) -> str:
         out += ["", "Implementations the runs above did not measure, each from the newest run that did, beside "
                 "`torch_gmm` of that same run (`vs torch_gmm`: its step time / this one): "
                 f"{_runs([r for r, _ in others])}.", "",
-                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | vs torch_gmm | TF/s | kept MB | peak MB | err |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | vs torch_gmm | TF/s | kept MB | peak MB "
+                "| err |", "|---|---|---|---|---|---|---|---|---|---|"]
         out += [_layer_line(_cfg(r), r, base["step_ms"] if base else None) for r, base in others]
     disp = _latest(rows, "dispatch")
     if disp:
