@@ -164,11 +164,12 @@ MEASURE_S = 1.0  # seconds a GPU timing lasts at least
 def _timed_rounds(fns: dict, device: torch.device, iters: int, min_s: float | None = None) -> dict:
     """{name: (median ms of fn(i), median host ms to issue it), or the exception that stopped it}: CUDA
     events on GPUs, the host clock on the CPU; the host ms is the host clock around the call alone (no
-    synchronization), so where it is close to the first, the host, not the GPU, sets the pace. The fns take turns, `iters` calls each per round, and on GPUs rounds repeat until every
-    fn has had min_s (default MEASURE_S) seconds: under sustained load an H200 runs at its power cap and
-    its clock settles over a fraction of a second, so a short burst times a clock that training never
-    sees, and taking turns gives every fn the same drift (bench/NOTES.md). One fn's failure (out of
-    memory, say) never stops the others."""
+    synchronization), so where it is close to the first, the host, not the GPU, sets the pace. The fns
+    take turns, `iters` calls each per round, and on GPUs rounds repeat until every fn has had min_s
+    (default MEASURE_S) seconds: under sustained load an H200 runs at its power cap and its clock
+    settles over a fraction of a second, so a short burst times a clock that training never sees, and
+    taking turns gives every fn the same drift (bench/NOTES.md). One fn's failure (out of memory, say)
+    never stops the others."""
     cuda = device.type == "cuda"
     min_s = (MEASURE_S if min_s is None else min_s) if cuda else 0.0
     timers, spent, out, i = {n: [] for n in fns}, dict.fromkeys(fns, 0.0), {}, 0

@@ -167,7 +167,8 @@ def results_markdown(rows: list[dict]) -> str:
                 "`peak MB`: peak over forward+backward above the pre-forward baseline; `vs sonic`: SonicMoE step time "
                 "/ this one (>1 is faster than SonicMoE); `err`: largest relative error of the output and the "
                 "gradients against the fp32 reference.", "",
-                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | vs sonic | TF/s | kept MB | peak MB | err |",
+                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | vs sonic | TF/s | kept MB | peak MB "
+                "| err |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
         for cfg in sorted(dict.fromkeys(_cfg(r) for r in layer), key=_cfg_order):
             # a run may measure a config more than once: the k-th row of each implementation is repeat k,
