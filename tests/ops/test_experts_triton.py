@@ -131,8 +131,8 @@ def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split,
 @pytest.mark.parametrize("swap", [0, 1])
 def test_weight_grad_kernel_variants(poison_alloc, monkeypatch, swap, tma):
     """Every weight-gradient code path the GPU autotuner may pick (swapped operands, the dense side
-    through a tensor descriptor), with experts whose row counts
-    are not multiples of the row block (odd sizes fall back to pointer loads)."""
+    through a tensor descriptor), with experts whose row counts are not multiples of the row block
+    (odd sizes fall back to pointer loads)."""
     import triton
     from moeblaze.kernels import experts as k
     from moeblaze.ops import experts as ops

@@ -427,10 +427,10 @@ def _expert_weight_grad_kernel(
     SWAP computes the transposed tile, (Qm^T @ Pm)^T, so the other operand is the MMA's A operand.
     The token ids of the next row block are loaded one iteration early: loaded in the iteration that
     uses them, they make the data loads indirect and Triton's pipeliner then keeps one stage fewer
-    (the weight gradients went from ~420 to 480-536 TF/s on the H200 at configs B and E). DENSE_TMA (exactly one
-    side gathered) loads the other, row-contiguous side through the tensor descriptor dense_desc
-    (block BLOCK_K rows): its rows past the expert's end are the next expert's, and meet the gathered
-    side's zeros there."""
+    (the weight gradients went from ~420 to 480-536 TF/s on the H200 at configs B and E).
+    DENSE_TMA (exactly one side gathered) loads the other, row-contiguous side through the tensor
+    descriptor dense_desc (block BLOCK_K rows): its rows past the expert's end are the next expert's,
+    and meet the gathered side's zeros there."""
     pid = tl.program_id(0)
     n_tiles_n = tl.cdiv(N, BLOCK_N)
     n_tiles_p = tl.cdiv(P, BLOCK_P)
