@@ -7,7 +7,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available()
                                                   or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")]
 
 
-@pytest.mark.parametrize("N,K", [(256, 192), (320, 100), (1024, 768)])
+# N and K tails: 320 = 2.5 column tiles of 128, 104 = 1.6 K steps of 64
+@pytest.mark.parametrize("N,K", [(256, 192), (320, 104), (1024, 768)])
 def test_rows_pingpong_matches_torch(N, K):
     from moeblaze.kernels.gluon_rows import rows_pingpong
     from moeblaze.ops.experts import tile_schedule

@@ -58,7 +58,6 @@ def _consumer(parity, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, tile_exper
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     pid, nprog = gl.program_id(0), gl.num_programs(0)
     n_tn = gl.cdiv(N, BLOCK_N)
     n_k = gl.cdiv(K_DIM, BLOCK_K)
@@ -76,9 +75,11 @@ def _consumer(parity, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, tile_exper
             mbarrier.arrive(empty.index((c + S - 1) % S), pred=k > 0)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index((j * n_k + n_k - 1) % S))
-        out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), out_layout)
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
-        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_layout))
+        # stored from the MMA's own layout: a layout conversion would go through shared-memory scratch,
+        # which the two consumers would use at the same time
+        out = acc.to(c_ptr.dtype.element_ty)
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cl + cols[None, :]
         gl.store(ptrs, out, mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
@@ -120,13 +121,16 @@ def rows_pingpong_kernel(a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, u
 
 def rows_pingpong(a, w, offsets, sched, out=None, block_n: int = 128, block_k: int = 64, stages: int = 4):
     """C (rows, N) = A[rows] @ W[e]ᵀ for each expert's contiguous rows; a (LK, K) and w (E, N, K) bf16/fp16,
-    contiguous; offsets (E+1,) int32; sched = ops.experts.tile_schedule(...) for BLOCK_M = 128."""
+    contiguous, K a multiple of 8 (16-byte rows for TMA); offsets (E+1,) int32; sched =
+    ops.experts.tile_schedule(...) for BLOCK_M = 128."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from moeblaze.kernels.experts import BLOCK_M
 
     E, N, K = w.shape
+    if K % 8 or not (a.is_contiguous() and w.is_contiguous()):
+        raise ValueError(f"rows_pingpong needs contiguous operands with K % 8 == 0 (TMA rows), got K={K}")
     gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[a.dtype]
     la = gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gdt)
     lb = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gdt)
