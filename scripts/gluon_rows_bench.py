@@ -1,5 +1,7 @@
-"""Times the Gluon ping-pong row GEMM prototype against the tl row kernel on the down-projection of
-configs B and E (GPU only): python scripts/gluon_rows_bench.py"""
+"""Times the Gluon ping-pong prototypes against the tl kernels on configs B, E and D (GPU only):
+the down-projection row GEMM (TMA rows) and the up-projection's main loop (rows gathered by cp.async;
+the tl up kernel also runs its SwiGLU epilogue and stores H and A, so it does a little more work).
+    python scripts/gluon_rows_bench.py"""
 import os
 import sys
 
@@ -8,8 +10,22 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from moeblaze.bench.harness import CONFIGS  # noqa: E402
-from moeblaze.kernels.gluon_rows import rows_pingpong  # noqa: E402
-from moeblaze.ops.experts import _rows, tile_schedule  # noqa: E402
+from moeblaze.kernels.gluon_rows import gathered_rows_pingpong, rows_pingpong  # noqa: E402
+from moeblaze.ops.experts import _rows, _up, tile_schedule  # noqa: E402
+
+
+def report(name, flops, ref, candidates):
+    row = [name]
+    for label, fn in candidates:
+        try:
+            c = fn()
+            err = "" if ref is None else f", diff vs tl {float((c.float() - ref.float()).norm() / ref.float().norm()):.1e}"
+            ms = triton.testing.do_bench(fn, warmup=100, rep=1000)
+            row.append(f"{label}: {ms:.3f} ms {flops / ms / 1e9:.0f} TF/s{err}")
+        except Exception as e:  # report and go on
+            row.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    print(" | ".join(row), flush=True)
+
 
 for name in ("B", "E", "D"):
     L, d, h, E, K = CONFIGS[name]
@@ -17,21 +33,16 @@ for name in ("B", "E", "D"):
     counts = torch.full((E,), LK // E, dtype=torch.int32, device="cuda")
     offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
     offsets[1:] = counts.cumsum(0)
+    sched = tile_schedule(counts, offsets, LK)
+    eti = torch.randperm(LK, device="cuda").to(torch.int32) // K  # each token's K rows, scattered
+    x = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.randn(E, 2 * h, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5
     a = torch.randn(LK, h, device="cuda", dtype=torch.bfloat16)
     w2 = torch.randn(E, d, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
-    sched = tile_schedule(counts, offsets, LK)
-    tl_c = _rows(a, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), d, offsets, sched)
-    flops = 2 * LK * d * h
-    row = [name]
-    for label, fn in (("tl", lambda: _rows(a, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), d, offsets, sched)),
-                      *((f"gluon BN={bn} S={s}", lambda bn=bn, s=s: rows_pingpong(a, w2, offsets, sched, block_n=bn,
-                                                                                  stages=s))
-                        for bn, s in ((128, 4), (128, 6)))):
-        try:
-            c = fn()
-            err = float((c.float() - tl_c.float()).norm() / tl_c.float().norm())
-            ms = triton.testing.do_bench(fn, warmup=100, rep=1000)
-            row.append(f"{label}: {ms:.3f} ms {flops / ms / 1e9:.0f} TF/s (diff vs tl {err:.1e})")
-        except Exception as e:  # report and go on
-            row.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-    print(" | ".join(row), flush=True)
+    down = (lambda: _rows(a, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), d, offsets, sched))
+    report(f"{name} down", 2 * LK * d * h, down(),
+           [("tl", down)] + [(f"gluon S={s}", lambda s=s: rows_pingpong(a, w2, offsets, sched, stages=s)) for s in (4, 6)])
+    report(f"{name} up", 2 * LK * 2 * h * d, None,
+           [("tl (with epilogue)", lambda: _up(x, w1, eti, offsets, sched, "swiglu", True, True))]
+           + [(f"gluon main loop S={s}", lambda s=s: gathered_rows_pingpong(x, w1, eti, offsets, sched, stages=s))
+              for s in (4, 6)])
