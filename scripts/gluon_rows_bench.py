@@ -1,4 +1,4 @@
-"""Times the Gluon ping-pong prototypes against the tl kernels on configs B, E and D (GPU only):
+"""Times the Gluon warp-specialised prototypes (ping-pong and cooperative) against the tl kernels on configs B, E and D (GPU only):
 the down-projection row GEMM (TMA rows) and the up-projection's main loop (rows gathered by cp.async;
 the tl up kernel also runs its SwiGLU epilogue and stores H and A, so it does a little more work).
     python scripts/gluon_rows_bench.py"""
@@ -10,8 +10,11 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from moeblaze.bench.harness import CONFIGS  # noqa: E402
-from moeblaze.kernels.gluon_rows import gathered_rows_pingpong, rows_pingpong  # noqa: E402
+from moeblaze.kernels.gluon_rows import gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
 from moeblaze.ops.experts import _rows, _up, tile_schedule  # noqa: E402
+
+
+VARIANTS = [(True, 4), (False, 3)]  # (ping-pong, stages)
 
 
 def report(name, flops, ref, candidates):
@@ -41,8 +44,15 @@ for name in ("B", "E", "D"):
     w2 = torch.randn(E, d, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
     down = (lambda: _rows(a, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), d, offsets, sched))
     report(f"{name} down", 2 * LK * d * h, down(),
-           [("tl", down)] + [(f"gluon S={s}", lambda s=s: rows_pingpong(a, w2, offsets, sched, stages=s)) for s in (4, 6)])
+           [("tl", down), ("gluon handoff S=3", lambda: rows_handoff(a, w2, offsets, sched))]
+           + [(f"gluon {'pp' if p else 'coop'} S={s}",
+                              lambda s=s, p=p: rows_ws(a, w2, offsets, sched, pingpong=p, stages=s)) for p, s in VARIANTS])
+    tl_up = _up(x, w1, eti, offsets, sched, "swiglu", True, True)
+    report(f"{name} up, H and A", 2 * LK * 2 * h * d, tl_up[1],
+           [("tl", lambda: _up(x, w1, eti, offsets, sched, "swiglu", True, True)[1])]
+           + [(f"gluon ws S=3 regs {r}", lambda r=r: up_swiglu_ws(x, w1, eti, offsets, sched, worker_regs=r)[1])
+              for r in (112,)])
     report(f"{name} up", 2 * LK * 2 * h * d, None,
            [("tl (with epilogue)", lambda: _up(x, w1, eti, offsets, sched, "swiglu", True, True))]
-           + [(f"gluon main loop S={s}", lambda s=s: gathered_rows_pingpong(x, w1, eti, offsets, sched, stages=s))
-              for s in (4, 6)])
+           + [(f"gluon main loop {'pp' if p else 'coop'} S={s}",
+               lambda s=s, p=p: gathered_rows_ws(x, w1, eti, offsets, sched, pingpong=p, stages=s)) for p, s in VARIANTS])
