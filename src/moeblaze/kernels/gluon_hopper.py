@@ -1,13 +1,20 @@
-"""Prototype, Hopper only (sm_90), not wired into the library: the row GEMM C[rows] = A[rows] @ B[e]ᵀ
-(down-projection: A = activated rows, B = W2 as (E·N, K)) as a Gluon warp-specialised ping-pong kernel.
+"""Hopper (sm_90) warp-specialised expert GEMMs in Gluon: the up-projection with its SwiGLU epilogue
+and the row GEMM of the down-projection, used by ops.experts on sm_90 where the shapes allow; the tl
+kernels in kernels.experts stay the path everywhere else (and the only one the CPU interpreter runs).
 
-Memory contract: nothing beyond C; S stages of (BLOCK_M + BLOCK_N) x BLOCK_K bf16 in shared memory.
+Memory contract: nothing beyond the outputs (H and A; C). Shared memory: S stages of (128 + BLOCK_N) x 64
+operands and, for the hand-off kernels, one 128 x 256 tile of the accumulator in the io dtype.
 
-One program per multiprocessor walks the used tiles of the device-built schedule. A one-warp loader
-partition fills S shared-memory stages through TMA; two consumer warpgroups take alternate tiles, so
-one runs its epilogue (the masked store of its rows) while the other runs its MMAs. Rows past the
-expert's end are loaded (they belong to the next expert) but never stored. Gluon does not run under
-the interpreter: this is measured against the tl kernel on a GPU before it replaces anything."""
+One program per multiprocessor walks the used tiles of the device-built schedule, GROUP_M row tiles
+sweeping the columns together. Partitions of each program:
+  loader    fills the stages: W through TMA; routed rows x[token[r]] through cp.async where gathered
+  MMA       8 warps (two warpgroups, 64 rows each) over the stages, then hands the accumulator to
+  epilogue  2 warps: stores it (down) or stores H and A = SiLU(gate)·up (up), while the MMA warps go on
+            with the next tile.
+The up-projection's stage holds 128 gate rows of W1 and the 128 matching up rows, so one 128x256 MMA
+computes both halves. Rows past the expert's end are loaded (they belong to the next expert) but never
+stored. Also here, measured and kept for reference (scripts/gluon_bench.py): ping-pong (two 4-warp
+consumers alternating 128x128 tiles) and cooperative kernels without the hand-off."""
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

@@ -18,7 +18,7 @@ MANY = [5000, 0, 3000, 12000, 1, 7000]
 @pytest.mark.parametrize("N,K", [(256, 192), (320, 104), (1024, 768)])
 @pytest.mark.parametrize("variant", ["pingpong", "coop", "handoff"])
 def test_rows_ws_matches_torch(N, K, counts, variant):
-    from moeblaze.kernels.gluon_rows import rows_handoff, rows_ws
+    from moeblaze.kernels.gluon_hopper import rows_handoff, rows_ws
     from moeblaze.ops.experts import tile_schedule
 
     g = torch.Generator(device="cpu").manual_seed(N + K)
@@ -48,7 +48,7 @@ def test_rows_ws_matches_torch(N, K, counts, variant):
 @pytest.mark.parametrize("N,K", [(256, 192), (320, 128), (1024, 768)])
 @pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "coop"])
 def test_gathered_rows_ws_matches_torch(N, K, counts, pingpong):
-    from moeblaze.kernels.gluon_rows import gathered_rows_ws
+    from moeblaze.kernels.gluon_hopper import gathered_rows_ws
     from moeblaze.ops.experts import tile_schedule
 
     g = torch.Generator(device="cpu").manual_seed(N * K)
@@ -76,7 +76,7 @@ def test_gathered_rows_ws_matches_torch(N, K, counts, pingpong):
 @pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
 @pytest.mark.parametrize("h,d", [(256, 128), (192, 256)])  # 192: one and a half column tiles
 def test_up_swiglu_ws_matches_torch(h, d, counts):
-    from moeblaze.kernels.gluon_rows import up_swiglu_ws
+    from moeblaze.kernels.gluon_hopper import up_swiglu_ws
     from moeblaze.ops.experts import tile_schedule
 
     g = torch.Generator(device="cpu").manual_seed(h * d)

@@ -1,7 +1,7 @@
 """Times the Gluon warp-specialised prototypes (ping-pong and cooperative) against the tl kernels on configs B, E and D (GPU only):
 the down-projection row GEMM (TMA rows) and the up-projection's main loop (rows gathered by cp.async;
 the tl up kernel also runs its SwiGLU epilogue and stores H and A, so it does a little more work).
-    python scripts/gluon_rows_bench.py"""
+    python scripts/gluon_hopper_bench.py"""
 import os
 import sys
 
@@ -10,7 +10,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from moeblaze.bench.harness import CONFIGS  # noqa: E402
-from moeblaze.kernels.gluon_rows import gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
+from moeblaze.kernels.gluon_hopper import gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
 from moeblaze.ops.experts import _rows, _up, tile_schedule  # noqa: E402
 
 
