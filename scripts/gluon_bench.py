@@ -10,10 +10,12 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from moeblaze.bench.harness import CONFIGS  # noqa: E402
-from moeblaze.kernels.gluon_hopper import gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
-from moeblaze.ops.experts import _rows, _up, tile_schedule  # noqa: E402
+from moeblaze.kernels.gluon_hopper import dh_swiglu_ws, gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
+import moeblaze.ops.experts as ops  # noqa: E402
+from moeblaze.ops.experts import _down_bwd, _rows, _up, tile_schedule  # noqa: E402
 
 
+ops.GLUON = False  # _rows, _up and _down_bwd launch the tl kernels unless a candidate turns this on
 VARIANTS = [(True, 4), (False, 3)]  # (ping-pong, stages)
 
 
@@ -47,6 +49,17 @@ for name in ("B", "E", "D"):
            [("tl", down), ("gluon handoff S=3", lambda: rows_handoff(a, w2, offsets, sched))]
            + [(f"gluon {'pp' if p else 'coop'} S={s}",
                               lambda s=s, p=p: rows_ws(a, w2, offsets, sched, pingpong=p, stages=s)) for p, s in VARIANTS])
+    dy = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
+    preact = torch.randn(LK, 2 * h, device="cuda", dtype=torch.bfloat16)
+    topk_w = torch.rand(L, K, device="cuda")
+    token_slot = torch.randperm(LK, device="cuda").reshape(L, K)
+    dpreact = torch.empty_like(preact)
+
+    def dh(gluon):
+        ops.GLUON = gluon
+        return _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, "swiglu")[0]
+    report(f"{name} dH", 2 * LK * d * h, dh(False), [("tl", lambda: dh(False)), ("gluon hand-off", lambda: dh(True))])
+    ops.GLUON = False  # the launchers below call the tl kernels
     tl_up = _up(x, w1, eti, offsets, sched, "swiglu", True, True)
     report(f"{name} up, H and A", 2 * LK * 2 * h * d, tl_up[1],
            [("tl", lambda: _up(x, w1, eti, offsets, sched, "swiglu", True, True)[1])]

@@ -79,13 +79,16 @@ def _gather_loader(x_ptr, stride_xl, token_ptr, b_desc, a_bufs, b_bufs, ready, e
     """As _loader, with A's rows gathered: row r of the tile is x[token[r]], copied by cp.async; each of
     the partition's threads arrives on the stage's barrier when its copies land (the barrier counts them).
     GATED: W is (E·2N, K) with each expert's N gate rows before its N up rows; a stage's B holds
-    BLOCK_N/2 gate rows then the matching BLOCK_N/2 up rows, so one MMA computes both halves."""
+    BLOCK_N/2 gate rows then the matching BLOCK_N/2 up rows, so one MMA computes both halves.
+    B_KN (stages of (BLOCK_K, BLOCK_N), told by their shape): W[e] is (K, N), N contiguous, over an
+    (E·K, N) view, as W2 is for dH."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    GATED: gl.constexpr = b_desc.block_type.shape[0] != BLOCK_N  # W's box is half the stage: gate, then up
-    TILE_N: gl.constexpr = b_desc.block_type.shape[0]
+    B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
+    TILE_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
+    GATED: gl.constexpr = TILE_N != BLOCK_N  # W's box is half the stage: gate, then up
     layout: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
     pid, nprog = gl.program_id(0), gl.num_programs(0)
     n_tn = gl.cdiv(N, TILE_N)
@@ -106,7 +109,10 @@ def _gather_loader(x_ptr, stride_xl, token_ptr, b_desc, a_bufs, b_bufs, ready, e
             # K_DIM is a multiple of BLOCK_K (checked on the host): a row mask alone keeps 16-byte copies
             _cp_async(a_bufs.index(s), rows_ptr + (k * BLOCK_K + offs_k)[None, :], mask=rmask[:, None])
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
-            if GATED:
+            if B_KN:
+                mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
+                _tma_load(b_desc, [e * K_DIM + k * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
+            elif GATED:
                 mbarrier.expect(ready.index(s), 2 * b_desc.block_type.nbytes)
                 gate_row = e * 2 * N + pid_n * TILE_N
                 _tma_load(b_desc, [gate_row, k * BLOCK_K], ready.index(s), b_bufs.index(s).slice(0, TILE_N))
@@ -302,6 +308,7 @@ UP_LOADER_WARPS = gl.constexpr(2)
 EPI_WARPS = gl.constexpr(2)
 EPI_ROWS = gl.constexpr(32)  # the epilogue walks the tile in 32x64 pieces of gate (and the matching up)
 EPI_COLS = gl.constexpr(64)
+DH_ROWS = gl.constexpr(8)  # dH's epilogue keeps seven fp32 values per element live: half the rows
 
 
 @gluon.jit
@@ -312,7 +319,8 @@ def _handoff_mma(c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, use
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K  # stages of (BLOCK_K, BLOCK_N): no permute
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
     pid, nprog = gl.program_id(0), gl.num_programs(0)
@@ -326,7 +334,10 @@ def _handoff_mma(c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, use
             mbarrier.wait(ready.index(s), (c // S) & 1)
             if fence:
                 fence_async_shared()  # rows written by cp.async (generic proxy) before wgmma reads them
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            if B_KN:
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+            else:
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))
             mbarrier.arrive(empty.index((c + S - 1) % S), pred=k > 0)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -481,6 +492,109 @@ def rows_handoff(a, w, offsets, sched, out=None, block_k: int = 64, stages: int 
                                 BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
                                 WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
     return c
+
+
+@gluon.jit
+def _dh_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+                 stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, LK):
+    """Each tile's dA' from c_smem, in DH_ROWS x EPI_COLS pieces, with H = [gate | up] loaded from the
+    saved pre-activation and the router weight s of each row: A = SiLU(gate)·up recomputed; dS partial
+    = <dA', A> over the piece's 64 columns (one DS_BLOCK slot); dH = (s·dA')·(up·SiLU'(gate), SiLU(gate));
+    s·A for dW2. dpreact may be preact itself (recompute): each piece reads H before writing dH over it,
+    thread by thread."""
+    BLOCK_M: gl.constexpr = c_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // EPI_COLS, EPI_COLS // 8], [gl.num_warps(), 1], [1, 0])
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    n_tn = gl.cdiv(H, BLOCK_N)
+    n_used = gl.load(used_tiles_ptr)
+    n_mine = gl.cdiv(n_used * n_tn - pid, nprog)
+    offs_m = gl.arange(0, DH_ROWS, layout=gl.SliceLayout(1, layout))
+    offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
+    for j in range(n_mine):
+        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
+        mbarrier.wait(acc_ready.index(0), j & 1)
+        for rh in gl.static_range(BLOCK_M // DH_ROWS):
+            rows = row0 + rh * DH_ROWS + offs_m
+            rmask = rows < row_end
+            sw = gl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)[:, None]
+            p_rows = preact_ptr + rows.to(gl.int64)[:, None] * stride_pl
+            dp_rows = dpreact_ptr + rows.to(gl.int64)[:, None] * stride_pl
+            for ch in gl.static_range(BLOCK_N // EPI_COLS):
+                col0 = pid_n * BLOCK_N + ch * EPI_COLS
+                cols = col0 + offs_n
+                mask = rmask[:, None] & (cols < H)[None, :]
+                g = gl.load(p_rows + cols[None, :], mask=mask, other=0.0).to(gl.float32)
+                u = gl.load(p_rows + H + cols[None, :], mask=mask, other=0.0).to(gl.float32)
+                dact = c_smem.slice(rh * DH_ROWS, DH_ROWS, dim=0).slice(ch * EPI_COLS, EPI_COLS, dim=1).load(layout)
+                dact = dact.to(gl.float32)
+                sig = 1.0 / (1.0 + gl.exp(-g))
+                act_g = g * sig
+                a = act_g * u
+                da = dact * sw
+                gl.store(dp_rows + cols[None, :], (da * u * (sig * (1.0 + g * (1.0 - sig)))).to(dpreact_ptr.dtype.element_ty),
+                         mask=mask)
+                gl.store(dp_rows + H + cols[None, :], (da * act_g).to(dpreact_ptr.dtype.element_ty), mask=mask)
+                gl.store(act_scaled_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :],
+                         (a * sw).to(act_scaled_ptr.dtype.element_ty), mask=mask)
+                ds = gl.sum(dact * a, axis=1)
+                gl.store(ds_part_ptr + (col0 // EPI_COLS).to(gl.int64) * LK + rows, ds, mask=rmask & (col0 < H))
+        mbarrier.arrive(acc_empty.index(0))
+
+
+@gluon.jit
+def dh_swiglu_ws_kernel(dy_ptr, stride_dyl, token_ptr, w_desc, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
+                        ds_part_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
+                        expert_offsets_ptr, H, K_DIM, LK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WORKER_REGS: gl.constexpr):
+    """dA' = dy[token[rows]] @ W2[e] (W2 over its (E·D, H) view, (BLOCK_K, BLOCK_N) boxes), then the SwiGLU
+    backward epilogue in its own partition: the up-projection's three partitions, with _dh_epilogue."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], w_desc.dtype)
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], w_desc.dtype)
+    a_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
+    c_smem = gl.allocate_shared_memory(w_desc.dtype, [BLOCK_M, BLOCK_N], c_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=32 * UP_LOADER_WARPS + 1)
+        mbarrier.init(empty.index(s), count=1)
+    acc_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(acc_ready.index(0), count=1)
+    mbarrier.init(acc_empty.index(0), count=1)
+    mma_args = (c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, gl.cdiv(H, BLOCK_N), K_DIM,
+                True)
+    loader_args = (dy_ptr, stride_dyl, token_ptr, w_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
+                   expert_offsets_ptr, used_tiles_ptr, H, K_DIM)
+    epi_args = (c_smem, acc_ready, acc_empty, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+                stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, LK)
+    gl.warp_specialize([(_handoff_mma, mma_args), (_gather_loader, loader_args), (_dh_epilogue, epi_args)],
+                       [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
+
+
+def dh_swiglu_ws(dy, w2, token, preact, w_sorted, dpreact, act_scaled, ds_part, offsets, sched, block_k: int = 64,
+                 stages: int = 3, worker_regs: int = 112):
+    """SwiGLU's dH launch (as kernels.experts._expert_down_bwd_kernel): dy (L, d), w2 (E, d, h) bf16/fp16
+    contiguous with d a multiple of block_k; preact (rows, 2h); w_sorted (rows,) fp32 router weights in
+    row order; writes dpreact (rows, 2h; may be preact), act_scaled (rows, h) and ds_part (h / 64, rows) fp32."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from moeblaze.kernels.experts import BLOCK_M, DS_BLOCK
+
+    E, d, h = w2.shape
+    if d % block_k or not (dy.is_contiguous() and w2.is_contiguous()) or DS_BLOCK != EPI_COLS.value:
+        raise ValueError(f"dh_swiglu_ws needs contiguous operands with d % {block_k} == 0, got d={d}")
+    block_n = 256
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dy.dtype]
+    w_desc = TensorDescriptor.from_tensor(w2.reshape(E * d, h), [block_k, block_n],
+                                          gl.NVMMASharedLayout.get_default_for([block_k, block_n], gdt))
+    sms = torch.cuda.get_device_properties(dy.device).multi_processor_count
+    dh_swiglu_ws_kernel[(sms,)](dy, dy.stride(0), token, w_desc, preact, w_sorted, dpreact, act_scaled, ds_part,
+                                preact.stride(0), act_scaled.stride(0), sched[0], sched[1], sched[2], offsets, h, d,
+                                token.shape[0], BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+                                WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
 
 
 def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_preact: bool = True, block_k: int = 64,
