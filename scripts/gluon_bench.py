@@ -1,7 +1,7 @@
-"""Times the Gluon warp-specialised prototypes (ping-pong and cooperative) against the tl kernels on configs B, E and D (GPU only):
-the down-projection row GEMM (TMA rows) and the up-projection's main loop (rows gathered by cp.async;
-the tl up kernel also runs its SwiGLU epilogue and stores H and A, so it does a little more work).
-    python scripts/gluon_hopper_bench.py"""
+"""Times the Gluon warp-specialised kernels against the tl kernels at configs B, E and D (GPU only): the
+down-projection's row GEMM (hand-off, ping-pong, cooperative), dX~ = dH @ W1[e] (hand-off), the SwiGLU up-projection (hand-off, storing
+H and A like the tl kernel) and the up-projection's main loop alone (ping-pong, cooperative).
+    python scripts/gluon_bench.py"""
 import os
 import sys
 
@@ -10,9 +10,9 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from moeblaze.bench.harness import CONFIGS  # noqa: E402
-from moeblaze.kernels.gluon_hopper import dh_swiglu_ws, gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
+from moeblaze.kernels.gluon_hopper import gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
 import moeblaze.ops.experts as ops  # noqa: E402
-from moeblaze.ops.experts import _down_bwd, _rows, _up, tile_schedule  # noqa: E402
+from moeblaze.ops.experts import _rows, _up, tile_schedule  # noqa: E402
 
 
 ops.GLUON = False  # _rows, _up and _down_bwd launch the tl kernels unless a candidate turns this on
@@ -49,17 +49,14 @@ for name in ("B", "E", "D"):
            [("tl", down), ("gluon handoff S=3", lambda: rows_handoff(a, w2, offsets, sched))]
            + [(f"gluon {'pp' if p else 'coop'} S={s}",
                               lambda s=s, p=p: rows_ws(a, w2, offsets, sched, pingpong=p, stages=s)) for p, s in VARIANTS])
-    dy = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
-    preact = torch.randn(LK, 2 * h, device="cuda", dtype=torch.bfloat16)
-    topk_w = torch.rand(L, K, device="cuda")
-    token_slot = torch.randperm(LK, device="cuda").reshape(L, K)
-    dpreact = torch.empty_like(preact)
+    dpreact = torch.randn(LK, 2 * h, device="cuda", dtype=torch.bfloat16)
 
-    def dh(gluon):
+    def dx_rows(gluon):
         ops.GLUON = gluon
-        return _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, "swiglu")[0]
-    report(f"{name} dH", 2 * LK * d * h, dh(False), [("tl", lambda: dh(False)), ("gluon hand-off", lambda: dh(True))])
-    ops.GLUON = False  # the launchers below call the tl kernels
+        return _rows(dpreact, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), d, offsets, sched)
+    report(f"{name} dX~", 2 * LK * d * 2 * h, dx_rows(False),
+           [("tl", lambda: dx_rows(False)), ("gluon hand-off", lambda: dx_rows(True))])
+    ops.GLUON = False
     tl_up = _up(x, w1, eti, offsets, sched, "swiglu", True, True)
     report(f"{name} up, H and A", 2 * LK * 2 * h * d, tl_up[1],
            [("tl", lambda: _up(x, w1, eti, offsets, sched, "swiglu", True, True)[1])]

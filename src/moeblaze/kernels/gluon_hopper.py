@@ -53,9 +53,12 @@ def _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_
 @gluon.jit
 def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
             used_tiles_ptr, N, K_DIM):
+    """Fills the stages through TMA: A's rows of the tile; B as (BLOCK_N, BLOCK_K) boxes of W's (E·N, K) view,
+    or (B_KN, stages of (BLOCK_K, BLOCK_N)) boxes of its (E·K, N) view."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     pid, nprog = gl.program_id(0), gl.num_programs(0)
     n_tn = gl.cdiv(N, BLOCK_N)
     n_k = gl.cdiv(K_DIM, BLOCK_K)
@@ -69,8 +72,10 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_
             mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
             mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             _tma_load(a_desc, [row0, k * BLOCK_K], ready.index(s), a_bufs.index(s))
-            _tma_load(b_desc, [e * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s),
-                                            b_bufs.index(s))
+            if B_KN:
+                _tma_load(b_desc, [e * K_DIM + k * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
+            else:
+                _tma_load(b_desc, [e * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), b_bufs.index(s))
 
 
 @gluon.jit
@@ -308,7 +313,6 @@ UP_LOADER_WARPS = gl.constexpr(2)
 EPI_WARPS = gl.constexpr(2)
 EPI_ROWS = gl.constexpr(32)  # the epilogue walks the tile in 32x64 pieces of gate (and the matching up)
 EPI_COLS = gl.constexpr(64)
-DH_ROWS = gl.constexpr(8)  # dH's epilogue keeps seven fp32 values per element live: half the rows
 
 
 @gluon.jit
@@ -445,12 +449,16 @@ def _store_epilogue(c_smem, acc_ready, acc_empty, c_ptr, stride_cl, tile_expert_
 @gluon.jit
 def rows_handoff_kernel(a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, N,
                         K_DIM, stride_cl, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                        STAGES: gl.constexpr, WORKER_REGS: gl.constexpr):
+                        STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, B_KN: gl.constexpr):
     """C[rows] = A[rows] @ B[e]ᵀ with 128x256 tiles: the 8-warp MMA partition hands each accumulator to a
-    2-warp store partition through shared memory and goes on with the next tile; a 1-warp TMA loader."""
+    2-warp store partition through shared memory and goes on with the next tile; a 1-warp TMA loader.
+    B_KN: B[e] is (K, N) with N contiguous (W1 for dX̃ = dH @ W1[e]), else (N, K) (W2 for the down-projection)."""
     c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], a_desc.dtype)
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    if B_KN:
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+    else:
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     c_smem = gl.allocate_shared_memory(a_desc.dtype, [BLOCK_M, BLOCK_N], c_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -471,130 +479,31 @@ def rows_handoff_kernel(a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, us
                        [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
 
-def rows_handoff(a, w, offsets, sched, out=None, block_k: int = 64, stages: int = 3, worker_regs: int = 112):
-    """As rows_ws, with 128x256 tiles whose stores run in their own partition beside the next tile's MMAs."""
+def rows_handoff(a, w, offsets, sched, out=None, kn: bool = False, block_k: int = 64, stages: int = 3,
+                 worker_regs: int = 112):
+    """C (rows, N) = A[rows] @ W[e]ᵀ, w (E, N, K), or with kn = A[rows] @ W[e], w (E, K, N), for each expert's
+    contiguous rows; bf16/fp16, contiguous, the contiguous dimension a multiple of 8 (16-byte TMA rows).
+    128x256 tiles whose stores run in their own partition beside the next tile's MMAs."""
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from moeblaze.kernels.experts import BLOCK_M
 
-    E, N, K = w.shape
-    if K % 8 or not (a.is_contiguous() and w.is_contiguous()):
-        raise ValueError(f"rows_handoff needs contiguous operands with K % 8 == 0 (TMA rows), got K={K}")
+    E, K, N = w.shape if kn else (w.shape[0], w.shape[2], w.shape[1])
+    if a.shape[1] % 8 or w.shape[2] % 8 or not (a.is_contiguous() and w.is_contiguous()):
+        raise ValueError(f"rows_handoff needs contiguous operands with rows of a multiple of 8 elements, got "
+                         f"{tuple(a.shape)}, {tuple(w.shape)}")
     block_n = 256
     gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[a.dtype]
     a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, block_k], gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gdt))
-    b_desc = TensorDescriptor.from_tensor(w.reshape(E * N, K), [block_n, block_k],
-                                          gl.NVMMASharedLayout.get_default_for([block_n, block_k], gdt))
+    box = [block_k, block_n] if kn else [block_n, block_k]
+    b_desc = TensorDescriptor.from_tensor(w.reshape(-1, w.shape[2]), box, gl.NVMMASharedLayout.get_default_for(box, gdt))
     c = a.new_empty(a.shape[0], N) if out is None else out
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     rows_handoff_kernel[(sms,)](a_desc, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K, c.stride(0),
                                 BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-                                WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+                                WORKER_REGS=worker_regs, B_KN=kn, num_warps=8, maxnreg=168)
     return c
-
-
-@gluon.jit
-def _dh_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
-                 stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, LK):
-    """Each tile's dA' from c_smem, in DH_ROWS x EPI_COLS pieces, with H = [gate | up] loaded from the
-    saved pre-activation and the router weight s of each row: A = SiLU(gate)·up recomputed; dS partial
-    = <dA', A> over the piece's 64 columns (one DS_BLOCK slot); dH = (s·dA')·(up·SiLU'(gate), SiLU(gate));
-    s·A for dW2. dpreact may be preact itself (recompute): each piece reads H before writing dH over it,
-    thread by thread."""
-    BLOCK_M: gl.constexpr = c_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = c_smem.type.shape[1]
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // EPI_COLS, EPI_COLS // 8], [gl.num_warps(), 1], [1, 0])
-    pid, nprog = gl.program_id(0), gl.num_programs(0)
-    n_tn = gl.cdiv(H, BLOCK_N)
-    n_used = gl.load(used_tiles_ptr)
-    n_mine = gl.cdiv(n_used * n_tn - pid, nprog)
-    offs_m = gl.arange(0, DH_ROWS, layout=gl.SliceLayout(1, layout))
-    offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
-    for j in range(n_mine):
-        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
-        mbarrier.wait(acc_ready.index(0), j & 1)
-        for rh in gl.static_range(BLOCK_M // DH_ROWS):
-            rows = row0 + rh * DH_ROWS + offs_m
-            rmask = rows < row_end
-            sw = gl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)[:, None]
-            p_rows = preact_ptr + rows.to(gl.int64)[:, None] * stride_pl
-            dp_rows = dpreact_ptr + rows.to(gl.int64)[:, None] * stride_pl
-            for ch in gl.static_range(BLOCK_N // EPI_COLS):
-                col0 = pid_n * BLOCK_N + ch * EPI_COLS
-                cols = col0 + offs_n
-                mask = rmask[:, None] & (cols < H)[None, :]
-                g = gl.load(p_rows + cols[None, :], mask=mask, other=0.0).to(gl.float32)
-                u = gl.load(p_rows + H + cols[None, :], mask=mask, other=0.0).to(gl.float32)
-                dact = c_smem.slice(rh * DH_ROWS, DH_ROWS, dim=0).slice(ch * EPI_COLS, EPI_COLS, dim=1).load(layout)
-                dact = dact.to(gl.float32)
-                sig = 1.0 / (1.0 + gl.exp(-g))
-                act_g = g * sig
-                a = act_g * u
-                da = dact * sw
-                gl.store(dp_rows + cols[None, :], (da * u * (sig * (1.0 + g * (1.0 - sig)))).to(dpreact_ptr.dtype.element_ty),
-                         mask=mask)
-                gl.store(dp_rows + H + cols[None, :], (da * act_g).to(dpreact_ptr.dtype.element_ty), mask=mask)
-                gl.store(act_scaled_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :],
-                         (a * sw).to(act_scaled_ptr.dtype.element_ty), mask=mask)
-                ds = gl.sum(dact * a, axis=1)
-                gl.store(ds_part_ptr + (col0 // EPI_COLS).to(gl.int64) * LK + rows, ds, mask=rmask & (col0 < H))
-        mbarrier.arrive(acc_empty.index(0))
-
-
-@gluon.jit
-def dh_swiglu_ws_kernel(dy_ptr, stride_dyl, token_ptr, w_desc, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
-                        ds_part_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
-                        expert_offsets_ptr, H, K_DIM, LK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WORKER_REGS: gl.constexpr):
-    """dA' = dy[token[rows]] @ W2[e] (W2 over its (E·D, H) view, (BLOCK_K, BLOCK_N) boxes), then the SwiGLU
-    backward epilogue in its own partition: the up-projection's three partitions, with _dh_epilogue."""
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], w_desc.dtype)
-    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], w_desc.dtype)
-    a_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
-    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
-    c_smem = gl.allocate_shared_memory(w_desc.dtype, [BLOCK_M, BLOCK_N], c_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=32 * UP_LOADER_WARPS + 1)
-        mbarrier.init(empty.index(s), count=1)
-    acc_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    acc_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(acc_ready.index(0), count=1)
-    mbarrier.init(acc_empty.index(0), count=1)
-    mma_args = (c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, gl.cdiv(H, BLOCK_N), K_DIM,
-                True)
-    loader_args = (dy_ptr, stride_dyl, token_ptr, w_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
-                   expert_offsets_ptr, used_tiles_ptr, H, K_DIM)
-    epi_args = (c_smem, acc_ready, acc_empty, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
-                stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, LK)
-    gl.warp_specialize([(_handoff_mma, mma_args), (_gather_loader, loader_args), (_dh_epilogue, epi_args)],
-                       [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
-
-
-def dh_swiglu_ws(dy, w2, token, preact, w_sorted, dpreact, act_scaled, ds_part, offsets, sched, block_k: int = 64,
-                 stages: int = 3, worker_regs: int = 112):
-    """SwiGLU's dH launch (as kernels.experts._expert_down_bwd_kernel): dy (L, d), w2 (E, d, h) bf16/fp16
-    contiguous with d a multiple of block_k; preact (rows, 2h); w_sorted (rows,) fp32 router weights in
-    row order; writes dpreact (rows, 2h; may be preact), act_scaled (rows, h) and ds_part (h / 64, rows) fp32."""
-    import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from moeblaze.kernels.experts import BLOCK_M, DS_BLOCK
-
-    E, d, h = w2.shape
-    if d % block_k or not (dy.is_contiguous() and w2.is_contiguous()) or DS_BLOCK != EPI_COLS.value:
-        raise ValueError(f"dh_swiglu_ws needs contiguous operands with d % {block_k} == 0, got d={d}")
-    block_n = 256
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dy.dtype]
-    w_desc = TensorDescriptor.from_tensor(w2.reshape(E * d, h), [block_k, block_n],
-                                          gl.NVMMASharedLayout.get_default_for([block_k, block_n], gdt))
-    sms = torch.cuda.get_device_properties(dy.device).multi_processor_count
-    dh_swiglu_ws_kernel[(sms,)](dy, dy.stride(0), token, w_desc, preact, w_sorted, dpreact, act_scaled, ds_part,
-                                preact.stride(0), act_scaled.stride(0), sched[0], sched[1], sched[2], offsets, h, d,
-                                token.shape[0], BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-                                WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
 
 
 def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_preact: bool = True, block_k: int = 64,

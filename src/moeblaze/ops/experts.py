@@ -122,9 +122,11 @@ def _up(x, w1, eti, offsets, sched, activation, store_preact, store_act):
 
 def _rows(a, b, b_strides_ekn, n, offsets, sched):
     """C (rows, n) = A[rows] @ B[e] with B[e] addressed as (k, n) through b_strides_ekn."""
-    if b_strides_ekn[1] == 1 and a.shape[1] % 8 == 0 and _gluon(a, b):  # B (E, n, k): W2 in the down-projection
+    # B (E, n, k) contiguous: W2 in the down-projection; (E, k, n): W1 in dX~
+    kn = b_strides_ekn[2] == 1
+    if (kn or b_strides_ekn[1] == 1) and a.shape[1] % 8 == 0 and b.shape[2] % 8 == 0 and _gluon(a, b):
         from ..kernels.gluon_hopper import rows_handoff
-        return rows_handoff(a, b, offsets, sched)
+        return rows_handoff(a, b, offsets, sched, kn=kn)
     c = a.new_empty(a.shape[0], n)
     num_tiles = sched[0].shape[0]
     a_desc, b_desc = _desc(a), _desc(b.reshape(-1, b.shape[2]) if b.is_contiguous() else None)
@@ -169,10 +171,6 @@ def _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, 
     w_sorted[token_slot.reshape(-1).long()] = topk_w.reshape(-1).float()
     act_scaled = dy.new_empty(LK, H)
     ds_part = torch.empty(triton.cdiv(H, DS_BLOCK), LK, dtype=torch.float32, device=dy.device)
-    if activation == "swiglu" and D % 64 == 0 and DS_BLOCK == 64 and _gluon(dy, w2, preact, dpreact):
-        from ..kernels.gluon_hopper import dh_swiglu_ws
-        dh_swiglu_ws(dy, w2, eti, preact, w_sorted, dpreact, act_scaled, ds_part, offsets, sched)
-        return act_scaled, ds_part
     num_tiles = sched[0].shape[0]
     w2_desc = _desc(w2.reshape(-1, H) if w2.is_contiguous() else None)
     _expert_down_bwd_kernel[_grid(num_tiles, H)](
