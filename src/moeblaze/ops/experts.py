@@ -23,9 +23,16 @@ in backward: H (recompute; dH is then written over it), dH, s·A, dX~. moe_exper
 bounds every transient by a token chunk. No host synchronization anywhere: tile counts are bounded
 by L·K // BLOCK_M + E and unused tiles exit at once.
 
+On sm_90 (bf16/fp16, contiguous, aligned operands) the SwiGLU up-projection, the down-projection and dX~
+launch kernels.gluon_hopper's warp-specialised kernels instead (same contract, one 64 KB tile of shared
+memory more per program); MOEBLAZE_GLUON=0 keeps every launch on the tl kernels. Their H goes through
+the io dtype before A is computed from it, as backward computes A from the saved H.
+
 Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert, E experts, K top-k.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -38,6 +45,19 @@ from ..reference import is_gated
 
 CHECKPOINTS = ("preact", "recompute")
 TMA = True  # operands that are not gathered go through tensor descriptors (TMA on Hopper) where aligned
+# the warp-specialised Gluon kernels (kernels.gluon_hopper) on sm_90 where shapes allow; MOEBLAZE_GLUON=0
+# keeps every launch on the tl kernels
+GLUON = os.environ.get("MOEBLAZE_GLUON", "1") != "0"
+
+
+def _gluon(*tensors: torch.Tensor) -> bool:
+    """Whether the Gluon Hopper kernels take these operands: sm_90, bf16/fp16, contiguous and 16-byte aligned."""
+    t0 = tensors[0]
+    if not (GLUON and t0.is_cuda and not INTERPRET and t0.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if torch.cuda.get_device_capability(t0.device)[0] != 9:
+        return False
+    return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -89,6 +109,10 @@ def _grid(num_tiles: int, n: int, device: torch.device | None = None):
 def _up(x, w1, eti, offsets, sched, activation, store_preact, store_act):
     LK, (E, F, D) = eti.shape[0], w1.shape
     H = F // 2 if is_gated(activation) else F
+    if activation == "swiglu" and store_act and D % 64 == 0 and _gluon(x, w1):
+        from ..kernels.gluon_hopper import up_swiglu_ws
+        preact, act = up_swiglu_ws(x, w1, eti, offsets, sched, store_preact=store_preact)
+        return (preact if store_preact else x.new_empty(0)), act
     preact = x.new_empty(LK, F) if store_preact else x.new_empty(0)
     act = x.new_empty(LK, H) if store_act else x.new_empty(0)
     num_tiles = sched[0].shape[0]
@@ -103,6 +127,11 @@ def _up(x, w1, eti, offsets, sched, activation, store_preact, store_act):
 
 def _rows(a, b, b_strides_ekn, n, offsets, sched):
     """C (rows, n) = A[rows] @ B[e] with B[e] addressed as (k, n) through b_strides_ekn."""
+    # B (E, n, k) contiguous: W2 in the down-projection; (E, k, n): W1 in dX~
+    kn = b_strides_ekn[2] == 1
+    if (kn or b_strides_ekn[1] == 1) and a.shape[1] % 8 == 0 and b.shape[2] % 8 == 0 and _gluon(a, b):
+        from ..kernels.gluon_hopper import rows_handoff
+        return rows_handoff(a, b, offsets, sched, kn=kn)
     c = a.new_empty(a.shape[0], n)
     num_tiles = sched[0].shape[0]
     a_desc, b_desc = _desc(a), _desc(b.reshape(-1, b.shape[2]) if b.is_contiguous() else None)

@@ -1,0 +1,539 @@
+"""Hopper (sm_90) warp-specialised expert GEMMs in Gluon: the up-projection with its SwiGLU epilogue
+and the row GEMM of the down-projection, used by ops.experts on sm_90 where the shapes allow; the tl
+kernels in kernels.experts stay the path everywhere else (and the only one the CPU interpreter runs).
+
+Memory contract: nothing beyond the outputs (H and A; C). Shared memory: S stages of (128 + BLOCK_N) x 64
+operands and, for the hand-off kernels, one 128 x 256 tile of the accumulator in the io dtype.
+
+One program per multiprocessor walks the used tiles of the device-built schedule, GROUP_M row tiles
+sweeping the columns together. Partitions of each program:
+  loader    fills the stages: W through TMA; routed rows x[token[r]] through cp.async where gathered
+  MMA       8 warps (two warpgroups, 64 rows each) over the stages, then hands the accumulator to
+  epilogue  2 warps: stores it (down) or stores H and A = SiLU(gate)·up (up), while the MMA warps go on
+            with the next tile.
+The up-projection's stage holds 128 gate rows of W1 and the 128 matching up rows, so one 128x256 MMA
+computes both halves. Rows past the expert's end are loaded (they belong to the next expert) but never
+stored. Also here, measured and kept for reference (scripts/gluon_bench.py): ping-pong (two 4-warp
+consumers alternating 128x128 tiles) and cooperative kernels without the hand-off."""
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+# the TMA load and the cp.async copy are async_copy_global_to_shared in triton 3.6, async_load (the old
+# names removed) in 3.9
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+GROUP_M = gl.constexpr(8)
+GATHER_WARPS = gl.constexpr(4)  # warps of the gathering loader: cp.async needs a thread per 16 bytes in flight
+
+
+@gluon.constexpr_function
+def _gather_layout(block_k, warps):
+    """The gathering loader's register layout: 8 elements (16 bytes, one cp.async) per thread along K."""
+    return gl.BlockedLayout([1, 8], [32 * 8 // block_k, block_k // 8], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr):
+    """(expert, first row, row end, column tile) of this program's j-th tile. GROUP_M row tiles sweep the
+    columns together, so each weight tile is read from L2 by all of them (an expert's weights can be larger
+    than L2: W1 at config B is 64 MB)."""
+    t = pid + j * nprog
+    width = GROUP_M * n_tn
+    first = (t // width) * GROUP_M
+    size = gl.minimum(n_used - first, GROUP_M)
+    tile = first + (t % width) % size
+    e = gl.load(tile_expert_ptr + tile)
+    return e, gl.load(tile_row_ptr + tile), gl.load(expert_offsets_ptr + e + 1), (t % width) // size
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+            used_tiles_ptr, N, K_DIM):
+    """Fills the stages through TMA: A's rows of the tile; B as (BLOCK_N, BLOCK_K) boxes of W's (E·N, K) view,
+    or (B_KN, stages of (BLOCK_K, BLOCK_N)) boxes of its (E·K, N) view."""
+    S: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    n_tn = gl.cdiv(N, BLOCK_N)
+    n_k = gl.cdiv(K_DIM, BLOCK_K)
+    n_used = gl.load(used_tiles_ptr)
+    n_mine = gl.cdiv(n_used * n_tn - pid, nprog)
+    for j in range(n_mine):
+        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
+        for k in range(n_k):
+            c = j * n_k + k
+            s = c % S
+            mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            _tma_load(a_desc, [row0, k * BLOCK_K], ready.index(s), a_bufs.index(s))
+            if B_KN:
+                _tma_load(b_desc, [e * K_DIM + k * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
+            else:
+                _tma_load(b_desc, [e * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), b_bufs.index(s))
+
+
+@gluon.jit
+def _gather_loader(x_ptr, stride_xl, token_ptr, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
+                   expert_offsets_ptr, used_tiles_ptr, N, K_DIM):
+    """As _loader, with A's rows gathered: row r of the tile is x[token[r]], copied by cp.async; each of
+    the partition's threads arrives on the stage's barrier when its copies land (the barrier counts them).
+    GATED: W is (E·2N, K) with each expert's N gate rows before its N up rows; a stage's B holds
+    BLOCK_N/2 gate rows then the matching BLOCK_N/2 up rows, so one MMA computes both halves.
+    B_KN (stages of (BLOCK_K, BLOCK_N), told by their shape): W[e] is (K, N), N contiguous, over an
+    (E·K, N) view, as W2 is for dH."""
+    S: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
+    TILE_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
+    GATED: gl.constexpr = TILE_N != BLOCK_N  # W's box is half the stage: gate, then up
+    layout: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    n_tn = gl.cdiv(N, TILE_N)
+    n_k = gl.cdiv(K_DIM, BLOCK_K)
+    n_used = gl.load(used_tiles_ptr)
+    n_mine = gl.cdiv(n_used * n_tn - pid, nprog)
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    for j in range(n_mine):
+        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
+        rmask = row0 + offs_m < row_end
+        tok = gl.load(token_ptr + row0 + offs_m, mask=rmask, other=0)
+        rows_ptr = x_ptr + tok.to(gl.int64)[:, None] * stride_xl
+        for k in range(n_k):
+            c = j * n_k + k
+            s = c % S
+            mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
+            # K_DIM is a multiple of BLOCK_K (checked on the host): a row mask alone keeps 16-byte copies
+            _cp_async(a_bufs.index(s), rows_ptr + (k * BLOCK_K + offs_k)[None, :], mask=rmask[:, None])
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            if B_KN:
+                mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
+                _tma_load(b_desc, [e * K_DIM + k * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
+            elif GATED:
+                mbarrier.expect(ready.index(s), 2 * b_desc.block_type.nbytes)
+                gate_row = e * 2 * N + pid_n * TILE_N
+                _tma_load(b_desc, [gate_row, k * BLOCK_K], ready.index(s), b_bufs.index(s).slice(0, TILE_N))
+                _tma_load(b_desc, [gate_row + N, k * BLOCK_K], ready.index(s), b_bufs.index(s).slice(TILE_N, TILE_N))
+            else:
+                mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
+                _tma_load(b_desc, [e * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), b_bufs.index(s))
+
+
+@gluon.jit
+def _consumer(first, STEP: gl.constexpr, WARPS: gl.constexpr, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, turn,
+              tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, N, K_DIM, FENCE: gl.constexpr):
+    """The tiles j = first, first + STEP, ... of this program: MMAs over the loader's stages, then the store.
+
+    Ping-pong (STEP 2, one warpgroup each): the two consumers take turns through `turn`, whose j-th phase
+    completes when tile j's MMAs are issued: tile j waits for phase j-1. Besides keeping one warpgroup on
+    the tensor cores at a time, this is what makes the stage barriers' parity unambiguous: a consumer that
+    ran ahead to stage c would find the barrier two phases back and pass on a stale parity.
+    Cooperative (STEP 1, WARPS 8): both warpgroups share every tile, 64 rows each."""
+    S: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    n_tn = gl.cdiv(N, BLOCK_N)
+    n_k = gl.cdiv(K_DIM, BLOCK_K)
+    n_used = gl.load(used_tiles_ptr)
+    n_mine = gl.cdiv(n_used * n_tn - pid, nprog)
+    for j in range(first, n_mine, STEP):
+        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        if STEP == 2:
+            mbarrier.wait(turn.index(0), (j - 1) & 1)  # tile j-1's MMAs are issued (a fresh barrier passes j = 0)
+        for k in range(n_k):
+            c = j * n_k + k
+            s = c % S
+            mbarrier.wait(ready.index(s), (c // S) & 1)
+            if FENCE:
+                fence_async_shared()  # rows written by cp.async (generic proxy) before wgmma reads them (async proxy)
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            # the MMA of step k-1 has finished: its stage goes back to the loader
+            mbarrier.arrive(empty.index((c + S - 1) % S), pred=k > 0)
+        if STEP == 2:
+            mbarrier.arrive(turn.index(0))  # the other consumer's tile j+1 may start its MMAs
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((j * n_k + n_k - 1) % S))
+        # stored from the MMA's own layout: a layout conversion would go through shared-memory scratch,
+        # which the two consumers would use at the same time
+        out = acc.to(c_ptr.dtype.element_ty)
+        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        ptrs = c_ptr + rows.to(gl.int64)[:, None] * stride_cl + cols[None, :]
+        gl.store(ptrs, out, mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+
+
+@gluon.jit
+def _consumer_even(c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, turn, tile_expert_ptr, tile_row_ptr,
+                   expert_offsets_ptr, used_tiles_ptr, N, K_DIM, FENCE: gl.constexpr):
+    _consumer(0, 2, 4, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, turn, tile_expert_ptr, tile_row_ptr,
+              expert_offsets_ptr, used_tiles_ptr, N, K_DIM, FENCE)
+
+
+@gluon.jit
+def _consumer_odd(c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, turn, tile_expert_ptr, tile_row_ptr,
+                  expert_offsets_ptr, used_tiles_ptr, N, K_DIM, FENCE: gl.constexpr):
+    _consumer(1, 2, 4, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, turn, tile_expert_ptr, tile_row_ptr,
+              expert_offsets_ptr, used_tiles_ptr, N, K_DIM, FENCE)
+
+
+@gluon.jit
+def _consumer_all(c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, turn, tile_expert_ptr, tile_row_ptr,
+                  expert_offsets_ptr, used_tiles_ptr, N, K_DIM, FENCE: gl.constexpr):
+    _consumer(0, 1, 8, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, turn, tile_expert_ptr, tile_row_ptr,
+              expert_offsets_ptr, used_tiles_ptr, N, K_DIM, FENCE)
+
+
+@gluon.jit
+def rows_ws_kernel(a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, N, K_DIM,
+                   stride_cl, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                   STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    turn = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn.index(0), count=1)
+    consumer_args = (c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, turn, tile_expert_ptr, tile_row_ptr,
+                     expert_offsets_ptr, used_tiles_ptr, N, K_DIM, False)
+    loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                   used_tiles_ptr, N, K_DIM)
+    if PINGPONG:  # two 4-warp consumers on alternate tiles (the default partition is one of them)
+        gl.warp_specialize([(_consumer_even, consumer_args), (_consumer_odd, consumer_args), (_loader, loader_args)],
+                           [4, 1], [232, 40])
+    else:  # one 8-warp consumer on every tile
+        gl.warp_specialize([(_consumer_all, consumer_args), (_loader, loader_args)], [1], [40])
+
+
+@gluon.jit
+def gathered_rows_ws_kernel(x_ptr, stride_xl, token_ptr, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
+                            expert_offsets_ptr, N, K_DIM, stride_cl, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """C[r] = x[token[r]] @ W[e]ᵀ: the up-projection's (and dH's) main loop, with A gathered by cp.async."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], b_desc.dtype)
+    a_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        # every gathering thread arrives once its copies land, and the TMA's expect arrives once
+        mbarrier.init(ready.index(s), count=32 * GATHER_WARPS + 1)
+        mbarrier.init(empty.index(s), count=1)
+    turn = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn.index(0), count=1)
+    consumer_args = (c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, turn, tile_expert_ptr, tile_row_ptr,
+                     expert_offsets_ptr, used_tiles_ptr, N, K_DIM, True)
+    loader_args = (x_ptr, stride_xl, token_ptr, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
+                   expert_offsets_ptr, used_tiles_ptr, N, K_DIM)
+    if PINGPONG:
+        gl.warp_specialize([(_consumer_even, consumer_args), (_consumer_odd, consumer_args),
+                            (_gather_loader, loader_args)], [4, GATHER_WARPS], [224, 56])
+    else:
+        gl.warp_specialize([(_consumer_all, consumer_args), (_gather_loader, loader_args)], [GATHER_WARPS], [56])
+
+
+def _launch_shape(pingpong: bool, block_n):
+    """(BLOCK_N, num_warps): ping-pong tiles are 128x128 per warpgroup, cooperative ones 128x256 over two.
+    Either way 12 warps x 168 registers fill the register file; the consumers get the most of them."""
+    return (block_n or 128, 4) if pingpong else (block_n or 256, 8)
+
+
+def rows_ws(a, w, offsets, sched, out=None, pingpong: bool = True, block_n=None, block_k: int = 64,
+            stages: int = 4):
+    """C (rows, N) = A[rows] @ W[e]ᵀ for each expert's contiguous rows; a (LK, K) and w (E, N, K) bf16/fp16,
+    contiguous, K a multiple of 8 (16-byte rows for TMA); offsets (E+1,) int32; sched =
+    ops.experts.tile_schedule(...) for BLOCK_M = 128."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from moeblaze.kernels.experts import BLOCK_M
+
+    E, N, K = w.shape
+    if K % 8 or not (a.is_contiguous() and w.is_contiguous()):
+        raise ValueError(f"rows_ws needs contiguous operands with K % 8 == 0 (TMA rows), got K={K}")
+    block_n, warps = _launch_shape(pingpong, block_n)
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[a.dtype]
+    la = gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gdt)
+    lb = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gdt)
+    a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, block_k], la)
+    b_desc = TensorDescriptor.from_tensor(w.reshape(E * N, K), [block_n, block_k], lb)
+    c = a.new_empty(a.shape[0], N) if out is None else out
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    rows_ws_kernel[(sms,)](a_desc, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K, c.stride(0),
+                           BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PINGPONG=pingpong,
+                           num_warps=warps, maxnreg=168)
+    return c
+
+
+def gathered_rows_ws(x, w, token, offsets, sched, out=None, pingpong: bool = True, block_n=None, block_k: int = 64,
+                     stages: int = 4):
+    """C (rows, N) = x[token[rows]] @ W[e]ᵀ for each expert's contiguous rows; x (L, K) and w (E, N, K)
+    bf16/fp16 contiguous, K a multiple of block_k; token (rows,) int32 (the routing index's token of each row)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from moeblaze.kernels.experts import BLOCK_M
+
+    E, N, K = w.shape
+    if K % block_k or not (x.is_contiguous() and w.is_contiguous()):
+        raise ValueError(f"gathered_rows_ws needs contiguous operands with K % {block_k} == 0, got K={K}")
+    block_n, warps = _launch_shape(pingpong, block_n)
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x.dtype]
+    b_desc = TensorDescriptor.from_tensor(w.reshape(E * N, K), [block_n, block_k],
+                                          gl.NVMMASharedLayout.get_default_for([block_n, block_k], gdt))
+    c = x.new_empty(token.shape[0], N) if out is None else out
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    gathered_rows_ws_kernel[(sms,)](x, x.stride(0), token, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K,
+                                    c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+                                    PINGPONG=pingpong, num_warps=warps, maxnreg=168)
+    return c
+
+
+# ---- up-projection: MMAs in two warpgroups, the SwiGLU epilogue in its own partition ----------------------
+# 8 MMA warps + 2 loader warps + 2 epilogue warps = 12: at 168 registers each on average, the MMA warps can
+# have 200 (wgmma with a 128-register accumulator needs ~154 to compile); the loader and epilogue share one
+# warpgroup and so one register count
+UP_LOADER_WARPS = gl.constexpr(2)
+EPI_WARPS = gl.constexpr(2)
+EPI_ROWS = gl.constexpr(32)  # the epilogue walks the tile in 32x64 pieces of gate (and the matching up)
+EPI_COLS = gl.constexpr(64)
+
+
+@gluon.jit
+def _handoff_mma(c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, n_tn, K_DIM, fence):
+    """Every tile of this program: MMAs over the loader's stages (both warpgroups, 64 rows each), then the
+    accumulator into c_smem (io dtype) for the epilogue partition, which drains it during the next tile.
+    fence: A's rows come from cp.async, which wgmma must be fenced against."""
+    S: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K  # stages of (BLOCK_K, BLOCK_N): no permute
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    n_k = gl.cdiv(K_DIM, BLOCK_K)
+    n_mine = gl.cdiv(gl.load(used_tiles_ptr) * n_tn - pid, nprog)
+    for j in range(n_mine):
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        for k in range(n_k):
+            c = j * n_k + k
+            s = c % S
+            mbarrier.wait(ready.index(s), (c // S) & 1)
+            if fence:
+                fence_async_shared()  # rows written by cp.async (generic proxy) before wgmma reads them
+            if B_KN:
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+            else:
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            mbarrier.arrive(empty.index((c + S - 1) % S), pred=k > 0)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((j * n_k + n_k - 1) % S))
+        mbarrier.wait(acc_empty.index(0), (j & 1) ^ 1)  # the epilogue has read tile j-1
+        c_smem.store(acc.to(c_smem.dtype))
+        mbarrier.arrive(acc_ready.index(0))
+
+
+@gluon.jit
+def _up_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, stride_al, tile_expert_ptr,
+                 tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT: gl.constexpr):
+    """Each tile's H = [gate | up] from c_smem: stores H (if STORE_PREACT) and A = SiLU(gate) * up, in 64x64
+    pieces with coalesced 16-byte stores; the stored H is what backward reads, and A is computed from it."""
+    BLOCK_M: gl.constexpr = c_smem.type.shape[0]
+    HALF: gl.constexpr = c_smem.type.shape[1] // 2
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // EPI_COLS, EPI_COLS // 8], [gl.num_warps(), 1], [1, 0])
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    n_tn = gl.cdiv(H, HALF)
+    n_used = gl.load(used_tiles_ptr)
+    n_mine = gl.cdiv(n_used * n_tn - pid, nprog)
+    offs_m = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
+    offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
+    for j in range(n_mine):
+        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
+        mbarrier.wait(acc_ready.index(0), j & 1)
+        for rh in gl.static_range(BLOCK_M // EPI_ROWS):
+            rows = row0 + rh * EPI_ROWS + offs_m
+            rmask = rows < row_end
+            for ch in gl.static_range(HALF // EPI_COLS):
+                piece = c_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0)
+                gate = piece.slice(ch * EPI_COLS, EPI_COLS, dim=1).load(layout)
+                up = piece.slice(HALF + ch * EPI_COLS, EPI_COLS, dim=1).load(layout)
+                cols = pid_n * HALF + ch * EPI_COLS + offs_n
+                mask = rmask[:, None] & (cols < H)[None, :]
+                if STORE_PREACT:
+                    p_ptrs = preact_ptr + rows.to(gl.int64)[:, None] * stride_pl + cols[None, :]
+                    gl.store(p_ptrs, gate, mask=mask)
+                    gl.store(p_ptrs + H, up, mask=mask)
+                g = gate.to(gl.float32)
+                a = g / (1.0 + gl.exp(-g)) * up.to(gl.float32)
+                gl.store(act_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :], a.to(act_ptr.dtype.element_ty),
+                         mask=mask)
+        mbarrier.arrive(acc_empty.index(0))
+
+
+@gluon.jit
+def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, w_desc, preact_ptr, act_ptr, stride_pl, stride_al,
+                        tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, H, K_DIM,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                        STORE_PREACT: gl.constexpr, WORKER_REGS: gl.constexpr):
+    """H = x[token[rows]] @ W1[e]ᵀ (gate and up), A = SiLU(gate) * up; three partitions: the 8-warp MMA
+    partition (default), a 2-warp gathering loader, a 2-warp epilogue."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], w_desc.dtype)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], w_desc.dtype)
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], w_desc.dtype)
+    a_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_layout)
+    c_smem = gl.allocate_shared_memory(w_desc.dtype, [BLOCK_M, BLOCK_N], c_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=32 * UP_LOADER_WARPS + 1)
+        mbarrier.init(empty.index(s), count=1)
+    acc_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(acc_ready.index(0), count=1)
+    mbarrier.init(acc_empty.index(0), count=1)
+    mma_args = (c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, gl.cdiv(H, BLOCK_N // 2),
+                K_DIM, True)
+    loader_args = (x_ptr, stride_xl, token_ptr, w_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
+                   expert_offsets_ptr, used_tiles_ptr, H, K_DIM)
+    epi_args = (c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, stride_al, tile_expert_ptr,
+                tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT)
+    gl.warp_specialize([(_handoff_mma, mma_args), (_gather_loader, loader_args), (_up_epilogue, epi_args)],
+                       [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
+
+
+@gluon.jit
+def _store_epilogue(c_smem, acc_ready, acc_empty, c_ptr, stride_cl, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                    used_tiles_ptr, N):
+    """Each tile from c_smem to C's rows, in EPI_ROWS x EPI_COLS pieces with coalesced 16-byte stores."""
+    BLOCK_M: gl.constexpr = c_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // EPI_COLS, EPI_COLS // 8], [gl.num_warps(), 1], [1, 0])
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    n_tn = gl.cdiv(N, BLOCK_N)
+    n_used = gl.load(used_tiles_ptr)
+    n_mine = gl.cdiv(n_used * n_tn - pid, nprog)
+    offs_m = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
+    offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
+    for j in range(n_mine):
+        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
+        mbarrier.wait(acc_ready.index(0), j & 1)
+        for rh in gl.static_range(BLOCK_M // EPI_ROWS):
+            rows = row0 + rh * EPI_ROWS + offs_m
+            for ch in gl.static_range(BLOCK_N // EPI_COLS):
+                out = c_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0).slice(ch * EPI_COLS, EPI_COLS, dim=1).load(layout)
+                cols = pid_n * BLOCK_N + ch * EPI_COLS + offs_n
+                gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_cl + cols[None, :], out,
+                         mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+        mbarrier.arrive(acc_empty.index(0))
+
+
+@gluon.jit
+def rows_handoff_kernel(a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, N,
+                        K_DIM, stride_cl, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                        STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, B_KN: gl.constexpr):
+    """C[rows] = A[rows] @ B[e]ᵀ with 128x256 tiles: the 8-warp MMA partition hands each accumulator to a
+    2-warp store partition through shared memory and goes on with the next tile; a 1-warp TMA loader.
+    B_KN: B[e] is (K, N) with N contiguous (W1 for dX̃ = dH @ W1[e]), else (N, K) (W2 for the down-projection)."""
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], a_desc.dtype)
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    if B_KN:
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+    else:
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(a_desc.dtype, [BLOCK_M, BLOCK_N], c_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    acc_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(acc_ready.index(0), count=1)
+    mbarrier.init(acc_empty.index(0), count=1)
+    mma_args = (c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, gl.cdiv(N, BLOCK_N), K_DIM,
+                False)
+    loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                   used_tiles_ptr, N, K_DIM)
+    epi_args = (c_smem, acc_ready, acc_empty, c_ptr, stride_cl, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                used_tiles_ptr, N)
+    gl.warp_specialize([(_handoff_mma, mma_args), (_loader, loader_args), (_store_epilogue, epi_args)],
+                       [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
+
+
+def rows_handoff(a, w, offsets, sched, out=None, kn: bool = False, block_k: int = 64, stages: int = 3,
+                 worker_regs: int = 112):
+    """C (rows, N) = A[rows] @ W[e]ᵀ, w (E, N, K), or with kn = A[rows] @ W[e], w (E, K, N), for each expert's
+    contiguous rows; bf16/fp16, contiguous, the contiguous dimension a multiple of 8 (16-byte TMA rows).
+    128x256 tiles whose stores run in their own partition beside the next tile's MMAs."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from moeblaze.kernels.experts import BLOCK_M
+
+    E, K, N = w.shape if kn else (w.shape[0], w.shape[2], w.shape[1])
+    if a.shape[1] % 8 or w.shape[2] % 8 or not (a.is_contiguous() and w.is_contiguous()):
+        raise ValueError(f"rows_handoff needs contiguous operands with rows of a multiple of 8 elements, got "
+                         f"{tuple(a.shape)}, {tuple(w.shape)}")
+    block_n = 256
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[a.dtype]
+    a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, block_k], gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gdt))
+    box = [block_k, block_n] if kn else [block_n, block_k]
+    b_desc = TensorDescriptor.from_tensor(w.reshape(-1, w.shape[2]), box, gl.NVMMASharedLayout.get_default_for(box, gdt))
+    c = a.new_empty(a.shape[0], N) if out is None else out
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    rows_handoff_kernel[(sms,)](a_desc, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K, c.stride(0),
+                                BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+                                WORKER_REGS=worker_regs, B_KN=kn, num_warps=8, maxnreg=168)
+    return c
+
+
+def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_preact: bool = True, block_k: int = 64,
+                 stages: int = 3, worker_regs: int = 112):
+    """The SwiGLU up-projection: H (rows, 2h) = x[token[rows]] @ W1[e]ᵀ and A (rows, h) = SiLU(H[:, :h]) *
+    H[:, h:], for each expert's contiguous rows; x (L, d), w1 (E, 2h, d) bf16/fp16 contiguous, d a
+    multiple of block_k. Returns (H or None, A)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from moeblaze.kernels.experts import BLOCK_M
+
+    E, two_h, d = w1.shape
+    h = two_h // 2
+    if d % block_k or not (x.is_contiguous() and w1.is_contiguous()):
+        raise ValueError(f"up_swiglu_ws needs contiguous operands with d % {block_k} == 0, got d={d}")
+    block_n = 256  # 128 gate columns and the matching 128 up columns
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x.dtype]
+    w_desc = TensorDescriptor.from_tensor(w1.reshape(E * two_h, d), [block_n // 2, block_k],
+                                          gl.NVMMASharedLayout.get_default_for([block_n // 2, block_k], gdt))
+    rows = token.shape[0]
+    if store_preact and preact is None:
+        preact = x.new_empty(rows, two_h)
+    act = x.new_empty(rows, h) if act is None else act
+    p = preact if store_preact else act
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    # 12 warps x 168 registers fill the register file: the loader and epilogue warpgroup gets
+    # worker_regs, the MMA warps the rest
+    up_swiglu_ws_kernel[(sms,)](x, x.stride(0), token, w_desc, p, act, p.stride(0), act.stride(0), sched[0], sched[1],
+                                sched[2], offsets, h, d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                                STAGES=stages, STORE_PREACT=store_preact, WORKER_REGS=worker_regs, num_warps=8,
+                                maxnreg=168)
+    return (preact if store_preact else None), act
