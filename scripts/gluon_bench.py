@@ -1,6 +1,7 @@
 """Times the Gluon warp-specialised kernels against the tl kernels at configs B, E and D (GPU only): the
-down-projection's row GEMM (hand-off, ping-pong, cooperative), dX~ = dH @ W1[e] (hand-off), the SwiGLU up-projection (hand-off, storing
-H and A like the tl kernel) and the up-projection's main loop alone (ping-pong, cooperative).
+down-projection's row GEMM (hand-off, ping-pong, cooperative), dX~ = dH @ W1[e] (hand-off), the SwiGLU
+up-projection (hand-off, storing H and A like the tl kernel) and the up-projection's main loop alone
+(ping-pong, cooperative).
     python scripts/gluon_bench.py"""
 import os
 import sys
@@ -24,7 +25,8 @@ def report(name, flops, ref, candidates):
     for label, fn in candidates:
         try:
             c = fn()
-            err = "" if ref is None else f", diff vs tl {float((c.float() - ref.float()).norm() / ref.float().norm()):.1e}"
+            diff = None if ref is None else float((c.float() - ref.float()).norm() / ref.float().norm())
+            err = "" if ref is None else f", diff vs tl {diff:.1e}"
             ms = triton.testing.do_bench(fn, warmup=100, rep=1000)
             row.append(f"{label}: {ms:.3f} ms {flops / ms / 1e9:.0f} TF/s{err}")
         except Exception as e:  # report and go on
@@ -48,7 +50,7 @@ for name in ("B", "E", "D"):
     report(f"{name} down", 2 * LK * d * h, down(),
            [("tl", down), ("gluon handoff S=3", lambda: rows_handoff(a, w2, offsets, sched))]
            + [(f"gluon {'pp' if p else 'coop'} S={s}",
-                              lambda s=s, p=p: rows_ws(a, w2, offsets, sched, pingpong=p, stages=s)) for p, s in VARIANTS])
+              lambda s=s, p=p: rows_ws(a, w2, offsets, sched, pingpong=p, stages=s)) for p, s in VARIANTS])
     dpreact = torch.randn(LK, 2 * h, device="cuda", dtype=torch.bfloat16)
 
     def dx_rows(gluon):
@@ -65,4 +67,5 @@ for name in ("B", "E", "D"):
     report(f"{name} up", 2 * LK * 2 * h * d, None,
            [("tl (with epilogue)", lambda: _up(x, w1, eti, offsets, sched, "swiglu", True, True))]
            + [(f"gluon main loop {'pp' if p else 'coop'} S={s}",
-               lambda s=s, p=p: gathered_rows_ws(x, w1, eti, offsets, sched, pingpong=p, stages=s)) for p, s in VARIANTS])
+               lambda s=s, p=p: gathered_rows_ws(x, w1, eti, offsets, sched, pingpong=p, stages=s))
+              for p, s in VARIANTS])

@@ -1,4 +1,4 @@
-"""On a Hopper GPU (`pytest -m gpu`): the Gluon warp-specialised row GEMMs (ping-pong and cooperative) against torch in fp32,
+"""On a Hopper GPU (`pytest -m gpu`): the Gluon warp-specialised kernels against torch in fp32,
 with ragged experts (one empty, one smaller than a tile, one spanning many tiles) and NaN-poisoned output.
 RAGGED fits in one tile per program; MANY gives every program several tiles, so both consumers take turns
 and the stage ring wraps across tiles."""

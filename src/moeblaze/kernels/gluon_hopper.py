@@ -15,7 +15,6 @@ The up-projection's stage holds 128 gate rows of W1 and the 128 matching up rows
 computes both halves. Rows past the expert's end are loaded (they belong to the next expert) but never
 stored. Also here, measured and kept for reference (scripts/gluon_bench.py): ping-pong (two 4-warp
 consumers alternating 128x128 tiles) and cooperative kernels without the hand-off."""
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -65,7 +64,8 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_
     n_used = gl.load(used_tiles_ptr)
     n_mine = gl.cdiv(n_used * n_tn - pid, nprog)
     for j in range(n_mine):
-        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
+        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
+                                           expert_offsets_ptr)
         for k in range(n_k):
             c = j * n_k + k
             s = c % S
@@ -103,7 +103,8 @@ def _gather_loader(x_ptr, stride_xl, token_ptr, b_desc, a_bufs, b_bufs, ready, e
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     for j in range(n_mine):
-        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
+        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
+                                           expert_offsets_ptr)
         rmask = row0 + offs_m < row_end
         tok = gl.load(token_ptr + row0 + offs_m, mask=rmask, other=0)
         rows_ptr = x_ptr + tok.to(gl.int64)[:, None] * stride_xl
@@ -149,7 +150,8 @@ def _consumer(first, STEP: gl.constexpr, WARPS: gl.constexpr, c_ptr, stride_cl, 
     n_used = gl.load(used_tiles_ptr)
     n_mine = gl.cdiv(n_used * n_tn - pid, nprog)
     for j in range(first, n_mine, STEP):
-        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
+        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
+                                           expert_offsets_ptr)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         if STEP == 2:
             mbarrier.wait(turn.index(0), (j - 1) & 1)  # tile j-1's MMAs are issued (a fresh barrier passes j = 0)
@@ -366,7 +368,8 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, s
     offs_m = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
     offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
     for j in range(n_mine):
-        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
+        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
+                                           expert_offsets_ptr)
         mbarrier.wait(acc_ready.index(0), j & 1)
         for rh in gl.static_range(BLOCK_M // EPI_ROWS):
             rows = row0 + rh * EPI_ROWS + offs_m
@@ -383,8 +386,8 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, s
                     gl.store(p_ptrs + H, up, mask=mask)
                 g = gate.to(gl.float32)
                 a = g / (1.0 + gl.exp(-g)) * up.to(gl.float32)
-                gl.store(act_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :], a.to(act_ptr.dtype.element_ty),
-                         mask=mask)
+                a_ptrs = act_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :]
+                gl.store(a_ptrs, a.to(act_ptr.dtype.element_ty), mask=mask)
         mbarrier.arrive(acc_empty.index(0))
 
 
@@ -434,7 +437,8 @@ def _store_epilogue(c_smem, acc_ready, acc_empty, c_ptr, stride_cl, tile_expert_
     offs_m = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
     offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
     for j in range(n_mine):
-        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
+        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
+                                           expert_offsets_ptr)
         mbarrier.wait(acc_ready.index(0), j & 1)
         for rh in gl.static_range(BLOCK_M // EPI_ROWS):
             rows = row0 + rh * EPI_ROWS + offs_m
@@ -495,9 +499,10 @@ def rows_handoff(a, w, offsets, sched, out=None, kn: bool = False, block_k: int 
                          f"{tuple(a.shape)}, {tuple(w.shape)}")
     block_n = 256
     gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[a.dtype]
-    a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, block_k], gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gdt))
-    box = [block_k, block_n] if kn else [block_n, block_k]
-    b_desc = TensorDescriptor.from_tensor(w.reshape(-1, w.shape[2]), box, gl.NVMMASharedLayout.get_default_for(box, gdt))
+    a_box, b_box = [BLOCK_M, block_k], ([block_k, block_n] if kn else [block_n, block_k])
+    a_desc = TensorDescriptor.from_tensor(a, a_box, gl.NVMMASharedLayout.get_default_for(a_box, gdt))
+    b_layout = gl.NVMMASharedLayout.get_default_for(b_box, gdt)
+    b_desc = TensorDescriptor.from_tensor(w.reshape(-1, w.shape[2]), b_box, b_layout)
     c = a.new_empty(a.shape[0], N) if out is None else out
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     rows_handoff_kernel[(sms,)](a_desc, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K, c.stride(0),
