@@ -195,3 +195,14 @@ def test_tile_schedule(counts, block_m):
     assert list(zip(tile_expert.tolist(), tile_row.tolist()))[:len(want)] == want
     assert tile_expert[len(want):].tolist() == [-1] * (bound - len(want))
     assert used.tolist() == [len(want)]
+
+
+def test_gluon_hopper_module_imports_and_is_not_chosen_off_hopper():
+    """The Gluon kernels' module resolves its TMA and cp.async names on this triton (3.6 and 3.9 name
+    them differently), and the launchers never pick it for tensors that are not on an sm_90 GPU."""
+    from moeblaze.kernels import gluon_hopper
+    from moeblaze.ops import experts as ops
+
+    assert callable(gluon_hopper._tma_load) and callable(gluon_hopper._cp_async)
+    x = torch.randn(256, 128).to(torch.bfloat16)
+    assert not ops._gluon(x)
