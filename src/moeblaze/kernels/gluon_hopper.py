@@ -542,3 +542,176 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
                                 STAGES=stages, STORE_PREACT=store_preact, WORKER_REGS=worker_regs, num_warps=8,
                                 maxnreg=168)
     return (preact if store_preact else None), act
+
+
+# ---- weight gradients: dW[e] = P[rows of e]ᵀ Q[rows of e], one side gathered -------------------------------
+@gluon.jit
+def _wgrad_tile(j, pid, nprog, n_tm, n_tn, expert_offsets_ptr):
+    """(expert, row tile of dW[e], column tile, first row, row end) of this program's j-th tile: expert by
+    expert, so the programs running together share the expert's rows of P and Q in L2."""
+    t = pid + j * nprog
+    per_expert = n_tm * n_tn
+    e = t // per_expert
+    r = t % per_expert
+    return e, r // n_tn, r % n_tn, gl.load(expert_offsets_ptr + e), gl.load(expert_offsets_ptr + e + 1)
+
+
+@gluon.jit
+def _wgrad_loader(dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, ready, empty, expert_offsets_ptr,
+                  n_tiles, n_tm, n_tn):
+    """Stages of BLOCK_K rows of P (BLOCK_K x BLOCK_M) and Q (BLOCK_K x BLOCK_N): the dense side through TMA
+    (its rows past the expert's end are the next expert's), the gathered side src[token[r]] through cp.async
+    with those rows masked to zero, so they add nothing. Which side is dense is told by the descriptor's box
+    width (BLOCK_M != BLOCK_N)."""
+    S: gl.constexpr = p_bufs.type.shape[0]
+    BLOCK_K: gl.constexpr = p_bufs.type.shape[1]
+    BLOCK_M: gl.constexpr = p_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = q_bufs.type.shape[2]
+    GATHER_Q: gl.constexpr = dense_desc.block_type.shape[1] == BLOCK_M
+    C: gl.constexpr = BLOCK_N if GATHER_Q else BLOCK_M
+    layout: gl.constexpr = _gather_layout(C, gl.num_warps())
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    offs_r = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
+    offs_c = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+    c0 = 0
+    for j in range(gl.cdiv(n_tiles - pid, nprog)):
+        e, tm, tn, start, end = _wgrad_tile(j, pid, nprog, n_tm, n_tn, expert_offsets_ptr)
+        n_k = gl.cdiv(end - start, BLOCK_K)
+        col = tn * BLOCK_N if GATHER_Q else tm * BLOCK_M
+        dense_col = tm * BLOCK_M if GATHER_Q else tn * BLOCK_N
+        for k in range(n_k):
+            c = c0 + k
+            s = c % S
+            rows = start + k * BLOCK_K + offs_r
+            rmask = rows < end
+            tok = gl.load(token_ptr + rows, mask=rmask, other=0)
+            ptrs = src_ptr + tok.to(gl.int64)[:, None] * stride_src + (col + offs_c)[None, :]
+            mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
+            if GATHER_Q:
+                _cp_async(q_bufs.index(s), ptrs, mask=rmask[:, None])
+            else:
+                _cp_async(p_bufs.index(s), ptrs, mask=rmask[:, None])
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            mbarrier.expect(ready.index(s), dense_desc.block_type.nbytes)
+            if GATHER_Q:
+                _tma_load(dense_desc, [start + k * BLOCK_K, dense_col], ready.index(s), p_bufs.index(s))
+            else:
+                _tma_load(dense_desc, [start + k * BLOCK_K, dense_col], ready.index(s), q_bufs.index(s))
+        c0 += n_k
+
+
+@gluon.jit
+def _wgrad_mma(c_smem, acc_ready, acc_empty, p_bufs, q_bufs, ready, empty, expert_offsets_ptr, n_tiles, n_tm, n_tn):
+    """Each dW tile: Pᵀ (the stage's P read transposed) times Q over the expert's rows, then the hand-off to
+    the store partition through c_smem. An expert without rows hands off zeros."""
+    S: gl.constexpr = p_bufs.type.shape[0]
+    BLOCK_K: gl.constexpr = p_bufs.type.shape[1]
+    BLOCK_M: gl.constexpr = p_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = q_bufs.type.shape[2]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    c0 = 0
+    for j in range(gl.cdiv(n_tiles - pid, nprog)):
+        e, tm, tn, start, end = _wgrad_tile(j, pid, nprog, n_tm, n_tn, expert_offsets_ptr)
+        n_k = gl.cdiv(end - start, BLOCK_K)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        for k in range(n_k):
+            c = c0 + k
+            s = c % S
+            mbarrier.wait(ready.index(s), (c // S) & 1)
+            fence_async_shared()  # the gathered side was written by cp.async
+            acc = warpgroup_mma(p_bufs.index(s).permute((1, 0)), q_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            mbarrier.arrive(empty.index((c + S - 1) % S), pred=k > 0)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((c0 + n_k + S - 1) % S), pred=n_k > 0)
+        c0 += n_k
+        mbarrier.wait(acc_empty.index(0), (j & 1) ^ 1)
+        c_smem.store(acc.to(c_smem.dtype))
+        mbarrier.arrive(acc_ready.index(0))
+
+
+@gluon.jit
+def _wgrad_epilogue(c_smem, acc_ready, acc_empty, dw_ptr, stride_de, stride_dm, expert_offsets_ptr, n_tiles, n_tm,
+                    n_tn, M, N):
+    """Each tile from c_smem to dW[e], in EPI_ROWS x EPI_COLS pieces with coalesced 16-byte stores."""
+    BLOCK_M: gl.constexpr = c_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // EPI_COLS, EPI_COLS // 8], [gl.num_warps(), 1], [1, 0])
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    offs_m = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
+    offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
+    for j in range(gl.cdiv(n_tiles - pid, nprog)):
+        e, tm, tn, start, end = _wgrad_tile(j, pid, nprog, n_tm, n_tn, expert_offsets_ptr)
+        base = dw_ptr + e.to(gl.int64) * stride_de
+        mbarrier.wait(acc_ready.index(0), j & 1)
+        for rh in gl.static_range(BLOCK_M // EPI_ROWS):
+            rows = tm * BLOCK_M + rh * EPI_ROWS + offs_m
+            for ch in gl.static_range(BLOCK_N // EPI_COLS):
+                out = c_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0).slice(ch * EPI_COLS, EPI_COLS, dim=1).load(layout)
+                cols = tn * BLOCK_N + ch * EPI_COLS + offs_n
+                gl.store(base + rows.to(gl.int64)[:, None] * stride_dm + cols[None, :], out,
+                         mask=(rows < M)[:, None] & (cols < N)[None, :])
+        mbarrier.arrive(acc_empty.index(0))
+
+
+@gluon.jit
+def weight_grad_ws_kernel(dense_desc, src_ptr, stride_src, token_ptr, dw_ptr, stride_de, stride_dm, expert_offsets_ptr,
+                          E, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                          STAGES: gl.constexpr, WORKER_REGS: gl.constexpr):
+    """dW[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for every expert: the 8-warp MMA partition, a 2-warp loader
+    (TMA for the dense side, cp.async for the gathered one), a 2-warp store partition."""
+    dtype: gl.constexpr = dense_desc.dtype
+    p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], dtype))
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
+    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=32 * UP_LOADER_WARPS + 1)
+        mbarrier.init(empty.index(s), count=1)
+    acc_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    acc_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(acc_ready.index(0), count=1)
+    mbarrier.init(acc_empty.index(0), count=1)
+    n_tm, n_tn = gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N)
+    n_tiles = E * n_tm * n_tn
+    mma_args = (c_smem, acc_ready, acc_empty, p_bufs, q_bufs, ready, empty, expert_offsets_ptr, n_tiles, n_tm, n_tn)
+    loader_args = (dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, ready, empty, expert_offsets_ptr, n_tiles,
+                   n_tm, n_tn)
+    epi_args = (c_smem, acc_ready, acc_empty, dw_ptr, stride_de, stride_dm, expert_offsets_ptr, n_tiles, n_tm, n_tn, M,
+                N)
+    gl.warp_specialize([(_wgrad_mma, mma_args), (_wgrad_loader, loader_args), (_wgrad_epilogue, epi_args)],
+                       [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
+
+
+WGRAD_BLOCKS = (128, 256, 64)  # (BLOCK_M: P's columns, BLOCK_N: Q's columns, BLOCK_K: rows per stage)
+
+
+def weight_grad_ws(p, q, token, offsets, out, gather_p: bool, stages: int = 3, worker_regs: int = 112):
+    """out[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for each expert's contiguous rows, P = p[token[rows]] if
+    gather_p else p[rows], Q = q[rows] if gather_p else q[token[rows]]. bf16/fp16, contiguous; the gathered
+    side's width a multiple of its block (128 for P, 256 for Q), the dense side's a multiple of 8."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    E, M, N = out.shape
+    block_m, block_n, block_k = WGRAD_BLOCKS
+    dense, src = (q, p) if gather_p else (p, q)
+    width = block_m if gather_p else block_n
+    if src.shape[1] % width or dense.shape[1] % 8 or not (p.is_contiguous() and q.is_contiguous()
+                                                          and out.is_contiguous()):
+        raise ValueError(f"weight_grad_ws needs contiguous operands, the gathered one {width}-column aligned, got "
+                         f"{tuple(p.shape)}, {tuple(q.shape)}")
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[p.dtype]
+    box = [block_k, block_n if gather_p else block_m]
+    dense_desc = TensorDescriptor.from_tensor(dense, box, gl.NVMMASharedLayout.get_default_for(box, gdt))
+    sms = torch.cuda.get_device_properties(p.device).multi_processor_count
+    weight_grad_ws_kernel[(sms,)](dense_desc, src, src.stride(0), token, out, out.stride(0), out.stride(1), offsets, E,
+                                  M, N, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+                                  WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+    return out
