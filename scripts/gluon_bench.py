@@ -1,5 +1,5 @@
 """Times the Gluon warp-specialised kernels against the tl kernels at configs B, E and D (GPU only): the
-down-projection's row GEMM (hand-off, ping-pong, cooperative), dX~ = dH @ W1[e] and the weight gradients (hand-off), the SwiGLU
+down-projection's row GEMM (hand-off, ping-pong, cooperative), dX~ = dH @ W1[e] (hand-off), the SwiGLU
 up-projection (hand-off, storing H and A like the tl kernel) and the up-projection's main loop alone
 (ping-pong, cooperative).
     python scripts/gluon_bench.py"""
@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from moeblaze.bench.harness import CONFIGS  # noqa: E402
 from moeblaze.kernels.gluon_hopper import gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
 import moeblaze.ops.experts as ops  # noqa: E402
-from moeblaze.ops.experts import _rows, _up, _weight_grad, tile_schedule  # noqa: E402
+from moeblaze.ops.experts import _rows, _up, tile_schedule  # noqa: E402
 
 
 ops.GLUON = False  # _rows, _up and _down_bwd launch the tl kernels unless a candidate turns this on
@@ -58,17 +58,6 @@ for name in ("B", "E", "D"):
         return _rows(dpreact, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), d, offsets, sched)
     report(f"{name} dX~", 2 * LK * d * 2 * h, dx_rows(False),
            [("tl", lambda: dx_rows(False)), ("gluon hand-off", lambda: dx_rows(True))])
-    act_scaled = torch.randn(LK, h, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
-
-    def wgrad(which, gluon):
-        ops.GLUON = gluon
-        if which == "dW1":
-            return _weight_grad(dpreact, x, (E, 2 * h, d), eti, offsets, False, True, x.dtype)
-        return _weight_grad(dy, act_scaled, (E, d, h), eti, offsets, True, False, x.dtype)
-    for which, flops in (("dW1", 2 * LK * 2 * h * d), ("dW2", 2 * LK * d * h)):
-        report(f"{name} {which}", flops, wgrad(which, False),
-               [("tl", lambda w=which: wgrad(w, False)), ("gluon hand-off", lambda w=which: wgrad(w, True))])
     ops.GLUON = False
     tl_up = _up(x, w1, eti, offsets, sched, "swiglu", True, True)
     report(f"{name} up, H and A", 2 * LK * 2 * h * d, tl_up[1],

@@ -23,8 +23,8 @@ in backward: H (recompute; dH is then written over it), dH, s·A, dX~. moe_exper
 bounds every transient by a token chunk. No host synchronization anywhere: tile counts are bounded
 by L·K // BLOCK_M + E and unused tiles exit at once.
 
-On sm_90 (bf16/fp16, contiguous, aligned operands) the SwiGLU up-projection, the down-projection, dX~ and
-the weight gradients launch kernels.gluon_hopper's warp-specialised kernels instead (same contract, one 64 KB tile of shared
+On sm_90 (bf16/fp16, contiguous, aligned operands) the SwiGLU up-projection, the down-projection and dX~
+launch kernels.gluon_hopper's warp-specialised kernels instead (same contract, one 64 KB tile of shared
 memory more per program); MOEBLAZE_GLUON=0 keeps every launch on the tl kernels. Their H goes through
 the io dtype before A is computed from it, as backward computes A from the saved H.
 
@@ -160,11 +160,6 @@ def _weight_grad(p, q, out_shape, eti, offsets, gather_p, gather_q, out_dtype):
     """dW (E, N, P) with dW[e] = P[rows of e]^T Q[rows of e]."""
     E, N, P = out_shape
     dw = torch.empty(out_shape, dtype=out_dtype, device=p.device)
-    if gather_p != gather_q and out_dtype == p.dtype and _gluon(p, q):
-        from ..kernels.gluon_hopper import WGRAD_BLOCKS, weight_grad_ws
-        gathered, dense = (p, q) if gather_p else (q, p)
-        if gathered.shape[1] % WGRAD_BLOCKS[0 if gather_p else 1] == 0 and dense.shape[1] % 8 == 0:
-            return weight_grad_ws(p, q, eti, offsets, dw, gather_p)
     desc = _desc(q if gather_p else p) if gather_p != gather_q else None
     grid = lambda meta: (E * triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(P, meta["BLOCK_P"]),)  # noqa: E731
     _expert_weight_grad_kernel[grid](
