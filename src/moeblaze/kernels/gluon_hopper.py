@@ -15,11 +15,15 @@ The up-projection's stage holds 128 gate rows of W1 and the 128 matching up rows
 computes both halves. Rows past the expert's end are loaded (they belong to the next expert) but never
 stored. Also here, measured and kept for reference (scripts/gluon_bench.py): ping-pong (two 4-warp
 consumers alternating 128x128 tiles) and cooperative kernels without the hand-off."""
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .experts import BLOCK_M
 
 # the TMA load and the cp.async copy are async_copy_global_to_shared in triton 3.6, async_load (the old
 # names removed) in 3.9
@@ -33,6 +37,62 @@ GATHER_WARPS = gl.constexpr(4)  # warps of the gathering loader: cp.async needs 
 def _gather_layout(block_k, warps):
     """The gathering loader's register layout: 8 elements (16 bytes, one cp.async) per thread along K."""
     return gl.BlockedLayout([1, 8], [32 * 8 // block_k, block_k // 8], [warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _epilogue_layout(warps):
+    """The epilogue partitions' register layout: EPI_ROWS x EPI_COLS pieces, 16 bytes per thread along a row."""
+    return gl.BlockedLayout([1, 8], [32 * 8 // EPI_COLS, EPI_COLS // 8], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _my_tiles(used_tiles_ptr, n_tn):
+    """(program id, programs, used row tiles, this program's count of the used_tiles x n_tn tiles)."""
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    n_used = gl.load(used_tiles_ptr)
+    return pid, nprog, n_used, gl.cdiv(n_used * n_tn - pid, nprog)
+
+
+@gluon.jit
+def _stage_barriers(STAGES: gl.constexpr, READY_COUNT: gl.constexpr):
+    """(ready, empty): one pair of barriers per stage; ready counts READY_COUNT arrivals, empty one."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=READY_COUNT)
+        mbarrier.init(empty.index(s), count=1)
+    return ready, empty
+
+
+@gluon.jit
+def _one_barrier():
+    bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar.index(0), count=1)
+    return bar
+
+
+@gluon.jit
+def _mma_steps(acc, c0, n_k, a_bufs, b_bufs, ready, empty, fence):
+    """acc += the n_k stages c0 .. c0+n_k-1 of A @ B (B permuted unless its stages are (BLOCK_K, BLOCK_N)),
+    each stage handed back to the loader once the next MMA is issued; returns with the last MMA in
+    flight. fence: A's rows come from cp.async (generic proxy), which wgmma (async proxy) must be fenced
+    against."""
+    S: gl.constexpr = a_bufs.type.shape[0]
+    B_KN: gl.constexpr = b_bufs.type.shape[2] != a_bufs.type.shape[2]
+    for k in range(n_k):
+        c = c0 + k
+        s = c % S
+        mbarrier.wait(ready.index(s), (c // S) & 1)
+        if fence:
+            fence_async_shared()
+        if B_KN:
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc, ))
+        # the MMA of step k-1 has finished: its stage goes back to the loader
+        mbarrier.arrive(empty.index((c + S - 1) % S), pred=k > 0)
+    return acc
 
 
 @gluon.jit
@@ -58,11 +118,9 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
-    pid, nprog = gl.program_id(0), gl.num_programs(0)
     n_tn = gl.cdiv(N, BLOCK_N)
     n_k = gl.cdiv(K_DIM, BLOCK_K)
-    n_used = gl.load(used_tiles_ptr)
-    n_mine = gl.cdiv(n_used * n_tn - pid, nprog)
+    pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
     for j in range(n_mine):
         e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
                                            expert_offsets_ptr)
@@ -95,11 +153,9 @@ def _gather_loader(x_ptr, stride_xl, token_ptr, b_desc, a_bufs, b_bufs, ready, e
     TILE_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
     GATED: gl.constexpr = TILE_N != BLOCK_N  # W's box is half the stage: gate, then up
     layout: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
-    pid, nprog = gl.program_id(0), gl.num_programs(0)
     n_tn = gl.cdiv(N, TILE_N)
     n_k = gl.cdiv(K_DIM, BLOCK_K)
-    n_used = gl.load(used_tiles_ptr)
-    n_mine = gl.cdiv(n_used * n_tn - pid, nprog)
+    pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     for j in range(n_mine):
@@ -144,27 +200,16 @@ def _consumer(first, STEP: gl.constexpr, WARPS: gl.constexpr, c_ptr, stride_cl, 
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    pid, nprog = gl.program_id(0), gl.num_programs(0)
     n_tn = gl.cdiv(N, BLOCK_N)
     n_k = gl.cdiv(K_DIM, BLOCK_K)
-    n_used = gl.load(used_tiles_ptr)
-    n_mine = gl.cdiv(n_used * n_tn - pid, nprog)
+    pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
     for j in range(first, n_mine, STEP):
         e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
                                            expert_offsets_ptr)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         if STEP == 2:
             mbarrier.wait(turn.index(0), (j - 1) & 1)  # tile j-1's MMAs are issued (a fresh barrier passes j = 0)
-        for k in range(n_k):
-            c = j * n_k + k
-            s = c % S
-            mbarrier.wait(ready.index(s), (c // S) & 1)
-            if FENCE:
-                fence_async_shared()  # rows written by cp.async (generic proxy) before wgmma reads them (async proxy)
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc, ))
-            # the MMA of step k-1 has finished: its stage goes back to the loader
-            mbarrier.arrive(empty.index((c + S - 1) % S), pred=k > 0)
+        acc = _mma_steps(acc, j * n_k, n_k, a_bufs, b_bufs, ready, empty, FENCE)
         if STEP == 2:
             mbarrier.arrive(turn.index(0))  # the other consumer's tile j+1 may start its MMAs
         acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -205,13 +250,8 @@ def rows_ws_kernel(a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_ti
                    STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    turn = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(turn.index(0), count=1)
+    ready, empty = _stage_barriers(STAGES, 1)
+    turn = _one_barrier()
     consumer_args = (c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, turn, tile_expert_ptr, tile_row_ptr,
                      expert_offsets_ptr, used_tiles_ptr, N, K_DIM, False)
     loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
@@ -231,14 +271,9 @@ def gathered_rows_ws_kernel(x_ptr, stride_xl, token_ptr, b_desc, c_ptr, tile_exp
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], b_desc.dtype)
     a_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        # every gathering thread arrives once its copies land, and the TMA's expect arrives once
-        mbarrier.init(ready.index(s), count=32 * GATHER_WARPS + 1)
-        mbarrier.init(empty.index(s), count=1)
-    turn = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(turn.index(0), count=1)
+    # every gathering thread arrives once its copies land, and the TMA's expect arrives once
+    ready, empty = _stage_barriers(STAGES, 32 * GATHER_WARPS + 1)
+    turn = _one_barrier()
     consumer_args = (c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, turn, tile_expert_ptr, tile_row_ptr,
                      expert_offsets_ptr, used_tiles_ptr, N, K_DIM, True)
     loader_args = (x_ptr, stride_xl, token_ptr, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
@@ -248,6 +283,16 @@ def gathered_rows_ws_kernel(x_ptr, stride_xl, token_ptr, b_desc, c_ptr, tile_exp
                             (_gather_loader, loader_args)], [4, GATHER_WARPS], [224, 56])
     else:
         gl.warp_specialize([(_consumer_all, consumer_args), (_gather_loader, loader_args)], [GATHER_WARPS], [56])
+
+
+def _desc(t, box):
+    """A TMA descriptor of 2D t with the given box, in the swizzled shared layout wgmma reads."""
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
+    return TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, gdt))
+
+
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch_shape(pingpong: bool, block_n):
@@ -261,25 +306,16 @@ def rows_ws(a, w, offsets, sched, out=None, pingpong: bool = True, block_n=None,
     """C (rows, N) = A[rows] @ W[e]ᵀ for each expert's contiguous rows; a (LK, K) and w (E, N, K) bf16/fp16,
     contiguous, K a multiple of 8 (16-byte rows for TMA); offsets (E+1,) int32; sched =
     ops.experts.tile_schedule(...) for BLOCK_M = 128."""
-    import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from moeblaze.kernels.experts import BLOCK_M
-
     E, N, K = w.shape
     if K % 8 or not (a.is_contiguous() and w.is_contiguous()):
         raise ValueError(f"rows_ws needs contiguous operands with K % 8 == 0 (TMA rows), got K={K}")
     block_n, warps = _launch_shape(pingpong, block_n)
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[a.dtype]
-    la = gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gdt)
-    lb = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gdt)
-    a_desc = TensorDescriptor.from_tensor(a, [BLOCK_M, block_k], la)
-    b_desc = TensorDescriptor.from_tensor(w.reshape(E * N, K), [block_n, block_k], lb)
+    a_desc, b_desc = _desc(a, [BLOCK_M, block_k]), _desc(w.reshape(E * N, K), [block_n, block_k])
     c = a.new_empty(a.shape[0], N) if out is None else out
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    rows_ws_kernel[(sms,)](a_desc, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K, c.stride(0),
-                           BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PINGPONG=pingpong,
-                           num_warps=warps, maxnreg=168)
+    grid = (_num_sms(a.device),)
+    rows_ws_kernel[grid](a_desc, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K, c.stride(0),
+                         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PINGPONG=pingpong,
+                         num_warps=warps, maxnreg=168)
     return c
 
 
@@ -287,23 +323,16 @@ def gathered_rows_ws(x, w, token, offsets, sched, out=None, pingpong: bool = Tru
                      stages: int = 4):
     """C (rows, N) = x[token[rows]] @ W[e]ᵀ for each expert's contiguous rows; x (L, K) and w (E, N, K)
     bf16/fp16 contiguous, K a multiple of block_k; token (rows,) int32 (the routing index's token of each row)."""
-    import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from moeblaze.kernels.experts import BLOCK_M
-
     E, N, K = w.shape
     if K % block_k or not (x.is_contiguous() and w.is_contiguous()):
         raise ValueError(f"gathered_rows_ws needs contiguous operands with K % {block_k} == 0, got K={K}")
     block_n, warps = _launch_shape(pingpong, block_n)
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x.dtype]
-    b_desc = TensorDescriptor.from_tensor(w.reshape(E * N, K), [block_n, block_k],
-                                          gl.NVMMASharedLayout.get_default_for([block_n, block_k], gdt))
+    b_desc = _desc(w.reshape(E * N, K), [block_n, block_k])
     c = x.new_empty(token.shape[0], N) if out is None else out
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    gathered_rows_ws_kernel[(sms,)](x, x.stride(0), token, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K,
-                                    c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-                                    PINGPONG=pingpong, num_warps=warps, maxnreg=168)
+    grid = (_num_sms(x.device),)
+    gathered_rows_ws_kernel[grid](x, x.stride(0), token, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K,
+                                  c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+                                  PINGPONG=pingpong, num_warps=warps, maxnreg=168)
     return c
 
 
@@ -320,8 +349,7 @@ EPI_COLS = gl.constexpr(64)
 @gluon.jit
 def _handoff_mma(c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, n_tn, K_DIM, fence):
     """Every tile of this program: MMAs over the loader's stages (both warpgroups, 64 rows each), then the
-    accumulator into c_smem (io dtype) for the epilogue partition, which drains it during the next tile.
-    fence: A's rows come from cp.async, which wgmma must be fenced against."""
+    accumulator into c_smem (io dtype) for the epilogue partition, which drains it during the next tile."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -329,23 +357,11 @@ def _handoff_mma(c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, use
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
                                                          instr_shape=[16, BLOCK_N, 16])
-    pid, nprog = gl.program_id(0), gl.num_programs(0)
     n_k = gl.cdiv(K_DIM, BLOCK_K)
-    n_mine = gl.cdiv(gl.load(used_tiles_ptr) * n_tn - pid, nprog)
+    pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
     for j in range(n_mine):
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-        for k in range(n_k):
-            c = j * n_k + k
-            s = c % S
-            mbarrier.wait(ready.index(s), (c // S) & 1)
-            if fence:
-                fence_async_shared()  # rows written by cp.async (generic proxy) before wgmma reads them
-            if B_KN:
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
-            else:
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc, ))
-            mbarrier.arrive(empty.index((c + S - 1) % S), pred=k > 0)
+        acc = _mma_steps(acc, j * n_k, n_k, a_bufs, b_bufs, ready, empty, fence)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index((j * n_k + n_k - 1) % S))
         mbarrier.wait(acc_empty.index(0), (j & 1) ^ 1)  # the epilogue has read tile j-1
@@ -360,11 +376,9 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, s
     pieces with coalesced 16-byte stores; the stored H is what backward reads, and A is computed from it."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
     HALF: gl.constexpr = c_smem.type.shape[1] // 2
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // EPI_COLS, EPI_COLS // 8], [gl.num_warps(), 1], [1, 0])
-    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    layout: gl.constexpr = _epilogue_layout(gl.num_warps())
     n_tn = gl.cdiv(H, HALF)
-    n_used = gl.load(used_tiles_ptr)
-    n_mine = gl.cdiv(n_used * n_tn - pid, nprog)
+    pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
     offs_m = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
     offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
     for j in range(n_mine):
@@ -404,15 +418,8 @@ def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, w_desc, preact_ptr, act_ptr
     a_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_layout)
     c_smem = gl.allocate_shared_memory(w_desc.dtype, [BLOCK_M, BLOCK_N], c_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=32 * UP_LOADER_WARPS + 1)
-        mbarrier.init(empty.index(s), count=1)
-    acc_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    acc_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(acc_ready.index(0), count=1)
-    mbarrier.init(acc_empty.index(0), count=1)
+    ready, empty = _stage_barriers(STAGES, 32 * UP_LOADER_WARPS + 1)
+    acc_ready, acc_empty = _one_barrier(), _one_barrier()
     mma_args = (c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, gl.cdiv(H, BLOCK_N // 2),
                 K_DIM, True)
     loader_args = (x_ptr, stride_xl, token_ptr, w_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
@@ -429,11 +436,9 @@ def _store_epilogue(c_smem, acc_ready, acc_empty, c_ptr, stride_cl, tile_expert_
     """Each tile from c_smem to C's rows, in EPI_ROWS x EPI_COLS pieces with coalesced 16-byte stores."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
     BLOCK_N: gl.constexpr = c_smem.type.shape[1]
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // EPI_COLS, EPI_COLS // 8], [gl.num_warps(), 1], [1, 0])
-    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    layout: gl.constexpr = _epilogue_layout(gl.num_warps())
     n_tn = gl.cdiv(N, BLOCK_N)
-    n_used = gl.load(used_tiles_ptr)
-    n_mine = gl.cdiv(n_used * n_tn - pid, nprog)
+    pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
     offs_m = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
     offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
     for j in range(n_mine):
@@ -464,15 +469,8 @@ def rows_handoff_kernel(a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, us
     else:
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     c_smem = gl.allocate_shared_memory(a_desc.dtype, [BLOCK_M, BLOCK_N], c_layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    acc_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    acc_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(acc_ready.index(0), count=1)
-    mbarrier.init(acc_empty.index(0), count=1)
+    ready, empty = _stage_barriers(STAGES, 1)
+    acc_ready, acc_empty = _one_barrier(), _one_barrier()
     mma_args = (c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, gl.cdiv(N, BLOCK_N), K_DIM,
                 False)
     loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
@@ -488,26 +486,18 @@ def rows_handoff(a, w, offsets, sched, out=None, kn: bool = False, block_k: int 
     """C (rows, N) = A[rows] @ W[e]ᵀ, w (E, N, K), or with kn = A[rows] @ W[e], w (E, K, N), for each expert's
     contiguous rows; bf16/fp16, contiguous, the contiguous dimension a multiple of 8 (16-byte TMA rows).
     128x256 tiles whose stores run in their own partition beside the next tile's MMAs."""
-    import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from moeblaze.kernels.experts import BLOCK_M
-
     E, K, N = w.shape if kn else (w.shape[0], w.shape[2], w.shape[1])
     if a.shape[1] % 8 or w.shape[2] % 8 or not (a.is_contiguous() and w.is_contiguous()):
         raise ValueError(f"rows_handoff needs contiguous operands with rows of a multiple of 8 elements, got "
                          f"{tuple(a.shape)}, {tuple(w.shape)}")
     block_n = 256
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[a.dtype]
-    a_box, b_box = [BLOCK_M, block_k], ([block_k, block_n] if kn else [block_n, block_k])
-    a_desc = TensorDescriptor.from_tensor(a, a_box, gl.NVMMASharedLayout.get_default_for(a_box, gdt))
-    b_layout = gl.NVMMASharedLayout.get_default_for(b_box, gdt)
-    b_desc = TensorDescriptor.from_tensor(w.reshape(-1, w.shape[2]), b_box, b_layout)
+    a_desc = _desc(a, [BLOCK_M, block_k])
+    b_desc = _desc(w.reshape(-1, w.shape[2]), [block_k, block_n] if kn else [block_n, block_k])
     c = a.new_empty(a.shape[0], N) if out is None else out
-    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    rows_handoff_kernel[(sms,)](a_desc, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K, c.stride(0),
-                                BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-                                WORKER_REGS=worker_regs, B_KN=kn, num_warps=8, maxnreg=168)
+    grid = (_num_sms(a.device),)
+    rows_handoff_kernel[grid](a_desc, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K, c.stride(0),
+                              BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+                              WORKER_REGS=worker_regs, B_KN=kn, num_warps=8, maxnreg=168)
     return c
 
 
@@ -516,30 +506,23 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
     """The SwiGLU up-projection: H (rows, 2h) = x[token[rows]] @ W1[e]ᵀ and A (rows, h) = SiLU(H[:, :h]) *
     H[:, h:], for each expert's contiguous rows; x (L, d), w1 (E, 2h, d) bf16/fp16 contiguous, d a
     multiple of block_k. Returns (H or None, A)."""
-    import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from moeblaze.kernels.experts import BLOCK_M
-
     E, two_h, d = w1.shape
     h = two_h // 2
     if d % block_k or not (x.is_contiguous() and w1.is_contiguous()):
         raise ValueError(f"up_swiglu_ws needs contiguous operands with d % {block_k} == 0, got d={d}")
     block_n = 256  # 128 gate columns and the matching 128 up columns
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x.dtype]
-    w_desc = TensorDescriptor.from_tensor(w1.reshape(E * two_h, d), [block_n // 2, block_k],
-                                          gl.NVMMASharedLayout.get_default_for([block_n // 2, block_k], gdt))
+    w_desc = _desc(w1.reshape(E * two_h, d), [block_n // 2, block_k])
     rows = token.shape[0]
     if store_preact and preact is None:
         preact = x.new_empty(rows, two_h)
     act = x.new_empty(rows, h) if act is None else act
     p = preact if store_preact else act
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     # 12 warps x 168 registers fill the register file: the loader and epilogue warpgroup gets
     # worker_regs, the MMA warps the rest
-    up_swiglu_ws_kernel[(sms,)](x, x.stride(0), token, w_desc, p, act, p.stride(0), act.stride(0), sched[0], sched[1],
-                                sched[2], offsets, h, d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                                STAGES=stages, STORE_PREACT=store_preact, WORKER_REGS=worker_regs, num_warps=8,
-                                maxnreg=168)
+    grid = (_num_sms(x.device),)
+    up_swiglu_ws_kernel[grid](x, x.stride(0), token, w_desc, p, act, p.stride(0), act.stride(0), sched[0], sched[1],
+                              sched[2], offsets, h, d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                              STAGES=stages, STORE_PREACT=store_preact, WORKER_REGS=worker_regs, num_warps=8,
+                              maxnreg=168)
     return (preact if store_preact else None), act
 
