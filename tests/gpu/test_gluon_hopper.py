@@ -11,6 +11,36 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available()
 
 RAGGED = [300, 0, 57, 1000, 128, 1]
 MANY = [5000, 0, 3000, 12000, 1, 7000]
+TOKENS = 700  # rows of x for the gathering kernels
+
+
+def routing(counts, g, gathered):
+    """(E, LK, offsets, token, tile schedule) on the GPU for these per-expert row counts; token (each row's
+    token, drawn from g) only where gathered."""
+    from moeblaze.ops.experts import tile_schedule
+
+    counts = torch.tensor(counts, dtype=torch.int32)
+    E, LK = counts.numel(), int(counts.sum())
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = counts.cumsum(0)
+    token = torch.randint(0, TOKENS, (LK,), generator=g, dtype=torch.int32).cuda() if gathered else None
+    counts, offsets = counts.cuda(), offsets.cuda()
+    return E, LK, offsets, token, tile_schedule(counts, offsets, LK)
+
+
+def per_expert(a, w, offsets, exact):
+    """a[rows of e] @ w[e]ᵀ for every expert: in fp32 if exact, else torch's own bf16 matmul."""
+    parts = [a[offsets[e]:offsets[e + 1]] for e in range(w.shape[0])]
+    if exact:
+        return torch.cat([p.float() @ w[e].float().T for e, p in enumerate(parts)])
+    return torch.cat([p @ w[e].T for e, p in enumerate(parts)])
+
+
+def assert_within_torch_error(ours, ref, torch_bf16):
+    """Our error against the fp32 reference is at most twice torch's own bf16 error (+1e-4)."""
+    def rel(t):
+        return float((t.float() - ref).norm() / ref.norm())
+    assert rel(ours) <= 2 * rel(torch_bf16) + 1e-4, (rel(ours), rel(torch_bf16))
 
 
 # N and K tails: 320 = 2.5 column tiles of 128, 104 = 1.6 K steps of 64
@@ -19,17 +49,11 @@ MANY = [5000, 0, 3000, 12000, 1, 7000]
 @pytest.mark.parametrize("variant", ["pingpong", "coop", "handoff", "handoff_kn"])
 def test_rows_ws_matches_torch(N, K, counts, variant):
     from moeblaze.kernels.gluon_hopper import rows_handoff, rows_ws
-    from moeblaze.ops.experts import tile_schedule
 
     g = torch.Generator(device="cpu").manual_seed(N + K)
-    counts = torch.tensor(counts, dtype=torch.int32)
-    E, LK = counts.numel(), int(counts.sum())
-    offsets = torch.zeros(E + 1, dtype=torch.int32)
-    offsets[1:] = counts.cumsum(0)
+    E, LK, offsets, _, sched = routing(counts, g, gathered=False)
     a = torch.randn(LK, K, generator=g).to("cuda", torch.bfloat16)
     w = (torch.randn(E, N, K, generator=g) * K ** -0.5).to("cuda", torch.bfloat16)
-    counts, offsets = counts.cuda(), offsets.cuda()
-    sched = tile_schedule(counts, offsets, LK)
     out = torch.full((LK, N), float("nan"), device="cuda", dtype=a.dtype)
     if variant == "handoff":
         c = rows_handoff(a, w, offsets, sched, out=out)
@@ -37,13 +61,8 @@ def test_rows_ws_matches_torch(N, K, counts, variant):
         c = rows_handoff(a, w.transpose(1, 2).contiguous(), offsets, sched, out=out, kn=True)
     else:
         c = rows_ws(a, w, offsets, sched, pingpong=variant == "pingpong", out=out)
-    ref = torch.cat([a[offsets[e]:offsets[e + 1]].float() @ w[e].float().T for e in range(E)])
-    torch_bf16 = torch.cat([a[offsets[e]:offsets[e + 1]] @ w[e].T for e in range(E)])
     assert not c.isnan().any()  # every row written
-
-    def rel(x):
-        return float((x.float() - ref).norm() / ref.norm())
-    assert rel(c) <= 2 * rel(torch_bf16) + 1e-4, (rel(c), rel(torch_bf16))
+    assert_within_torch_error(c, per_expert(a, w, offsets, True), per_expert(a, w, offsets, False))
 
 
 @pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
@@ -51,61 +70,35 @@ def test_rows_ws_matches_torch(N, K, counts, variant):
 @pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "coop"])
 def test_gathered_rows_ws_matches_torch(N, K, counts, pingpong):
     from moeblaze.kernels.gluon_hopper import gathered_rows_ws
-    from moeblaze.ops.experts import tile_schedule
 
     g = torch.Generator(device="cpu").manual_seed(N * K)
-    counts = torch.tensor(counts, dtype=torch.int32)
-    E, LK, L = counts.numel(), int(counts.sum()), 700
-    offsets = torch.zeros(E + 1, dtype=torch.int32)
-    offsets[1:] = counts.cumsum(0)
-    token = torch.randint(0, L, (LK,), generator=g, dtype=torch.int32)
-    x = torch.randn(L, K, generator=g).to("cuda", torch.bfloat16)
+    E, LK, offsets, token, sched = routing(counts, g, gathered=True)
+    x = torch.randn(TOKENS, K, generator=g).to("cuda", torch.bfloat16)
     w = (torch.randn(E, N, K, generator=g) * K ** -0.5).to("cuda", torch.bfloat16)
-    counts, offsets, token = counts.cuda(), offsets.cuda(), token.cuda()
-    sched = tile_schedule(counts, offsets, LK)
     c = gathered_rows_ws(x, w, token, offsets, sched, pingpong=pingpong,
-                               out=torch.full((LK, N), float("nan"), device="cuda", dtype=x.dtype))
+                         out=torch.full((LK, N), float("nan"), device="cuda", dtype=x.dtype))
     xg = x[token.long()]
-    ref = torch.cat([xg[offsets[e]:offsets[e + 1]].float() @ w[e].float().T for e in range(E)])
-    torch_bf16 = torch.cat([xg[offsets[e]:offsets[e + 1]] @ w[e].T for e in range(E)])
     assert not c.isnan().any()  # every row written
-
-    def rel(t):
-        return float((t.float() - ref).norm() / ref.norm())
-    assert rel(c) <= 2 * rel(torch_bf16) + 1e-4, (rel(c), rel(torch_bf16))
+    assert_within_torch_error(c, per_expert(xg, w, offsets, True), per_expert(xg, w, offsets, False))
 
 
 @pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
 @pytest.mark.parametrize("h,d", [(256, 128), (192, 256)])  # 192: one and a half column tiles
 def test_up_swiglu_ws_matches_torch(h, d, counts):
     from moeblaze.kernels.gluon_hopper import up_swiglu_ws
-    from moeblaze.ops.experts import tile_schedule
 
     g = torch.Generator(device="cpu").manual_seed(h * d)
-    counts = torch.tensor(counts, dtype=torch.int32)
-    E, LK, L = counts.numel(), int(counts.sum()), 700
-    offsets = torch.zeros(E + 1, dtype=torch.int32)
-    offsets[1:] = counts.cumsum(0)
-    token = torch.randint(0, L, (LK,), generator=g, dtype=torch.int32)
-    x = torch.randn(L, d, generator=g).to("cuda", torch.bfloat16)
+    E, LK, offsets, token, sched = routing(counts, g, gathered=True)
+    x = torch.randn(TOKENS, d, generator=g).to("cuda", torch.bfloat16)
     w1 = (torch.randn(E, 2 * h, d, generator=g) * d ** -0.5).to("cuda", torch.bfloat16)
-    counts, offsets, token = counts.cuda(), offsets.cuda(), token.cuda()
-    sched = tile_schedule(counts, offsets, LK)
     nan = dict(device="cuda", dtype=x.dtype)
     preact, act = up_swiglu_ws(x, w1, token, offsets, sched, preact=torch.full((LK, 2 * h), float("nan"), **nan),
                                act=torch.full((LK, h), float("nan"), **nan))
     xg = x[token.long()]
-    h_ref = torch.cat([xg[offsets[e]:offsets[e + 1]].float() @ w1[e].float().T for e in range(E)])
-    h_bf16 = torch.cat([xg[offsets[e]:offsets[e + 1]] @ w1[e].T for e in range(E)])
+    h_ref, h_bf16 = per_expert(xg, w1, offsets, True), per_expert(xg, w1, offsets, False)
 
     def swiglu(t):
         return torch.nn.functional.silu(t[:, :h]) * t[:, h:]
     assert not preact.isnan().any() and not act.isnan().any()  # every row written
-
-    def rel(t, ref):
-        return float((t.float() - ref).norm() / ref.norm())
-    assert rel(preact, h_ref) <= 2 * rel(h_bf16, h_ref) + 1e-4, (rel(preact, h_ref), rel(h_bf16, h_ref))
-    a_ref = swiglu(h_ref)
-    assert rel(act, a_ref) <= 2 * rel(swiglu(h_bf16), a_ref) + 1e-4, (rel(act, a_ref), rel(swiglu(h_bf16), a_ref))
-
-
+    assert_within_torch_error(preact, h_ref, h_bf16)
+    assert_within_torch_error(act, swiglu(h_ref), swiglu(h_bf16))
