@@ -533,7 +533,7 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
 # ---- dH: ping-pong consumers, each running its own SwiGLU-backward epilogue ---------------------------
 # Two 4-warp consumers take alternate 128x128 tiles: while one runs its tile's MMAs, the other runs the
 # previous tile's epilogue, whose H the consumer brought in by TMA when the tile started. 10 warps (4 + 4
-# + a 2-warp gathering loader) x 200 registers fill the register file. Shared memory: 3 stages of 32 KB
+# + a 2-warp gathering loader, padded to 12) x 168 registers fill the register file. Shared memory: 3 stages of 32 KB
 # and each consumer's H tile, gate and up (64 KB), where the epilogue also writes dH before storing it.
 DH_LOADER_WARPS = gl.constexpr(2)
 
@@ -719,4 +719,4 @@ def dh_swiglu(dy, w2, preact, w_sorted, token, offsets, sched, dpreact, act_scal
     dh_swiglu_pp_kernel[grid](dy, dy.stride(0), token, w2_desc, preact_desc, dpreact, act_scaled, ds_part, w_sorted,
                               preact.stride(0), act_scaled.stride(0), sched[0], sched[1], sched[2], offsets, h, d,
                               token.shape[0], BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-                              num_warps=4, maxnreg=200)
+                              num_warps=4, maxnreg=168)
