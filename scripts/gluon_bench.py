@@ -11,7 +11,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from moeblaze.bench.harness import CONFIGS  # noqa: E402
-from moeblaze.kernels.gluon_hopper import gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
+from moeblaze.kernels.gluon_hopper import dh_swiglu, gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
 import moeblaze.ops.experts as ops  # noqa: E402
 from moeblaze.ops.experts import _down_bwd, _rows, _up, tile_schedule  # noqa: E402
 
@@ -79,12 +79,22 @@ for name in ("B", "E", "D"):
         topk_w = torch.rand(L, K, device="cuda")
         dh_out = torch.empty_like(dpreact)
 
-        def dh(gluon, out=None):
-            ops.GLUON = gluon
-            act_scaled, ds_part = _down_bwd(dy, w2, dpreact, topk_w, token_slot, dh_out, eti, offsets, sched,
-                                            "swiglu")
-            return dh_out.clone() if out == "dh" else (act_scaled if out == "sa" else ds_part.sum(0))
+        def dh(gluon, out=None, block_k=64, stages=3):
+            if gluon:  # the launch _down_bwd makes, with this stage shape
+                dh_swiglu(dy, w2, dpreact, w_sorted, eti, offsets, sched, dh_out, act_scaled, ds_part,
+                          block_k=block_k, stages=stages)
+                sa, dsp = act_scaled, ds_part
+            else:
+                ops.GLUON = False
+                sa, dsp = _down_bwd(dy, w2, dpreact, topk_w, token_slot, dh_out, eti, offsets, sched, "swiglu")
+            return dh_out.clone() if out == "dh" else (sa if out == "sa" else dsp.sum(0))
+        w_sorted = torch.empty(LK, device="cuda")
+        w_sorted[token_slot.reshape(-1).long()] = topk_w.reshape(-1)
+        act_scaled = torch.empty(LK, h, device="cuda", dtype=torch.bfloat16)
+        ds_part = torch.empty(triton.cdiv(h, 64), LK, device="cuda")
         for out in ("dh", "sa", "ds"):  # each output against the tl kernel's
             report(f"{name} dH ({out})", 2 * LK * d * h, dh(False, out), [("gluon pp", lambda: dh(True, out))])
-        report(f"{name} dH", 2 * LK * d * h, None, [("tl", lambda: dh(False)), ("gluon pp", lambda: dh(True))])
+        report(f"{name} dH", 2 * LK * d * h, None, [("tl", lambda: dh(False))]
+               + [(f"gluon pp BK={bk} S={st}", lambda bk=bk, st=st: dh(True, None, bk, st))
+                  for bk, st in ((64, 3), (32, 6), (32, 5))])
         ops.GLUON = False

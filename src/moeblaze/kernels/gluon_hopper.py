@@ -533,9 +533,12 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
 # ---- dH: ping-pong consumers, each running its own SwiGLU-backward epilogue ---------------------------
 # Two 4-warp consumers take alternate 128x128 tiles: while one runs its tile's MMAs, the other runs the
 # previous tile's epilogue, whose H the consumer brought in by TMA when the tile started. 10 warps (4 + 4
-# + a 2-warp gathering loader, padded to 12) x 168 registers fill the register file. Shared memory: 3 stages of 32 KB
+# + a 4-warp gathering loader) x 168 registers fill the register file at launch; then the consumers take
+# 256 (the default partition) and 200, the loader 40. Shared memory: 3 stages of 32 KB
 # and each consumer's H tile, gate and up (64 KB), where the epilogue also writes dH before storing it.
-DH_LOADER_WARPS = gl.constexpr(2)
+DH_LOADER_WARPS = gl.constexpr(4)
+import os as _os
+PROBE = gl.constexpr(int(_os.environ.get("MOEBLAZE_DH_PROBE", "0")))  # experiment: 1 no epilogue, 2 no s·A, 3 no dH
 
 
 @gluon.jit
@@ -566,8 +569,9 @@ def _dh_slice(d, g_smem, u_smem, s, rows, rmask, col, H, act_scaled_ptr, stride_
     g_smem.store((da * u * (sg * (1.0 + g * (1.0 - sg)))).to(g_smem.dtype))
     u_smem.store((da * silu).to(u_smem.dtype))
     cols = col + gl.arange(0, d.shape[1], layout=gl.SliceLayout(0, L))
-    gl.store(act_scaled_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :],
-             (a * s[:, None]).to(act_scaled_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < H)[None, :])
+    if PROBE != 2:
+        gl.store(act_scaled_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :],
+                 (a * s[:, None]).to(act_scaled_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < H)[None, :])
     return gl.sum(d * a, axis=1)
 
 
@@ -632,7 +636,7 @@ def _dh_consumer(first, a_bufs, b_bufs, ready, empty, turn, h_bufs, h_bar, preac
         rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, h0.type.layout))
         rmask = rows < row_end
         s = gl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)
-        for half in gl.static_range(2):
+        for half in gl.static_range(2 if PROBE != 1 else 0):
             ds = _dh_half(h0 if half == 0 else h1, gate_smem.slice(half * (BLOCK_N // 2), BLOCK_N // 2, dim=1),
                           up_smem.slice(half * (BLOCK_N // 2), BLOCK_N // 2, dim=1), s, rows, rmask,
                           col0 + half * (BLOCK_N // 2), H, act_scaled_ptr, stride_al)
@@ -643,7 +647,10 @@ def _dh_consumer(first, a_bufs, b_bufs, ready, empty, turn, h_bufs, h_bar, preac
         _barrier()
         offs_m = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, out_layout))
         offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, out_layout))
-        for rh in gl.static_range(BLOCK_M // EPI_ROWS):
+        if PROBE == 1:
+            gl.store(ds_part_ptr + rows, gl.sum(h0.to(gl.float32), axis=1) + gl.sum(h1.to(gl.float32), axis=1),
+                     mask=rmask)
+        for rh in gl.static_range(BLOCK_M // EPI_ROWS if PROBE == 0 or PROBE == 2 else 0):
             rows_o = row0 + rh * EPI_ROWS + offs_m
             for ch in gl.static_range(BLOCK_N // EPI_COLS):
                 cols = col0 + ch * EPI_COLS + offs_n
@@ -696,7 +703,7 @@ def dh_swiglu_pp_kernel(dy_ptr, stride_dyl, token_ptr, w2_desc, preact_desc, dpr
     loader_args = (dy_ptr, stride_dyl, token_ptr, w2_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
                    expert_offsets_ptr, used_tiles_ptr, H, K_DIM)
     gl.warp_specialize([(_dh_consumer_even, consumer_args), (_dh_consumer_odd, consumer_args),
-                        (_gather_loader, loader_args)], [4, DH_LOADER_WARPS], [168, 88])
+                        (_gather_loader, loader_args)], [4, DH_LOADER_WARPS], [200, 40])
 
 
 def dh_swiglu(dy, w2, preact, w_sorted, token, offsets, sched, dpreact, act_scaled, ds_part, block_k: int = 64,
