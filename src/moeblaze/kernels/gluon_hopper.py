@@ -530,200 +530,151 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
 
 
 
-# ---- dH: ping-pong consumers, each running its own SwiGLU-backward epilogue ---------------------------
-# Two 4-warp consumers take alternate 128x128 tiles: while one runs its tile's MMAs, the other runs the
-# previous tile's epilogue, whose H the consumer brought in by TMA when the tile started. 10 warps (4 + 4
-# + a 4-warp gathering loader) x 168 registers fill the register file at launch; then the consumers take
-# 256 (the default partition) and 200, the loader 40. Shared memory: 3 stages of 32 KB
-# and each consumer's H tile, gate and up (64 KB), where the epilogue also writes dH before storing it.
-DH_LOADER_WARPS = gl.constexpr(4)
-import os as _os
-PROBE = gl.constexpr(int(_os.environ.get("MOEBLAZE_DH_PROBE", "0")))  # experiment: 1 no epilogue, 2 no s·A, 3 no dH
+# ---- dH: the up-projection's partitions, with the SwiGLU backward as the epilogue ------------------------
+# 8 MMA warps on 128x256 tiles hand dA' to a 2-warp epilogue through shared memory (as for the up-projection);
+# the epilogue brings H in by TMA, piece by piece, one piece ahead of the one it computes. 8 + 2 + 2 = 12 warps
+# x 168 registers, as for the up-projection (wgmma on a 128-register accumulator needs ~154 to compile).
+# Shared memory: 3 stages of 48 KB, the 64 KB hand-off tile and two pieces of H (gate and up, 32 x 64 each).
 
 
 @gluon.jit
-def _col_halves(t):
-    """The left and right column halves of a register tensor (a relabelling: no data moves)."""
-    M: gl.constexpr = t.shape[0]
-    N: gl.constexpr = t.shape[1]
-    return gl.split(gl.permute(gl.reshape(t, [M, 2, N // 2]), [0, 2, 1]))
-
-
-@gluon.jit
-def _dh_slice(d, g_smem, u_smem, s, rows, rmask, col, H, act_scaled_ptr, stride_al):
-    """One slice of the SwiGLU backward, in the accumulator's own layout: d = dA' there, g and u (H) from
-    shared memory. Writes dH = (d(gate), d(up)) over H in shared memory and s·A to act_scaled; returns
-    the slice's share of dS = <dA', A> per row."""
-    L: gl.constexpr = d.type.layout
-    ROWS: gl.constexpr = gl.SliceLayout(1, L)  # the rows sit in the same threads at every split level
-    s = gl.convert_layout(s, ROWS, assert_trivial=True)
-    rows = gl.convert_layout(rows, ROWS, assert_trivial=True)
-    rmask = gl.convert_layout(rmask, ROWS, assert_trivial=True)
-    d = d.to(gl.float32)
-    g = g_smem.load(L).to(gl.float32)
-    u = u_smem.load(L).to(gl.float32)
-    sg = 1.0 / (1.0 + gl.exp(-g))
-    silu = g * sg
-    a = silu * u
-    da = d * s[:, None]
-    g_smem.store((da * u * (sg * (1.0 + g * (1.0 - sg)))).to(g_smem.dtype))
-    u_smem.store((da * silu).to(u_smem.dtype))
-    cols = col + gl.arange(0, d.shape[1], layout=gl.SliceLayout(0, L))
-    if PROBE != 2:
-        gl.store(act_scaled_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :],
-                 (a * s[:, None]).to(act_scaled_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < H)[None, :])
-    return gl.sum(d * a, axis=1)
-
-
-@gluon.jit
-def _dh_half(d, g_smem, u_smem, s, rows, rmask, col, H, act_scaled_ptr, stride_al):
-    """_dh_slice over a column half of the tile, in four slices; returns the half's dS partial per row."""
-    q0, q1 = _col_halves(d)
-    d0, d1 = _col_halves(q0)
-    d2, d3 = _col_halves(q1)
-    W: gl.constexpr = d0.shape[1]
-    ds = _dh_slice(d0, g_smem.slice(0, W, dim=1), u_smem.slice(0, W, dim=1), s, rows, rmask, col, H,
-                   act_scaled_ptr, stride_al)
-    ds += _dh_slice(d1, g_smem.slice(W, W, dim=1), u_smem.slice(W, W, dim=1), s, rows, rmask, col + W, H,
-                    act_scaled_ptr, stride_al)
-    ds += _dh_slice(d2, g_smem.slice(2 * W, W, dim=1), u_smem.slice(2 * W, W, dim=1), s, rows, rmask, col + 2 * W, H,
-                    act_scaled_ptr, stride_al)
-    ds += _dh_slice(d3, g_smem.slice(3 * W, W, dim=1), u_smem.slice(3 * W, W, dim=1), s, rows, rmask, col + 3 * W, H,
-                    act_scaled_ptr, stride_al)
-    return ds
-
-
-@gluon.jit
-def _dh_consumer(first, a_bufs, b_bufs, ready, empty, turn, h_bufs, h_bar, preact_desc, dpreact_ptr, act_scaled_ptr,
-                 ds_part_ptr, w_sorted_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                 used_tiles_ptr, H, K_DIM, LK):
-    """Tiles j = first, first + 2, ...: H's tile requested, the MMAs (in turn with the other consumer, as in
-    _consumer), then the epilogue: dS partials, s·A, dH."""
-    S: gl.constexpr = a_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
-    out_layout: gl.constexpr = _epilogue_layout(4)
-    gate_smem = h_bufs.index(2 * first)
-    up_smem = h_bufs.index(2 * first + 1)
-    bar = h_bar.index(first)
-    n_tn = gl.cdiv(H, BLOCK_N)
-    n_k = gl.cdiv(K_DIM, BLOCK_K)
-    pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
-    for j in range(first, n_mine, 2):
+def _dh_piece_load(q, pid, nprog, n_used, n_tn, n_mine, h_bufs, h_ready, preact_desc, tile_expert_ptr, tile_row_ptr,
+                   expert_offsets_ptr, H, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Requests piece q (counted over this program's tiles) of H, gate and up, into its ring slot."""
+    PR: gl.constexpr = h_bufs.type.shape[1]
+    PC: gl.constexpr = h_bufs.type.shape[2]
+    RING: gl.constexpr = h_bufs.type.shape[0] // 2
+    PIECES: gl.constexpr = (BLOCK_M // PR) * (BLOCK_N // PC)
+    j = q // PIECES
+    if j < n_mine:  # (the piece after this program's last does not exist)
+        p = q % PIECES
         e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
                                            expert_offsets_ptr)
-        col0 = pid_n * BLOCK_N
-        # the previous tile's dH has been read out of the H buffers (by every thread: barrier) before the TMA
-        # (async proxy: fence) writes this tile's H there
+        row = row0 + (p // (BLOCK_N // PC)) * PR
+        col = pid_n * BLOCK_N + (p % (BLOCK_N // PC)) * PC
+        slot = q % RING
+        mbarrier.expect(h_ready.index(slot), 2 * preact_desc.block_type.nbytes)
+        _tma_load(preact_desc, [row, col], h_ready.index(slot), h_bufs.index(2 * slot))
+        _tma_load(preact_desc, [row, H + col], h_ready.index(slot), h_bufs.index(2 * slot + 1))
+
+
+@gluon.jit(noinline=True)  # a call per piece: the compiler does not hoist pieces into each other's registers
+def _dh_piece(dact_smem, g_smem, u_smem, row, row_end, col, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+              stride_pl, stride_al, H, LK):
+    """One piece of the epilogue: rows row.., columns col.. (PC = 64: one dS partial)."""
+    PR: gl.constexpr = g_smem.type.shape[0]
+    PC: gl.constexpr = g_smem.type.shape[1]
+    layout: gl.constexpr = _epilogue_layout(gl.num_warps())
+    rows = row + gl.arange(0, PR, layout=gl.SliceLayout(1, layout))
+    cols = col + gl.arange(0, PC, layout=gl.SliceLayout(0, layout))
+    rmask = rows < row_end
+    mask = rmask[:, None] & (cols < H)[None, :]
+    s = gl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)[:, None]
+    dact = dact_smem.load(layout).to(gl.float32)
+    g = g_smem.load(layout).to(gl.float32)
+    u = u_smem.load(layout).to(gl.float32)
+    sig = 1.0 / (1.0 + gl.exp(-g))
+    silu = g * sig
+    a = silu * u
+    da = dact * s
+    dp_ptrs = dpreact_ptr + rows.to(gl.int64)[:, None] * stride_pl + cols[None, :]
+    gl.store(dp_ptrs, (da * u * (sig * (1.0 + g * (1.0 - sig)))).to(dpreact_ptr.dtype.element_ty), mask=mask)
+    gl.store(dp_ptrs + H, (da * silu).to(dpreact_ptr.dtype.element_ty), mask=mask)
+    gl.store(act_scaled_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :],
+             (a * s).to(act_scaled_ptr.dtype.element_ty), mask=mask)
+    gl.store(ds_part_ptr + (col // PC).to(gl.int64) * LK + rows, gl.sum(dact * a, axis=1), mask=rmask & (col < H))
+
+
+@gluon.jit
+def _dh_epilogue(c_smem, acc_ready, acc_empty, h_bufs, h_ready, preact_desc, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
+                 ds_part_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr,
+                 H, LK):
+    """Each tile's dA' from c_smem, in pieces of H's ring shape (PR x PC, PC = 64: one dS partial each), with
+    H there from the ring and s, the router weight of each row: A = SiLU(gate)·up recomputed; the dS partial
+    <dA', A>; dH = (s·dA')·(up·SiLU'(gate), SiLU(gate)); s·A for dW2. dpreact may be preact itself
+    (recompute): every piece of H is in shared memory before its dH is stored."""
+    BLOCK_M: gl.constexpr = c_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+    PR: gl.constexpr = h_bufs.type.shape[1]
+    PC: gl.constexpr = h_bufs.type.shape[2]
+    RING: gl.constexpr = h_bufs.type.shape[0] // 2
+    PIECES: gl.constexpr = (BLOCK_M // PR) * (BLOCK_N // PC)
+    n_tn = gl.cdiv(H, BLOCK_N)
+    pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
+    _dh_piece_load(0, pid, nprog, n_used, n_tn, n_mine, h_bufs, h_ready, preact_desc, tile_expert_ptr, tile_row_ptr,
+                   expert_offsets_ptr, H, BLOCK_M, BLOCK_N)
+    for j in range(n_mine):
+        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
+                                           expert_offsets_ptr)
+        mbarrier.wait(acc_ready.index(0), j & 1)
+        for rh in gl.static_range(BLOCK_M // PR):
+            for ch in gl.static_range(BLOCK_N // PC):
+                q = (j * (BLOCK_M // PR) + rh) * (BLOCK_N // PC) + ch
+                # every thread is done with piece q-1, whose slot piece q+1 now takes (written by the async proxy)
+                _barrier()
+                fence_async_shared()
+                _dh_piece_load(q + 1, pid, nprog, n_used, n_tn, n_mine, h_bufs, h_ready, preact_desc,
+                               tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, H, BLOCK_M, BLOCK_N)
+                slot = q % RING
+                mbarrier.wait(h_ready.index(slot), (q // RING) & 1)
+                _dh_piece(c_smem.slice(rh * PR, PR, dim=0).slice(ch * PC, PC, dim=1), h_bufs.index(2 * slot),
+                          h_bufs.index(2 * slot + 1), row0 + rh * PR, row_end, pid_n * BLOCK_N + ch * PC,
+                          w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, stride_pl, stride_al, H, LK)
+        # the hand-off tile is read (every thread: barrier): the MMA warps may write the next one
         _barrier()
-        fence_async_shared()
-        mbarrier.expect(bar, 2 * preact_desc.block_type.nbytes)
-        _tma_load(preact_desc, [row0, col0], bar, gate_smem)
-        _tma_load(preact_desc, [row0, H + col0], bar, up_smem)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-        mbarrier.wait(turn.index(0), (j - 1) & 1)
-        acc = _mma_steps(acc, j * n_k, n_k, a_bufs, b_bufs, ready, empty, True)
-        mbarrier.arrive(turn.index(0))
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(empty.index((j * n_k + n_k - 1) % S))
-        mbarrier.wait(bar, (j // 2) & 1)
-        # the epilogue, slice by slice in the MMA's layout (each column half in four slices)
-        # dA' in the io dtype (as torch's own bf16 backward has it): half the registers through the epilogue
-        h0, h1 = _col_halves(acc.to(gate_smem.dtype))
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, h0.type.layout))
-        rmask = rows < row_end
-        s = gl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)
-        for half in gl.static_range(2 if PROBE != 1 else 0):
-            ds = _dh_half(h0 if half == 0 else h1, gate_smem.slice(half * (BLOCK_N // 2), BLOCK_N // 2, dim=1),
-                          up_smem.slice(half * (BLOCK_N // 2), BLOCK_N // 2, dim=1), s, rows, rmask,
-                          col0 + half * (BLOCK_N // 2), H, act_scaled_ptr, stride_al)
-            ds = gl.convert_layout(ds, rows.type.layout, assert_trivial=True)
-            slot = 2 * pid_n + half  # one dS partial per column half
-            gl.store(ds_part_ptr + slot.to(gl.int64) * LK + rows, ds, mask=rmask & (slot * (BLOCK_N // 2) < H))
-        # dH from shared memory in coalesced 16-byte pieces (rows past the expert belong to the next tile)
-        _barrier()
-        offs_m = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, out_layout))
-        offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, out_layout))
-        if PROBE == 1:
-            gl.store(ds_part_ptr + rows, gl.sum(h0.to(gl.float32), axis=1) + gl.sum(h1.to(gl.float32), axis=1),
-                     mask=rmask)
-        for rh in gl.static_range(BLOCK_M // EPI_ROWS if PROBE == 0 or PROBE == 2 else 0):
-            rows_o = row0 + rh * EPI_ROWS + offs_m
-            for ch in gl.static_range(BLOCK_N // EPI_COLS):
-                cols = col0 + ch * EPI_COLS + offs_n
-                mask = (rows_o < row_end)[:, None] & (cols < H)[None, :]
-                ptrs = dpreact_ptr + rows_o.to(gl.int64)[:, None] * stride_pl + cols[None, :]
-                dg = gate_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0).slice(ch * EPI_COLS, EPI_COLS, dim=1)
-                du = up_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0).slice(ch * EPI_COLS, EPI_COLS, dim=1)
-                gl.store(ptrs, dg.load(out_layout), mask=mask)
-                gl.store(ptrs + H, du.load(out_layout), mask=mask)
+        mbarrier.arrive(acc_empty.index(0))
 
 
 @gluon.jit
-def _dh_consumer_even(a_bufs, b_bufs, ready, empty, turn, h_bufs, h_bar, preact_desc, dpreact_ptr, act_scaled_ptr,
-                      ds_part_ptr, w_sorted_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr,
-                      expert_offsets_ptr, used_tiles_ptr, H, K_DIM, LK):
-    _dh_consumer(0, a_bufs, b_bufs, ready, empty, turn, h_bufs, h_bar, preact_desc, dpreact_ptr, act_scaled_ptr,
-                 ds_part_ptr, w_sorted_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                 used_tiles_ptr, H, K_DIM, LK)
-
-
-@gluon.jit
-def _dh_consumer_odd(a_bufs, b_bufs, ready, empty, turn, h_bufs, h_bar, preact_desc, dpreact_ptr, act_scaled_ptr,
-                     ds_part_ptr, w_sorted_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr,
-                     expert_offsets_ptr, used_tiles_ptr, H, K_DIM, LK):
-    _dh_consumer(1, a_bufs, b_bufs, ready, empty, turn, h_bufs, h_bar, preact_desc, dpreact_ptr, act_scaled_ptr,
-                 ds_part_ptr, w_sorted_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                 used_tiles_ptr, H, K_DIM, LK)
-
-
-@gluon.jit
-def dh_swiglu_pp_kernel(dy_ptr, stride_dyl, token_ptr, w2_desc, preact_desc, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+def dh_swiglu_ws_kernel(dy_ptr, stride_dyl, token_ptr, w2_desc, preact_desc, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
                         w_sorted_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
                         expert_offsets_ptr, H, K_DIM, LK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, RING: gl.constexpr, WORKER_REGS: gl.constexpr):
     """dA' = dy[token[rows]] @ W2[e] and its SwiGLU backward epilogue (the tl kernel's contract: dS partials
-    per 64 columns, s·A, dH), with ping-pong consumers and a gathering loader."""
+    per 64 columns, s·A, dH): the 8-warp MMA partition, a 2-warp gathering loader, a 2-warp epilogue."""
     dtype: gl.constexpr = w2_desc.dtype
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
+    PR: gl.constexpr = preact_desc.block_type.shape[0]
+    PC: gl.constexpr = preact_desc.block_type.shape[1]
+    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w2_desc.layout)
-    h_bufs = gl.allocate_shared_memory(dtype, [4, BLOCK_M, BLOCK_N], preact_desc.layout)
-    ready, empty = _stage_barriers(STAGES, 32 * DH_LOADER_WARPS + 1)
-    turn = _one_barrier()
-    h_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(h_bar.index(i), count=1)
-    consumer_args = (a_bufs, b_bufs, ready, empty, turn, h_bufs, h_bar, preact_desc, dpreact_ptr, act_scaled_ptr,
-                     ds_part_ptr, w_sorted_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr,
-                     expert_offsets_ptr, used_tiles_ptr, H, K_DIM, LK)
+    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_layout)
+    h_bufs = gl.allocate_shared_memory(dtype, [2 * RING, PR, PC], preact_desc.layout)
+    ready, empty = _stage_barriers(STAGES, 32 * UP_LOADER_WARPS + 1)
+    acc_ready, acc_empty = _one_barrier(), _one_barrier()
+    h_ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(RING):
+        mbarrier.init(h_ready.index(i), count=1)
+    mma_args = (c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, gl.cdiv(H, BLOCK_N), K_DIM,
+                True)
     loader_args = (dy_ptr, stride_dyl, token_ptr, w2_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
                    expert_offsets_ptr, used_tiles_ptr, H, K_DIM)
-    gl.warp_specialize([(_dh_consumer_even, consumer_args), (_dh_consumer_odd, consumer_args),
-                        (_gather_loader, loader_args)], [4, DH_LOADER_WARPS], [200, 40])
+    epi_args = (c_smem, acc_ready, acc_empty, h_bufs, h_ready, preact_desc, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
+                ds_part_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H,
+                LK)
+    gl.warp_specialize([(_handoff_mma, mma_args), (_gather_loader, loader_args), (_dh_epilogue, epi_args)],
+                       [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
 
 def dh_swiglu(dy, w2, preact, w_sorted, token, offsets, sched, dpreact, act_scaled, ds_part, block_k: int = 64,
-              stages: int = 3):
+              stages: int = 3, piece_rows: int = 32, ring: int = 2, worker_regs: int = 112):
     """The SwiGLU backward through the down-projection, for each expert's contiguous rows: dA' = dy[token[rows]]
     @ W2[e]; dpreact (rows, 2h) = dH, act_scaled (rows, h) = s·A, ds_part (h / 64, rows) the dS = <dA', A>
     partials, from preact (rows, 2h) = H and w_sorted (rows,) fp32 = s. dy (L, d), w2 (E, d, h) bf16/fp16,
-    contiguous; d a multiple of block_k, h of 8. dpreact may be preact itself (each tile's H is read before its
-    dH is written, by the same program)."""
+    contiguous; d a multiple of block_k, h of 8. dpreact may be preact itself (each piece of H is read before
+    its dH is written, by the same program)."""
     E, d, h = w2.shape
-    block_n = 128
-    if ds_part.shape[0] != triton.cdiv(h, block_n // 2):
-        raise ValueError(f"dh_swiglu writes one dS partial per {block_n // 2} columns, got {ds_part.shape[0]} for h={h}")
+    block_n, piece_cols = 256, 64
+    if ds_part.shape[0] != triton.cdiv(h, piece_cols):
+        raise ValueError(f"dh_swiglu writes one dS partial per {piece_cols} columns, got {ds_part.shape[0]} for h={h}")
     if d % block_k or h % 8 or not all(t.is_contiguous() for t in (dy, w2, preact, dpreact)):
         raise ValueError(f"dh_swiglu needs contiguous operands with d % {block_k} == 0 and h % 8 == 0, got d={d}, "
                          f"h={h}")
     w2_desc = _desc(w2.reshape(E * d, h), [block_k, block_n])
-    preact_desc = _desc(preact, [BLOCK_M, block_n])
+    preact_desc = _desc(preact, [piece_rows, piece_cols])
     grid = (_num_sms(dy.device),)
-    dh_swiglu_pp_kernel[grid](dy, dy.stride(0), token, w2_desc, preact_desc, dpreact, act_scaled, ds_part, w_sorted,
+    dh_swiglu_ws_kernel[grid](dy, dy.stride(0), token, w2_desc, preact_desc, dpreact, act_scaled, ds_part, w_sorted,
                               preact.stride(0), act_scaled.stride(0), sched[0], sched[1], sched[2], offsets, h, d,
                               token.shape[0], BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-                              num_warps=4, maxnreg=168)
+                              RING=ring, WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
