@@ -96,5 +96,5 @@ for name in ("B", "E", "D"):
             report(f"{name} dH ({out})", 2 * LK * d * h, dh(False, out), [("gluon", lambda: dh(True, out))])
         report(f"{name} dH", 2 * LK * d * h, None, [("tl", lambda: dh(False))]
                + [(f"gluon BK={bk} S={st}", lambda bk=bk, st=st: dh(True, None, bk, st))
-                  for bk, st in ((64, 3), (32, 6))])
+                  for bk, st in ((32, 4), (32, 5))])
         ops.GLUON = False

@@ -532,36 +532,33 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
 
 # ---- dH: the up-projection's partitions, with the SwiGLU backward as the epilogue ------------------------
 # 8 MMA warps on 128x256 tiles hand dA' to a 2-warp epilogue through shared memory (as for the up-projection);
-# the epilogue brings H in by TMA, piece by piece, one piece ahead of the one it computes. 8 + 2 + 2 = 12 warps
-# x 168 registers, as for the up-projection (wgmma on a 128-register accumulator needs ~154 to compile).
-# Shared memory: 3 stages of 48 KB, the 64 KB hand-off tile and two pieces of H (gate and up, 32 x 64 each).
+# the epilogue brings H in by TMA, in pieces of 32 x 64 (gate and up), RING - 1 pieces ahead of the piece it
+# computes. 8 + 2 + 2 = 12 warps x 168 registers, as for the up-projection (wgmma on a 128-register
+# accumulator needs ~154 to compile). Shared memory: the stages (4 of 24 KB at BLOCK_K 32), the 64 KB hand-off
+# tile, the ring of H pieces (RING x 8 KB) and the tile's router weights.
 
 
 @gluon.jit
-def _dh_piece_load(q, pid, nprog, n_used, n_tn, n_mine, h_bufs, h_ready, preact_desc, tile_expert_ptr, tile_row_ptr,
-                   expert_offsets_ptr, H, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Requests piece q (counted over this program's tiles) of H, gate and up, into its ring slot."""
+def _dh_piece_load(p: gl.constexpr, row0, pid_n, pred, h_bufs, h_ready, preact_desc, H, BLOCK_N: gl.constexpr):
+    """Requests piece p of a tile (first row row0, column tile pid_n) of H, gate and up, into ring slot p % RING
+    (a tile's piece count is a multiple of 2 RING, so a piece's slot and phase depend on p alone)."""
     PR: gl.constexpr = h_bufs.type.shape[1]
     PC: gl.constexpr = h_bufs.type.shape[2]
     RING: gl.constexpr = h_bufs.type.shape[0] // 2
-    PIECES: gl.constexpr = (BLOCK_M // PR) * (BLOCK_N // PC)
-    j = q // PIECES
-    if j < n_mine:  # (the piece after this program's last does not exist)
-        p = q % PIECES
-        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
-                                           expert_offsets_ptr)
-        row = row0 + (p // (BLOCK_N // PC)) * PR
-        col = pid_n * BLOCK_N + (p % (BLOCK_N // PC)) * PC
-        slot = q % RING
-        mbarrier.expect(h_ready.index(slot), 2 * preact_desc.block_type.nbytes)
-        _tma_load(preact_desc, [row, col], h_ready.index(slot), h_bufs.index(2 * slot))
-        _tma_load(preact_desc, [row, H + col], h_ready.index(slot), h_bufs.index(2 * slot + 1))
+    row = row0 + (p // (BLOCK_N // PC)) * PR
+    col = pid_n * BLOCK_N + (p % (BLOCK_N // PC)) * PC
+    bar = h_ready.index(p % RING)
+    mbarrier.expect(bar, 2 * preact_desc.block_type.nbytes, pred=pred)
+    _tma_load(preact_desc, [row, col], bar, h_bufs.index(2 * (p % RING)), pred=pred)
+    _tma_load(preact_desc, [row, H + col], bar, h_bufs.index(2 * (p % RING) + 1), pred=pred)
 
 
 @gluon.jit(noinline=True)  # a call per piece: the compiler does not hoist pieces into each other's registers
-def _dh_piece(dact_smem, g_smem, u_smem, row, row_end, col, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+def _dh_piece(dact_smem, g_smem, u_smem, s_smem, row, row_end, col, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
               stride_pl, stride_al, H, LK):
-    """One piece of the epilogue: rows row.., columns col.. (PC = 64: one dS partial)."""
+    """One piece: rows row.., columns col.. (PC = 64 columns: one dS partial), dA' from dact_smem, H from
+    g_smem and u_smem, the rows' router weights s from s_smem: A = SiLU(gate)·up recomputed; the dS partial
+    <dA', A>; dH = (s·dA')·(up·SiLU'(gate), SiLU(gate)); s·A for dW2."""
     PR: gl.constexpr = g_smem.type.shape[0]
     PC: gl.constexpr = g_smem.type.shape[1]
     layout: gl.constexpr = _epilogue_layout(gl.num_warps())
@@ -569,7 +566,7 @@ def _dh_piece(dact_smem, g_smem, u_smem, row, row_end, col, w_sorted_ptr, dpreac
     cols = col + gl.arange(0, PC, layout=gl.SliceLayout(0, layout))
     rmask = rows < row_end
     mask = rmask[:, None] & (cols < H)[None, :]
-    s = gl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)[:, None]
+    s = s_smem.load(gl.SliceLayout(1, layout))[:, None]
     dact = dact_smem.load(layout).to(gl.float32)
     g = g_smem.load(layout).to(gl.float32)
     u = u_smem.load(layout).to(gl.float32)
@@ -589,40 +586,52 @@ def _dh_piece(dact_smem, g_smem, u_smem, row, row_end, col, w_sorted_ptr, dpreac
 def _dh_epilogue(c_smem, acc_ready, acc_empty, h_bufs, h_ready, preact_desc, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
                  ds_part_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr,
                  H, LK):
-    """Each tile's dA' from c_smem, in pieces of H's ring shape (PR x PC, PC = 64: one dS partial each), with
-    H there from the ring and s, the router weight of each row: A = SiLU(gate)·up recomputed; the dS partial
-    <dA', A>; dH = (s·dA')·(up·SiLU'(gate), SiLU(gate)); s·A for dW2. dpreact may be preact itself
+    """Each tile's dA' from c_smem, piece by piece (_dh_piece), H from the ring. dpreact may be preact itself
     (recompute): every piece of H is in shared memory before its dH is stored."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
     BLOCK_N: gl.constexpr = c_smem.type.shape[1]
     PR: gl.constexpr = h_bufs.type.shape[1]
     PC: gl.constexpr = h_bufs.type.shape[2]
     RING: gl.constexpr = h_bufs.type.shape[0] // 2
-    PIECES: gl.constexpr = (BLOCK_M // PR) * (BLOCK_N // PC)
+    NC: gl.constexpr = BLOCK_N // PC  # column pieces of a row block
+    PIECES: gl.constexpr = (BLOCK_M // PR) * NC  # piece p: row block p // NC, column piece p % NC
+    gl.static_assert(PIECES % (2 * RING) == 0)
+    s_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     n_tn = gl.cdiv(H, BLOCK_N)
     pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
-    _dh_piece_load(0, pid, nprog, n_used, n_tn, n_mine, h_bufs, h_ready, preact_desc, tile_expert_ptr, tile_row_ptr,
-                   expert_offsets_ptr, H, BLOCK_M, BLOCK_N)
+    # H runs RING - 1 pieces ahead of the piece computed, across tiles: tile 0's first pieces first
+    e, row0, row_end, pid_n = _tile_of(0, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
+                                       expert_offsets_ptr)
+    for i in gl.static_range(RING - 1):
+        _dh_piece_load(i, row0, pid_n, n_mine > 0, h_bufs, h_ready, preact_desc, H, BLOCK_N)
     for j in range(n_mine):
-        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
-                                           expert_offsets_ptr)
+        # the next tile, whose first pieces this one's last pieces request
+        e1, row0_1, row_end_1, pid_n_1 = _tile_of(j + 1, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
+                                                  expert_offsets_ptr)
+        # the tile's router weights, for every piece (the last tile's pieces are done reading them: barrier)
+        s_rows = row0 + gl.arange(0, BLOCK_M, layout=s_layout)
+        s_smem.store(gl.load(w_sorted_ptr + s_rows, mask=s_rows < row_end, other=0.0))
         mbarrier.wait(acc_ready.index(0), j & 1)
-        for rh in gl.static_range(BLOCK_M // PR):
-            for ch in gl.static_range(BLOCK_N // PC):
-                q = (j * (BLOCK_M // PR) + rh) * (BLOCK_N // PC) + ch
-                # every thread is done with piece q-1, whose slot piece q+1 now takes (written by the async proxy)
-                _barrier()
-                fence_async_shared()
-                _dh_piece_load(q + 1, pid, nprog, n_used, n_tn, n_mine, h_bufs, h_ready, preact_desc,
-                               tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, H, BLOCK_M, BLOCK_N)
-                slot = q % RING
-                mbarrier.wait(h_ready.index(slot), (q // RING) & 1)
-                _dh_piece(c_smem.slice(rh * PR, PR, dim=0).slice(ch * PC, PC, dim=1), h_bufs.index(2 * slot),
-                          h_bufs.index(2 * slot + 1), row0 + rh * PR, row_end, pid_n * BLOCK_N + ch * PC,
-                          w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, stride_pl, stride_al, H, LK)
+        for p in gl.static_range(PIECES):
+            # every thread is done with piece p-1, whose slot the piece RING-1 ahead takes (async proxy), and
+            # has stored its router weights
+            _barrier()
+            fence_async_shared()
+            if p + RING - 1 < PIECES:
+                _dh_piece_load(p + RING - 1, row0, pid_n, True, h_bufs, h_ready, preact_desc, H, BLOCK_N)
+            else:
+                _dh_piece_load(p + RING - 1 - PIECES, row0_1, pid_n_1, j + 1 < n_mine, h_bufs, h_ready, preact_desc,
+                               H, BLOCK_N)
+            mbarrier.wait(h_ready.index(p % RING), (p // RING) & 1)
+            _dh_piece(c_smem.slice((p // NC) * PR, PR, dim=0).slice((p % NC) * PC, PC, dim=1),
+                      h_bufs.index(2 * (p % RING)), h_bufs.index(2 * (p % RING) + 1), s_smem.slice((p // NC) * PR, PR),
+                      row0 + (p // NC) * PR, row_end, pid_n * BLOCK_N + (p % NC) * PC, dpreact_ptr, act_scaled_ptr,
+                      ds_part_ptr, stride_pl, stride_al, H, LK)
         # the hand-off tile is read (every thread: barrier): the MMA warps may write the next one
         _barrier()
         mbarrier.arrive(acc_empty.index(0))
+        row0, row_end, pid_n = row0_1, row_end_1, pid_n_1
 
 
 @gluon.jit
@@ -657,8 +666,8 @@ def dh_swiglu_ws_kernel(dy_ptr, stride_dyl, token_ptr, w2_desc, preact_desc, dpr
                        [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
 
-def dh_swiglu(dy, w2, preact, w_sorted, token, offsets, sched, dpreact, act_scaled, ds_part, block_k: int = 64,
-              stages: int = 3, piece_rows: int = 32, ring: int = 2, worker_regs: int = 112):
+def dh_swiglu(dy, w2, preact, w_sorted, token, offsets, sched, dpreact, act_scaled, ds_part, block_k: int = 32,
+              stages: int = 4, piece_rows: int = 32, ring: int = 4, worker_regs: int = 112):
     """The SwiGLU backward through the down-projection, for each expert's contiguous rows: dA' = dy[token[rows]]
     @ W2[e]; dpreact (rows, 2h) = dH, act_scaled (rows, h) = s·A, ds_part (h / 64, rows) the dS = <dA', A>
     partials, from preact (rows, 2h) = H and w_sorted (rows,) fp32 = s. dy (L, d), w2 (E, d, h) bf16/fp16,
