@@ -79,10 +79,9 @@ for name in ("B", "E", "D"):
         topk_w = torch.rand(L, K, device="cuda")
         dh_out = torch.empty_like(dpreact)
 
-        def dh(gluon, out=None, block_k=64, stages=3):
+        def dh(gluon, out=None, **shape):
             if gluon:  # the launch _down_bwd makes, with this stage shape
-                dh_swiglu(dy, w2, dpreact, w_sorted, eti, offsets, sched, dh_out, act_scaled, ds_part,
-                          block_k=block_k, stages=stages)
+                dh_swiglu(dy, w2, dpreact, w_sorted, eti, offsets, sched, dh_out, act_scaled, ds_part, **shape)
                 sa, dsp = act_scaled, ds_part
             else:
                 ops.GLUON = False
@@ -95,6 +94,6 @@ for name in ("B", "E", "D"):
         for out in ("dh", "sa", "ds"):  # each output against the tl kernel's
             report(f"{name} dH ({out})", 2 * LK * d * h, dh(False, out), [("gluon", lambda: dh(True, out))])
         report(f"{name} dH", 2 * LK * d * h, None, [("tl", lambda: dh(False))]
-               + [(f"gluon BK={bk} S={st}", lambda bk=bk, st=st: dh(True, None, bk, st))
+               + [(f"gluon BK={bk} S={st}", lambda bk=bk, st=st: dh(True, None, block_k=bk, stages=st))
                   for bk, st in ((32, 4), (32, 5))])
         ops.GLUON = False
