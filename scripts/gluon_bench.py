@@ -1,8 +1,8 @@
 """Times the Gluon warp-specialised kernels against the tl kernels at configs B, E and D (GPU only): the
 down-projection's row GEMM (hand-off, ping-pong, cooperative), dX~ = dH @ W1[e] (hand-off), the SwiGLU
 up-projection (hand-off, storing H and A like the tl kernel) and the up-projection's main loop alone
-(ping-pong, cooperative).
-    python scripts/gluon_bench.py"""
+(ping-pong, cooperative) and dH with its SwiGLU backward epilogue (ping-pong).
+    python scripts/gluon_bench.py [down] [dx] [up] [dh]   (default: all)"""
 import os
 import sys
 
@@ -11,13 +11,14 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from moeblaze.bench.harness import CONFIGS  # noqa: E402
-from moeblaze.kernels.gluon_hopper import gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
+from moeblaze.kernels.gluon_hopper import dh_swiglu, gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
 import moeblaze.ops.experts as ops  # noqa: E402
-from moeblaze.ops.experts import _rows, _up, tile_schedule  # noqa: E402
+from moeblaze.ops.experts import _down_bwd, _rows, _up, tile_schedule  # noqa: E402
 
 
 ops.GLUON = False  # _rows, _up and _down_bwd launch the tl kernels unless a candidate turns this on
 VARIANTS = [(True, 4), (False, 3)]  # (ping-pong, stages)
+LAUNCHES = sys.argv[1:] or ["down", "dx", "up", "dh"]
 
 
 def report(name, flops, ref, candidates):
@@ -46,26 +47,53 @@ for name in ("B", "E", "D"):
     w1 = torch.randn(E, 2 * h, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5
     a = torch.randn(LK, h, device="cuda", dtype=torch.bfloat16)
     w2 = torch.randn(E, d, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
-    down = (lambda: _rows(a, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), d, offsets, sched))
-    report(f"{name} down", 2 * LK * d * h, down(),
-           [("tl", down), ("gluon handoff S=3", lambda: rows_handoff(a, w2, offsets, sched))]
-           + [(f"gluon {'pp' if p else 'coop'} S={s}",
-              lambda s=s, p=p: rows_ws(a, w2, offsets, sched, pingpong=p, stages=s)) for p, s in VARIANTS])
+    if "down" in LAUNCHES:
+        down = (lambda: _rows(a, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), d, offsets, sched))
+        report(f"{name} down", 2 * LK * d * h, down(),
+               [("tl", down), ("gluon handoff S=3", lambda: rows_handoff(a, w2, offsets, sched))]
+               + [(f"gluon {'pp' if p else 'coop'} S={s}",
+                  lambda s=s, p=p: rows_ws(a, w2, offsets, sched, pingpong=p, stages=s)) for p, s in VARIANTS])
     dpreact = torch.randn(LK, 2 * h, device="cuda", dtype=torch.bfloat16)
 
     def dx_rows(gluon):
         ops.GLUON = gluon
         return _rows(dpreact, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), d, offsets, sched)
-    report(f"{name} dX~", 2 * LK * d * 2 * h, dx_rows(False),
-           [("tl", lambda: dx_rows(False)), ("gluon hand-off", lambda: dx_rows(True))])
+    if "dx" in LAUNCHES:
+        report(f"{name} dX~", 2 * LK * d * 2 * h, dx_rows(False),
+               [("tl", lambda: dx_rows(False)), ("gluon hand-off", lambda: dx_rows(True))])
     ops.GLUON = False
-    tl_up = _up(x, w1, eti, offsets, sched, "swiglu", True, True)
-    report(f"{name} up, H and A", 2 * LK * 2 * h * d, tl_up[1],
-           [("tl", lambda: _up(x, w1, eti, offsets, sched, "swiglu", True, True)[1])]
-           + [(f"gluon ws S=3 regs {r}", lambda r=r: up_swiglu_ws(x, w1, eti, offsets, sched, worker_regs=r)[1])
-              for r in (112,)])
-    report(f"{name} up", 2 * LK * 2 * h * d, None,
-           [("tl (with epilogue)", lambda: _up(x, w1, eti, offsets, sched, "swiglu", True, True))]
-           + [(f"gluon main loop {'pp' if p else 'coop'} S={s}",
-               lambda s=s, p=p: gathered_rows_ws(x, w1, eti, offsets, sched, pingpong=p, stages=s))
-              for p, s in VARIANTS])
+    if "up" in LAUNCHES:
+        tl_up = _up(x, w1, eti, offsets, sched, "swiglu", True, True)
+        report(f"{name} up, H and A", 2 * LK * 2 * h * d, tl_up[1],
+               [("tl", lambda: _up(x, w1, eti, offsets, sched, "swiglu", True, True)[1])]
+               + [(f"gluon ws S=3 regs {r}", lambda r=r: up_swiglu_ws(x, w1, eti, offsets, sched, worker_regs=r)[1])
+                  for r in (112,)])
+        report(f"{name} up", 2 * LK * 2 * h * d, None,
+               [("tl (with epilogue)", lambda: _up(x, w1, eti, offsets, sched, "swiglu", True, True))]
+               + [(f"gluon main loop {'pp' if p else 'coop'} S={s}",
+                   lambda s=s, p=p: gathered_rows_ws(x, w1, eti, offsets, sched, pingpong=p, stages=s))
+                  for p, s in VARIANTS])
+    if "dh" in LAUNCHES:
+        dy = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
+        token_slot = torch.argsort(eti).to(torch.int32).reshape(L, K)  # row of each (token, k)
+        topk_w = torch.rand(L, K, device="cuda")
+        dh_out = torch.empty_like(dpreact)
+
+        def dh(gluon, out=None, **shape):
+            if gluon:  # the launch _down_bwd makes, with this stage shape
+                dh_swiglu(dy, w2, dpreact, w_sorted, eti, offsets, sched, dh_out, act_scaled, ds_part, **shape)
+                sa, dsp = act_scaled, ds_part
+            else:
+                ops.GLUON = False
+                sa, dsp = _down_bwd(dy, w2, dpreact, topk_w, token_slot, dh_out, eti, offsets, sched, "swiglu")
+            return dh_out.clone() if out == "dh" else (sa if out == "sa" else dsp.sum(0))
+        w_sorted = torch.empty(LK, device="cuda")
+        w_sorted[token_slot.reshape(-1).long()] = topk_w.reshape(-1)
+        act_scaled = torch.empty(LK, h, device="cuda", dtype=torch.bfloat16)
+        ds_part = torch.empty(triton.cdiv(h, 64), LK, device="cuda")
+        for out in ("dh", "sa", "ds"):  # each output against the tl kernel's
+            report(f"{name} dH ({out})", 2 * LK * d * h, dh(False, out), [("gluon", lambda: dh(True, out))])
+        report(f"{name} dH", 2 * LK * d * h, None, [("tl", lambda: dh(False))]
+               + [(f"gluon BK={bk} S={st}", lambda bk=bk, st=st: dh(True, None, block_k=bk, stages=st))
+                  for bk, st in ((32, 4), (32, 5))])
+        ops.GLUON = False

@@ -102,3 +102,46 @@ def test_up_swiglu_ws_matches_torch(h, d, counts):
     assert not preact.isnan().any() and not act.isnan().any()  # every row written
     assert_within_torch_error(preact, h_ref, h_bf16)
     assert_within_torch_error(act, swiglu(h_ref), swiglu(h_bf16))
+
+
+@pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
+@pytest.mark.parametrize("h,d", [(256, 128), (192, 256)])  # 192: one and a half column tiles
+@pytest.mark.parametrize("in_place", [False, True], ids=["dh_apart", "dh_over_h"])  # in place: checkpoint="recompute"
+def test_dh_swiglu_matches_torch(h, d, counts, in_place):
+    from moeblaze.kernels.gluon_hopper import dh_swiglu
+
+    g = torch.Generator(device="cpu").manual_seed(h + d)
+    E, LK, offsets, token, sched = routing(counts, g, gathered=True)
+    dy = torch.randn(TOKENS, d, generator=g).to("cuda", torch.bfloat16)
+    w2 = (torch.randn(E, d, h, generator=g) * d ** -0.5).to("cuda", torch.bfloat16)
+    preact = torch.randn(LK, 2 * h, generator=g).to("cuda", torch.bfloat16)
+    s = torch.rand(LK, generator=g).cuda()
+    nan = dict(device="cuda", dtype=dy.dtype)
+    h_saved = preact.clone()
+    dpreact = preact if in_place else torch.full((LK, 2 * h), float("nan"), **nan)
+    act_scaled = torch.full((LK, h), float("nan"), **nan)
+    ds_part = torch.full((triton_cdiv(h, 64), LK), float("nan"), device="cuda")
+    dh_swiglu(dy, w2, preact, s, token, offsets, sched, dpreact, act_scaled, ds_part)
+
+    dyg = dy[token.long()]
+    w2t = w2.transpose(1, 2)  # per_expert computes a @ w[e]ᵀ
+
+    def backward(dact, hh, ss):
+        """(dH, s·A, dS) from dA', H and s, in the dtype they come in (fp32: the reference; bf16: torch's own)."""
+        gate, up = hh[:, :h], hh[:, h:]
+        silu = torch.nn.functional.silu(gate)
+        a = silu * up
+        da = dact * ss[:, None]
+        sig = torch.sigmoid(gate)
+        dgate = da * up * (sig * (1 + gate * (1 - sig)))
+        return torch.cat([dgate, da * silu], 1), a * ss[:, None], (dact * a).sum(1)
+    ref = backward(per_expert(dyg, w2t, offsets, True), h_saved.float(), s)
+    bf16 = backward(per_expert(dyg, w2t, offsets, False), h_saved, s.to(torch.bfloat16))
+    ds = ds_part.sum(0)
+    assert not dpreact.isnan().any() and not act_scaled.isnan().any() and not ds.isnan().any()  # all written
+    for ours, r, b in zip((dpreact, act_scaled, ds), ref, bf16):
+        assert_within_torch_error(ours, r, b)
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
