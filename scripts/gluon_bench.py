@@ -1,8 +1,8 @@
 """Times the Gluon warp-specialised kernels against the tl kernels at configs B, E and D (GPU only): the
 down-projection's row GEMM (hand-off, ping-pong, cooperative), dX~ = dH @ W1[e] (hand-off), the SwiGLU
 up-projection (hand-off, storing H and A like the tl kernel) and the up-projection's main loop alone
-(ping-pong, cooperative) and dH with its SwiGLU backward epilogue (ping-pong).
-    python scripts/gluon_bench.py [down] [dx] [up] [dh]   (default: all)"""
+(ping-pong, cooperative).
+    python scripts/gluon_bench.py [down] [dx] [up]   (default: all)"""
 import os
 import sys
 
@@ -11,14 +11,14 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from moeblaze.bench.harness import CONFIGS  # noqa: E402
-from moeblaze.kernels.gluon_hopper import dh_swiglu, gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
+from moeblaze.kernels.gluon_hopper import gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
 import moeblaze.ops.experts as ops  # noqa: E402
-from moeblaze.ops.experts import _down_bwd, _rows, _up, tile_schedule  # noqa: E402
+from moeblaze.ops.experts import _rows, _up, tile_schedule  # noqa: E402
 
 
 ops.GLUON = False  # _rows, _up and _down_bwd launch the tl kernels unless a candidate turns this on
 VARIANTS = [(True, 4), (False, 3)]  # (ping-pong, stages)
-LAUNCHES = sys.argv[1:] or ["down", "dx", "up", "dh"]
+LAUNCHES = sys.argv[1:] or ["down", "dx", "up"]
 
 
 def report(name, flops, ref, candidates):
@@ -73,27 +73,3 @@ for name in ("B", "E", "D"):
                + [(f"gluon main loop {'pp' if p else 'coop'} S={s}",
                    lambda s=s, p=p: gathered_rows_ws(x, w1, eti, offsets, sched, pingpong=p, stages=s))
                   for p, s in VARIANTS])
-    if "dh" in LAUNCHES:
-        dy = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
-        token_slot = torch.argsort(eti).to(torch.int32).reshape(L, K)  # row of each (token, k)
-        topk_w = torch.rand(L, K, device="cuda")
-        dh_out = torch.empty_like(dpreact)
-
-        def dh(gluon, out=None, **shape):
-            if gluon:  # the launch _down_bwd makes, with this stage shape
-                dh_swiglu(dy, w2, dpreact, w_sorted, eti, offsets, sched, dh_out, act_scaled, ds_part, **shape)
-                sa, dsp = act_scaled, ds_part
-            else:
-                ops.GLUON = False
-                sa, dsp = _down_bwd(dy, w2, dpreact, topk_w, token_slot, dh_out, eti, offsets, sched, "swiglu")
-            return dh_out.clone() if out == "dh" else (sa if out == "sa" else dsp.sum(0))
-        w_sorted = torch.empty(LK, device="cuda")
-        w_sorted[token_slot.reshape(-1).long()] = topk_w.reshape(-1)
-        act_scaled = torch.empty(LK, h, device="cuda", dtype=torch.bfloat16)
-        ds_part = torch.empty(triton.cdiv(h, 64), LK, device="cuda")
-        for out in ("dh", "sa", "ds"):  # each output against the tl kernel's
-            report(f"{name} dH ({out})", 2 * LK * d * h, dh(False, out), [("gluon", lambda: dh(True, out))])
-        report(f"{name} dH", 2 * LK * d * h, None, [("tl", lambda: dh(False))]
-               + [(f"gluon BK={bk} S={st}", lambda bk=bk, st=st: dh(True, None, block_k=bk, stages=st))
-                  for bk, st in ((32, 4), (32, 5))])
-        ops.GLUON = False

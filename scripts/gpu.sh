@@ -2,7 +2,7 @@
 # One GPU session: the GPU tests, then the benchmark; everything is written under $OUT (default ./out).
 #   usage: bash scripts/gpu.sh [tests] [dispatch] [layer] [scale] [profile] [gluon]   (default: all but gluon)
 # Peers: with .peers/ (bash ../shared/peers/get-peers.sh) beside the code, SonicMoE and Liger join the run.
-# GLUON_LAUNCHES limits scripts/gluon_bench.py to some launches (down dx up dh).
+# GLUON_LAUNCHES limits scripts/gluon_bench.py to some launches (down dx up).
 # MOEBLAZE_GIT_SHA names the commit measured in the result rows; set it where the checkout is a copy whose
 # git history may be older than its files.
 set -uo pipefail

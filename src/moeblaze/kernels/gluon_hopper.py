@@ -16,7 +16,6 @@ computes both halves. Rows past the expert's end are loaded (they belong to the 
 stored. Also here, measured and kept for reference (scripts/gluon_bench.py): ping-pong (two 4-warp
 consumers alternating 128x128 tiles) and cooperative kernels without the hand-off."""
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -30,7 +29,6 @@ from .experts import BLOCK_M
 # names removed) in 3.9
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # a barrier of the calling partition's warps
 GROUP_M = gl.constexpr(8)
 GATHER_WARPS = gl.constexpr(4)  # warps of the gathering loader: cp.async needs a thread per 16 bytes in flight
 
@@ -528,162 +526,3 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
                               maxnreg=168)
     return (preact if store_preact else None), act
 
-
-
-# ---- dH: the up-projection's partitions, with the SwiGLU backward as the epilogue ------------------------
-# 8 MMA warps on 128x256 tiles hand dA' to a 2-warp epilogue through shared memory (as for the up-projection);
-# the epilogue brings H in by TMA, in pieces of 32 x 64 (gate and up), RING - 1 pieces ahead of the piece it
-# computes. 8 + 2 + 2 = 12 warps x 168 registers, as for the up-projection (wgmma on a 128-register
-# accumulator needs ~154 to compile). Shared memory: the stages (4 of 24 KB at BLOCK_K 32), the 64 KB hand-off
-# tile, the ring of H pieces (RING x 8 KB) and the tile's router weights.
-
-
-@gluon.jit
-def _dh_piece_load(p: gl.constexpr, row0, pid_n, pred, h_bufs, h_ready, preact_desc, H, BLOCK_N: gl.constexpr):
-    """Requests piece p of a tile (first row row0, column tile pid_n) of H, gate and up, into ring slot p % RING
-    (a tile's piece count is a multiple of 2 RING, so a piece's slot and phase depend on p alone)."""
-    PR: gl.constexpr = h_bufs.type.shape[1]
-    PC: gl.constexpr = h_bufs.type.shape[2]
-    RING: gl.constexpr = h_bufs.type.shape[0] // 2
-    row = row0 + (p // (BLOCK_N // PC)) * PR
-    col = pid_n * BLOCK_N + (p % (BLOCK_N // PC)) * PC
-    bar = h_ready.index(p % RING)
-    mbarrier.expect(bar, 2 * preact_desc.block_type.nbytes, pred=pred)
-    _tma_load(preact_desc, [row, col], bar, h_bufs.index(2 * (p % RING)), pred=pred)
-    _tma_load(preact_desc, [row, H + col], bar, h_bufs.index(2 * (p % RING) + 1), pred=pred)
-
-
-@gluon.jit(noinline=True)  # a call per piece: the compiler does not hoist pieces into each other's registers
-def _dh_piece(dact_smem, g_smem, u_smem, s_smem, row, row_end, col, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
-              stride_pl, stride_al, H, LK):
-    """One piece: rows row.., columns col.. (PC = 64 columns: one dS partial), dA' from dact_smem, H from
-    g_smem and u_smem, the rows' router weights s from s_smem: A = SiLU(gate)·up recomputed; the dS partial
-    <dA', A>; dH = (s·dA')·(up·SiLU'(gate), SiLU(gate)); s·A for dW2."""
-    PR: gl.constexpr = g_smem.type.shape[0]
-    PC: gl.constexpr = g_smem.type.shape[1]
-    layout: gl.constexpr = _epilogue_layout(gl.num_warps())
-    rows = row + gl.arange(0, PR, layout=gl.SliceLayout(1, layout))
-    cols = col + gl.arange(0, PC, layout=gl.SliceLayout(0, layout))
-    rmask = rows < row_end
-    mask = rmask[:, None] & (cols < H)[None, :]
-    s = s_smem.load(gl.SliceLayout(1, layout))[:, None]
-    dact = dact_smem.load(layout).to(gl.float32)
-    g = g_smem.load(layout).to(gl.float32)
-    u = u_smem.load(layout).to(gl.float32)
-    sig = 1.0 / (1.0 + gl.exp(-g))
-    silu = g * sig
-    a = silu * u
-    da = dact * s
-    dp_ptrs = dpreact_ptr + rows.to(gl.int64)[:, None] * stride_pl + cols[None, :]
-    gl.store(dp_ptrs, (da * u * (sig * (1.0 + g * (1.0 - sig)))).to(dpreact_ptr.dtype.element_ty), mask=mask)
-    gl.store(dp_ptrs + H, (da * silu).to(dpreact_ptr.dtype.element_ty), mask=mask)
-    gl.store(act_scaled_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :],
-             (a * s).to(act_scaled_ptr.dtype.element_ty), mask=mask)
-    gl.store(ds_part_ptr + (col // PC).to(gl.int64) * LK + rows, gl.sum(dact * a, axis=1), mask=rmask & (col < H))
-
-
-@gluon.jit
-def _dh_epilogue(c_smem, acc_ready, acc_empty, h_bufs, h_ready, preact_desc, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
-                 ds_part_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr,
-                 H, LK):
-    """Each tile's dA' from c_smem, piece by piece (_dh_piece), H from the ring. dpreact may be preact itself
-    (recompute): every piece of H is in shared memory before its dH is stored."""
-    BLOCK_M: gl.constexpr = c_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = c_smem.type.shape[1]
-    PR: gl.constexpr = h_bufs.type.shape[1]
-    PC: gl.constexpr = h_bufs.type.shape[2]
-    RING: gl.constexpr = h_bufs.type.shape[0] // 2
-    NC: gl.constexpr = BLOCK_N // PC  # column pieces of a row block
-    PIECES: gl.constexpr = (BLOCK_M // PR) * NC  # piece p: row block p // NC, column piece p % NC
-    gl.static_assert(PIECES % (2 * RING) == 0)
-    s_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    s_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    n_tn = gl.cdiv(H, BLOCK_N)
-    pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
-    # H runs RING - 1 pieces ahead of the piece computed, across tiles: tile 0's first pieces first
-    e, row0, row_end, pid_n = _tile_of(0, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
-                                       expert_offsets_ptr)
-    for i in gl.static_range(RING - 1):
-        _dh_piece_load(i, row0, pid_n, n_mine > 0, h_bufs, h_ready, preact_desc, H, BLOCK_N)
-    for j in range(n_mine):
-        # the next tile, whose first pieces this one's last pieces request
-        e1, row0_1, row_end_1, pid_n_1 = _tile_of(j + 1, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
-                                                  expert_offsets_ptr)
-        # the tile's router weights, for every piece (the last tile's pieces are done reading them: barrier)
-        s_rows = row0 + gl.arange(0, BLOCK_M, layout=s_layout)
-        s_smem.store(gl.load(w_sorted_ptr + s_rows, mask=s_rows < row_end, other=0.0))
-        mbarrier.wait(acc_ready.index(0), j & 1)
-        for p in gl.static_range(PIECES):
-            # every thread is done with piece p-1, whose slot the piece RING-1 ahead takes (async proxy), and
-            # has stored its router weights
-            _barrier()
-            fence_async_shared()
-            if p + RING - 1 < PIECES:
-                _dh_piece_load(p + RING - 1, row0, pid_n, True, h_bufs, h_ready, preact_desc, H, BLOCK_N)
-            else:
-                _dh_piece_load(p + RING - 1 - PIECES, row0_1, pid_n_1, j + 1 < n_mine, h_bufs, h_ready, preact_desc,
-                               H, BLOCK_N)
-            mbarrier.wait(h_ready.index(p % RING), (p // RING) & 1)
-            _dh_piece(c_smem.slice((p // NC) * PR, PR, dim=0).slice((p % NC) * PC, PC, dim=1),
-                      h_bufs.index(2 * (p % RING)), h_bufs.index(2 * (p % RING) + 1), s_smem.slice((p // NC) * PR, PR),
-                      row0 + (p // NC) * PR, row_end, pid_n * BLOCK_N + (p % NC) * PC, dpreact_ptr, act_scaled_ptr,
-                      ds_part_ptr, stride_pl, stride_al, H, LK)
-        # the hand-off tile is read (every thread: barrier): the MMA warps may write the next one
-        _barrier()
-        mbarrier.arrive(acc_empty.index(0))
-        row0, row_end, pid_n = row0_1, row_end_1, pid_n_1
-
-
-@gluon.jit
-def dh_swiglu_ws_kernel(dy_ptr, stride_dyl, token_ptr, w2_desc, preact_desc, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
-                        w_sorted_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
-                        expert_offsets_ptr, H, K_DIM, LK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, RING: gl.constexpr, WORKER_REGS: gl.constexpr):
-    """dA' = dy[token[rows]] @ W2[e] and its SwiGLU backward epilogue (the tl kernel's contract: dS partials
-    per 64 columns, s·A, dH): the 8-warp MMA partition, a 2-warp gathering loader, a 2-warp epilogue."""
-    dtype: gl.constexpr = w2_desc.dtype
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype)
-    PR: gl.constexpr = preact_desc.block_type.shape[0]
-    PC: gl.constexpr = preact_desc.block_type.shape[1]
-    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype)
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
-    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], w2_desc.layout)
-    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_layout)
-    h_bufs = gl.allocate_shared_memory(dtype, [2 * RING, PR, PC], preact_desc.layout)
-    ready, empty = _stage_barriers(STAGES, 32 * UP_LOADER_WARPS + 1)
-    acc_ready, acc_empty = _one_barrier(), _one_barrier()
-    h_ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(RING):
-        mbarrier.init(h_ready.index(i), count=1)
-    mma_args = (c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, gl.cdiv(H, BLOCK_N), K_DIM,
-                True)
-    loader_args = (dy_ptr, stride_dyl, token_ptr, w2_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
-                   expert_offsets_ptr, used_tiles_ptr, H, K_DIM)
-    epi_args = (c_smem, acc_ready, acc_empty, h_bufs, h_ready, preact_desc, w_sorted_ptr, dpreact_ptr, act_scaled_ptr,
-                ds_part_ptr, stride_pl, stride_al, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H,
-                LK)
-    gl.warp_specialize([(_handoff_mma, mma_args), (_gather_loader, loader_args), (_dh_epilogue, epi_args)],
-                       [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
-
-
-def dh_swiglu(dy, w2, preact, w_sorted, token, offsets, sched, dpreact, act_scaled, ds_part, block_k: int = 32,
-              stages: int = 4, piece_rows: int = 32, ring: int = 4, worker_regs: int = 112):
-    """The SwiGLU backward through the down-projection, for each expert's contiguous rows: dA' = dy[token[rows]]
-    @ W2[e]; dpreact (rows, 2h) = dH, act_scaled (rows, h) = s·A, ds_part (h / 64, rows) the dS = <dA', A>
-    partials, from preact (rows, 2h) = H and w_sorted (rows,) fp32 = s. dy (L, d), w2 (E, d, h) bf16/fp16,
-    contiguous; d a multiple of block_k, h of 8. dpreact may be preact itself (each piece of H is read before
-    its dH is written, by the same program)."""
-    E, d, h = w2.shape
-    block_n, piece_cols = 256, 64
-    if ds_part.shape[0] != triton.cdiv(h, piece_cols):
-        raise ValueError(f"dh_swiglu writes one dS partial per {piece_cols} columns, got {ds_part.shape[0]} for h={h}")
-    if d % block_k or h % 8 or not all(t.is_contiguous() for t in (dy, w2, preact, dpreact)):
-        raise ValueError(f"dh_swiglu needs contiguous operands with d % {block_k} == 0 and h % 8 == 0, got d={d}, "
-                         f"h={h}")
-    w2_desc = _desc(w2.reshape(E * d, h), [block_k, block_n])
-    preact_desc = _desc(preact, [piece_rows, piece_cols])
-    grid = (_num_sms(dy.device),)
-    dh_swiglu_ws_kernel[grid](dy, dy.stride(0), token, w2_desc, preact_desc, dpreact, act_scaled, ds_part, w_sorted,
-                              preact.stride(0), act_scaled.stride(0), sched[0], sched[1], sched[2], offsets, h, d,
-                              token.shape[0], BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-                              RING=ring, WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)

@@ -176,10 +176,6 @@ def _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, 
     w_sorted[token_slot.reshape(-1).long()] = topk_w.reshape(-1).float()
     act_scaled = dy.new_empty(LK, H)
     ds_part = torch.empty(triton.cdiv(H, DS_BLOCK), LK, dtype=torch.float32, device=dy.device)
-    if activation == "swiglu" and D % 64 == 0 and H % 8 == 0 and DS_BLOCK == 64 and _gluon(dy, w2, preact, dpreact):
-        from ..kernels.gluon_hopper import dh_swiglu
-        dh_swiglu(dy, w2, preact, w_sorted, eti, offsets, sched, dpreact, act_scaled, ds_part)
-        return act_scaled, ds_part
     num_tiles = sched[0].shape[0]
     w2_desc = _desc(w2.reshape(-1, H) if w2.is_contiguous() else None)
     _expert_down_bwd_kernel[_grid(num_tiles, H)](
