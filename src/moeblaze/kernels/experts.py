@@ -71,7 +71,7 @@ UP_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "TWO_DOTS"),
 # multiprocessor (they spill ~400 registers: 3.7 against 2.8 ms at E).
 DH_CONFIGS = _configs(("BLOCK_N", "BLOCK_K", "PREFETCH_H", "EPI_SPLIT"),
                       [(256, 64, 0, 4, 8, 4), (256, 64, 0, 4, 8, 3), (128, 64, 0, 2, 8, 4), (128, 64, 0, 2, 8, 3),
-                       (128, 64, 1, 2, 8, 4), (64, 64, 1, 1, 8, 3), (256, 32, 0, 4, 8, 6), (256, 32, 0, 4, 8, 5)],
+                       (128, 64, 1, 2, 8, 4), (64, 64, 1, 1, 8, 3)],
                       (32, 32, 0, 2, 4, 1), pre_hook=_dh_blocks)
 def _dense_block(nargs):
     _set_block(nargs["dense_desc"], (nargs["BLOCK_K"], nargs["BLOCK_P"] if nargs["GATHER_P"] else nargs["BLOCK_N"]))
@@ -81,8 +81,7 @@ def _dense_block(nargs):
 WGRAD_CONFIGS = _configs(("BLOCK_N", "BLOCK_P", "BLOCK_K", "SWAP"),
                          [(128, 128, 32, 0, 4, 4), (128, 128, 64, 0, 8, 3), (128, 256, 64, 0, 8, 3),
                           (128, 128, 32, 1, 4, 4), (128, 128, 64, 1, 8, 3), (256, 128, 64, 1, 8, 3),
-                          (128, 256, 64, 0, 8, 4), (256, 128, 64, 1, 8, 4), (128, 256, 32, 0, 8, 6),
-                          (256, 128, 32, 1, 8, 6)],
+                          (128, 256, 64, 0, 8, 4)],
                          (32, 32, 32, 1, 4, 1), pre_hook=_dense_block)
 
 
