@@ -186,6 +186,8 @@ def test_stage_times_cover_every_launch_of_a_step():
     assert all(ms > 0 and host_us > 0 for _, ms, host_us, *_ in rows)
     # GEMM stages carry a rate; the gather-sums don't
     assert [r[3] is not None for r in rows] == [True, True, False, True, True, True, True, False]
+    # each GEMM stage names the tl config it ran with (the Gluon kernels never run on the CPU)
+    assert all("BLOCK_N" in r[4] for r in rows if r[3] is not None)
 
 
 def test_results_take_the_newest_run_beside_sonicmoe():

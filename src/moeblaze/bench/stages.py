@@ -17,7 +17,8 @@ from .harness import _median_ms, make_problem
 
 
 def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device="cuda", iters=10, seed=0):
-    """[(stage, GPU ms, host µs per call, TFLOP/s or None, autotuned config of its kernel or None,
+    """[(stage, GPU ms, host µs per call, TFLOP/s or None, autotuned config of its kernel ("gluon_hopper" where
+    the stage launched a Gluon kernel instead) or None,
     {config: ms} of every config the autotuner tried for this stage)] in the order a training step runs
     them."""
     p = make_problem(L, d, h, E, K, activation, dtype, device, n_sets=1, seed=seed)
@@ -71,11 +72,13 @@ def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device
         if tuner is not None:  # tune this launch afresh so its trials are recorded, even if a step tuned it
             tuner.configs_timings = None
             tuner.cache.clear()
+            tuner.best_config = None  # set again only if this stage launches the tuned kernel
         fn()  # compiles and autotunes; produces the next stage's inputs
         trials = {str(c): (t[0] if isinstance(t, (list, tuple)) else t)
                   for c, t in (getattr(tuner, "configs_timings", None) or {}).items()}
         ms = _median_ms(lambda i: fn(), dev, iters)
-        config = str(tuner.best_config) if tuner is not None else None  # what its last launch used
+        # what its last launch used: a tl config, or kernels.gluon_hopper's kernel where the stage went there
+        config = None if tuner is None else (str(tuner.best_config) if tuner.best_config else "gluon_hopper")
         rows.append((name, ms, _host_us(fn, dev), flops / ms / 1e9 if flops else None, config, trials))
     return rows
 

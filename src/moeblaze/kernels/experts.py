@@ -80,7 +80,8 @@ def _dense_block(nargs):
 # weight gradients: (BLOCK_N, BLOCK_P, BLOCK_K, SWAP, num_warps, num_stages)
 WGRAD_CONFIGS = _configs(("BLOCK_N", "BLOCK_P", "BLOCK_K", "SWAP"),
                          [(128, 128, 32, 0, 4, 4), (128, 128, 64, 0, 8, 3), (128, 256, 64, 0, 8, 3),
-                          (128, 128, 32, 1, 4, 4), (128, 128, 64, 1, 8, 3), (256, 128, 64, 1, 8, 3)],
+                          (128, 128, 32, 1, 4, 4), (128, 128, 64, 1, 8, 3), (256, 128, 64, 1, 8, 3),
+                          (128, 256, 64, 0, 8, 4)],
                          (32, 32, 32, 1, 4, 1), pre_hook=_dense_block)
 
 
