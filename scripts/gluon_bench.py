@@ -45,20 +45,20 @@ for name in ("B", "E", "D"):
     eti = torch.randperm(LK, device="cuda").to(torch.int32) // K  # each token's K rows, scattered
     x = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
     w1 = torch.randn(E, 2 * h, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5
-    a = torch.randn(LK, h, device="cuda", dtype=torch.bfloat16)
-    w2 = torch.randn(E, d, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
-    if "down" in LAUNCHES:
+    if "down" in LAUNCHES:  # each launch's operands only where it is timed (B's are GBs)
+        a = torch.randn(LK, h, device="cuda", dtype=torch.bfloat16)
+        w2 = torch.randn(E, d, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
         down = (lambda: _rows(a, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), d, offsets, sched))
         report(f"{name} down", 2 * LK * d * h, down(),
                [("tl", down), ("gluon handoff S=3", lambda: rows_handoff(a, w2, offsets, sched))]
                + [(f"gluon {'pp' if p else 'coop'} S={s}",
                   lambda s=s, p=p: rows_ws(a, w2, offsets, sched, pingpong=p, stages=s)) for p, s in VARIANTS])
-    dpreact = torch.randn(LK, 2 * h, device="cuda", dtype=torch.bfloat16)
-
-    def dx_rows(gluon):
-        ops.GLUON = gluon
-        return _rows(dpreact, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), d, offsets, sched)
     if "dx" in LAUNCHES:
+        dpreact = torch.randn(LK, 2 * h, device="cuda", dtype=torch.bfloat16)
+
+        def dx_rows(gluon):
+            ops.GLUON = gluon
+            return _rows(dpreact, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), d, offsets, sched)
         report(f"{name} dX~", 2 * LK * d * 2 * h, dx_rows(False),
                [("tl", lambda: dx_rows(False)), ("gluon hand-off", lambda: dx_rows(True))])
     ops.GLUON = False
