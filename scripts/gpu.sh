@@ -2,7 +2,7 @@
 # One GPU session: the GPU tests, then the benchmark; everything is written under $OUT (default ./out).
 #   usage: bash scripts/gpu.sh [tests] [dispatch] [layer] [scale] [profile] [gluon]   (default: all but gluon)
 # Peers: with .peers/ (bash ../shared/peers/get-peers.sh) beside the code, SonicMoE and Liger join the run.
-# GLUON_LAUNCHES limits scripts/gluon_bench.py to some launches (down dx up).
+# GLUON_ARGS are passed to scripts/gluon_bench.py (e.g. "--configs D,E --launches up --baseline FILE").
 # MOEBLAZE_GIT_SHA names the commit measured in the result rows; set it where the checkout is a copy whose
 # git history may be older than its files.
 set -uo pipefail
@@ -22,7 +22,7 @@ for s in $steps; do
     dispatch) python3 -m moeblaze.cli bench --dispatch --out "$OUT" ;;
     layer) python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
     scale) python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
-    gluon) { python3 -m pytest -m gpu tests/gpu/test_gluon_hopper.py -p no:logging; python3 scripts/gluon_bench.py ${GLUON_LAUNCHES:-}; } 2>&1 | tee "$OUT/gluon.log" ;;
+    gluon) { python3 -m pytest -m gpu tests/gpu/test_gluon_hopper.py -p no:logging; python3 scripts/gluon_bench.py ${GLUON_ARGS:-}; } 2>&1 | tee "$OUT/gluon.log" ;;
     profile) for c in ${PROFILE_CONFIGS:-8192,1024,4096,16,2}; do IFS=, read L d h E K <<< "$c"; python3 -m moeblaze.cli profile --kernels --tokens $L --d-model $d --d-expert $h --num-experts $E --top-k $K; done 2>&1 | tee "$OUT/profile.log" ;;
   esac
 done
