@@ -29,7 +29,7 @@ def host_ms(fn, n=100):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="A,C")
-    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--top", type=int, default=25, help="functions listed per order; 0: no cProfile")
     args = p.parse_args()
     for name in args.configs.split(","):
         prob = make_problem(*CONFIGS[name])
@@ -40,17 +40,23 @@ def main():
         fwd_host, _ = host_ms(lambda i: _step(call, prob, i, False))
         print(f"{name} {CONFIGS[name]}: host ms/step {step_host:.3f}, wall ms/step {step_wall:.3f}, "
               f"forward host ms {fwd_host:.3f}", flush=True)
-        prof = cProfile.Profile()
-        prof.enable()
-        for i in range(100):
-            _step(call, prob, i, True)
-        torch.cuda.synchronize()
-        prof.disable()
-        for key in ("tottime", "cumulative"):
-            print(f"--- {name}: cProfile over 100 steps, by {key}")
-            pstats.Stats(prof, stream=sys.stdout).strip_dirs().sort_stats(key).print_stats(args.top)
+        if args.top:
+            profile(call, prob, name, args.top)
         del prob, call
         torch.cuda.empty_cache()
+
+
+def profile(call, prob, name, top):
+    """cProfile over 100 steps: the top functions by own time and by cumulative time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(100):
+        _step(call, prob, i, True)
+    torch.cuda.synchronize()
+    prof.disable()
+    for key in ("tottime", "cumulative"):
+        print(f"--- {name}: cProfile over 100 steps, by {key}")
+        pstats.Stats(prof, stream=sys.stdout).strip_dirs().sort_stats(key).print_stats(top)
 
 
 if __name__ == "__main__":
