@@ -7,9 +7,11 @@ operands and, for the hand-off kernels, one 128 x 256 tile of the accumulator in
 
 One program per multiprocessor walks the used tiles of the device-built schedule, GROUP_M row tiles
 sweeping the columns together. Partitions of each program:
-  loader    fills the stages: W through TMA; routed rows x[token[r]] through cp.async where gathered
+  loader    fills the stages: W through TMA; routed rows x[token[r]] through cp.async where gathered;
+            the next tiles' schedule entries (and token ids) are read while this tile's stages are issued
   MMA       8 warps (two warpgroups, 64 rows each) over the stages, then hands the accumulator to
-  epilogue  2 warps: stores it (down) or stores H and A = SiLU(gate)·up (up), while the MMA warps go on
+  epilogue  2 warps: stores it (down, dX̃: one TMA store for a tile within its expert, masked stores for
+            the expert's last tile) or stores H and A = SiLU(gate)·up (up), while the MMA warps go on
             with the next tile.
 The up-projection's stage holds 128 gate rows of W1 and the 128 matching up rows, so one 128x256 MMA
 computes both halves. Rows past the expert's end are loaded (they belong to the next expert) but never
