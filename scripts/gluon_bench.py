@@ -1,8 +1,15 @@
-"""Times the Gluon warp-specialised kernels against the tl kernels at configs B, E and D (GPU only): the
-down-projection's row GEMM (hand-off, ping-pong, cooperative), dX~ = dH @ W1[e] (hand-off), the SwiGLU
-up-projection (hand-off, storing H and A like the tl kernel) and the up-projection's main loop alone
-(ping-pong, cooperative).
-    python scripts/gluon_bench.py [down] [dx] [up]   (default: all)"""
+"""Times the Gluon warp-specialised kernels against the tl kernels (GPU only), launch by launch, bf16, at the
+anchor configs with every expert given L·K/E rows: the SwiGLU up-projection (H and A), the down-projection's
+row GEMM and dX~ = dH @ W1[e] (the hand-off kernels the layer runs), and the reference-only ping-pong and
+cooperative kernels ("variants"). Each Gluon kernel runs in every pipeline shape given (stages x BLOCK_K);
+--baseline FILE also times an earlier version of kernels/gluon_hopper.py, e.g. made by
+`git show REV:src/moeblaze/kernels/gluon_hopper.py > FILE`, and checks that its outputs are bit-identical.
+Candidates alternate twice in one process, so their ratios are comparable.
+
+    python scripts/gluon_bench.py [--configs C,D,E,B] [--launches up,down,dx,variants] [--pipelines 3x64]
+                                  [--baseline FILE]"""
+import argparse
+import importlib.util
 import os
 import sys
 
@@ -11,65 +18,98 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from moeblaze.bench.harness import CONFIGS  # noqa: E402
-from moeblaze.kernels.gluon_hopper import gathered_rows_ws, rows_handoff, rows_ws, up_swiglu_ws  # noqa: E402
+from moeblaze.kernels import gluon_hopper as current  # noqa: E402
 import moeblaze.ops.experts as ops  # noqa: E402
 from moeblaze.ops.experts import _rows, _up, tile_schedule  # noqa: E402
 
 
-ops.GLUON = False  # _rows, _up and _down_bwd launch the tl kernels unless a candidate turns this on
-VARIANTS = [(True, 4), (False, 3)]  # (ping-pong, stages)
-LAUNCHES = sys.argv[1:] or ["down", "dx", "up"]
+def load_baseline(path):
+    """An earlier gluon_hopper.py, imported beside the current one (its relative imports resolve in the package)."""
+    spec = importlib.util.spec_from_file_location("moeblaze.kernels._gluon_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def report(name, flops, ref, candidates):
+def report(name, flops, candidates, rounds=2):
+    """Times every candidate `rounds` times, alternating; the first candidate is the reference for the output
+    check (bit-identical for Gluon versions, relative difference for the tl kernel)."""
+    outs = {label: fn() for label, fn in candidates}
+    ref = next(iter(outs.values()))
     row = [name]
-    for label, fn in candidates:
-        try:
-            c = fn()
-            diff = None if ref is None else float((c.float() - ref.float()).norm() / ref.float().norm())
-            err = "" if ref is None else f", diff vs tl {diff:.1e}"
+    for label, _ in candidates:
+        same = torch.equal(outs[label], ref)
+        diff = 0.0 if same else float((outs[label].float() - ref.float()).norm() / ref.float().norm())
+        row.append(f"{label} {'identical' if same else f'diff {diff:.1e}'}")
+    del outs, ref
+    for r in range(rounds):
+        for label, fn in candidates:
             ms = triton.testing.do_bench(fn, warmup=100, rep=1000)
-            row.append(f"{label}: {ms:.3f} ms {flops / ms / 1e9:.0f} TF/s{err}")
-        except Exception as e:  # report and go on
-            row.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            row.append(f"{label}#{r + 1} {ms:.3f} ms {flops / ms / 1e9:.0f} TF/s")
     print(" | ".join(row), flush=True)
 
 
-for name in ("B", "E", "D"):
-    L, d, h, E, K = CONFIGS[name]
-    LK = L * K
-    counts = torch.full((E,), LK // E, dtype=torch.int32, device="cuda")
-    offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
-    offsets[1:] = counts.cumsum(0)
-    sched = tile_schedule(counts, offsets, LK)
-    eti = torch.randperm(LK, device="cuda").to(torch.int32) // K  # each token's K rows, scattered
-    x = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
-    w1 = torch.randn(E, 2 * h, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5
-    if "down" in LAUNCHES:  # each launch's operands only where it is timed (B's are GBs)
-        a = torch.randn(LK, h, device="cuda", dtype=torch.bfloat16)
-        w2 = torch.randn(E, d, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
-        down = (lambda: _rows(a, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), d, offsets, sched))
-        report(f"{name} down", 2 * LK * d * h, down(),
-               [("tl", down), ("gluon handoff S=3", lambda: rows_handoff(a, w2, offsets, sched))]
-               + [(f"gluon {'pp' if p else 'coop'} S={s}",
-                  lambda s=s, p=p: rows_ws(a, w2, offsets, sched, pingpong=p, stages=s)) for p, s in VARIANTS])
-    if "dx" in LAUNCHES:
-        dpreact = torch.randn(LK, 2 * h, device="cuda", dtype=torch.bfloat16)
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", default="C,D,E,B")
+    p.add_argument("--launches", default="up,down,dx")
+    p.add_argument("--pipelines", default="3x64", help="stages x BLOCK_K of the Gluon kernels, comma-separated")
+    p.add_argument("--baseline", default=None)
+    args = p.parse_args()
+    launches = args.launches.split(",")
+    pipelines = [tuple(map(int, s.split("x"))) for s in args.pipelines.split(",")]
+    base = load_baseline(args.baseline) if args.baseline else None
+    versions = [("gluon", current)] + ([("baseline", base)] if base else [])
+    ops.GLUON = False  # _rows and _up launch the tl kernels
+    for name in args.configs.split(","):
+        L, d, h, E, K = CONFIGS[name]
+        LK = L * K
+        counts = torch.full((E,), LK // E, dtype=torch.int32, device="cuda")
+        offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
+        offsets[1:] = counts.cumsum(0)
+        sched = tile_schedule(counts, offsets, LK)
+        eti = torch.randperm(LK, device="cuda").to(torch.int32) // K  # each token's K rows, scattered
+        x = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
+        w1 = torch.randn(E, 2 * h, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5
 
-        def dx_rows(gluon):
-            ops.GLUON = gluon
-            return _rows(dpreact, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), d, offsets, sched)
-        report(f"{name} dX~", 2 * LK * d * 2 * h, dx_rows(False),
-               [("tl", lambda: dx_rows(False)), ("gluon hand-off", lambda: dx_rows(True))])
-    ops.GLUON = False
-    if "up" in LAUNCHES:
-        tl_up = _up(x, w1, eti, offsets, sched, "swiglu", True, True)
-        report(f"{name} up, H and A", 2 * LK * 2 * h * d, tl_up[1],
-               [("tl", lambda: _up(x, w1, eti, offsets, sched, "swiglu", True, True)[1])]
-               + [(f"gluon ws S=3 regs {r}", lambda r=r: up_swiglu_ws(x, w1, eti, offsets, sched, worker_regs=r)[1])
-                  for r in (112,)])
-        report(f"{name} up", 2 * LK * 2 * h * d, None,
-               [("tl (with epilogue)", lambda: _up(x, w1, eti, offsets, sched, "swiglu", True, True))]
-               + [(f"gluon main loop {'pp' if p else 'coop'} S={s}",
-                   lambda s=s, p=p: gathered_rows_ws(x, w1, eti, offsets, sched, pingpong=p, stages=s))
-                  for p, s in VARIANTS])
+        def gluon(fn, pipelines=pipelines):
+            """(label, call) for every version and pipeline shape of one Gluon launch."""
+            return [(f"{v}{'' if len(pipelines) == 1 else f' {s}x{bk}'}", lambda m=m, s=s, bk=bk: fn(m, s, bk))
+                    for v, m in versions for s, bk in pipelines]
+        if "up" in launches:  # each launch's operands only where it is timed (B's are GBs)
+            report(f"{name} up (H and A)", 2 * LK * 2 * h * d,
+                   gluon(lambda m, s, bk: m.up_swiglu_ws(x, w1, eti, offsets, sched, stages=s, block_k=bk)[1])
+                   + [("tl", lambda: _up(x, w1, eti, offsets, sched, "swiglu", True, True)[1])])
+        if "down" in launches or "variants" in launches:
+            a = torch.randn(LK, h, device="cuda", dtype=torch.bfloat16)
+            w2 = torch.randn(E, d, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
+            if "down" in launches:
+                report(f"{name} down", 2 * LK * d * h,
+                       gluon(lambda m, s, bk: m.rows_handoff(a, w2, offsets, sched, stages=s, block_k=bk))
+                       + [("tl", lambda: _rows(a, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), d, offsets,
+                                               sched))])
+            if "variants" in launches:
+                report(f"{name} down, ping-pong and cooperative", 2 * LK * d * h,
+                       [("hand-off", lambda: current.rows_handoff(a, w2, offsets, sched))]
+                       + [(f"{'ping-pong' if pp else 'cooperative'} S={s}",
+                           lambda pp=pp, s=s: current.rows_ws(a, w2, offsets, sched, pingpong=pp, stages=s))
+                          for pp, s in ((True, 4), (False, 3))])
+            del a, w2
+        if "dx" in launches:
+            dpreact = torch.randn(LK, 2 * h, device="cuda", dtype=torch.bfloat16)
+            report(f"{name} dX~", 2 * LK * d * 2 * h,
+                   gluon(lambda m, s, bk: m.rows_handoff(dpreact, w1, offsets, sched, kn=True, stages=s, block_k=bk))
+                   + [("tl", lambda: _rows(dpreact, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), d, offsets,
+                                           sched))])
+            del dpreact
+        if "variants" in launches:
+            report(f"{name} up main loop (C = x[idx] @ W1ᵀ, no epilogue)", 2 * LK * 2 * h * d,
+                   [(f"{'ping-pong' if pp else 'cooperative'} S={s}",
+                     lambda pp=pp, s=s: current.gathered_rows_ws(x, w1, eti, offsets, sched, pingpong=pp, stages=s))
+                    for pp, s in ((True, 4), (False, 3))])
+        del x, w1
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

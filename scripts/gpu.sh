@@ -2,7 +2,10 @@
 # One GPU session: the GPU tests, then the benchmark; everything is written under $OUT (default ./out).
 #   usage: bash scripts/gpu.sh [tests] [dispatch] [layer] [scale] [profile] [gluon]   (default: all but gluon)
 # Peers: with .peers/ (bash ../shared/peers/get-peers.sh) beside the code, SonicMoE and Liger join the run.
-# GLUON_LAUNCHES limits scripts/gluon_bench.py to some launches (down dx up).
+# GLUON_ARGS are passed to scripts/gluon_bench.py (e.g. "--configs D,E --launches up --baseline FILE").
+# SonicMoE's compiled kernels: .peers/quack_cache.tar.xz, where present, seeds its cache before the steps, and
+# the cache is written back to $OUT/quack_cache.tar.xz after them (copy it to .peers/ to spare the next
+# machine the compile).
 # MOEBLAZE_GIT_SHA names the commit measured in the result rows; set it where the checkout is a copy whose
 # git history may be older than its files.
 set -uo pipefail
@@ -13,6 +16,8 @@ export LIGER_FUSED_MOE_AUTOTUNE=${LIGER_FUSED_MOE_AUTOTUNE:-0}
 export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}  # SonicMoE compiles its GEMM configs in this many processes (its default: 8)
 [ -f .peers/activate.sh ] && source .peers/activate.sh
 steps=${*:-tests dispatch layer scale profile}
+quack_tmp=$(python3 -c "import getpass, tempfile; print(tempfile.gettempdir() + '/' + getpass.getuser())")
+[ -f .peers/quack_cache.tar.xz ] && mkdir -p "$quack_tmp" && tar xJf .peers/quack_cache.tar.xz -C "$quack_tmp"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 for s in $steps; do
@@ -22,7 +27,10 @@ for s in $steps; do
     dispatch) python3 -m moeblaze.cli bench --dispatch --out "$OUT" ;;
     layer) python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
     scale) python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
-    gluon) { python3 -m pytest -m gpu tests/gpu/test_gluon_hopper.py -p no:logging; python3 scripts/gluon_bench.py ${GLUON_LAUNCHES:-}; } 2>&1 | tee "$OUT/gluon.log" ;;
+    gluon) { python3 -m pytest -m gpu tests/gpu/test_gluon_hopper.py -p no:logging; python3 scripts/gluon_bench.py ${GLUON_ARGS:-}; } 2>&1 | tee "$OUT/gluon.log" ;;
     profile) for c in ${PROFILE_CONFIGS:-8192,1024,4096,16,2}; do IFS=, read L d h E K <<< "$c"; python3 -m moeblaze.cli profile --kernels --tokens $L --d-model $d --d-expert $h --num-experts $E --top-k $K; done 2>&1 | tee "$OUT/profile.log" ;;
   esac
 done
+rc=$?
+if [ -d "$quack_tmp/quack_cache" ]; then tar cJf "$OUT/quack_cache.tar.xz" -C "$quack_tmp" quack_cache; fi
+exit $rc

@@ -140,8 +140,8 @@ def test_readme_results_section(tmp_path):
     update_readme(str(readme), str(tmp_path / "res"))
     text = readme.read_text()
     assert "old" not in text and text.endswith(f"{END}\ntail\n")
-    assert "| 64,32,16,4,2 | moeblaze/preact | 1.00 | 2.00 | 0.50 | 1.50 |" in text  # 3.0 / 2.0 vs SonicMoE
-    assert "| 64,32,16,4,2 | sonicmoe | 1.00 | 3.00 | - | 1.00 |" in text
+    assert "| 64,32,16,4,2 | moeblaze/preact | 1.00 | 2.00 | 0.50 | - | 1.50 |" in text  # 3.0 / 2.0 vs SonicMoE
+    assert "| 64,32,16,4,2 | sonicmoe | 1.00 | 3.00 | - | - | 1.00 |" in text
     assert os.path.exists(tmp_path / "res" / "test-gpu-layer.png")
     assert "No GPU results" in results_markdown([])
 
@@ -212,12 +212,13 @@ def test_results_compare_each_repeat_with_sonicmoe_of_the_same_repeat():
                     command="c", run_id="r", date="2026-01-01", fwd_ms=1.0, step_ms=step, tflops=1.0, kept_mb=1.0,
                     peak_mb=1.0, rel_err=None, status="ok")
     rows = [row("moeblaze", 3.0), row("sonicmoe", 1.5), row("moeblaze", 2.0), row("sonicmoe", 4.0)]
+    rows[0]["gpu_busy_ms"] = 2.5  # from a run with --gpu-busy
     table = [line for line in results_markdown(rows).splitlines() if line.startswith("| 64,")]
     assert table == [
-        "| 64,32,16,4,2 (repeat 1) | moeblaze/preact | 1.00 | 3.00 | - | 0.50 | 1 | 1 | 1 | - |",
-        "| 64,32,16,4,2 (repeat 1) | sonicmoe | 1.00 | 1.50 | - | 1.00 | 1 | 1 | 1 | - |",
-        "| 64,32,16,4,2 (repeat 2) | moeblaze/preact | 1.00 | 2.00 | - | 2.00 | 1 | 1 | 1 | - |",
-        "| 64,32,16,4,2 (repeat 2) | sonicmoe | 1.00 | 4.00 | - | 1.00 | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 1) | moeblaze/preact | 1.00 | 3.00 | - | 2.50 | 0.50 | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 1) | sonicmoe | 1.00 | 1.50 | - | - | 1.00 | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 2) | moeblaze/preact | 1.00 | 2.00 | - | - | 2.00 | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 2) | sonicmoe | 1.00 | 4.00 | - | - | 1.00 | 1 | 1 | 1 | - |",
     ]
 
 
@@ -233,5 +234,5 @@ def test_results_list_peers_from_other_runs_beside_their_own_baseline():
             row("moeblaze", "main", "2026-01-03", 2.0, "preact"), row("sonicmoe", "main", "2026-01-03", 1.0),
             row("torch_gmm", "main", "2026-01-03", 3.0)]
     text = results_markdown(rows)
-    assert "| 64,32,16,4,2 | liger/pinned | 1.00 | 8.00 | - | 0.50 | 1 | 1 | 1 | - |" in text  # newest run, own baseline
+    assert "| 64,32,16,4,2 | liger/pinned | 1.00 | 8.00 | - | - | 0.50 | 1 | 1 | 1 | - |" in text  # newest run, own baseline
     assert "9.00" not in text and text.count("liger/pinned") == 1  # the older liger row is left out

@@ -147,12 +147,13 @@ def _runs(rows: list[dict]) -> str:
 def _layer_line(name: str, r: dict, baseline_ms: float | None) -> str:
     """One table line of a layer row; its ratio column is baseline_ms / its step time."""
     if r["status"] != "ok":
-        return f"| {name} | {_label(r)} | {r['status'][:60]} |  |  |  |  |  |  |  |"
+        return f"| {name} | {_label(r)} | {r['status'][:60]} |  |  |  |  |  |  |  |  |"
     vs = f"{baseline_ms / r['step_ms']:.2f}" if baseline_ms else "-"
     err = f"{max(r['rel_err'].values()):.1e}" if r.get("rel_err") else "-"
     host = f"{r['host_ms']:.2f}" if r.get("host_ms") is not None else "-"  # rows before host_ms have none
-    return (f"| {name} | {_label(r)} | {r['fwd_ms']:.2f} | {r['step_ms']:.2f} | {host} | {vs} | {r['tflops']:.0f} | "
-            f"{r['kept_mb']:.0f} | {r['peak_mb']:.0f} | {err} |")
+    busy = f"{r['gpu_busy_ms']:.2f}" if r.get("gpu_busy_ms") is not None else "-"  # runs with --gpu-busy only
+    return (f"| {name} | {_label(r)} | {r['fwd_ms']:.2f} | {r['step_ms']:.2f} | {host} | {busy} | {vs} | "
+            f"{r['tflops']:.0f} | {r['kept_mb']:.0f} | {r['peak_mb']:.0f} | {err} |")
 
 
 def results_markdown(rows: list[dict]) -> str:
@@ -163,13 +164,14 @@ def results_markdown(rows: list[dict]) -> str:
         out += [f"One MoE layer, forward+backward, {r0['activation']} {r0['dtype']}, {r0['gpu']}, torch {r0['torch']}, "
                 f"triton {r0['triton']}. All rows of a config come from one run: {_runs(layer)}.",
                 "`host ms`: the host's time to issue one step (near `step ms`, the host sets the pace: launch cost or a "
-                "synchronization); `kept MB`: allocated after forward minus the output (what the layer keeps for backward); "
+                "synchronization); `GPU busy ms`: the step's kernel times summed (runs with `--gpu-busy`; where the "
+                "host paces the step, this compares the kernels alone); `kept MB`: allocated after forward minus the output (what the layer keeps for backward); "
                 "`peak MB`: peak over forward+backward above the pre-forward baseline; `vs sonic`: SonicMoE step time "
                 "/ this one (>1 is faster than SonicMoE); `err`: largest relative error of the output and the "
                 "gradients against the fp32 reference.", "",
-                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | vs sonic | TF/s | kept MB | peak MB "
-                "| err |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | GPU busy ms | vs sonic | TF/s | kept MB "
+                "| peak MB | err |",
+                "|---|---|---|---|---|---|---|---|---|---|---|"]
         for cfg in sorted(dict.fromkeys(_cfg(r) for r in layer), key=_cfg_order):
             # a run may measure a config more than once: the k-th row of each implementation is repeat k,
             # and each row is compared with SonicMoE's row of the same repeat
@@ -186,8 +188,8 @@ def results_markdown(rows: list[dict]) -> str:
         out += ["", "Implementations the runs above did not measure, each from the newest run that did, beside "
                 "`torch_gmm` of that same run (`vs torch_gmm`: its step time / this one): "
                 f"{_runs([r for r, _ in others])}.", "",
-                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | vs torch_gmm | TF/s | kept MB | peak MB "
-                "| err |", "|---|---|---|---|---|---|---|---|---|---|"]
+                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | GPU busy ms | vs torch_gmm | TF/s "
+                "| kept MB | peak MB | err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         out += [_layer_line(_cfg(r), r, base["step_ms"] if base else None) for r, base in others]
     disp = _latest(rows, "dispatch")
     if disp:

@@ -7,9 +7,11 @@ operands and, for the hand-off kernels, one 128 x 256 tile of the accumulator in
 
 One program per multiprocessor walks the used tiles of the device-built schedule, GROUP_M row tiles
 sweeping the columns together. Partitions of each program:
-  loader    fills the stages: W through TMA; routed rows x[token[r]] through cp.async where gathered
+  loader    fills the stages: W through TMA; routed rows x[token[r]] through cp.async where gathered;
+            the next tiles' schedule entries (and token ids) are read while this tile's stages are issued
   MMA       8 warps (two warpgroups, 64 rows each) over the stages, then hands the accumulator to
-  epilogue  2 warps: stores it (down) or stores H and A = SiLU(gate)·up (up), while the MMA warps go on
+  epilogue  2 warps: stores it (down, dX̃: one TMA store for a tile within its expert, masked stores for
+            the expert's last tile) or stores H and A = SiLU(gate)·up (up), while the MMA warps go on
             with the next tile.
 The up-projection's stage holds 128 gate rows of W1 and the 128 matching up rows, so one 128x256 MMA
 computes both halves. Rows past the expert's end are loaded (they belong to the next expert) but never
@@ -25,9 +27,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .experts import BLOCK_M
 
-# the TMA load and the cp.async copy are async_copy_global_to_shared in triton 3.6, async_load (the old
-# names removed) in 3.9
+# the TMA load and store and the cp.async copy are async_copy_global_to_shared / async_copy_shared_to_global
+# in triton 3.6, async_load / async_store in 3.9 (where the old load names are removed)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 GROUP_M = gl.constexpr(8)
 GATHER_WARPS = gl.constexpr(4)  # warps of the gathering loader: cp.async needs a thread per 16 bytes in flight
@@ -96,24 +99,31 @@ def _mma_steps(acc, c0, n_k, a_bufs, b_bufs, ready, empty, fence):
 
 
 @gluon.jit
-def _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr):
-    """(expert, first row, row end, column tile) of this program's j-th tile. GROUP_M row tiles sweep the
-    columns together, so each weight tile is read from L2 by all of them (an expert's weights can be larger
-    than L2: W1 at config B is 64 MB)."""
+def _tile_start(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr):
+    """(expert, first row, column tile) of this program's j-th tile. GROUP_M row tiles sweep the columns
+    together, so each weight tile is read from L2 by all of them (an expert's weights can be larger than
+    L2: W1 at config B is 64 MB)."""
     t = pid + j * nprog
     width = GROUP_M * n_tn
     first = (t // width) * GROUP_M
     size = gl.minimum(n_used - first, GROUP_M)
     tile = first + (t % width) % size
-    e = gl.load(tile_expert_ptr + tile)
-    return e, gl.load(tile_row_ptr + tile), gl.load(expert_offsets_ptr + e + 1), (t % width) // size
+    return gl.load(tile_expert_ptr + tile), gl.load(tile_row_ptr + tile), (t % width) // size
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-            used_tiles_ptr, N, K_DIM):
-    """Fills the stages through TMA: A's rows of the tile; B as (BLOCK_N, BLOCK_K) boxes of W's (E·N, K) view,
-    or (B_KN, stages of (BLOCK_K, BLOCK_N)) boxes of its (E·K, N) view."""
+def _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr):
+    """_tile_start and the tile's row end (its expert's end): (expert, first row, row end, column tile)."""
+    e, row0, pid_n = _tile_start(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr)
+    return e, row0, gl.load(expert_offsets_ptr + e + 1), pid_n
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, N, K_DIM):
+    """Fills the stages through TMA: A's rows of the tile (past the expert's end, the next expert's rows:
+    never stored); B as (BLOCK_N, BLOCK_K) boxes of W's (E·N, K) view, or (B_KN, stages of (BLOCK_K,
+    BLOCK_N)) boxes of its (E·K, N) view. The next tile's schedule entry is loaded while this tile's stages
+    are issued."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K
@@ -121,26 +131,34 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_
     n_tn = gl.cdiv(N, BLOCK_N)
     n_k = gl.cdiv(K_DIM, BLOCK_K)
     pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
-    for j in range(n_mine):
-        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
-                                           expert_offsets_ptr)
-        for k in range(n_k):
-            c = j * n_k + k
-            s = c % S
-            mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
-            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            _tma_load(a_desc, [row0, k * BLOCK_K], ready.index(s), a_bufs.index(s))
-            if B_KN:
-                _tma_load(b_desc, [e * K_DIM + k * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
-            else:
-                _tma_load(b_desc, [e * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), b_bufs.index(s))
+    if n_mine > 0:
+        e, row0, pid_n = _tile_start(0, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr)
+        for j in range(n_mine):
+            # the last tile's entry again past the end: read, never used
+            e1, row1, pid_n1 = _tile_start(gl.minimum(j + 1, n_mine - 1), pid, nprog, n_used, n_tn,
+                                           tile_expert_ptr, tile_row_ptr)
+            for k in range(n_k):
+                c = j * n_k + k
+                s = c % S
+                mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
+                mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                _tma_load(a_desc, [row0, k * BLOCK_K], ready.index(s), a_bufs.index(s))
+                if B_KN:
+                    _tma_load(b_desc, [e * K_DIM + k * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
+                else:
+                    _tma_load(b_desc, [e * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), b_bufs.index(s))
+            e, row0, pid_n = e1, row1, pid_n1
 
 
 @gluon.jit
-def _gather_loader(x_ptr, stride_xl, token_ptr, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
-                   expert_offsets_ptr, used_tiles_ptr, N, K_DIM):
+def _gather_loader(x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
+                   tile_row_ptr, used_tiles_ptr, N, K_DIM):
     """As _loader, with A's rows gathered: row r of the tile is x[token[r]], copied by cp.async; each of
     the partition's threads arrives on the stage's barrier when its copies land (the barrier counts them).
+    Rows past the expert's end are copied too (the next expert's tokens; never stored), so a tile needs
+    only its first row, and the loads that find a tile run ahead: tile j+2's schedule entry and tile j+1's
+    token ids are loaded while tile j's stages are issued, off the path from one tile's last stage to the
+    next tile's first.
     GATED: W is (E·2N, K) with each expert's N gate rows before its N up rows; a stage's B holds
     BLOCK_N/2 gate rows then the matching BLOCK_N/2 up rows, so one MMA computes both halves.
     B_KN (stages of (BLOCK_K, BLOCK_N), told by their shape): W[e] is (K, N), N contiguous, over an
@@ -154,23 +172,39 @@ def _gather_loader(x_ptr, stride_xl, token_ptr, b_desc, a_bufs, b_bufs, ready, e
     GATED: gl.constexpr = TILE_N != BLOCK_N  # W's box is half the stage: gate, then up
     layout: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
     n_tn = gl.cdiv(N, TILE_N)
-    n_k = gl.cdiv(K_DIM, BLOCK_K)
     pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
+    if n_mine > 0:
+        _gather_tiles(x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
+                      tile_row_ptr, N, K_DIM, pid, nprog, n_used, n_tn, n_mine, offs_m, offs_k, B_KN, GATED)
+
+
+@gluon.jit
+def _gather_tiles(x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
+                  tile_row_ptr, N, K_DIM, pid, nprog, n_used, n_tn, n_mine, offs_m, offs_k, B_KN: gl.constexpr,
+                  GATED: gl.constexpr):
+    """_gather_loader's tiles, for a program with at least one."""
+    S: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
+    TILE_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
+    n_k = gl.cdiv(K_DIM, BLOCK_K)
+    # the pipeline's first two tiles; past the last tile the entries repeat it, read but never used
+    e, row0, pid_n = _tile_start(0, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr)
+    e1, row1, pid_n1 = _tile_start(gl.minimum(1, n_mine - 1), pid, nprog, n_used, n_tn, tile_expert_ptr,
+                                   tile_row_ptr)
+    tok = gl.load(token_ptr + row0 + offs_m, mask=row0 + offs_m < n_rows, other=0)
     for j in range(n_mine):
-        e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
-                                           expert_offsets_ptr)
-        rmask = row0 + offs_m < row_end
-        tok = gl.load(token_ptr + row0 + offs_m, mask=rmask, other=0)
-        rows_ptr = x_ptr + tok.to(gl.int64)[:, None] * stride_xl
+        tok1 = gl.load(token_ptr + row1 + offs_m, mask=row1 + offs_m < n_rows, other=0)
+        e2, row2, pid_n2 = _tile_start(gl.minimum(j + 2, n_mine - 1), pid, nprog, n_used, n_tn, tile_expert_ptr,
+                                       tile_row_ptr)
+        rows_ptr = x_ptr + tok.to(gl.int64)[:, None] * stride_xl + offs_k[None, :]
         for k in range(n_k):
             c = j * n_k + k
             s = c % S
-            mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)
-            # K_DIM is a multiple of BLOCK_K (checked on the host): a row mask alone keeps 16-byte copies
-            _cp_async(a_bufs.index(s), rows_ptr + (k * BLOCK_K + offs_k)[None, :], mask=rmask[:, None])
-            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
+            # W first: its TMA runs while the row copies are issued
             if B_KN:
                 mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
                 _tma_load(b_desc, [e * K_DIM + k * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
@@ -182,6 +216,11 @@ def _gather_loader(x_ptr, stride_xl, token_ptr, b_desc, a_bufs, b_bufs, ready, e
             else:
                 mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
                 _tma_load(b_desc, [e * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), b_bufs.index(s))
+            # K_DIM is a multiple of BLOCK_K (checked on the host): every copy is a whole 16 bytes
+            _cp_async(a_bufs.index(s), rows_ptr + k * BLOCK_K)
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+        e, row0, pid_n, tok = e1, row1, pid_n1, tok1
+        e1, row1, pid_n1 = e2, row2, pid_n2
 
 
 @gluon.jit
@@ -254,8 +293,8 @@ def rows_ws_kernel(a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_ti
     turn = _one_barrier()
     consumer_args = (c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, turn, tile_expert_ptr, tile_row_ptr,
                      expert_offsets_ptr, used_tiles_ptr, N, K_DIM, False)
-    loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                   used_tiles_ptr, N, K_DIM)
+    loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, N,
+                   K_DIM)
     if PINGPONG:  # two 4-warp consumers on alternate tiles (the default partition is one of them)
         gl.warp_specialize([(_consumer_even, consumer_args), (_consumer_odd, consumer_args), (_loader, loader_args)],
                            [4, 1], [232, 40])
@@ -264,7 +303,7 @@ def rows_ws_kernel(a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_ti
 
 
 @gluon.jit
-def gathered_rows_ws_kernel(x_ptr, stride_xl, token_ptr, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
+def gathered_rows_ws_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
                             expert_offsets_ptr, N, K_DIM, stride_cl, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """C[r] = x[token[r]] @ W[e]ᵀ: the up-projection's (and dH's) main loop, with A gathered by cp.async."""
@@ -276,8 +315,8 @@ def gathered_rows_ws_kernel(x_ptr, stride_xl, token_ptr, b_desc, c_ptr, tile_exp
     turn = _one_barrier()
     consumer_args = (c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, turn, tile_expert_ptr, tile_row_ptr,
                      expert_offsets_ptr, used_tiles_ptr, N, K_DIM, True)
-    loader_args = (x_ptr, stride_xl, token_ptr, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
-                   expert_offsets_ptr, used_tiles_ptr, N, K_DIM)
+    loader_args = (x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
+                   tile_row_ptr, used_tiles_ptr, N, K_DIM)
     if PINGPONG:
         gl.warp_specialize([(_consumer_even, consumer_args), (_consumer_odd, consumer_args),
                             (_gather_loader, loader_args)], [4, GATHER_WARPS], [224, 56])
@@ -330,7 +369,7 @@ def gathered_rows_ws(x, w, token, offsets, sched, out=None, pingpong: bool = Tru
     b_desc = _desc(w.reshape(E * N, K), [block_n, block_k])
     c = x.new_empty(token.shape[0], N) if out is None else out
     grid = (_num_sms(x.device),)
-    gathered_rows_ws_kernel[grid](x, x.stride(0), token, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K,
+    gathered_rows_ws_kernel[grid](x, x.stride(0), token, token.shape[0], b_desc, c, sched[0], sched[1], sched[2], offsets, N, K,
                                   c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
                                   PINGPONG=pingpong, num_warps=warps, maxnreg=168)
     return c
@@ -339,7 +378,7 @@ def gathered_rows_ws(x, w, token, offsets, sched, out=None, pingpong: bool = Tru
 # ---- up-projection: MMAs in two warpgroups, the SwiGLU epilogue in its own partition ----------------------
 # 8 MMA warps + 2 loader warps + 2 epilogue warps = 12: at 168 registers each on average, the MMA warps can
 # have 200 (wgmma with a 128-register accumulator needs ~154 to compile); the loader and epilogue share one
-# warpgroup and so one register count
+# warpgroup and so one register count (a 14th warp would leave the MMA warps fewer than ~154 registers)
 UP_LOADER_WARPS = gl.constexpr(2)
 EPI_WARPS = gl.constexpr(2)
 EPI_ROWS = gl.constexpr(32)  # the epilogue walks the tile in 32x64 pieces of gate (and the matching up)
@@ -366,6 +405,7 @@ def _handoff_mma(c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, use
         mbarrier.arrive(empty.index((j * n_k + n_k - 1) % S))
         mbarrier.wait(acc_empty.index(0), (j & 1) ^ 1)  # the epilogue has read tile j-1
         c_smem.store(acc.to(c_smem.dtype))
+        fence_async_shared()  # the epilogue may hand c_smem to a TMA store (async proxy)
         mbarrier.arrive(acc_ready.index(0))
 
 
@@ -406,7 +446,7 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, s
 
 
 @gluon.jit
-def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, w_desc, preact_ptr, act_ptr, stride_pl, stride_al,
+def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, preact_ptr, act_ptr, stride_pl, stride_al,
                         tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, H, K_DIM,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                         STORE_PREACT: gl.constexpr, WORKER_REGS: gl.constexpr):
@@ -422,8 +462,8 @@ def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, w_desc, preact_ptr, act_ptr
     acc_ready, acc_empty = _one_barrier(), _one_barrier()
     mma_args = (c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, gl.cdiv(H, BLOCK_N // 2),
                 K_DIM, True)
-    loader_args = (x_ptr, stride_xl, token_ptr, w_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
-                   expert_offsets_ptr, used_tiles_ptr, H, K_DIM)
+    loader_args = (x_ptr, stride_xl, token_ptr, n_rows, w_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
+                   tile_row_ptr, used_tiles_ptr, H, K_DIM)
     epi_args = (c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, stride_al, tile_expert_ptr,
                 tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT)
     gl.warp_specialize([(_handoff_mma, mma_args), (_gather_loader, loader_args), (_up_epilogue, epi_args)],
@@ -431,9 +471,10 @@ def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, w_desc, preact_ptr, act_ptr
 
 
 @gluon.jit
-def _store_epilogue(c_smem, acc_ready, acc_empty, c_ptr, stride_cl, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                    used_tiles_ptr, N):
-    """Each tile from c_smem to C's rows, in EPI_ROWS x EPI_COLS pieces with coalesced 16-byte stores."""
+def _store_epilogue(c_smem, acc_ready, acc_empty, c_desc, c_ptr, stride_cl, tile_expert_ptr, tile_row_ptr,
+                    expert_offsets_ptr, used_tiles_ptr, N):
+    """Each tile from c_smem to C's rows: a tile of the expert's rows alone by one TMA store; the expert's
+    last tile, whose rows run past its end, in EPI_ROWS x EPI_COLS pieces with masked 16-byte stores."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
     BLOCK_N: gl.constexpr = c_smem.type.shape[1]
     layout: gl.constexpr = _epilogue_layout(gl.num_warps())
@@ -445,38 +486,41 @@ def _store_epilogue(c_smem, acc_ready, acc_empty, c_ptr, stride_cl, tile_expert_
         e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
                                            expert_offsets_ptr)
         mbarrier.wait(acc_ready.index(0), j & 1)
-        for rh in gl.static_range(BLOCK_M // EPI_ROWS):
-            rows = row0 + rh * EPI_ROWS + offs_m
-            for ch in gl.static_range(BLOCK_N // EPI_COLS):
-                out = c_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0).slice(ch * EPI_COLS, EPI_COLS, dim=1).load(layout)
-                cols = pid_n * BLOCK_N + ch * EPI_COLS + offs_n
-                gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_cl + cols[None, :], out,
-                         mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+        if row0 + BLOCK_M <= row_end:
+            _tma_store(c_desc, [row0, pid_n * BLOCK_N], c_smem)
+            tma.store_wait(0)  # c_smem read: the MMA warps may overwrite it
+        else:
+            for rh in gl.static_range(BLOCK_M // EPI_ROWS):
+                rows = row0 + rh * EPI_ROWS + offs_m
+                for ch in gl.static_range(BLOCK_N // EPI_COLS):
+                    piece = c_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0).slice(ch * EPI_COLS, EPI_COLS, dim=1)
+                    cols = pid_n * BLOCK_N + ch * EPI_COLS + offs_n
+                    gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_cl + cols[None, :], piece.load(layout),
+                             mask=(rows < row_end)[:, None] & (cols < N)[None, :])
         mbarrier.arrive(acc_empty.index(0))
 
 
 @gluon.jit
-def rows_handoff_kernel(a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, N,
+def rows_handoff_kernel(a_desc, b_desc, c_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, N,
                         K_DIM, stride_cl, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                         STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, B_KN: gl.constexpr):
     """C[rows] = A[rows] @ B[e]ᵀ with 128x256 tiles: the 8-warp MMA partition hands each accumulator to a
     2-warp store partition through shared memory and goes on with the next tile; a 1-warp TMA loader.
     B_KN: B[e] is (K, N) with N contiguous (W1 for dX̃ = dH @ W1[e]), else (N, K) (W2 for the down-projection)."""
-    c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], a_desc.dtype)
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     if B_KN:
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
     else:
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(a_desc.dtype, [BLOCK_M, BLOCK_N], c_layout)
+    c_smem = gl.allocate_shared_memory(a_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
     ready, empty = _stage_barriers(STAGES, 1)
     acc_ready, acc_empty = _one_barrier(), _one_barrier()
     mma_args = (c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, gl.cdiv(N, BLOCK_N), K_DIM,
                 False)
-    loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                   used_tiles_ptr, N, K_DIM)
-    epi_args = (c_smem, acc_ready, acc_empty, c_ptr, stride_cl, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                used_tiles_ptr, N)
+    loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, N,
+                   K_DIM)
+    epi_args = (c_smem, acc_ready, acc_empty, c_desc, c_ptr, stride_cl, tile_expert_ptr, tile_row_ptr,
+                expert_offsets_ptr, used_tiles_ptr, N)
     gl.warp_specialize([(_handoff_mma, mma_args), (_loader, loader_args), (_store_epilogue, epi_args)],
                        [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
@@ -484,18 +528,19 @@ def rows_handoff_kernel(a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, us
 def rows_handoff(a, w, offsets, sched, out=None, kn: bool = False, block_k: int = 64, stages: int = 3,
                  worker_regs: int = 112):
     """C (rows, N) = A[rows] @ W[e]ᵀ, w (E, N, K), or with kn = A[rows] @ W[e], w (E, K, N), for each expert's
-    contiguous rows; bf16/fp16, contiguous, the contiguous dimension a multiple of 8 (16-byte TMA rows).
-    128x256 tiles whose stores run in their own partition beside the next tile's MMAs."""
+    contiguous rows; bf16/fp16, contiguous, K and N multiples of 8 (16-byte TMA rows). 128x256 tiles whose
+    stores run in their own partition beside the next tile's MMAs."""
     E, K, N = w.shape if kn else (w.shape[0], w.shape[2], w.shape[1])
-    if a.shape[1] % 8 or w.shape[2] % 8 or not (a.is_contiguous() and w.is_contiguous()):
-        raise ValueError(f"rows_handoff needs contiguous operands with rows of a multiple of 8 elements, got "
-                         f"{tuple(a.shape)}, {tuple(w.shape)}")
+    c = a.new_empty(a.shape[0], N) if out is None else out
+    if K % 8 or N % 8 or not (a.is_contiguous() and w.is_contiguous() and c.is_contiguous()):
+        raise ValueError(f"rows_handoff needs contiguous operands with K and N multiples of 8, got A "
+                         f"{tuple(a.shape)}, W {tuple(w.shape)}, C {tuple(c.shape)}")
     block_n = 256
     a_desc = _desc(a, [BLOCK_M, block_k])
     b_desc = _desc(w.reshape(-1, w.shape[2]), [block_k, block_n] if kn else [block_n, block_k])
-    c = a.new_empty(a.shape[0], N) if out is None else out
+    c_desc = _desc(c, [BLOCK_M, block_n])
     grid = (_num_sms(a.device),)
-    rows_handoff_kernel[grid](a_desc, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K, c.stride(0),
+    rows_handoff_kernel[grid](a_desc, b_desc, c_desc, c, sched[0], sched[1], sched[2], offsets, N, K, c.stride(0),
                               BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
                               WORKER_REGS=worker_regs, B_KN=kn, num_warps=8, maxnreg=168)
     return c
@@ -520,8 +565,8 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
     # 12 warps x 168 registers fill the register file: the loader and epilogue warpgroup gets
     # worker_regs, the MMA warps the rest
     grid = (_num_sms(x.device),)
-    up_swiglu_ws_kernel[grid](x, x.stride(0), token, w_desc, p, act, p.stride(0), act.stride(0), sched[0], sched[1],
-                              sched[2], offsets, h, d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+    up_swiglu_ws_kernel[grid](x, x.stride(0), token, rows, w_desc, p, act, p.stride(0), act.stride(0), sched[0],
+                              sched[1], sched[2], offsets, h, d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
                               STAGES=stages, STORE_PREACT=store_preact, WORKER_REGS=worker_regs, num_warps=8,
                               maxnreg=168)
     return (preact if store_preact else None), act

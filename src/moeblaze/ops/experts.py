@@ -129,7 +129,7 @@ def _rows(a, b, b_strides_ekn, n, offsets, sched):
     """C (rows, n) = A[rows] @ B[e] with B[e] addressed as (k, n) through b_strides_ekn."""
     # B (E, n, k) contiguous: W2 in the down-projection; (E, k, n): W1 in dX~
     kn = b_strides_ekn[2] == 1
-    if (kn or b_strides_ekn[1] == 1) and a.shape[1] % 8 == 0 and b.shape[2] % 8 == 0 and _gluon(a, b):
+    if (kn or b_strides_ekn[1] == 1) and a.shape[1] % 8 == 0 and n % 8 == 0 and _gluon(a, b):
         from ..kernels.gluon_hopper import rows_handoff
         return rows_handoff(a, b, offsets, sched, kn=kn)
     c = a.new_empty(a.shape[0], n)
