@@ -72,7 +72,7 @@ def main():
         x = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
         w1 = torch.randn(E, 2 * h, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5
 
-        def gluon(fn, pipelines=pipelines):
+        def gluon(fn):
             """(label, call) for every version and pipeline shape of one Gluon launch."""
             return [(f"{v}{'' if len(pipelines) == 1 else f' {s}x{bk}'}", lambda m=m, s=s, bk=bk: fn(m, s, bk))
                     for v, m in versions for s, bk in pipelines]

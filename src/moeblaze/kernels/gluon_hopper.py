@@ -160,67 +160,49 @@ def _gather_loader(x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, 
     token ids are loaded while tile j's stages are issued, off the path from one tile's last stage to the
     next tile's first.
     GATED: W is (E·2N, K) with each expert's N gate rows before its N up rows; a stage's B holds
-    BLOCK_N/2 gate rows then the matching BLOCK_N/2 up rows, so one MMA computes both halves.
-    B_KN (stages of (BLOCK_K, BLOCK_N), told by their shape): W[e] is (K, N), N contiguous, over an
-    (E·K, N) view, as W2 is for dH."""
+    BLOCK_N/2 gate rows then the matching BLOCK_N/2 up rows, so one MMA computes both halves."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
-    TILE_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    TILE_N: gl.constexpr = b_desc.block_type.shape[0]
     GATED: gl.constexpr = TILE_N != BLOCK_N  # W's box is half the stage: gate, then up
     layout: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
     n_tn = gl.cdiv(N, TILE_N)
+    n_k = gl.cdiv(K_DIM, BLOCK_K)
     pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
     if n_mine > 0:
-        _gather_tiles(x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
-                      tile_row_ptr, N, K_DIM, pid, nprog, n_used, n_tn, n_mine, offs_m, offs_k, B_KN, GATED)
-
-
-@gluon.jit
-def _gather_tiles(x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
-                  tile_row_ptr, N, K_DIM, pid, nprog, n_used, n_tn, n_mine, offs_m, offs_k, B_KN: gl.constexpr,
-                  GATED: gl.constexpr):
-    """_gather_loader's tiles, for a program with at least one."""
-    S: gl.constexpr = a_bufs.type.shape[0]
-    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
-    TILE_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
-    n_k = gl.cdiv(K_DIM, BLOCK_K)
-    # the pipeline's first two tiles; past the last tile the entries repeat it, read but never used
-    e, row0, pid_n = _tile_start(0, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr)
-    e1, row1, pid_n1 = _tile_start(gl.minimum(1, n_mine - 1), pid, nprog, n_used, n_tn, tile_expert_ptr,
-                                   tile_row_ptr)
-    tok = gl.load(token_ptr + row0 + offs_m, mask=row0 + offs_m < n_rows, other=0)
-    for j in range(n_mine):
-        tok1 = gl.load(token_ptr + row1 + offs_m, mask=row1 + offs_m < n_rows, other=0)
-        e2, row2, pid_n2 = _tile_start(gl.minimum(j + 2, n_mine - 1), pid, nprog, n_used, n_tn, tile_expert_ptr,
+        # the pipeline's first two tiles; past the last tile the entries repeat it, read but never used
+        e, row0, pid_n = _tile_start(0, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr)
+        e1, row1, pid_n1 = _tile_start(gl.minimum(1, n_mine - 1), pid, nprog, n_used, n_tn, tile_expert_ptr,
                                        tile_row_ptr)
-        rows_ptr = x_ptr + tok.to(gl.int64)[:, None] * stride_xl + offs_k[None, :]
-        for k in range(n_k):
-            c = j * n_k + k
-            s = c % S
-            mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
-            # W first: its TMA runs while the row copies are issued
-            if B_KN:
-                mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
-                _tma_load(b_desc, [e * K_DIM + k * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
-            elif GATED:
-                mbarrier.expect(ready.index(s), 2 * b_desc.block_type.nbytes)
-                gate_row = e * 2 * N + pid_n * TILE_N
-                _tma_load(b_desc, [gate_row, k * BLOCK_K], ready.index(s), b_bufs.index(s).slice(0, TILE_N))
-                _tma_load(b_desc, [gate_row + N, k * BLOCK_K], ready.index(s), b_bufs.index(s).slice(TILE_N, TILE_N))
-            else:
-                mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
-                _tma_load(b_desc, [e * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), b_bufs.index(s))
-            # K_DIM is a multiple of BLOCK_K (checked on the host): every copy is a whole 16 bytes
-            _cp_async(a_bufs.index(s), rows_ptr + k * BLOCK_K)
-            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
-        e, row0, pid_n, tok = e1, row1, pid_n1, tok1
-        e1, row1, pid_n1 = e2, row2, pid_n2
+        tok = gl.load(token_ptr + row0 + offs_m, mask=row0 + offs_m < n_rows, other=0)
+        for j in range(n_mine):
+            tok1 = gl.load(token_ptr + row1 + offs_m, mask=row1 + offs_m < n_rows, other=0)
+            e2, row2, pid_n2 = _tile_start(gl.minimum(j + 2, n_mine - 1), pid, nprog, n_used, n_tn,
+                                           tile_expert_ptr, tile_row_ptr)
+            rows_ptr = x_ptr + tok.to(gl.int64)[:, None] * stride_xl + offs_k[None, :]
+            for k in range(n_k):
+                c = j * n_k + k
+                s = c % S
+                mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
+                # W first: its TMA runs while the row copies are issued
+                if GATED:
+                    mbarrier.expect(ready.index(s), 2 * b_desc.block_type.nbytes)
+                    gate_row = e * 2 * N + pid_n * TILE_N
+                    stage = b_bufs.index(s)
+                    _tma_load(b_desc, [gate_row, k * BLOCK_K], ready.index(s), stage.slice(0, TILE_N))
+                    _tma_load(b_desc, [gate_row + N, k * BLOCK_K], ready.index(s), stage.slice(TILE_N, TILE_N))
+                else:
+                    mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
+                    _tma_load(b_desc, [e * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), b_bufs.index(s))
+                # K_DIM is a multiple of BLOCK_K (checked on the host): every copy is a whole 16 bytes
+                _cp_async(a_bufs.index(s), rows_ptr + k * BLOCK_K)
+                async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            e, row0, pid_n, tok = e1, row1, pid_n1, tok1
+            e1, row1, pid_n1 = e2, row2, pid_n2
 
 
 @gluon.jit
@@ -303,9 +285,10 @@ def rows_ws_kernel(a_desc, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_ti
 
 
 @gluon.jit
-def gathered_rows_ws_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
-                            expert_offsets_ptr, N, K_DIM, stride_cl, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+def gathered_rows_ws_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_ptr, tile_expert_ptr, tile_row_ptr,
+                            used_tiles_ptr, expert_offsets_ptr, N, K_DIM, stride_cl, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                            PINGPONG: gl.constexpr):
     """C[r] = x[token[r]] @ W[e]ᵀ: the up-projection's (and dH's) main loop, with A gathered by cp.async."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], b_desc.dtype)
     a_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
@@ -369,9 +352,9 @@ def gathered_rows_ws(x, w, token, offsets, sched, out=None, pingpong: bool = Tru
     b_desc = _desc(w.reshape(E * N, K), [block_n, block_k])
     c = x.new_empty(token.shape[0], N) if out is None else out
     grid = (_num_sms(x.device),)
-    gathered_rows_ws_kernel[grid](x, x.stride(0), token, token.shape[0], b_desc, c, sched[0], sched[1], sched[2], offsets, N, K,
-                                  c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-                                  PINGPONG=pingpong, num_warps=warps, maxnreg=168)
+    gathered_rows_ws_kernel[grid](x, x.stride(0), token, token.shape[0], b_desc, c, sched[0], sched[1], sched[2],
+                                  offsets, N, K, c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                                  STAGES=stages, PINGPONG=pingpong, num_warps=warps, maxnreg=168)
     return c
 
 
@@ -501,9 +484,9 @@ def _store_epilogue(c_smem, acc_ready, acc_empty, c_desc, c_ptr, stride_cl, tile
 
 
 @gluon.jit
-def rows_handoff_kernel(a_desc, b_desc, c_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, N,
-                        K_DIM, stride_cl, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                        STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, B_KN: gl.constexpr):
+def rows_handoff_kernel(a_desc, b_desc, c_desc, c_ptr, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
+                        expert_offsets_ptr, N, K_DIM, stride_cl, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, B_KN: gl.constexpr):
     """C[rows] = A[rows] @ B[e]ᵀ with 128x256 tiles: the 8-warp MMA partition hands each accumulator to a
     2-warp store partition through shared memory and goes on with the next tile; a 1-warp TMA loader.
     B_KN: B[e] is (K, N) with N contiguous (W1 for dX̃ = dH @ W1[e]), else (N, K) (W2 for the down-projection)."""
