@@ -75,23 +75,25 @@ def _one_barrier():
 
 
 @gluon.jit
-def _mma_steps(acc, c0, n_k, a_bufs, b_bufs, ready, empty, fence):
-    """acc += the n_k stages c0 .. c0+n_k-1 of A @ B (B permuted unless its stages are (BLOCK_K, BLOCK_N)),
-    each stage handed back to the loader once the next MMA is issued; returns with the last MMA in
-    flight. fence: A's rows come from cp.async (generic proxy), which wgmma (async proxy) must be fenced
-    against."""
+def _mma_steps(acc, c0, n_k, a_bufs, b_bufs, ready, empty, fence, A_KM: gl.constexpr = False):
+    """acc += the n_k stages c0 .. c0+n_k-1 of A @ B (B permuted unless its stages are (BLOCK_K, BLOCK_N);
+    A permuted if A_KM: its stages are (BLOCK_K, BLOCK_M)), each stage handed back to the loader once the
+    next MMA is issued; returns with the last MMA in flight. fence: an operand comes from cp.async
+    (generic proxy), which wgmma (async proxy) must be fenced against."""
     S: gl.constexpr = a_bufs.type.shape[0]
-    B_KN: gl.constexpr = b_bufs.type.shape[2] != a_bufs.type.shape[2]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[1] if A_KM else a_bufs.type.shape[2]
+    B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K
     for k in range(n_k):
         c = c0 + k
         s = c % S
         mbarrier.wait(ready.index(s), (c // S) & 1)
         if fence:
             fence_async_shared()
+        a = a_bufs.index(s).permute((1, 0)) if A_KM else a_bufs.index(s)
         if B_KN:
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
         else:
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc, ))
         # the MMA of step k-1 has finished: its stage goes back to the loader
         mbarrier.arrive(empty.index((c + S - 1) % S), pred=k > 0)
@@ -457,14 +459,11 @@ def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, preact_ptr,
 def _store_epilogue(c_smem, acc_ready, acc_empty, c_desc, c_ptr, stride_cl, tile_expert_ptr, tile_row_ptr,
                     expert_offsets_ptr, used_tiles_ptr, N):
     """Each tile from c_smem to C's rows: a tile of the expert's rows alone by one TMA store; the expert's
-    last tile, whose rows run past its end, in EPI_ROWS x EPI_COLS pieces with masked 16-byte stores."""
+    last tile, whose rows run past its end, in pieces with masked stores."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
     BLOCK_N: gl.constexpr = c_smem.type.shape[1]
-    layout: gl.constexpr = _epilogue_layout(gl.num_warps())
     n_tn = gl.cdiv(N, BLOCK_N)
     pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
-    offs_m = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
-    offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
     for j in range(n_mine):
         e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
                                            expert_offsets_ptr)
@@ -473,14 +472,26 @@ def _store_epilogue(c_smem, acc_ready, acc_empty, c_desc, c_ptr, stride_cl, tile
             _tma_store(c_desc, [row0, pid_n * BLOCK_N], c_smem)
             tma.store_wait(0)  # c_smem read: the MMA warps may overwrite it
         else:
-            for rh in gl.static_range(BLOCK_M // EPI_ROWS):
-                rows = row0 + rh * EPI_ROWS + offs_m
-                for ch in gl.static_range(BLOCK_N // EPI_COLS):
-                    piece = c_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0).slice(ch * EPI_COLS, EPI_COLS, dim=1)
-                    cols = pid_n * BLOCK_N + ch * EPI_COLS + offs_n
-                    gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_cl + cols[None, :], piece.load(layout),
-                             mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+            _store_pieces(c_smem, c_ptr, stride_cl, row0, row_end, pid_n * BLOCK_N, N)
         mbarrier.arrive(acc_empty.index(0))
+
+
+@gluon.jit
+def _store_pieces(c_smem, c_ptr, stride_cl, row0, row_end, col0, N):
+    """c_smem to C[row0:row_end, col0:N] (rows and columns past them masked), in EPI_ROWS x EPI_COLS pieces
+    with coalesced 16-byte stores."""
+    BLOCK_M: gl.constexpr = c_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+    layout: gl.constexpr = _epilogue_layout(gl.num_warps())
+    offs_m = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
+    offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
+    for rh in gl.static_range(BLOCK_M // EPI_ROWS):
+        rows = row0 + rh * EPI_ROWS + offs_m
+        for ch in gl.static_range(BLOCK_N // EPI_COLS):
+            piece = c_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0).slice(ch * EPI_COLS, EPI_COLS, dim=1)
+            cols = col0 + ch * EPI_COLS + offs_n
+            gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_cl + cols[None, :], piece.load(layout),
+                     mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
 
 @gluon.jit
@@ -554,3 +565,175 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
                               maxnreg=168)
     return (preact if store_preact else None), act
 
+
+
+# ---- weight gradients: dW[e] = P[rows of e]ᵀ Q[rows of e], one side gathered ------------------------------
+# the reduction runs over the expert's rows, so the gathered side needs new token ids every stage: the
+# loader reads the next stage's ids while it issues this stage's copies
+WGRAD_BLOCKS = (128, 256, 64)  # (BLOCK_M: P's columns per tile, BLOCK_N: Q's columns, BLOCK_K: rows per stage)
+
+
+@gluon.jit
+def _wgrad_tile(j, pid, nprog, n_tm, n_tn):
+    """(expert, row tile of dW[e], column tile) of this program's j-th tile: expert by expert, so the
+    programs running together read the same rows of P and Q (from L2)."""
+    t = pid + j * nprog
+    r = t % (n_tm * n_tn)
+    return t // (n_tm * n_tn), r // n_tn, r % n_tn
+
+
+@gluon.jit
+def _wgrad_loader(dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, ready, empty, expert_offsets_ptr,
+                  n_tiles, n_tm, n_tn):
+    """Stages of BLOCK_K rows of P (BLOCK_K x BLOCK_M) and Q (BLOCK_K x BLOCK_N): the dense side through TMA
+    (its rows past the expert's end are the next expert's, or TMA's zeros past the tensor), the gathered
+    side src[token[r]] through cp.async with the rows past the expert's end zero-filled, so they add
+    nothing. (A non-finite value in the next expert's dense rows would still reach this expert's sum:
+    0 x inf; a step with one has no usable gradients anyway.)"""
+    S: gl.constexpr = p_bufs.type.shape[0]
+    BLOCK_K: gl.constexpr = p_bufs.type.shape[1]
+    BLOCK_M: gl.constexpr = p_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = q_bufs.type.shape[2]
+    gl.static_assert(BLOCK_M != BLOCK_N)
+    GATHER_P: gl.constexpr = dense_desc.block_type.shape[1] == BLOCK_N  # the dense side is the one TMA loads
+    WIDTH: gl.constexpr = BLOCK_M if GATHER_P else BLOCK_N
+    layout: gl.constexpr = _gather_layout(64, gl.num_warps())
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    n_mine = gl.cdiv(n_tiles - pid, nprog)
+    offs_r = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
+    offs_c = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    if n_mine > 0:
+        e, tm, tn = _wgrad_tile(0, pid, nprog, n_tm, n_tn)
+        start, end = gl.load(expert_offsets_ptr + e), gl.load(expert_offsets_ptr + e + 1)
+        tok = gl.load(token_ptr + start + offs_r, mask=start + offs_r < end, other=0)
+        c = 0
+        for j in range(n_mine):
+            # the next tile (the last one again past the end: read, never used)
+            e1, tm1, tn1 = _wgrad_tile(gl.minimum(j + 1, n_mine - 1), pid, nprog, n_tm, n_tn)
+            start1, end1 = gl.load(expert_offsets_ptr + e1), gl.load(expert_offsets_ptr + e1 + 1)
+            src_cols = src_ptr + ((tm * BLOCK_M) if GATHER_P else (tn * BLOCK_N)) + offs_c
+            dense_col = (tn * BLOCK_N) if GATHER_P else (tm * BLOCK_M)
+            n_k = gl.cdiv(end - start, BLOCK_K)
+            for k in range(n_k):
+                row = start + k * BLOCK_K
+                # the next stage's token ids, loaded while this stage is issued: this tile's next rows or
+                # the next tile's first
+                if k + 1 < n_k:
+                    next_row = row + BLOCK_K
+                    next_end = end
+                else:
+                    next_row = start1
+                    next_end = end1
+                tok1 = gl.load(token_ptr + next_row + offs_r, mask=next_row + offs_r < next_end, other=0)
+                s = c % S
+                mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
+                mbarrier.expect(ready.index(s), dense_desc.block_type.nbytes)
+                ptrs = src_cols[None, :] + tok.to(gl.int64)[:, None] * stride_src
+                rmask = (row + offs_r < end)[:, None]
+                if GATHER_P:
+                    _tma_load(dense_desc, [row, dense_col], ready.index(s), q_bufs.index(s))
+                    _cp_async(p_bufs.index(s), ptrs, mask=rmask)
+                else:
+                    _tma_load(dense_desc, [row, dense_col], ready.index(s), p_bufs.index(s))
+                    _cp_async(q_bufs.index(s), ptrs, mask=rmask)
+                async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+                tok = tok1
+                c += 1
+            if n_k == 0:  # an expert without rows: nothing read ahead
+                tok = gl.load(token_ptr + start1 + offs_r, mask=start1 + offs_r < end1, other=0)
+            e, tm, tn, start, end = e1, tm1, tn1, start1, end1
+
+
+@gluon.jit
+def _wgrad_mma(c_smem, acc_ready, acc_empty, p_bufs, q_bufs, ready, empty, expert_offsets_ptr, n_tiles, n_tm, n_tn):
+    """Each dW tile: Pᵀ (P's stages read transposed) times Q over the expert's rows, then the accumulator into
+    c_smem for the store partition. An expert without rows hands off zeros."""
+    S: gl.constexpr = p_bufs.type.shape[0]
+    BLOCK_K: gl.constexpr = p_bufs.type.shape[1]
+    BLOCK_M: gl.constexpr = p_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = q_bufs.type.shape[2]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    c0 = 0
+    for j in range(gl.cdiv(n_tiles - pid, nprog)):
+        e, tm, tn = _wgrad_tile(j, pid, nprog, n_tm, n_tn)
+        n_k = gl.cdiv(gl.load(expert_offsets_ptr + e + 1) - gl.load(expert_offsets_ptr + e), BLOCK_K)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        acc = _mma_steps(acc, c0, n_k, p_bufs, q_bufs, ready, empty, True, A_KM=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((c0 + n_k + S - 1) % S), pred=n_k > 0)
+        c0 += n_k
+        mbarrier.wait(acc_empty.index(0), (j & 1) ^ 1)  # the store partition has read tile j-1
+        c_smem.store(acc.to(c_smem.dtype))
+        fence_async_shared()  # read next by a TMA store (async proxy)
+        mbarrier.arrive(acc_ready.index(0))
+
+
+@gluon.jit
+def _wgrad_store(c_smem, acc_ready, acc_empty, c_desc, c_ptr, stride_cl, n_tiles, n_tm, n_tn, M, N,
+                 TMA_STORE: gl.constexpr):
+    """Each tile from c_smem to dW[e] (rows e·M .. of dW's (E·M, N) view): one TMA store where M is a multiple
+    of the tile (TMA_STORE), else masked stores that keep to the expert's M rows."""
+    BLOCK_M: gl.constexpr = c_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    for j in range(gl.cdiv(n_tiles - pid, nprog)):
+        e, tm, tn = _wgrad_tile(j, pid, nprog, n_tm, n_tn)
+        mbarrier.wait(acc_ready.index(0), j & 1)
+        if TMA_STORE:
+            _tma_store(c_desc, [e * M + tm * BLOCK_M, tn * BLOCK_N], c_smem)
+            tma.store_wait(0)  # c_smem read: the MMA warps may overwrite it
+        else:
+            _store_pieces(c_smem, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
+        mbarrier.arrive(acc_empty.index(0))
+
+
+@gluon.jit
+def weight_grad_ws_kernel(dense_desc, src_ptr, stride_src, token_ptr, c_desc, c_ptr, stride_cl, expert_offsets_ptr,
+                          E, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                          STAGES: gl.constexpr, TMA_STORE: gl.constexpr, WORKER_REGS: gl.constexpr):
+    """dW[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for every expert: the 8-warp MMA partition, a 2-warp loader
+    (TMA for the dense side, cp.async for the gathered one; which is which, the dense side's box tells), a
+    2-warp store partition."""
+    dtype: gl.constexpr = dense_desc.dtype
+    p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], dtype))
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
+    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    ready, empty = _stage_barriers(STAGES, 32 * UP_LOADER_WARPS + 1)
+    acc_ready, acc_empty = _one_barrier(), _one_barrier()
+    n_tm, n_tn = gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N)
+    n_tiles = E * n_tm * n_tn
+    mma_args = (c_smem, acc_ready, acc_empty, p_bufs, q_bufs, ready, empty, expert_offsets_ptr, n_tiles, n_tm, n_tn)
+    loader_args = (dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, ready, empty, expert_offsets_ptr,
+                   n_tiles, n_tm, n_tn)
+    store_args = (c_smem, acc_ready, acc_empty, c_desc, c_ptr, stride_cl, n_tiles, n_tm, n_tn, M, N, TMA_STORE)
+    gl.warp_specialize([(_wgrad_mma, mma_args), (_wgrad_loader, loader_args), (_wgrad_store, store_args)],
+                       [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
+
+
+def weight_grad_ws(p, q, token, offsets, out, gather_p: bool, stages: int = 3, worker_regs: int = 112):
+    """out[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for each expert's contiguous rows (offsets (E+1,) int32), with
+    P = p[token[rows]], Q = q[rows] if gather_p, else P = p[rows], Q = q[token[rows]]; token (rows,) int32.
+    bf16/fp16, contiguous, out in the operands' dtype; the gathered side's width a multiple of its block
+    (WGRAD_BLOCKS: 128 for P, 256 for Q), the dense side's and N multiples of 8 (16-byte TMA rows)."""
+    E, M, N = out.shape
+    block_m, block_n, block_k = WGRAD_BLOCKS
+    dense, src = (q, p) if gather_p else (p, q)
+    width = block_m if gather_p else block_n
+    if (src.shape[1] % width or dense.shape[1] % 8 or N % 8 or out.dtype != p.dtype or q.dtype != p.dtype
+            or not (p.is_contiguous() and q.is_contiguous() and out.is_contiguous())):
+        raise ValueError(f"weight_grad_ws needs contiguous operands of one dtype, the gathered one's width a "
+                         f"multiple of {width}, the dense one's and N multiples of 8; got P {tuple(p.shape)}, "
+                         f"Q {tuple(q.shape)}, dW {tuple(out.shape)} {out.dtype}")
+    dense_desc = _desc(dense, [block_k, block_n if gather_p else block_m])
+    c2d = out.view(E * M, N)
+    c_desc = _desc(c2d, [block_m, block_n])
+    grid = (_num_sms(p.device),)
+    weight_grad_ws_kernel[grid](dense_desc, src, src.stride(0), token, c_desc, c2d, c2d.stride(0), offsets, E, M, N,
+                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+                                TMA_STORE=M % block_m == 0, WORKER_REGS=worker_regs,
+                                num_warps=8, maxnreg=168)
+    return out

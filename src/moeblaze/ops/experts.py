@@ -160,6 +160,11 @@ def _weight_grad(p, q, out_shape, eti, offsets, gather_p, gather_q, out_dtype):
     """dW (E, N, P) with dW[e] = P[rows of e]^T Q[rows of e]."""
     E, N, P = out_shape
     dw = torch.empty(out_shape, dtype=out_dtype, device=p.device)
+    if gather_p != gather_q and out_dtype == p.dtype == q.dtype and _gluon(p, q):
+        from ..kernels.gluon_hopper import WGRAD_BLOCKS, weight_grad_ws
+        gathered, dense = (p, q) if gather_p else (q, p)
+        if gathered.shape[1] % WGRAD_BLOCKS[0 if gather_p else 1] == 0 and dense.shape[1] % 8 == 0 and P % 8 == 0:
+            return weight_grad_ws(p, q, eti, offsets, dw, gather_p)
     desc = _desc(q if gather_p else p) if gather_p != gather_q else None
     grid = lambda meta: (E * triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(P, meta["BLOCK_P"]),)  # noqa: E731
     _expert_weight_grad_kernel[grid](
