@@ -108,10 +108,10 @@ def main():
             dy = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
             act_scaled = torch.randn(LK, h, device="cuda", dtype=torch.bfloat16)
 
-            def wgrad(m, s, gather_p):
+            def wgrad(m, s, bk, gather_p):
                 p, q, shape = (dy, act_scaled, (E, d, h)) if gather_p else (dpreact, x, (E, 2 * h, d))
                 out = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
-                return m.weight_grad_ws(p, q, eti, offsets, out, gather_p, stages=s)
+                return m.weight_grad_ws(p, q, eti, offsets, out, gather_p, block_k=bk, stages=s)
 
             def tl_wgrad(gather_p):
                 if gather_p:
@@ -120,7 +120,7 @@ def main():
             for label, gather_p in (("dW1", False), ("dW2", True)):
                 flops = 2 * LK * d * (2 * h if label == "dW1" else h)
                 report(f"{name} {label}", flops,
-                       gluon(lambda m, s, bk, gp=gather_p: wgrad(m, s, gp)) + [("tl", lambda gp=gather_p: tl_wgrad(gp))])
+                       gluon(lambda m, s, bk, gp=gather_p: wgrad(m, s, bk, gp)) + [("tl", lambda gp=gather_p: tl_wgrad(gp))])
             del dpreact, dy, act_scaled
         if "variants" in launches:
             report(f"{name} up main loop (C = x[idx] @ W1ᵀ, no epilogue)", 2 * LK * 2 * h * d,

@@ -1,12 +1,14 @@
-"""Hopper (sm_90) warp-specialised expert GEMMs in Gluon: the up-projection with its SwiGLU epilogue
-and the row GEMM of the down-projection, used by ops.experts on sm_90 where the shapes allow; the tl
-kernels in kernels.experts stay the path everywhere else (and the only one the CPU interpreter runs).
+"""Hopper (sm_90) warp-specialised expert GEMMs in Gluon: the up-projection with its SwiGLU epilogue,
+the row GEMMs of the down-projection and dX̃, and the weight gradients, used by ops.experts on sm_90 where
+the shapes allow; the tl kernels in kernels.experts stay the path everywhere else (and the only one the
+CPU interpreter runs).
 
-Memory contract: nothing beyond the outputs (H and A; C). Shared memory: S stages of (128 + BLOCK_N) x 64
+Memory contract: nothing beyond the outputs (H and A; C; dW). Shared memory: S stages of (128 + BLOCK_N) x 64
 operands and, for the hand-off kernels, one 128 x 256 tile of the accumulator in the io dtype.
 
 One program per multiprocessor walks the used tiles of the device-built schedule, GROUP_M row tiles
-sweeping the columns together. Partitions of each program:
+sweeping the columns together (the weight gradients: the tiles of dW, expert by expert). Partitions of
+each program:
   loader    fills the stages: W through TMA; routed rows x[token[r]] through cp.async where gathered;
             the next tiles' schedule entries (and token ids) are read while this tile's stages are issued
   MMA       8 warps (two warpgroups, 64 rows each) over the stages, then hands the accumulator to
@@ -15,7 +17,9 @@ sweeping the columns together. Partitions of each program:
             with the next tile.
 The up-projection's stage holds 128 gate rows of W1 and the 128 matching up rows, so one 128x256 MMA
 computes both halves. Rows past the expert's end are loaded (they belong to the next expert) but never
-stored. Also here, measured and kept for reference (scripts/gluon_bench.py): ping-pong (two 4-warp
+stored. The weight gradients reduce over the expert's rows: a stage is 64 rows of both sides, the
+gathered side's rows past the expert's end zero-filled, and the loader reads the next stage's token ids
+while it issues this one's copies. Also here, measured and kept for reference (scripts/gluon_bench.py): ping-pong (two 4-warp
 consumers alternating 128x128 tiles) and cooperative kernels without the hand-off."""
 import torch
 from triton.experimental import gluon
@@ -570,7 +574,7 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
 # ---- weight gradients: dW[e] = P[rows of e]ᵀ Q[rows of e], one side gathered ------------------------------
 # the reduction runs over the expert's rows, so the gathered side needs new token ids every stage: the
 # loader reads the next stage's ids while it issues this stage's copies
-WGRAD_BLOCKS = (128, 256, 64)  # (BLOCK_M: P's columns per tile, BLOCK_N: Q's columns, BLOCK_K: rows per stage)
+WGRAD_BLOCKS = (128, 256)  # (BLOCK_M: P's columns per tile of dW, BLOCK_N: Q's columns)
 
 
 @gluon.jit
@@ -714,13 +718,14 @@ def weight_grad_ws_kernel(dense_desc, src_ptr, stride_src, token_ptr, c_desc, c_
                        [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
 
-def weight_grad_ws(p, q, token, offsets, out, gather_p: bool, stages: int = 3, worker_regs: int = 112):
+def weight_grad_ws(p, q, token, offsets, out, gather_p: bool, block_k: int = 64, stages: int = 3,
+                   worker_regs: int = 112):
     """out[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for each expert's contiguous rows (offsets (E+1,) int32), with
     P = p[token[rows]], Q = q[rows] if gather_p, else P = p[rows], Q = q[token[rows]]; token (rows,) int32.
     bf16/fp16, contiguous, out in the operands' dtype; the gathered side's width a multiple of its block
     (WGRAD_BLOCKS: 128 for P, 256 for Q), the dense side's and N multiples of 8 (16-byte TMA rows)."""
     E, M, N = out.shape
-    block_m, block_n, block_k = WGRAD_BLOCKS
+    block_m, block_n = WGRAD_BLOCKS
     dense, src = (q, p) if gather_p else (p, q)
     width = block_m if gather_p else block_n
     if (src.shape[1] % width or dense.shape[1] % 8 or N % 8 or out.dtype != p.dtype or q.dtype != p.dtype

@@ -23,9 +23,9 @@ in backward: H (recompute; dH is then written over it), dH, s·A, dX~. moe_exper
 bounds every transient by a token chunk. No host synchronization anywhere: tile counts are bounded
 by L·K // BLOCK_M + E and unused tiles exit at once.
 
-On sm_90 (bf16/fp16, contiguous, aligned operands) the SwiGLU up-projection, the down-projection and dX~
-launch kernels.gluon_hopper's warp-specialised kernels instead (same contract, one 64 KB tile of shared
-memory more per program); MOEBLAZE_GLUON=0 keeps every launch on the tl kernels. Their H goes through
+On sm_90 (bf16/fp16, contiguous, aligned operands) the SwiGLU up-projection, the down-projection, dX~ and
+the weight gradients launch kernels.gluon_hopper's warp-specialised kernels instead (same contract, one
+64 KB tile of shared memory more per program); MOEBLAZE_GLUON=0 keeps every launch on the tl kernels. Their H goes through
 the io dtype before A is computed from it, as backward computes A from the saved H.
 
 Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert, E experts, K top-k.
