@@ -166,12 +166,14 @@ def _gather_loader(x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, 
     token ids are loaded while tile j's stages are issued, off the path from one tile's last stage to the
     next tile's first.
     GATED: W is (E·2N, K) with each expert's N gate rows before its N up rows; a stage's B holds
-    BLOCK_N/2 gate rows then the matching BLOCK_N/2 up rows, so one MMA computes both halves."""
+    BLOCK_N/2 gate rows then the matching BLOCK_N/2 up rows, so one MMA computes both halves.
+    B_KN: W is (E·K, N) (W2 for dA' = dy[token] @ W2[e]), its stages (BLOCK_K, BLOCK_N) boxes."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    TILE_N: gl.constexpr = b_desc.block_type.shape[0]
+    B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
+    TILE_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
     GATED: gl.constexpr = TILE_N != BLOCK_N  # W's box is half the stage: gate, then up
     layout: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
     n_tn = gl.cdiv(N, TILE_N)
@@ -201,6 +203,9 @@ def _gather_loader(x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, 
                     stage = b_bufs.index(s)
                     _tma_load(b_desc, [gate_row, k * BLOCK_K], ready.index(s), stage.slice(0, TILE_N))
                     _tma_load(b_desc, [gate_row + N, k * BLOCK_K], ready.index(s), stage.slice(TILE_N, TILE_N))
+                elif B_KN:
+                    mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
+                    _tma_load(b_desc, [e * K_DIM + k * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
                 else:
                     mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
                     _tma_load(b_desc, [e * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), b_bufs.index(s))
@@ -521,6 +526,48 @@ def rows_handoff_kernel(a_desc, b_desc, c_desc, c_ptr, tile_expert_ptr, tile_row
                 expert_offsets_ptr, used_tiles_ptr, N)
     gl.warp_specialize([(_handoff_mma, mma_args), (_loader, loader_args), (_store_epilogue, epi_args)],
                        [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
+
+
+@gluon.jit
+def gathered_handoff_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_desc, c_ptr, stride_cl, tile_expert_ptr,
+                            tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, N, K_DIM, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                            WORKER_REGS: gl.constexpr):
+    """C[rows] = x[token[rows]] @ W[e], W (E·K, N): rows_handoff_kernel's MMA and store partitions behind the
+    gathering loader (2 warps) of the up-projection."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], b_desc.dtype)
+    a_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(b_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    ready, empty = _stage_barriers(STAGES, 32 * UP_LOADER_WARPS + 1)
+    acc_ready, acc_empty = _one_barrier(), _one_barrier()
+    mma_args = (c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, gl.cdiv(N, BLOCK_N), K_DIM,
+                True)
+    loader_args = (x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
+                   tile_row_ptr, used_tiles_ptr, N, K_DIM)
+    epi_args = (c_smem, acc_ready, acc_empty, c_desc, c_ptr, stride_cl, tile_expert_ptr, tile_row_ptr,
+                expert_offsets_ptr, used_tiles_ptr, N)
+    gl.warp_specialize([(_handoff_mma, mma_args), (_gather_loader, loader_args), (_store_epilogue, epi_args)],
+                       [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
+
+
+def gathered_handoff(x, w, token, offsets, sched, out=None, block_k: int = 64, stages: int = 3,
+                     worker_regs: int = 112):
+    """C (rows, N) = x[token[rows]] @ W[e] for each expert's contiguous rows (dA' = dy[token] @ W2[e]); x (L, K)
+    and w (E, K, N) bf16/fp16 contiguous, K a multiple of block_k, N of 8; token (rows,) int32."""
+    E, K, N = w.shape
+    c = x.new_empty(token.shape[0], N) if out is None else out
+    if K % block_k or N % 8 or not (x.is_contiguous() and w.is_contiguous() and c.is_contiguous()):
+        raise ValueError(f"gathered_handoff needs contiguous operands with K % {block_k} == 0 and N % 8 == 0, got "
+                         f"x {tuple(x.shape)}, W {tuple(w.shape)}, C {tuple(c.shape)}")
+    block_n = 256
+    b_desc = _desc(w.reshape(E * K, N), [block_k, block_n])
+    c_desc = _desc(c, [BLOCK_M, block_n])
+    grid = (_num_sms(x.device),)
+    gathered_handoff_kernel[grid](x, x.stride(0), token, token.shape[0], b_desc, c_desc, c, c.stride(0), sched[0],
+                                  sched[1], sched[2], offsets, N, K, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                                  BLOCK_K=block_k, STAGES=stages, WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+    return c
 
 
 def rows_handoff(a, w, offsets, sched, out=None, kn: bool = False, block_k: int = 64, stages: int = 3,

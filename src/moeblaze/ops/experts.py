@@ -38,8 +38,8 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..kernels.experts import (ACT_CODES, BLOCK_M, DS_BLOCK, GROUP_M, INTERPRET, _combine_kernel,
-                               _expert_down_bwd_kernel, _expert_rows_kernel, _expert_up_fwd_kernel,
+from ..kernels.experts import (ACT_CODES, BLOCK_M, DS_BLOCK, GROUP_M, INTERPRET, _act_bwd_kernel,
+                               _combine_kernel, _expert_down_bwd_kernel, _expert_rows_kernel, _expert_up_fwd_kernel,
                                _expert_weight_grad_kernel, _tile_schedule_kernel)
 from ..reference import is_gated
 
@@ -180,6 +180,12 @@ def _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, 
     w_sorted = torch.empty(LK, dtype=torch.float32, device=dy.device)  # router weights in row order
     w_sorted[token_slot.reshape(-1).long()] = topk_w.reshape(-1).float()
     act_scaled = dy.new_empty(LK, H)
+    if D % 64 == 0 and H % 8 == 0 and preact.is_contiguous() and _gluon(dy, w2):
+        # Hopper: dA' by the gathering hand-off GEMM into act_scaled, then the epilogue as its own pass,
+        # which overwrites dA' with s·A (a fused epilogue leaves the tensor cores idle at ~60% of the rate)
+        from ..kernels.gluon_hopper import gathered_handoff
+        gathered_handoff(dy, w2, eti, offsets, sched, out=act_scaled)
+        return act_scaled, _act_bwd(act_scaled, preact, w_sorted, dpreact, act_scaled, activation)
     ds_part = torch.empty(triton.cdiv(H, DS_BLOCK), LK, dtype=torch.float32, device=dy.device)
     num_tiles = sched[0].shape[0]
     w2_desc = _desc(w2.reshape(-1, H) if w2.is_contiguous() else None)
@@ -190,6 +196,19 @@ def _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, 
         W2_TMA=w2_desc is not None,
         BLOCK_M=BLOCK_M, PRECISION=_precision(dy.dtype), GROUP_M=GROUP_M)
     return act_scaled, ds_part
+
+
+def _act_bwd(dact, preact, w_sorted, dpreact, act_scaled, activation):
+    """From dA' (L·K, H) and H: dH into dpreact, s·A into act_scaled (either may alias its input) and dS,
+    returned as (1, L·K), the dS partials' shape."""
+    LK, H = dact.shape
+    ds = torch.empty(1, LK, dtype=torch.float32, device=dact.device)
+    block_r, block_h = (4, 16) if INTERPRET else (16, 256)
+    _act_bwd_kernel[(triton.cdiv(LK, block_r),)](
+        dact, preact, w_sorted, dpreact, act_scaled, ds, LK, H, dact.stride(0), preact.stride(0),
+        act_scaled.stride(0), GATED=is_gated(activation), ACT=ACT_CODES[activation], BLOCK_R=block_r,
+        BLOCK_H=block_h, num_warps=4)
+    return ds
 
 
 # ---- custom ops -----------------------------------------------------------------------------------
