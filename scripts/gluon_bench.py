@@ -137,7 +137,8 @@ def main():
             for label, gather_p in (("dW1", False), ("dW2", True)):
                 flops = 2 * LK * d * (2 * h if label == "dW1" else h)
                 report(f"{name} {label}", flops,
-                       gluon(lambda m, s, bk, gp=gather_p: wgrad(m, s, bk, gp)) + [("tl", lambda gp=gather_p: tl_wgrad(gp))])
+                       gluon(lambda m, s, bk, gp=gather_p: wgrad(m, s, bk, gp))
+                       + [("tl", lambda gp=gather_p: tl_wgrad(gp))])
             del dpreact, dy, act_scaled
         if "variants" in launches:
             report(f"{name} up main loop (C = x[idx] @ W1ᵀ, no epilogue)", 2 * LK * 2 * h * d,

@@ -19,8 +19,8 @@ The up-projection's stage holds 128 gate rows of W1 and the 128 matching up rows
 computes both halves. Rows past the expert's end are loaded (they belong to the next expert) but never
 stored. The weight gradients reduce over the expert's rows: a stage is 64 rows of both sides, the
 gathered side's rows past the expert's end zero-filled, and the loader reads the next stage's token ids
-while it issues this one's copies. Also here, measured and kept for reference (scripts/gluon_bench.py): ping-pong (two 4-warp
-consumers alternating 128x128 tiles) and cooperative kernels without the hand-off."""
+while it issues this one's copies. Also here, measured and kept for reference (scripts/gluon_bench.py):
+ping-pong (two 4-warp consumers alternating 128x128 tiles) and cooperative kernels without the hand-off."""
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

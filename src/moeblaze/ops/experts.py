@@ -23,10 +23,12 @@ in backward: H (recompute; dH is then written over it), dH, s·A, dX~. moe_exper
 bounds every transient by a token chunk. No host synchronization anywhere: tile counts are bounded
 by L·K // BLOCK_M + E and unused tiles exit at once.
 
-On sm_90 (bf16/fp16, contiguous, aligned operands) the SwiGLU up-projection, the down-projection, dX~ and
-the weight gradients launch kernels.gluon_hopper's warp-specialised kernels instead (same contract, one
-64 KB tile of shared memory more per program); MOEBLAZE_GLUON=0 keeps every launch on the tl kernels. Their H goes through
-the io dtype before A is computed from it, as backward computes A from the saved H.
+On sm_90 (bf16/fp16, contiguous, aligned operands) the SwiGLU up-projection, the down-projection, dA',
+dX~ and the weight gradients launch kernels.gluon_hopper's warp-specialised kernels instead (same
+contract, one 64 KB tile of shared memory more per program), and dH's epilogue runs as a pass of its
+own after dA' (written into the s·A buffer, so no buffer is added); MOEBLAZE_GLUON=0 keeps every launch
+on the tl kernels. Their H goes through the io dtype before A is computed from it, as backward computes
+A from the saved H, and dA' goes through it before dH and dS are computed from it.
 
 Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert, E experts, K top-k.
 """
