@@ -405,9 +405,11 @@ def _handoff_mma(c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, use
 
 @gluon.jit
 def _up_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, stride_al, tile_expert_ptr,
-                 tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT: gl.constexpr):
-    """Each tile's H = [gate | up] from c_smem: stores H (if STORE_PREACT) and A = SiLU(gate) * up, in 64x64
-    pieces with coalesced 16-byte stores; the stored H is what backward reads, and A is computed from it."""
+                 tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT: gl.constexpr,
+                 STORE_ACT: gl.constexpr):
+    """Each tile's H = [gate | up] from c_smem: stores H (if STORE_PREACT) and A = SiLU(gate) * up (if
+    STORE_ACT), in 32x64 pieces with coalesced 16-byte stores; the stored H is what backward reads, and A
+    is computed from it."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
     HALF: gl.constexpr = c_smem.type.shape[1] // 2
     layout: gl.constexpr = _epilogue_layout(gl.num_warps())
@@ -432,10 +434,11 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, s
                     p_ptrs = preact_ptr + rows.to(gl.int64)[:, None] * stride_pl + cols[None, :]
                     gl.store(p_ptrs, gate, mask=mask)
                     gl.store(p_ptrs + H, up, mask=mask)
-                g = gate.to(gl.float32)
-                a = g / (1.0 + gl.exp(-g)) * up.to(gl.float32)
-                a_ptrs = act_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :]
-                gl.store(a_ptrs, a.to(act_ptr.dtype.element_ty), mask=mask)
+                if STORE_ACT:
+                    g = gate.to(gl.float32)
+                    a = g / (1.0 + gl.exp(-g)) * up.to(gl.float32)
+                    a_ptrs = act_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :]
+                    gl.store(a_ptrs, a.to(act_ptr.dtype.element_ty), mask=mask)
         mbarrier.arrive(acc_empty.index(0))
 
 
@@ -443,7 +446,7 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, s
 def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, preact_ptr, act_ptr, stride_pl, stride_al,
                         tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, H, K_DIM,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                        STORE_PREACT: gl.constexpr, WORKER_REGS: gl.constexpr):
+                        STORE_PREACT: gl.constexpr, STORE_ACT: gl.constexpr, WORKER_REGS: gl.constexpr):
     """H = x[token[rows]] @ W1[e]ᵀ (gate and up), A = SiLU(gate) * up; three partitions: the 8-warp MMA
     partition (default), a 2-warp gathering loader, a 2-warp epilogue."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], w_desc.dtype)
@@ -459,7 +462,7 @@ def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, preact_ptr,
     loader_args = (x_ptr, stride_xl, token_ptr, n_rows, w_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
                    tile_row_ptr, used_tiles_ptr, H, K_DIM)
     epi_args = (c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, stride_al, tile_expert_ptr,
-                tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT)
+                tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT, STORE_ACT)
     gl.warp_specialize([(_handoff_mma, mma_args), (_gather_loader, loader_args), (_up_epilogue, epi_args)],
                        [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
@@ -591,11 +594,12 @@ def rows_handoff(a, w, offsets, sched, out=None, kn: bool = False, block_k: int 
     return c
 
 
-def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_preact: bool = True, block_k: int = 64,
-                 stages: int = 3, worker_regs: int = 112):
+def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_preact: bool = True,
+                 store_act: bool = True, block_k: int = 64, stages: int = 3, worker_regs: int = 112):
     """The SwiGLU up-projection: H (rows, 2h) = x[token[rows]] @ W1[e]ᵀ and A (rows, h) = SiLU(H[:, :h]) *
     H[:, h:], for each expert's contiguous rows; x (L, d), w1 (E, 2h, d) bf16/fp16 contiguous, d a
-    multiple of block_k. Returns (H or None, A)."""
+    multiple of block_k. Returns (H or None, A or None): H if store_preact, A if store_act (backward's
+    recompute stores H alone)."""
     E, two_h, d = w1.shape
     h = two_h // 2
     if d % block_k or not (x.is_contiguous() and w1.is_contiguous()):
@@ -603,18 +607,22 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
     block_n = 256  # 128 gate columns and the matching 128 up columns
     w_desc = _desc(w1.reshape(E * two_h, d), [block_n // 2, block_k])
     rows = token.shape[0]
+    if not (store_preact or store_act):
+        raise ValueError("up_swiglu_ws stores H, A or both")
     if store_preact and preact is None:
         preact = x.new_empty(rows, two_h)
-    act = x.new_empty(rows, h) if act is None else act
+    if store_act and act is None:
+        act = x.new_empty(rows, h)
     p = preact if store_preact else act
+    a = act if store_act else preact
     # 12 warps x 168 registers fill the register file: the loader and epilogue warpgroup gets
     # worker_regs, the MMA warps the rest
     grid = (_num_sms(x.device),)
-    up_swiglu_ws_kernel[grid](x, x.stride(0), token, rows, w_desc, p, act, p.stride(0), act.stride(0), sched[0],
+    up_swiglu_ws_kernel[grid](x, x.stride(0), token, rows, w_desc, p, a, p.stride(0), a.stride(0), sched[0],
                               sched[1], sched[2], offsets, h, d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                              STAGES=stages, STORE_PREACT=store_preact, WORKER_REGS=worker_regs, num_warps=8,
-                              maxnreg=168)
-    return (preact if store_preact else None), act
+                              STAGES=stages, STORE_PREACT=store_preact, STORE_ACT=store_act,
+                              WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+    return (preact if store_preact else None), (act if store_act else None)
 
 
 

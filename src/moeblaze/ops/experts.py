@@ -111,10 +111,10 @@ def _grid(num_tiles: int, n: int, device: torch.device | None = None):
 def _up(x, w1, eti, offsets, sched, activation, store_preact, store_act):
     LK, (E, F, D) = eti.shape[0], w1.shape
     H = F // 2 if is_gated(activation) else F
-    if activation == "swiglu" and store_act and D % 64 == 0 and _gluon(x, w1):
+    if activation == "swiglu" and D % 64 == 0 and _gluon(x, w1):
         from ..kernels.gluon_hopper import up_swiglu_ws
-        preact, act = up_swiglu_ws(x, w1, eti, offsets, sched, store_preact=store_preact)
-        return (preact if store_preact else x.new_empty(0)), act
+        preact, act = up_swiglu_ws(x, w1, eti, offsets, sched, store_preact=store_preact, store_act=store_act)
+        return (preact if store_preact else x.new_empty(0)), (act if store_act else x.new_empty(0))
     preact = x.new_empty(LK, F) if store_preact else x.new_empty(0)
     act = x.new_empty(LK, H) if store_act else x.new_empty(0)
     num_tiles = sched[0].shape[0]
