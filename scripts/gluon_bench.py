@@ -1,12 +1,13 @@
 """Times the Gluon warp-specialised kernels against the tl kernels (GPU only), launch by launch, bf16, at the
 anchor configs with every expert given L·K/E rows: the SwiGLU up-projection (H and A), the down-projection's
-row GEMM and dX~ = dH @ W1[e] (the hand-off kernels the layer runs), and the reference-only ping-pong and
+row GEMM, dH (dA' = dy[token] @ W2[e] by the gathering hand-off kernel, then the epilogue pass), dX~ = dH @ W1[e]
+and the weight gradients dW1, dW2 (the Gluon kernels the layer runs), and the reference-only ping-pong and
 cooperative kernels ("variants"). Each Gluon kernel runs in every pipeline shape given (stages x BLOCK_K);
 --baseline FILE also times an earlier version of kernels/gluon_hopper.py, e.g. made by
 `git show REV:src/moeblaze/kernels/gluon_hopper.py > FILE`, and checks that its outputs are bit-identical.
 Candidates alternate twice in one process, so their ratios are comparable.
 
-    python scripts/gluon_bench.py [--configs C,D,E,B] [--launches up,down,dx,variants] [--pipelines 3x64]
+    python scripts/gluon_bench.py [--configs C,D,E,B] [--launches up,down,dH,dx,wgrad,variants] [--pipelines 3x64]
                                   [--baseline FILE]"""
 import argparse
 import importlib.util
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 from moeblaze.bench.harness import CONFIGS  # noqa: E402
 from moeblaze.kernels import gluon_hopper as current  # noqa: E402
 import moeblaze.ops.experts as ops  # noqa: E402
-from moeblaze.ops.experts import _rows, _up, tile_schedule  # noqa: E402
+from moeblaze.ops.experts import _down_bwd, _rows, _up, _weight_grad, tile_schedule  # noqa: E402
 
 
 def load_baseline(path):
@@ -52,7 +53,7 @@ def report(name, flops, candidates, rounds=2):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="C,D,E,B")
-    p.add_argument("--launches", default="up,down,dx")
+    p.add_argument("--launches", default="up,down,dH,dx,wgrad")
     p.add_argument("--pipelines", default="3x64", help="stages x BLOCK_K of the Gluon kernels, comma-separated")
     p.add_argument("--baseline", default=None)
     args = p.parse_args()
@@ -68,7 +69,9 @@ def main():
         offsets = torch.zeros(E + 1, dtype=torch.int32, device="cuda")
         offsets[1:] = counts.cumsum(0)
         sched = tile_schedule(counts, offsets, LK)
-        eti = torch.randperm(LK, device="cuda").to(torch.int32) // K  # each token's K rows, scattered
+        perm = torch.randperm(LK, device="cuda")
+        eti = (perm // K).to(torch.int32)  # each token's K rows, scattered
+        token_slot = perm.argsort().to(torch.int32).view(L, K)  # row of (token t, k-th choice)
         x = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
         w1 = torch.randn(E, 2 * h, d, device="cuda", dtype=torch.bfloat16) * d ** -0.5
 
@@ -95,6 +98,21 @@ def main():
                            lambda pp=pp, s=s: current.rows_ws(a, w2, offsets, sched, pingpong=pp, stages=s))
                           for pp, s in ((True, 4), (False, 3))])
             del a, w2
+        if "dH" in launches:
+            dy = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
+            w2 = torch.randn(E, d, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
+            preact = torch.randn(LK, 2 * h, device="cuda", dtype=torch.bfloat16)
+            topk_w = torch.rand(L, K, device="cuda")
+            dpreact = {True: torch.empty_like(preact), False: torch.empty_like(preact)}  # one per candidate
+
+            def dh(gluon):
+                ops.GLUON = gluon
+                _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact[gluon], eti, offsets, sched, "swiglu")
+                ops.GLUON = False
+                return dpreact[gluon]
+            report(f"{name} dH (with s·A, dS)", 2 * LK * d * h, [("gluon + pass", lambda: dh(True)),
+                                                                  ("tl fused", lambda: dh(False))])
+            del dy, w2, preact, dpreact
         if "dx" in launches:
             dpreact = torch.randn(LK, 2 * h, device="cuda", dtype=torch.bfloat16)
             report(f"{name} dX~", 2 * LK * d * 2 * h,
@@ -102,6 +120,26 @@ def main():
                    + [("tl", lambda: _rows(dpreact, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), d, offsets,
                                            sched))])
             del dpreact
+        if "wgrad" in launches:
+            dpreact = torch.randn(LK, 2 * h, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
+            act_scaled = torch.randn(LK, h, device="cuda", dtype=torch.bfloat16)
+
+            def wgrad(m, s, bk, gather_p):
+                p, q, shape = (dy, act_scaled, (E, d, h)) if gather_p else (dpreact, x, (E, 2 * h, d))
+                out = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+                return m.weight_grad_ws(p, q, eti, offsets, out, gather_p, block_k=bk, stages=s)
+
+            def tl_wgrad(gather_p):
+                if gather_p:
+                    return _weight_grad(dy, act_scaled, (E, d, h), eti, offsets, True, False, dy.dtype)
+                return _weight_grad(dpreact, x, (E, 2 * h, d), eti, offsets, False, True, x.dtype)
+            for label, gather_p in (("dW1", False), ("dW2", True)):
+                flops = 2 * LK * d * (2 * h if label == "dW1" else h)
+                report(f"{name} {label}", flops,
+                       gluon(lambda m, s, bk, gp=gather_p: wgrad(m, s, bk, gp))
+                       + [("tl", lambda gp=gather_p: tl_wgrad(gp))])
+            del dpreact, dy, act_scaled
         if "variants" in launches:
             report(f"{name} up main loop (C = x[idx] @ W1ᵀ, no epilogue)", 2 * LK * 2 * h * d,
                    [(f"{'ping-pong' if pp else 'cooperative'} S={s}",

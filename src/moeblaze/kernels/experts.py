@@ -355,6 +355,41 @@ def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_s
              mask=rmask[:, None] & (slot * DS_BLOCK < H)[None, :])
 
 
+@triton.jit
+def _act_bwd_kernel(dact_ptr, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_ptr, LK, H,
+                    stride_dl, stride_pl, stride_al, GATED: tl.constexpr, ACT: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The dH epilogue as a pass of its own over BLOCK_R rows, for a dA' = dy[token] @ W2[e] computed
+    apart (the Hopper path): from dA' and H, dH = d act(s * dA'), s * A, and dS[r] = <dA'[r], A[r]>
+    whole (no partials). dpreact may be preact and act_scaled may be dact: each element is read before
+    it is written, by the same thread."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < LK
+    s = tl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)
+    ds = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, H, BLOCK_H):
+        cols = c0 + tl.arange(0, BLOCK_H)
+        mask = rmask[:, None] & (cols < H)[None, :]
+        da = tl.load(_row_ptrs(dact_ptr, rows, stride_dl, cols), mask=mask, other=0.0).to(tl.float32)
+        p_ptrs = _row_ptrs(preact_ptr, rows, stride_pl, cols)
+        g = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
+        dp_ptrs = _row_ptrs(dpreact_ptr, rows, stride_pl, cols)
+        if GATED:
+            u = tl.load(p_ptrs + H, mask=mask, other=0.0).to(tl.float32)
+            act_g = _act(g, ACT)
+            a = act_g * u
+            das = da * s[:, None]
+            tl.store(dp_ptrs, (das * u * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=mask)
+            tl.store(dp_ptrs + H, (das * act_g).to(dpreact_ptr.dtype.element_ty), mask=mask)
+        else:
+            a = _act(g, ACT)
+            tl.store(dp_ptrs, (da * s[:, None] * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=mask)
+        sa = (a * s[:, None]).to(act_scaled_ptr.dtype.element_ty)
+        tl.store(_row_ptrs(act_scaled_ptr, rows, stride_al, cols), sa, mask=mask)
+        ds += tl.sum(da * a, axis=1)
+    tl.store(ds_ptr + rows, ds, mask=rmask)
+
+
 # restore_value: under checkpoint="recompute" the kernel writes dH over the H it reads, so the tuner's
 # repeated trial launches must each start from the original H.
 @triton.autotune(configs=DH_CONFIGS, key=["D", "H", "GATED"], restore_value=["preact_ptr"])

@@ -1,12 +1,14 @@
-"""Hopper (sm_90) warp-specialised expert GEMMs in Gluon: the up-projection with its SwiGLU epilogue
-and the row GEMM of the down-projection, used by ops.experts on sm_90 where the shapes allow; the tl
-kernels in kernels.experts stay the path everywhere else (and the only one the CPU interpreter runs).
+"""Hopper (sm_90) warp-specialised expert GEMMs in Gluon: the up-projection with its SwiGLU epilogue,
+the row GEMMs of the down-projection and dX̃, and the weight gradients, used by ops.experts on sm_90 where
+the shapes allow; the tl kernels in kernels.experts stay the path everywhere else (and the only one the
+CPU interpreter runs).
 
-Memory contract: nothing beyond the outputs (H and A; C). Shared memory: S stages of (128 + BLOCK_N) x 64
+Memory contract: nothing beyond the outputs (H and A; C; dW). Shared memory: S stages of (128 + BLOCK_N) x 64
 operands and, for the hand-off kernels, one 128 x 256 tile of the accumulator in the io dtype.
 
 One program per multiprocessor walks the used tiles of the device-built schedule, GROUP_M row tiles
-sweeping the columns together. Partitions of each program:
+sweeping the columns together (the weight gradients: the tiles of dW, expert by expert). Partitions of
+each program:
   loader    fills the stages: W through TMA; routed rows x[token[r]] through cp.async where gathered;
             the next tiles' schedule entries (and token ids) are read while this tile's stages are issued
   MMA       8 warps (two warpgroups, 64 rows each) over the stages, then hands the accumulator to
@@ -15,8 +17,10 @@ sweeping the columns together. Partitions of each program:
             with the next tile.
 The up-projection's stage holds 128 gate rows of W1 and the 128 matching up rows, so one 128x256 MMA
 computes both halves. Rows past the expert's end are loaded (they belong to the next expert) but never
-stored. Also here, measured and kept for reference (scripts/gluon_bench.py): ping-pong (two 4-warp
-consumers alternating 128x128 tiles) and cooperative kernels without the hand-off."""
+stored. The weight gradients reduce over the expert's rows: a stage is 64 rows of both sides, the
+gathered side's rows past the expert's end zero-filled, and the loader reads the next stage's token ids
+while it issues this one's copies. Also here, measured and kept for reference (scripts/gluon_bench.py):
+ping-pong (two 4-warp consumers alternating 128x128 tiles) and cooperative kernels without the hand-off."""
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -75,23 +79,25 @@ def _one_barrier():
 
 
 @gluon.jit
-def _mma_steps(acc, c0, n_k, a_bufs, b_bufs, ready, empty, fence):
-    """acc += the n_k stages c0 .. c0+n_k-1 of A @ B (B permuted unless its stages are (BLOCK_K, BLOCK_N)),
-    each stage handed back to the loader once the next MMA is issued; returns with the last MMA in
-    flight. fence: A's rows come from cp.async (generic proxy), which wgmma (async proxy) must be fenced
-    against."""
+def _mma_steps(acc, c0, n_k, a_bufs, b_bufs, ready, empty, fence, A_KM: gl.constexpr = False):
+    """acc += the n_k stages c0 .. c0+n_k-1 of A @ B (B permuted unless its stages are (BLOCK_K, BLOCK_N);
+    A permuted if A_KM: its stages are (BLOCK_K, BLOCK_M)), each stage handed back to the loader once the
+    next MMA is issued; returns with the last MMA in flight. fence: an operand comes from cp.async
+    (generic proxy), which wgmma (async proxy) must be fenced against."""
     S: gl.constexpr = a_bufs.type.shape[0]
-    B_KN: gl.constexpr = b_bufs.type.shape[2] != a_bufs.type.shape[2]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[1] if A_KM else a_bufs.type.shape[2]
+    B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K
     for k in range(n_k):
         c = c0 + k
         s = c % S
         mbarrier.wait(ready.index(s), (c // S) & 1)
         if fence:
             fence_async_shared()
+        a = a_bufs.index(s).permute((1, 0)) if A_KM else a_bufs.index(s)
         if B_KN:
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma(a, b_bufs.index(s), acc, is_async=True)
         else:
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc, ))
         # the MMA of step k-1 has finished: its stage goes back to the loader
         mbarrier.arrive(empty.index((c + S - 1) % S), pred=k > 0)
@@ -160,12 +166,14 @@ def _gather_loader(x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, 
     token ids are loaded while tile j's stages are issued, off the path from one tile's last stage to the
     next tile's first.
     GATED: W is (E·2N, K) with each expert's N gate rows before its N up rows; a stage's B holds
-    BLOCK_N/2 gate rows then the matching BLOCK_N/2 up rows, so one MMA computes both halves."""
+    BLOCK_N/2 gate rows then the matching BLOCK_N/2 up rows, so one MMA computes both halves.
+    B_KN: W is (E·K, N) (W2 for dA' = dy[token] @ W2[e]), its stages (BLOCK_K, BLOCK_N) boxes."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    TILE_N: gl.constexpr = b_desc.block_type.shape[0]
+    B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
+    TILE_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
     GATED: gl.constexpr = TILE_N != BLOCK_N  # W's box is half the stage: gate, then up
     layout: gl.constexpr = _gather_layout(BLOCK_K, gl.num_warps())
     n_tn = gl.cdiv(N, TILE_N)
@@ -195,6 +203,9 @@ def _gather_loader(x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, 
                     stage = b_bufs.index(s)
                     _tma_load(b_desc, [gate_row, k * BLOCK_K], ready.index(s), stage.slice(0, TILE_N))
                     _tma_load(b_desc, [gate_row + N, k * BLOCK_K], ready.index(s), stage.slice(TILE_N, TILE_N))
+                elif B_KN:
+                    mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
+                    _tma_load(b_desc, [e * K_DIM + k * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
                 else:
                     mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
                     _tma_load(b_desc, [e * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), b_bufs.index(s))
@@ -394,9 +405,11 @@ def _handoff_mma(c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, use
 
 @gluon.jit
 def _up_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, stride_al, tile_expert_ptr,
-                 tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT: gl.constexpr):
-    """Each tile's H = [gate | up] from c_smem: stores H (if STORE_PREACT) and A = SiLU(gate) * up, in 64x64
-    pieces with coalesced 16-byte stores; the stored H is what backward reads, and A is computed from it."""
+                 tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT: gl.constexpr,
+                 STORE_ACT: gl.constexpr):
+    """Each tile's H = [gate | up] from c_smem: stores H (if STORE_PREACT) and A = SiLU(gate) * up (if
+    STORE_ACT), in 32x64 pieces with coalesced 16-byte stores; the stored H is what backward reads, and A
+    is computed from it."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
     HALF: gl.constexpr = c_smem.type.shape[1] // 2
     layout: gl.constexpr = _epilogue_layout(gl.num_warps())
@@ -421,10 +434,11 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, s
                     p_ptrs = preact_ptr + rows.to(gl.int64)[:, None] * stride_pl + cols[None, :]
                     gl.store(p_ptrs, gate, mask=mask)
                     gl.store(p_ptrs + H, up, mask=mask)
-                g = gate.to(gl.float32)
-                a = g / (1.0 + gl.exp(-g)) * up.to(gl.float32)
-                a_ptrs = act_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :]
-                gl.store(a_ptrs, a.to(act_ptr.dtype.element_ty), mask=mask)
+                if STORE_ACT:
+                    g = gate.to(gl.float32)
+                    a = g / (1.0 + gl.exp(-g)) * up.to(gl.float32)
+                    a_ptrs = act_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :]
+                    gl.store(a_ptrs, a.to(act_ptr.dtype.element_ty), mask=mask)
         mbarrier.arrive(acc_empty.index(0))
 
 
@@ -432,7 +446,7 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, s
 def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, preact_ptr, act_ptr, stride_pl, stride_al,
                         tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, H, K_DIM,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                        STORE_PREACT: gl.constexpr, WORKER_REGS: gl.constexpr):
+                        STORE_PREACT: gl.constexpr, STORE_ACT: gl.constexpr, WORKER_REGS: gl.constexpr):
     """H = x[token[rows]] @ W1[e]ᵀ (gate and up), A = SiLU(gate) * up; three partitions: the 8-warp MMA
     partition (default), a 2-warp gathering loader, a 2-warp epilogue."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], w_desc.dtype)
@@ -448,7 +462,7 @@ def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, preact_ptr,
     loader_args = (x_ptr, stride_xl, token_ptr, n_rows, w_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
                    tile_row_ptr, used_tiles_ptr, H, K_DIM)
     epi_args = (c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, stride_al, tile_expert_ptr,
-                tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT)
+                tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT, STORE_ACT)
     gl.warp_specialize([(_handoff_mma, mma_args), (_gather_loader, loader_args), (_up_epilogue, epi_args)],
                        [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
@@ -457,14 +471,11 @@ def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, preact_ptr,
 def _store_epilogue(c_smem, acc_ready, acc_empty, c_desc, c_ptr, stride_cl, tile_expert_ptr, tile_row_ptr,
                     expert_offsets_ptr, used_tiles_ptr, N):
     """Each tile from c_smem to C's rows: a tile of the expert's rows alone by one TMA store; the expert's
-    last tile, whose rows run past its end, in EPI_ROWS x EPI_COLS pieces with masked 16-byte stores."""
+    last tile, whose rows run past its end, in pieces with masked stores."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
     BLOCK_N: gl.constexpr = c_smem.type.shape[1]
-    layout: gl.constexpr = _epilogue_layout(gl.num_warps())
     n_tn = gl.cdiv(N, BLOCK_N)
     pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
-    offs_m = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
-    offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
     for j in range(n_mine):
         e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
                                            expert_offsets_ptr)
@@ -473,14 +484,26 @@ def _store_epilogue(c_smem, acc_ready, acc_empty, c_desc, c_ptr, stride_cl, tile
             _tma_store(c_desc, [row0, pid_n * BLOCK_N], c_smem)
             tma.store_wait(0)  # c_smem read: the MMA warps may overwrite it
         else:
-            for rh in gl.static_range(BLOCK_M // EPI_ROWS):
-                rows = row0 + rh * EPI_ROWS + offs_m
-                for ch in gl.static_range(BLOCK_N // EPI_COLS):
-                    piece = c_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0).slice(ch * EPI_COLS, EPI_COLS, dim=1)
-                    cols = pid_n * BLOCK_N + ch * EPI_COLS + offs_n
-                    gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_cl + cols[None, :], piece.load(layout),
-                             mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+            _store_pieces(c_smem, c_ptr, stride_cl, row0, row_end, pid_n * BLOCK_N, N)
         mbarrier.arrive(acc_empty.index(0))
+
+
+@gluon.jit
+def _store_pieces(c_smem, c_ptr, stride_cl, row0, row_end, col0, N):
+    """c_smem to C[row0:row_end, col0:N] (rows and columns past them masked), in EPI_ROWS x EPI_COLS pieces
+    with coalesced 16-byte stores."""
+    BLOCK_M: gl.constexpr = c_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+    layout: gl.constexpr = _epilogue_layout(gl.num_warps())
+    offs_m = gl.arange(0, EPI_ROWS, layout=gl.SliceLayout(1, layout))
+    offs_n = gl.arange(0, EPI_COLS, layout=gl.SliceLayout(0, layout))
+    for rh in gl.static_range(BLOCK_M // EPI_ROWS):
+        rows = row0 + rh * EPI_ROWS + offs_m
+        for ch in gl.static_range(BLOCK_N // EPI_COLS):
+            piece = c_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0).slice(ch * EPI_COLS, EPI_COLS, dim=1)
+            cols = col0 + ch * EPI_COLS + offs_n
+            gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_cl + cols[None, :], piece.load(layout),
+                     mask=(rows < row_end)[:, None] & (cols < N)[None, :])
 
 
 @gluon.jit
@@ -508,6 +531,48 @@ def rows_handoff_kernel(a_desc, b_desc, c_desc, c_ptr, tile_expert_ptr, tile_row
                        [1, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
 
+@gluon.jit
+def gathered_handoff_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_desc, c_ptr, stride_cl, tile_expert_ptr,
+                            tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, N, K_DIM, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                            WORKER_REGS: gl.constexpr):
+    """C[rows] = x[token[rows]] @ W[e], W (E·K, N): rows_handoff_kernel's MMA and store partitions behind the
+    gathering loader (2 warps) of the up-projection."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], b_desc.dtype)
+    a_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(b_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    ready, empty = _stage_barriers(STAGES, 32 * UP_LOADER_WARPS + 1)
+    acc_ready, acc_empty = _one_barrier(), _one_barrier()
+    mma_args = (c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, gl.cdiv(N, BLOCK_N), K_DIM,
+                True)
+    loader_args = (x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
+                   tile_row_ptr, used_tiles_ptr, N, K_DIM)
+    epi_args = (c_smem, acc_ready, acc_empty, c_desc, c_ptr, stride_cl, tile_expert_ptr, tile_row_ptr,
+                expert_offsets_ptr, used_tiles_ptr, N)
+    gl.warp_specialize([(_handoff_mma, mma_args), (_gather_loader, loader_args), (_store_epilogue, epi_args)],
+                       [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
+
+
+def gathered_handoff(x, w, token, offsets, sched, out=None, block_k: int = 64, stages: int = 3,
+                     worker_regs: int = 112):
+    """C (rows, N) = x[token[rows]] @ W[e] for each expert's contiguous rows (dA' = dy[token] @ W2[e]); x (L, K)
+    and w (E, K, N) bf16/fp16 contiguous, K a multiple of block_k, N of 8; token (rows,) int32."""
+    E, K, N = w.shape
+    c = x.new_empty(token.shape[0], N) if out is None else out
+    if K % block_k or N % 8 or not (x.is_contiguous() and w.is_contiguous() and c.is_contiguous()):
+        raise ValueError(f"gathered_handoff needs contiguous operands with K % {block_k} == 0 and N % 8 == 0, got "
+                         f"x {tuple(x.shape)}, W {tuple(w.shape)}, C {tuple(c.shape)}")
+    block_n = 256
+    b_desc = _desc(w.reshape(E * K, N), [block_k, block_n])
+    c_desc = _desc(c, [BLOCK_M, block_n])
+    grid = (_num_sms(x.device),)
+    gathered_handoff_kernel[grid](x, x.stride(0), token, token.shape[0], b_desc, c_desc, c, c.stride(0), sched[0],
+                                  sched[1], sched[2], offsets, N, K, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                                  BLOCK_K=block_k, STAGES=stages, WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+    return c
+
+
 def rows_handoff(a, w, offsets, sched, out=None, kn: bool = False, block_k: int = 64, stages: int = 3,
                  worker_regs: int = 112):
     """C (rows, N) = A[rows] @ W[e]ᵀ, w (E, N, K), or with kn = A[rows] @ W[e], w (E, K, N), for each expert's
@@ -529,11 +594,12 @@ def rows_handoff(a, w, offsets, sched, out=None, kn: bool = False, block_k: int 
     return c
 
 
-def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_preact: bool = True, block_k: int = 64,
-                 stages: int = 3, worker_regs: int = 112):
+def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_preact: bool = True,
+                 store_act: bool = True, block_k: int = 64, stages: int = 3, worker_regs: int = 112):
     """The SwiGLU up-projection: H (rows, 2h) = x[token[rows]] @ W1[e]ᵀ and A (rows, h) = SiLU(H[:, :h]) *
     H[:, h:], for each expert's contiguous rows; x (L, d), w1 (E, 2h, d) bf16/fp16 contiguous, d a
-    multiple of block_k. Returns (H or None, A)."""
+    multiple of block_k. Returns (H or None, A or None): H if store_preact, A if store_act (backward's
+    recompute stores H alone)."""
     E, two_h, d = w1.shape
     h = two_h // 2
     if d % block_k or not (x.is_contiguous() and w1.is_contiguous()):
@@ -541,16 +607,193 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
     block_n = 256  # 128 gate columns and the matching 128 up columns
     w_desc = _desc(w1.reshape(E * two_h, d), [block_n // 2, block_k])
     rows = token.shape[0]
+    if not (store_preact or store_act):
+        raise ValueError("up_swiglu_ws stores H, A or both")
     if store_preact and preact is None:
         preact = x.new_empty(rows, two_h)
-    act = x.new_empty(rows, h) if act is None else act
+    if store_act and act is None:
+        act = x.new_empty(rows, h)
     p = preact if store_preact else act
+    a = act if store_act else preact
     # 12 warps x 168 registers fill the register file: the loader and epilogue warpgroup gets
     # worker_regs, the MMA warps the rest
     grid = (_num_sms(x.device),)
-    up_swiglu_ws_kernel[grid](x, x.stride(0), token, rows, w_desc, p, act, p.stride(0), act.stride(0), sched[0],
+    up_swiglu_ws_kernel[grid](x, x.stride(0), token, rows, w_desc, p, a, p.stride(0), a.stride(0), sched[0],
                               sched[1], sched[2], offsets, h, d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                              STAGES=stages, STORE_PREACT=store_preact, WORKER_REGS=worker_regs, num_warps=8,
-                              maxnreg=168)
-    return (preact if store_preact else None), act
+                              STAGES=stages, STORE_PREACT=store_preact, STORE_ACT=store_act,
+                              WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+    return (preact if store_preact else None), (act if store_act else None)
 
+
+
+# ---- weight gradients: dW[e] = P[rows of e]ᵀ Q[rows of e], one side gathered ------------------------------
+# the reduction runs over the expert's rows, so the gathered side needs new token ids every stage: the
+# loader reads the next stage's ids while it issues this stage's copies
+WGRAD_BLOCKS = (128, 256)  # (BLOCK_M: P's columns per tile of dW, BLOCK_N: Q's columns)
+
+
+@gluon.jit
+def _wgrad_tile(j, pid, nprog, n_tm, n_tn):
+    """(expert, row tile of dW[e], column tile) of this program's j-th tile: expert by expert, so the
+    programs running together read the same rows of P and Q (from L2)."""
+    t = pid + j * nprog
+    r = t % (n_tm * n_tn)
+    return t // (n_tm * n_tn), r // n_tn, r % n_tn
+
+
+@gluon.jit
+def _wgrad_loader(dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, ready, empty, expert_offsets_ptr,
+                  n_tiles, n_tm, n_tn):
+    """Stages of BLOCK_K rows of P (BLOCK_K x BLOCK_M) and Q (BLOCK_K x BLOCK_N): the dense side through TMA
+    (its rows past the expert's end are the next expert's, or TMA's zeros past the tensor), the gathered
+    side src[token[r]] through cp.async with the rows past the expert's end zero-filled, so they add
+    nothing. (A non-finite value in the next expert's dense rows would still reach this expert's sum:
+    0 x inf; a step with one has no usable gradients anyway.)"""
+    S: gl.constexpr = p_bufs.type.shape[0]
+    BLOCK_K: gl.constexpr = p_bufs.type.shape[1]
+    BLOCK_M: gl.constexpr = p_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = q_bufs.type.shape[2]
+    gl.static_assert(BLOCK_M != BLOCK_N)
+    GATHER_P: gl.constexpr = dense_desc.block_type.shape[1] == BLOCK_N  # the dense side is the one TMA loads
+    WIDTH: gl.constexpr = BLOCK_M if GATHER_P else BLOCK_N
+    layout: gl.constexpr = _gather_layout(64, gl.num_warps())
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    n_mine = gl.cdiv(n_tiles - pid, nprog)
+    offs_r = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, layout))
+    offs_c = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    if n_mine > 0:
+        e, tm, tn = _wgrad_tile(0, pid, nprog, n_tm, n_tn)
+        start, end = gl.load(expert_offsets_ptr + e), gl.load(expert_offsets_ptr + e + 1)
+        tok = gl.load(token_ptr + start + offs_r, mask=start + offs_r < end, other=0)
+        c = 0
+        for j in range(n_mine):
+            # the next tile (the last one again past the end: read, never used)
+            e1, tm1, tn1 = _wgrad_tile(gl.minimum(j + 1, n_mine - 1), pid, nprog, n_tm, n_tn)
+            start1, end1 = gl.load(expert_offsets_ptr + e1), gl.load(expert_offsets_ptr + e1 + 1)
+            src_cols = src_ptr + ((tm * BLOCK_M) if GATHER_P else (tn * BLOCK_N)) + offs_c
+            dense_col = (tn * BLOCK_N) if GATHER_P else (tm * BLOCK_M)
+            n_k = gl.cdiv(end - start, BLOCK_K)
+            for k in range(n_k):
+                row = start + k * BLOCK_K
+                # the next stage's token ids, loaded while this stage is issued: this tile's next rows or
+                # the next tile's first
+                if k + 1 < n_k:
+                    next_row = row + BLOCK_K
+                    next_end = end
+                else:
+                    next_row = start1
+                    next_end = end1
+                tok1 = gl.load(token_ptr + next_row + offs_r, mask=next_row + offs_r < next_end, other=0)
+                s = c % S
+                mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
+                mbarrier.expect(ready.index(s), dense_desc.block_type.nbytes)
+                ptrs = src_cols[None, :] + tok.to(gl.int64)[:, None] * stride_src
+                rmask = (row + offs_r < end)[:, None]
+                if GATHER_P:
+                    _tma_load(dense_desc, [row, dense_col], ready.index(s), q_bufs.index(s))
+                    _cp_async(p_bufs.index(s), ptrs, mask=rmask)
+                else:
+                    _tma_load(dense_desc, [row, dense_col], ready.index(s), p_bufs.index(s))
+                    _cp_async(q_bufs.index(s), ptrs, mask=rmask)
+                async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+                tok = tok1
+                c += 1
+            if n_k == 0:  # an expert without rows: nothing read ahead
+                tok = gl.load(token_ptr + start1 + offs_r, mask=start1 + offs_r < end1, other=0)
+            e, tm, tn, start, end = e1, tm1, tn1, start1, end1
+
+
+@gluon.jit
+def _wgrad_mma(c_smem, acc_ready, acc_empty, p_bufs, q_bufs, ready, empty, expert_offsets_ptr, n_tiles, n_tm, n_tn):
+    """Each dW tile: Pᵀ (P's stages read transposed) times Q over the expert's rows, then the accumulator into
+    c_smem for the store partition. An expert without rows hands off zeros."""
+    S: gl.constexpr = p_bufs.type.shape[0]
+    BLOCK_K: gl.constexpr = p_bufs.type.shape[1]
+    BLOCK_M: gl.constexpr = p_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = q_bufs.type.shape[2]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    c0 = 0
+    for j in range(gl.cdiv(n_tiles - pid, nprog)):
+        e, tm, tn = _wgrad_tile(j, pid, nprog, n_tm, n_tn)
+        n_k = gl.cdiv(gl.load(expert_offsets_ptr + e + 1) - gl.load(expert_offsets_ptr + e), BLOCK_K)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        acc = _mma_steps(acc, c0, n_k, p_bufs, q_bufs, ready, empty, True, A_KM=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((c0 + n_k + S - 1) % S), pred=n_k > 0)
+        c0 += n_k
+        mbarrier.wait(acc_empty.index(0), (j & 1) ^ 1)  # the store partition has read tile j-1
+        c_smem.store(acc.to(c_smem.dtype))
+        fence_async_shared()  # read next by a TMA store (async proxy)
+        mbarrier.arrive(acc_ready.index(0))
+
+
+@gluon.jit
+def _wgrad_store(c_smem, acc_ready, acc_empty, c_desc, c_ptr, stride_cl, n_tiles, n_tm, n_tn, M, N,
+                 TMA_STORE: gl.constexpr):
+    """Each tile from c_smem to dW[e] (rows e·M .. of dW's (E·M, N) view): one TMA store where M is a multiple
+    of the tile (TMA_STORE), else masked stores that keep to the expert's M rows."""
+    BLOCK_M: gl.constexpr = c_smem.type.shape[0]
+    BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    for j in range(gl.cdiv(n_tiles - pid, nprog)):
+        e, tm, tn = _wgrad_tile(j, pid, nprog, n_tm, n_tn)
+        mbarrier.wait(acc_ready.index(0), j & 1)
+        if TMA_STORE:
+            _tma_store(c_desc, [e * M + tm * BLOCK_M, tn * BLOCK_N], c_smem)
+            tma.store_wait(0)  # c_smem read: the MMA warps may overwrite it
+        else:
+            _store_pieces(c_smem, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
+        mbarrier.arrive(acc_empty.index(0))
+
+
+@gluon.jit
+def weight_grad_ws_kernel(dense_desc, src_ptr, stride_src, token_ptr, c_desc, c_ptr, stride_cl, expert_offsets_ptr,
+                          E, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                          STAGES: gl.constexpr, TMA_STORE: gl.constexpr, WORKER_REGS: gl.constexpr):
+    """dW[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for every expert: the 8-warp MMA partition, a 2-warp loader
+    (TMA for the dense side, cp.async for the gathered one; which is which, the dense side's box tells), a
+    2-warp store partition."""
+    dtype: gl.constexpr = dense_desc.dtype
+    p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], dtype))
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
+    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    ready, empty = _stage_barriers(STAGES, 32 * UP_LOADER_WARPS + 1)
+    acc_ready, acc_empty = _one_barrier(), _one_barrier()
+    n_tm, n_tn = gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N)
+    n_tiles = E * n_tm * n_tn
+    mma_args = (c_smem, acc_ready, acc_empty, p_bufs, q_bufs, ready, empty, expert_offsets_ptr, n_tiles, n_tm, n_tn)
+    loader_args = (dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, ready, empty, expert_offsets_ptr,
+                   n_tiles, n_tm, n_tn)
+    store_args = (c_smem, acc_ready, acc_empty, c_desc, c_ptr, stride_cl, n_tiles, n_tm, n_tn, M, N, TMA_STORE)
+    gl.warp_specialize([(_wgrad_mma, mma_args), (_wgrad_loader, loader_args), (_wgrad_store, store_args)],
+                       [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
+
+
+def weight_grad_ws(p, q, token, offsets, out, gather_p: bool, block_k: int = 64, stages: int = 3,
+                   worker_regs: int = 112):
+    """out[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for each expert's contiguous rows (offsets (E+1,) int32), with
+    P = p[token[rows]], Q = q[rows] if gather_p, else P = p[rows], Q = q[token[rows]]; token (rows,) int32.
+    bf16/fp16, contiguous, out in the operands' dtype; the gathered side's width a multiple of its block
+    (WGRAD_BLOCKS: 128 for P, 256 for Q), the dense side's and N multiples of 8 (16-byte TMA rows)."""
+    E, M, N = out.shape
+    block_m, block_n = WGRAD_BLOCKS
+    dense, src = (q, p) if gather_p else (p, q)
+    width = block_m if gather_p else block_n
+    if (src.shape[1] % width or dense.shape[1] % 8 or N % 8 or out.dtype != p.dtype or q.dtype != p.dtype
+            or not (p.is_contiguous() and q.is_contiguous() and out.is_contiguous())):
+        raise ValueError(f"weight_grad_ws needs contiguous operands of one dtype, the gathered one's width a "
+                         f"multiple of {width}, the dense one's and N multiples of 8; got P {tuple(p.shape)}, "
+                         f"Q {tuple(q.shape)}, dW {tuple(out.shape)} {out.dtype}")
+    dense_desc = _desc(dense, [block_k, block_n if gather_p else block_m])
+    c2d = out.view(E * M, N)
+    c_desc = _desc(c2d, [block_m, block_n])
+    grid = (_num_sms(p.device),)
+    weight_grad_ws_kernel[grid](dense_desc, src, src.stride(0), token, c_desc, c2d, c2d.stride(0), offsets, E, M, N,
+                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+                                TMA_STORE=M % block_m == 0, WORKER_REGS=worker_regs,
+                                num_warps=8, maxnreg=168)
+    return out

@@ -23,10 +23,12 @@ in backward: H (recompute; dH is then written over it), dH, s·A, dX~. moe_exper
 bounds every transient by a token chunk. No host synchronization anywhere: tile counts are bounded
 by L·K // BLOCK_M + E and unused tiles exit at once.
 
-On sm_90 (bf16/fp16, contiguous, aligned operands) the SwiGLU up-projection, the down-projection and dX~
-launch kernels.gluon_hopper's warp-specialised kernels instead (same contract, one 64 KB tile of shared
-memory more per program); MOEBLAZE_GLUON=0 keeps every launch on the tl kernels. Their H goes through
-the io dtype before A is computed from it, as backward computes A from the saved H.
+On sm_90 (bf16/fp16, contiguous, aligned operands) the SwiGLU up-projection, the down-projection, dA',
+dX~ and the weight gradients launch kernels.gluon_hopper's warp-specialised kernels instead (same
+contract, one 64 KB tile of shared memory more per program), and dH's epilogue runs as a pass of its
+own after dA' (written into the s·A buffer, so no buffer is added); MOEBLAZE_GLUON=0 keeps every launch
+on the tl kernels. Their H goes through the io dtype before A is computed from it, as backward computes
+A from the saved H, and dA' goes through it before dH and dS are computed from it.
 
 Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert, E experts, K top-k.
 """
@@ -38,8 +40,8 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..kernels.experts import (ACT_CODES, BLOCK_M, DS_BLOCK, GROUP_M, INTERPRET, _combine_kernel,
-                               _expert_down_bwd_kernel, _expert_rows_kernel, _expert_up_fwd_kernel,
+from ..kernels.experts import (ACT_CODES, BLOCK_M, DS_BLOCK, GROUP_M, INTERPRET, _act_bwd_kernel,
+                               _combine_kernel, _expert_down_bwd_kernel, _expert_rows_kernel, _expert_up_fwd_kernel,
                                _expert_weight_grad_kernel, _tile_schedule_kernel)
 from ..reference import is_gated
 
@@ -109,10 +111,10 @@ def _grid(num_tiles: int, n: int, device: torch.device | None = None):
 def _up(x, w1, eti, offsets, sched, activation, store_preact, store_act):
     LK, (E, F, D) = eti.shape[0], w1.shape
     H = F // 2 if is_gated(activation) else F
-    if activation == "swiglu" and store_act and D % 64 == 0 and _gluon(x, w1):
+    if activation == "swiglu" and D % 64 == 0 and _gluon(x, w1):
         from ..kernels.gluon_hopper import up_swiglu_ws
-        preact, act = up_swiglu_ws(x, w1, eti, offsets, sched, store_preact=store_preact)
-        return (preact if store_preact else x.new_empty(0)), act
+        preact, act = up_swiglu_ws(x, w1, eti, offsets, sched, store_preact=store_preact, store_act=store_act)
+        return (preact if store_preact else x.new_empty(0)), (act if store_act else x.new_empty(0))
     preact = x.new_empty(LK, F) if store_preact else x.new_empty(0)
     act = x.new_empty(LK, H) if store_act else x.new_empty(0)
     num_tiles = sched[0].shape[0]
@@ -160,6 +162,11 @@ def _weight_grad(p, q, out_shape, eti, offsets, gather_p, gather_q, out_dtype):
     """dW (E, N, P) with dW[e] = P[rows of e]^T Q[rows of e]."""
     E, N, P = out_shape
     dw = torch.empty(out_shape, dtype=out_dtype, device=p.device)
+    if gather_p != gather_q and out_dtype == p.dtype == q.dtype and _gluon(p, q):
+        from ..kernels.gluon_hopper import WGRAD_BLOCKS, weight_grad_ws
+        gathered, dense = (p, q) if gather_p else (q, p)
+        if gathered.shape[1] % WGRAD_BLOCKS[0 if gather_p else 1] == 0 and dense.shape[1] % 8 == 0 and P % 8 == 0:
+            return weight_grad_ws(p, q, eti, offsets, dw, gather_p)
     desc = _desc(q if gather_p else p) if gather_p != gather_q else None
     grid = lambda meta: (E * triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(P, meta["BLOCK_P"]),)  # noqa: E731
     _expert_weight_grad_kernel[grid](
@@ -175,6 +182,12 @@ def _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, 
     w_sorted = torch.empty(LK, dtype=torch.float32, device=dy.device)  # router weights in row order
     w_sorted[token_slot.reshape(-1).long()] = topk_w.reshape(-1).float()
     act_scaled = dy.new_empty(LK, H)
+    if D % 64 == 0 and H % 8 == 0 and preact.is_contiguous() and _gluon(dy, w2):
+        # Hopper: dA' by the gathering hand-off GEMM into act_scaled, then the epilogue as its own pass,
+        # which overwrites dA' with s·A (a fused epilogue leaves the tensor cores idle at ~60% of the rate)
+        from ..kernels.gluon_hopper import gathered_handoff
+        gathered_handoff(dy, w2, eti, offsets, sched, out=act_scaled)
+        return act_scaled, _act_bwd(act_scaled, preact, w_sorted, dpreact, act_scaled, activation)
     ds_part = torch.empty(triton.cdiv(H, DS_BLOCK), LK, dtype=torch.float32, device=dy.device)
     num_tiles = sched[0].shape[0]
     w2_desc = _desc(w2.reshape(-1, H) if w2.is_contiguous() else None)
@@ -185,6 +198,19 @@ def _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, 
         W2_TMA=w2_desc is not None,
         BLOCK_M=BLOCK_M, PRECISION=_precision(dy.dtype), GROUP_M=GROUP_M)
     return act_scaled, ds_part
+
+
+def _act_bwd(dact, preact, w_sorted, dpreact, act_scaled, activation):
+    """From dA' (L·K, H) and H: dH into dpreact, s·A into act_scaled (either may alias its input) and dS,
+    returned as (1, L·K), the dS partials' shape."""
+    LK, H = dact.shape
+    ds = torch.empty(1, LK, dtype=torch.float32, device=dact.device)
+    block_r, block_h = (4, 16) if INTERPRET else (16, 256)
+    _act_bwd_kernel[(triton.cdiv(LK, block_r),)](
+        dact, preact, w_sorted, dpreact, act_scaled, ds, LK, H, dact.stride(0), preact.stride(0),
+        act_scaled.stride(0), GATED=is_gated(activation), ACT=ACT_CODES[activation], BLOCK_R=block_r,
+        BLOCK_H=block_h, num_warps=4)
+    return ds
 
 
 # ---- custom ops -----------------------------------------------------------------------------------
