@@ -2,6 +2,7 @@
 # One GPU session: the GPU tests, then the benchmark; everything is written under $OUT (default ./out).
 #   usage: bash scripts/gpu.sh [tests] [dispatch] [layer] [scale] [profile] [gluon]   (default: all but gluon)
 # Peers: with .peers/ (bash ../shared/peers/get-peers.sh) beside the code, SonicMoE and Liger join the run.
+# TRITON_TARBALL=.whl/triton-...-stripped.tar.xz (scripts/pack_triton.sh; carry .whl) runs everything on that triton.
 # GLUON_ARGS are passed to scripts/gluon_bench.py (e.g. "--configs D,E --launches up --baseline FILE").
 # SonicMoE's compiled kernels: .peers/quack_cache.tar.xz, where present, seeds its cache before the steps, and
 # the cache is written back to $OUT/quack_cache.tar.xz after them (copy it to .peers/ to spare the next
@@ -15,6 +16,12 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export LIGER_FUSED_MOE_AUTOTUNE=${LIGER_FUSED_MOE_AUTOTUNE:-0}
 export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}  # SonicMoE compiles its GEMM configs in this many processes (its default: 8)
 [ -f .peers/activate.sh ] && source .peers/activate.sh
+# TRITON_TARBALL: a triton packed by scripts/pack_triton.sh, used instead of the machine's own
+if [ -n "${TRITON_TARBALL:-}" ]; then
+  mkdir -p /tmp/triton-pkg && tar xJf "$TRITON_TARBALL" -C /tmp/triton-pkg
+  export PYTHONPATH=/tmp/triton-pkg:$PYTHONPATH TRITON_BACKENDS_IN_TREE=1 TRITON_DEFAULT_FP_FUSION=1 \
+         TRITON_PTXAS_BLACKWELL_PATH=/tmp/triton-pkg/triton/backends/nvidia/bin/ptxas
+fi
 steps=${*:-tests dispatch layer scale profile}
 quack_tmp=$(python3 -c "import getpass, tempfile; print(tempfile.gettempdir() + '/' + getpass.getuser())")
 [ -f .peers/quack_cache.tar.xz ] && mkdir -p "$quack_tmp" && tar xJf .peers/quack_cache.tar.xz -C "$quack_tmp"
