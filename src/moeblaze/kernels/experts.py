@@ -326,27 +326,40 @@ def _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED: tl.conste
 
 
 @triton.jit
+def _store_dh_and_sa(dact, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, mask,
+                     GATED: tl.constexpr, ACT: tl.constexpr):
+    """From dA' (fp32) of rows x cols, H there (g; u too if GATED) and the rows' router weights s: stores
+    dH = d act(s * dA') into dpreact (the up columns H further on) and s * A into act_scaled; returns A
+    (fp32), for dS. The s * A addresses are formed at their store (held across the dH math, they cost
+    the fused dH kernel ~90 B more of spills per thread, sm_90, triton 3.6)."""
+    g = g.to(tl.float32)
+    dp_ptrs = _row_ptrs(dpreact_ptr, rows, stride_pl, cols)
+    if GATED:
+        u = u.to(tl.float32)
+        act_g = _act(g, ACT)
+        a = act_g * u
+        das = dact * s[:, None]
+        tl.store(dp_ptrs, (das * u * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=mask)
+        tl.store(dp_ptrs + H, (das * act_g).to(dpreact_ptr.dtype.element_ty), mask=mask)
+    else:
+        a = _act(g, ACT)
+        tl.store(dp_ptrs, (dact * s[:, None] * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=mask)
+    tl.store(_row_ptrs(act_scaled_ptr, rows, stride_al, cols), (a * s[:, None]).to(act_scaled_ptr.dtype.element_ty),
+             mask=mask)
+    return a
+
+
+@triton.jit
 def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
                  stride_pl, stride_al, GATED: tl.constexpr, ACT: tl.constexpr, DS_BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The dH epilogue of columns col0 .. col0+BLOCK_N of dA', given H there (g, u)."""
     offs_n = col0 + tl.arange(0, BLOCK_N)
     omask = rmask[:, None] & (offs_n < H)[None, :]
-    g = g.to(tl.float32)
-    dp_ptrs = _row_ptrs(dpreact_ptr, rows, stride_pl, offs_n)
+    g = g.to(tl.float32)  # before the router weights' load, as before the helper: ptxas then spills no more
     s = tl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)
-    if GATED:
-        u = u.to(tl.float32)
-        act_g = _act(g, ACT)
-        a = act_g * u
-        da = dact * s[:, None]
-        tl.store(dp_ptrs, (da * u * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=omask)
-        tl.store(dp_ptrs + H, (da * act_g).to(dpreact_ptr.dtype.element_ty), mask=omask)
-    else:
-        a = _act(g, ACT)
-        tl.store(dp_ptrs, (dact * s[:, None] * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=omask)
-    tl.store(_row_ptrs(act_scaled_ptr, rows, stride_al, offs_n),
-             (a * s[:, None]).to(act_scaled_ptr.dtype.element_ty), mask=omask)
+    a = _store_dh_and_sa(dact, g, u, s, rows, offs_n, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, omask,
+                         GATED, ACT)
     R: tl.constexpr = BLOCK_N // DS_BLOCK
     ds = tl.sum(tl.reshape(dact * a, (BLOCK_M, R, DS_BLOCK)), axis=2)  # (BLOCK_M, R)
     slot = col0 // DS_BLOCK + tl.arange(0, R)
@@ -371,21 +384,9 @@ def _act_bwd_kernel(dact_ptr, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_
         cols = c0 + tl.arange(0, BLOCK_H)
         mask = rmask[:, None] & (cols < H)[None, :]
         da = tl.load(_row_ptrs(dact_ptr, rows, stride_dl, cols), mask=mask, other=0.0).to(tl.float32)
-        p_ptrs = _row_ptrs(preact_ptr, rows, stride_pl, cols)
-        g = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
-        dp_ptrs = _row_ptrs(dpreact_ptr, rows, stride_pl, cols)
-        if GATED:
-            u = tl.load(p_ptrs + H, mask=mask, other=0.0).to(tl.float32)
-            act_g = _act(g, ACT)
-            a = act_g * u
-            das = da * s[:, None]
-            tl.store(dp_ptrs, (das * u * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=mask)
-            tl.store(dp_ptrs + H, (das * act_g).to(dpreact_ptr.dtype.element_ty), mask=mask)
-        else:
-            a = _act(g, ACT)
-            tl.store(dp_ptrs, (da * s[:, None] * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=mask)
-        sa = (a * s[:, None]).to(act_scaled_ptr.dtype.element_ty)
-        tl.store(_row_ptrs(act_scaled_ptr, rows, stride_al, cols), sa, mask=mask)
+        g, u = _load_h(preact_ptr, rows, rmask, c0, H, stride_pl, GATED, BLOCK_H)
+        a = _store_dh_and_sa(da, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, mask,
+                             GATED, ACT)
         ds += tl.sum(da * a, axis=1)
     tl.store(ds_ptr + rows, ds, mask=rmask)
 
