@@ -117,3 +117,23 @@ def test_every_autotune_config_compiled():
                         assert _rel(a, r) <= bound[n], (name, str(cfg), checkpoint, n, _rel(a, r), bound[n])
         finally:
             kernel.configs = configs
+
+
+def test_launch_cache_relaunches_what_triton_would():
+    """kernels.launch: the first launch of a key goes through Triton and caches its kernel, the next ones
+    launch it directly; every result matches torch, and a misaligned view takes a key (and kernel) of its own."""
+    from moeblaze.kernels.launch import _CACHE
+    from moeblaze.ops.experts import _combine
+
+    L, K, D = 300, 4, 200
+    slot = torch.randperm(L * K, device="cuda").to(torch.int32).reshape(L, K)
+    sizes = []
+    for i in range(4):
+        big = torch.randn(L * K * D + 1, device="cuda", dtype=torch.bfloat16)
+        rows = (big[1:] if i == 3 else big[:-1]).view(L * K, D)  # i == 3: 2 bytes off 16-byte alignment
+        w = torch.rand(L, K, device="cuda")
+        out = _combine(rows, slot, w, torch.bfloat16)
+        want = (rows.float()[slot.long()] * w[..., None]).sum(1)
+        assert _rel(out, want) <= 4e-3, (i, _rel(out, want))
+        sizes.append(len(_CACHE))
+    assert sizes[1] == sizes[2] == sizes[0] and sizes[3] == sizes[2] + 1, sizes
