@@ -10,11 +10,16 @@ block and layout) and launches the cached kernel directly. A key it has not seen
 own path, which compiles if needed and launches; the kernel it returns is cached for the next call. Under
 the interpreter, or with launch hooks installed (profilers), every call takes Triton's path.
 
+Tensor descriptors are encoded on the host at launch, which needs the thread's CUDA context current. The
+autograd engine runs backward on a thread of its own where none may be current yet (PyTorch issue
+124565); `ensure_context` makes it current once per thread, through a runtime call that never blocks.
+
 Memory contract: one cached handle per (kernel, key); nothing per call.
 """
 from __future__ import annotations
 
 import inspect
+import threading
 
 import torch
 from triton import knobs
@@ -23,6 +28,22 @@ from .experts import INTERPRET
 
 _CACHE: dict = {}
 _PARAMS: dict = {}
+_THREAD = threading.local()
+
+
+def ensure_context(device: int) -> None:
+    """Make the CUDA context of `device` current on this thread (once per thread and device)."""
+    bound = getattr(_THREAD, "devices", None)
+    if bound is None:
+        bound = _THREAD.devices = set()
+    if device not in bound:
+        torch.cuda.current_stream(device).query()  # cudaStreamQuery: binds the primary context, never waits
+        bound.add(device)
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is installed (a HookChain with calls on triton 3.6+, a callable before)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _arg_key(a):
@@ -47,10 +68,14 @@ def _params(fn) -> tuple:
 def launch(fn, grid: tuple, *args, **kwargs) -> None:
     """fn[grid](*args, **kwargs) for a @triton.jit / @gluon.jit kernel (not an autotuned one): positional
     runtime arguments, then constexprs and options (num_warps, maxnreg, ...) by keyword."""
-    if INTERPRET or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+    if INTERPRET:
         fn[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()
+    ensure_context(device)
+    if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        fn[grid](*args, **kwargs)
+        return
     key = (id(fn), device, tuple(kwargs.items()), *map(_arg_key, args))
     hit = _CACHE.get(key)
     if hit is None:

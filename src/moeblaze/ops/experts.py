@@ -44,7 +44,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernels.experts import (ACT_CODES, BLOCK_M, DS_BLOCK, GROUP_M, INTERPRET, _act_bwd_kernel,
                                _combine_kernel, _expert_down_bwd_kernel, _expert_rows_kernel, _expert_up_fwd_kernel,
                                _expert_weight_grad_kernel, _tile_schedule_kernel)
-from ..kernels.launch import launch
+from ..kernels.launch import ensure_context, launch
 from ..reference import is_gated
 
 CHECKPOINTS = ("preact", "recompute")
@@ -253,6 +253,8 @@ def _experts_bwd(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.
                 token_slot: torch.Tensor, preact: torch.Tensor, activation: str,
                 has_preact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw2, dtopk_w)."""
+    if dy.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
+        ensure_context(dy.get_device())
     E, F, D = w1.shape
     H = w2.shape[2]
     LK = expert_token_idx.shape[0]
