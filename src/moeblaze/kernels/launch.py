@@ -8,7 +8,8 @@ specialization (the kernel, the device, every constexpr and option, each tensor'
 alignment, every other argument's exact value, each tensor descriptor's dtype, alignment, shape, strides,
 block and layout) and launches the cached kernel directly. A key it has not seen goes through Triton's
 own path, which compiles if needed and launches; the kernel it returns is cached for the next call. Under
-the interpreter, or with launch hooks installed (profilers), every call takes Triton's path.
+the interpreter, under torch.compile's tracing, or with launch hooks installed (profilers), every call
+takes Triton's path.
 
 Tensor descriptors are encoded on the host at launch, which needs the thread's CUDA context current. The
 autograd engine runs backward on a thread of its own where none may be current yet (PyTorch issue
@@ -68,7 +69,7 @@ def _params(fn) -> tuple:
 def launch(fn, grid: tuple, *args, **kwargs) -> None:
     """fn[grid](*args, **kwargs) for a @triton.jit / @gluon.jit kernel (not an autotuned one): positional
     runtime arguments, then constexprs and options (num_warps, maxnreg, ...) by keyword."""
-    if INTERPRET:
+    if INTERPRET or torch.compiler.is_compiling():  # torch.compile traces Triton's launch itself
         fn[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()
