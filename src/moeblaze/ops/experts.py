@@ -26,9 +26,14 @@ by L·K // BLOCK_M + E and unused tiles exit at once.
 On sm_90 (bf16/fp16, contiguous, aligned operands) the SwiGLU up-projection, the down-projection, dA',
 dX~ and the weight gradients launch kernels.gluon_hopper's warp-specialised kernels instead (same
 contract, one 64 KB tile of shared memory more per program), and dH's epilogue runs as a pass of its
-own after dA' (written into the s·A buffer, so no buffer is added); MOEBLAZE_GLUON=0 keeps every launch
-on the tl kernels. Their H goes through the io dtype before A is computed from it, as backward computes
-A from the saved H, and dA' goes through it before dH and dS are computed from it.
+own after dA' (written into the s·A buffer, so no buffer is added), which finds each row's router weight
+through the routing index and stores its dS straight into the router weights' gradient; MOEBLAZE_GLUON=0
+keeps every launch on the tl kernels. Their H goes through the io dtype before A is computed from it, as
+backward computes A from the saved H, and dA' goes through it before dH and dS are computed from it.
+
+Host side: every launch that is not autotuned goes through kernels.launch (the compiled kernel relaunched
+without Triton's per-call dispatch); in eager mode autograd calls the ops' bodies directly
+(_EagerExperts), and torch.compile traces the custom ops.
 
 Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert, E experts, K top-k.
 """
