@@ -150,7 +150,7 @@ def test_profile_layer_compares_with_conventional(capsys):
     res = main(["profile", "--tokens", "64", "--d-model", "32", "--d-expert", "32", "--num-experts", "4"])
     assert res == 0
     text = capsys.readouterr().out
-    assert "experts_fwd" in text and "fewer bytes for backward" in text
+    assert "(functional):fused_experts " in text and "fewer bytes for backward" in text
 
 
 def test_profile_numbers(capsys):

@@ -117,3 +117,55 @@ def test_every_autotune_config_compiled():
                         assert _rel(a, r) <= bound[n], (name, str(cfg), checkpoint, n, _rel(a, r), bound[n])
         finally:
             kernel.configs = configs
+
+
+def test_launch_cache_relaunches_what_triton_would():
+    """kernels.launch: the first launch of a key goes through Triton and caches its kernel, the next ones
+    launch it directly; every result matches torch, and a misaligned view takes a key (and kernel) of its own."""
+    from moeblaze.kernels.launch import _CACHE
+    from moeblaze.ops.experts import _combine
+
+    L, K, D = 300, 4, 200
+    slot = torch.randperm(L * K, device="cuda").to(torch.int32).reshape(L, K)
+    sizes = []
+    for i in range(4):
+        big = torch.randn(L * K * D + 1, device="cuda", dtype=torch.bfloat16)
+        rows = (big[1:] if i == 3 else big[:-1]).view(L * K, D)  # i == 3: 2 bytes off 16-byte alignment
+        w = torch.rand(L, K, device="cuda")
+        out = _combine(rows, slot, w, torch.bfloat16)
+        want = (rows.float()[slot.long()] * w[..., None]).sum(1)
+        assert _rel(out, want) <= 4e-3, (i, _rel(out, want))
+        sizes.append(len(_CACHE))
+    assert sizes[1] == sizes[2] == sizes[0] and sizes[3] == sizes[2] + 1, sizes
+
+
+def test_backward_on_a_fresh_thread():
+    """Backward's launches encode TMA descriptors on the host, which needs a current CUDA context; autograd
+    runs backward on a thread of its own, where none may be current yet (PyTorch issue 124565). Run the
+    backward body on a new thread whose first CUDA work it is, and compare with the calling thread's."""
+    import threading
+
+    from moeblaze.ops import experts as ops
+
+    p = make_problem(1024, 256, 256, 8, 2, dtype=torch.bfloat16, device="cuda")
+    x, idx, w, dy = p.sets[0]
+    r = build_routing_index(idx, p.E)
+    args = (x.detach(), p.w1.detach(), p.w2.detach(), w.detach())
+    _, preact, *sched = ops._experts_fwd(*args, *r.tensors(), "swiglu", True)
+    bwd_args = (dy, *args, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot, preact, "swiglu", True)
+    want = ops._experts_bwd(*bwd_args)
+    got, errors = [], []
+
+    def body():
+        try:
+            got.extend(ops._experts_bwd(*bwd_args))
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert not errors, errors
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

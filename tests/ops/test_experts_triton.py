@@ -213,15 +213,22 @@ def test_gluon_hopper_module_imports_and_is_not_chosen_off_hopper():
 def test_act_bwd_kernel_matches_autograd(poison_alloc, activation, in_place):
     """The dH epilogue as its own pass (the Hopper path's, after dA' = dy[token] @ W2[e]): dH, s·A and dS
     against autograd through the reference activation in fp64, on ragged shapes (rows and H not multiples
-    of the blocks); in place, s·A over dA' and dH over H, as the layer runs it."""
+    of the blocks); in place, s·A over dA' and dH over H, as the layer runs it. Each row's router weight
+    is found through the routing index and its dS lands at its (token, k) in the router-weight gradient."""
     from moeblaze.ops.experts import _act_bwd
     from moeblaze.reference import apply_activation, up_width
 
     g = torch.Generator().manual_seed(7)
-    LK, H = 23, 37
+    L, K, E, H = 9, 3, 4, 37
+    LK = L * K
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(L)]).to(torch.int32)
+    routing = build_routing_index(idx, E)
+    eti, slot = routing.expert_token_idx, routing.token_slot
+    topk_w = torch.rand(L, K, generator=g) + 0.5
+    s = torch.empty(LK)
+    s[slot.reshape(-1).long()] = topk_w.reshape(-1)  # each row's router weight, in row order
     preact = torch.randn(LK, up_width(activation, H), generator=g)
     dact = torch.randn(LK, H, generator=g)
-    s = torch.rand(LK, generator=g) + 0.5
     h64 = preact.double().requires_grad_()
     a = apply_activation(h64, activation)
     (dh_ref,) = torch.autograd.grad(a, h64, dact.double() * s.double()[:, None])
@@ -229,7 +236,7 @@ def test_act_bwd_kernel_matches_autograd(poison_alloc, activation, in_place):
     d_in, p_in = dact.clone(), preact.clone()
     dpreact = p_in if in_place else torch.empty_like(preact)
     act_scaled = d_in if in_place else torch.empty_like(dact)
-    ds = _act_bwd(d_in, p_in, s, dpreact, act_scaled, activation)
-    assert ds.shape == (1, LK)
-    for name, ours, ref in (("dH", dpreact, dh_ref), ("s·A", act_scaled, sa_ref), ("dS", ds[0], ds_ref)):
+    dtopk_w = _act_bwd(d_in, p_in, eti, slot, topk_w, dpreact, act_scaled, activation)
+    assert dtopk_w.shape == (L, K) and dtopk_w.dtype == topk_w.dtype
+    for name, ours, ref in (("dH", dpreact, dh_ref), ("s·A", act_scaled, sa_ref), ("dS", dtopk_w, ds_ref[slot.long()])):
         assert rel_err(ours, ref) <= 1e-6, (name, rel_err(ours, ref))

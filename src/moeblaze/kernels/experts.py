@@ -204,8 +204,8 @@ def _gate_up_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wf, stride
 @triton.autotune(configs=UP_CONFIGS, key=["D", "H", "GATED", "STORE_PREACT", "STORE_ACT"])
 @triton.jit
 def _expert_up_fwd_kernel(
-    x_ptr, w1_ptr, w1_desc, preact_ptr, act_ptr, expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-    NUM_TILES, D, H, stride_xl, stride_xd, stride_we, stride_wf, stride_wd, stride_pl, stride_al,
+    x_ptr, w1_ptr, w1_desc, preact_ptr, act_ptr, expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr,
+    expert_offsets_ptr, NUM_TILES, D, H, stride_xl, stride_xd, stride_we, stride_wf, stride_wd, stride_pl, stride_al,
     GATED: tl.constexpr, ACT: tl.constexpr, STORE_PREACT: tl.constexpr, STORE_ACT: tl.constexpr,
     W1_TMA: tl.constexpr, TWO_DOTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
@@ -369,16 +369,22 @@ def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_s
 
 
 @triton.jit
-def _act_bwd_kernel(dact_ptr, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_ptr, LK, H,
-                    stride_dl, stride_pl, stride_al, GATED: tl.constexpr, ACT: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _act_bwd_kernel(dact_ptr, preact_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr, dpreact_ptr,
+                    act_scaled_ptr, dtopk_w_ptr, LK, H, stride_dl, stride_pl, stride_al, K: tl.constexpr,
+                    GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """The dH epilogue as a pass of its own over BLOCK_R rows, for a dA' = dy[token] @ W2[e] computed
     apart (the Hopper path): from dA' and H, dH = d act(s * dA'), s * A, and dS[r] = <dA'[r], A[r]>
-    whole (no partials). dpreact may be preact and act_scaled may be dact: each element is read before
-    it is written, by the same thread."""
+    whole (no partials), stored straight into the router-weight gradient (L, K) in its dtype. A row r of
+    token t is the pair (t, k) with token_slot[t, k] == r: its weight is read from topk_w there and its
+    dS stored there, so no row-order copy of the weights exists. dpreact may be preact and act_scaled
+    may be dact: each element is read before it is written, by the same thread."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < LK
-    s = tl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)
+    pair0 = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0) * K
+    pair = pair0
+    for k in tl.static_range(K):
+        pair = tl.where(tl.load(token_slot_ptr + pair0 + k, mask=rmask, other=-1) == rows, pair0 + k, pair)
+    s = tl.load(topk_w_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
     ds = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, H, BLOCK_H):
         cols = c0 + tl.arange(0, BLOCK_H)
@@ -388,7 +394,7 @@ def _act_bwd_kernel(dact_ptr, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_
         a = _store_dh_and_sa(da, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, mask,
                              GATED, ACT)
         ds += tl.sum(da * a, axis=1)
-    tl.store(ds_ptr + rows, ds, mask=rmask)
+    tl.store(dtopk_w_ptr + pair, ds.to(dtopk_w_ptr.dtype.element_ty), mask=rmask)
 
 
 # restore_value: under checkpoint="recompute" the kernel writes dH over the H it reads, so the tuner's

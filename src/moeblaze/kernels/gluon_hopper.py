@@ -21,6 +21,8 @@ stored. The weight gradients reduce over the expert's rows: a stage is 64 rows o
 gathered side's rows past the expert's end zero-filled, and the loader reads the next stage's token ids
 while it issues this one's copies. Also here, measured and kept for reference (scripts/gluon_bench.py):
 ping-pong (two 4-warp consumers alternating 128x128 tiles) and cooperative kernels without the hand-off."""
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -30,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .experts import BLOCK_M
+from .launch import launch
 
 # the TMA load and store and the cp.async copy are async_copy_global_to_shared / async_copy_shared_to_global
 # in triton 3.6, async_load / async_store in 3.9 (where the old load names are removed)
@@ -320,12 +323,23 @@ def gathered_rows_ws_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_ptr, 
 
 def _desc(t, box):
     """A TMA descriptor of 2D t with the given box, in the swizzled shared layout wgmma reads."""
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
-    return TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, gdt))
+    return TensorDescriptor.from_tensor(t, box, _smem_layout(tuple(box), t.dtype))
+
+
+@functools.cache
+def _smem_layout(box: tuple, dtype: torch.dtype):
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(box), gdt)
 
 
 def _num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(torch.device(device).index if torch.device(device).index is not None
+                     else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _launch_shape(pingpong: bool, block_n):
@@ -346,9 +360,9 @@ def rows_ws(a, w, offsets, sched, out=None, pingpong: bool = True, block_n=None,
     a_desc, b_desc = _desc(a, [BLOCK_M, block_k]), _desc(w.reshape(E * N, K), [block_n, block_k])
     c = a.new_empty(a.shape[0], N) if out is None else out
     grid = (_num_sms(a.device),)
-    rows_ws_kernel[grid](a_desc, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K, c.stride(0),
-                         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PINGPONG=pingpong,
-                         num_warps=warps, maxnreg=168)
+    launch(rows_ws_kernel, grid, a_desc, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K, c.stride(0),
+           BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PINGPONG=pingpong,
+           num_warps=warps, maxnreg=168)
     return c
 
 
@@ -363,9 +377,9 @@ def gathered_rows_ws(x, w, token, offsets, sched, out=None, pingpong: bool = Tru
     b_desc = _desc(w.reshape(E * N, K), [block_n, block_k])
     c = x.new_empty(token.shape[0], N) if out is None else out
     grid = (_num_sms(x.device),)
-    gathered_rows_ws_kernel[grid](x, x.stride(0), token, token.shape[0], b_desc, c, sched[0], sched[1], sched[2],
-                                  offsets, N, K, c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                                  STAGES=stages, PINGPONG=pingpong, num_warps=warps, maxnreg=168)
+    launch(gathered_rows_ws_kernel, grid, x, x.stride(0), token, token.shape[0], b_desc, c, sched[0], sched[1],
+           sched[2], offsets, N, K, c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+           STAGES=stages, PINGPONG=pingpong, num_warps=warps, maxnreg=168)
     return c
 
 
@@ -567,9 +581,9 @@ def gathered_handoff(x, w, token, offsets, sched, out=None, block_k: int = 64, s
     b_desc = _desc(w.reshape(E * K, N), [block_k, block_n])
     c_desc = _desc(c, [BLOCK_M, block_n])
     grid = (_num_sms(x.device),)
-    gathered_handoff_kernel[grid](x, x.stride(0), token, token.shape[0], b_desc, c_desc, c, c.stride(0), sched[0],
-                                  sched[1], sched[2], offsets, N, K, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-                                  BLOCK_K=block_k, STAGES=stages, WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+    launch(gathered_handoff_kernel, grid, x, x.stride(0), token, token.shape[0], b_desc, c_desc, c, c.stride(0),
+           sched[0], sched[1], sched[2], offsets, N, K, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+           STAGES=stages, WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
     return c
 
 
@@ -588,9 +602,9 @@ def rows_handoff(a, w, offsets, sched, out=None, kn: bool = False, block_k: int 
     b_desc = _desc(w.reshape(-1, w.shape[2]), [block_k, block_n] if kn else [block_n, block_k])
     c_desc = _desc(c, [BLOCK_M, block_n])
     grid = (_num_sms(a.device),)
-    rows_handoff_kernel[grid](a_desc, b_desc, c_desc, c, sched[0], sched[1], sched[2], offsets, N, K, c.stride(0),
-                              BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-                              WORKER_REGS=worker_regs, B_KN=kn, num_warps=8, maxnreg=168)
+    launch(rows_handoff_kernel, grid, a_desc, b_desc, c_desc, c, sched[0], sched[1], sched[2], offsets, N, K,
+           c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+           WORKER_REGS=worker_regs, B_KN=kn, num_warps=8, maxnreg=168)
     return c
 
 
@@ -618,10 +632,10 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
     # 12 warps x 168 registers fill the register file: the loader and epilogue warpgroup gets
     # worker_regs, the MMA warps the rest
     grid = (_num_sms(x.device),)
-    up_swiglu_ws_kernel[grid](x, x.stride(0), token, rows, w_desc, p, a, p.stride(0), a.stride(0), sched[0],
-                              sched[1], sched[2], offsets, h, d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                              STAGES=stages, STORE_PREACT=store_preact, STORE_ACT=store_act,
-                              WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+    launch(up_swiglu_ws_kernel, grid, x, x.stride(0), token, rows, w_desc, p, a, p.stride(0), a.stride(0),
+           sched[0], sched[1], sched[2], offsets, h, d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+           STAGES=stages, STORE_PREACT=store_preact, STORE_ACT=store_act, WORKER_REGS=worker_regs,
+           num_warps=8, maxnreg=168)
     return (preact if store_preact else None), (act if store_act else None)
 
 
@@ -792,8 +806,7 @@ def weight_grad_ws(p, q, token, offsets, out, gather_p: bool, block_k: int = 64,
     c2d = out.view(E * M, N)
     c_desc = _desc(c2d, [block_m, block_n])
     grid = (_num_sms(p.device),)
-    weight_grad_ws_kernel[grid](dense_desc, src, src.stride(0), token, c_desc, c2d, c2d.stride(0), offsets, E, M, N,
-                                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-                                TMA_STORE=M % block_m == 0, WORKER_REGS=worker_regs,
-                                num_warps=8, maxnreg=168)
+    launch(weight_grad_ws_kernel, grid, dense_desc, src, src.stride(0), token, c_desc, c2d, c2d.stride(0), offsets,
+           E, M, N, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=M % block_m == 0,
+           WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
     return out

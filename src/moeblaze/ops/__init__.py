@@ -5,7 +5,7 @@ import torch
 
 from ..reference import check_activation, moe_experts_reference
 from ..routing import RoutingIndex, build_routing_index, check_expert_inputs, check_topk_weights
-from .experts import CHECKPOINTS, experts_fwd, tile_schedule
+from .experts import CHECKPOINTS, fused_experts, tile_schedule
 
 IMPLS = ("auto", "triton", "reference")
 
@@ -52,11 +52,11 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     save = checkpoint == "preact"
     if chunk_tokens is not None and x.shape[0] > chunk_tokens:
         idx = routing.topk_idx()
-        outs = [experts_fwd(xc, w1, w2, wc, *build_routing_index(ic, w1.shape[0], check=False).tensors(), activation,
-                            save)[0]
+        outs = [fused_experts(xc, w1, w2, wc, *build_routing_index(ic, w1.shape[0], check=False).tensors(),
+                              activation, save)
                 for xc, ic, wc in zip(x.split(chunk_tokens), idx.split(chunk_tokens), topk_weights.split(chunk_tokens))]
         return torch.cat(outs)
-    return experts_fwd(x, w1, w2, topk_weights, *routing.tensors(), activation, save)[0]
+    return fused_experts(x, w1, w2, topk_weights, *routing.tensors(), activation, save)
 
 
 __all__ = ["CHECKPOINTS", "IMPLS", "moe_experts", "resolve_impl", "tile_schedule"]

@@ -26,14 +26,20 @@ by L·K // BLOCK_M + E and unused tiles exit at once.
 On sm_90 (bf16/fp16, contiguous, aligned operands) the SwiGLU up-projection, the down-projection, dA',
 dX~ and the weight gradients launch kernels.gluon_hopper's warp-specialised kernels instead (same
 contract, one 64 KB tile of shared memory more per program), and dH's epilogue runs as a pass of its
-own after dA' (written into the s·A buffer, so no buffer is added); MOEBLAZE_GLUON=0 keeps every launch
-on the tl kernels. Their H goes through the io dtype before A is computed from it, as backward computes
-A from the saved H, and dA' goes through it before dH and dS are computed from it.
+own after dA' (written into the s·A buffer, so no buffer is added), which finds each row's router weight
+through the routing index and stores its dS straight into the router weights' gradient; MOEBLAZE_GLUON=0
+keeps every launch on the tl kernels. Their H goes through the io dtype before A is computed from it, as
+backward computes A from the saved H, and dA' goes through it before dH and dS are computed from it.
+
+Host side: every launch that is not autotuned goes through kernels.launch (the compiled kernel relaunched
+without Triton's per-call dispatch); in eager mode autograd calls the ops' bodies directly
+(_EagerExperts), and torch.compile traces the custom ops.
 
 Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert, E experts, K top-k.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -43,6 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernels.experts import (ACT_CODES, BLOCK_M, DS_BLOCK, GROUP_M, INTERPRET, _act_bwd_kernel,
                                _combine_kernel, _expert_down_bwd_kernel, _expert_rows_kernel, _expert_up_fwd_kernel,
                                _expert_weight_grad_kernel, _tile_schedule_kernel)
+from ..kernels.launch import ensure_context, launch
 from ..reference import is_gated
 
 CHECKPOINTS = ("preact", "recompute")
@@ -57,9 +64,14 @@ def _gluon(*tensors: torch.Tensor) -> bool:
     t0 = tensors[0]
     if not (GLUON and t0.is_cuda and not INTERPRET and t0.dtype in (torch.bfloat16, torch.float16)):
         return False
-    if torch.cuda.get_device_capability(t0.device)[0] != 9:
+    if _capability(t0.get_device())[0] != 9:
         return False
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -80,9 +92,8 @@ def tile_schedule(expert_counts: torch.Tensor, expert_offsets: torch.Tensor, num
     used = torch.empty(1, dtype=torch.int32, device=dev)
     e_pow2 = triton.next_power_of_2(E)
     block_t = max(1, min(128, 8192 // e_pow2))  # a (block_t, e_pow2) comparison per program
-    _tile_schedule_kernel[(triton.cdiv(max_tiles, block_t),)](
-        expert_counts, expert_offsets, tile_expert, tile_row, used, E, max_tiles, BLOCK_M=block_m, E_POW2=e_pow2,
-        BLOCK_T=block_t, num_warps=4)
+    launch(_tile_schedule_kernel, (triton.cdiv(max_tiles, block_t),), expert_counts, expert_offsets, tile_expert,
+           tile_row, used, E, max_tiles, BLOCK_M=block_m, E_POW2=e_pow2, BLOCK_T=block_t, num_warps=4)
     return tile_expert, tile_row, used
 
 
@@ -150,9 +161,9 @@ def _combine(rows, token_slot, weights, out_dtype):
     D = rows.shape[1]
     out = torch.empty(L, D, dtype=out_dtype, device=rows.device)
     bt, bd = (16, 32) if INTERPRET else (16, 256)
-    _combine_kernel[(triton.cdiv(L, bt), triton.cdiv(D, bd))](
-        rows, token_slot, weights if weights is not None else rows, out, L, D, rows.stride(0), out.stride(0),
-        K=K, WEIGHTED=weights is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
+    launch(_combine_kernel, (triton.cdiv(L, bt), triton.cdiv(D, bd)), rows, token_slot,
+           weights if weights is not None else rows, out, L, D, rows.stride(0), out.stride(0), K=K,
+           WEIGHTED=weights is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
     return out
 
 
@@ -177,17 +188,17 @@ def _weight_grad(p, q, out_shape, eti, offsets, gather_p, gather_q, out_dtype):
 
 
 def _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, activation):
-    """dH into dpreact (may be preact itself); returns s·A (L·K, H) and the dS partials (H / DS_BLOCK, L·K)."""
+    """dH into dpreact (may be preact itself); returns s·A (L·K, H) and the router weights' gradient (L, K)."""
     LK, (E, D, H) = eti.shape[0], w2.shape
-    w_sorted = torch.empty(LK, dtype=torch.float32, device=dy.device)  # router weights in row order
-    w_sorted[token_slot.reshape(-1).long()] = topk_w.reshape(-1).float()
     act_scaled = dy.new_empty(LK, H)
     if D % 64 == 0 and H % 8 == 0 and preact.is_contiguous() and _gluon(dy, w2):
         # Hopper: dA' by the gathering hand-off GEMM into act_scaled, then the epilogue as its own pass,
         # which overwrites dA' with s·A (a fused epilogue leaves the tensor cores idle at ~60% of the rate)
         from ..kernels.gluon_hopper import gathered_handoff
         gathered_handoff(dy, w2, eti, offsets, sched, out=act_scaled)
-        return act_scaled, _act_bwd(act_scaled, preact, w_sorted, dpreact, act_scaled, activation)
+        return act_scaled, _act_bwd(act_scaled, preact, eti, token_slot, topk_w, dpreact, act_scaled, activation)
+    w_sorted = torch.empty(LK, dtype=torch.float32, device=dy.device)  # router weights in row order
+    w_sorted[token_slot.reshape(-1).long()] = topk_w.reshape(-1).float()
     ds_part = torch.empty(triton.cdiv(H, DS_BLOCK), LK, dtype=torch.float32, device=dy.device)
     num_tiles = sched[0].shape[0]
     w2_desc = _desc(w2.reshape(-1, H) if w2.is_contiguous() else None)
@@ -197,26 +208,25 @@ def _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, 
         preact.stride(0), H, GATED=is_gated(activation), ACT=ACT_CODES[activation], DS_BLOCK=DS_BLOCK,
         W2_TMA=w2_desc is not None,
         BLOCK_M=BLOCK_M, PRECISION=_precision(dy.dtype), GROUP_M=GROUP_M)
-    return act_scaled, ds_part
+    return act_scaled, ds_part.sum(0)[token_slot.long()].to(topk_w.dtype)
 
 
-def _act_bwd(dact, preact, w_sorted, dpreact, act_scaled, activation):
-    """From dA' (L·K, H) and H: dH into dpreact, s·A into act_scaled (either may alias its input) and dS,
-    returned as (1, L·K), the dS partials' shape."""
+def _act_bwd(dact, preact, eti, token_slot, topk_w, dpreact, act_scaled, activation):
+    """From dA' (L·K, H) and H: dH into dpreact, s·A into act_scaled (either may alias its input); returns
+    dS as the router weights' gradient (L, K), in topk_w's dtype."""
     LK, H = dact.shape
-    ds = torch.empty(1, LK, dtype=torch.float32, device=dact.device)
+    topk_w = topk_w.contiguous()
+    dtopk_w = torch.empty_like(topk_w)
     block_r, block_h = (4, 16) if INTERPRET else (8, 256)  # 8x256: 2-4% ahead of 16x256 at B-E (H200)
-    _act_bwd_kernel[(triton.cdiv(LK, block_r),)](
-        dact, preact, w_sorted, dpreact, act_scaled, ds, LK, H, dact.stride(0), preact.stride(0),
-        act_scaled.stride(0), GATED=is_gated(activation), ACT=ACT_CODES[activation], BLOCK_R=block_r,
-        BLOCK_H=block_h, num_warps=4)
-    return ds
+    launch(_act_bwd_kernel, (triton.cdiv(LK, block_r),), dact, preact, eti, token_slot, topk_w, dpreact, act_scaled,
+           dtopk_w, LK, H, dact.stride(0), preact.stride(0), act_scaled.stride(0), K=token_slot.shape[1],
+           GATED=is_gated(activation), ACT=ACT_CODES[activation], BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
+    return dtopk_w
 
 
 # ---- custom ops -----------------------------------------------------------------------------------
 
-@torch.library.custom_op("moeblaze::experts_fwd", mutates_args=())
-def experts_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
+def _experts_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
                 expert_counts: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
                 token_slot: torch.Tensor, activation: str,
                 save_preact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -230,6 +240,9 @@ def experts_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: tor
     return (_combine(y, token_slot, topk_w.float().contiguous(), x.dtype), preact, *sched)
 
 
+experts_fwd = torch.library.custom_op("moeblaze::experts_fwd", _experts_fwd, mutates_args=())
+
+
 @experts_fwd.register_fake
 def _(x, w1, w2, topk_w, expert_counts, expert_offsets, expert_token_idx, token_slot, activation, save_preact):
     LK = expert_token_idx.shape[0]
@@ -239,13 +252,14 @@ def _(x, w1, w2, topk_w, expert_counts, expert_offsets, expert_token_idx, token_
             torch.empty(tiles, **ints), torch.empty(tiles, **ints), torch.empty(1, **ints))
 
 
-@torch.library.custom_op("moeblaze::experts_bwd", mutates_args=())
-def experts_bwd(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
+def _experts_bwd(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
                 tile_expert: torch.Tensor, tile_row: torch.Tensor, tiles_used: torch.Tensor,
                 expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
                 token_slot: torch.Tensor, preact: torch.Tensor, activation: str,
                 has_preact: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw2, dtopk_w)."""
+    if dy.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
+        ensure_context(dy.get_device())
     E, F, D = w1.shape
     H = w2.shape[2]
     LK = expert_token_idx.shape[0]
@@ -256,9 +270,8 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.T
     # Under "recompute" H is a fresh buffer that nothing else reads: each dH tile overwrites the H tile
     # it was computed from (read before written, by the same program), saving an (L·K, F) buffer.
     dpreact = preact if not has_preact else torch.empty_like(preact)
-    act_scaled, ds_part = _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, activation)
+    act_scaled, dtopk_w = _down_bwd(dy, w2, preact, topk_w, token_slot, dpreact, eti, offsets, sched, activation)
     del preact
-    dtopk_w = ds_part.sum(0)[token_slot.long()].to(topk_w.dtype)
     dw2 = _weight_grad(dy, act_scaled, (E, D, H), eti, offsets, True, False, w2.dtype)
     del act_scaled
     dw1 = _weight_grad(dpreact, x, (E, F, D), eti, offsets, False, True, w1.dtype)
@@ -266,6 +279,9 @@ def experts_bwd(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.T
     del dpreact
     dx = _combine(dx_rows, token_slot, None, x.dtype)
     return dx, dw1, dw2, dtopk_w
+
+
+experts_bwd = torch.library.custom_op("moeblaze::experts_bwd", _experts_bwd, mutates_args=())
 
 
 @experts_bwd.register_fake
@@ -282,13 +298,40 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout, *_saved_outputs):
-    if dout is None:  # the output took no part in the loss
-        return (None,) * 10
-    x, w1, w2, topk_w, tile_expert, tile_row, tiles_used, offsets, eti, slot, preact = ctx.saved_tensors
-    dx, dw1, dw2, dw = experts_bwd(dout.contiguous(), x, w1, w2, topk_w, tile_expert, tile_row, tiles_used, offsets,
-                                   eti, slot, preact, ctx.activation, ctx.has_preact)
-    return dx, dw1, dw2, dw, None, None, None, None, None, None
+def _backward_with(experts_bwd_fn):
+    def backward(ctx, dout, *_saved_outputs):
+        if dout is None:  # the output took no part in the loss
+            return (None,) * 10
+        x, w1, w2, topk_w, tile_expert, tile_row, tiles_used, offsets, eti, slot, preact = ctx.saved_tensors
+        dx, dw1, dw2, dw = experts_bwd_fn(dout.contiguous(), x, w1, w2, topk_w, tile_expert, tile_row, tiles_used,
+                                          offsets, eti, slot, preact, ctx.activation, ctx.has_preact)
+        return dx, dw1, dw2, dw, None, None, None, None, None, None
+    return backward
 
 
-experts_fwd.register_autograd(_backward, setup_context=_setup_context)
+experts_fwd.register_autograd(_backward_with(experts_bwd), setup_context=_setup_context)
+
+
+class _EagerExperts(torch.autograd.Function):
+    """experts_fwd's autograd outside torch.compile: the same bodies, context and backward, called directly
+    rather than through the dispatcher (which costs ~50 µs of host time a step)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _experts_fwd(*inputs)
+        _setup_context(ctx, inputs, output)
+        ctx.mark_non_differentiable(*output[1:])
+        return output
+
+    backward = staticmethod(_backward_with(_experts_bwd))
+
+
+def fused_experts(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
+                  expert_counts: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
+                  token_slot: torch.Tensor, activation: str, save_preact: bool) -> torch.Tensor:
+    """The experts' combined output (L, D), differentiable in x, w1, w2 and topk_w: the custom op where
+    torch.compile traces, the direct path in eager mode. Overridable through __torch_function__."""
+    args = (x, w1, w2, topk_w, expert_counts, expert_offsets, expert_token_idx, token_slot, activation, save_preact)
+    if torch.overrides.has_torch_function(args[:4]):  # a __torch_function__ mode (memory profiler) sees it as one op
+        return torch.overrides.handle_torch_function(fused_experts, args[:4], *args)
+    return (experts_fwd(*args) if torch.compiler.is_compiling() else _EagerExperts.apply(*args))[0]

@@ -117,6 +117,7 @@ def dense_tile_size(num_experts: int) -> int:
 
 def build_index_dense_triton(topk_idx_LK: torch.Tensor, num_experts: int) -> RoutingIndex:
     """MoEBlaze's build in three Triton launches: per-tile counts, column scan, placement."""
+    from ..kernels.launch import launch
     from ..kernels.routing import _routing_place_kernel, _routing_tile_count_kernel, _routing_tile_scan_kernel
 
     L, K = topk_idx_LK.shape
@@ -127,16 +128,16 @@ def build_index_dense_triton(topk_idx_LK: torch.Tensor, num_experts: int) -> Rou
     BLOCK_L = dense_tile_size(E)
     n_tiles = max(1, -(-L // BLOCK_L))
     tile_base = torch.empty(n_tiles, E, dtype=torch.int32, device=dev)
-    _routing_tile_count_kernel[(n_tiles,)](idx, tile_base, L, E, K=K, BLOCK_L=BLOCK_L, E_PAD=E_PAD)
+    launch(_routing_tile_count_kernel, (n_tiles,), idx, tile_base, L, E, K=K, BLOCK_L=BLOCK_L, E_PAD=E_PAD)
     counts = torch.empty(E, dtype=torch.int32, device=dev)
     block_e = min(E_PAD, 32)
-    _routing_tile_scan_kernel[(-(-E // block_e),)](tile_base, counts, n_tiles, E, BLOCK_T=max(16, 4096 // block_e),
-                                                   BLOCK_E=block_e)
+    launch(_routing_tile_scan_kernel, (-(-E // block_e),), tile_base, counts, n_tiles, E,
+           BLOCK_T=max(16, 4096 // block_e), BLOCK_E=block_e)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     expert_token_idx = torch.empty(L * K, dtype=torch.int32, device=dev)
     slot = torch.empty(L, K, dtype=torch.int32, device=dev)
-    _routing_place_kernel[(n_tiles,)](idx, tile_base, counts, offsets, expert_token_idx, slot, L, E,
-                                      K=K, BLOCK_L=BLOCK_L, E_PAD=E_PAD)
+    launch(_routing_place_kernel, (n_tiles,), idx, tile_base, counts, offsets, expert_token_idx, slot, L, E,
+           K=K, BLOCK_L=BLOCK_L, E_PAD=E_PAD)
     return RoutingIndex(counts, offsets, expert_token_idx, slot)
 
 
