@@ -15,7 +15,8 @@ Tensor descriptors are encoded on the host at launch, which needs the thread's C
 autograd engine runs backward on a thread of its own where none may be current yet (PyTorch issue
 124565); `ensure_context` makes it current once per thread, through a runtime call that never blocks.
 
-Memory contract: one cached handle per (kernel, key); nothing per call.
+Memory contract: one cached handle per (kernel, key), at most MAX_KEYS of them (scalars such as the token
+count are part of the key, so a run with ever-changing sizes starts the cache over); nothing per call.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from triton import knobs
 
 from .experts import INTERPRET
 
+MAX_KEYS = 4096
 _CACHE: dict = {}
 _PARAMS: dict = {}
 _THREAD = threading.local()
@@ -86,6 +88,8 @@ def launch(fn, grid: tuple, *args, **kwargs) -> None:
         if missing:
             raise TypeError(f"{fn.fn.__name__}: launch needs every parameter; missing {missing}")
         tail = tuple(kwargs.get(name, default) for name, default in params)
+        if len(_CACHE) >= MAX_KEYS:
+            _CACHE.clear()
         _CACHE[key] = (kernel, tail)
         return
     kernel, tail = hit
