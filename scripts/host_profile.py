@@ -83,7 +83,7 @@ def piece_us(fn, n=20, rounds=15):
 def pieces(p, name):
     """Host µs of each launch of a preact step, of the step, and of one Gluon launch by three paths."""
     from moeblaze.kernels import gluon_hopper as gh
-    from moeblaze.kernels.launch import launch
+    from moeblaze.kernels.launch import launch, sm_count
     from moeblaze.ops import experts as ox
     from moeblaze.routing import build_routing_index
 
@@ -103,7 +103,7 @@ def pieces(p, name):
     a_desc, b_desc, c_desc = gh._desc(act, [128, 64]), gh._desc(w2.reshape(-1, H), [256, 64]), gh._desc(y, [128, 256])
     args = (a_desc, b_desc, c_desc, y, *sched, offsets, D, H, y.stride(0))
     kw = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, STAGES=3, WORKER_REGS=112, B_KN=False, num_warps=8, maxnreg=168)
-    grid = (gh._num_sms(x.device), 1, 1)
+    grid = (sm_count(x.device), 1, 1)
     compiled = gh.rows_handoff_kernel[grid](*args, **kw)
     every = args + tuple(kw[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "WORKER_REGS", "B_KN"))
     stream = torch.cuda.current_stream().cuda_stream

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .experts import BLOCK_M
-from .launch import launch
+from .launch import launch, sm_count
 
 # the TMA load and store and the cp.async copy are async_copy_global_to_shared / async_copy_shared_to_global
 # in triton 3.6, async_load / async_store in 3.9 (where the old load names are removed)
@@ -332,16 +332,6 @@ def _smem_layout(box: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(box), gdt)
 
 
-def _num_sms(device) -> int:
-    return _sm_count(torch.device(device).index if torch.device(device).index is not None
-                     else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _launch_shape(pingpong: bool, block_n):
     """(BLOCK_N, num_warps): ping-pong tiles are 128x128 per warpgroup, cooperative ones 128x256 over two.
     Either way 12 warps x 168 registers fill the register file; the consumers get the most of them."""
@@ -359,7 +349,7 @@ def rows_ws(a, w, offsets, sched, out=None, pingpong: bool = True, block_n=None,
     block_n, warps = _launch_shape(pingpong, block_n)
     a_desc, b_desc = _desc(a, [BLOCK_M, block_k]), _desc(w.reshape(E * N, K), [block_n, block_k])
     c = a.new_empty(a.shape[0], N) if out is None else out
-    grid = (_num_sms(a.device),)
+    grid = (sm_count(a.device),)
     launch(rows_ws_kernel, grid, a_desc, b_desc, c, sched[0], sched[1], sched[2], offsets, N, K, c.stride(0),
            BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, PINGPONG=pingpong,
            num_warps=warps, maxnreg=168)
@@ -376,7 +366,7 @@ def gathered_rows_ws(x, w, token, offsets, sched, out=None, pingpong: bool = Tru
     block_n, warps = _launch_shape(pingpong, block_n)
     b_desc = _desc(w.reshape(E * N, K), [block_n, block_k])
     c = x.new_empty(token.shape[0], N) if out is None else out
-    grid = (_num_sms(x.device),)
+    grid = (sm_count(x.device),)
     launch(gathered_rows_ws_kernel, grid, x, x.stride(0), token, token.shape[0], b_desc, c, sched[0], sched[1],
            sched[2], offsets, N, K, c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
            STAGES=stages, PINGPONG=pingpong, num_warps=warps, maxnreg=168)
@@ -580,7 +570,7 @@ def gathered_handoff(x, w, token, offsets, sched, out=None, block_k: int = 64, s
     block_n = 256
     b_desc = _desc(w.reshape(E * K, N), [block_k, block_n])
     c_desc = _desc(c, [BLOCK_M, block_n])
-    grid = (_num_sms(x.device),)
+    grid = (sm_count(x.device),)
     launch(gathered_handoff_kernel, grid, x, x.stride(0), token, token.shape[0], b_desc, c_desc, c, c.stride(0),
            sched[0], sched[1], sched[2], offsets, N, K, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
            STAGES=stages, WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
@@ -601,7 +591,7 @@ def rows_handoff(a, w, offsets, sched, out=None, kn: bool = False, block_k: int 
     a_desc = _desc(a, [BLOCK_M, block_k])
     b_desc = _desc(w.reshape(-1, w.shape[2]), [block_k, block_n] if kn else [block_n, block_k])
     c_desc = _desc(c, [BLOCK_M, block_n])
-    grid = (_num_sms(a.device),)
+    grid = (sm_count(a.device),)
     launch(rows_handoff_kernel, grid, a_desc, b_desc, c_desc, c, sched[0], sched[1], sched[2], offsets, N, K,
            c.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
            WORKER_REGS=worker_regs, B_KN=kn, num_warps=8, maxnreg=168)
@@ -631,7 +621,7 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
     a = act if store_act else preact
     # 12 warps x 168 registers fill the register file: the loader and epilogue warpgroup gets
     # worker_regs, the MMA warps the rest
-    grid = (_num_sms(x.device),)
+    grid = (sm_count(x.device),)
     launch(up_swiglu_ws_kernel, grid, x, x.stride(0), token, rows, w_desc, p, a, p.stride(0), a.stride(0),
            sched[0], sched[1], sched[2], offsets, h, d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
            STAGES=stages, STORE_PREACT=store_preact, STORE_ACT=store_act, WORKER_REGS=worker_regs,
@@ -805,7 +795,7 @@ def weight_grad_ws(p, q, token, offsets, out, gather_p: bool, block_k: int = 64,
     dense_desc = _desc(dense, [block_k, block_n if gather_p else block_m])
     c2d = out.view(E * M, N)
     c_desc = _desc(c2d, [block_m, block_n])
-    grid = (_num_sms(p.device),)
+    grid = (sm_count(p.device),)
     launch(weight_grad_ws_kernel, grid, dense_desc, src, src.stride(0), token, c_desc, c2d, c2d.stride(0), offsets,
            E, M, N, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, TMA_STORE=M % block_m == 0,
            WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)

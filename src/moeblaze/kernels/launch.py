@@ -20,6 +20,7 @@ count are part of the key, so a run with ever-changing sizes starts the cache ov
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 
@@ -42,6 +43,19 @@ def ensure_context(device: int) -> None:
     if device not in bound:
         torch.cuda.current_stream(device).query()  # cudaStreamQuery: binds the primary context, never waits
         bound.add(device)
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (persistent grids launch one program each); 4 elsewhere (the
+    interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _hooked(hook) -> bool:

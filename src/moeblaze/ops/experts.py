@@ -49,7 +49,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernels.experts import (ACT_CODES, BLOCK_M, DS_BLOCK, GROUP_M, INTERPRET, _act_bwd_kernel,
                                _combine_kernel, _expert_down_bwd_kernel, _expert_rows_kernel, _expert_up_fwd_kernel,
                                _expert_weight_grad_kernel, _tile_schedule_kernel)
-from ..kernels.launch import ensure_context, launch
+from ..kernels.launch import ensure_context, launch, sm_count
 from ..reference import is_gated
 
 CHECKPOINTS = ("preact", "recompute")
@@ -109,13 +109,9 @@ def _desc(t: torch.Tensor | None):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1]) if TMA and _tma_ok(t) else None
 
 
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _grid(num_tiles: int, n: int, device: torch.device | None = None):
     """One program per (row tile, column tile); persistent configs: one per multiprocessor."""
-    sms = _num_sms(device) if device is not None else None
+    sms = sm_count(device) if device is not None else None
     return lambda meta: ((sms if meta.get("PERSISTENT") else num_tiles * triton.cdiv(n, meta["BLOCK_N"])),)
 
 
