@@ -3,7 +3,8 @@ the row GEMMs of the down-projection and dX̃, and the weight gradients, used by
 the shapes allow; the tl kernels in kernels.experts stay the path everywhere else (and the only one the
 CPU interpreter runs).
 
-Memory contract: nothing beyond the outputs (H and A; C; dW). Shared memory: S stages of (128 + BLOCK_N) x 64
+Memory contract: nothing beyond the outputs (H and A; C; dW), and one 32 KB stand-in tensor per device and dtype
+(a descriptor argument the up-projection needs when it stores H without TMA). Shared memory: S stages of (128 + BLOCK_N) x 64
 operands and, for the hand-off kernels, one 128 x 256 tile of the accumulator in the io dtype.
 
 One program per multiprocessor walks the used tiles of the device-built schedule, GROUP_M row tiles
@@ -331,6 +332,12 @@ def _desc(t, box):
 
 
 @functools.cache
+def _stand_in(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A BLOCK_M x 128 tensor for a descriptor argument a launch never uses (32 KB per device and dtype)."""
+    return torch.zeros(BLOCK_M, 128, device=device, dtype=dtype)
+
+
+@functools.cache
 def _smem_layout(box: tuple, dtype: torch.dtype):
     gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(box), gdt)
@@ -460,12 +467,13 @@ def _mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, t
 
 
 @gluon.jit
-def _up_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, stride_al, tile_expert_ptr,
+def _up_epilogue(c_smem, acc_ready, acc_empty, h_desc, preact_ptr, act_ptr, stride_pl, stride_al, tile_expert_ptr,
                  tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT: gl.constexpr,
-                 STORE_ACT: gl.constexpr):
+                 STORE_ACT: gl.constexpr, TMA_PREACT: gl.constexpr):
     """Each tile's H = [gate | up] from c_smem: stores H (if STORE_PREACT) and A = SiLU(gate) * up (if
     STORE_ACT), in 32x64 pieces with coalesced 16-byte stores; the stored H is what backward reads, and A
-    is computed from it."""
+    is computed from it. With TMA_PREACT, a tile within its expert's rows and H's columns stores its two
+    halves of H by TMA (h_desc: boxes of BLOCK_M x HALF of H), so the two warps store only A."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
     HALF: gl.constexpr = c_smem.type.shape[1] // 2
     layout: gl.constexpr = _epilogue_layout(gl.num_warps())
@@ -477,6 +485,12 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, s
         e, row0, row_end, pid_n = _tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
                                            expert_offsets_ptr)
         mbarrier.wait(acc_ready.index(0), j & 1)
+        # TMA_PREACT (only with STORE_PREACT): H's halves by TMA for a tile within H's rows and columns
+        by_tma = (row0 + BLOCK_M <= row_end) & ((pid_n + 1) * HALF <= H) & TMA_PREACT
+        if TMA_PREACT:
+            if by_tma:
+                _tma_store(h_desc, [row0, pid_n * HALF], c_smem.slice(0, HALF, dim=1))
+                _tma_store(h_desc, [row0, H + pid_n * HALF], c_smem.slice(HALF, HALF, dim=1))
         for rh in gl.static_range(BLOCK_M // EPI_ROWS):
             rows = row0 + rh * EPI_ROWS + offs_m
             rmask = rows < row_end
@@ -488,21 +502,25 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, s
                 mask = rmask[:, None] & (cols < H)[None, :]
                 if STORE_PREACT:
                     p_ptrs = preact_ptr + rows.to(gl.int64)[:, None] * stride_pl + cols[None, :]
-                    gl.store(p_ptrs, gate, mask=mask)
-                    gl.store(p_ptrs + H, up, mask=mask)
+                    pmask = mask & (not by_tma)
+                    gl.store(p_ptrs, gate, mask=pmask)
+                    gl.store(p_ptrs + H, up, mask=pmask)
                 if STORE_ACT:
                     g = gate.to(gl.float32)
                     a = g / (1.0 + gl.exp(-g)) * up.to(gl.float32)
                     a_ptrs = act_ptr + rows.to(gl.int64)[:, None] * stride_al + cols[None, :]
                     gl.store(a_ptrs, a.to(act_ptr.dtype.element_ty), mask=mask)
+        if TMA_PREACT:
+            tma.store_wait(0)  # c_smem read: the MMA warps may overwrite it
         mbarrier.arrive(acc_empty.index(0))
 
 
 @gluon.jit
-def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, preact_ptr, act_ptr, stride_pl, stride_al,
-                        tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, H, K_DIM,
+def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, h_desc, preact_ptr, act_ptr, stride_pl,
+                        stride_al, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, H, K_DIM,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                        STORE_PREACT: gl.constexpr, STORE_ACT: gl.constexpr, WORKER_REGS: gl.constexpr):
+                        STORE_PREACT: gl.constexpr, STORE_ACT: gl.constexpr, TMA_PREACT: gl.constexpr,
+                        WORKER_REGS: gl.constexpr):
     """H = x[token[rows]] @ W1[e]ᵀ (gate and up), A = SiLU(gate) * up; three partitions: the 8-warp MMA
     partition (default), a 2-warp gathering loader, a 2-warp epilogue."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], w_desc.dtype)
@@ -517,8 +535,8 @@ def up_swiglu_ws_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, preact_ptr,
                 K_DIM, True)
     loader_args = (x_ptr, stride_xl, token_ptr, n_rows, w_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
                    tile_row_ptr, used_tiles_ptr, H, K_DIM)
-    epi_args = (c_smem, acc_ready, acc_empty, preact_ptr, act_ptr, stride_pl, stride_al, tile_expert_ptr,
-                tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT, STORE_ACT)
+    epi_args = (c_smem, acc_ready, acc_empty, h_desc, preact_ptr, act_ptr, stride_pl, stride_al, tile_expert_ptr,
+                tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT, STORE_ACT, TMA_PREACT)
     gl.warp_specialize([(_handoff_mma, mma_args), (_gather_loader, loader_args), (_up_epilogue, epi_args)],
                        [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
@@ -667,13 +685,19 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
         act = x.new_empty(rows, h)
     p = preact if store_preact else act
     a = act if store_act else preact
+    # H's halves of a tile go out by TMA where H's rows are 16-byte aligned (a descriptor can address them)
+    tma_preact = store_preact and (preact.stride(0) * preact.element_size()) % 16 == 0 and preact.stride(1) == 1 \
+        and preact.data_ptr() % 16 == 0
+    # (without it the kernel never stores through h_desc; the partitions see TMA_PREACT at run time, so a
+    # descriptor of a small stand-in tensor takes its place)
+    h_desc = _desc(preact if tma_preact else _stand_in(x.device, x.dtype), [BLOCK_M, block_n // 2])
     # 12 warps x 168 registers fill the register file: the loader and epilogue warpgroup gets
     # worker_regs, the MMA warps the rest
     grid = (sm_count(x.device),)
-    launch(up_swiglu_ws_kernel, grid, x, x.stride(0), token, rows, w_desc, p, a, p.stride(0), a.stride(0),
+    launch(up_swiglu_ws_kernel, grid, x, x.stride(0), token, rows, w_desc, h_desc, p, a, p.stride(0), a.stride(0),
            sched[0], sched[1], sched[2], offsets, h, d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-           STAGES=stages, STORE_PREACT=store_preact, STORE_ACT=store_act, WORKER_REGS=worker_regs,
-           num_warps=8, maxnreg=168)
+           STAGES=stages, STORE_PREACT=store_preact, STORE_ACT=store_act, TMA_PREACT=tma_preact,
+           WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
     return (preact if store_preact else None), (act if store_act else None)
 
 
