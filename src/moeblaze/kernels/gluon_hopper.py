@@ -713,13 +713,19 @@ WGRAD_BLOCKS = (128, 256)  # (BLOCK_M: P's columns per tile of dW, BLOCK_N: Q's 
 def _wgrad_tile(j, pid, nprog, n_tm, n_tn, group):
     """(expert, row tile of dW[e], column tile) of this program's j-th tile: expert by expert, so the
     programs running together read the same rows of P and Q (from L2); within an expert, `group` row tiles
-    sweep the columns together (wgrad_group)."""
+    sweep the columns together (wgrad_group). The grouped arithmetic only where group > 1: it sits on the MMA
+    warps' path from one tile to the next (B's dW1 ran 2% slower with it in the same order)."""
     t = pid + j * nprog
     r = t % (n_tm * n_tn)
-    width = group * n_tn
-    first = (r // width) * group
-    size = gl.minimum(n_tm - first, group)
-    return t // (n_tm * n_tn), first + (r % width) % size, (r % width) // size
+    tm = r // n_tn
+    tn = r % n_tn
+    if group > 1:
+        width = group * n_tn
+        first = (r // width) * group
+        size = gl.minimum(n_tm - first, group)
+        tm = first + (r % width) % size
+        tn = (r % width) // size
+    return t // (n_tm * n_tn), tm, tn
 
 
 def wgrad_group(n_tm: int, n_tn: int) -> int:
@@ -728,7 +734,7 @@ def wgrad_group(n_tm: int, n_tn: int) -> int:
     tile of Q (256 wide) and a band of P's (128 wide). Otherwise 16 row tiles at a time: with the columns
     fastest a wave would stream through all of Q[e] (64 MB for dW2 at config B), where 16 x ~8 tiles hold
     the least of P and Q for that many tiles. Measured at configs A-E: each choice within 0-1.5% of the
-    other where it loses to it, the grouped order 8% faster for dW2 at B and 4% for dW1 at E
+    other where that one wins, the grouped order 6-8% faster for dW2 at B and 3-4% for dW1 at E
     (bench/results/nvidia-h200-wgrad-order.log)."""
     return 1 if n_tm >= 2 * n_tn else 16
 
