@@ -1,14 +1,16 @@
 """Times the Gluon warp-specialised kernels against the tl kernels (GPU only), launch by launch, bf16, at the
 anchor configs with every expert given L·K/E rows: the SwiGLU up-projection (H and A), the down-projection's
-row GEMM, dH (dA' = dy[token] @ W2[e] by the gathering hand-off kernel, then the epilogue pass), dX~ = dH @ W1[e]
+row GEMM, dH (dA' = dy[token] @ W2[e] by the gathering hand-off kernel, then the epilogue pass; "dA": the GEMM
+alone, in every version), dX~ = dH @ W1[e]
 and the weight gradients dW1, dW2 (the Gluon kernels the layer runs), and the reference-only ping-pong and
 cooperative kernels ("variants"). Each Gluon kernel runs in every pipeline shape given (stages x BLOCK_K);
 --baseline FILE also times an earlier version of kernels/gluon_hopper.py, e.g. made by
 `git show REV:src/moeblaze/kernels/gluon_hopper.py > FILE`, and checks that its outputs are bit-identical.
 Candidates alternate twice in one process, so their ratios are comparable.
 
-    python scripts/gluon_bench.py [--configs C,D,E,B] [--launches up,down,dH,dx,wgrad,variants] [--pipelines 3x64]
-                                  [--baseline FILE]"""
+    python scripts/gluon_bench.py [--configs C,D,E,B] [--launches up,down,dH,dA,dx,wgrad,variants]
+                                  [--pipelines 3x64] [--baseline FILE] [--rounds 2]
+--rounds 0 calls every candidate once and times nothing, for a profiler such as ncu."""
 import argparse
 import importlib.util
 import os
@@ -32,8 +34,11 @@ def load_baseline(path):
     return module
 
 
-def report(name, flops, candidates, rounds=2):
-    """Times every candidate `rounds` times, alternating; the first candidate is the reference for the output
+ROUNDS = 2
+
+
+def report(name, flops, candidates):
+    """Times every candidate ROUNDS times, alternating; the first candidate is the reference for the output
     check (bit-identical for Gluon versions, relative difference for the tl kernel)."""
     outs = {label: fn() for label, fn in candidates}
     ref = next(iter(outs.values()))
@@ -43,7 +48,7 @@ def report(name, flops, candidates, rounds=2):
         diff = 0.0 if same else float((outs[label].float() - ref.float()).norm() / ref.float().norm())
         row.append(f"{label} {'identical' if same else f'diff {diff:.1e}'}")
     del outs, ref
-    for r in range(rounds):
+    for r in range(ROUNDS):
         for label, fn in candidates:
             ms = triton.testing.do_bench(fn, warmup=100, rep=1000)
             row.append(f"{label}#{r + 1} {ms:.3f} ms {flops / ms / 1e9:.0f} TF/s")
@@ -56,7 +61,10 @@ def main():
     p.add_argument("--launches", default="up,down,dH,dx,wgrad")
     p.add_argument("--pipelines", default="3x64", help="stages x BLOCK_K of the Gluon kernels, comma-separated")
     p.add_argument("--baseline", default=None)
+    p.add_argument("--rounds", type=int, default=2, help="timed rounds per candidate; 0 runs each once (for ncu)")
     args = p.parse_args()
+    global ROUNDS
+    ROUNDS = args.rounds
     launches = args.launches.split(",")
     pipelines = [tuple(map(int, s.split("x"))) for s in args.pipelines.split(",")]
     base = load_baseline(args.baseline) if args.baseline else None
@@ -79,6 +87,7 @@ def main():
             """(label, call) for every version and pipeline shape of one Gluon launch."""
             return [(f"{v}{'' if len(pipelines) == 1 else f' {s}x{bk}'}", lambda m=m, s=s, bk=bk: fn(m, s, bk))
                     for v, m in versions for s, bk in pipelines]
+
         if "up" in launches:  # each launch's operands only where it is timed (B's are GBs)
             report(f"{name} up (H and A)", 2 * LK * 2 * h * d,
                    gluon(lambda m, s, bk: m.up_swiglu_ws(x, w1, eti, offsets, sched, stages=s, block_k=bk)[1])
@@ -120,6 +129,12 @@ def main():
                    + [("tl", lambda: _rows(dpreact, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), d, offsets,
                                            sched))])
             del dpreact
+        if "dA" in launches:  # dH's GEMM alone: dA' = dy[token] @ W2[e]
+            dy = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
+            w2 = torch.randn(E, d, h, device="cuda", dtype=torch.bfloat16) * d ** -0.5
+            report(f"{name} dA' = dy[token] @ W2[e]", 2 * LK * d * h,
+                   gluon(lambda m, s, bk: m.gathered_handoff(dy, w2, eti, offsets, sched, stages=s, block_k=bk)))
+            del dy, w2
         if "wgrad" in launches:
             dpreact = torch.randn(LK, 2 * h, device="cuda", dtype=torch.bfloat16)
             dy = torch.randn(L, d, device="cuda", dtype=torch.bfloat16)
