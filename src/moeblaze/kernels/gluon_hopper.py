@@ -3,9 +3,10 @@ the row GEMMs of the down-projection and dX̃, and the weight gradients, used by
 the shapes allow; the tl kernels in kernels.experts stay the path everywhere else (and the only one the
 CPU interpreter runs).
 
-Memory contract: nothing beyond the outputs (H and A; C; dW), and one 32 KB stand-in tensor per device and dtype
-(a descriptor argument the up-projection needs when it stores H without TMA). Shared memory: S stages of (128 + BLOCK_N) x 64
-operands and, for the hand-off kernels, one 128 x 256 tile of the accumulator in the io dtype.
+Memory contract: nothing beyond the outputs (H and A; C; dW), and one 32 KB stand-in tensor per device and
+dtype (a descriptor argument the up-projection needs when it stores H without TMA). Shared memory: S stages
+of (128 + BLOCK_N) x 64 operands and, in all but the reference ping-pong and cooperative kernels, one
+128 x 256 tile of the accumulator in the io dtype.
 
 One program per multiprocessor walks the used tiles of the device-built schedule, GROUP_M row tiles
 sweeping the columns together (the weight gradients: the tiles of dW, expert by expert). Partitions of
