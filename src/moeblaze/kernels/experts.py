@@ -25,6 +25,12 @@ DS_BLOCK = 16 if INTERPRET else 64
 GROUP_M = 8  # row tiles that sweep the columns together, so a weight tile is reused from L2
 
 
+def tma_ok(t) -> bool:
+    """A row-major 2D tensor a tensor descriptor can address (16-byte aligned base and row stride)."""
+    return (t is not None and t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
 def _configs(keys, gpu, interp, pre_hook=None):
     """Autotune configs from tuples (*values of keys, num_warps, num_stages); one small config under the
     interpreter."""

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .experts import BLOCK_M
+from .experts import BLOCK_M, tma_ok
 from .launch import launch, sm_count
 
 # the TMA load and store and the cp.async copy are async_copy_global_to_shared / async_copy_shared_to_global
@@ -54,6 +54,12 @@ GATHER_WARPS = gl.constexpr(4)  # warps of the gathering loader: cp.async needs 
 def _gather_layout(block_k, warps):
     """The gathering loader's register layout: 8 elements (16 bytes, one cp.async) per thread along K."""
     return gl.BlockedLayout([1, 8], [32 * 8 // block_k, block_k // 8], [warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _acc_layout(warps, block_n):
+    """The wgmma accumulator's register layout: `warps` warps down the rows, BLOCK_N columns per instruction."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_n, 16])
 
 
 @gluon.constexpr_function
@@ -240,8 +246,7 @@ def _consumer(first, STEP: gl.constexpr, WARPS: gl.constexpr, c_ptr, stride_cl, 
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = _acc_layout(WARPS, BLOCK_N)
     n_tn = gl.cdiv(N, BLOCK_N)
     n_k = gl.cdiv(K_DIM, BLOCK_K)
     pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
@@ -405,8 +410,7 @@ def _handoff_mma(c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, use
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K  # stages of (BLOCK_K, BLOCK_N): no permute
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = _acc_layout(8, BLOCK_N)
     n_k = gl.cdiv(K_DIM, BLOCK_K)
     pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
     for j in range(n_mine):
@@ -421,7 +425,7 @@ def _handoff_mma(c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, use
 
 
 @gluon.jit
-def _store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, col0, N, M_END: gl.constexpr = False):
+def _store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, col0, N):
     """The MMA partition's own store of a finished tile: through c_smem and one TMA store where the tile lies
     within its rows (row0 + BLOCK_M <= row_end), else masked stores from the registers. c_smem is written only
     once the previous tile's TMA store has read it."""
@@ -452,8 +456,7 @@ def _mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, t
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = _acc_layout(8, BLOCK_N)
     n_tn = gl.cdiv(N, BLOCK_N)
     n_k = gl.cdiv(K_DIM, BLOCK_K)
     pid, nprog, n_used, n_mine = _my_tiles(used_tiles_ptr, n_tn)
@@ -489,10 +492,9 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, h_desc, preact_ptr, act_ptr, stri
         mbarrier.wait(acc_ready.index(0), j & 1)
         # TMA_PREACT (only with STORE_PREACT): H's halves by TMA for a tile within H's rows and columns
         by_tma = (row0 + BLOCK_M <= row_end) & ((pid_n + 1) * HALF <= H) & TMA_PREACT
-        if TMA_PREACT:
-            if by_tma:
-                _tma_store(h_desc, [row0, pid_n * HALF], c_smem.slice(0, HALF, dim=1))
-                _tma_store(h_desc, [row0, H + pid_n * HALF], c_smem.slice(HALF, HALF, dim=1))
+        if by_tma:
+            _tma_store(h_desc, [row0, pid_n * HALF], c_smem.slice(0, HALF, dim=1))
+            _tma_store(h_desc, [row0, H + pid_n * HALF], c_smem.slice(HALF, HALF, dim=1))
         for rh in gl.static_range(BLOCK_M // EPI_ROWS):
             rows = row0 + rh * EPI_ROWS + offs_m
             rmask = rows < row_end
@@ -688,8 +690,7 @@ def up_swiglu_ws(x, w1, token, offsets, sched, preact=None, act=None, store_prea
     p = preact if store_preact else act
     a = act if store_act else preact
     # H's halves of a tile go out by TMA where H's rows are 16-byte aligned (a descriptor can address them)
-    tma_preact = store_preact and (preact.stride(0) * preact.element_size()) % 16 == 0 and preact.stride(1) == 1 \
-        and preact.data_ptr() % 16 == 0
+    tma_preact = store_preact and tma_ok(preact)
     # (without it the kernel never stores through h_desc; the partitions see TMA_PREACT at run time, so a
     # descriptor of a small stand-in tensor takes its place)
     h_desc = _desc(preact if tma_preact else _stand_in(x.device, x.dtype), [BLOCK_M, block_n // 2])
@@ -811,8 +812,7 @@ def _wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, em
     BLOCK_K: gl.constexpr = p_bufs.type.shape[1]
     BLOCK_M: gl.constexpr = p_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = q_bufs.type.shape[2]
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = _acc_layout(8, BLOCK_N)
     pid, nprog = gl.program_id(0), gl.num_programs(0)
     c0 = 0
     for j in range(gl.cdiv(n_tiles - pid, nprog)):

@@ -48,7 +48,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.experts import (ACT_CODES, BLOCK_M, DS_BLOCK, GROUP_M, INTERPRET, _act_bwd_kernel,
                                _combine_kernel, _expert_down_bwd_kernel, _expert_rows_kernel, _expert_up_fwd_kernel,
-                               _expert_weight_grad_kernel, _tile_schedule_kernel)
+                               _expert_weight_grad_kernel, _tile_schedule_kernel, tma_ok)
 from ..kernels.launch import ensure_context, launch, sm_count
 from ..reference import is_gated
 
@@ -97,16 +97,10 @@ def tile_schedule(expert_counts: torch.Tensor, expert_offsets: torch.Tensor, num
     return tile_expert, tile_row, used
 
 
-def _tma_ok(t: torch.Tensor | None) -> bool:
-    """A row-major 2D tensor a tensor descriptor can address (16-byte aligned base and row stride)."""
-    return (t is not None and t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
-            and t.data_ptr() % 16 == 0)
-
-
 def _desc(t: torch.Tensor | None):
     """A host tensor descriptor of 2D t where TMA is on and t is aligned for it, else None; its block
     shape is set per autotune config by the kernel's pre-hook."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1]) if TMA and _tma_ok(t) else None
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1]) if TMA and tma_ok(t) else None
 
 
 def _grid(num_tiles: int, n: int, device: torch.device | None = None):
