@@ -4,7 +4,7 @@ memory: a config that spills, or does not compile for the target, shows up befor
 spent. Approximate: launch-time specialisations (strides equal to 1, 16-divisible sizes) are not
 applied, so the real kernels may use a few registers fewer.
 
-    python scripts/compile_check.py [--arch 90] [--kernels up,rows,dH,weight_grad]
+    python scripts/compile_check.py [--arch 90] [--kernels up,rows,down_bwd,weight_grad]
 """
 import argparse
 import os
@@ -18,13 +18,14 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from moeblaze.kernels import experts as K  # noqa: E402
+from moeblaze.experts.schedule import BLOCK_M  # noqa: E402
+from moeblaze.experts.tl import TUNED_KERNELS, configs  # noqa: E402
 
 INT32_PTRS = ("expert_token_idx_ptr", "tile_expert_ptr", "tile_row_ptr", "expert_offsets_ptr", "used_tiles_ptr")
 FP32_PTRS = ("w_sorted_ptr", "ds_part_ptr")
 # constexpr values the launchers pass (SwiGLU, bf16, every output stored)
-LAUNCH = dict(GATED=True, ACT=0, STORE_PREACT=True, STORE_ACT=True, BLOCK_M=K.BLOCK_M, PRECISION="tf32",
-              GROUP_M=K.GROUP_M, DS_BLOCK=K.DS_BLOCK, B_KMAJOR=False)
+LAUNCH = dict(GATED=True, ACT=0, STORE_PREACT=True, STORE_ACT=True, BLOCK_M=BLOCK_M, PRECISION="tf32",
+              GROUP_M=configs.GROUP_M, DS_BLOCK=configs.DS_BLOCK, B_KMAJOR=False)
 # arguments the launchers pass as 1 (contiguous last dimensions): Triton specialises them to constants
 UNIT_STRIDES = {"stride_xd", "stride_wd", "stride_dyd", "stride_wh", "stride_ad", "stride_pn", "stride_qp",
                 "stride_dp"}
@@ -100,12 +101,12 @@ def resource_usage(cubin):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--kernels", default=",".join(K.TUNED_KERNELS))
+    ap.add_argument("--kernels", default=",".join(TUNED_KERNELS))
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_{args.arch}")
     failures = 0
     for name in args.kernels.split(","):
-        kernel = K.TUNED_KERNELS[name]
+        kernel = TUNED_KERNELS[name]
         for launch in variants(name):
             tag = " ".join([f"{k}={int(v)}" for k, v in launch.items() if k not in TMA_FLAGS]
                            + [f"TMA={int(launch['A_TMA'])}"])

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session: the GPU tests, then the benchmark; everything is written under $OUT (default ./out).
-#   usage: bash scripts/gpu.sh [tests] [dispatch] [layer] [scale] [profile] [gluon]   (default: all but gluon)
+#   usage: bash scripts/gpu.sh [tests] [dispatch] [layer] [scale] [profile] [ab]   (default: all but ab)
+# Exits non-zero when any step fails (each step still runs).
 # Peers: with .peers/ (bash ../shared/peers/get-peers.sh) beside the code, SonicMoE and Liger join the run.
 # TRITON_TARBALL=.whl/triton-...-stripped.tar.xz (scripts/pack_triton.sh; carry .whl) runs everything on that triton.
-# GLUON_ARGS are passed to scripts/gluon_bench.py (e.g. "--configs D,E --launches up --baseline FILE").
+# ab: scripts/ab_compare.py against .baseline/moeblaze_base (bash scripts/make_baseline.sh REV; carry .baseline),
+#     AB_ARGS passed on (e.g. "--configs D,E --backends auto").
 # SonicMoE's compiled kernels: .peers/quack_cache.tar.xz, where present, seeds its cache before the steps, and
 # the cache is written back to $OUT/quack_cache.tar.xz after them (copy it to .peers/ to spare the next
 # machine the compile).
@@ -27,6 +29,7 @@ quack_tmp=$(python3 -c "import getpass, tempfile; print(tempfile.gettempdir() + 
 [ -f .peers/quack_cache.tar.xz ] && mkdir -p "$quack_tmp" && tar xJf .peers/quack_cache.tar.xz -C "$quack_tmp"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+failed=""
 for s in $steps; do
   echo "=== $s"
   case $s in
@@ -34,10 +37,13 @@ for s in $steps; do
     dispatch) python3 -m moeblaze.cli bench --dispatch --out "$OUT" ;;
     layer) python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
     scale) python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
-    gluon) { python3 -m pytest -m gpu tests/gpu/test_gluon_hopper.py -p no:logging; python3 scripts/gluon_bench.py ${GLUON_ARGS:-}; } 2>&1 | tee "$OUT/gluon.log" ;;
-    profile) for c in ${PROFILE_CONFIGS:-8192,1024,4096,16,2}; do IFS=, read L d h E K <<< "$c"; python3 -m moeblaze.cli profile --kernels --tokens $L --d-model $d --d-expert $h --num-experts $E --top-k $K; done 2>&1 | tee "$OUT/profile.log" ;;
+    ab) python3 scripts/ab_compare.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" ;;
+    profile) for c in ${PROFILE_CONFIGS:-8192,1024,4096,16,2}; do IFS=, read L d h E K <<< "$c"; python3 -m moeblaze.cli profile --kernels --tokens $L --d-model $d --d-expert $h --num-experts $E --top-k $K || exit 1; done 2>&1 | tee "$OUT/profile.log" ;;
+    *) echo "unknown step $s"; false ;;
   esac
+  rc=$?
+  [ $rc -ne 0 ] && failed="$failed $s"
 done
-rc=$?
 if [ -d "$quack_tmp/quack_cache" ]; then tar cJf "$OUT/quack_cache.tar.xz" -C "$quack_tmp" quack_cache; fi
-exit $rc
+[ -n "$failed" ] && { echo "gpu.sh: failed steps:$failed"; exit 1; }
+exit 0

@@ -1,7 +1,7 @@
 """Where the host's time to issue one moeblaze step goes (GPU only): host ms per forward+backward step and per
 forward (host clock, no synchronization inside the timed loop), then cProfile over 100 steps, the functions
 with the most time of their own and the most cumulative time; with --pieces, the host µs of each launch of
-the step and of the parts of one launch instead (diagnostic: the host's CPU varies by ±30% between runs).
+the step instead (diagnostic: the host's CPU varies by ±30% between runs).
 
     python scripts/host_profile.py [--configs A,C] [--top 25] [--pieces]"""
 import argparse
@@ -14,7 +14,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from moeblaze.bench.harness import CONFIGS, _moeblaze, _step, make_problem  # noqa: E402
+from moeblaze.bench.harness import CONFIGS, moeblaze_call, run_step, make_problem  # noqa: E402
 
 
 def host_ms(fn, n=100):
@@ -31,18 +31,18 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", default="A,C")
     p.add_argument("--top", type=int, default=25, help="functions listed per order; 0: no cProfile")
-    p.add_argument("--pieces", action="store_true", help="host µs per launch and per part of one launch")
+    p.add_argument("--pieces", action="store_true", help="host µs per launch of the step")
     args = p.parse_args()
     for name in args.configs.split(","):
         prob = make_problem(*CONFIGS[name])
         if args.pieces:
             pieces(prob, name)
             continue
-        call = _moeblaze(prob, "preact")
+        call = moeblaze_call(prob, "preact")
         for i in range(20):  # compile, autotune, warm caches
-            _step(call, prob, i, True)
-        step_host, step_wall = host_ms(lambda i: _step(call, prob, i, True))
-        fwd_host, _ = host_ms(lambda i: _step(call, prob, i, False))
+            run_step(call, prob, i, True)
+        step_host, step_wall = host_ms(lambda i, c=call, q=prob: run_step(c, q, i, True))
+        fwd_host, _ = host_ms(lambda i, c=call, q=prob: run_step(c, q, i, False))
         print(f"{name} {CONFIGS[name]}: host ms/step {step_host:.3f}, wall ms/step {step_wall:.3f}, "
               f"forward host ms {fwd_host:.3f}", flush=True)
         if args.top:
@@ -56,7 +56,7 @@ def profile(call, prob, name, top):
     prof = cProfile.Profile()
     prof.enable()
     for i in range(100):
-        _step(call, prob, i, True)
+        run_step(call, prob, i, True)
     torch.cuda.synchronize()
     prof.disable()
     for key in ("tottime", "cumulative"):
@@ -81,54 +81,38 @@ def piece_us(fn, n=20, rounds=15):
 
 
 def pieces(p, name):
-    """Host µs of each launch of a preact step, of the step, and of one Gluon launch by three paths."""
-    from moeblaze.kernels import gluon_hopper as gh
-    from moeblaze.kernels.launch import launch, sm_count
-    from moeblaze.ops import experts as ox
+    """Host µs of each launch of a preact step (through experts.stages, on the default backend) and of the step."""
+    from moeblaze.experts import stages
+    from moeblaze.experts.autograd import experts_backward, experts_forward
+    from moeblaze.experts.stages import RowPlan
     from moeblaze.routing import build_routing_index
 
     x, idx, w, dy = p.sets[0]
     x, w, w1, w2 = x.detach(), w.detach(), p.w1.detach(), p.w2.detach()
     r = build_routing_index(idx, p.E, check=False)
-    counts, offsets, eti, slot = r.tensors()
-    sched = ox.tile_schedule(counts, offsets, eti.shape[0])
-    preact, act = ox._up(x, w1, eti, offsets, sched, "swiglu", True, True)
+    plan = RowPlan.build(r)
+    preact, act = stages.up(plan, x, w1, "swiglu")
     E, F, D = w1.shape
     H = w2.shape[2]
-    w2_nk = (w2.stride(0), w2.stride(2), w2.stride(1))
-    y = ox._rows(act, w2, w2_nk, D, offsets, sched)
+    y = stages.down(plan, act, w2)
     dpre = torch.empty_like(preact)
-    sa, _ = ox._down_bwd(dy, w2, preact, w, slot, dpre, eti, offsets, sched, "swiglu")
-    call = _moeblaze(p, "preact")
-    a_desc, b_desc, c_desc = gh._desc(act, [128, 64]), gh._desc(w2.reshape(-1, H), [256, 64]), gh._desc(y, [128, 256])
-    args = (a_desc, b_desc, c_desc, y, *sched, offsets, D, H, y.stride(0))
-    kw = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, STAGES=3, WORKER_REGS=112, B_KN=False, num_warps=8, maxnreg=168)
-    grid = (sm_count(x.device), 1, 1)
-    compiled = gh.rows_handoff_kernel[grid](*args, **kw)
-    every = args + tuple(kw[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "WORKER_REGS", "B_KN"))
-    stream = torch.cuda.current_stream().cuda_stream
+    sa, _ = stages.down_bwd(plan, dy, w2, preact, w, dpre, "swiglu")
+    call = moeblaze_call(p, "preact")
     rows = {
         "routing index (3 launches)": lambda: build_routing_index(idx, p.E, check=False),
-        "tile schedule": lambda: ox.tile_schedule(counts, offsets, eti.shape[0]),
-        "up": lambda: ox._up(x, w1, eti, offsets, sched, "swiglu", True, True),
-        "down": lambda: ox._rows(act, w2, w2_nk, D, offsets, sched),
-        "combine": lambda: ox._combine(y, slot, w, x.dtype),
-        "dA' + SwiGLU backward pass": lambda: ox._down_bwd(dy, w2, preact, w, slot, dpre, eti, offsets, sched,
-                                                          "swiglu"),
-        "dW2": lambda: ox._weight_grad(dy, sa, (E, D, H), eti, offsets, True, False, w2.dtype),
-        "dW1": lambda: ox._weight_grad(dpre, x, (E, F, D), eti, offsets, False, True, w1.dtype),
-        "dX~": lambda: ox._rows(dpre, w1, (w1.stride(0), w1.stride(1), w1.stride(2)), D, offsets, sched),
-        "forward body": lambda: ox._experts_fwd(x, w1, w2, w, counts, offsets, eti, slot, "swiglu", True),
-        "backward body": lambda: ox._experts_bwd(dy, x, w1, w2, w, *sched, offsets, eti, slot, preact, "swiglu",
-                                                 True),
-        "step forward": lambda: _step(call, p, 0, False),
-        "step forward+backward": lambda: _step(call, p, 0, True),
-        "one TMA descriptor": lambda: gh._desc(act, [128, 64]),
-        "Gluon launch: Triton's dispatch": lambda: gh.rows_handoff_kernel[grid](*args, **kw),
-        "Gluon launch: kernels.launch": lambda: launch(gh.rows_handoff_kernel, grid, *args, **kw),
-        "Gluon launch: compiled kernel's launcher": lambda: compiled.run(*grid, stream, compiled.function,
-                                                                         compiled.packed_metadata, None, None,
-                                                                         None, *every),
+        "tile schedule": lambda: RowPlan.build(r),
+        "up": lambda: stages.up(plan, x, w1, "swiglu"),
+        "down": lambda: stages.down(plan, act, w2),
+        "combine": lambda: stages.combine(plan, y, w, x.dtype),
+        "down_bwd (dA' + SwiGLU backward)": lambda: stages.down_bwd(plan, dy, w2, preact, w, dpre, "swiglu"),
+        "dW2": lambda: stages.weight_grad(plan, dy, sa, (E, D, H), True, w2.dtype),
+        "dW1": lambda: stages.weight_grad(plan, dpre, x, (E, F, D), False, w1.dtype),
+        "dX~": lambda: stages.dx_rows(plan, dpre, w1),
+        "forward body": lambda: experts_forward(x, w1, w2, w, *r.tensors(), "swiglu", True, "auto"),
+        "backward body": lambda: experts_backward(dy, x, w1, w2, w, *plan.sched, r.expert_offsets,
+                                                  r.expert_token_idx, r.token_slot, preact, "swiglu", True, "auto"),
+        "step forward": lambda: run_step(call, p, 0, False),
+        "step forward+backward": lambda: run_step(call, p, 0, True),
     }
     for label, fn in rows.items():
         print(f"{name} {label:42s} host {piece_us(fn):8.1f} us", flush=True)

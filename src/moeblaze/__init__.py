@@ -4,8 +4,8 @@
     layer = MoELayer(d_model=1024, d_expert=4096, num_experts=16, top_k=2)  # SwiGLU, Triton on CUDA
     out, aux_loss, z_loss = layer(x)
 """
-from .layers import ModelConfig, MoEBlock, MoELayer, MoEModel, MoEOutput
-from .ops import moe_experts
+from .experts import moe_experts
+from .nn import ModelConfig, MoEBlock, MoELayer, MoEModel, MoEOutput
 from .reference import moe_experts_reference
 from .routing import RoutingIndex, TopKRouter, build_routing_index
 

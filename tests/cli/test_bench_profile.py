@@ -182,7 +182,7 @@ def test_stage_times_cover_every_launch_of_a_step():
 
     rows = stage_times(40, 24, 40, 4, 2, dtype=torch.float32, device="cpu", iters=1)
     names = [r[0].split(":")[0] for r in rows]
-    assert names == ["up", "down", "combine", "dH", "dW2", "dW1", "dX~", "dx"]
+    assert names == ["up", "down", "combine", "down_bwd", "dW2", "dW1", "dX~", "dx"]
     assert all(ms > 0 and host_us > 0 for _, ms, host_us, *_ in rows)
     # GEMM stages carry a rate; the gather-sums don't
     assert [r[3] is not None for r in rows] == [True, True, False, True, True, True, True, False]

@@ -1,7 +1,7 @@
-"""On a Hopper GPU (`pytest -m gpu`): the Gluon warp-specialised kernels against torch in fp32,
-with ragged experts (one empty, one smaller than a tile, one spanning many tiles) and NaN-poisoned output.
-RAGGED fits in one tile per program; MANY gives every program several tiles, so both consumers take turns
-and the stage ring wraps across tiles."""
+"""On a Hopper GPU (`pytest -m gpu`): the Gluon warp-specialised kernels launched directly against torch in
+fp32, with ragged experts (one empty, one smaller than a tile, one spanning many tiles) and NaN-poisoned output.
+RAGGED fits in one tile per program; MANY gives every program several tiles, so the stage ring wraps across
+tiles and the hand-off alternates."""
 import pytest
 import torch
 
@@ -17,7 +17,7 @@ TOKENS = 700  # rows of x for the gathering kernels
 def routing(counts, g, gathered):
     """(E, LK, offsets, token, tile schedule) on the GPU for these per-expert row counts; token (each row's
     token, drawn from g) only where gathered."""
-    from moeblaze.ops.experts import tile_schedule
+    from moeblaze.experts.schedule import tile_schedule
 
     counts = torch.tensor(counts, dtype=torch.int32)
     E, LK = counts.numel(), int(counts.sum())
@@ -46,54 +46,33 @@ def assert_within_torch_error(ours, ref, torch_bf16):
 # N and K tails: 320 = 2.5 column tiles of 128, 104 = 1.6 K steps of 64
 @pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
 @pytest.mark.parametrize("N,K", [(256, 192), (320, 104), (1024, 768)])
-@pytest.mark.parametrize("variant", ["pingpong", "coop", "handoff", "handoff_kn"])
-def test_rows_ws_matches_torch(N, K, counts, variant):
-    from moeblaze.kernels.gluon_hopper import rows_handoff, rows_ws
+@pytest.mark.parametrize("kn", [False, True], ids=["nk", "kn"])
+def test_rows_gemm_matches_torch(N, K, counts, kn):
+    """C = A[rows] @ W[e]ᵀ with W[e] stored (N, K) (the down-projection) or (K, N) (dX~)."""
+    from moeblaze.experts.gluon_sm90 import rows_gemm
 
     g = torch.Generator(device="cpu").manual_seed(N + K)
     E, LK, offsets, _, sched = routing(counts, g, gathered=False)
     a = torch.randn(LK, K, generator=g).to("cuda", torch.bfloat16)
     w = (torch.randn(E, N, K, generator=g) * K ** -0.5).to("cuda", torch.bfloat16)
     out = torch.full((LK, N), float("nan"), device="cuda", dtype=a.dtype)
-    if variant == "handoff":
-        c = rows_handoff(a, w, offsets, sched, out=out)
-    elif variant == "handoff_kn":  # W[e] stored (K, N), as W1 is for dX~
-        c = rows_handoff(a, w.transpose(1, 2).contiguous(), offsets, sched, out=out, kn=True)
-    else:
-        c = rows_ws(a, w, offsets, sched, pingpong=variant == "pingpong", out=out)
+    c = rows_gemm(a, w.transpose(1, 2).contiguous() if kn else w, offsets, sched, out=out, kn=kn)
     assert not c.isnan().any()  # every row written
     assert_within_torch_error(c, per_expert(a, w, offsets, True), per_expert(a, w, offsets, False))
 
 
 @pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
-@pytest.mark.parametrize("N,K", [(256, 192), (320, 128), (1024, 768)])
-@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "coop"])
-def test_gathered_rows_ws_matches_torch(N, K, counts, pingpong):
-    from moeblaze.kernels.gluon_hopper import gathered_rows_ws
-
-    g = torch.Generator(device="cpu").manual_seed(N * K)
-    E, LK, offsets, token, sched = routing(counts, g, gathered=True)
-    x = torch.randn(TOKENS, K, generator=g).to("cuda", torch.bfloat16)
-    w = (torch.randn(E, N, K, generator=g) * K ** -0.5).to("cuda", torch.bfloat16)
-    c = gathered_rows_ws(x, w, token, offsets, sched, pingpong=pingpong,
-                         out=torch.full((LK, N), float("nan"), device="cuda", dtype=x.dtype))
-    xg = x[token.long()]
-    assert not c.isnan().any()  # every row written
-    assert_within_torch_error(c, per_expert(xg, w, offsets, True), per_expert(xg, w, offsets, False))
-
-
-@pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
 @pytest.mark.parametrize("N,K", [(256, 192), (328, 128), (1024, 768)])  # 328: a column tail of 72
-def test_gathered_handoff_matches_torch(N, K, counts):
+def test_gathered_rows_gemm_matches_torch(N, K, counts):
     """dA' = dy[token] @ W2[e] with W2[e] stored (K, N)."""
-    from moeblaze.kernels.gluon_hopper import gathered_handoff
+    from moeblaze.experts.gluon_sm90 import gathered_rows_gemm
 
     g = torch.Generator(device="cpu").manual_seed(N + 3 * K)
     E, LK, offsets, token, sched = routing(counts, g, gathered=True)
     x = torch.randn(TOKENS, K, generator=g).to("cuda", torch.bfloat16)
     w = (torch.randn(E, K, N, generator=g) * K ** -0.5).to("cuda", torch.bfloat16)
-    c = gathered_handoff(x, w, token, offsets, sched, out=torch.full((LK, N), float("nan"), device="cuda",
-                                                                     dtype=x.dtype))
+    c = gathered_rows_gemm(x, w, token, offsets, sched, out=torch.full((LK, N), float("nan"), device="cuda",
+                                                                       dtype=x.dtype))
     xg, wt = x[token.long()], w.transpose(1, 2)
     assert not c.isnan().any()  # every row written
     assert_within_torch_error(c, per_expert(xg, wt, offsets, True), per_expert(xg, wt, offsets, False))
@@ -102,15 +81,15 @@ def test_gathered_handoff_matches_torch(N, K, counts):
 @pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
 @pytest.mark.parametrize("h,d", [(256, 128), (192, 256)])  # 192: one and a half column tiles
 @pytest.mark.parametrize("store_act", [True, False], ids=["H_and_A", "H_only"])
-def test_up_swiglu_ws_matches_torch(h, d, counts, store_act):
-    from moeblaze.kernels.gluon_hopper import up_swiglu_ws
+def test_up_swiglu_matches_torch(h, d, counts, store_act):
+    from moeblaze.experts.gluon_sm90 import up_swiglu
 
     g = torch.Generator(device="cpu").manual_seed(h * d)
     E, LK, offsets, token, sched = routing(counts, g, gathered=True)
     x = torch.randn(TOKENS, d, generator=g).to("cuda", torch.bfloat16)
     w1 = (torch.randn(E, 2 * h, d, generator=g) * d ** -0.5).to("cuda", torch.bfloat16)
     nan = dict(device="cuda", dtype=x.dtype)
-    preact, act = up_swiglu_ws(x, w1, token, offsets, sched, preact=torch.full((LK, 2 * h), float("nan"), **nan),
+    preact, act = up_swiglu(x, w1, token, offsets, sched, preact=torch.full((LK, 2 * h), float("nan"), **nan),
                                act=torch.full((LK, h), float("nan"), **nan) if store_act else None,
                                store_act=store_act)
     xg = x[token.long()]
@@ -132,16 +111,16 @@ def test_up_swiglu_ws_matches_torch(h, d, counts, store_act):
 @pytest.mark.parametrize("counts", [RAGGED, MANY, [0, 0, 64, 0]], ids=["ragged", "many", "one_stage"])
 @pytest.mark.parametrize("gather_p,M,N", [(False, 328, 512), (True, 256, 200), (True, 384, 768)],
                          ids=["dW1", "dW2", "dW2_wide"])
-def test_weight_grad_ws_matches_torch(counts, gather_p, M, N):
+def test_weight_grad_matches_torch(counts, gather_p, M, N):
     """dW[e] = P[rows]ᵀ Q[rows] with one side gathered; experts without rows get zeros."""
-    from moeblaze.kernels.gluon_hopper import weight_grad_ws
+    from moeblaze.experts.gluon_sm90 import weight_grad
 
     g = torch.Generator(device="cpu").manual_seed(M * N + len(counts))
     E, LK, offsets, token, _ = routing(counts, g, gathered=True)
     p = torch.randn(TOKENS if gather_p else LK, M, generator=g).to("cuda", torch.bfloat16)
     q = torch.randn(LK if gather_p else TOKENS, N, generator=g).to("cuda", torch.bfloat16)
     out = torch.full((E, M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-    weight_grad_ws(p, q, token, offsets, out, gather_p)
+    weight_grad(p, q, token, offsets, out, gather_p)
     pm = p[token.long()] if gather_p else p
     qm = q if gather_p else q[token.long()]
     rows = [slice(int(offsets[e]), int(offsets[e + 1])) for e in range(E)]

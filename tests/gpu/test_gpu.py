@@ -1,4 +1,6 @@
-"""On a CUDA GPU (`pytest -m gpu`): the compiled Triton kernels at the benchmark configs in bf16.
+"""On a CUDA GPU (`pytest -m gpu`): the compiled Triton kernels at the benchmark configs in bf16, on each
+backend: "tl" (the portable kernels, the path on every GPU but Hopper) and "gluon" (Hopper only). Each test
+reads experts.dispatch's launch counts to check which kernels actually ran.
 
 Tolerance: the error of PyTorch's own bf16 computation (the reference run in bf16) against the fp32
 reference, times a small factor: our kernels round H, A, Y and dH to bf16 like any bf16 pipeline."""
@@ -7,13 +9,16 @@ import torch
 
 from moeblaze import MoELayer
 from moeblaze.bench.harness import CONFIGS, make_problem, reference_grads
-from moeblaze.ops import moe_experts
+from moeblaze.experts import launch_counts, moe_experts
 from moeblaze.reference import moe_experts_reference
 from moeblaze.routing import build_index_sort, build_routing_index
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 FACTOR = 2.0
 NAMES = ("out", "dx", "dw1", "dw2", "dtopk_w")
+GEMM_STAGES = {"up", "down", "down_bwd", "weight_grad", "dx_rows"}
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+BACKENDS = ["tl", pytest.param("gluon", marks=pytest.mark.skipif(not HOPPER, reason="needs sm_90"))]
 
 
 def _rel(a, b):
@@ -26,20 +31,28 @@ def _run(p, fn):
     return (out,) + torch.autograd.grad(out, (x, p.w1, p.w2, w), dy)
 
 
-def _ours(p, checkpoint):
+def _ours(p, checkpoint, backend):
     return lambda x, idx, w, w1, w2: moe_experts(x, build_routing_index(idx, p.E), w, w1, w2, p.activation,
-                                                 checkpoint, impl="triton")
+                                                 checkpoint, impl="triton", backend=backend)
 
 
+def ran_on(stages=GEMM_STAGES) -> set:
+    """The backends the given stages launched on since launch_counts was last cleared."""
+    return {backend for (stage, backend) in launch_counts if stage in stages}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_configs_bf16_against_fp32_reference(name):
+def test_configs_bf16_against_fp32_reference(name, backend):
     p = make_problem(*CONFIGS[name], dtype=torch.bfloat16, device="cuda")
     ref = reference_grads(p)
     torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2, p.activation))
     bound = {n: FACTOR * _rel(a, r) + 1e-4 for n, a, r in zip(NAMES, torch_bf16, ref)}
     del torch_bf16
     for checkpoint in ("preact", "recompute"):
-        got = _run(p, _ours(p, checkpoint))
+        launch_counts.clear()
+        got = _run(p, _ours(p, checkpoint, backend))
+        assert ran_on() == {backend}, dict(launch_counts)  # every GEMM of A-E qualifies for the Gluon kernels
         for n, a, r in zip(NAMES, got, ref):
             assert torch.isfinite(a).all(), (checkpoint, n)
             assert _rel(a, r) <= bound[n], (checkpoint, n, _rel(a, r), bound[n])
@@ -47,19 +60,39 @@ def test_configs_bf16_against_fp32_reference(name):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("activation", ["geglu", "silu", "gelu", "relu", "relu2"])
-def test_other_activations_bf16(activation):
+def test_other_activations_bf16(activation, backend):
     p = make_problem(4096, 512, 384, 16, 2, activation, torch.bfloat16, "cuda")
     ref = reference_grads(p)
     torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2, activation))
-    got = _run(p, _ours(p, "preact"))
+    launch_counts.clear()
+    got = _run(p, _ours(p, "preact", backend))
+    # the Gluon up-projection is SwiGLU only: the other activations' up runs on tl, the rest on the backend
+    assert ran_on({"up"}) == {"tl"} and ran_on(GEMM_STAGES - {"up"}) == {backend}, dict(launch_counts)
     for n, a, t, r in zip(NAMES, got, torch_bf16, ref):
         assert _rel(a, r) <= FACTOR * _rel(t, r) + 1e-4, (n, _rel(a, r), _rel(t, r))
 
 
-def test_bitwise_deterministic():
+def test_gluon_falls_back_to_tl_for_shapes_it_cannot_take():
+    """d = 200 is no multiple of the gathering kernels' 64-column stage: on the Gluon backend the gathering
+    launches (up, down_bwd) fall back to tl and still match; the row GEMMs (multiples of 8) stay on Gluon."""
+    if not HOPPER:
+        pytest.skip("needs sm_90")
+    p = make_problem(2048, 200, 256, 8, 2, dtype=torch.bfloat16, device="cuda")
+    ref = reference_grads(p)
+    torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2, p.activation))
+    launch_counts.clear()
+    got = _run(p, _ours(p, "preact", "gluon"))
+    assert ran_on({"up", "down_bwd"}) == {"tl"} and ran_on({"down", "dx_rows"}) == {"gluon"}, dict(launch_counts)
+    for n, a, t, r in zip(NAMES, got, torch_bf16, ref):
+        assert _rel(a, r) <= FACTOR * _rel(t, r) + 1e-4, (n, _rel(a, r), _rel(t, r))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bitwise_deterministic(backend):
     p = make_problem(*CONFIGS["C"], dtype=torch.bfloat16, device="cuda")
-    a, b = _run(p, _ours(p, "preact")), _run(p, _ours(p, "preact"))
+    a, b = _run(p, _ours(p, "preact", backend)), _run(p, _ours(p, "preact", backend))
     assert all(torch.equal(u, v) for u, v in zip(a, b))
 
 
@@ -70,11 +103,14 @@ def test_dense_index_equals_sort_on_gpu():
         assert all(torch.equal(u, v) for u, v in zip(a.tensors(), b.tensors()))
 
 
-def test_torch_compile_fullgraph_matches_eager():
-    layer = MoELayer(512, 256, 16, 2, impl="triton").cuda().to(torch.bfloat16)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_compile_fullgraph_matches_eager(backend):
+    layer = MoELayer(512, 256, 16, 2, impl="triton", backend=backend).cuda().to(torch.bfloat16)
     x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     eager = layer(x)
+    launch_counts.clear()
     compiled = torch.compile(layer, fullgraph=True)(x)
+    assert ran_on() == {backend}, dict(launch_counts)
     # Inductor fuses the fp32 router differently (last-bit differences in its weights), so the match is
     # to bf16 rounding, not bitwise; the expert kernels themselves are the same launches.
     assert _rel(compiled.out, eager.out) < 1e-2
@@ -83,8 +119,9 @@ def test_torch_compile_fullgraph_matches_eager():
     assert all(_rel(u, v) < 1e-2 for u, v in zip(g1, g2))
 
 
-def test_training_step_never_syncs_with_host():
-    layer = MoELayer(512, 256, 16, 2, impl="triton").cuda().to(torch.bfloat16)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_training_step_never_syncs_with_host(backend):
+    layer = MoELayer(512, 256, 16, 2, impl="triton", backend=backend).cuda().to(torch.bfloat16)
     x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layer(x).out.float().sum().backward()  # compile the kernels first
     torch.cuda.synchronize()
@@ -97,10 +134,11 @@ def test_training_step_never_syncs_with_host():
 
 
 def test_every_autotune_config_compiled():
-    """Each config the autotuner may pick, forced alone (the rest at their tuned choice), gives the
-    same answers within bf16 error: the CPU tests run each code path under the interpreter, this runs
-    the compiled variants. h = 384 leaves a partial column tile for the 256-wide configs."""
-    from moeblaze.kernels.experts import TUNED_KERNELS
+    """Each config the tl autotuner may pick, forced alone (the rest at their tuned choice), gives the same
+    answers within bf16 error on the tl backend (so the forced configs launch on Hopper too): the CPU tests run
+    each code path under the interpreter, this runs the compiled variants. h = 384 leaves a partial column
+    tile for the 256-wide configs."""
+    from moeblaze.experts.tl import TUNED_KERNELS
 
     p = make_problem(4096, 512, 384, 16, 2, dtype=torch.bfloat16, device="cuda")
     ref = reference_grads(p)
@@ -112,7 +150,9 @@ def test_every_autotune_config_compiled():
             for cfg in configs:
                 kernel.configs = [cfg]  # one config: the autotuner launches it without benchmarking
                 for checkpoint in ("preact", "recompute"):
-                    got = _run(p, _ours(p, checkpoint))
+                    launch_counts.clear()
+                    got = _run(p, _ours(p, checkpoint, "tl"))
+                    assert ran_on() == {"tl"}, dict(launch_counts)
                     for n, a, r in zip(NAMES, got, ref):
                         assert _rel(a, r) <= bound[n], (name, str(cfg), checkpoint, n, _rel(a, r), bound[n])
         finally:
@@ -120,10 +160,10 @@ def test_every_autotune_config_compiled():
 
 
 def test_launch_cache_relaunches_what_triton_would():
-    """kernels.launch: the first launch of a key goes through Triton and caches its kernel, the next ones
+    """moeblaze.launch: the first launch of a key goes through Triton and caches its kernel, the next ones
     launch it directly; every result matches torch, and a misaligned view takes a key (and kernel) of its own."""
-    from moeblaze.kernels.launch import _CACHE
-    from moeblaze.ops.experts import _combine
+    from moeblaze.experts import tl
+    from moeblaze.launch import cached_kernels
 
     L, K, D = 300, 4, 200
     slot = torch.randperm(L * K, device="cuda").to(torch.int32).reshape(L, K)
@@ -132,33 +172,35 @@ def test_launch_cache_relaunches_what_triton_would():
         big = torch.randn(L * K * D + 1, device="cuda", dtype=torch.bfloat16)
         rows = (big[1:] if i == 3 else big[:-1]).view(L * K, D)  # i == 3: 2 bytes off 16-byte alignment
         w = torch.rand(L, K, device="cuda")
-        out = _combine(rows, slot, w, torch.bfloat16)
+        out = tl.combine(rows, slot, w, torch.bfloat16)
         want = (rows.float()[slot.long()] * w[..., None]).sum(1)
         assert _rel(out, want) <= 4e-3, (i, _rel(out, want))
-        sizes.append(len(_CACHE))
+        sizes.append(cached_kernels())
     assert sizes[1] == sizes[2] == sizes[0] and sizes[3] == sizes[2] + 1, sizes
 
 
-def test_backward_on_a_fresh_thread():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_on_a_fresh_thread(backend):
     """Backward's launches encode TMA descriptors on the host, which needs a current CUDA context; autograd
     runs backward on a thread of its own, where none may be current yet (PyTorch issue 124565). Run the
     backward body on a new thread whose first CUDA work it is, and compare with the calling thread's."""
     import threading
 
-    from moeblaze.ops import experts as ops
+    from moeblaze.experts.autograd import experts_backward, experts_forward
 
     p = make_problem(1024, 256, 256, 8, 2, dtype=torch.bfloat16, device="cuda")
     x, idx, w, dy = p.sets[0]
     r = build_routing_index(idx, p.E)
     args = (x.detach(), p.w1.detach(), p.w2.detach(), w.detach())
-    _, preact, *sched = ops._experts_fwd(*args, *r.tensors(), "swiglu", True)
-    bwd_args = (dy, *args, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot, preact, "swiglu", True)
-    want = ops._experts_bwd(*bwd_args)
+    _, preact, *sched = experts_forward(*args, *r.tensors(), "swiglu", True, backend)
+    bwd_args = (dy, *args, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot, preact, "swiglu", True,
+                backend)
+    want = experts_backward(*bwd_args)
     got, errors = [], []
 
     def body():
         try:
-            got.extend(ops._experts_bwd(*bwd_args))
+            got.extend(experts_backward(*bwd_args))
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)

@@ -9,7 +9,7 @@ SNIPPET = """
 import sys, triton
 sys.path.insert(0, "scripts")
 import compile_check as cc
-kernel = cc.K.TUNED_KERNELS["rows"]
+kernel = cc.TUNED_KERNELS["rows"]
 cfg = triton.Config({"BLOCK_N": 128, "BLOCK_K": 64, "PERSISTENT": 0}, num_warps=8, num_stages=3)
 ck = cc.compile_one(kernel, cfg, {"A_TMA": True, "B_TMA": True, "B_KMAJOR": True}, 90)
 regs, spill = cc.resource_usage(ck.asm["cubin"])

@@ -8,11 +8,12 @@ import dataclasses
 import os
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from ..ops import moe_experts
+from .. import config
+from ..experts import moe_experts
 from ..reference import moe_experts_reference, up_width
 from ..routing import build_index_sort, build_routing_index, count_per_expert, route_topk
 from .baselines import torch_gmm_experts
@@ -70,14 +71,19 @@ def make_problem(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, devic
 CHUNK_TOKENS = 262144  # the "-chunked" policies: token chunks for millions of tokens
 
 
-def _moeblaze(p: Problem, policy: str):
+def moeblaze_call(p: Problem, policy: str, backend: str = "auto"):
     checkpoint, _, chunked = policy.partition("-")
     chunk = CHUNK_TOKENS if chunked == "chunked" else None
 
     def call(x, idx, w, w1, w2):
         r = build_routing_index(idx, p.E, check=False)
-        return moe_experts(x, r, w, w1, w2, p.activation, checkpoint, impl="triton", check=False, chunk_tokens=chunk)
+        return moe_experts(x, r, w, w1, w2, p.activation, checkpoint, impl="triton", check=False, chunk_tokens=chunk,
+                           backend=backend)
     return call
+
+
+def _moeblaze_backend(backend: str):
+    return lambda p, policy: moeblaze_call(p, policy, backend)
 
 
 def _reference(p: Problem, policy: str):
@@ -119,8 +125,13 @@ def _importable(name: str) -> bool:
 
 
 IMPLS: dict[str, tuple[Callable[[], bool], tuple, Callable]] = {
-    "moeblaze": (lambda: torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                 ("preact", "recompute"), _moeblaze),
+    "moeblaze": (lambda: torch.cuda.is_available() or config.INTERPRET,
+                 ("preact", "recompute"), moeblaze_call),
+    # moeblaze on one backend (experts.dispatch): "tl" runs everywhere, "gluon" on Hopper
+    "moeblaze-tl": (lambda: torch.cuda.is_available() or config.INTERPRET, ("preact", "recompute"),
+                    _moeblaze_backend("tl")),
+    "moeblaze-gluon": (lambda: torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9,
+                       ("preact", "recompute"), _moeblaze_backend("gluon")),
     "reference": (lambda: True, ("-",), _reference),
     "torch_gmm": (lambda: hasattr(torch, "_grouped_mm"), ("-",), _torch_gmm),
     "sonicmoe": (lambda: torch.cuda.is_available() and _importable("sonicmoe"), ("-",), _sonicmoe),
@@ -130,7 +141,8 @@ IMPLS: dict[str, tuple[Callable[[], bool], tuple, Callable]] = {
 
 
 def available_impls(names=None) -> list[str]:
-    return [n for n in (names or IMPLS) if IMPLS[n][0]()]
+    """The named impls that can run here; by default every one but the moeblaze-<backend> ones."""
+    return [n for n in (names or [n for n in IMPLS if not n.startswith("moeblaze-")]) if IMPLS[n][0]()]
 
 
 # ---- measurement --------------------------------------------------------------------------------
@@ -168,7 +180,7 @@ def _timed_rounds(fns: dict, device: torch.device, iters: int, min_s: float | No
     take turns, `iters` calls each per round, and on GPUs rounds repeat until every fn has had min_s
     (default MEASURE_S) seconds: under sustained load an H200 runs at its power cap and its clock
     settles over a fraction of a second, so a short burst times a clock that training never sees, and
-    taking turns gives every fn the same drift (bench/NOTES.md). One fn's failure (out of memory, say)
+    taking turns gives every fn the same drift (benchmarks/NOTES.md). One fn's failure (out of memory, say)
     never stops the others."""
     cuda = device.type == "cuda"
     min_s = (MEASURE_S if min_s is None else min_s) if cuda else 0.0
@@ -206,7 +218,7 @@ def _median_ms(fn, device: torch.device, iters: int, min_s: float | None = None)
     return ms[0]
 
 
-def _step(call, p: Problem, i: int, backward: bool):
+def run_step(call, p: Problem, i: int, backward: bool):
     x, idx, w, dy = p.sets[i % len(p.sets)]
     out = call(x, idx, w, p.w1, p.w2)
     if backward:
@@ -245,7 +257,7 @@ def kernel_times(step, top: int | None = 15) -> list[tuple[str, int, float]]:
 def gpu_busy_ms(call, p: Problem) -> float:
     """Sum of the GPU kernel times of one forward+backward step. Against step_ms it shows how much of
     a step is host overhead (Python, launches) rather than GPU work."""
-    return sum(ms for _, _, ms in kernel_times(lambda: _step(call, p, 0, True), top=None))
+    return sum(ms for _, _, ms in kernel_times(lambda: run_step(call, p, 0, True), top=None))
 
 
 WARMUP_S = 0.5  # seconds of warm-up steps on GPUs, beyond the first (compiling) one
@@ -258,18 +270,18 @@ def prepare(call, p: Problem, ref=None, warmup: int = 3, busy: bool = False) -> 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     res = {}
     if ref is not None:
-        out, grads = _step(call, p, 0, True)
+        out, grads = run_step(call, p, 0, True)
         names = ("out", "dx", "dw1", "dw2", "dtopk_w")
         res["rel_err"] = {n: _rel(a, b) for n, a, b in zip(names, (out,) + grads, ref)}
         del out, grads
-    _step(call, p, 0, True)  # the first step compiles (JIT, autotuning)
+    run_step(call, p, 0, True)  # the first step compiles (JIT, autotuning)
     sync()
     # Then at least `warmup` steps and, on GPUs, at least WARMUP_S seconds of them: measured first in
     # a process, SonicMoE at config A timed 25% slower than in the same process later (2.82 against
     # 2.25 ms after 3 warm-up steps), likely a GPU left idle at low clocks by minutes of JIT compiling.
     t0, i = time.perf_counter(), 1
     while i < warmup or (cuda and time.perf_counter() - t0 < WARMUP_S):
-        _step(call, p, i, True)
+        run_step(call, p, i, True)
         sync()
         i += 1
     # memory: what forward leaves allocated (minus its output), and the peak over forward + backward
@@ -302,7 +314,7 @@ def time_interleaved(calls: dict, p: Problem, iters: int = 10, min_s: float | No
     host time to issue one forward+backward step: where it nears step_ms, the step is launch-bound."""
     out = {name: {} for name in calls}
     for key, backward in (("fwd_ms", False), ("step_ms", True)):
-        fns = {n: (lambda i, c=c, b=backward: _step(c, p, i, b))
+        fns = {n: (lambda i, c=c, b=backward: run_step(c, p, i, b))
                for n, c in calls.items() if not isinstance(out[n], Exception)}
         for name, ms in _timed_rounds(fns, p.device, iters, min_s).items():
             if isinstance(ms, Exception):

@@ -9,65 +9,64 @@ import time
 
 import torch
 
-from ..kernels.experts import BLOCK_M, TUNED_KERNELS
-from ..ops.experts import _combine, _down_bwd, _rows, _up, _weight_grad, tile_schedule
+from ..experts import stages
+from ..experts.stages import RowPlan
+from ..experts.tl import TUNED_KERNELS
 from ..reference import up_width
 from ..routing import build_routing_index
 from .harness import _median_ms, make_problem
 
 
-def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device="cuda", iters=10, seed=0):
-    """[(stage, GPU ms, host µs per call, TFLOP/s or None, autotuned config of its kernel ("gluon_hopper" where
-    the stage launched a Gluon kernel instead) or None,
-    {config: ms} of every config the autotuner tried for this stage)] in the order a training step runs
-    them."""
+def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device="cuda", iters=10, seed=0,
+                backend="auto"):
+    """[(stage, GPU ms, host µs per call, TFLOP/s or None, autotuned tl config of its kernel ("gluon" where the
+    stage launched a Gluon kernel instead) or None, {config: ms} of every config the autotuner tried for this
+    stage)] in the order a training step runs them, through experts.stages on `backend`."""
     p = make_problem(L, d, h, E, K, activation, dtype, device, n_sets=1, seed=seed)
     dev = torch.device(device)
     x, idx, w, dy = (t.detach() for t in p.sets[0])
     w1, w2 = p.w1.detach(), p.w2.detach()
-    r = build_routing_index(idx, E)
-    eti, offsets, slot = r.expert_token_idx, r.expert_offsets, r.token_slot
-    LK, F = eti.shape[0], up_width(activation, h)
-    sched = tile_schedule(r.expert_counts, offsets, LK, BLOCK_M)
+    plan = RowPlan.build(build_routing_index(idx, E))
+    R, F = plan.num_rows, up_width(activation, h)
     state = {}
 
     def up():
-        state["preact"], state["act"] = _up(x, w1, eti, offsets, sched, activation, True, True)
+        state["preact"], state["act"] = stages.up(plan, x, w1, activation, backend=backend)
 
     def down():
-        state["y"] = _rows(state["act"], w2, (w2.stride(0), w2.stride(2), w2.stride(1)), d, offsets, sched)
+        state["y"] = stages.down(plan, state["act"], w2, backend=backend)
 
     def combine():
-        _combine(state["y"], slot, w.float(), x.dtype)
+        stages.combine(plan, state["y"], w.float(), x.dtype)
 
-    def dh():
+    def down_bwd():
         state["dpreact"] = torch.empty_like(state["preact"])
-        state["act_scaled"], _ = _down_bwd(dy, w2, state["preact"], w, slot, state["dpreact"], eti, offsets, sched,
-                                           activation)
+        state["act_scaled"], _ = stages.down_bwd(plan, dy, w2, state["preact"], w, state["dpreact"], activation,
+                                                 backend=backend)
 
     def dw2():
-        _weight_grad(dy, state["act_scaled"], tuple(w2.shape), eti, offsets, True, False, w2.dtype)
+        stages.weight_grad(plan, dy, state["act_scaled"], tuple(w2.shape), True, w2.dtype, backend=backend)
 
     def dw1():
-        _weight_grad(state["dpreact"], x, tuple(w1.shape), eti, offsets, False, True, w1.dtype)
+        stages.weight_grad(plan, state["dpreact"], x, tuple(w1.shape), False, w1.dtype, backend=backend)
 
     def dx_rows():
-        state["dx_rows"] = _rows(state["dpreact"], w1, (w1.stride(0), w1.stride(1), w1.stride(2)), d, offsets, sched)
+        state["dx_rows"] = stages.dx_rows(plan, state["dpreact"], w1, backend=backend)
 
     def dx():
-        _combine(state["dx_rows"], slot, None, x.dtype)
+        stages.combine(plan, state["dx_rows"], None, x.dtype)
 
-    gemm = 2 * LK * d
-    stages = [("up: x[idx] @ W1ᵀ, activation", up, gemm * F, "up"),
-              ("down: A @ W2ᵀ", down, gemm * h, "rows"),
-              ("combine", combine, None, None),
-              ("dH: dy[idx] @ W2, activation backward", dh, gemm * h, "dH"),
-              ("dW2: dy[idx]ᵀ @ s·A", dw2, gemm * h, "weight_grad"),
-              ("dW1: dHᵀ @ x[idx]", dw1, gemm * F, "weight_grad"),
-              ("dX~: dH @ W1", dx_rows, gemm * F, "rows"),
-              ("dx: gather-sum", dx, None, None)]
+    gemm = 2 * R * d
+    steps = [("up: x[idx] @ W1ᵀ, activation", up, gemm * F, "up"),
+             ("down: A @ W2ᵀ", down, gemm * h, "rows"),
+             ("combine", combine, None, None),
+             ("down_bwd: dy[idx] @ W2, dH", down_bwd, gemm * h, "down_bwd"),
+             ("dW2: dy[idx]ᵀ @ s·A", dw2, gemm * h, "weight_grad"),
+             ("dW1: dHᵀ @ x[idx]", dw1, gemm * F, "weight_grad"),
+             ("dX~: dH @ W1", dx_rows, gemm * F, "rows"),
+             ("dx: gather-sum", dx, None, None)]
     rows = []
-    for name, fn, flops, kernel in stages:
+    for name, fn, flops, kernel in steps:
         tuner = TUNED_KERNELS.get(kernel)
         if tuner is not None:  # tune this launch afresh so its trials are recorded, even if a step tuned it
             tuner.configs_timings = None
@@ -76,9 +75,9 @@ def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device
         fn()  # compiles and autotunes; produces the next stage's inputs
         trials = {str(c): (t[0] if isinstance(t, (list, tuple)) else t)
                   for c, t in (getattr(tuner, "configs_timings", None) or {}).items()}
-        ms = _median_ms(lambda i: fn(), dev, iters)
-        # what its last launch used: a tl config, or kernels.gluon_hopper's kernel where the stage went there
-        config = None if tuner is None else (str(tuner.best_config) if tuner.best_config else "gluon_hopper")
+        ms = _median_ms(lambda i, fn=fn: fn(), dev, iters)
+        # what its last launch used: a tl config, or a Gluon kernel where the stage went there
+        config = None if tuner is None else (str(tuner.best_config) if tuner.best_config else "gluon")
         rows.append((name, ms, _host_us(fn, dev), flops / ms / 1e9 if flops else None, config, trials))
     return rows
 

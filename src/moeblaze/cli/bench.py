@@ -1,6 +1,6 @@
 """`moeblaze bench`: one MoE layer's forward and training step, side by side with every implementation
 importable here, in one run; `--scale` (tokens until out of memory), `--dispatch` (routing index
-builders); rows appended as JSON lines to bench/results/<gpu>.jsonl, sharing one run_id."""
+builders); rows appended as JSON lines to benchmarks/results/<gpu>.jsonl, sharing one run_id."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,7 @@ import torch
 
 from ..bench.harness import (CONFIGS, IMPLS, available_impls, make_problem, prepare, reference_grads, time_dispatch,
                              time_interleaved)
+from ..experts import launch_counts
 from .report import slug
 
 
@@ -25,7 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=None,
                    help="named configs, from A-E (see README); default all five unless --config, --scale or --dispatch is given")
     p.add_argument("--config", action="append", default=[], metavar="L,d,h,E,K", help="extra config (repeatable)")
-    p.add_argument("--impls", default=None, help=f"comma list from {','.join(IMPLS)} (default: all available)")
+    p.add_argument("--impls", default=None,
+                   help=f"comma list from {','.join(IMPLS)} (default: all available but the moeblaze-<backend> ones, "
+                        "which pin moeblaze to one backend)")
     p.add_argument("--policies", default=None,
                    help="moeblaze policies: preact, recompute, and their token-chunked variants preact-chunked, "
                         "recompute-chunked (default: preact,recompute; with --scale also recompute-chunked)")
@@ -49,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch-L", default="32768,524288,2097152")
     p.add_argument("--dispatch-E", default="8,16,64,256")
     p.add_argument("--dispatch-K", default="1,2,8")
-    p.add_argument("--out", default="bench/results", help="results folder")
+    p.add_argument("--out", default="benchmarks/results", help="results folder")
     p.add_argument("--plot", action="store_true", help="write PNG charts next to the results")
     p.add_argument("--readme", default=None, metavar="README.md",
                    help="only regenerate that file's Results section from the results folder, measure nothing")
@@ -123,7 +126,11 @@ def _run_config(rec, pairs, p, ref, args, mode="layer"):
             faulthandler.dump_traceback_later(args.stall_s, exit=False)
         try:
             call = IMPLS[pair[0]][2](p, pair[1])
-            prepared[pair] = (call, prepare(call, p, ref, args.warmup, busy=args.gpu_busy))
+            launch_counts.clear()
+            res = prepare(call, p, ref, args.warmup, busy=args.gpu_busy)
+            if pair[0].startswith("moeblaze"):  # which backend each stage of ours ran on (experts.dispatch)
+                res["launches"] = sorted(f"{stage}:{backend}" for stage, backend in launch_counts)
+            prepared[pair] = (call, res)
             print(f"  {pair[0]:>10} {pair[1]:>9} | compiled, checked, memory measured "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
         except Exception as e:  # one implementation's failure is reported in its row and never stops the run
@@ -156,7 +163,7 @@ def _impl_policies(args, scale=False):
     out = []
     for n in names:
         pols = IMPLS[n][1]
-        if n == "moeblaze":
+        if n.startswith("moeblaze"):
             pols = tuple(args.policies.split(",")) if args.policies else pols + (("recompute-chunked",) if scale else ())
         out += [(n, pol) for pol in pols]
     return out

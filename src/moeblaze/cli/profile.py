@@ -15,10 +15,10 @@ import torch
 
 from ..bench.baselines import torch_gmm_experts
 from ..bench.harness import kernel_times
-from ..bench.stages import compiled_resources, stage_times
 from ..bench.memory import SavedTensorCounter
-from ..layers import ModelConfig, MoELayer, MoEModel
-from ..ops import moe_experts
+from ..bench.stages import compiled_resources, stage_times
+from ..experts import moe_experts
+from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import build_routing_index
 
 MB = 2 ** 20

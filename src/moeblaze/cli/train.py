@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..layers import ModelConfig, MoEModel
+from ..nn import ModelConfig, MoEModel
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
 
 

@@ -10,28 +10,28 @@ and combine through token_slot. Memory: 4·(2·L·K + 2·E + 1) bytes.
 
 Builders (identical results, both deterministic, neither synchronizes with the host):
   "sort":  stable argsort of the flattened expert ids (the conventional way; cost independent of E).
-  "dense": MoEBlaze's sort-free, atomic-free build. Triton on GPUs (see kernels/routing.py: the hit
+  "dense": MoEBlaze's sort-free, atomic-free build. Triton on GPUs (see routing/triton.py: the hit
            map lives in registers, tile by tile; only per-tile counts, n_tiles x E int32, reach
            memory); on the CPU a PyTorch version that materializes the L x E int32 hit map. Its work
            grows as L·K·E (every pair is compared against every expert), so for many experts the
-           sort wins. Measured on an H200 (`moeblaze bench --dispatch`, bench/results/): with E <= 64
+           sort wins. Measured on an H200 (`moeblaze bench --dispatch`, benchmarks/results/): with E <= 64
            dense is 2.3x-9.4x faster than sort at L = 32k..2M; with E = 256 it is still 2.3x faster
            at 32k tokens but 0.5x-0.95x at 512k-2M. "auto" therefore uses "dense" up to
            DENSE_MAX_EXPERTS = 128 experts (between the two measured points) and "sort" beyond.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ..config import INTERPRET
 from .checks import check_topk_idx
 
 METHODS = ("auto", "dense", "sort")
 # Above this many experts the dense build's O(L·K·E) compare work overtakes a radix sort's O(L·K)
-# passes at large L (see the module header and the dispatch table in bench/results/).
+# passes at large L (see the module header and the dispatch table in benchmarks/results/).
 DENSE_MAX_EXPERTS = 128
 
 
@@ -117,8 +117,8 @@ def dense_tile_size(num_experts: int) -> int:
 
 def build_index_dense_triton(topk_idx_LK: torch.Tensor, num_experts: int) -> RoutingIndex:
     """MoEBlaze's build in three Triton launches: per-tile counts, column scan, placement."""
-    from ..kernels.launch import launch
-    from ..kernels.routing import _routing_place_kernel, _routing_tile_count_kernel, _routing_tile_scan_kernel
+    from ..launch import launch
+    from .triton import routing_place_kernel, routing_tile_count_kernel, routing_tile_scan_kernel
 
     L, K = topk_idx_LK.shape
     E = num_experts
@@ -128,21 +128,21 @@ def build_index_dense_triton(topk_idx_LK: torch.Tensor, num_experts: int) -> Rou
     BLOCK_L = dense_tile_size(E)
     n_tiles = max(1, -(-L // BLOCK_L))
     tile_base = torch.empty(n_tiles, E, dtype=torch.int32, device=dev)
-    launch(_routing_tile_count_kernel, (n_tiles,), idx, tile_base, L, E, K=K, BLOCK_L=BLOCK_L, E_PAD=E_PAD)
+    launch(routing_tile_count_kernel, (n_tiles,), idx, tile_base, L, E, K=K, BLOCK_L=BLOCK_L, E_PAD=E_PAD)
     counts = torch.empty(E, dtype=torch.int32, device=dev)
     block_e = min(E_PAD, 32)
-    launch(_routing_tile_scan_kernel, (-(-E // block_e),), tile_base, counts, n_tiles, E,
+    launch(routing_tile_scan_kernel, (-(-E // block_e),), tile_base, counts, n_tiles, E,
            BLOCK_T=max(16, 4096 // block_e), BLOCK_E=block_e)
     offsets = torch.empty(E + 1, dtype=torch.int32, device=dev)
     expert_token_idx = torch.empty(L * K, dtype=torch.int32, device=dev)
     slot = torch.empty(L, K, dtype=torch.int32, device=dev)
-    launch(_routing_place_kernel, (n_tiles,), idx, tile_base, counts, offsets, expert_token_idx, slot, L, E,
+    launch(routing_place_kernel, (n_tiles,), idx, tile_base, counts, offsets, expert_token_idx, slot, L, E,
            K=K, BLOCK_L=BLOCK_L, E_PAD=E_PAD)
     return RoutingIndex(counts, offsets, expert_token_idx, slot)
 
 
 def _triton_usable(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return t.is_cuda or INTERPRET
 
 
 def build_routing_index(topk_idx_LK: torch.Tensor, num_experts: int, method: str = "auto",

@@ -3,9 +3,12 @@ allocations: output and every gradient (x, w1, w2, router weights)."""
 import pytest
 import torch
 
-from moeblaze.ops import moe_experts
+from moeblaze.experts import moe_experts
+from moeblaze.experts.tl import TUNED_KERNELS
+from moeblaze.experts.tl.configs import pinned
 from moeblaze.reference import ACTIVATIONS, moe_experts_reference
 from moeblaze.routing import build_routing_index
+
 from helpers import random_problem, rel_err
 
 # fp32 under the interpreter is exact IEEE arithmetic: only summation order differs from fp64.
@@ -117,62 +120,42 @@ def test_token_chunks_give_the_same_result(poison_alloc, checkpoint):
 def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split, checkpoint):
     """Every code path of the dH kernel the GPU autotuner may pick (H prefetch, epilogue in halves or
     quarters, several dS partials per tile), on odd H so the last column tile is masked."""
-    import triton
-    from moeblaze.kernels import experts as k
-
-    cfg = triton.Config({"BLOCK_N": block_n, "BLOCK_K": 32, "PREFETCH_H": prefetch, "EPI_SPLIT": split},
-                        num_warps=4, num_stages=1, pre_hook=k._dh_blocks)
-    monkeypatch.setattr(k._expert_down_bwd_kernel, "configs", [cfg])
+    cfg = pinned("down_bwd", {"BLOCK_N": block_n, "BLOCK_K": 32, "PREFETCH_H": prefetch, "EPI_SPLIT": split})
+    monkeypatch.setattr(TUNED_KERNELS["down_bwd"], "configs", [cfg])
     for activation in ("swiglu", "relu2"):
         assert_close(run_both(37, 40, 72, 5, 2, activation, checkpoint), torch.float32)
 
 
-@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("swap", [0, 1])
-def test_weight_grad_kernel_variants(poison_alloc, monkeypatch, swap, tma):
-    """Every weight-gradient code path the GPU autotuner may pick (swapped operands, the dense side
-    through a tensor descriptor), with experts whose row counts are not multiples of the row block
-    (odd sizes fall back to pointer loads)."""
-    import triton
-    from moeblaze.kernels import experts as k
-    from moeblaze.ops import experts as ops
-
-    cfg = triton.Config({"BLOCK_N": 32, "BLOCK_P": 16, "BLOCK_K": 16, "SWAP": swap},
-                        num_warps=4, num_stages=1, pre_hook=k._dense_block)
-    monkeypatch.setattr(k._expert_weight_grad_kernel, "configs", [cfg])
-    monkeypatch.setattr(ops, "TMA", tma)
+def test_weight_grad_kernel_variants(poison_alloc, monkeypatch, swap):
+    """Every weight-gradient code path the GPU autotuner may pick (swapped operands; the dense side through a
+    tensor descriptor where its rows are 16-byte aligned, D = 32 in fp32, through pointers where they are not,
+    D = 37), with experts whose row counts are not multiples of the row block."""
+    cfg = pinned("weight_grad", {"BLOCK_N": 32, "BLOCK_P": 16, "BLOCK_K": 16, "SWAP": swap})
+    monkeypatch.setattr(TUNED_KERNELS["weight_grad"], "configs", [cfg])
     assert_close(run_both(45, 37, 19, 6, 2), torch.float32)
     assert_close(run_both(50, 32, 24, 8, 2, skew="empty"), torch.float32)
 
 
-@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("D", [40, 37], ids=["tma", "pointers"])
 @pytest.mark.parametrize("two_dots", [0, 1])
-def test_up_kernel_variants(poison_alloc, monkeypatch, two_dots, tma):
-    """Both gated up-projection code paths (one interleaved MMA, or two MMAs whose weights may come
-    through a tensor descriptor), gated and plain, on a width that leaves the last column tile partial."""
-    import triton
-    from moeblaze.kernels import experts as k
-    from moeblaze.ops import experts as ops
-
-    cfg = triton.Config({"BLOCK_N": 16, "BLOCK_K": 32, "TWO_DOTS": two_dots}, num_warps=4, num_stages=1,
-                        pre_hook=k._up_blocks)
-    monkeypatch.setattr(k._expert_up_fwd_kernel, "configs", [cfg])
-    monkeypatch.setattr(ops, "TMA", tma)
+def test_up_kernel_variants(poison_alloc, monkeypatch, two_dots, D):
+    """Both gated up-projection code paths (one interleaved MMA, or two MMAs whose weights come through a tensor
+    descriptor where W1's rows are 16-byte aligned, D = 40 in fp32, and through pointers where they are not,
+    D = 37), gated and plain, on a width that leaves the last column tile partial."""
+    cfg = pinned("up", {"BLOCK_N": 16, "BLOCK_K": 32, "TWO_DOTS": two_dots})
+    monkeypatch.setattr(TUNED_KERNELS["up"], "configs", [cfg])
     for activation in ("swiglu", "gelu"):
         for checkpoint in ("preact", "recompute"):
-            assert_close(run_both(37, 40, 24, 5, 2, activation, checkpoint), torch.float32)
+            assert_close(run_both(37, D, 24, 5, 2, activation, checkpoint), torch.float32)
 
 
 @pytest.mark.parametrize("persistent", [0, 1])
 def test_rows_kernel_variants(poison_alloc, monkeypatch, persistent):
     """The row GEMMs with one program per tile and with persistent programs, including a skewed routing
     whose schedule has many unused tiles."""
-    import triton
-    from moeblaze.kernels import experts as k
-
-    cfg = triton.Config({"BLOCK_N": 32, "BLOCK_K": 32, "PERSISTENT": persistent}, num_warps=4, num_stages=1,
-                        pre_hook=k._rows_blocks)
-    monkeypatch.setattr(k._expert_rows_kernel, "configs", [cfg])
+    cfg = pinned("rows", {"BLOCK_N": 32, "BLOCK_K": 32, "PERSISTENT": persistent})
+    monkeypatch.setattr(TUNED_KERNELS["rows"], "configs", [cfg])
     assert_close(run_both(37, 40, 24, 5, 2), torch.float32)
     assert_close(run_both(60, 32, 16, 6, 2, skew="one"), torch.float32)
 
@@ -183,7 +166,7 @@ def test_rows_kernel_variants(poison_alloc, monkeypatch, persistent):
 def test_tile_schedule(counts, block_m):
     """Every tile of block_m rows, expert by expert (empty experts own none), with -1 for the unused
     tail up to the bound L·K // block_m + E; the used count; many experts spill over several programs."""
-    from moeblaze.ops.experts import tile_schedule
+    from moeblaze.experts.schedule import tile_schedule
 
     counts = torch.tensor(counts, dtype=torch.int32)
     offsets = torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
@@ -197,15 +180,35 @@ def test_tile_schedule(counts, block_m):
     assert used.tolist() == [len(want)]
 
 
-def test_gluon_hopper_module_imports_and_is_not_chosen_off_hopper():
-    """The Gluon kernels' module resolves its TMA and cp.async names on this triton (3.6 and 3.9 name
-    them differently), and the launchers never pick it for tensors that are not on an sm_90 GPU."""
-    from moeblaze.kernels import gluon_hopper
-    from moeblaze.ops import experts as ops
+def test_gluon_kernels_import_and_are_never_chosen_off_hopper():
+    """The Gluon kernels' modules resolve their TMA and cp.async names on this triton (3.6 and 3.9 name them
+    differently); off an sm_90 GPU "auto" resolves to tl, "gluon" is refused with a message naming what it
+    needs, and an unknown backend is refused too."""
+    from moeblaze.experts import dispatch
+    from moeblaze.experts.gluon_sm90 import common
 
-    assert callable(gluon_hopper._tma_load) and callable(gluon_hopper._cp_async)
-    x = torch.randn(256, 128).to(torch.bfloat16)
-    assert not ops._gluon(x)
+    assert callable(common.tma_load) and callable(common.cp_async)
+    cpu = torch.device("cpu")
+    assert dispatch.resolve("auto", cpu) == dispatch.resolve("tl", cpu) == "tl"
+    with pytest.raises(ValueError, match="sm_90"):
+        dispatch.resolve("gluon", cpu)
+    x, w1, w2, idx, w = random_problem(8, 16, 8, 4, 2)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        moe_experts(x, build_routing_index(idx, 4), w, w1, w2, impl="triton", backend="cuda")
+    with pytest.raises(ValueError, match="sm_90"):
+        moe_experts(x, build_routing_index(idx, 4), w, w1, w2, impl="triton", backend="gluon")
+
+
+def test_launch_counts_name_the_backend_of_every_stage():
+    """experts.dispatch counts every launch decision: on the CPU each GEMM stage of a step runs on tl."""
+    from moeblaze.experts import launch_counts
+
+    x, w1, w2, idx, w = random_problem(16, 16, 8, 4, 2)
+    launch_counts.clear()
+    out = moe_experts(x, build_routing_index(idx, 4), w.requires_grad_(), w1.requires_grad_(), w2, impl="triton")
+    out.sum().backward()
+    assert dict(launch_counts) == {("up", "tl"): 1, ("down", "tl"): 1, ("down_bwd", "tl"): 1,
+                                   ("weight_grad", "tl"): 2, ("dx_rows", "tl"): 1}
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["apart", "in_place"])
@@ -215,7 +218,7 @@ def test_act_bwd_kernel_matches_autograd(poison_alloc, activation, in_place):
     against autograd through the reference activation in fp64, on ragged shapes (rows and H not multiples
     of the blocks); in place, s·A over dA' and dH over H, as the layer runs it. Each row's router weight
     is found through the routing index and its dS lands at its (token, k) in the router-weight gradient."""
-    from moeblaze.ops.experts import _act_bwd
+    from moeblaze.experts import stages
     from moeblaze.reference import apply_activation, up_width
 
     g = torch.Generator().manual_seed(7)
@@ -223,7 +226,7 @@ def test_act_bwd_kernel_matches_autograd(poison_alloc, activation, in_place):
     LK = L * K
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(L)]).to(torch.int32)
     routing = build_routing_index(idx, E)
-    eti, slot = routing.expert_token_idx, routing.token_slot
+    slot = routing.token_slot
     topk_w = torch.rand(L, K, generator=g) + 0.5
     s = torch.empty(LK)
     s[slot.reshape(-1).long()] = topk_w.reshape(-1)  # each row's router weight, in row order
@@ -236,7 +239,7 @@ def test_act_bwd_kernel_matches_autograd(poison_alloc, activation, in_place):
     d_in, p_in = dact.clone(), preact.clone()
     dpreact = p_in if in_place else torch.empty_like(preact)
     act_scaled = d_in if in_place else torch.empty_like(dact)
-    dtopk_w = _act_bwd(d_in, p_in, eti, slot, topk_w, dpreact, act_scaled, activation)
+    dtopk_w = stages.act_bwd(stages.RowPlan.build(routing), d_in, p_in, topk_w, dpreact, act_scaled, activation)
     assert dtopk_w.shape == (L, K) and dtopk_w.dtype == topk_w.dtype
     for name, ours, ref in (("dH", dpreact, dh_ref), ("s·A", act_scaled, sa_ref), ("dS", dtopk_w, ds_ref[slot.long()])):
         assert rel_err(ours, ref) <= 1e-6, (name, rel_err(ours, ref))

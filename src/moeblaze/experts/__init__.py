@@ -1,12 +1,22 @@
-"""The functional MoE expert computation: `moe_experts`, over the reference or the Triton kernels."""
+"""The experts op: `moe_experts`, the functional MoE expert computation over the reference or the fused kernels.
+
+Package map: autograd (custom ops and autograd over the stages), stages (the documented stage API), dispatch
+(which backend runs each launch), schedule (the device-built tile schedule), launch (the light launch path),
+tl/ (the portable Triton kernels), gluon_sm90/ (the Hopper warp-specialised kernels).
+
+Memory contract: see experts.autograd (the pre-activation under checkpoint="preact", nothing but the routing
+index and the tile schedule under "recompute"); chunk_tokens bounds every transient by a token chunk.
+"""
 from __future__ import annotations
 
 import torch
 
 from ..reference import check_activation, moe_experts_reference
 from ..routing import RoutingIndex, build_routing_index, check_expert_inputs, check_topk_weights
-from .experts import CHECKPOINTS, fused_experts, tile_schedule
+from .autograd import fused_experts
+from .dispatch import BACKENDS, check_backend, launch_counts, resolve
 
+CHECKPOINTS = ("preact", "recompute")
 IMPLS = ("auto", "triton", "reference")
 
 
@@ -20,21 +30,23 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, activation: str = "swiglu", checkpoint: str = "preact", impl: str = "auto",
-                check: bool = True, chunk_tokens: int | None = None) -> torch.Tensor:
+                check: bool = True, chunk_tokens: int | None = None, backend: str = "auto") -> torch.Tensor:
     """Combined expert outputs (L, D) for tokens x (L, D) routed by `routing` with weights (L, K).
 
     w1: (E, F, D), F = 2H with the gate rows first for gated activations (SwiGLU, GeGLU), F = H for
     plain ones; w2: (E, D, H). Differentiable in x, w1, w2 and topk_weights. checkpoint: "preact"
     keeps the pre-activation for backward, "recompute" keeps nothing beyond the routing index (Triton
     only; the reference keeps everything autograd needs). impl: "triton", "reference" or "auto"
-    (Triton on CUDA, the reference elsewhere). chunk_tokens: run the Triton experts on chunks of this many
-    tokens, each with its own routing index, so that the transient (L·K, D) and (L·K, F) buffers of
-    forward and backward scale with the chunk instead of L (for millions of tokens; the weights are
+    (Triton on CUDA, the reference elsewhere). backend (Triton only): "auto" (the Gluon kernels on Hopper,
+    the tl kernels elsewhere), "tl" or "gluon" (see experts.dispatch). chunk_tokens: run the Triton experts on
+    chunks of this many tokens, each with its own routing index, so that the transient (L·K, D) and (L·K, F)
+    buffers of forward and backward scale with the chunk instead of L (for millions of tokens; the weights are
     read once per chunk, and the outputs and dx are concatenated).
     """
     check_activation(activation)
     if checkpoint not in CHECKPOINTS:
         raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
+    check_backend(backend)
     check_expert_inputs(x, w1, w2, activation)
     if routing.num_tokens != x.shape[0] or routing.num_experts != w1.shape[0]:
         raise ValueError(f"routing index is for L={routing.num_tokens}, E={routing.num_experts}; "
@@ -49,14 +61,15 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
         return moe_experts_reference(x, routing.topk_idx(), topk_weights, w1, w2, activation)
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"the Triton experts take float16, bfloat16 or float32, got {x.dtype}")
+    backend = resolve(backend, x.device)
     save = checkpoint == "preact"
     if chunk_tokens is not None and x.shape[0] > chunk_tokens:
         idx = routing.topk_idx()
         outs = [fused_experts(xc, w1, w2, wc, *build_routing_index(ic, w1.shape[0], check=False).tensors(),
-                              activation, save)
+                              activation, save, backend)
                 for xc, ic, wc in zip(x.split(chunk_tokens), idx.split(chunk_tokens), topk_weights.split(chunk_tokens))]
         return torch.cat(outs)
-    return fused_experts(x, w1, w2, topk_weights, *routing.tensors(), activation, save)
+    return fused_experts(x, w1, w2, topk_weights, *routing.tensors(), activation, save, backend)
 
 
-__all__ = ["CHECKPOINTS", "IMPLS", "moe_experts", "resolve_impl", "tile_schedule"]
+__all__ = ["BACKENDS", "CHECKPOINTS", "IMPLS", "launch_counts", "moe_experts", "resolve_impl"]

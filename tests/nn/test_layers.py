@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moeblaze import MoELayer, ModelConfig, MoEModel
+from moeblaze import ModelConfig, MoELayer, MoEModel
 from moeblaze.reference import moe_experts_reference
 
 

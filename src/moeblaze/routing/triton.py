@@ -23,7 +23,7 @@ def _tile_hits(topk_idx_ptr, t, L, e, K: tl.constexpr, BLOCK_L: tl.constexpr, E_
 
 
 @triton.jit
-def _routing_tile_count_kernel(topk_idx_ptr, tile_counts_ptr, L, E,
+def routing_tile_count_kernel(topk_idx_ptr, tile_counts_ptr, L, E,
                                K: tl.constexpr, BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
     pid = tl.program_id(0)
     t = pid * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -33,7 +33,7 @@ def _routing_tile_count_kernel(topk_idx_ptr, tile_counts_ptr, L, E,
 
 
 @triton.jit
-def _routing_tile_scan_kernel(tile_counts_ptr, expert_counts_ptr, n_tiles, E,
+def routing_tile_scan_kernel(tile_counts_ptr, expert_counts_ptr, n_tiles, E,
                               BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     """In place: tile_counts[i, e] -> sum_{j < i} tile_counts[j, e]; expert_counts[e] = column total.
     One program per BLOCK_E experts walks down the tiles, carrying the running sum."""
@@ -51,7 +51,7 @@ def _routing_tile_scan_kernel(tile_counts_ptr, expert_counts_ptr, n_tiles, E,
 
 
 @triton.jit
-def _routing_place_kernel(topk_idx_ptr, tile_base_ptr, expert_counts_ptr, expert_offsets_ptr,
+def routing_place_kernel(topk_idx_ptr, tile_base_ptr, expert_counts_ptr, expert_offsets_ptr,
                           expert_token_idx_ptr, token_slot_ptr, L, E,
                           K: tl.constexpr, BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
     pid = tl.program_id(0)

@@ -27,7 +27,7 @@ import threading
 import torch
 from triton import knobs
 
-from .experts import INTERPRET
+from .config import INTERPRET
 
 MAX_KEYS = 4096
 _CACHE: dict = {}
@@ -43,6 +43,17 @@ def ensure_context(device: int) -> None:
     if device not in bound:
         torch.cuda.current_stream(device).query()  # cudaStreamQuery: binds the primary context, never waits
         bound.add(device)
+
+
+def cached_kernels() -> int:
+    """Compiled kernels the launch path holds (one per key it has seen since the cache last started over)."""
+    return len(_CACHE)
+
+
+def tma_ok(t) -> bool:
+    """A row-major 2D tensor a tensor descriptor can address (16-byte aligned base and row stride)."""
+    return (t is not None and t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+            and t.data_ptr() % 16 == 0)
 
 
 def sm_count(device: torch.device) -> int:
@@ -63,7 +74,8 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _arg_key(a):
+def arg_key(a):
+    """The part of the cache key one launch argument contributes."""
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
     base = getattr(a, "base", None)
@@ -93,7 +105,7 @@ def launch(fn, grid: tuple, *args, **kwargs) -> None:
     if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
         fn[grid](*args, **kwargs)
         return
-    key = (id(fn), device, tuple(kwargs.items()), *map(_arg_key, args))
+    key = (id(fn), device, tuple(kwargs.items()), *map(arg_key, args))
     hit = _CACHE.get(key)
     if hit is None:
         kernel = fn[grid](*args, **kwargs)

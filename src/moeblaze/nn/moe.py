@@ -1,7 +1,7 @@
 """MoELayer: router + routing index + experts + combine, as one nn.Module.
 
 Memory contract: the router's (L, E) fp32 logits (as in every MoE), the routing index (O(L·K) int32)
-and what the expert implementation keeps (see ops/experts.py: the pre-activation under
+and what the expert implementation keeps (see experts/autograd.py: the pre-activation under
 checkpoint="preact", nothing more under "recompute"). No (L·K, D) routing buffer is ever allocated by
 the Triton implementation.
 """
@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from ..ops import CHECKPOINTS, moe_experts, resolve_impl
+from ..experts import BACKENDS, CHECKPOINTS, moe_experts, resolve_impl
 from ..reference import check_activation, up_width
 from ..routing import METHODS, TopKRouter, build_routing_index
 
@@ -30,13 +30,14 @@ class MoELayer(nn.Module):
     Weights: w1 (E, F, D) with F = 2·d_expert (gate rows first) for gated activations and d_expert for
     plain ones; w2 (E, D, d_expert). impl: "auto" (Triton on CUDA, the PyTorch reference elsewhere),
     "triton" or "reference". checkpoint: "preact" or "recompute". index_method: "auto", "dense" or "sort".
-    chunk_tokens: process the experts in token chunks of this size (see moeblaze.ops.moe_experts).
+    backend: the Triton kernels' backend, "auto", "tl" or "gluon" (see moeblaze.experts.dispatch).
+    chunk_tokens: process the experts in token chunks of this size (see moeblaze.experts.moe_experts).
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, activation: str = "swiglu",
                  impl: str = "auto", checkpoint: str = "preact", scoring: str = "softmax_topk",
                  renormalize: bool = True, index_method: str = "auto", chunk_tokens: int | None = None,
-                 device=None, dtype=None):
+                 backend: str = "auto", device=None, dtype=None):
         super().__init__()
         check_activation(activation)
         if checkpoint not in CHECKPOINTS:
@@ -44,9 +45,11 @@ class MoELayer(nn.Module):
         if index_method not in METHODS:
             raise ValueError(f"index_method must be one of {METHODS}, got {index_method!r}")
         resolve_impl(impl, torch.device("cpu"))
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
         self.activation, self.impl, self.checkpoint, self.index_method = activation, impl, checkpoint, index_method
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens, self.backend = chunk_tokens, backend
         self.router = TopKRouter(d_model, num_experts, top_k, scoring, renormalize, device=device)
         F = up_width(activation, d_expert)
         self.w1 = nn.Parameter(torch.empty(num_experts, F, d_model, device=device, dtype=dtype))
@@ -68,7 +71,7 @@ class MoELayer(nn.Module):
             dt = torch.get_autocast_dtype(x.device.type)
             x_LD, w1, w2 = x_LD.to(dt), w1.to(dt), w2.to(dt)
         out = moe_experts(x_LD, routing, r.topk_weights, w1, w2, self.activation, self.checkpoint, self.impl,
-                          check=False, chunk_tokens=self.chunk_tokens)
+                          check=False, chunk_tokens=self.chunk_tokens, backend=self.backend)
         return MoEOutput(out.view(x.shape), r.aux_loss, r.z_loss)
 
     def extra_repr(self) -> str:

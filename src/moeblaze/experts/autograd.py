@@ -1,0 +1,156 @@
+"""The fused, zero-buffer expert computation as an autograd op: torch.library custom ops (what torch.compile
+traces) and an autograd.Function over the same bodies (eager mode), built from experts.stages.
+
+Forward (3 launches + the tile schedule, one launch, reused by backward):
+  up       A = act(x[expert_token_idx] @ W1[e]ᵀ)    gather in the load, activation in the epilogue
+  down     Y = A @ W2[e]ᵀ                           (R, D), transient
+  combine  out[t] = sum_k w[t,k] Y[token_slot[t,k]]  fp32, no atomics
+Backward (5 launches, +1 with checkpoint="recompute", +1 on Gluon where down_bwd is two):
+  [up      preact = x[expert_token_idx] @ W1[e]ᵀ     only under "recompute"]
+  down_bwd dA' = dy[expert_token_idx] @ W2[e]; epilogue: A from preact, dS = <dA', A>, dH, s·A
+  dW2      dy[expert_token_idx]ᵀ @ (s·A)             per expert, reduction over its rows
+  dW1      dHᵀ @ x[expert_token_idx]                 per expert
+  dX~      dH @ W1[e]                                (R, D), transient
+  dx       dx[t] = sum_k dX~[token_slot[t,k]]         fp32, no atomics
+
+Memory contract (bytes kept from forward to backward, beyond x, the weights and topk_weights, which exist
+anyway; b = bytes per element of x's dtype):
+  checkpoint="preact"     preact: R·F·b + the routing index's token ids, slots and offsets 4·(2·R + E + 1)
+                          + the tile schedule 4·(2·(R // 128 + E) + 1)
+  checkpoint="recompute"  the routing index and the tile schedule only; preact is recomputed in backward
+                          (one more GEMM)
+Never kept: any (R, D) gathered copy of x or dy, A = act(preact), Y, dY. Transient in forward: A and Y; in
+backward: preact (recompute; dH is then written over it), dH, s·A, dX~. moe_experts(chunk_tokens=...) bounds
+every transient by a token chunk. No host synchronization anywhere: tile counts are bounded by
+R // BLOCK_M + E and unused tiles exit at once. On Gluon, preact goes through the io dtype before A is computed
+from it, as backward computes A from the saved preact, and dA' goes through it before dH and dS are.
+
+Host side: every launch that is not autotuned goes through experts.launch (the compiled kernel relaunched
+without Triton's per-call dispatch); in eager mode autograd calls the ops' bodies directly (_EagerExperts),
+and torch.compile traces the custom ops.
+
+Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert, E experts, K top-k, R = L·K.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..launch import ensure_context
+from ..routing import RoutingIndex
+from . import stages
+from .schedule import BLOCK_M
+from .stages import RowPlan
+
+
+def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
+                    expert_counts: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
+                    token_slot: torch.Tensor, activation: str, save_preact: bool,
+                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out (L, D), preact (R, F) if save_preact else an empty tensor, *the tile schedule): the forward body,
+    the schedule built once here and handed to backward."""
+    plan = RowPlan.build(RoutingIndex(expert_counts, expert_offsets, expert_token_idx, token_slot))
+    preact, act = stages.up(plan, x_LD, w1_EFD, activation, save_preact, True, backend)
+    y_RD = stages.down(plan, act, w2_EDH, backend)
+    del act
+    return (stages.combine(plan, y_RD, topk_w_LK.float().contiguous(), x_LD.dtype), preact, *plan.sched)
+
+
+experts_fwd = torch.library.custom_op("moeblaze::experts_fwd", experts_forward, mutates_args=())
+
+
+@experts_fwd.register_fake
+def _(x, w1, w2, topk_w, expert_counts, expert_offsets, expert_token_idx, token_slot, activation, save_preact,
+      backend):
+    R = expert_token_idx.shape[0]
+    tiles = R // BLOCK_M + expert_counts.shape[0]
+    ints = dict(dtype=torch.int32, device=x.device)
+    return (x.new_empty(x.shape), (x.new_empty(R, w1.shape[1]) if save_preact else x.new_empty(0)),
+            torch.empty(tiles, **ints), torch.empty(tiles, **ints), torch.empty(1, **ints))
+
+
+def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor,
+                     topk_w_LK: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor,
+                     tiles_used: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
+                     token_slot: torch.Tensor, preact_RF: torch.Tensor, activation: str, has_preact: bool,
+                     backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw1, dw2, dtopk_w): the backward body."""
+    if dy_LD.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
+        ensure_context(dy_LD.get_device())
+    E, F, D = w1_EFD.shape
+    H = w2_EDH.shape[2]
+    plan = RowPlan(expert_token_idx, expert_offsets, token_slot, tile_expert, tile_row, tiles_used)
+    if not has_preact:
+        preact_RF, _ = stages.up(plan, x_LD, w1_EFD, activation, True, False, backend)
+    # Under "recompute" preact is a fresh buffer that nothing else reads: each dH tile overwrites the preact tile
+    # it was computed from (read before written, by the same program), saving an (R, F) buffer.
+    dpreact_RF = preact_RF if not has_preact else torch.empty_like(preact_RF)
+    act_scaled_RH, dtopk_w = stages.down_bwd(plan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, activation,
+                                             backend)
+    del preact_RF
+    dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, (E, D, H), True, w2_EDH.dtype, backend)
+    del act_scaled_RH
+    dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, (E, F, D), False, w1_EFD.dtype, backend)
+    dx_RD = stages.dx_rows(plan, dpreact_RF, w1_EFD, backend)
+    del dpreact_RF
+    dx = stages.combine(plan, dx_RD, None, x_LD.dtype)
+    return dx, dw1, dw2, dtopk_w
+
+
+experts_bwd = torch.library.custom_op("moeblaze::experts_bwd", experts_backward, mutates_args=())
+
+
+@experts_bwd.register_fake
+def _(dy, x, w1, w2, topk_w, tile_expert, tile_row, tiles_used, expert_offsets, expert_token_idx, token_slot, preact,
+      activation, has_preact, backend):
+    return x.new_empty(x.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape), topk_w.new_empty(topk_w.shape)
+
+
+N_INPUTS = 11
+
+
+def _setup_context(ctx, inputs, output):
+    x, w1, w2, topk_w, _counts, offsets, eti, slot, activation, save_preact, backend = inputs
+    ctx.save_for_backward(x, w1, w2, topk_w, *output[2:], offsets, eti, slot, output[1])
+    ctx.activation, ctx.has_preact, ctx.backend = activation, save_preact, backend
+    # preact is saved state, never used downstream: don't let autograd fill an (R, F) zero gradient for it
+    ctx.set_materialize_grads(False)
+
+
+def _backward_with(experts_bwd_fn):
+    def backward(ctx, dout, *_saved_outputs):
+        if dout is None:  # the output took no part in the loss
+            return (None,) * N_INPUTS
+        x, w1, w2, topk_w, tile_expert, tile_row, tiles_used, offsets, eti, slot, preact = ctx.saved_tensors
+        dx, dw1, dw2, dw = experts_bwd_fn(dout.contiguous(), x, w1, w2, topk_w, tile_expert, tile_row, tiles_used,
+                                          offsets, eti, slot, preact, ctx.activation, ctx.has_preact, ctx.backend)
+        return (dx, dw1, dw2, dw) + (None,) * (N_INPUTS - 4)
+    return backward
+
+
+experts_fwd.register_autograd(_backward_with(experts_bwd), setup_context=_setup_context)
+
+
+class _EagerExperts(torch.autograd.Function):
+    """experts_fwd's autograd outside torch.compile: the same bodies, context and backward, called directly
+    rather than through the dispatcher (which costs ~50 µs of host time a step)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = experts_forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        ctx.mark_non_differentiable(*output[1:])
+        return output
+
+    backward = staticmethod(_backward_with(experts_backward))
+
+
+def fused_experts(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
+                  expert_counts: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
+                  token_slot: torch.Tensor, activation: str, save_preact: bool, backend: str) -> torch.Tensor:
+    """The experts' combined output (L, D), differentiable in x, w1, w2 and topk_w: the custom op where
+    torch.compile traces, the direct path in eager mode. Overridable through __torch_function__."""
+    args = (x_LD, w1_EFD, w2_EDH, topk_w_LK, expert_counts, expert_offsets, expert_token_idx, token_slot, activation,
+            save_preact, backend)
+    if torch.overrides.has_torch_function(args[:4]):  # a __torch_function__ mode (memory profiler) sees it as one op
+        return torch.overrides.handle_torch_function(fused_experts, args[:4], *args)
+    return (experts_fwd(*args) if torch.compiler.is_compiling() else _EagerExperts.apply(*args))[0]

@@ -1,0 +1,97 @@
+"""Which backend runs each launch of the experts op: the one place that decides.
+
+    backend="tl"     the portable Triton kernels (experts.tl), on every GPU Triton supports and under the
+                     CPU interpreter
+    backend="gluon"  the Hopper warp-specialised kernels (experts.gluon_sm90) for every launch whose operands
+                     they take (bf16/fp16, contiguous, 16-byte aligned, the widths below), tl for the others;
+                     asking for it off an sm_90 GPU raises ValueError
+    backend="auto"   "gluon" on sm_90 GPUs, "tl" elsewhere; MOEBLAZE_GLUON=0 (config) makes it "tl" everywhere
+
+A launch the Gluon kernels can't take falls back to tl: a shape never raises. Every decision is counted in
+`launch_counts` ((stage, backend) -> launches), so tests and benchmarks can see which kernels ran.
+Memory: none (a counter of a few entries).
+"""
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import torch
+
+from .. import config
+from .gluon_sm90 import GATHER_BLOCK_K, WGRAD_BLOCKS
+
+BACKENDS = ("auto", "tl", "gluon")
+launch_counts: Counter = Counter()
+
+
+def check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def gluon_device(device: torch.device) -> bool:
+    """Whether the Gluon kernels can run on this device: an sm_90 (Hopper) GPU, outside the interpreter."""
+    if device.type != "cuda" or config.INTERPRET:
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
+
+
+def resolve(backend: str, device: torch.device) -> str:
+    """"tl" or "gluon" for the launches of one call on `device` (see the module header)."""
+    check_backend(backend)
+    if backend == "gluon":
+        if not gluon_device(device):
+            raise ValueError(f"backend='gluon' needs an sm_90 (Hopper) GPU outside the Triton interpreter; the "
+                             f"operands are on {device}. Use backend='tl' or 'auto'.")
+        return "gluon"
+    if backend == "auto":
+        return "gluon" if config.GLUON_BY_DEFAULT and gluon_device(device) else "tl"
+    return "tl"
+
+
+def _takes(*tensors: torch.Tensor) -> bool:
+    """Operands a Gluon kernel can read: bf16/fp16, contiguous, 16-byte aligned (TMA and cp.async)."""
+    return all(t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous() and t.data_ptr() % 16 == 0
+               for t in tensors)
+
+
+def _pick(stage: str, backend: str, device: torch.device, gluon_takes) -> str:
+    """The backend of one launch of `stage`: Gluon where it was asked for (resolved) and it takes the operands
+    (gluon_takes, called only then), tl otherwise; counted."""
+    choice = "gluon" if resolve(backend, device) == "gluon" and gluon_takes() else "tl"
+    launch_counts[stage, choice] += 1
+    return choice
+
+
+def up(backend: str, x_LD, w1_EFD, activation: str) -> str:
+    """The up-projection: Gluon for SwiGLU with D a multiple of a gathered stage's K."""
+    return _pick("up", backend, x_LD.device, lambda: activation == "swiglu" and x_LD.shape[1] % GATHER_BLOCK_K == 0
+                 and _takes(x_LD, w1_EFD))
+
+
+def rows(stage: str, backend: str, a, w) -> str:
+    """A row GEMM (stage "down" or "dx_rows"): Gluon where K and N are multiples of 8 (16-byte TMA rows)."""
+    return _pick(stage, backend, a.device, lambda: a.shape[1] % 8 == 0 and w.shape[1] % 8 == 0
+                 and w.shape[2] % 8 == 0 and _takes(a, w))
+
+
+def down_bwd(backend: str, dy_LD, w2_EDH, preact) -> str:
+    """dA' (then the activation's backward as a pass of its own on Gluon): D a multiple of a gathered stage's
+    K, H of 8."""
+    return _pick("down_bwd", backend, dy_LD.device, lambda: dy_LD.shape[1] % GATHER_BLOCK_K == 0
+                 and w2_EDH.shape[2] % 8 == 0 and preact.is_contiguous() and _takes(dy_LD, w2_EDH))
+
+
+def weight_grad(backend: str, p, q, out_shape, gather_p: bool, out_dtype) -> str:
+    """A weight gradient: Gluon where dW is in the operands' dtype, the gathered side's width is a multiple of
+    its block (WGRAD_BLOCKS) and the dense side's and dW's columns multiples of 8."""
+    gathered, dense = (p, q) if gather_p else (q, p)
+    return _pick("weight_grad", backend, p.device, lambda: out_dtype == p.dtype == q.dtype
+                 and gathered.shape[1] % WGRAD_BLOCKS[0 if gather_p else 1] == 0 and dense.shape[1] % 8 == 0
+                 and out_shape[2] % 8 == 0 and _takes(p, q))

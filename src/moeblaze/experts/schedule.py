@@ -1,0 +1,57 @@
+"""The tile schedule of the expert GEMMs: which expert and which first row each tile of BLOCK_M rows covers,
+built on the device from the per-expert counts, so no launch waits for the host to learn the tile count.
+
+Memory: 4·(2·(L·K // BLOCK_M + E) + 1) bytes (tile_expert, tile_row and the used-tile count), built once
+in forward and kept for backward.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import INTERPRET
+from ..launch import launch
+
+BLOCK_M = 16 if INTERPRET else 128  # rows per tile of every expert GEMM (the Gluon kernels' too)
+
+
+@triton.jit
+def _tile_schedule_kernel(counts_ptr, offsets_ptr, tile_expert_ptr, tile_row_ptr, used_ptr, E, MAX_TILES,
+                          BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The row-tile schedule of the expert kernels: for tile ids t < MAX_TILES, the expert whose rows
+    tile t covers (tiles of BLOCK_M rows, expert by expert; -1 past the last used tile) and its first
+    row; program 0 also writes the number of used tiles. Each program rebuilds the per-expert tile
+    prefix sum from the E counts (E_POW2 >= E) and finds its tiles' experts by comparison."""
+    ex = tl.arange(0, E_POW2)
+    n_tiles = (tl.load(counts_ptr + ex, mask=ex < E, other=0) + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(n_tiles, 0)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), 1)  # experts whose tiles all lie before t
+    valid = e < E
+    first_tile = tl.sum(tl.where(ex[None, :] == e[:, None], tile_end - n_tiles, 0), 1)
+    row = tl.load(offsets_ptr + e, mask=valid, other=0) + (t - first_tile) * BLOCK_M
+    tmask = t < MAX_TILES
+    tl.store(tile_expert_ptr + t, tl.where(valid, e, -1), mask=tmask)
+    tl.store(tile_row_ptr + t, tl.where(valid, row, 0), mask=tmask)
+    one = tl.arange(0, 1)
+    tl.store(used_ptr + one, tl.sum(n_tiles, 0) + one, mask=one + tl.program_id(0) == 0)
+
+
+def tile_schedule(expert_counts: torch.Tensor, expert_offsets: torch.Tensor, num_rows: int,
+                  block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tile_expert, tile_row, used) int32: the expert and first row of every block_m row tile, expert
+    by expert, of length num_rows // block_m + E (a bound on the tile count that needs no host sync)
+    with expert -1 marking the unused tail, and the number of used tiles (one element, for persistent
+    kernels). One launch on the device."""
+    E = expert_counts.shape[0]
+    max_tiles = num_rows // block_m + E
+    dev = expert_counts.device
+    tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
+    tile_row = torch.empty(max_tiles, dtype=torch.int32, device=dev)
+    used = torch.empty(1, dtype=torch.int32, device=dev)
+    e_pow2 = triton.next_power_of_2(E)
+    block_t = max(1, min(128, 8192 // e_pow2))  # a (block_t, e_pow2) comparison per program
+    launch(_tile_schedule_kernel, (triton.cdiv(max_tiles, block_t),), expert_counts, expert_offsets, tile_expert,
+           tile_row, used, E, max_tiles, BLOCK_M=block_m, E_POW2=e_pow2, BLOCK_T=block_t, num_warps=4)
+    return tile_expert, tile_row, used

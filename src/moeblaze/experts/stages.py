@@ -1,0 +1,126 @@
+"""The stages of the fused expert computation, each one launch (down_bwd: two on Gluon), with one signature
+shape: `stage(plan, *operands, ..., backend="auto")`, where `plan` (RowPlan) holds the routing index's arrays
+and the tile schedule, and `backend` ("auto", "tl", "gluon") is resolved per launch by experts.dispatch.
+The autograd layer, the benchmark's per-stage timing and the scripts all call these.
+
+Forward:
+  up           preact = x[token] @ W1[e]ᵀ, act = activation(preact)     gather in the load, activation in the
+                                                                     epilogue; either output may be skipped
+  down         Y = act @ W2[e]ᵀ                                       (R, D), transient
+  combine      out[t] = sum_k w[t, k] · Y[token_slot[t, k]]              fp32 sums in fixed order, no atomics
+Backward:
+  down_bwd     dA' = dy[token] @ W2[e]; from it and preact: dH, s·A and dS (the router weights' gradient)
+  act_bwd      the same epilogue as a pass of its own, from a dA' computed apart (Gluon's down_bwd runs it)
+  weight_grad  dW[e] = P[rows of e]ᵀ Q[rows of e], one side gathered: dW2 = dy[token]ᵀ (s·A), dW1 = dHᵀ x[token]
+  dx_rows      dX~ = dH @ W1[e]                                       (R, D), transient
+  combine      dx[t] = sum_k dX~[token_slot[t, k]]
+
+Memory contract: each stage allocates its outputs only (see experts.autograd for what a step keeps); no stage
+ever allocates an (R, D) copy of x or dy.
+
+Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert (2H gated, H plain), E experts,
+K top-k, R = L·K routed rows (the (token, expert) pairs in expert order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..routing import RoutingIndex
+from . import dispatch, gluon_sm90, tl
+from .schedule import BLOCK_M, tile_schedule
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """The R routed rows of one routing in expert order, and the tile schedule every expert GEMM walks.
+
+    token_R: expert_token_idx (each row's token); offsets_E1: expert e owns rows [offsets[e], offsets[e+1]);
+    token_slot_LK: the row of pair (t, k); tile_expert, tile_row, tiles_used: the schedule (experts.schedule).
+    """
+    token_R: torch.Tensor
+    offsets_E1: torch.Tensor
+    token_slot_LK: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_row: torch.Tensor
+    tiles_used: torch.Tensor
+
+    @classmethod
+    def build(cls, routing: RoutingIndex, block_m: int = BLOCK_M) -> RowPlan:
+        """The plan of a routing index: its arrays and a fresh tile schedule (one launch)."""
+        sched = tile_schedule(routing.expert_counts, routing.expert_offsets, routing.expert_token_idx.shape[0],
+                              block_m)
+        return cls(routing.expert_token_idx, routing.expert_offsets, routing.token_slot, *sched)
+
+    @property
+    def sched(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.tile_expert, self.tile_row, self.tiles_used
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_R.shape[0]
+
+
+def up(plan: RowPlan, x_LD, w1_EFD, activation: str, store_preact: bool = True, store_act: bool = True,
+       backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(preact (R, F), act (R, H)); an empty tensor for one not stored."""
+    if dispatch.up(backend, x_LD, w1_EFD, activation) == "gluon":
+        preact, act = gluon_sm90.up_swiglu(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched,
+                                           store_preact=store_preact, store_act=store_act)
+        return (preact if store_preact else x_LD.new_empty(0)), (act if store_act else x_LD.new_empty(0))
+    return tl.up(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched, activation, store_preact, store_act)
+
+
+def down(plan: RowPlan, act_RH, w2_EDH, backend: str = "auto") -> torch.Tensor:
+    """Y (R, D) = act[rows of e] @ W2[e]ᵀ."""
+    if dispatch.rows("down", backend, act_RH, w2_EDH) == "gluon":
+        return gluon_sm90.rows_gemm(act_RH, w2_EDH, plan.offsets_E1, plan.sched)
+    return tl.rows_gemm(act_RH, w2_EDH, (w2_EDH.stride(0), w2_EDH.stride(2), w2_EDH.stride(1)), w2_EDH.shape[1],
+                        plan.offsets_E1, plan.sched)
+
+
+def dx_rows(plan: RowPlan, dpreact_RF, w1_EFD, backend: str = "auto") -> torch.Tensor:
+    """dX~ (R, D) = dH[rows of e] @ W1[e]."""
+    if dispatch.rows("dx_rows", backend, dpreact_RF, w1_EFD) == "gluon":
+        return gluon_sm90.rows_gemm(dpreact_RF, w1_EFD, plan.offsets_E1, plan.sched, kn=True)
+    return tl.rows_gemm(dpreact_RF, w1_EFD, (w1_EFD.stride(0), w1_EFD.stride(1), w1_EFD.stride(2)), w1_EFD.shape[2],
+                        plan.offsets_E1, plan.sched)
+
+
+def combine(plan: RowPlan, rows_RD, weights_LK: torch.Tensor | None, out_dtype: torch.dtype,
+            backend: str = "auto") -> torch.Tensor:
+    """out (L, D)[t] = sum_k (weights[t, k] ·) rows[token_slot[t, k]] (a plain sum where weights is None). One
+    kernel on every backend."""
+    return tl.combine(rows_RD, plan.token_slot_LK, weights_LK, out_dtype)
+
+
+def down_bwd(plan: RowPlan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, activation: str,
+             backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """dH into dpreact (which may be preact itself: each element is read before it is written); returns
+    (s·A (R, H), the router weights' gradient dS (L, K) in topk_w's dtype)."""
+    if dispatch.down_bwd(backend, dy_LD, w2_EDH, preact_RF) == "gluon":
+        # dA' by the gathering GEMM into the s·A buffer, then the epilogue as its own pass, which overwrites dA'
+        # with s·A (a fused epilogue leaves the tensor cores idle at ~60% of the rate)
+        act_scaled = gluon_sm90.gathered_rows_gemm(dy_LD, w2_EDH, plan.token_R, plan.offsets_E1, plan.sched)
+        return act_scaled, act_bwd(plan, act_scaled, preact_RF, topk_w_LK, dpreact_RF, act_scaled, activation)
+    return tl.down_bwd(dy_LD, w2_EDH, preact_RF, topk_w_LK, plan.token_slot_LK, dpreact_RF, plan.token_R,
+                       plan.offsets_E1, plan.sched, activation)
+
+
+def act_bwd(plan: RowPlan, dact_RH, preact_RF, topk_w_LK, dpreact_RF, act_scaled_RH, activation: str,
+            backend: str = "auto") -> torch.Tensor:
+    """From dA' and preact: dH into dpreact, s·A into act_scaled (either may alias its input); returns dS (L, K).
+    One kernel on every backend."""
+    return tl.act_bwd(dact_RH, preact_RF, plan.token_R, plan.token_slot_LK, topk_w_LK, dpreact_RF, act_scaled_RH,
+                      activation)
+
+
+def weight_grad(plan: RowPlan, p, q, out_shape: tuple, gather_p: bool, out_dtype: torch.dtype,
+                backend: str = "auto") -> torch.Tensor:
+    """dW (out_shape = (E, N, P)) with dW[e] = P[rows of e]ᵀ Q[rows of e]; P = p[token] if gather_p, else
+    Q = q[token] (the other side row by row)."""
+    if dispatch.weight_grad(backend, p, q, out_shape, gather_p, out_dtype) == "gluon":
+        dw = torch.empty(out_shape, dtype=out_dtype, device=p.device)
+        return gluon_sm90.weight_grad(p, q, plan.token_R, plan.offsets_E1, dw, gather_p)
+    return tl.weight_grad(p, q, out_shape, plan.token_R, plan.offsets_E1, gather_p, out_dtype)

@@ -1,0 +1,241 @@
+"""tl kernels of the backward pass: dA' = dy[token] @ W2[e] with the activation's backward in its epilogue
+(down_bwd), the same epilogue as a pass of its own (act_bwd, after a dA' computed apart), and the weight
+gradients, which reduce over each expert's rows and gather one side through expert_token_idx.
+
+Memory: nothing beyond the outputs, and down_bwd's fp32 router-gradient partials (H / DS_BLOCK per row).
+"""
+import triton
+import triton.language as tl
+
+from .common import _act, _act_grad, _row_ptrs, _rows_dot, _swizzle, _tile_rows
+from .configs import DH_CONFIGS, WGRAD_CONFIGS
+
+
+@triton.jit
+def _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The saved pre-activation (gate, up) of rows x columns col0 .. col0+BLOCK_N (up is gate if not GATED)."""
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    mask = rmask[:, None] & (offs_n < H)[None, :]
+    ptrs = _row_ptrs(preact_ptr, rows, stride_pl, offs_n)
+    g = tl.load(ptrs, mask=mask, other=0.0)
+    if GATED:
+        return g, tl.load(ptrs + H, mask=mask, other=0.0)
+    return g, g
+
+
+@triton.jit
+def _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED: tl.constexpr, HALF: tl.constexpr,
+                   EPI_SPLIT: tl.constexpr):
+    """(g0, u0, g1, u1): H of the tile's first HALF columns and, when EPI_SPLIT == 2, of its second."""
+    g0, u0 = _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF)
+    if EPI_SPLIT == 2:
+        g1, u1 = _load_h(preact_ptr, rows, rmask, col0 + HALF, H, stride_pl, GATED, HALF)
+        return g0, u0, g1, u1
+    return g0, u0, g0, u0
+
+
+@triton.jit
+def _store_dh_and_sa(dact, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, mask,
+                     GATED: tl.constexpr, ACT: tl.constexpr):
+    """From dA' (fp32) of rows x cols, H there (g; u too if GATED) and the rows' router weights s: stores
+    dH = d act(s * dA') into dpreact (the up columns H further on) and s * A into act_scaled; returns A
+    (fp32), for dS. The s * A addresses are formed at their store (held across the dH math, they cost
+    the fused dH kernel ~90 B more of spills per thread, sm_90, triton 3.6)."""
+    g = g.to(tl.float32)
+    dp_ptrs = _row_ptrs(dpreact_ptr, rows, stride_pl, cols)
+    if GATED:
+        u = u.to(tl.float32)
+        act_g = _act(g, ACT)
+        a = act_g * u
+        das = dact * s[:, None]
+        tl.store(dp_ptrs, (das * u * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=mask)
+        tl.store(dp_ptrs + H, (das * act_g).to(dpreact_ptr.dtype.element_ty), mask=mask)
+    else:
+        a = _act(g, ACT)
+        tl.store(dp_ptrs, (dact * s[:, None] * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=mask)
+    tl.store(_row_ptrs(act_scaled_ptr, rows, stride_al, cols), (a * s[:, None]).to(act_scaled_ptr.dtype.element_ty),
+             mask=mask)
+    return a
+
+
+@triton.jit
+def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
+                 stride_pl, stride_al, GATED: tl.constexpr, ACT: tl.constexpr, DS_BLOCK: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The dH epilogue of columns col0 .. col0+BLOCK_N of dA', given H there (g, u)."""
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    omask = rmask[:, None] & (offs_n < H)[None, :]
+    g = g.to(tl.float32)  # before the router weights' load, as before the helper: ptxas then spills no more
+    s = tl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)
+    a = _store_dh_and_sa(dact, g, u, s, rows, offs_n, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, omask,
+                         GATED, ACT)
+    R: tl.constexpr = BLOCK_N // DS_BLOCK
+    ds = tl.sum(tl.reshape(dact * a, (BLOCK_M, R, DS_BLOCK)), axis=2)  # (BLOCK_M, R)
+    slot = col0 // DS_BLOCK + tl.arange(0, R)
+    row0 = tl.min(rows)
+    tl.store((ds_part_ptr + row0 + slot.to(tl.int64) * LK)[None, :] + (rows - row0)[:, None], ds,
+             mask=rmask[:, None] & (slot * DS_BLOCK < H)[None, :])
+
+
+@triton.jit
+def _act_bwd_kernel(dact_ptr, preact_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr, dpreact_ptr,
+                    act_scaled_ptr, dtopk_w_ptr, LK, H, stride_dl, stride_pl, stride_al, K: tl.constexpr,
+                    GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The dH epilogue as a pass of its own over BLOCK_R rows, for a dA' = dy[token] @ W2[e] computed
+    apart (the Hopper path): from dA' and H, dH = d act(s * dA'), s * A, and dS[r] = <dA'[r], A[r]>
+    whole (no partials), stored straight into the router-weight gradient (L, K) in its dtype. A row r of
+    token t is the pair (t, k) with token_slot[t, k] == r: its weight is read from topk_w there and its
+    dS stored there, so no row-order copy of the weights exists. dpreact may be preact and act_scaled
+    may be dact: each element is read before it is written, by the same thread."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < LK
+    pair0 = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0) * K
+    pair = pair0
+    for k in tl.static_range(K):
+        pair = tl.where(tl.load(token_slot_ptr + pair0 + k, mask=rmask, other=-1) == rows, pair0 + k, pair)
+    s = tl.load(topk_w_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
+    ds = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, H, BLOCK_H):
+        cols = c0 + tl.arange(0, BLOCK_H)
+        mask = rmask[:, None] & (cols < H)[None, :]
+        da = tl.load(_row_ptrs(dact_ptr, rows, stride_dl, cols), mask=mask, other=0.0).to(tl.float32)
+        g, u = _load_h(preact_ptr, rows, rmask, c0, H, stride_pl, GATED, BLOCK_H)
+        a = _store_dh_and_sa(da, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, mask,
+                             GATED, ACT)
+        ds += tl.sum(da * a, axis=1)
+    tl.store(dtopk_w_ptr + pair, ds.to(dtopk_w_ptr.dtype.element_ty), mask=rmask)
+
+
+# restore_value: under checkpoint="recompute" the kernel writes dH over the H it reads, so the tuner's
+# repeated trial launches must each start from the original H.
+@triton.autotune(configs=DH_CONFIGS, key=["D", "H", "GATED"], restore_value=["preact_ptr"])
+@triton.jit
+def _down_bwd_kernel(
+    dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+    expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+    NUM_TILES, D, H, LK, stride_dyl, stride_dyd, stride_we, stride_wd, stride_wh, stride_pl, stride_al,
+    GATED: tl.constexpr, ACT: tl.constexpr, DS_BLOCK: tl.constexpr, PREFETCH_H: tl.constexpr,
+    EPI_SPLIT: tl.constexpr, W2_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """dA' = dy[token] @ W2[e] (dy gathered in the load), then in the epilogue, from the saved H:
+    A = act(H) recomputed; dS partials = <dA', A> per DS_BLOCK columns (the router-weight gradient,
+    without the down-projection output); dH = d act(s * dA'); s * A for dW2.
+    H is loaded before the main loop (PREFETCH_H, its latency hidden behind the loop) or right after
+    it, all at once; EPI_SPLIT = 2 or 4 runs the epilogue math on column halves or quarters (fewer
+    live registers). W2_TMA reads W2 through the descriptor w2_desc over its (E·D, H) view."""
+    tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(H, BLOCK_N), GROUP_M)
+    e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
+    if e < 0:
+        return
+    tok = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0)
+    col0 = pid_n * BLOCK_N
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
+    PARTS: tl.constexpr = 2 if EPI_SPLIT > 1 else 1  # H parts loaded here (EPI_SPLIT = 4: the first two)
+    if PREFETCH_H:
+        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, PARTS)
+    dact = _rows_dot(dy_ptr, tok, rmask, stride_dyl, stride_dyd, w2_ptr + e.to(tl.int64) * stride_we, stride_wd,
+                     stride_wh, offs_n, offs_n < H, D, dy_ptr, w2_desc, e * D, False, W2_TMA, False,
+                     BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+    if not PREFETCH_H:
+        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, PARTS)
+    if EPI_SPLIT == 1:
+        _dh_epilogue(dact, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
+                     stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, BLOCK_N)
+    elif EPI_SPLIT == 4:
+        # quarters of Q columns: column i·2Q + j·Q + q sits at [q, i, j] after the permute
+        Q: tl.constexpr = BLOCK_N // 4
+        lo, hi = tl.split(tl.permute(tl.reshape(dact, (BLOCK_M, 2, 2, Q)), (0, 3, 1, 2)))
+        d0, d2 = tl.split(lo)
+        d1, d3 = tl.split(hi)
+        _dh_epilogue(d0, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
+                     stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+        _dh_epilogue(d1, col0 + Q, rows, rmask, g1, u1, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H,
+                     LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+        g2, u2, g3, u3 = _load_h_halves(preact_ptr, rows, rmask, col0 + 2 * Q, H, stride_pl, GATED, Q, 2)
+        _dh_epilogue(d2, col0 + 2 * Q, rows, rmask, g2, u2, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+        _dh_epilogue(d3, col0 + 3 * Q, rows, rmask, g3, u3, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+    else:
+        d0, d1 = tl.split(tl.permute(tl.reshape(dact, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        _dh_epilogue(d0, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
+                     stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, HALF)
+        _dh_epilogue(d1, col0 + HALF, rows, rmask, g1, u1, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
+                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, HALF)
+
+
+@triton.autotune(configs=WGRAD_CONFIGS, key=["N", "P", "GATHER_P", "GATHER_Q"])
+@triton.jit
+def _weight_grad_kernel(
+    p_ptr, q_ptr, dense_desc, dw_ptr, expert_token_idx_ptr, expert_offsets_ptr,
+    N, P, stride_pl, stride_pn, stride_ql, stride_qp, stride_de, stride_dn, stride_dp,
+    GATHER_P: tl.constexpr, GATHER_Q: tl.constexpr, DENSE_TMA: tl.constexpr, SWAP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """dW[e] = Pm[rows of e]^T @ Qm[rows of e], reducing over the expert's rows; either side may be
+    gathered from a token matrix through expert_token_idx. An expert with no rows gets zeros.
+    SWAP computes the transposed tile, (Qm^T @ Pm)^T, so the other operand is the MMA's A operand.
+    The token ids of the next row block are loaded one iteration early: loaded in the iteration that
+    uses them, they make the data loads indirect and Triton's pipeliner then keeps one stage fewer
+    (the weight gradients went from ~420 to 480-536 TF/s on the H200 at configs B and E).
+    DENSE_TMA (exactly one side gathered) loads the other, row-contiguous side through the tensor
+    descriptor dense_desc (block BLOCK_K rows): its rows past the expert's end are the next expert's,
+    and meet the gathered side's zeros there."""
+    pid = tl.program_id(0)
+    n_tiles_n = tl.cdiv(N, BLOCK_N)
+    n_tiles_p = tl.cdiv(P, BLOCK_P)
+    e = pid // (n_tiles_n * n_tiles_p)
+    rem = pid % (n_tiles_n * n_tiles_p)
+    pid_n, pid_p = rem // n_tiles_p, rem % n_tiles_p
+    start = tl.load(expert_offsets_ptr + e)
+    end = tl.load(expert_offsets_ptr + e + 1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    nmask = offs_n < N
+    pmask = offs_p < P
+    if SWAP:
+        acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
+    rows_k = tl.arange(0, BLOCK_K)
+    tok_next = tl.load(expert_token_idx_ptr + start + rows_k, mask=start + rows_k < end, other=0)
+    for r0 in range(start, end, BLOCK_K):
+        rows = r0 + rows_k
+        rmask = rows < end
+        tok = tok_next
+        tok_next = tl.load(expert_token_idx_ptr + rows + BLOCK_K, mask=rows + BLOCK_K < end, other=0)
+        p_rows = (tok if GATHER_P else rows).to(tl.int64)
+        q_rows = (tok if GATHER_Q else rows).to(tl.int64)
+        if SWAP:  # qt (BLOCK_P, BLOCK_K), pt (BLOCK_K, BLOCK_N)
+            if DENSE_TMA and GATHER_P:
+                qt = tl.trans(dense_desc.load([r0, pid_p * BLOCK_P]))
+            else:
+                qt = tl.load(q_ptr + q_rows[None, :] * stride_ql + offs_p[:, None] * stride_qp,
+                             mask=pmask[:, None] & rmask[None, :], other=0.0)
+            if DENSE_TMA and GATHER_Q:
+                pt = dense_desc.load([r0, pid_n * BLOCK_N])
+            else:
+                pt = tl.load(p_ptr + p_rows[:, None] * stride_pl + offs_n[None, :] * stride_pn,
+                             mask=rmask[:, None] & nmask[None, :], other=0.0)
+            acc = tl.dot(qt, pt, acc, input_precision=PRECISION)
+        else:  # pt (BLOCK_N, BLOCK_K), qt (BLOCK_K, BLOCK_P)
+            if DENSE_TMA and GATHER_Q:
+                pt = tl.trans(dense_desc.load([r0, pid_n * BLOCK_N]))
+            else:
+                pt = tl.load(p_ptr + p_rows[None, :] * stride_pl + offs_n[:, None] * stride_pn,
+                             mask=nmask[:, None] & rmask[None, :], other=0.0)
+            if DENSE_TMA and GATHER_P:
+                qt = dense_desc.load([r0, pid_p * BLOCK_P])
+            else:
+                qt = tl.load(q_ptr + q_rows[:, None] * stride_ql + offs_p[None, :] * stride_qp,
+                             mask=rmask[:, None] & pmask[None, :], other=0.0)
+            acc = tl.dot(pt, qt, acc, input_precision=PRECISION)
+    dw = dw_ptr + e.to(tl.int64) * stride_de
+    if SWAP:
+        tl.store(dw + offs_n[None, :] * stride_dn + offs_p[:, None] * stride_dp, acc.to(dw_ptr.dtype.element_ty),
+                 mask=pmask[:, None] & nmask[None, :])
+    else:
+        tl.store(dw + offs_n[:, None] * stride_dn + offs_p[None, :] * stride_dp, acc.to(dw_ptr.dtype.element_ty),
+                 mask=nmask[:, None] & pmask[None, :])

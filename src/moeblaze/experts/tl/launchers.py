@@ -1,0 +1,129 @@
+"""Host side of the tl kernels: buffers, grids, tensor descriptors and launches, one function per kernel.
+
+Operands that are not gathered go through host tensor descriptors (TMA on Hopper) where they are aligned for
+them (launch.tma_ok), through pointers otherwise; the autotuner's pre-hooks give the descriptors their block
+shapes. Memory: each function allocates its outputs only (down_bwd: also its router weights in row order and
+the fp32 dS partials, 4·L·K·(1 + H / DS_BLOCK) bytes, freed on return).
+
+Legend: R = L·K routed rows, D hidden, H expert intermediate, F rows of W1 per expert, E experts, K top-k.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ...config import INTERPRET
+from ...launch import launch, sm_count, tma_ok
+from ...reference import is_gated
+from ..schedule import BLOCK_M
+from .backward import _act_bwd_kernel, _down_bwd_kernel, _weight_grad_kernel
+from .common import ACT_CODES
+from .configs import DS_BLOCK, GROUP_M
+from .forward import _combine_kernel, _rows_kernel, _up_kernel
+
+TUNED_KERNELS = {"up": _up_kernel, "rows": _rows_kernel, "down_bwd": _down_bwd_kernel,
+                 "weight_grad": _weight_grad_kernel}
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _desc(t: torch.Tensor | None):
+    """A host tensor descriptor of 2D t where t is aligned for one, else None; its block shape is set per
+    autotune config by the kernel's pre-hook."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1]) if tma_ok(t) else None
+
+
+def _grid(num_tiles: int, n: int, device: torch.device | None = None):
+    """One program per (row tile, column tile); persistent configs: one per multiprocessor."""
+    sms = sm_count(device) if device is not None else None
+    return lambda meta: ((sms if meta.get("PERSISTENT") else num_tiles * triton.cdiv(n, meta["BLOCK_N"])),)
+
+
+def up(x_LD, w1_EFD, token_R, offsets, sched, activation, store_preact, store_act):
+    """(preact (R, F), act (R, H)) = x[token] @ W1[e]ᵀ and its activation; an empty tensor for one not stored."""
+    R, (_, F, D) = token_R.shape[0], w1_EFD.shape
+    H = F // 2 if is_gated(activation) else F
+    preact = x_LD.new_empty(R, F) if store_preact else x_LD.new_empty(0)
+    act = x_LD.new_empty(R, H) if store_act else x_LD.new_empty(0)
+    num_tiles = sched[0].shape[0]
+    w1_desc = _desc(w1_EFD.reshape(-1, D) if w1_EFD.is_contiguous() else None)
+    _up_kernel[_grid(num_tiles, H)](
+        x_LD, w1_EFD, w1_desc or w1_EFD, preact, act, token_R, sched[0], sched[1], offsets,
+        num_tiles, D, H, x_LD.stride(0), x_LD.stride(1), w1_EFD.stride(0), w1_EFD.stride(1), w1_EFD.stride(2), F, H,
+        GATED=is_gated(activation), ACT=ACT_CODES[activation], STORE_PREACT=store_preact, STORE_ACT=store_act,
+        W1_TMA=w1_desc is not None, BLOCK_M=BLOCK_M, PRECISION=_precision(x_LD.dtype), GROUP_M=GROUP_M)
+    return preact, act
+
+
+def rows_gemm(a, b, b_strides_ekn, n, offsets, sched):
+    """C (rows, n) = A[rows] @ B[e] with B[e] addressed as (k, n) through b_strides_ekn."""
+    c = a.new_empty(a.shape[0], n)
+    num_tiles = sched[0].shape[0]
+    a_desc, b_desc = _desc(a), _desc(b.reshape(-1, b.shape[2]) if b.is_contiguous() else None)
+    _rows_kernel[_grid(num_tiles, n, a.device)](
+        a, b, a_desc or a, b_desc or b, c, sched[0], sched[1], sched[2], offsets, num_tiles, n, a.shape[1], b.shape[1],
+        a.stride(0), a.stride(1), *b_strides_ekn, c.stride(0), A_TMA=a_desc is not None,
+        B_TMA=b_desc is not None, B_KMAJOR=b_strides_ekn[1] == 1, BLOCK_M=BLOCK_M, PRECISION=_precision(a.dtype),
+        GROUP_M=GROUP_M)
+    return c
+
+
+def combine(rows_RD, token_slot_LK, weights_LK, out_dtype):
+    """out[t] = sum_k (w[t, k] *) rows[token_slot[t, k]], (L, D) in out_dtype, fp32 sums in fixed order."""
+    L, K = token_slot_LK.shape
+    D = rows_RD.shape[1]
+    out = torch.empty(L, D, dtype=out_dtype, device=rows_RD.device)
+    bt, bd = (16, 32) if INTERPRET else (16, 256)
+    launch(_combine_kernel, (triton.cdiv(L, bt), triton.cdiv(D, bd)), rows_RD, token_slot_LK,
+           weights_LK if weights_LK is not None else rows_RD, out, L, D, rows_RD.stride(0), out.stride(0), K=K,
+           WEIGHTED=weights_LK is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
+    return out
+
+
+def weight_grad(p, q, out_shape, token_R, offsets, gather_p, out_dtype):
+    """dW (E, N, P) with dW[e] = P[rows of e]ᵀ Q[rows of e], P = p[token] if gather_p else Q = q[token]."""
+    E, N, P = out_shape
+    dw = torch.empty(out_shape, dtype=out_dtype, device=p.device)
+    desc = _desc(q if gather_p else p)
+    grid = lambda meta: (E * triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(P, meta["BLOCK_P"]),)  # noqa: E731
+    _weight_grad_kernel[grid](
+        p, q, desc or p, dw, token_R, offsets, N, P, p.stride(0), p.stride(1), q.stride(0), q.stride(1),
+        dw.stride(0), dw.stride(1), dw.stride(2), GATHER_P=gather_p, GATHER_Q=not gather_p, DENSE_TMA=desc is not None,
+        PRECISION=_precision(p.dtype))
+    return dw
+
+
+def down_bwd(dy_LD, w2_EDH, preact, topk_w_LK, token_slot_LK, dpreact, token_R, offsets, sched, activation):
+    """dA' = dy[token] @ W2[e] with the activation's backward in the epilogue: dH into dpreact (may be preact
+    itself); returns s·A (R, H) and the router weights' gradient (L, K)."""
+    R, (_, D, H) = token_R.shape[0], w2_EDH.shape
+    act_scaled = dy_LD.new_empty(R, H)
+    w_sorted = torch.empty(R, dtype=torch.float32, device=dy_LD.device)  # router weights in row order
+    w_sorted[token_slot_LK.reshape(-1).long()] = topk_w_LK.reshape(-1).float()
+    ds_part = torch.empty(triton.cdiv(H, DS_BLOCK), R, dtype=torch.float32, device=dy_LD.device)
+    num_tiles = sched[0].shape[0]
+    w2_desc = _desc(w2_EDH.reshape(-1, H) if w2_EDH.is_contiguous() else None)
+    _down_bwd_kernel[_grid(num_tiles, H)](
+        dy_LD, w2_EDH, w2_desc or w2_EDH, preact, w_sorted, dpreact, act_scaled, ds_part, token_R, sched[0], sched[1],
+        offsets, num_tiles, D, H, R, dy_LD.stride(0), dy_LD.stride(1), w2_EDH.stride(0), w2_EDH.stride(1),
+        w2_EDH.stride(2), preact.stride(0), H, GATED=is_gated(activation), ACT=ACT_CODES[activation],
+        DS_BLOCK=DS_BLOCK, W2_TMA=w2_desc is not None,
+        BLOCK_M=BLOCK_M, PRECISION=_precision(dy_LD.dtype), GROUP_M=GROUP_M)
+    return act_scaled, ds_part.sum(0)[token_slot_LK.long()].to(topk_w_LK.dtype)
+
+
+def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_scaled, activation):
+    """From dA' (R, H) and H: dH into dpreact, s·A into act_scaled (either may alias its input); returns dS as
+    the router weights' gradient (L, K), in topk_w's dtype."""
+    R, H = dact_RH.shape
+    topk_w_LK = topk_w_LK.contiguous()
+    dtopk_w = torch.empty_like(topk_w_LK)
+    block_r, block_h = (4, 16) if INTERPRET else (8, 256)  # 8x256: 2-4% ahead of 16x256 at B-E (H200)
+    launch(_act_bwd_kernel, (triton.cdiv(R, block_r),), dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact,
+           act_scaled, dtopk_w, R, H, dact_RH.stride(0), preact.stride(0), act_scaled.stride(0),
+           K=token_slot_LK.shape[1], GATED=is_gated(activation), ACT=ACT_CODES[activation], BLOCK_R=block_r,
+           BLOCK_H=block_h, num_warps=4)
+    return dtopk_w
