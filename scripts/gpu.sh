@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: the GPU tests, then the benchmark; everything is written under $OUT (default ./out).
 #   usage: bash scripts/gpu.sh [tests] [dispatch] [layer] [scale] [profile] [ab]   (default: all but ab)
-# Exits non-zero when any step fails (each step still runs).
+# Exits non-zero when any step fails (each step still runs). STEP_TIMEOUT=SECONDS bounds each step, so the
+# peers' compile cache below is still written back when one runs long.
 # Peers: with .peers/ (bash ../shared/peers/get-peers.sh) beside the code, SonicMoE and Liger join the run.
 # TRITON_TARBALL=.whl/triton-...-stripped.tar.xz (scripts/pack_triton.sh; carry .whl) runs everything on that triton.
 # ab: scripts/ab_compare.py against .baseline/moeblaze_base (bash scripts/make_baseline.sh REV; carry .baseline),
@@ -30,14 +31,15 @@ quack_tmp=$(python3 -c "import getpass, tempfile; print(tempfile.gettempdir() + 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 failed=""
+limit=${STEP_TIMEOUT:+timeout $STEP_TIMEOUT}
 for s in $steps; do
   echo "=== $s"
   case $s in
-    tests) python3 -m pytest -m gpu tests/gpu -p no:logging ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" ;;
-    dispatch) python3 -m moeblaze.cli bench --dispatch --out "$OUT" ;;
-    layer) python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
-    scale) python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
-    ab) python3 scripts/ab_compare.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" ;;
+    tests) $limit python3 -m pytest -m gpu tests/gpu -p no:logging ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" ;;
+    dispatch) $limit python3 -m moeblaze.cli bench --dispatch --out "$OUT" ;;
+    layer) $limit python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
+    scale) $limit python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
+    ab) $limit python3 scripts/ab_compare.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" ;;
     profile) for c in ${PROFILE_CONFIGS:-8192,1024,4096,16,2}; do IFS=, read L d h E K <<< "$c"; python3 -m moeblaze.cli profile --kernels --tokens $L --d-model $d --d-expert $h --num-experts $E --top-k $K || exit 1; done 2>&1 | tee "$OUT/profile.log" ;;
     *) echo "unknown step $s"; false ;;
   esac

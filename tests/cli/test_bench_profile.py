@@ -13,8 +13,8 @@ from moeblaze.cli import main
 from moeblaze.cli.report import START, END, results_markdown, update_readme
 
 ROW_FIELDS = {"impl", "policy", "L", "d", "h", "E", "K", "activation", "dtype", "fwd_ms", "step_ms", "host_ms",
-              "kept_mb", "peak_mb", "tflops", "rel_err", "gpu", "torch", "triton", "git_sha", "run_id", "command", "date", "status",
-              "mode"}
+              "kept_mb", "peak_mb", "tflops", "rel_err", "gpu", "torch", "triton", "git_sha", "run_id", "command",
+              "date", "status", "mode"}
 
 
 def read_rows(out):
@@ -191,7 +191,7 @@ def test_stage_times_cover_every_launch_of_a_step():
 
 
 def test_results_take_the_newest_run_beside_sonicmoe():
-    from moeblaze.cli.report import _latest
+    from moeblaze.cli.report import latest_rows
 
     def row(impl, run, date, step):
         return dict(mode="layer", impl=impl, policy="preact" if impl == "moeblaze" else "-", L=64, d=32, h=16, E=4,
@@ -199,8 +199,8 @@ def test_results_take_the_newest_run_beside_sonicmoe():
     rows = [row(i, "old", "2026-01-01", 2.0) for i in ("moeblaze", "sonicmoe", "liger", "torch_gmm")]
     rows += [row(i, "new", "2026-02-01", 1.0) for i in ("moeblaze", "sonicmoe")]
     rows += [row(i, "newest", "2026-03-01", 0.5) for i in ("moeblaze", "torch_gmm", "liger")]  # no SonicMoE
-    assert {r["run_id"] for r in _latest(rows, "layer")} == {"new"}
-    assert {r["run_id"] for r in _latest(rows[-3:], "layer")} == {"newest"}
+    assert {r["run_id"] for r in latest_rows(rows, "layer")} == {"new"}
+    assert {r["run_id"] for r in latest_rows(rows[-3:], "layer")} == {"newest"}
 
 
 def test_results_compare_each_repeat_with_sonicmoe_of_the_same_repeat():
@@ -234,5 +234,6 @@ def test_results_list_peers_from_other_runs_beside_their_own_baseline():
             row("moeblaze", "main", "2026-01-03", 2.0, "preact"), row("sonicmoe", "main", "2026-01-03", 1.0),
             row("torch_gmm", "main", "2026-01-03", 3.0)]
     text = results_markdown(rows)
-    assert "| 64,32,16,4,2 | liger/pinned | 1.00 | 8.00 | - | - | 0.50 | 1 | 1 | 1 | - |" in text  # newest run, own baseline
+    # the newest run, with its own baseline
+    assert "| 64,32,16,4,2 | liger/pinned | 1.00 | 8.00 | - | - | 0.50 | 1 | 1 | 1 | - |" in text
     assert "9.00" not in text and text.count("liger/pinned") == 1  # the older liger row is left out

@@ -171,7 +171,8 @@ def test_tile_schedule(counts, block_m):
     counts = torch.tensor(counts, dtype=torch.int32)
     offsets = torch.nn.functional.pad(counts.cumsum(0, dtype=torch.int32), (1, 0))
     rows = int(counts.sum())
-    want = [(e, int(offsets[e]) + j * block_m) for e in range(len(counts)) for j in range(-(-int(counts[e]) // block_m))]
+    want = [(e, int(offsets[e]) + j * block_m) for e in range(len(counts))
+            for j in range(-(-int(counts[e]) // block_m))]
     bound = rows // block_m + len(counts)
     tile_expert, tile_row, used = tile_schedule(counts, offsets, rows, block_m)
     assert tile_expert.shape == tile_row.shape == (bound,) and tile_expert.dtype == tile_row.dtype == torch.int32

@@ -24,7 +24,8 @@ from .report import slug
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=None,
-                   help="named configs, from A-E (see README); default all five unless --config, --scale or --dispatch is given")
+                   help="named configs, from A-E (see README); default all five unless --config, --scale or --dispatch "
+                        "is given")
     p.add_argument("--config", action="append", default=[], metavar="L,d,h,E,K", help="extra config (repeatable)")
     p.add_argument("--impls", default=None,
                    help=f"comma list from {','.join(IMPLS)} (default: all available but the moeblaze-<backend> ones, "
@@ -94,8 +95,9 @@ def _fmt(v, nd=2):
 
 def _print_row(r: dict) -> None:
     err = max(r["rel_err"].values()) if r.get("rel_err") else None
-    print(f"  {r['impl']:>10} {r['policy']:>9} | fwd {_fmt(r.get('fwd_ms')):>8} ms | step {_fmt(r.get('step_ms')):>8} ms"
-          f" | host {_fmt(r.get('host_ms')):>6} ms | kept {_fmt(r.get('kept_mb'), 1):>8} MB | peak {_fmt(r.get('peak_mb'), 1):>8} MB"
+    print(f"  {r['impl']:>10} {r['policy']:>9} | fwd {_fmt(r.get('fwd_ms')):>8} ms"
+          f" | step {_fmt(r.get('step_ms')):>8} ms | host {_fmt(r.get('host_ms')):>6} ms"
+          f" | kept {_fmt(r.get('kept_mb'), 1):>8} MB | peak {_fmt(r.get('peak_mb'), 1):>8} MB"
           f" | {_fmt(r.get('tflops'), 1):>6} TF/s | max rel err {_fmt(err, 4):>7}"
           + (f" | gpu busy {r['gpu_busy_ms']:.2f} ms" if r.get("gpu_busy_ms") is not None else "")
           + f" | {r['status']}", flush=True)
@@ -164,7 +166,8 @@ def _impl_policies(args, scale=False):
     for n in names:
         pols = IMPLS[n][1]
         if n.startswith("moeblaze"):
-            pols = tuple(args.policies.split(",")) if args.policies else pols + (("recompute-chunked",) if scale else ())
+            chunked = ("recompute-chunked",) if scale else ()
+            pols = tuple(args.policies.split(",")) if args.policies else pols + chunked
         out += [(n, pol) for pol in pols]
     return out
 

@@ -17,7 +17,7 @@ from ..bench.baselines import torch_gmm_experts
 from ..bench.harness import kernel_times
 from ..bench.memory import SavedTensorCounter
 from ..bench.stages import compiled_resources, stage_times
-from ..experts import moe_experts
+from ..experts import BACKENDS, moe_experts
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import build_routing_index
 
@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--no-compare", action="store_true", help="skip the conventional pipeline")
     p.add_argument("--kernels", action="store_true", help="also list GPU time per kernel (torch.profiler)")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="the Triton kernels' backend: auto (Gluon on Hopper, tl elsewhere), tl or gluon")
 
 
 def profile_step(module: torch.nn.Module, make_loss, inputs, device: torch.device) -> dict:
@@ -104,7 +106,8 @@ def _print(title: str, r: dict, top: int = 12) -> None:
         print(f"  {where[:58]:<58} {n:>7} {b / MB:>10.2f}")
     if len(r["rows"]) > top:
         rest = r["rows"][top:]
-        print(f"  {'(' + str(len(rest)) + ' more)':<58} {sum(n for _, n, _ in rest):>7} {sum(b for *_, b in rest) / MB:>10.2f}")
+        more = "(" + str(len(rest)) + " more)"
+        print(f"  {more:<58} {sum(n for _, n, _ in rest):>7} {sum(b for *_, b in rest) / MB:>10.2f}")
     print(f"  {'total saved for backward (inputs and parameters excluded)':<66} {r['saved_bytes'] / MB:>10.2f}")
     if r["kept_alloc"] is not None:
         print(f"  allocator: {r['kept_alloc'] / MB:.1f} MB allocated after forward (incl. outputs), "
@@ -141,7 +144,8 @@ def run(args) -> dict:
         _print(f"MoEModel ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters), {idx.numel()} tokens, "
                f"{dtype}, {device}, experts impl={args.impl}, checkpoint={args.checkpoint_policy}", results["moeblaze"])
         return results
-    layer = MoELayer(d, h, args.num_experts, args.top_k, args.activation, args.impl, args.checkpoint_policy).to(device, dtype)
+    layer = MoELayer(d, h, args.num_experts, args.top_k, args.activation, args.impl, args.checkpoint_policy)
+    layer = layer.to(device, dtype)
     x = torch.randn(L, d, device=device, dtype=dtype, requires_grad=True)
     with torch.no_grad():
         r = layer.router(x)
@@ -151,7 +155,7 @@ def run(args) -> dict:
     def ours():
         routing = build_routing_index(r.topk_idx, args.num_experts, check=False)
         return (moe_experts(x, routing, routing_w, layer.w1, layer.w2, args.activation, args.checkpoint_policy,
-                            args.impl, check=False).float() * dy).sum()
+                            args.impl, check=False, backend=args.backend).float() * dy).sum()
 
     def conventional():
         return (torch_gmm_experts(x, r.topk_idx, routing_w, layer.w1, layer.w2, args.activation).float() * dy).sum()
@@ -164,13 +168,15 @@ def run(args) -> dict:
         _drop_grads(layer, x, routing_w)  # else the table would hold the adds into the earlier steps' .grad
         _print_kernels("moeblaze", kernel_times(lambda: ours().backward()))
         if args.impl == "triton":
-            _print_stages(stage_times(L, d, h, args.num_experts, args.top_k, args.activation, dtype, device))
+            _print_stages(stage_times(L, d, h, args.num_experts, args.top_k, args.activation, dtype, device,
+                                      backend=args.backend))
             _print_resources(compiled_resources())
     if not args.no_compare:
         try:
             profile_step(None, conventional, [x, routing_w, dy], device)
             results["torch_gmm"] = profile_step(layer, conventional, [x, routing_w, dy], device)
-            _print(f"conventional pipeline (argsort, gather, torch._grouped_mm, unfused activation, scatter-add), {head}",
+            _print("conventional pipeline (argsort, gather, torch._grouped_mm, unfused activation, scatter-add), "
+                   f"{head}",
                    results["torch_gmm"])
             if args.kernels and cuda:
                 _drop_grads(layer, x, routing_w)

@@ -54,10 +54,12 @@ def plot_run(rows: list[dict], out_dir: str, name: str | None = None) -> list[st
         cfgs = sorted(dict.fromkeys(_cfg(r) for r in layer), key=_cfg_order)
         labels = list(dict.fromkeys(_label(r) for r in layer))
         fig, axes = plt.subplots(1, 2, figsize=(14, 5))
-        for ax, key, title in ((axes[0], "step_ms", "forward+backward (ms)"), (axes[1], "kept_mb", "kept for backward (MB)")):
+        panels = ((axes[0], "step_ms", "forward+backward (ms)"), (axes[1], "kept_mb", "kept for backward (MB)"))
+        for ax, key, title in panels:
             width = 0.8 / len(labels)
             for i, lab in enumerate(labels):
-                vals = [next((r[key] or 0 for r in layer if _cfg(r) == c and _label(r) == lab and r["status"] == "ok"), 0)
+                vals = [next((r[key] or 0 for r in layer
+                              if _cfg(r) == c and _label(r) == lab and r["status"] == "ok"), 0)
                         for c in cfgs]
                 ax.bar([j + i * width for j in range(len(cfgs))], vals, width, label=lab)
             ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cfgs))], cfgs, rotation=20, fontsize=7)
@@ -87,7 +89,8 @@ def plot_run(rows: list[dict], out_dir: str, name: str | None = None) -> list[st
             ax.set_title(t)
         axes[0].set_yscale("log")
         axes[0].legend(fontsize=8)
-        fig.suptitle(f"scaling, d,h,E,K = {scale[0]['d']},{scale[0]['h']},{scale[0]['E']},{scale[0]['K']}, {scale[0]['gpu']}")
+        s0 = scale[0]
+        fig.suptitle(f"scaling, d,h,E,K = {s0['d']},{s0['h']},{s0['E']},{s0['K']}, {s0['gpu']}")
         fig.tight_layout()
         paths.append(os.path.join(out_dir, f"{name or 'scale-' + run_id}.png"))
         fig.savefig(paths[-1], dpi=110)
@@ -95,7 +98,7 @@ def plot_run(rows: list[dict], out_dir: str, name: str | None = None) -> list[st
     return paths
 
 
-def _latest(rows: list[dict], mode: str) -> list[dict]:
+def latest_rows(rows: list[dict], mode: str) -> list[dict]:
     """GPU rows of `mode`: per config (layer, dispatch) all rows of one run, so ratios are only taken
     inside one run: the newest run that measured moeblaze beside SonicMoE (the bar), else the one that
     compared the most implementations, newest among equals; per (tokens, implementation) the newest
@@ -158,19 +161,21 @@ def _layer_line(name: str, r: dict, baseline_ms: float | None) -> str:
 
 def results_markdown(rows: list[dict]) -> str:
     out = []
-    layer = _latest(rows, "layer")
+    layer = latest_rows(rows, "layer")
     if layer:
         r0 = layer[0]
         out += [f"One MoE layer, forward+backward, {r0['activation']} {r0['dtype']}, {r0['gpu']}, torch {r0['torch']}, "
                 f"triton {r0['triton']}. All rows of a config come from one run: {_runs(layer)}.",
-                "`host ms`: the host's time to issue one step (near `step ms`, the host sets the pace: launch cost or a "
+                "`host ms`: the host's time to issue one step (near `step ms`, the host sets the pace: launch cost "
+                "or a "
                 "synchronization); `GPU busy ms`: the step's kernel times summed (runs with `--gpu-busy`; where the "
-                "host paces the step, this compares the kernels alone); `kept MB`: allocated after forward minus the output (what the layer keeps for backward); "
+                "host paces the step, this compares the kernels alone); `kept MB`: allocated after forward minus the "
+                "output (what the layer keeps for backward); "
                 "`peak MB`: peak over forward+backward above the pre-forward baseline; `vs sonic`: SonicMoE step time "
                 "/ this one (>1 is faster than SonicMoE); `err`: largest relative error of the output and the "
                 "gradients against the fp32 reference.", "",
-                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | GPU busy ms | vs sonic | TF/s | kept MB "
-                "| peak MB | err |",
+                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | GPU busy ms | vs sonic | TF/s "
+                "| kept MB | peak MB | err |",
                 "|---|---|---|---|---|---|---|---|---|---|---|"]
         for cfg in sorted(dict.fromkeys(_cfg(r) for r in layer), key=_cfg_order):
             # a run may measure a config more than once: the k-th row of each implementation is repeat k,
@@ -188,14 +193,15 @@ def results_markdown(rows: list[dict]) -> str:
         out += ["", "Implementations the runs above did not measure, each from the newest run that did, beside "
                 "`torch_gmm` of that same run (`vs torch_gmm`: its step time / this one): "
                 f"{_runs([r for r, _ in others])}.", "",
-                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | GPU busy ms | vs torch_gmm | TF/s "
-                "| kept MB | peak MB | err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | GPU busy ms | vs torch_gmm "
+                "| TF/s | kept MB | peak MB | err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         out += [_layer_line(_cfg(r), r, base["step_ms"] if base else None) for r, base in others]
-    disp = _latest(rows, "dispatch")
+    disp = latest_rows(rows, "dispatch")
     if disp:
         r0 = disp[0]
         out += ["", f"Routing index build, {r0['gpu']}, {_runs(disp)}.", "",
-                "| L | E | K | dense ms | sort ms | argsort+bincount+cumsum ms | sort / dense |", "|---|---|---|---|---|---|---|"]
+                "| L | E | K | dense ms | sort ms | argsort+bincount+cumsum ms | sort / dense |",
+                "|---|---|---|---|---|---|---|"]
         for r in disp:
             m = r.get("dispatch_ms") or {}
             if r["status"] == "ok":
@@ -203,7 +209,7 @@ def results_markdown(rows: list[dict]) -> str:
                            f"{m['argsort_bincount_cumsum']:.3f} | {m['sort'] / m['dense']:.2f} |")
             else:
                 out.append(f"| {r['L']} | {r['E']} | {r['K']} | {r['status'][:40]} | | | |")
-    scale = _latest(rows, "scale")
+    scale = latest_rows(rows, "scale")
     if scale:
         r0 = scale[0]
         out += ["", f"Scaling, d,h,E,K = {r0['d']},{r0['h']},{r0['E']},{r0['K']}, {r0['gpu']}; {_runs(scale)}.", "",
@@ -224,7 +230,7 @@ def update_readme(readme: str, results_dir: str) -> None:
     for gpu in sorted({r["gpu"] for r in rows if r.get("gpu") != "cpu"}):
         mine = [r for r in rows if r["gpu"] == gpu]
         for mode in ("layer", "scale"):
-            sel = _latest(mine, mode)
+            sel = latest_rows(mine, mode)
             if sel:
                 path = plot_run(sel, results_dir, name=f"{slug(gpu)}-{mode}")[0]
                 print(f"plot: {path}")

@@ -80,4 +80,5 @@ class TopKRouter(nn.Module):
         return RouterOutput(idx, w, switch_aux_loss(logits_LE, idx), router_z_loss(logits_LE))
 
     def extra_repr(self) -> str:
-        return f"d_model={self.weight.shape[1]}, num_experts={self.num_experts}, top_k={self.top_k}, scoring={self.scoring}"
+        return (f"d_model={self.weight.shape[1]}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"scoring={self.scoring}")
