@@ -72,4 +72,4 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     return fused_experts(x, w1, w2, topk_weights, *routing.tensors(), activation, save, backend)
 
 
-__all__ = ["BACKENDS", "CHECKPOINTS", "IMPLS", "launch_counts", "moe_experts", "resolve_impl"]
+__all__ = ["BACKENDS", "CHECKPOINTS", "IMPLS", "check_backend", "launch_counts", "moe_experts", "resolve_impl"]

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from ..experts import BACKENDS, CHECKPOINTS, moe_experts, resolve_impl
+from ..experts import CHECKPOINTS, check_backend, moe_experts, resolve_impl
 from ..reference import check_activation, up_width
 from ..routing import METHODS, TopKRouter, build_routing_index
 
@@ -45,8 +45,7 @@ class MoELayer(nn.Module):
         if index_method not in METHODS:
             raise ValueError(f"index_method must be one of {METHODS}, got {index_method!r}")
         resolve_impl(impl, torch.device("cpu"))
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        check_backend(backend)
         self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
         self.activation, self.impl, self.checkpoint, self.index_method = activation, impl, checkpoint, index_method
         self.chunk_tokens, self.backend = chunk_tokens, backend
