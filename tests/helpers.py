@@ -1,7 +1,8 @@
-"""Random MoE problems for tests: fresh random inputs, never zeros."""
+"""Random MoE problems for tests (fresh random inputs, never zeros) and the routing index's invariants."""
 import torch
 
 from moeblaze.reference import up_width
+from moeblaze.routing import RoutingIndex
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -29,3 +30,22 @@ def random_problem(L, D, H, E, K, activation="swiglu", dtype=torch.float32, skew
     idx = random_routing(L, E, K, skew).to(device)
     w = torch.rand(L, K, device=device) + 0.1
     return x, w1, w2, idx, w
+
+
+def check_invariants(r: RoutingIndex, idx: torch.Tensor) -> None:
+    L, K = idx.shape
+    E = r.num_experts
+    for t in r.tensors():
+        assert t.dtype == torch.int32
+    assert r.expert_token_idx.shape == (L * K,) and r.token_slot.shape == (L, K) and r.expert_offsets.shape == (E + 1,)
+    assert r.expert_offsets[0] == 0 and r.expert_offsets[-1] == L * K
+    assert torch.equal(r.expert_offsets[1:], r.expert_counts.cumsum(0).int())
+    assert torch.equal(r.expert_counts, torch.bincount(idx.flatten().long(), minlength=E).int())
+    # token_slot inverts expert_token_idx and lands in the right expert's segment
+    tokens = torch.arange(L).repeat_interleave(K)
+    assert torch.equal(r.expert_token_idx[r.token_slot.flatten().long()].long(), tokens)
+    assert torch.equal(torch.sort(r.token_slot.flatten()).values, torch.arange(L * K, dtype=torch.int32))
+    assert torch.equal(r.topk_idx(), idx.int())
+    for e in range(E):  # tokens ascend inside each expert
+        seg = r.expert_token_idx[r.expert_offsets[e]: r.expert_offsets[e + 1]]
+        assert torch.all(seg[1:] > seg[:-1])

@@ -1,10 +1,17 @@
 import argparse
 import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 import torch
 
 from moeblaze.cli import main, train
+from moeblaze.cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from moeblaze.cli.data import builtin_corpus, split_corpus, unigram_entropy
 
 
@@ -29,7 +36,7 @@ def test_corpus_is_builtin_and_entropy_is_sane():
 def test_short_training_run_learns_and_checkpoints(tmp_path):
     res = train.run(args_for(tmp_path, steps=200, eval_every=100, batch_size=16))
     assert res["val_loss"] < res["unigram_entropy"]
-    ck = torch.load(tmp_path / "ck.pt", weights_only=False)
+    ck = load_checkpoint(str(tmp_path / "ck.pt"))
     assert ck["step"] == 200 and not [f for f in os.listdir(tmp_path) if ".tmp." in f]
 
 
@@ -47,20 +54,168 @@ def test_resume_rejects_a_different_model(tmp_path):
 
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "ck.pt")
-    train.save_checkpoint(path, {"step": 1})
+    save_checkpoint(path, {"step": 1})
 
-    def crash(obj, f):
-        open(f, "wb").write(b"partial")
+    def crash(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(torch, "save", crash)
+    monkeypatch.setattr(os, "fsync", crash)  # after the temporary is written, before it replaces the checkpoint
     with pytest.raises(KeyboardInterrupt):
-        train.save_checkpoint(path, {"step": 2})
+        save_checkpoint(path, {"step": 2})
     monkeypatch.undo()
-    assert torch.load(path, weights_only=False)["step"] == 1
+    assert load_checkpoint(path)["step"] == 1 and os.listdir(tmp_path) == ["ck.pt"]
 
 
 def test_cli_entry_point(tmp_path):
     assert main(["train", "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--d-model", "16", "--n-layers",
                  "1", "--n-heads", "2", "--num-experts", "4", "--d-expert", "16", "--eval-every", "2",
                  "--eval-batches", "1", "--save", ""]) == 0
+
+
+TINY = ["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--d-model", "16", "--n-layers", "1", "--n-heads", "2",
+        "--num-experts", "4", "--d-expert", "16", "--eval-batches", "1", "--eval-every", "4"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--eval-every", "0"], "--eval-every must be >= 1, got 0"),
+    (["--save-every", "0"], "--save-every must be >= 1, got 0"),
+    (["--eval-batches", "0"], "--eval-batches must be >= 1, got 0"),
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+    (["--steps", "-5"], "--steps must be >= 1, got -5"),
+    (["--seq-len", "10000000"], "--seq-len must be at most"),
+    (["--lr", "nan"], "--lr must be a positive finite number"),
+    (["--aux-loss-coef", "-1"], "--aux-loss-coef must be a finite number >= 0"),
+    (["--top-k", "5"], "--top-k must be <= --num-experts (4), got 5"),
+    (["--n-heads", "3"], "--d-model (16) must be divisible by --n-heads (3)"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--resume", "--save", ""], "--resume needs a checkpoint path"),
+])
+def test_bad_arguments_fail_before_any_work(tmp_path, monkeypatch, capsys, flags, message):
+    def no_work(*a, **k):
+        raise AssertionError("the model was built before the arguments were checked")
+
+    monkeypatch.setattr(train, "MoEModel", no_work)
+    assert main(["train", *TINY, "--save", str(tmp_path / "ck.pt"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeblaze train: error: ") and message in err and "\n" not in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_bad_save_paths_fail_up_front_and_leave_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train, "MoEModel", lambda *a: pytest.fail("the model was built before --save was probed"))
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dir").mkdir()
+    bad = {str(tmp_path / "file" / "ck.pt"): "is a file, not a folder", str(tmp_path / "dir"): "is a directory"}
+    if sys.platform == "linux":
+        bad["/proc/moeblaze-no-such-folder/ck.pt"] = "can't write a checkpoint"
+    if hasattr(os, "geteuid") and os.geteuid() != 0:  # root writes through any mode bits
+        (tmp_path / "ro").mkdir(mode=0o500)
+        bad[str(tmp_path / "ro" / "ck.pt")] = "Permission denied"
+    for path, message in bad.items():
+        assert main(["train", *TINY, "--save", path]) == 2, path
+        err = capsys.readouterr().err
+        assert "moeblaze train: error: --save" in err and message in err, err
+    assert sorted(os.listdir(tmp_path)) == sorted(["file", "dir"] + (["ro"] if (tmp_path / "ro").exists() else []))
+    assert os.listdir(tmp_path / "dir") == []
+
+
+def _trained_checkpoint(tmp_path) -> str:
+    path = str(tmp_path / "ck.pt")
+    assert main(["train", *TINY, "--save", path]) == 0
+    return path
+
+
+@pytest.mark.parametrize("damage", ["flip one byte", "64 random bytes", "truncate", "header"])
+def test_a_damaged_checkpoint_is_refused(tmp_path, capsys, damage):
+    path = _trained_checkpoint(tmp_path)
+    data = bytearray(open(path, "rb").read())
+    mid = len(data) // 2
+    if damage == "flip one byte":
+        data[mid] ^= 0x01
+    elif damage == "64 random bytes":
+        data[mid: mid + 64] = os.urandom(64)
+    elif damage == "truncate":
+        del data[mid:]
+    else:
+        data[0] ^= 0x20
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError):
+        load_checkpoint(path)
+    with pytest.raises(SystemExit, match="--resume: .*(corrupted|not a moeblaze checkpoint)"):
+        main(["train", *TINY, "--steps", "8", "--save", path, "--resume"])
+
+
+def test_resume_says_when_there_is_no_checkpoint_or_nothing_to_train(tmp_path, capsys):
+    path = str(tmp_path / "ck.pt")
+    assert main(["train", *TINY, "--save", path, "--resume"]) == 0
+    assert f"--resume: no checkpoint at {path}; starting from step 0" in capsys.readouterr().out
+    assert main(["train", *TINY, "--steps", "2", "--save", path, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "the checkpoint is at step 4, not before --steps 2: nothing to train" in out
+    assert load_checkpoint(path)["step"] == 4
+
+
+def test_a_save_removes_temporaries_of_dead_saves_only(tmp_path):
+    path = str(tmp_path / "ck.pt")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for pid in (dead.pid, 1, os.getpid()):  # pid 1 always runs: a live save by another process is left alone
+        open(f"{path}.tmp.{pid}", "wb").write(b"partial")
+    save_checkpoint(path, {"step": 1})
+    assert sorted(os.listdir(tmp_path)) == ["ck.pt", "ck.pt.tmp.1"]
+
+
+def test_sigkill_during_saves_leaves_a_loadable_checkpoint_and_the_next_save_cleans_up(tmp_path):
+    """A child saves a 4 MB state in a loop; it is SIGKILLed at varying moments, several times. After every
+    kill the checkpoint verifies and holds one complete state; a save by the next process removes the dead
+    temporaries."""
+    path = str(tmp_path / "ck.pt")
+    child = textwrap.dedent(f"""
+        import sys, torch
+        from moeblaze.cli.checkpoint import save_checkpoint
+        i = 0
+        while True:
+            i += 1
+            save_checkpoint({path!r}, {{"step": i, "w": torch.full((1 << 20,), float(i))}})
+            if i == 1:
+                print("saved", flush=True)
+    """)
+    steps = []
+    for delay in (0.0, 0.013, 0.05, 0.11, 0.2, 0.37):
+        proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "saved"
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        state = load_checkpoint(path)
+        assert torch.equal(state["w"], torch.full((1 << 20,), float(state["step"])))
+        steps.append(state["step"])
+    save_checkpoint(path, {"step": 0})
+    assert os.listdir(tmp_path) == ["ck.pt"], steps
+
+
+def test_a_non_finite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "ck.pt")
+    real = torch.nn.functional.cross_entropy
+    calls = []
+
+    def loss_that_diverges_at_step_5(*a, **k):
+        calls.append(1)
+        out = real(*a, **k)
+        return out * float("nan") if len(calls) >= 5 else out
+
+    monkeypatch.setattr(train.F, "cross_entropy", loss_that_diverges_at_step_5)
+    with pytest.raises(SystemExit, match=r"non-finite training loss at step 5: stopped at step 6; the checkpoint "
+                                         r".*\(step 4\) is left as it was"):
+        main(["train", *TINY, "--steps", "20", "--eval-every", "100", "--save-every", "2", "--save", path])
+    monkeypatch.undo()
+    ck = load_checkpoint(path)
+    assert ck["step"] == 4 and all(torch.isfinite(v).all() for v in ck["model"].values())
+
+
+def test_progress_shows_the_mean_aux_loss_over_blocks(tmp_path, capsys):
+    """aux at 1.0 is balanced for one block; with 4 blocks the sum would sit near 4."""
+    assert main(["train", *TINY, "--n-layers", "4", "--steps", "10", "--save", ""]) == 0
+    shown = [float(v) for v in re.findall(r"aux=([0-9.]+)", capsys.readouterr().err)]
+    assert shown and all(0.9 < v < 2.0 for v in shown), shown

@@ -211,3 +211,49 @@ def test_backward_on_a_fresh_thread(backend):
     assert not errors, errors
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend, checkpoint):
+    """L = 0 (a rank without tokens): empty output, zero gradients, zero losses, no launch that can't take 0 rows."""
+    layer = MoELayer(512, 256, 16, 2, impl="triton", checkpoint=checkpoint, backend=backend).cuda().bfloat16()
+    x = torch.randn(0, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out, aux, z = layer(x)
+    assert out.shape == (0, 512) and aux.item() == 0 and z.item() == 0
+    (out.float().sum() + aux + z).backward()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p)), name
+    compiled = torch.compile(layer, fullgraph=True)(x)  # and under torch.compile (the fake kernels' shapes)
+    assert compiled.out.shape == (0, 512)
+
+
+_BAD_ID = """
+import sys, torch
+from moeblaze import build_routing_index, moe_experts
+E, backend = 16, sys.argv[1]
+x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+w1 = torch.randn(E, 512, 512, device="cuda", dtype=torch.bfloat16) / 23
+w2 = torch.randn(E, 512, 256, device="cuda", dtype=torch.bfloat16) / 16
+idx = torch.randn(256, E, device="cuda").topk(2, dim=-1).indices.int()
+w = torch.rand(256, 2, device="cuda")
+moe_experts(x, build_routing_index(idx, E), w, w1, w2, backend=backend)
+torch.cuda.synchronize()
+print("valid ids ran", flush=True)
+idx[100, 1] = E  # one expert id out of range, found on the device: no host sync
+y = moe_experts(x, build_routing_index(idx, E), w, w1, w2, backend=backend)
+torch.cuda.synchronize()
+print("bad id NOT caught", flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_out_of_range_expert_id_stops_the_program_on_the_device(backend):
+    """A device-side assert poisons the CUDA context, so the case runs in a process of its own."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _BAD_ID, backend], capture_output=True, text=True, timeout=600)
+    assert "valid ids ran" in r.stdout, r.stderr[-3000:]
+    assert r.returncode != 0 and "bad id NOT caught" not in r.stdout
+    assert "device-side assert" in r.stderr or "Assertion" in r.stderr, r.stderr[-3000:]

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from moeblaze.routing import (RoutingIndex, build_index_dense_torch, build_index_dense_triton, build_index_sort,
+from moeblaze.routing import (build_index_dense_torch, build_index_dense_triton, build_index_sort,
                               build_routing_index)
-from helpers import random_routing
+from helpers import check_invariants, random_routing
 
 BUILDERS = {"sort": build_index_sort, "dense_torch": build_index_dense_torch, "dense_triton": build_index_dense_triton}
 CASES = [  # (L, E, K, skew): what edge each one hits
@@ -17,25 +17,6 @@ CASES = [  # (L, E, K, skew): what edge each one hits
     (33, 256, 4, "uniform"),  # E = 256: the smallest dense tile
     (6000, 256, 2, "uniform"),  # more tiles than one step of the tile scan
 ]
-
-
-def check_invariants(r: RoutingIndex, idx: torch.Tensor) -> None:
-    L, K = idx.shape
-    E = r.num_experts
-    for t in r.tensors():
-        assert t.dtype == torch.int32
-    assert r.expert_token_idx.shape == (L * K,) and r.token_slot.shape == (L, K) and r.expert_offsets.shape == (E + 1,)
-    assert r.expert_offsets[0] == 0 and r.expert_offsets[-1] == L * K
-    assert torch.equal(r.expert_offsets[1:], r.expert_counts.cumsum(0).int())
-    assert torch.equal(r.expert_counts, torch.bincount(idx.flatten().long(), minlength=E).int())
-    # token_slot inverts expert_token_idx and lands in the right expert's segment
-    tokens = torch.arange(L).repeat_interleave(K)
-    assert torch.equal(r.expert_token_idx[r.token_slot.flatten().long()].long(), tokens)
-    assert torch.equal(torch.sort(r.token_slot.flatten()).values, torch.arange(L * K, dtype=torch.int32))
-    assert torch.equal(r.topk_idx(), idx.int())
-    for e in range(E):  # tokens ascend inside each expert
-        seg = r.expert_token_idx[r.expert_offsets[e]: r.expert_offsets[e + 1]]
-        assert torch.all(seg[1:] > seg[:-1])
 
 
 @pytest.mark.parametrize("L,E,K,skew", CASES)

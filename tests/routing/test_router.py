@@ -61,3 +61,11 @@ def test_router_module_outputs_and_gradients():
 def test_router_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TopKRouter(16, 8, **kwargs)
+
+
+def test_losses_of_an_empty_batch_are_zero_and_back_propagate():
+    router = TopKRouter(16, 8, 2)
+    r = router(torch.randn(0, 16))
+    assert r.topk_idx.shape == (0, 2) and r.aux_loss.item() == 0 and r.z_loss.item() == 0
+    (r.aux_loss + r.z_loss).backward()
+    assert torch.equal(router.weight.grad, torch.zeros_like(router.weight))

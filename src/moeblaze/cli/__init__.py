@@ -5,6 +5,11 @@ import argparse
 import sys
 
 
+class UsageError(SystemExit):
+    """A bad command-line argument, found before any work starts: main prints `moeblaze <command>: error: ...`
+    on one line and returns 2, as argparse does."""
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="moeblaze", description="Memory-efficient Mixture-of-Experts training")
     sub = p.add_subparsers(dest="command")
@@ -17,5 +22,9 @@ def main(argv=None) -> int:
     if args.command is None:
         args = p.parse_args(["train"] + list(argv if argv is not None else sys.argv[1:]))
     mod = {"train": train, "bench": bench, "profile": profile}[args.command]
-    mod.run(args)
+    try:
+        mod.run(args)
+    except UsageError as e:
+        print(f"moeblaze {args.command}: error: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import INTERPRET
 from ..reference import check_activation, moe_experts_reference
 from ..routing import RoutingIndex, build_routing_index, check_expert_inputs, check_topk_weights
 from .autograd import fused_experts
@@ -59,6 +60,10 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     impl = resolve_impl(impl, x.device)
     if impl == "reference":
         return moe_experts_reference(x, routing.topk_idx(), topk_weights, w1, w2, activation)
+    if x.device.type != "cuda" and not INTERPRET:
+        raise RuntimeError(f"impl='triton' needs a CUDA GPU (x is on {x.device}), or Triton's CPU interpreter: set "
+                           "TRITON_INTERPRET=1 before importing moeblaze (or triton); impl='auto' runs the PyTorch "
+                           "reference off CUDA")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"the Triton experts take float16, bfloat16 or float32, got {x.dtype}")
     backend = resolve(backend, x.device)

@@ -49,6 +49,9 @@ def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tens
     """(out (L, D), preact (R, F) if save_preact else an empty tensor, *the tile schedule): the forward body,
     the schedule built once here and handed to backward."""
     plan = RowPlan.build(RoutingIndex(expert_counts, expert_offsets, expert_token_idx, token_slot))
+    if x_LD.shape[0] == 0:  # an empty batch (a rank without tokens): no launch can address 0 rows
+        return (x_LD.new_zeros(x_LD.shape), x_LD.new_zeros(0, w1_EFD.shape[1]) if save_preact else x_LD.new_empty(0),
+                *plan.sched)
     preact, act = stages.up(plan, x_LD, w1_EFD, activation, save_preact, True, backend)
     y_RD = stages.down(plan, act, w2_EDH, backend)
     del act
@@ -76,6 +79,9 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
     """(dx, dw1, dw2, dtopk_w): the backward body."""
     if dy_LD.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
         ensure_context(dy_LD.get_device())
+    if x_LD.shape[0] == 0:  # an empty batch: nothing flows back but zeros
+        return (torch.zeros_like(x_LD), torch.zeros_like(w1_EFD), torch.zeros_like(w2_EDH),
+                torch.zeros_like(topk_w_LK))
     E, F, D = w1_EFD.shape
     H = w2_EDH.shape[2]
     plan = RowPlan(expert_token_idx, expert_offsets, token_slot, tile_expert, tile_row, tiles_used)

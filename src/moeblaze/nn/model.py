@@ -11,6 +11,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..args import check_choice, check_int
+from ..experts import CHECKPOINTS, IMPLS
+from ..reference import check_activation
 from .moe import MoELayer
 
 
@@ -27,6 +30,19 @@ class ModelConfig:
     activation: str = "swiglu"
     impl: str = "auto"
     checkpoint: str = "preact"
+
+    def __post_init__(self):
+        """Every field checked here, so a bad config fails when it is made, naming the field."""
+        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k",
+                     "d_expert"):
+            check_int(name, getattr(self, name))
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k must satisfy 1 <= top_k <= num_experts ({self.num_experts}), got {self.top_k}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        check_activation(self.activation)
+        check_choice("impl", self.impl, IMPLS)
+        check_choice("checkpoint", self.checkpoint, CHECKPOINTS)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from ..args import check_choice, check_int
 from ..experts import CHECKPOINTS, check_backend, moe_experts, resolve_impl
 from ..reference import check_activation, up_width
 from ..routing import METHODS, TopKRouter, build_routing_index
@@ -39,11 +40,14 @@ class MoELayer(nn.Module):
                  renormalize: bool = True, index_method: str = "auto", chunk_tokens: int | None = None,
                  backend: str = "auto", device=None, dtype=None):
         super().__init__()
+        for name, value in (("d_model", d_model), ("d_expert", d_expert), ("num_experts", num_experts),
+                            ("top_k", top_k)):
+            check_int(name, value)
+        if chunk_tokens is not None:
+            check_int("chunk_tokens", chunk_tokens)
         check_activation(activation)
-        if checkpoint not in CHECKPOINTS:
-            raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
-        if index_method not in METHODS:
-            raise ValueError(f"index_method must be one of {METHODS}, got {index_method!r}")
+        check_choice("checkpoint", checkpoint, CHECKPOINTS)
+        check_choice("index_method", index_method, METHODS)
         resolve_impl(impl, torch.device("cpu"))
         check_backend(backend)
         self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
@@ -60,7 +64,11 @@ class MoELayer(nn.Module):
         nn.init.normal_(self.w2, std=1.0 / math.sqrt(self.d_expert))
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
-        if x.shape[-1] != self.d_model:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a float tensor, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"expected last dimension {self.d_model}, got input of shape {tuple(x.shape)}")
         x_LD = x.reshape(-1, self.d_model)
         r = self.router(x_LD)

@@ -33,10 +33,10 @@ def moe_experts_reference(
     E = w1_EFD.shape[0]
     acc_dtype = torch.float64 if x_LD.dtype == torch.float64 else torch.float32
     out_LD = x_LD.new_zeros((L, D), dtype=acc_dtype)
+    # Experts without tokens are not skipped: they add nothing, keep an empty batch in the autograd graph (zero
+    # gradients) and leave no data-dependent branch to break torch.compile's graph.
     for e in range(E):
         tok, slot = (topk_idx_LK == e).nonzero(as_tuple=True)
-        if tok.numel() == 0:
-            continue
         h = x_LD[tok] @ w1_EFD[e].t()
         y = apply_activation(h, activation) @ w2_EDH[e].t()
         out_LD = out_LD.index_add(0, tok, y.to(acc_dtype) * topk_w_LK[tok, slot, None].to(acc_dtype))
