@@ -10,8 +10,9 @@ ALLOWED = {
     "routing": {"reference"},
     "experts": {"reference", "routing"},
     "nn": {"reference", "routing", "experts"},
-    "bench": {"reference", "routing", "experts", "nn"},
-    "cli": {"reference", "routing", "experts", "nn", "bench"},
+    "integrations": {"reference", "routing", "experts", "nn"},
+    "bench": {"reference", "routing", "experts", "nn", "integrations"},
+    "cli": {"reference", "routing", "experts", "nn", "integrations", "bench"},
 }
 
 

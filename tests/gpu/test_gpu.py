@@ -167,12 +167,13 @@ def test_launch_cache_relaunches_what_triton_would():
 
     L, K, D = 300, 4, 200
     slot = torch.randperm(L * K, device="cuda").to(torch.int32).reshape(L, K)
+    kept = torch.tensor([L * K], dtype=torch.int32, device="cuda")
     sizes = []
     for i in range(4):
         big = torch.randn(L * K * D + 1, device="cuda", dtype=torch.bfloat16)
         rows = (big[1:] if i == 3 else big[:-1]).view(L * K, D)  # i == 3: 2 bytes off 16-byte alignment
         w = torch.rand(L, K, device="cuda")
-        out = tl.combine(rows, slot, w, torch.bfloat16)
+        out = tl.combine(rows, slot, w, kept, torch.bfloat16)
         want = (rows.float()[slot.long()] * w[..., None]).sum(1)
         assert _rel(out, want) <= 4e-3, (i, _rel(out, want))
         sizes.append(cached_kernels())

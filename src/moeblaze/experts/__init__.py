@@ -69,12 +69,13 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     backend = resolve(backend, x.device)
     save = checkpoint == "preact"
     if chunk_tokens is not None and x.shape[0] > chunk_tokens:
-        idx = routing.topk_idx()
-        outs = [fused_experts(xc, w1, w2, wc, *build_routing_index(ic, w1.shape[0], check=False).tensors(),
-                              activation, save, backend)
+        idx, E = routing.topk_idx(), w1.shape[0]  # dropped pairs come back as id E: sentinels again
+        outs = [fused_experts(xc, w1, w2, wc, *build_routing_index(ic, E, check=False,
+                                                                   sentinels=routing.dropped).tensors(),
+                              activation, save, backend, routing.dropped)
                 for xc, ic, wc in zip(x.split(chunk_tokens), idx.split(chunk_tokens), topk_weights.split(chunk_tokens))]
         return torch.cat(outs)
-    return fused_experts(x, w1, w2, topk_weights, *routing.tensors(), activation, save, backend)
+    return fused_experts(x, w1, w2, topk_weights, *routing.tensors(), activation, save, backend, routing.dropped)
 
 
 __all__ = ["BACKENDS", "CHECKPOINTS", "IMPLS", "check_backend", "launch_counts", "moe_experts", "resolve_impl"]

@@ -24,6 +24,9 @@ backward: preact (recompute; dH is then written over it), dH, s·A, dX~. moe_exp
 every transient by a token chunk. No host synchronization anywhere: tile counts are bounded by
 R // BLOCK_M + E and unused tiles exit at once. On Gluon, preact goes through the io dtype before A is computed
 from it, as backward computes A from the saved preact, and dA' goes through it before dH and dS are.
+Dropped pairs (a routing index built with sentinels, `dropped`): rows past expert_offsets[E] are never computed;
+the combines and dS read them as zero, and backward zeroes them in s·A and dH (two masked fills over R rows,
+only for such an index) before the weight gradients reduce over row blocks.
 
 Host side: every launch that is not autotuned goes through experts.launch (the compiled kernel relaunched
 without Triton's per-call dispatch); in eager mode autograd calls the ops' bodies directly (_EagerExperts),
@@ -44,8 +47,8 @@ from .stages import RowPlan
 
 def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
                     expert_counts: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
-                    token_slot: torch.Tensor, activation: str, save_preact: bool,
-                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    token_slot: torch.Tensor, activation: str, save_preact: bool, backend: str,
+                    dropped: bool = False) -> tuple[torch.Tensor, ...]:
     """(out (L, D), preact (R, F) if save_preact else an empty tensor, *the tile schedule): the forward body,
     the schedule built once here and handed to backward."""
     plan = RowPlan.build(RoutingIndex(expert_counts, expert_offsets, expert_token_idx, token_slot))
@@ -63,7 +66,7 @@ experts_fwd = torch.library.custom_op("moeblaze::experts_fwd", experts_forward, 
 
 @experts_fwd.register_fake
 def _(x, w1, w2, topk_w, expert_counts, expert_offsets, expert_token_idx, token_slot, activation, save_preact,
-      backend):
+      backend, dropped=False):
     R = expert_token_idx.shape[0]
     tiles = R // BLOCK_M + expert_counts.shape[0]
     ints = dict(dtype=torch.int32, device=x.device)
@@ -75,7 +78,7 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
                      topk_w_LK: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor,
                      tiles_used: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
                      token_slot: torch.Tensor, preact_RF: torch.Tensor, activation: str, has_preact: bool,
-                     backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     backend: str, dropped: bool = False) -> tuple[torch.Tensor, ...]:
     """(dx, dw1, dw2, dtopk_w): the backward body."""
     if dy_LD.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
         ensure_context(dy_LD.get_device())
@@ -93,6 +96,10 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
     act_scaled_RH, dtopk_w = stages.down_bwd(plan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, activation,
                                              backend)
     del preact_RF
+    if dropped:  # dropped pairs' rows hold whatever was there: the weight gradients reduce over whole row blocks
+        tail = (torch.arange(plan.num_rows, device=dy_LD.device) >= plan.kept)[:, None]
+        act_scaled_RH.masked_fill_(tail, 0)
+        dpreact_RF.masked_fill_(tail, 0)
     dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, (E, D, H), True, w2_EDH.dtype, backend)
     del act_scaled_RH
     dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, (E, F, D), False, w1_EFD.dtype, backend)
@@ -107,17 +114,17 @@ experts_bwd = torch.library.custom_op("moeblaze::experts_bwd", experts_backward,
 
 @experts_bwd.register_fake
 def _(dy, x, w1, w2, topk_w, tile_expert, tile_row, tiles_used, expert_offsets, expert_token_idx, token_slot, preact,
-      activation, has_preact, backend):
+      activation, has_preact, backend, dropped=False):
     return x.new_empty(x.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape), topk_w.new_empty(topk_w.shape)
 
 
-N_INPUTS = 11
+N_INPUTS = 12
 
 
 def _setup_context(ctx, inputs, output):
-    x, w1, w2, topk_w, _counts, offsets, eti, slot, activation, save_preact, backend = inputs
+    x, w1, w2, topk_w, _counts, offsets, eti, slot, activation, save_preact, backend, dropped = inputs
     ctx.save_for_backward(x, w1, w2, topk_w, *output[2:], offsets, eti, slot, output[1])
-    ctx.activation, ctx.has_preact, ctx.backend = activation, save_preact, backend
+    ctx.activation, ctx.has_preact, ctx.backend, ctx.dropped = activation, save_preact, backend, dropped
     # preact is saved state, never used downstream: don't let autograd fill an (R, F) zero gradient for it
     ctx.set_materialize_grads(False)
 
@@ -128,7 +135,8 @@ def _backward_with(experts_bwd_fn):
             return (None,) * N_INPUTS
         x, w1, w2, topk_w, tile_expert, tile_row, tiles_used, offsets, eti, slot, preact = ctx.saved_tensors
         dx, dw1, dw2, dw = experts_bwd_fn(dout.contiguous(), x, w1, w2, topk_w, tile_expert, tile_row, tiles_used,
-                                          offsets, eti, slot, preact, ctx.activation, ctx.has_preact, ctx.backend)
+                                          offsets, eti, slot, preact, ctx.activation, ctx.has_preact, ctx.backend,
+                                          ctx.dropped)
         return (dx, dw1, dw2, dw) + (None,) * (N_INPUTS - 4)
     return backward
 
@@ -152,11 +160,12 @@ class _EagerExperts(torch.autograd.Function):
 
 def fused_experts(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
                   expert_counts: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
-                  token_slot: torch.Tensor, activation: str, save_preact: bool, backend: str) -> torch.Tensor:
+                  token_slot: torch.Tensor, activation: str, save_preact: bool, backend: str,
+                  dropped: bool = False) -> torch.Tensor:
     """The experts' combined output (L, D), differentiable in x, w1, w2 and topk_w: the custom op where
     torch.compile traces, the direct path in eager mode. Overridable through __torch_function__."""
     args = (x_LD, w1_EFD, w2_EDH, topk_w_LK, expert_counts, expert_offsets, expert_token_idx, token_slot, activation,
-            save_preact, backend)
+            save_preact, backend, dropped)
     if torch.overrides.has_torch_function(args[:4]):  # a __torch_function__ mode (memory profiler) sees it as one op
         return torch.overrides.handle_torch_function(fused_experts, args[:4], *args)
     return (experts_fwd(*args) if torch.compiler.is_compiling() else _EagerExperts.apply(*args))[0]

@@ -8,6 +8,11 @@
 No (L·K, D) copy of the activations is ever made: kernels gather rows of x through expert_token_idx
 and combine through token_slot. Memory: 4·(2·L·K + 2·E + 1) bytes.
 
+Dropped pairs (build_routing_index(..., sentinels=True)): ids >= E mark pairs that no local expert takes
+(expert parallelism's sentinels, as in transformers). They are placed after every expert's rows, in
+[expert_offsets[E], L·K); no expert kernel reads or writes them, and the combines (output, dx) and the
+router-weight gradient treat them as zero. Without sentinels, expert_offsets[E] == L·K.
+
 Builders (identical results, both deterministic, neither synchronizes with the host):
   "sort":  stable argsort of the flattened expert ids (the conventional way; cost independent of E).
   "dense": MoEBlaze's sort-free, atomic-free build. Triton on GPUs (see routing/triton.py: the hit
@@ -41,6 +46,7 @@ class RoutingIndex:
     expert_offsets: torch.Tensor
     expert_token_idx: torch.Tensor
     token_slot: torch.Tensor
+    dropped: bool = False  # built with sentinels: rows [expert_offsets[E], L·K) may be dropped pairs
 
     @property
     def num_experts(self) -> int:
@@ -146,11 +152,22 @@ def _triton_usable(t: torch.Tensor) -> bool:
 
 
 def build_routing_index(topk_idx_LK: torch.Tensor, num_experts: int, method: str = "auto",
-                        check: bool = True) -> RoutingIndex:
+                        check: bool = True, sentinels: bool = False) -> RoutingIndex:
     """Build the RoutingIndex of a top-k routing. `check` validates ids (range, duplicates) without a
-    host sync on accelerators (see routing/checks.py)."""
+    host sync on accelerators (see routing/checks.py). sentinels=True accepts ids >= num_experts (any number of
+    them per token) as dropped pairs (see the module header): pair (t, k) with such an id goes to a sink expert
+    E + k of an index over E + K experts, whose counts and offsets are then cut back to E."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if sentinels:
+        check_topk_idx(topk_idx_LK, num_experts + topk_idx_LK.shape[-1], check_values=False)
+        K = topk_idx_LK.shape[1]
+        sink = torch.arange(num_experts, num_experts + K, dtype=topk_idx_LK.dtype, device=topk_idx_LK.device)
+        ids = torch.where(topk_idx_LK >= num_experts, sink, topk_idx_LK)
+        check_topk_idx(ids, num_experts + K, check_values=check)  # negative ids, duplicates among real ones
+        r = build_routing_index(ids, num_experts + K, method, check=False)
+        return RoutingIndex(r.expert_counts[:num_experts], r.expert_offsets[: num_experts + 1], r.expert_token_idx,
+                            r.token_slot, dropped=True)
     check_topk_idx(topk_idx_LK, num_experts, check_values=check)
     if method == "auto":
         method = "dense" if num_experts <= DENSE_MAX_EXPERTS else "sort"

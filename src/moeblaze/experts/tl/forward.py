@@ -143,18 +143,21 @@ def _rows_tile(e, rows, rmask, pid_n, a_ptr, b_ptr, a_desc, b_desc, c_ptr, N, K_
 
 
 @triton.jit
-def _combine_kernel(rows_ptr, token_slot_ptr, weights_ptr, out_ptr, L, D, stride_rl, stride_ol,
+def _combine_kernel(rows_ptr, token_slot_ptr, weights_ptr, kept_ptr, out_ptr, L, D, stride_rl, stride_ol,
                     K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[t] = sum_k (w[t, k] *) rows[token_slot[t, k]]: each token gathers its K rows, in fixed order,
-    accumulated in fp32 (no atomics: deterministic)."""
+    accumulated in fp32 (no atomics: deterministic). Slots >= kept (dropped pairs, never written) add 0."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tmask = t < L
     mask = tmask[:, None] & (cols < D)[None, :]
+    kept = tl.load(kept_ptr)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for k in tl.static_range(K):
-        slot = tl.load(token_slot_ptr + t * K + k, mask=tmask, other=0).to(tl.int64)
-        r = tl.load(rows_ptr + slot[:, None] * stride_rl + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        slot = tl.load(token_slot_ptr + t * K + k, mask=tmask, other=0)
+        rmask = mask & (slot < kept)[:, None]
+        slot = slot.to(tl.int64)
+        r = tl.load(rows_ptr + slot[:, None] * stride_rl + cols[None, :], mask=rmask, other=0.0).to(tl.float32)
         if WEIGHTED:
             r = r * tl.load(weights_ptr + t * K + k, mask=tmask, other=0.0)[:, None]
         acc += r

@@ -71,14 +71,15 @@ def rows_gemm(a, b, b_strides_ekn, n, offsets, sched):
     return c
 
 
-def combine(rows_RD, token_slot_LK, weights_LK, out_dtype):
-    """out[t] = sum_k (w[t, k] *) rows[token_slot[t, k]], (L, D) in out_dtype, fp32 sums in fixed order."""
+def combine(rows_RD, token_slot_LK, weights_LK, kept, out_dtype):
+    """out[t] = sum_k (w[t, k] *) rows[token_slot[t, k]], (L, D) in out_dtype, fp32 sums in fixed order; slots
+    >= kept[0] (a one-element int32 tensor: the routing's kept rows) add nothing."""
     L, K = token_slot_LK.shape
     D = rows_RD.shape[1]
     out = torch.empty(L, D, dtype=out_dtype, device=rows_RD.device)
     bt, bd = (16, 32) if INTERPRET else (16, 256)
     launch(_combine_kernel, (triton.cdiv(L, bt), triton.cdiv(D, bd)), rows_RD, token_slot_LK,
-           weights_LK if weights_LK is not None else rows_RD, out, L, D, rows_RD.stride(0), out.stride(0), K=K,
+           weights_LK if weights_LK is not None else rows_RD, kept, out, L, D, rows_RD.stride(0), out.stride(0), K=K,
            WEIGHTED=weights_LK is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
     return out
 
@@ -112,7 +113,7 @@ def down_bwd(dy_LD, w2_EDH, preact, topk_w_LK, token_slot_LK, dpreact, token_R, 
         w2_EDH.stride(2), preact.stride(0), H, GATED=is_gated(activation), ACT=ACT_CODES[activation],
         DS_BLOCK=DS_BLOCK, W2_TMA=w2_desc is not None,
         BLOCK_M=BLOCK_M, PRECISION=_precision(dy_LD.dtype), GROUP_M=GROUP_M)
-    return act_scaled, ds_part.sum(0)[token_slot_LK.long()].to(topk_w_LK.dtype)
+    return act_scaled, ds_part.sum(0)[token_slot_LK.long()].to(topk_w_LK.dtype)  # dropped pairs: masked by the caller
 
 
 def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_scaled, activation):

@@ -1,0 +1,152 @@
+"""moeblaze as a Hugging Face transformers experts backend, named "moeblaze" (transformers >= 5.0).
+
+    import moeblaze.integrations.transformers as mbt      # registers the backend (mbt.register() does it again)
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="moeblaze")   # or from_pretrained(...)
+    model.set_experts_implementation("moeblaze")          # or switch a model that is already built
+    mbt.configure(model, checkpoint="recompute", chunk_tokens=None)   # optional: policy, chunks, impl, backend
+
+Every experts module of a model whose experts class carries transformers' `@use_experts_implementation` then
+calls `experts_forward(module, hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K))`. In the default
+layout (gate_up_proj (E, 2I, H) with the I gate rows first, down_proj (E, H, I), no biases) those parameters are
+moe_experts' w1 and w2 as they are: never copied. Expert ids >= module.num_experts (transformers' expert-parallel
+sentinels) are dropped pairs of the routing index: skipped, whatever their weight.
+
+What moeblaze can't compute (biases, interleaved or transposed weights as in gpt-oss, a custom `_apply_gate`, a
+post-expert norm, an activation without a kernel such as tanh-GELU) runs on transformers' own `grouped_mm`
+implementation, with one warning per experts class and reason: never a different function.
+
+Settings per experts module (configure() sets them on every one; a config attribute of the same name is the
+fallback): moeblaze_checkpoint ("preact", the default, or "recompute"), moeblaze_chunk_tokens (None),
+moeblaze_impl ("auto": the Triton kernels on CUDA, the PyTorch reference elsewhere), moeblaze_backend ("auto")
+and moeblaze_index_method (the routing index builder, "auto").
+
+Memory contract: per call, the routing index (O(T·K) int32) and what moe_experts keeps under the policy.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..args import check_choice, check_int
+from ..experts import BACKENDS, CHECKPOINTS, IMPLS, moe_experts
+from ..routing import METHODS, build_routing_index
+
+MIN_VERSION = "5.0"
+NAME = "moeblaze"
+# transformers' hidden_act -> moeblaze's activation, with a gate (act(gate) * up) and without
+GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
+PLAIN = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "relu2": "relu2"}
+SETTINGS = {"checkpoint": "preact", "chunk_tokens": None, "impl": "auto", "backend": "auto", "index_method": "auto"}
+_warned: set = set()
+
+
+def _interface():
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("moeblaze's transformers backend needs transformers >= 5.0: "
+                          "pip install 'moeblaze[transformers]'") from e
+    try:
+        from transformers.integrations import moe
+        moe.ExpertsInterface, moe.use_experts_implementation  # noqa: B018
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"moeblaze's transformers backend needs transformers >= {MIN_VERSION} (its experts "
+                          f"interface); found transformers {transformers.__version__}") from e
+    return moe
+
+
+def register() -> None:
+    """Register experts_forward as transformers' experts implementation "moeblaze" (idempotent)."""
+    _interface().ExpertsInterface.register(NAME, experts_forward)
+
+
+def configure(model: torch.nn.Module, checkpoint: str | None = None, chunk_tokens: int | None = None,
+              impl: str | None = None, backend: str | None = None, index_method: str | None = None) -> int:
+    """Set moeblaze's settings on every experts module of `model` (a None leaves a setting as it is, except
+    chunk_tokens, where None means no chunks); the number of experts modules set."""
+    if checkpoint is not None:
+        check_choice("checkpoint", checkpoint, CHECKPOINTS)
+    if chunk_tokens is not None:
+        check_int("chunk_tokens", chunk_tokens)
+    if impl is not None:
+        check_choice("impl", impl, IMPLS)
+    if backend is not None:
+        check_choice("backend", backend, BACKENDS)
+    if index_method is not None:
+        check_choice("index_method", index_method, METHODS)
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "has_gate") and hasattr(m, "down_proj"):
+            m.moeblaze_chunk_tokens = chunk_tokens
+            for name, value in (("checkpoint", checkpoint), ("impl", impl), ("backend", backend),
+                                ("index_method", index_method)):
+                if value is not None:
+                    setattr(m, "moeblaze_" + name, value)
+            n += 1
+    return n
+
+
+def _setting(module, name: str):
+    key = "moeblaze_" + name
+    if hasattr(module, key):
+        return getattr(module, key)
+    return getattr(getattr(module, "config", None), key, SETTINGS[name])
+
+
+def activation_of(module) -> tuple[str | None, str | None]:
+    """(moeblaze activation, None) for a module moeblaze computes exactly, else (None, the reason it can't)."""
+    moe = _interface()
+    if getattr(module, "has_bias", False):
+        return None, "biases on its projections"
+    if not getattr(module, "is_concatenated", True):
+        return None, "interleaved gate/up columns"
+    if getattr(module, "is_transposed", False):
+        return None, "transposed weights"
+    if getattr(module, "has_post_expert_norm", False):
+        return None, "a post-expert norm"
+    gated = getattr(module, "has_gate", True)
+    if gated and getattr(type(module), "_apply_gate", moe._default_apply_gate) is not moe._default_apply_gate:
+        return None, "a custom _apply_gate"
+    hidden_act = getattr(getattr(module, "config", None), "hidden_act", None)
+    table = GATED if gated else PLAIN
+    act_fn = getattr(module, "act_fn", None)
+    if hidden_act not in table or act_fn is None:
+        return None, f"activation {hidden_act!r}"
+    from transformers.activations import ACT2FN
+
+    if type(act_fn) is not type(ACT2FN[hidden_act]):  # an act_fn replaced after construction
+        return None, f"an act_fn of type {type(act_fn).__name__} (config says {hidden_act!r})"
+    return table[hidden_act], None
+
+
+def _fallback(module, reason: str, *args):
+    key = (type(module).__name__, reason)
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"moeblaze experts backend: {type(module).__name__} has {reason}, which moeblaze's kernels "
+                      "don't compute; it runs on transformers' grouped_mm instead", stacklevel=3)
+    return _interface().ExpertsInterface._global_mapping["grouped_mm"](module, *args)
+
+
+def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts call on moeblaze: (T, H) in hidden_states' dtype, the weights applied and summed."""
+    activation, reason = activation_of(module)
+    if reason is not None:
+        return _fallback(module, reason, hidden_states, top_k_index, top_k_weights)
+    w1 = module.gate_up_proj if module.has_gate else module.up_proj
+    w2 = module.down_proj
+    x = hidden_states
+    if torch.is_autocast_enabled(x.device.type):  # the experts run in the autocast dtype, like nn.Linear
+        dt = torch.get_autocast_dtype(x.device.type)
+        x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
+    routing = build_routing_index(top_k_index, module.num_experts, _setting(module, "index_method"), check=False,
+                                  sentinels=True)
+    out = moe_experts(x, routing, top_k_weights, w1, w2, activation, _setting(module, "checkpoint"),
+                      _setting(module, "impl"), check=False, chunk_tokens=_setting(module, "chunk_tokens"),
+                      backend=_setting(module, "backend"))
+    return out.to(hidden_states.dtype)
+
+
+register()

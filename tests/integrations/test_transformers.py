@@ -1,0 +1,186 @@
+"""moeblaze as transformers' experts backend, on tiny random-initialised models built from their config classes
+(no download): logits and every parameter's gradient against transformers' eager experts in fp32, on the
+reference path and on the Triton kernels under the interpreter; expert-parallel sentinels; each fallback
+reason warns once and matches eager; torch.compile."""
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+import moeblaze.integrations.transformers as mbt  # noqa: E402
+from moeblaze.experts import launch_counts  # noqa: E402
+from helpers import rel_err  # noqa: E402
+
+TOL = 1e-5  # fp32: only the summation order differs from eager
+COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64)
+
+
+def configs():
+    T = transformers
+    return {
+        "qwen3_moe": T.Qwen3MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=16, num_experts=6,
+                                      num_experts_per_tok=2, head_dim=8),
+        "mixtral": T.MixtralConfig(**COMMON, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2),
+        "olmoe": T.OlmoeConfig(**COMMON, intermediate_size=16, num_experts=6, num_experts_per_tok=2),
+        "deepseek_v3": T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=64,
+                                          moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                                          n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                                          q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                          v_head_dim=8),
+        "qwen3_next": T.Qwen3NextConfig(**COMMON, intermediate_size=64, moe_intermediate_size=16,
+                                        shared_expert_intermediate_size=16, num_experts=6, num_experts_per_tok=2,
+                                        head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2,
+                                        linear_key_head_dim=8, linear_value_head_dim=8,
+                                        layer_types=["linear_attention", "full_attention"]),
+        "gpt_oss": transformers.GptOssConfig(**COMMON, intermediate_size=16, num_local_experts=4,
+                                             num_experts_per_tok=2, head_dim=8,
+                                             layer_types=["sliding_attention", "full_attention"]),
+    }
+
+
+def build(name, **over):
+    torch.manual_seed(0)
+    cfg = configs()[name]
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
+
+
+def step(model, implementation, ids):
+    """(logits, {name: grad}) of one forward and backward on the given experts implementation."""
+    model.set_experts_implementation(implementation)
+    model.zero_grad()
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_matches_eager(model, ids):
+    logits_e, grads_e = step(model, "eager", ids)
+    logits_m, grads_m = step(model, "moeblaze", ids)
+    assert rel_err(logits_m, logits_e) <= TOL
+    assert grads_m.keys() == grads_e.keys()
+    bad = {n: rel_err(grads_m[n], g) for n, g in grads_e.items() if not rel_err(grads_m[n], g) <= TOL}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "qwen3_next"])
+def test_models_match_eager_experts(monkeypatch, name, impl, poison_alloc):
+    model = build(name)
+    n = mbt.configure(model, impl=impl, checkpoint="recompute" if name == "mixtral" else None)
+    assert n == sum(1 for m in model.modules() if hasattr(m, "gate_up_proj")) > 0
+    calls = []
+    real = mbt.moe_experts
+    monkeypatch.setattr(mbt, "moe_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    launch_counts.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback: every experts module ran on moeblaze
+        assert_matches_eager(model, torch.randint(0, 64, (2, 12)))
+    assert calls, "the moeblaze backend was never called"
+    assert (impl == "triton") == bool(launch_counts)
+
+
+def test_weights_are_used_in_place_never_copied(monkeypatch):
+    model = build("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    seen = []
+    real = mbt.moe_experts
+    monkeypatch.setattr(mbt, "moe_experts", lambda x, r, w, w1, w2, *a, **k: seen.append((w1, w2)) or
+                        real(x, r, w, w1, w2, *a, **k))
+    model.set_experts_implementation("moeblaze")
+    model(torch.randint(0, 64, (1, 8)))
+    assert seen[0][0] is experts.gate_up_proj and seen[0][1] is experts.down_proj
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_expert_parallel_sentinels_are_skipped(impl, poison_alloc):
+    """ids >= num_experts with zero weight (transformers' expert parallelism; a token may hold several): the
+    same output and gradients as transformers' grouped_mm, which drops them."""
+    experts = build("qwen3_moe").model.layers[0].mlp.experts
+    mbt.configure(experts, impl=impl)
+    E, T, K = experts.num_experts, 20, 4
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.stack([torch.randperm(E + 3, generator=gen)[:K] for _ in range(T)])
+    idx = torch.where(idx >= E, torch.full_like(idx, E), idx)  # the sentinel is num_experts, repeated
+    assert (idx == E).any() and ((idx == E).sum(1) > 1).any()
+    w = torch.where(idx == E, 0.0, torch.rand(T, K, generator=gen))
+    x = torch.randn(T, 32, generator=gen)
+    results = []
+    for fn in (transformers.integrations.moe.grouped_mm_experts_forward, mbt.experts_forward):
+        experts.zero_grad()
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fn(experts, xi, idx, wi)
+        y.square().sum().backward()
+        results.append([y, xi.grad, wi.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()])
+    for a, b in zip(*results):
+        assert torch.isfinite(b).all() and rel_err(b, a) <= TOL
+    assert torch.equal(results[1][2][idx == E], torch.zeros(int((idx == E).sum())))
+
+
+def _custom_gate(self, gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate).clamp(max=0.5) * up
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("gpt_oss", "biases on its projections"),
+    ("tanh_gelu", "activation 'gelu_pytorch_tanh'"),
+    ("custom_gate", "a custom _apply_gate"),
+])
+def test_what_moeblaze_cannot_compute_falls_back_with_one_warning(monkeypatch, case, reason):
+    if case == "gpt_oss":
+        model = build("gpt_oss")
+    elif case == "tanh_gelu":
+        model = build("qwen3_moe", hidden_act="gelu_pytorch_tanh")
+    else:
+        model = build("qwen3_moe")
+        monkeypatch.setattr(type(model.model.layers[0].mlp.experts), "_apply_gate", _custom_gate)
+    monkeypatch.setattr(mbt, "_warned", set())
+    monkeypatch.setattr(mbt, "moe_experts", lambda *a, **k: pytest.fail("moeblaze computed what it can't"))
+    ids = torch.randint(0, 64, (2, 12))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_matches_eager(model, ids)
+        step(model, "moeblaze", ids)
+    ours = [str(w.message) for w in caught if "moeblaze experts backend" in str(w.message)]
+    assert len(ours) == 1 and reason in ours[0], ours
+
+
+def test_settings_are_checked_and_reach_the_call(monkeypatch):
+    model = build("olmoe")
+    with pytest.raises(ValueError, match="checkpoint"):
+        mbt.configure(model, checkpoint="all")
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        mbt.configure(model, chunk_tokens=0)
+    mbt.configure(model, checkpoint="recompute", chunk_tokens=5, backend="tl")
+    seen = []
+    monkeypatch.setattr(mbt, "moe_experts", lambda *a, **k: seen.append((a[6], k["chunk_tokens"], k["backend"])) or
+                        torch.zeros_like(a[0]))
+    model.set_experts_implementation("moeblaze")
+    model(torch.randint(0, 64, (1, 8)))
+    assert seen and set(seen) == {("recompute", 5, "tl")}
+
+
+def test_registration_paths():
+    cfg = configs()["olmoe"]
+    assert transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="moeblaze").config. \
+        _experts_implementation == "moeblaze"
+    mbt.register()  # idempotent
+    assert "moeblaze" in transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS
+
+
+def test_compiled_model_matches_eager():
+    torch._dynamo.reset()
+    model = build("qwen3_moe")
+    model.set_experts_implementation("moeblaze")
+    for impl in ("reference", "triton"):
+        # the sort builder: dynamo can't trace Triton's interpreter, which the dense builder runs on here
+        mbt.configure(model, impl=impl, index_method="sort")
+        ids = torch.randint(0, 64, (2, 12))
+        eager = model(ids).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits  # no graph break
+        assert rel_err(compiled, eager) <= TOL
