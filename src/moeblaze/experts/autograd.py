@@ -47,8 +47,8 @@ from .stages import RowPlan
 
 def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
                     expert_counts: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
-                    token_slot: torch.Tensor, activation: str, save_preact: bool, backend: str,
-                    dropped: bool = False) -> tuple[torch.Tensor, ...]:
+                    token_slot: torch.Tensor, activation: str, save_preact: bool, backend: str, dropped: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out (L, D), preact (R, F) if save_preact else an empty tensor, *the tile schedule): the forward body,
     the schedule built once here and handed to backward."""
     plan = RowPlan.build(RoutingIndex(expert_counts, expert_offsets, expert_token_idx, token_slot))
@@ -78,7 +78,8 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
                      topk_w_LK: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor,
                      tiles_used: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
                      token_slot: torch.Tensor, preact_RF: torch.Tensor, activation: str, has_preact: bool,
-                     backend: str, dropped: bool = False) -> tuple[torch.Tensor, ...]:
+                     backend: str, dropped: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw2, dtopk_w): the backward body."""
     if dy_LD.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
         ensure_context(dy_LD.get_device())
