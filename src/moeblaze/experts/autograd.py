@@ -25,8 +25,8 @@ every transient by a token chunk. No host synchronization anywhere: tile counts 
 R // BLOCK_M + E and unused tiles exit at once. On Gluon, preact goes through the io dtype before A is computed
 from it, as backward computes A from the saved preact, and dA' goes through it before dH and dS are.
 Dropped pairs (a routing index built with sentinels, `dropped`): rows past expert_offsets[E] are never computed;
-the combines and dS read them as zero, and backward zeroes them in s·A and dH (two masked fills over R rows,
-only for such an index) before the weight gradients reduce over row blocks.
+the combines read them as zero, and backward (only for such an index) zeroes their dS and their rows of s·A and dH
+before the weight gradients reduce over row blocks.
 
 Host side: every launch that is not autotuned goes through experts.launch (the compiled kernel relaunched
 without Triton's per-call dispatch); in eager mode autograd calls the ops' bodies directly (_EagerExperts),
@@ -97,7 +97,9 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
     act_scaled_RH, dtopk_w = stages.down_bwd(plan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, activation,
                                              backend)
     del preact_RF
-    if dropped:  # dropped pairs' rows hold whatever was there: the weight gradients reduce over whole row blocks
+    if dropped:  # dropped pairs' rows were never computed and hold whatever was there: their dS is 0, and the
+        # weight gradients reduce over whole row blocks, so their s·A and dH rows are zeroed
+        dtopk_w = dtopk_w.masked_fill(plan.token_slot_LK >= plan.kept, 0)
         tail = (torch.arange(plan.num_rows, device=dy_LD.device) >= plan.kept)[:, None]
         act_scaled_RH.masked_fill_(tail, 0)
         dpreact_RF.masked_fill_(tail, 0)

@@ -62,10 +62,6 @@ class RowPlan:
         """(1,) int32: rows [0, kept) belong to experts; the rest are dropped pairs (routing.index's sentinels)."""
         return self.offsets_E1[-1:]
 
-    def drop_mask(self, grad_LK: torch.Tensor) -> torch.Tensor:
-        """A per-pair result with the dropped pairs' entries zeroed (their rows were never computed)."""
-        return grad_LK.masked_fill(self.token_slot_LK >= self.kept, 0)
-
     @property
     def num_rows(self) -> int:
         return self.token_R.shape[0]
@@ -113,17 +109,16 @@ def down_bwd(plan: RowPlan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, act
         # with s·A (a fused epilogue leaves the tensor cores idle at ~60% of the rate)
         act_scaled = gluon_sm90.gathered_rows_gemm(dy_LD, w2_EDH, plan.token_R, plan.offsets_E1, plan.sched)
         return act_scaled, act_bwd(plan, act_scaled, preact_RF, topk_w_LK, dpreact_RF, act_scaled, activation)
-    act_scaled, ds = tl.down_bwd(dy_LD, w2_EDH, preact_RF, topk_w_LK, plan.token_slot_LK, dpreact_RF, plan.token_R,
-                                 plan.offsets_E1, plan.sched, activation)
-    return act_scaled, plan.drop_mask(ds)
+    return tl.down_bwd(dy_LD, w2_EDH, preact_RF, topk_w_LK, plan.token_slot_LK, dpreact_RF, plan.token_R,
+                       plan.offsets_E1, plan.sched, activation)
 
 
 def act_bwd(plan: RowPlan, dact_RH, preact_RF, topk_w_LK, dpreact_RF, act_scaled_RH, activation: str,
             backend: str = "auto") -> torch.Tensor:
     """From dA' and preact: dH into dpreact, s·A into act_scaled (either may alias its input); returns dS (L, K).
     One kernel on every backend."""
-    return plan.drop_mask(tl.act_bwd(dact_RH, preact_RF, plan.token_R, plan.token_slot_LK, topk_w_LK, dpreact_RF,
-                                     act_scaled_RH, activation))
+    return tl.act_bwd(dact_RH, preact_RF, plan.token_R, plan.token_slot_LK, topk_w_LK, dpreact_RF, act_scaled_RH,
+                      activation)
 
 
 def weight_grad(plan: RowPlan, p, q, out_shape: tuple, gather_p: bool, out_dtype: torch.dtype,

@@ -39,9 +39,14 @@ GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
 PLAIN = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "relu2": "relu2"}
 SETTINGS = {"checkpoint": "preact", "chunk_tokens": None, "impl": "auto", "backend": "auto", "index_method": "auto"}
 _warned: set = set()
+_moe = None  # transformers.integrations.moe, once found
+_act_types: dict = {}  # hidden_act -> the class transformers builds for it
 
 
 def _interface():
+    global _moe
+    if _moe is not None:
+        return _moe
     try:
         import transformers
     except ImportError as e:
@@ -53,6 +58,7 @@ def _interface():
     except (ImportError, AttributeError) as e:
         raise ImportError(f"moeblaze's transformers backend needs transformers >= {MIN_VERSION} (its experts "
                           f"interface); found transformers {transformers.__version__}") from e
+    _moe = moe
     return moe
 
 
@@ -113,9 +119,11 @@ def activation_of(module) -> tuple[str | None, str | None]:
     act_fn = getattr(module, "act_fn", None)
     if hidden_act not in table or act_fn is None:
         return None, f"activation {hidden_act!r}"
-    from transformers.activations import ACT2FN
+    if hidden_act not in _act_types:
+        from transformers.activations import ACT2FN
 
-    if type(act_fn) is not type(ACT2FN[hidden_act]):  # an act_fn replaced after construction
+        _act_types[hidden_act] = type(ACT2FN[hidden_act])
+    if type(act_fn) is not _act_types[hidden_act]:  # an act_fn replaced after construction
         return None, f"an act_fn of type {type(act_fn).__name__} (config says {hidden_act!r})"
     return table[hidden_act], None
 
