@@ -92,8 +92,6 @@ def pieces(p, name):
     r = build_routing_index(idx, p.E, check=False)
     plan = RowPlan.build(r)
     preact, act = stages.up(plan, x, w1, "swiglu")
-    E, F, D = w1.shape
-    H = w2.shape[2]
     y = stages.down(plan, act, w2)
     dpre = torch.empty_like(preact)
     sa, _ = stages.down_bwd(plan, dy, w2, preact, w, dpre, "swiglu")
@@ -105,11 +103,11 @@ def pieces(p, name):
         "down": lambda: stages.down(plan, act, w2),
         "combine": lambda: stages.combine(plan, y, w, x.dtype),
         "down_bwd (dA' + SwiGLU backward)": lambda: stages.down_bwd(plan, dy, w2, preact, w, dpre, "swiglu"),
-        "dW2": lambda: stages.weight_grad(plan, dy, sa, (E, D, H), True, w2.dtype),
-        "dW1": lambda: stages.weight_grad(plan, dpre, x, (E, F, D), False, w1.dtype),
+        "dW2": lambda: stages.weight_grad(plan, dy, sa, torch.empty_like(w2), True),
+        "dW1": lambda: stages.weight_grad(plan, dpre, x, torch.empty_like(w1), False),
         "dX~": lambda: stages.dx_rows(plan, dpre, w1),
-        "forward body": lambda: experts_forward(x, w1, w2, w, *r.tensors(), "swiglu", True, "auto"),
-        "backward body": lambda: experts_backward(dy, x, w1, w2, w, *plan.sched, r.expert_offsets,
+        "forward body": lambda: experts_forward(x, w1, w2, w, None, None, *r.tensors(), "swiglu", True, "auto"),
+        "backward body": lambda: experts_backward(dy, x, w1, w2, w, None, None, *plan.sched, r.expert_offsets,
                                                   r.expert_token_idx, r.token_slot, preact, "swiglu", True, "auto"),
         "step forward": lambda: run_step(call, p, 0, False),
         "step forward+backward": lambda: run_step(call, p, 0, True),

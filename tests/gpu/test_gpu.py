@@ -192,7 +192,7 @@ def test_backward_on_a_fresh_thread(backend):
     p = make_problem(1024, 256, 256, 8, 2, dtype=torch.bfloat16, device="cuda")
     x, idx, w, dy = p.sets[0]
     r = build_routing_index(idx, p.E)
-    args = (x.detach(), p.w1.detach(), p.w2.detach(), w.detach())
+    args = (x.detach(), p.w1.detach(), p.w2.detach(), w.detach(), None, None)  # no biases
     _, preact, *sched = experts_forward(*args, *r.tensors(), "swiglu", True, backend)
     bwd_args = (dy, *args, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot, preact, "swiglu", True,
                 backend)

@@ -45,7 +45,15 @@ def build(name, **over):
     cfg = configs()[name]
     for k, v in over.items():
         setattr(cfg, k, v)
-    return transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")
+    if name == "gpt_oss":  # pre-activations past the clamp limits (±7), and biases that are not zero
+        with torch.no_grad():
+            for m in model.modules():
+                if hasattr(m, "gate_up_proj_bias"):
+                    m.gate_up_proj.mul_(150)
+                    m.gate_up_proj_bias.normal_(0, 2)
+                    m.down_proj_bias.normal_(0, 0.5)
+    return model
 
 
 def step(model, implementation, ids):
@@ -67,10 +75,10 @@ def assert_matches_eager(model, ids):
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "qwen3_next", "gpt_oss"])
 def test_models_match_eager_experts(monkeypatch, name, impl, poison_alloc):
     model = build(name)
-    n = mbt.configure(model, impl=impl, checkpoint="recompute" if name == "mixtral" else None)
+    n = mbt.configure(model, impl=impl, checkpoint="recompute" if name in ("mixtral", "gpt_oss") else None)
     assert n == sum(1 for m in model.modules() if hasattr(m, "gate_up_proj")) > 0
     calls = []
     real = mbt.moe_experts
@@ -95,13 +103,33 @@ def test_weights_are_used_in_place_never_copied(monkeypatch):
     assert seen[0][0] is experts.gate_up_proj and seen[0][1] is experts.down_proj
 
 
+def test_gpt_oss_weights_are_read_through_views_and_reach_the_clamps(monkeypatch):
+    """gpt-oss's transposed parameters and biases reach moe_experts as views (no copy), and its pre-activations
+    in these tests pass the clamp limits, so the clamped branches are compared with eager."""
+    model = build("gpt_oss")
+    experts = model.model.layers[0].mlp.experts
+    seen = []
+    real = mbt.moe_experts
+    monkeypatch.setattr(mbt, "moe_experts", lambda x, r, w, w1, w2, *a, **k: seen.append((x, w1, w2, k)) or
+                        real(x, r, w, w1, w2, *a, **k))
+    model.set_experts_implementation("moeblaze")
+    model(torch.randint(0, 64, (2, 12)))
+    x, w1, w2, k = seen[0]
+    assert w1.untyped_storage().data_ptr() == experts.gate_up_proj.untyped_storage().data_ptr()
+    assert w2.untyped_storage().data_ptr() == experts.down_proj.untyped_storage().data_ptr()
+    assert k["b1"] is experts.gate_up_proj_bias and k["b2"] is experts.down_proj_bias and k["interleaved"]
+    h = x @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
+    assert (h[:, ::2] > 7).any() and (h[:, 1::2].abs() > 7).any()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_expert_parallel_sentinels_are_skipped(impl, poison_alloc):
+def test_expert_parallel_sentinels_are_skipped(impl, name, poison_alloc):
     """ids >= num_experts with zero weight (transformers' expert parallelism; a token may hold several): the
-    same output and gradients as transformers' grouped_mm, which drops them."""
-    experts = build("qwen3_moe").model.layers[0].mlp.experts
+    same output and gradients as transformers' grouped_mm, which drops them (biases included)."""
+    experts = build(name).model.layers[0].mlp.experts
     mbt.configure(experts, impl=impl)
-    E, T, K = experts.num_experts, 20, 4
+    E, T, K = experts.num_experts, 20, min(4, experts.num_experts)
     gen = torch.Generator().manual_seed(3)
     idx = torch.stack([torch.randperm(E + 3, generator=gen)[:K] for _ in range(T)])
     idx = torch.where(idx >= E, torch.full_like(idx, E), idx)  # the sentinel is num_experts, repeated
@@ -114,7 +142,7 @@ def test_expert_parallel_sentinels_are_skipped(impl, poison_alloc):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fn(experts, xi, idx, wi)
         y.square().sum().backward()
-        results.append([y, xi.grad, wi.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()])
+        results.append([y, xi.grad, wi.grad] + [p.grad.clone() for p in experts.parameters()])
     for a, b in zip(*results):
         assert torch.isfinite(b).all() and rel_err(b, a) <= TOL
     assert torch.equal(results[1][2][idx == E], torch.zeros(int((idx == E).sum())))
@@ -126,13 +154,20 @@ def _custom_gate(self, gate_up):
 
 
 @pytest.mark.parametrize("case,reason", [
-    ("gpt_oss", "biases on its projections"),
+    ("gpt_oss_limit", "a clamped SwiGLU with limit=5.0"),
+    ("interleaved_default_gate", "interleaved gate/up columns with the default gate"),
     ("tanh_gelu", "activation 'gelu_pytorch_tanh'"),
     ("custom_gate", "a custom _apply_gate"),
 ])
 def test_what_moeblaze_cannot_compute_falls_back_with_one_warning(monkeypatch, case, reason):
-    if case == "gpt_oss":
+    if case == "gpt_oss_limit":
         model = build("gpt_oss")
+        for layer in model.model.layers:
+            layer.mlp.experts.limit = 5.0
+    elif case == "interleaved_default_gate":
+        model = build("qwen3_moe")
+        for layer in model.model.layers:
+            layer.mlp.experts.is_concatenated = False
     elif case == "tanh_gelu":
         model = build("qwen3_moe", hidden_act="gelu_pytorch_tanh")
     else:

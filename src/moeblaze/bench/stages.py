@@ -45,10 +45,10 @@ def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device
                                                  backend=backend)
 
     def dw2():
-        stages.weight_grad(plan, dy, state["act_scaled"], tuple(w2.shape), True, w2.dtype, backend=backend)
+        stages.weight_grad(plan, dy, state["act_scaled"], torch.empty_like(w2), True, backend=backend)
 
     def dw1():
-        stages.weight_grad(plan, state["dpreact"], x, tuple(w1.shape), False, w1.dtype, backend=backend)
+        stages.weight_grad(plan, state["dpreact"], x, torch.empty_like(w1), False, backend=backend)
 
     def dx_rows():
         state["dx_rows"] = stages.dx_rows(plan, state["dpreact"], w1, backend=backend)

@@ -18,7 +18,9 @@ import torch
 
 from ..bench.harness import (CONFIGS, IMPLS, available_impls, make_problem, prepare, reference_grads, time_dispatch,
                              time_interleaved)
+from ..bench.hf import BACKENDS as HF_BACKENDS
 from ..experts import launch_counts
+from . import UsageError
 from .report import slug
 
 
@@ -53,6 +55,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dispatch-L", default="32768,524288,2097152")
     p.add_argument("--dispatch-E", default="8,16,64,256")
     p.add_argument("--dispatch-K", default="1,2,8")
+    p.add_argument("--hf", default=None, metavar="MODELS",
+                   help="end to end: train transformers models (comma list of qwen3-30b-a3b, olmoe-1b-7b, "
+                        "mixtral-8x7b, gpt-oss-20b; published configs, random weights, fewer layers) with AdamW in "
+                        "bf16 on each experts backend (--hf-backends); see moeblaze.bench.hf")
+    p.add_argument("--hf-backends", default=",".join(HF_BACKENDS), help="experts backends for --hf")
+    p.add_argument("--hf-layers", type=int, default=None, help="layers per model for --hf (default: bench.hf.LAYERS)")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length for --hf")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step for --hf")
+    p.add_argument("--hf-steps", type=int, default=10, help="timed steps for --hf (after --warmup)")
+    p.add_argument("--max-batch", type=int, default=0, metavar="LIMIT",
+                   help="for --hf: also find each backend's largest batch up to LIMIT sequences (0: skip)")
     p.add_argument("--out", default="benchmarks/results", help="results folder")
     p.add_argument("--plot", action="store_true", help="write PNG charts next to the results")
     p.add_argument("--readme", default=None, metavar="README.md",
@@ -160,6 +173,21 @@ def _run_config(rec, pairs, p, ref, args, mode="layer"):
     return rows
 
 
+def _run_hf(rec, args, device) -> None:
+    """--hf: every model on every backend (bench.hf), rows recorded with mode "hf", then the Markdown table."""
+    from ..bench import hf
+
+    if device.type != "cuda":
+        raise UsageError("--hf trains models at their real widths: it needs a CUDA GPU")
+    rows = []
+    for name in args.hf.split(","):
+        print(f"model {name}: {args.hf_layers or hf.LAYERS[name]} layers, batch {args.batch} x {args.seq}", flush=True)
+        rows += [rec.add(dict(mode="hf", **r)) for r in hf.run_model(
+            name, args.hf_backends.split(","), args.hf_layers, args.batch, args.seq, args.warmup, args.hf_steps,
+            args.max_batch > 0, args.max_batch, device, report=lambda line: print(line, flush=True))]
+    print(hf.markdown(rows))
+
+
 def _impl_policies(args, scale=False):
     names = available_impls(args.impls.split(",") if args.impls else None)
     out = []
@@ -190,6 +218,9 @@ def run(args):
     rec = Recorder(args.out, _env(device))
     print(f"moeblaze bench: run {rec.env['run_id']} on {rec.env['gpu']}, torch {rec.env['torch']}, "
           f"triton {rec.env['triton']}; rows -> {rec.path}", flush=True)
+    if args.hf:
+        _run_hf(rec, args, device)
+        return
     pairs = _impl_policies(args)
     if args.dispatch:
         for L in map(int, args.dispatch_L.split(",")):

@@ -31,11 +31,15 @@ def resolve_impl(impl: str, device: torch.device) -> str:
 
 def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, activation: str = "swiglu", checkpoint: str = "preact", impl: str = "auto",
-                check: bool = True, chunk_tokens: int | None = None, backend: str = "auto") -> torch.Tensor:
+                check: bool = True, chunk_tokens: int | None = None, backend: str = "auto",
+                b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                interleaved: bool = False) -> torch.Tensor:
     """Combined expert outputs (L, D) for tokens x (L, D) routed by `routing` with weights (L, K).
 
-    w1: (E, F, D), F = 2H with the gate rows first for gated activations (SwiGLU, GeGLU), F = H for
-    plain ones; w2: (E, D, H). Differentiable in x, w1, w2 and topk_weights. checkpoint: "preact"
+    w1: (E, F, D), F = 2H with the gate rows first (or, where `interleaved`, gate and up rows alternating, gate
+    first) for gated activations, F = H for plain ones; w2: (E, D, H); any strides (a transposed view is read in
+    place). b1 (E, F), b2 (E, D): optional biases of the two projections, in w1's and w2's row order.
+    Differentiable in x, w1, w2, topk_weights and the biases. checkpoint: "preact"
     keeps the pre-activation for backward, "recompute" keeps nothing beyond the routing index (Triton
     only; the reference keeps everything autograd needs). impl: "triton", "reference" or "auto"
     (Triton on CUDA, the reference elsewhere). backend (Triton only): "auto" (the Gluon kernels on Hopper,
@@ -48,7 +52,7 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     if checkpoint not in CHECKPOINTS:
         raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
     check_backend(backend)
-    check_expert_inputs(x, w1, w2, activation)
+    check_expert_inputs(x, w1, w2, activation, b1, b2, interleaved)
     if routing.num_tokens != x.shape[0] or routing.num_experts != w1.shape[0]:
         raise ValueError(f"routing index is for L={routing.num_tokens}, E={routing.num_experts}; "
                          f"x has L={x.shape[0]} and w1 has E={w1.shape[0]}")
@@ -59,7 +63,7 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
         raise ValueError(f"chunk_tokens must be a positive number of tokens, got {chunk_tokens}")
     impl = resolve_impl(impl, x.device)
     if impl == "reference":
-        return moe_experts_reference(x, routing.topk_idx(), topk_weights, w1, w2, activation)
+        return moe_experts_reference(x, routing.topk_idx(), topk_weights, w1, w2, activation, b1, b2, interleaved)
     if x.device.type != "cuda" and not INTERPRET:
         raise RuntimeError(f"impl='triton' needs a CUDA GPU (x is on {x.device}), or Triton's CPU interpreter: set "
                            "TRITON_INTERPRET=1 before importing moeblaze (or triton); impl='auto' runs the PyTorch "
@@ -70,12 +74,13 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     save = checkpoint == "preact"
     if chunk_tokens is not None and x.shape[0] > chunk_tokens:
         idx, E = routing.topk_idx(), w1.shape[0]  # dropped pairs come back as id E: sentinels again
-        outs = [fused_experts(xc, w1, w2, wc, *build_routing_index(ic, E, check=False,
-                                                                   sentinels=routing.dropped).tensors(),
-                              activation, save, backend, routing.dropped)
+        outs = [fused_experts(xc, w1, w2, wc, b1, b2, *build_routing_index(ic, E, check=False,
+                                                                           sentinels=routing.dropped).tensors(),
+                              activation, save, backend, routing.dropped, interleaved)
                 for xc, ic, wc in zip(x.split(chunk_tokens), idx.split(chunk_tokens), topk_weights.split(chunk_tokens))]
         return torch.cat(outs)
-    return fused_experts(x, w1, w2, topk_weights, *routing.tensors(), activation, save, backend, routing.dropped)
+    return fused_experts(x, w1, w2, topk_weights, b1, b2, *routing.tensors(), activation, save, backend,
+                         routing.dropped, interleaved)
 
 
 __all__ = ["BACKENDS", "CHECKPOINTS", "IMPLS", "check_backend", "launch_counts", "moe_experts", "resolve_impl"]

@@ -2,9 +2,9 @@
 traces) and an autograd.Function over the same bodies (eager mode), built from experts.stages.
 
 Forward (3 launches + the tile schedule, one launch, reused by backward):
-  up       A = act(x[expert_token_idx] @ W1[e]ᵀ)    gather in the load, activation in the epilogue
+  up       A = act(x[expert_token_idx] @ W1[e]ᵀ + b1[e])  gather in the load, bias and activation in the epilogue
   down     Y = A @ W2[e]ᵀ                           (R, D), transient
-  combine  out[t] = sum_k w[t,k] Y[token_slot[t,k]]  fp32, no atomics
+  combine  out[t] = sum_k w[t,k] (Y[token_slot[t,k]] + b2[e])  fp32, no atomics
 Backward (5 launches, +1 with checkpoint="recompute", +1 on Gluon where down_bwd is two):
   [up      preact = x[expert_token_idx] @ W1[e]ᵀ     only under "recompute"]
   down_bwd dA' = dy[expert_token_idx] @ W2[e]; epilogue: A from preact, dS = <dA', A>, dH, s·A
@@ -12,6 +12,9 @@ Backward (5 launches, +1 with checkpoint="recompute", +1 on Gluon where down_bwd
   dW1      dHᵀ @ x[expert_token_idx]                 per expert
   dX~      dH @ W1[e]                                (R, D), transient
   dx       dx[t] = sum_k dX~[token_slot[t,k]]         fp32, no atomics
+  [biases  dB1, dB2 per expert; dS += <dy, b2[e]>     only with biases (stages.bias_grads)]
+Layouts: W1 and W2 by strides (transposed views, as gpt-oss stores them, are read in place, and their gradients
+are written in the same layout); gate/up rows of W1 in halves or interleaved, preact's columns in W1's order.
 
 Memory contract (bytes kept from forward to backward, beyond x, the weights and topk_weights, which exist
 anyway; b = bytes per element of x's dtype):
@@ -46,8 +49,9 @@ from .stages import RowPlan
 
 
 def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
-                    expert_counts: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
-                    token_slot: torch.Tensor, activation: str, save_preact: bool, backend: str, dropped: bool = False
+                    b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None, expert_counts: torch.Tensor,
+                    expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
+                    activation: str, save_preact: bool, backend: str, dropped: bool = False, interleaved: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out (L, D), preact (R, F) if save_preact else an empty tensor, *the tile schedule): the forward body,
     the schedule built once here and handed to backward."""
@@ -55,18 +59,19 @@ def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tens
     if x_LD.shape[0] == 0:  # an empty batch (a rank without tokens): no launch can address 0 rows
         return (x_LD.new_zeros(x_LD.shape), x_LD.new_zeros(0, w1_EFD.shape[1]) if save_preact else x_LD.new_empty(0),
                 *plan.sched)
-    preact, act = stages.up(plan, x_LD, w1_EFD, activation, save_preact, True, backend)
+    preact, act = stages.up(plan, x_LD, w1_EFD, activation, save_preact, True, backend, b1_EF, interleaved)
     y_RD = stages.down(plan, act, w2_EDH, backend)
     del act
-    return (stages.combine(plan, y_RD, topk_w_LK.float().contiguous(), x_LD.dtype), preact, *plan.sched)
+    out = stages.combine(plan, y_RD, topk_w_LK.float().contiguous(), x_LD.dtype, bias_ED=b2_ED)
+    return (out, preact, *plan.sched)
 
 
 experts_fwd = torch.library.custom_op("moeblaze::experts_fwd", experts_forward, mutates_args=())
 
 
 @experts_fwd.register_fake
-def _(x, w1, w2, topk_w, expert_counts, expert_offsets, expert_token_idx, token_slot, activation, save_preact,
-      backend, dropped=False):
+def _(x, w1, w2, topk_w, b1, b2, expert_counts, expert_offsets, expert_token_idx, token_slot, activation, save_preact,
+      backend, dropped=False, interleaved=False):
     R = expert_token_idx.shape[0]
     tiles = R // BLOCK_M + expert_counts.shape[0]
     ints = dict(dtype=torch.int32, device=x.device)
@@ -74,28 +79,34 @@ def _(x, w1, w2, topk_w, expert_counts, expert_offsets, expert_token_idx, token_
             torch.empty(tiles, **ints), torch.empty(tiles, **ints), torch.empty(1, **ints))
 
 
+def _grad_or_empty(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A bias gradient, or an empty tensor for a bias that is absent (a custom op returns tensors only)."""
+    return g if g is not None else like.new_empty(0)
+
+
 def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor,
-                     topk_w_LK: torch.Tensor, tile_expert: torch.Tensor, tile_row: torch.Tensor,
-                     tiles_used: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
-                     token_slot: torch.Tensor, preact_RF: torch.Tensor, activation: str, has_preact: bool,
-                     backend: str, dropped: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dw1, dw2, dtopk_w): the backward body."""
+                     topk_w_LK: torch.Tensor, b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None,
+                     tile_expert: torch.Tensor, tile_row: torch.Tensor, tiles_used: torch.Tensor,
+                     expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
+                     preact_RF: torch.Tensor, activation: str, has_preact: bool, backend: str, dropped: bool = False,
+                     interleaved: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw1, dw2, dtopk_w, db1, db2), db1 and db2 empty where their bias is absent: the backward body. The
+    weights' gradients come in the weights' own layouts (strides)."""
     if dy_LD.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
         ensure_context(dy_LD.get_device())
     if x_LD.shape[0] == 0:  # an empty batch: nothing flows back but zeros
         return (torch.zeros_like(x_LD), torch.zeros_like(w1_EFD), torch.zeros_like(w2_EDH),
-                torch.zeros_like(topk_w_LK))
-    E, F, D = w1_EFD.shape
-    H = w2_EDH.shape[2]
+                torch.zeros_like(topk_w_LK), *(x_LD.new_empty(0) if b is None else torch.zeros_like(b)
+                                               for b in (b1_EF, b2_ED)))
     plan = RowPlan(expert_token_idx, expert_offsets, token_slot, tile_expert, tile_row, tiles_used)
     if not has_preact:
-        preact_RF, _ = stages.up(plan, x_LD, w1_EFD, activation, True, False, backend)
+        preact_RF, _ = stages.up(plan, x_LD, w1_EFD, activation, True, False, backend, b1_EF, interleaved)
     # Under "recompute" preact is a fresh buffer that nothing else reads: each dH tile overwrites the preact tile
     # it was computed from (read before written, by the same program), saving an (R, F) buffer.
     dpreact_RF = preact_RF if not has_preact else torch.empty_like(preact_RF)
     act_scaled_RH, dtopk_w = stages.down_bwd(plan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, activation,
-                                             backend)
+                                             backend, interleaved)
     del preact_RF
     if dropped:  # dropped pairs' rows were never computed and hold whatever was there: their dS is 0, and the
         # weight gradients reduce over whole row blocks, so their s·A and dH rows are zeroed
@@ -103,31 +114,37 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
         tail = (torch.arange(plan.num_rows, device=dy_LD.device) >= plan.kept)[:, None]
         act_scaled_RH.masked_fill_(tail, 0)
         dpreact_RF.masked_fill_(tail, 0)
-    dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, (E, D, H), True, w2_EDH.dtype, backend)
+    dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, torch.empty_like(w2_EDH), True, backend)
     del act_scaled_RH
-    dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, (E, F, D), False, w1_EFD.dtype, backend)
+    dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, torch.empty_like(w1_EFD), False, backend)
+    db1, db2, ds_b = stages.bias_grads(plan, dy_LD, dpreact_RF, topk_w_LK, b1_EF, b2_ED, backend)
+    if ds_b is not None:
+        dtopk_w = (dtopk_w.float() + ds_b).to(topk_w_LK.dtype)
     dx_RD = stages.dx_rows(plan, dpreact_RF, w1_EFD, backend)
     del dpreact_RF
     dx = stages.combine(plan, dx_RD, None, x_LD.dtype)
-    return dx, dw1, dw2, dtopk_w
+    return dx, dw1, dw2, dtopk_w, _grad_or_empty(db1, x_LD), _grad_or_empty(db2, x_LD)
 
 
 experts_bwd = torch.library.custom_op("moeblaze::experts_bwd", experts_backward, mutates_args=())
 
 
 @experts_bwd.register_fake
-def _(dy, x, w1, w2, topk_w, tile_expert, tile_row, tiles_used, expert_offsets, expert_token_idx, token_slot, preact,
-      activation, has_preact, backend, dropped=False):
-    return x.new_empty(x.shape), w1.new_empty(w1.shape), w2.new_empty(w2.shape), topk_w.new_empty(topk_w.shape)
+def _(dy, x, w1, w2, topk_w, b1, b2, tile_expert, tile_row, tiles_used, expert_offsets, expert_token_idx, token_slot,
+      preact, activation, has_preact, backend, dropped=False, interleaved=False):
+    return (x.new_empty(x.shape), torch.empty_like(w1), torch.empty_like(w2), topk_w.new_empty(topk_w.shape),
+            *(x.new_empty(0) if b is None else b.new_empty(b.shape) for b in (b1, b2)))
 
 
-N_INPUTS = 12
+N_INPUTS = 15
 
 
 def _setup_context(ctx, inputs, output):
-    x, w1, w2, topk_w, _counts, offsets, eti, slot, activation, save_preact, backend, dropped = inputs
-    ctx.save_for_backward(x, w1, w2, topk_w, *output[2:], offsets, eti, slot, output[1])
-    ctx.activation, ctx.has_preact, ctx.backend, ctx.dropped = activation, save_preact, backend, dropped
+    x, w1, w2, topk_w, b1, b2, _counts, offsets, eti, slot = inputs[:10]
+    activation, save_preact, backend, dropped, interleaved = inputs[10:]
+    ctx.save_for_backward(x, w1, w2, topk_w, b1, b2, *output[2:], offsets, eti, slot, output[1])
+    ctx.activation, ctx.has_preact, ctx.backend = activation, save_preact, backend
+    ctx.dropped, ctx.interleaved = dropped, interleaved
     # preact is saved state, never used downstream: don't let autograd fill an (R, F) zero gradient for it
     ctx.set_materialize_grads(False)
 
@@ -136,11 +153,12 @@ def _backward_with(experts_bwd_fn):
     def backward(ctx, dout, *_saved_outputs):
         if dout is None:  # the output took no part in the loss
             return (None,) * N_INPUTS
-        x, w1, w2, topk_w, tile_expert, tile_row, tiles_used, offsets, eti, slot, preact = ctx.saved_tensors
-        dx, dw1, dw2, dw = experts_bwd_fn(dout.contiguous(), x, w1, w2, topk_w, tile_expert, tile_row, tiles_used,
-                                          offsets, eti, slot, preact, ctx.activation, ctx.has_preact, ctx.backend,
-                                          ctx.dropped)
-        return (dx, dw1, dw2, dw) + (None,) * (N_INPUTS - 4)
+        x, w1, w2, topk_w, b1, b2, tile_expert, tile_row, tiles_used, offsets, eti, slot, preact = ctx.saved_tensors
+        dx, dw1, dw2, dw, db1, db2 = experts_bwd_fn(
+            dout.contiguous(), x, w1, w2, topk_w, b1, b2, tile_expert, tile_row, tiles_used, offsets, eti, slot,
+            preact, ctx.activation, ctx.has_preact, ctx.backend, ctx.dropped, ctx.interleaved)
+        return ((dx, dw1, dw2, dw, db1 if b1 is not None else None, db2 if b2 is not None else None)
+                + (None,) * (N_INPUTS - 6))
     return backward
 
 
@@ -162,13 +180,15 @@ class _EagerExperts(torch.autograd.Function):
 
 
 def fused_experts(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
-                  expert_counts: torch.Tensor, expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor,
-                  token_slot: torch.Tensor, activation: str, save_preact: bool, backend: str,
-                  dropped: bool = False) -> torch.Tensor:
-    """The experts' combined output (L, D), differentiable in x, w1, w2 and topk_w: the custom op where
+                  b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None, expert_counts: torch.Tensor,
+                  expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
+                  activation: str, save_preact: bool, backend: str, dropped: bool = False,
+                  interleaved: bool = False) -> torch.Tensor:
+    """The experts' combined output (L, D), differentiable in x, w1, w2, topk_w and the biases: the custom op where
     torch.compile traces, the direct path in eager mode. Overridable through __torch_function__."""
-    args = (x_LD, w1_EFD, w2_EDH, topk_w_LK, expert_counts, expert_offsets, expert_token_idx, token_slot, activation,
-            save_preact, backend, dropped)
-    if torch.overrides.has_torch_function(args[:4]):  # a __torch_function__ mode (memory profiler) sees it as one op
-        return torch.overrides.handle_torch_function(fused_experts, args[:4], *args)
+    args = (x_LD, w1_EFD, w2_EDH, topk_w_LK, b1_EF, b2_ED, expert_counts, expert_offsets, expert_token_idx,
+            token_slot, activation, save_preact, backend, dropped, interleaved)
+    dense = tuple(t for t in args[:6] if t is not None)
+    if torch.overrides.has_torch_function(dense):  # a __torch_function__ mode (memory profiler) sees it as one op
+        return torch.overrides.handle_torch_function(fused_experts, dense, *args)
     return (experts_fwd(*args) if torch.compiler.is_compiling() else _EagerExperts.apply(*args))[0]

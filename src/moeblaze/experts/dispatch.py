@@ -69,10 +69,11 @@ def _pick(stage: str, backend: str, device: torch.device, gluon_takes) -> str:
     return choice
 
 
-def up(backend: str, x_LD, w1_EFD, activation: str) -> str:
-    """The up-projection: Gluon for SwiGLU with D a multiple of a gathered stage's K."""
-    return _pick("up", backend, x_LD.device, lambda: activation == "swiglu" and x_LD.shape[1] % GATHER_BLOCK_K == 0
-                 and _takes(x_LD, w1_EFD))
+def up(backend: str, x_LD, w1_EFD, activation: str, plain_layout: bool = True) -> str:
+    """The up-projection: Gluon for SwiGLU without a bias and with the gate rows first (plain_layout), D a
+    multiple of a gathered stage's K."""
+    return _pick("up", backend, x_LD.device, lambda: activation == "swiglu" and plain_layout
+                 and x_LD.shape[1] % GATHER_BLOCK_K == 0 and _takes(x_LD, w1_EFD))
 
 
 def rows(stage: str, backend: str, a, w) -> str:
@@ -88,10 +89,10 @@ def down_bwd(backend: str, dy_LD, w2_EDH, preact) -> str:
                  and w2_EDH.shape[2] % 8 == 0 and preact.is_contiguous() and _takes(dy_LD, w2_EDH))
 
 
-def weight_grad(backend: str, p, q, out_shape, gather_p: bool, out_dtype) -> str:
-    """A weight gradient: Gluon where dW is in the operands' dtype, the gathered side's width is a multiple of
-    its block (WGRAD_BLOCKS) and the dense side's and dW's columns multiples of 8."""
+def weight_grad(backend: str, p, q, out, gather_p: bool) -> str:
+    """A weight gradient: Gluon where dW (out, contiguous) is in the operands' dtype, the gathered side's width
+    is a multiple of its block (WGRAD_BLOCKS) and the dense side's and dW's columns multiples of 8."""
     gathered, dense = (p, q) if gather_p else (q, p)
-    return _pick("weight_grad", backend, p.device, lambda: out_dtype == p.dtype == q.dtype
+    return _pick("weight_grad", backend, p.device, lambda: out.dtype == p.dtype == q.dtype
                  and gathered.shape[1] % WGRAD_BLOCKS[0 if gather_p else 1] == 0 and dense.shape[1] % 8 == 0
-                 and out_shape[2] % 8 == 0 and _takes(p, q))
+                 and out.shape[2] % 8 == 0 and _takes(p, q, out))

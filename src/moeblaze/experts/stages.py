@@ -12,6 +12,7 @@ Backward:
   down_bwd     dA' = dy[token] @ W2[e]; from it and preact: dH, s·A and dS (the router weights' gradient)
   act_bwd      the same epilogue as a pass of its own, from a dA' computed apart (Gluon's down_bwd runs it)
   weight_grad  dW[e] = P[rows of e]ᵀ Q[rows of e], one side gathered: dW2 = dy[token]ᵀ (s·A), dW1 = dHᵀ x[token]
+  bias_grads   the biases' gradients (the weight-gradient kernel against a column) and their share of dS
   dx_rows      dX~ = dH @ W1[e]                                       (R, D), transient
   combine      dx[t] = sum_k dX~[token_slot[t, k]]
 
@@ -63,18 +64,25 @@ class RowPlan:
         return self.offsets_E1[-1:]
 
     @property
+    def pair_expert(self) -> torch.Tensor:
+        """(L, K) int32: the expert of each pair (E for dropped pairs), from its row and the offsets."""
+        return torch.searchsorted(self.offsets_E1[1:], self.token_slot_LK, right=True, out_int32=True)
+
+    @property
     def num_rows(self) -> int:
         return self.token_R.shape[0]
 
 
 def up(plan: RowPlan, x_LD, w1_EFD, activation: str, store_preact: bool = True, store_act: bool = True,
-       backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """(preact (R, F), act (R, H)); an empty tensor for one not stored."""
-    if dispatch.up(backend, x_LD, w1_EFD, activation) == "gluon":
+       backend: str = "auto", b1_EF=None, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(preact (R, F), act (R, H)) with the bias b1 (E, F) where given; an empty tensor for one not stored.
+    preact's gate/up columns follow W1's rows (interleaved: gate at even rows)."""
+    if dispatch.up(backend, x_LD, w1_EFD, activation, b1_EF is None and not interleaved) == "gluon":
         preact, act = gluon_sm90.up_swiglu(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched,
                                            store_preact=store_preact, store_act=store_act)
         return (preact if store_preact else x_LD.new_empty(0)), (act if store_act else x_LD.new_empty(0))
-    return tl.up(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched, activation, store_preact, store_act)
+    return tl.up(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched, activation, store_preact, store_act, b1_EF,
+                 interleaved)
 
 
 def down(plan: RowPlan, act_RH, w2_EDH, backend: str = "auto") -> torch.Tensor:
@@ -94,38 +102,61 @@ def dx_rows(plan: RowPlan, dpreact_RF, w1_EFD, backend: str = "auto") -> torch.T
 
 
 def combine(plan: RowPlan, rows_RD, weights_LK: torch.Tensor | None, out_dtype: torch.dtype,
-            backend: str = "auto") -> torch.Tensor:
-    """out (L, D)[t] = sum_k (weights[t, k] ·) rows[token_slot[t, k]] (a plain sum where weights is None). One
-    kernel on every backend."""
-    return tl.combine(rows_RD, plan.token_slot_LK, weights_LK, plan.kept, out_dtype)
+            backend: str = "auto", bias_ED=None) -> torch.Tensor:
+    """out (L, D)[t] = sum_k (weights[t, k] ·) (rows[token_slot[t, k]] (+ bias[e] of the pair's expert e, where a
+    bias (E, D) is given)); a plain sum where weights is None. One kernel on every backend."""
+    return tl.combine(rows_RD, plan.token_slot_LK, weights_LK, plan.kept, out_dtype, bias_ED,
+                      plan.pair_expert if bias_ED is not None else None)
 
 
 def down_bwd(plan: RowPlan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, activation: str,
-             backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+             backend: str = "auto", interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """dH into dpreact (which may be preact itself: each element is read before it is written); returns
-    (s·A (R, H), the router weights' gradient dS (L, K) in topk_w's dtype)."""
+    (s·A (R, H), the router weights' gradient dS (L, K) in topk_w's dtype, without a down-projection bias's
+    term, which bias_grads adds)."""
     if dispatch.down_bwd(backend, dy_LD, w2_EDH, preact_RF) == "gluon":
         # dA' by the gathering GEMM into the s·A buffer, then the epilogue as its own pass, which overwrites dA'
         # with s·A (a fused epilogue leaves the tensor cores idle at ~60% of the rate)
         act_scaled = gluon_sm90.gathered_rows_gemm(dy_LD, w2_EDH, plan.token_R, plan.offsets_E1, plan.sched)
-        return act_scaled, act_bwd(plan, act_scaled, preact_RF, topk_w_LK, dpreact_RF, act_scaled, activation)
+        return act_scaled, act_bwd(plan, act_scaled, preact_RF, topk_w_LK, dpreact_RF, act_scaled, activation,
+                                   interleaved=interleaved)
     return tl.down_bwd(dy_LD, w2_EDH, preact_RF, topk_w_LK, plan.token_slot_LK, dpreact_RF, plan.token_R,
-                       plan.offsets_E1, plan.sched, activation)
+                       plan.offsets_E1, plan.sched, activation, interleaved)
 
 
 def act_bwd(plan: RowPlan, dact_RH, preact_RF, topk_w_LK, dpreact_RF, act_scaled_RH, activation: str,
-            backend: str = "auto") -> torch.Tensor:
+            backend: str = "auto", interleaved: bool = False) -> torch.Tensor:
     """From dA' and preact: dH into dpreact, s·A into act_scaled (either may alias its input); returns dS (L, K).
     One kernel on every backend."""
     return tl.act_bwd(dact_RH, preact_RF, plan.token_R, plan.token_slot_LK, topk_w_LK, dpreact_RF, act_scaled_RH,
-                      activation)
+                      activation, interleaved)
 
 
-def weight_grad(plan: RowPlan, p, q, out_shape: tuple, gather_p: bool, out_dtype: torch.dtype,
-                backend: str = "auto") -> torch.Tensor:
-    """dW (out_shape = (E, N, P)) with dW[e] = P[rows of e]ᵀ Q[rows of e]; P = p[token] if gather_p, else
-    Q = q[token] (the other side row by row)."""
-    if dispatch.weight_grad(backend, p, q, out_shape, gather_p, out_dtype) == "gluon":
-        dw = torch.empty(out_shape, dtype=out_dtype, device=p.device)
-        return gluon_sm90.weight_grad(p, q, plan.token_R, plan.offsets_E1, dw, gather_p)
-    return tl.weight_grad(p, q, out_shape, plan.token_R, plan.offsets_E1, gather_p, out_dtype)
+def weight_grad(plan: RowPlan, p, q, out, gather_p: bool, backend: str = "auto") -> torch.Tensor:
+    """dW (E, N, P) written into out (any strides: a weight's own layout), dW[e] = P[rows of e]ᵀ Q[rows of e];
+    P = p[token] if gather_p, else Q = q[token] (the other side row by row). Returns out."""
+    if dispatch.weight_grad(backend, p, q, out, gather_p) == "gluon":
+        return gluon_sm90.weight_grad(p, q, plan.token_R, plan.offsets_E1, out, gather_p)
+    return tl.weight_grad(p, q, out, plan.token_R, plan.offsets_E1, gather_p)
+
+
+def bias_grads(plan: RowPlan, dy_LD, dpreact_RF, topk_w_LK, b1_EF, b2_ED, backend: str = "auto"
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The biases' gradients and the down-projection bias's share of dS, each None where its bias is:
+    dB1[e] = Σ_{rows r of e} dH[r], dB2[e] = Σ_{rows r of e} s_r · dy[token_r] (reductions over each expert's
+    rows in fixed order: the weight-gradient kernel against a column of ones or of router weights), and
+    dS_b[t, k] = <dy[t], b2[e]> of the pair's expert e (0 for dropped pairs), through the (L, E) product dy b2ᵀ.
+    Memory: the (R,) router weights in row order and dy b2ᵀ (L·E fp32), transient."""
+    db1 = db2 = ds_b = None
+    if b1_EF is not None:
+        ones = dpreact_RF.new_ones(1, 1).expand(dy_LD.shape[0], 1)
+        db1 = weight_grad(plan, dpreact_RF, ones, b1_EF.new_empty(*b1_EF.shape, 1), False, backend)[..., 0]
+    if b2_ED is not None:
+        s_R = dy_LD.new_zeros(plan.num_rows, 1)
+        s_R[plan.token_slot_LK.reshape(-1).long(), 0] = topk_w_LK.reshape(-1).to(dy_LD.dtype)
+        db2 = weight_grad(plan, dy_LD, s_R, b2_ED.new_empty(*b2_ED.shape, 1), True, backend)[..., 0]
+        E = b2_ED.shape[0]
+        e_LK = plan.pair_expert.long()
+        g_LE = dy_LD.float() @ b2_ED.float().t()
+        ds_b = g_LE.gather(1, e_LK.clamp(max=E - 1)).masked_fill(e_LK >= E, 0)
+    return db1, db2, ds_b

@@ -7,12 +7,15 @@
 
 Every experts module of a model whose experts class carries transformers' `@use_experts_implementation` then
 calls `experts_forward(module, hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K))`. In the default
-layout (gate_up_proj (E, 2I, H) with the I gate rows first, down_proj (E, H, I), no biases) those parameters are
-moe_experts' w1 and w2 as they are: never copied. Expert ids >= module.num_experts (transformers' expert-parallel
-sentinels) are dropped pairs of the routing index: skipped, whatever their weight.
+layout (gate_up_proj (E, 2I, H) with the I gate rows first, down_proj (E, H, I)) those parameters are
+moe_experts' w1 and w2 as they are; transposed ones (gpt-oss: gate_up_proj (E, H, 2I), down_proj (E, I, H)) are
+read through transposed views; biases are b1 and b2. Never copied (except by autocast's cast). gpt-oss's gate
+(GptOssExperts._apply_gate) is moeblaze's clamped SwiGLU over interleaved gate/up columns. Expert ids >=
+module.num_experts (transformers' expert-parallel sentinels) are dropped pairs of the routing index: skipped,
+whatever their weight.
 
-What moeblaze can't compute (biases, interleaved or transposed weights as in gpt-oss, a custom `_apply_gate`, a
-post-expert norm, an activation without a kernel such as tanh-GELU) runs on transformers' own `grouped_mm`
+What moeblaze can't compute (any other custom `_apply_gate`, a post-expert norm, an activation without a kernel
+such as tanh-GELU, interleaved columns under the default gate) runs on transformers' own `grouped_mm`
 implementation, with one warning per experts class and reason: never a different function.
 
 Settings per experts module (configure() sets them on every one; a config attribute of the same name is the
@@ -30,6 +33,7 @@ import torch
 
 from ..args import check_choice, check_int
 from ..experts import BACKENDS, CHECKPOINTS, IMPLS, moe_experts
+from ..reference import CLAMP_ALPHA, CLAMP_LIMIT
 from ..routing import METHODS, build_routing_index
 
 MIN_VERSION = "5.0"
@@ -100,20 +104,36 @@ def _setting(module, name: str):
     return getattr(getattr(module, "config", None), key, SETTINGS[name])
 
 
-def activation_of(module) -> tuple[str | None, str | None]:
-    """(moeblaze activation, None) for a module moeblaze computes exactly, else (None, the reason it can't)."""
+def _gpt_oss_gate():
+    """gpt-oss's clamped SwiGLU gate function (GptOssExperts._apply_gate), or None where transformers has none."""
+    if "gpt_oss" not in _act_types:
+        try:
+            from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+            _act_types["gpt_oss"] = GptOssExperts._apply_gate
+        except (ImportError, AttributeError):
+            _act_types["gpt_oss"] = None
+    return _act_types["gpt_oss"]
+
+
+def activation_of(module) -> tuple[tuple[str, bool] | None, str | None]:
+    """((moeblaze activation, interleaved), None) for a module moeblaze computes exactly, else (None, the reason
+    it can't). Biases and transposed weights are read as they are; gpt-oss's gate function is the clamped SwiGLU
+    over interleaved gate/up columns."""
     moe = _interface()
-    if getattr(module, "has_bias", False):
-        return None, "biases on its projections"
-    if not getattr(module, "is_concatenated", True):
-        return None, "interleaved gate/up columns"
-    if getattr(module, "is_transposed", False):
-        return None, "transposed weights"
     if getattr(module, "has_post_expert_norm", False):
         return None, "a post-expert norm"
     gated = getattr(module, "has_gate", True)
-    if gated and getattr(type(module), "_apply_gate", moe._default_apply_gate) is not moe._default_apply_gate:
-        return None, "a custom _apply_gate"
+    gate_fn = getattr(type(module), "_apply_gate", moe._default_apply_gate)
+    if gated and gate_fn is not moe._default_apply_gate:
+        if gate_fn is not _gpt_oss_gate():
+            return None, "a custom _apply_gate"
+        limit, alpha = getattr(module, "limit", None), getattr(module, "alpha", None)
+        if (limit, alpha) != (CLAMP_LIMIT, CLAMP_ALPHA):
+            return None, (f"a clamped SwiGLU with limit={limit}, alpha={alpha} "
+                          f"(moeblaze's: {CLAMP_LIMIT}, {CLAMP_ALPHA})")
+        return ("clamped_swiglu", True), None
+    if not getattr(module, "is_concatenated", True):
+        return None, "interleaved gate/up columns with the default gate (which splits them in halves)"
     hidden_act = getattr(getattr(module, "config", None), "hidden_act", None)
     table = GATED if gated else PLAIN
     act_fn = getattr(module, "act_fn", None)
@@ -125,7 +145,7 @@ def activation_of(module) -> tuple[str | None, str | None]:
         _act_types[hidden_act] = type(ACT2FN[hidden_act])
     if type(act_fn) is not _act_types[hidden_act]:  # an act_fn replaced after construction
         return None, f"an act_fn of type {type(act_fn).__name__} (config says {hidden_act!r})"
-    return table[hidden_act], None
+    return (table[hidden_act], False), None
 
 
 def _fallback(module, reason: str, *args):
@@ -137,23 +157,38 @@ def _fallback(module, reason: str, *args):
     return _interface().ExpertsInterface._global_mapping["grouped_mm"](module, *args)
 
 
+def _weights(module, dtype: torch.dtype | None):
+    """(w1 (E, F, D), w2 (E, D, H), b1 (E, F) or None, b2 (E, D) or None) of an experts module as views of its
+    parameters (transposed views where the module stores them transposed), cast to dtype where given."""
+    gated = module.has_gate
+    w1, w2 = (module.gate_up_proj if gated else module.up_proj), module.down_proj
+    if getattr(module, "is_transposed", False):
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    b1 = b2 = None
+    if getattr(module, "has_bias", False):
+        b1, b2 = (module.gate_up_proj_bias if gated else module.up_proj_bias), module.down_proj_bias
+    if dtype is not None:
+        w1, w2, b1, b2 = (t if t is None else t.to(dtype) for t in (w1, w2, b1, b2))
+    return w1, w2, b1, b2
+
+
 def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts call on moeblaze: (T, H) in hidden_states' dtype, the weights applied and summed."""
-    activation, reason = activation_of(module)
+    spec, reason = activation_of(module)
     if reason is not None:
         return _fallback(module, reason, hidden_states, top_k_index, top_k_weights)
-    w1 = module.gate_up_proj if module.has_gate else module.up_proj
-    w2 = module.down_proj
-    x = hidden_states
+    activation, interleaved = spec
+    x, dtype = hidden_states, None
     if torch.is_autocast_enabled(x.device.type):  # the experts run in the autocast dtype, like nn.Linear
-        dt = torch.get_autocast_dtype(x.device.type)
-        x, w1, w2 = x.to(dt), w1.to(dt), w2.to(dt)
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x = x.to(dtype)
+    w1, w2, b1, b2 = _weights(module, dtype)
     routing = build_routing_index(top_k_index, module.num_experts, _setting(module, "index_method"), check=False,
                                   sentinels=True)
     out = moe_experts(x, routing, top_k_weights, w1, w2, activation, _setting(module, "checkpoint"),
                       _setting(module, "impl"), check=False, chunk_tokens=_setting(module, "chunk_tokens"),
-                      backend=_setting(module, "backend"))
+                      backend=_setting(module, "backend"), b1=b1, b2=b2, interleaved=interleaved)
     return out.to(hidden_states.dtype)
 
 

@@ -1,6 +1,8 @@
 """The pure PyTorch oracle for the expert computation of an MoE layer.
 
-    y[t] = sum_k topk_w[t, k] * W2[e] act(W1[e] x[t]),   e = topk_idx[t, k]
+    y[t] = sum_k topk_w[t, k] * (W2[e] act(W1[e] x[t] + b1[e]) + b2[e]),   e = topk_idx[t, k]
+
+(the biases b1, b2 are optional).
 
 Loops over experts, gathers each expert's tokens, and accumulates the weighted expert outputs in fp32
 (or fp64 for fp64 inputs). Differentiable in x, w1, w2 and topk_w through autograd. It is the
@@ -23,11 +25,15 @@ def moe_experts_reference(
     w1_EFD: torch.Tensor,
     w2_EDH: torch.Tensor,
     activation: str = "swiglu",
+    b1_EF: torch.Tensor | None = None,
+    b2_ED: torch.Tensor | None = None,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """Expert outputs combined per token: (L, D) in x's dtype.
 
-    w1_EFD: (E, F, D) with F = 2H (gate rows, then up rows) for gated activations, F = H otherwise.
-    w2_EDH: (E, D, H). topk_idx_LK: integer expert ids. topk_w_LK: router weights (any float dtype).
+    w1_EFD: (E, F, D) with F = 2H (gate rows, then up rows; alternating where interleaved) for gated
+    activations, F = H otherwise. w2_EDH: (E, D, H). b1_EF, b2_ED: optional biases, in w1's and w2's row
+    order. topk_idx_LK: integer expert ids. topk_w_LK: router weights (any float dtype).
     """
     L, D = x_LD.shape
     E = w1_EFD.shape[0]
@@ -38,7 +44,11 @@ def moe_experts_reference(
     for e in range(E):
         tok, slot = (topk_idx_LK == e).nonzero(as_tuple=True)
         h = x_LD[tok] @ w1_EFD[e].t()
-        y = apply_activation(h, activation) @ w2_EDH[e].t()
+        if b1_EF is not None:
+            h = h + b1_EF[e]
+        y = apply_activation(h, activation, interleaved) @ w2_EDH[e].t()
+        if b2_ED is not None:
+            y = y + b2_ED[e]
         out_LD = out_LD.index_add(0, tok, y.to(acc_dtype) * topk_w_LK[tok, slot, None].to(acc_dtype))
     return out_LD.to(x_LD.dtype)
 
@@ -50,11 +60,18 @@ def moe_experts_dense(
     w1_EFD: torch.Tensor,
     w2_EDH: torch.Tensor,
     activation: str = "swiglu",
+    b1_EF: torch.Tensor | None = None,
+    b2_ED: torch.Tensor | None = None,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """The same function computed token by token with every expert's weights gathered per pair: an
     independent second oracle (O(L·K·F·D) weight memory), for tiny sizes in tests only."""
     w1 = w1_EFD[topk_idx_LK.long()]  # (L, K, F, D)
     w2 = w2_EDH[topk_idx_LK.long()]  # (L, K, D, H)
     h = torch.einsum("lkfd,ld->lkf", w1, x_LD)
-    y = torch.einsum("lkdh,lkh->lkd", w2, apply_activation(h, activation))
+    if b1_EF is not None:
+        h = h + b1_EF[topk_idx_LK.long()]
+    y = torch.einsum("lkdh,lkh->lkd", w2, apply_activation(h, activation, interleaved))
+    if b2_ED is not None:
+        y = y + b2_ED[topk_idx_LK.long()]
     return torch.einsum("lkd,lk->ld", y, topk_w_LK.to(y.dtype)).to(x_LD.dtype)

@@ -55,9 +55,11 @@ def check_topk_weights(topk_w_LK: torch.Tensor, topk_idx_LK: torch.Tensor, check
         _fail_if(~torch.isfinite(topk_w_LK).all(), "topk_weights holds NaN or Inf")
 
 
-def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, activation: str) -> None:
-    """Shapes, dtypes and devices of the expert computation's dense inputs."""
-    from ..reference import up_width
+def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, activation: str,
+                        b1_EF: torch.Tensor | None = None, b2_ED: torch.Tensor | None = None,
+                        interleaved: bool = False) -> None:
+    """Shapes, dtypes and devices of the expert computation's dense inputs (and its optional biases)."""
+    from ..reference import is_gated, up_width
 
     if x_LD.dim() != 2:
         raise ValueError(f"x must have shape (L, D), got shape {tuple(x_LD.shape)}")
@@ -72,7 +74,17 @@ def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.
     if F != up_width(activation, H):
         raise ValueError(f"w1 must have {up_width(activation, H)} rows per expert for activation {activation!r} "
                          f"with H={H} (gate rows first for gated activations), got {F}")
-    for name, t in (("w1", w1_EFD), ("w2", w2_EDH)):
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+    if interleaved and not is_gated(activation):
+        raise ValueError(f"interleaved gate/up rows need a gated activation, got {activation!r}")
+    for name, b, shape in (("b1", b1_EF, (E, F)), ("b2", b2_ED, (E, D))):
+        if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != shape):
+            raise ValueError(f"{name} must be a tensor of shape {shape} (E, {'F' if name == 'b1' else 'D'}), got "
+                             f"{tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}")
+    for name, t in (("w1", w1_EFD), ("w2", w2_EDH), ("b1", b1_EF), ("b2", b2_ED)):
+        if t is None:
+            continue
         if t.dtype != x_LD.dtype:
             raise TypeError(f"{name} dtype {t.dtype} differs from x dtype {x_LD.dtype}")
         if t.device != x_LD.device:

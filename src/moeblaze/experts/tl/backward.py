@@ -7,52 +7,61 @@ Memory: nothing beyond the outputs, and down_bwd's fp32 router-gradient partials
 import triton
 import triton.language as tl
 
-from .common import _act, _act_grad, _row_ptrs, _rows_dot, _swizzle, _tile_rows
+from .common import _act, _act_grad, _clamped_glu, _pair_cols, _row_ptrs, _rows_dot, _swizzle, _tile_rows
 from .configs import DH_CONFIGS, WGRAD_CONFIGS
 
 
 @triton.jit
-def _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The saved pre-activation (gate, up) of rows x columns col0 .. col0+BLOCK_N (up is gate if not GATED)."""
+def _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+            BLOCK_N: tl.constexpr):
+    """The saved pre-activation (gate, up) of rows x pairs col0 .. col0+BLOCK_N (up is gate if not GATED)."""
     offs_n = col0 + tl.arange(0, BLOCK_N)
     mask = rmask[:, None] & (offs_n < H)[None, :]
-    ptrs = _row_ptrs(preact_ptr, rows, stride_pl, offs_n)
-    g = tl.load(ptrs, mask=mask, other=0.0)
     if GATED:
-        return g, tl.load(ptrs + H, mask=mask, other=0.0)
+        cols, up_off = _pair_cols(offs_n, H, INTERLEAVED)
+        ptrs = _row_ptrs(preact_ptr, rows, stride_pl, cols)
+        return tl.load(ptrs, mask=mask, other=0.0), tl.load(ptrs + up_off, mask=mask, other=0.0)
+    g = tl.load(_row_ptrs(preact_ptr, rows, stride_pl, offs_n), mask=mask, other=0.0)
     return g, g
 
 
 @triton.jit
-def _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED: tl.constexpr, HALF: tl.constexpr,
-                   EPI_SPLIT: tl.constexpr):
+def _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+                   HALF: tl.constexpr, EPI_SPLIT: tl.constexpr):
     """(g0, u0, g1, u1): H of the tile's first HALF columns and, when EPI_SPLIT == 2, of its second."""
-    g0, u0 = _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF)
+    g0, u0 = _load_h(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, INTERLEAVED, HALF)
     if EPI_SPLIT == 2:
-        g1, u1 = _load_h(preact_ptr, rows, rmask, col0 + HALF, H, stride_pl, GATED, HALF)
+        g1, u1 = _load_h(preact_ptr, rows, rmask, col0 + HALF, H, stride_pl, GATED, INTERLEAVED, HALF)
         return g0, u0, g1, u1
     return g0, u0, g0, u0
 
 
 @triton.jit
 def _store_dh_and_sa(dact, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, mask,
-                     GATED: tl.constexpr, ACT: tl.constexpr):
-    """From dA' (fp32) of rows x cols, H there (g; u too if GATED) and the rows' router weights s: stores
-    dH = d act(s * dA') into dpreact (the up columns H further on) and s * A into act_scaled; returns A
-    (fp32), for dS. The s * A addresses are formed at their store (held across the dH math, they cost
-    the fused dH kernel ~90 B more of spills per thread, sm_90, triton 3.6)."""
+                     GATED: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """From dA' (fp32) of rows x pairs cols, H there (g; u too if GATED) and the rows' router weights s: stores
+    dH = d act(s * dA') into dpreact (gate and up columns as _pair_cols places them) and s * A into act_scaled;
+    returns A (fp32), for dS. The s * A addresses are formed at their store (held across the dH math, they
+    cost the fused dH kernel ~90 B more of spills per thread, sm_90, triton 3.6)."""
     g = g.to(tl.float32)
-    dp_ptrs = _row_ptrs(dpreact_ptr, rows, stride_pl, cols)
     if GATED:
+        pcols, up_off = _pair_cols(cols, H, INTERLEAVED)
+        dp_ptrs = _row_ptrs(dpreact_ptr, rows, stride_pl, pcols)
         u = u.to(tl.float32)
-        act_g = _act(g, ACT)
-        a = act_g * u
         das = dact * s[:, None]
-        tl.store(dp_ptrs, (das * u * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=mask)
-        tl.store(dp_ptrs + H, (das * act_g).to(dpreact_ptr.dtype.element_ty), mask=mask)
+        if ACT == 4:
+            a, dg, du = _clamped_glu(g, u)
+            tl.store(dp_ptrs, (das * dg).to(dpreact_ptr.dtype.element_ty), mask=mask)
+            tl.store(dp_ptrs + up_off, (das * du).to(dpreact_ptr.dtype.element_ty), mask=mask)
+        else:
+            act_g = _act(g, ACT)
+            a = act_g * u
+            tl.store(dp_ptrs, (das * u * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=mask)
+            tl.store(dp_ptrs + up_off, (das * act_g).to(dpreact_ptr.dtype.element_ty), mask=mask)
     else:
         a = _act(g, ACT)
-        tl.store(dp_ptrs, (dact * s[:, None] * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=mask)
+        tl.store(_row_ptrs(dpreact_ptr, rows, stride_pl, cols),
+                 (dact * s[:, None] * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=mask)
     tl.store(_row_ptrs(act_scaled_ptr, rows, stride_al, cols), (a * s[:, None]).to(act_scaled_ptr.dtype.element_ty),
              mask=mask)
     return a
@@ -60,7 +69,8 @@ def _store_dh_and_sa(dact, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, str
 
 @triton.jit
 def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
-                 stride_pl, stride_al, GATED: tl.constexpr, ACT: tl.constexpr, DS_BLOCK: tl.constexpr,
+                 stride_pl, stride_al, GATED: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                 DS_BLOCK: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The dH epilogue of columns col0 .. col0+BLOCK_N of dA', given H there (g, u)."""
     offs_n = col0 + tl.arange(0, BLOCK_N)
@@ -68,7 +78,7 @@ def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_s
     g = g.to(tl.float32)  # before the router weights' load, as before the helper: ptxas then spills no more
     s = tl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)
     a = _store_dh_and_sa(dact, g, u, s, rows, offs_n, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, omask,
-                         GATED, ACT)
+                         GATED, ACT, INTERLEAVED)
     R: tl.constexpr = BLOCK_N // DS_BLOCK
     ds = tl.sum(tl.reshape(dact * a, (BLOCK_M, R, DS_BLOCK)), axis=2)  # (BLOCK_M, R)
     slot = col0 // DS_BLOCK + tl.arange(0, R)
@@ -80,7 +90,8 @@ def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_s
 @triton.jit
 def _act_bwd_kernel(dact_ptr, preact_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr, dpreact_ptr,
                     act_scaled_ptr, dtopk_w_ptr, LK, H, stride_dl, stride_pl, stride_al, K: tl.constexpr,
-                    GATED: tl.constexpr, ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                    GATED: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
     """The dH epilogue as a pass of its own over BLOCK_R rows, for a dA' = dy[token] @ W2[e] computed
     apart (the Hopper path): from dA' and H, dH = d act(s * dA'), s * A, and dS[r] = <dA'[r], A[r]>
     whole (no partials), stored straight into the router-weight gradient (L, K) in its dtype. A row r of
@@ -99,9 +110,9 @@ def _act_bwd_kernel(dact_ptr, preact_ptr, expert_token_idx_ptr, token_slot_ptr, 
         cols = c0 + tl.arange(0, BLOCK_H)
         mask = rmask[:, None] & (cols < H)[None, :]
         da = tl.load(_row_ptrs(dact_ptr, rows, stride_dl, cols), mask=mask, other=0.0).to(tl.float32)
-        g, u = _load_h(preact_ptr, rows, rmask, c0, H, stride_pl, GATED, BLOCK_H)
+        g, u = _load_h(preact_ptr, rows, rmask, c0, H, stride_pl, GATED, INTERLEAVED, BLOCK_H)
         a = _store_dh_and_sa(da, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, mask,
-                             GATED, ACT)
+                             GATED, ACT, INTERLEAVED)
         ds += tl.sum(da * a, axis=1)
     tl.store(dtopk_w_ptr + pair, ds.to(dtopk_w_ptr.dtype.element_ty), mask=rmask)
 
@@ -114,7 +125,8 @@ def _down_bwd_kernel(
     dy_ptr, w2_ptr, w2_desc, preact_ptr, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
     expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
     NUM_TILES, D, H, LK, stride_dyl, stride_dyd, stride_we, stride_wd, stride_wh, stride_pl, stride_al,
-    GATED: tl.constexpr, ACT: tl.constexpr, DS_BLOCK: tl.constexpr, PREFETCH_H: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, DS_BLOCK: tl.constexpr,
+    PREFETCH_H: tl.constexpr,
     EPI_SPLIT: tl.constexpr, W2_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -134,15 +146,15 @@ def _down_bwd_kernel(
     HALF: tl.constexpr = BLOCK_N // EPI_SPLIT
     PARTS: tl.constexpr = 2 if EPI_SPLIT > 1 else 1  # H parts loaded here (EPI_SPLIT = 4: the first two)
     if PREFETCH_H:
-        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, PARTS)
+        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, INTERLEAVED, HALF, PARTS)
     dact = _rows_dot(dy_ptr, tok, rmask, stride_dyl, stride_dyd, w2_ptr + e.to(tl.int64) * stride_we, stride_wd,
                      stride_wh, offs_n, offs_n < H, D, dy_ptr, w2_desc, e * D, False, W2_TMA, False,
                      BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     if not PREFETCH_H:
-        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, HALF, PARTS)
+        g0, u0, g1, u1 = _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED, INTERLEAVED, HALF, PARTS)
     if EPI_SPLIT == 1:
         _dh_epilogue(dact, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
-                     stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, BLOCK_N)
+                     stride_pl, stride_al, GATED, ACT, INTERLEAVED, DS_BLOCK, BLOCK_M, BLOCK_N)
     elif EPI_SPLIT == 4:
         # quarters of Q columns: column i·2Q + j·Q + q sits at [q, i, j] after the permute
         Q: tl.constexpr = BLOCK_N // 4
@@ -150,20 +162,20 @@ def _down_bwd_kernel(
         d0, d2 = tl.split(lo)
         d1, d3 = tl.split(hi)
         _dh_epilogue(d0, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
-                     stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+                     stride_pl, stride_al, GATED, ACT, INTERLEAVED, DS_BLOCK, BLOCK_M, Q)
         _dh_epilogue(d1, col0 + Q, rows, rmask, g1, u1, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H,
-                     LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
-        g2, u2, g3, u3 = _load_h_halves(preact_ptr, rows, rmask, col0 + 2 * Q, H, stride_pl, GATED, Q, 2)
+                     LK, stride_pl, stride_al, GATED, ACT, INTERLEAVED, DS_BLOCK, BLOCK_M, Q)
+        g2, u2, g3, u3 = _load_h_halves(preact_ptr, rows, rmask, col0 + 2 * Q, H, stride_pl, GATED, INTERLEAVED, Q, 2)
         _dh_epilogue(d2, col0 + 2 * Q, rows, rmask, g2, u2, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
-                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+                     H, LK, stride_pl, stride_al, GATED, ACT, INTERLEAVED, DS_BLOCK, BLOCK_M, Q)
         _dh_epilogue(d3, col0 + 3 * Q, rows, rmask, g3, u3, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
-                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, Q)
+                     H, LK, stride_pl, stride_al, GATED, ACT, INTERLEAVED, DS_BLOCK, BLOCK_M, Q)
     else:
         d0, d1 = tl.split(tl.permute(tl.reshape(dact, (BLOCK_M, 2, HALF)), (0, 2, 1)))
         _dh_epilogue(d0, col0, rows, rmask, g0, u0, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr, H, LK,
-                     stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, HALF)
+                     stride_pl, stride_al, GATED, ACT, INTERLEAVED, DS_BLOCK, BLOCK_M, HALF)
         _dh_epilogue(d1, col0 + HALF, rows, rmask, g1, u1, w_sorted_ptr, dpreact_ptr, act_scaled_ptr, ds_part_ptr,
-                     H, LK, stride_pl, stride_al, GATED, ACT, DS_BLOCK, BLOCK_M, HALF)
+                     H, LK, stride_pl, stride_al, GATED, ACT, INTERLEAVED, DS_BLOCK, BLOCK_M, HALF)
 
 
 @triton.autotune(configs=WGRAD_CONFIGS, key=["N", "P", "GATHER_P", "GATHER_Q"])

@@ -1,13 +1,39 @@
 """tl helpers shared by the expert kernels: activations and their derivatives, the tile walk over the
 schedule, row addressing and the row GEMM's main loop.
 
-Activation codes (ACT): 0 SiLU, 1 GELU (erf), 2 ReLU, 3 squared ReLU. GATED: act(gate) * up, with the gate
-columns of the pre-activation first and the up columns H further on.
+Activation codes (ACT): 0 SiLU, 1 GELU (erf), 2 ReLU, 3 squared ReLU, 4 gpt-oss's clamped SwiGLU (gated only).
+GATED: act(gate) * up ((clamp(up) + 1) · act(gate) for code 4). Gate and up columns of the pre-activation (and
+rows of W1): pair n at columns n and H + n, or, where INTERLEAVED, at 2n and 2n + 1 (_pair_cols).
 """
 import triton
 import triton.language as tl
 
-ACT_CODES = {"swiglu": 0, "geglu": 1, "silu": 0, "gelu": 1, "relu": 2, "relu2": 3}
+from ...reference import CLAMP_ALPHA, CLAMP_LIMIT
+
+ACT_CODES = {"swiglu": 0, "geglu": 1, "silu": 0, "gelu": 1, "relu": 2, "relu2": 3, "clamped_swiglu": 4}
+LIMIT: tl.constexpr = tl.constexpr(CLAMP_LIMIT)
+ALPHA: tl.constexpr = tl.constexpr(CLAMP_ALPHA)
+
+
+@triton.jit
+def _pair_cols(n, H, INTERLEAVED: tl.constexpr):
+    """(gate column, offset of the up column from it) of gate/up pairs n."""
+    if INTERLEAVED:
+        return 2 * n, 1
+    return n, H
+
+
+@triton.jit
+def _clamped_glu(g, u):
+    """gpt-oss's clamped SwiGLU and its partial derivatives: (A, dA/dgate, dA/dup), fp32. The clamps pass no
+    gradient beyond the limits (gate > limit, |up| > limit), as torch.clamp's backward."""
+    gc = tl.minimum(g, LIMIT)
+    uc = tl.minimum(tl.maximum(u, -LIMIT), LIMIT) + 1.0
+    sg = tl.sigmoid(gc * ALPHA)
+    act_g = gc * sg
+    dg = tl.where(g <= LIMIT, uc * sg * (1.0 + gc * ALPHA * (1.0 - sg)), 0.0)
+    du = tl.where((u >= -LIMIT) & (u <= LIMIT), act_g, 0.0)
+    return act_g * uc, dg, du
 
 
 @triton.jit

@@ -9,21 +9,22 @@ so no (L·K, D) copy of x exists. Accumulation is fp32 everywhere. Memory: nothi
 import triton
 import triton.language as tl
 
-from .common import _act, _row_ptrs, _rows_dot, _swizzle, _tile_rows
+from .common import _act, _clamped_glu, _pair_cols, _row_ptrs, _rows_dot, _swizzle, _tile_rows
 from .configs import ROWS_CONFIGS, UP_CONFIGS
 
 
 @triton.jit
 def _gate_up_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wf, stride_wd, offs_n, nmask, D, H,
-                 w1_desc, w_row0, W1_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """fp32 (gate, up), each (BLOCK_M, BLOCK_N): the gathered x rows against the gate rows offs_n and the
-    up rows H + offs_n of W1[e], two MMAs on one A tile; W1 through w1_desc over its (E·F, D) view
-    (this expert's first row w_row0) where W1_TMA."""
+                 w1_desc, w_row0, W1_TMA: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 (gate, up), each (BLOCK_M, BLOCK_N): the gathered x rows against the gate rows and the up rows
+    of pairs offs_n of W1[e], two MMAs on one A tile; W1 through w1_desc over its (E·F, D) view
+    (this expert's first row w_row0) where W1_TMA (never INTERLEAVED)."""
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_base = x_ptr + tok.to(tl.int64)[:, None] * stride_xl
     n0 = tl.min(offs_n)
+    gate_rows, up_off = _pair_cols(offs_n, H, INTERLEAVED)
     for k0 in range(0, D, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         kmask = offs_k < D
@@ -32,10 +33,10 @@ def _gate_up_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wf, stride
             bg = tl.trans(w1_desc.load([w_row0 + n0, k0]))
             bu = tl.trans(w1_desc.load([w_row0 + H + n0, k0]))
         else:
-            b_ptrs = w_e + offs_n[None, :] * stride_wf + offs_k[:, None] * stride_wd
+            b_ptrs = w_e + gate_rows[None, :] * stride_wf + offs_k[:, None] * stride_wd
             bmask = kmask[:, None] & nmask[None, :]
             bg = tl.load(b_ptrs, mask=bmask, other=0.0)
-            bu = tl.load(b_ptrs + H * stride_wf, mask=bmask, other=0.0)
+            bu = tl.load(b_ptrs + up_off * stride_wf, mask=bmask, other=0.0)
         acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
     return acc_g, acc_u
@@ -44,17 +45,18 @@ def _gate_up_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wf, stride
 @triton.autotune(configs=UP_CONFIGS, key=["D", "H", "GATED", "STORE_PREACT", "STORE_ACT"])
 @triton.jit
 def _up_kernel(
-    x_ptr, w1_ptr, w1_desc, preact_ptr, act_ptr, expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr,
-    expert_offsets_ptr, NUM_TILES, D, H, stride_xl, stride_xd, stride_we, stride_wf, stride_wd, stride_pl, stride_al,
-    GATED: tl.constexpr, ACT: tl.constexpr, STORE_PREACT: tl.constexpr, STORE_ACT: tl.constexpr,
-    W1_TMA: tl.constexpr, TWO_DOTS: tl.constexpr,
+    x_ptr, w1_ptr, w1_desc, b1_ptr, preact_ptr, act_ptr, expert_token_idx_ptr, tile_expert_ptr, tile_row_ptr,
+    expert_offsets_ptr, NUM_TILES, D, H, stride_xl, stride_xd, stride_we, stride_wf, stride_wd, stride_be, stride_bf,
+    stride_pl, stride_al, GATED: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_B1: tl.constexpr,
+    STORE_PREACT: tl.constexpr, STORE_ACT: tl.constexpr, W1_TMA: tl.constexpr, TWO_DOTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """Up-projection of gathered x rows with the activation in the epilogue: writes A = act(H) (the
-    down-projection input) and, if STORE_PREACT, the pre-activation H for backward. Gated: one wide
-    MMA over interleaved gate/up weight rows, or (TWO_DOTS) two MMAs on separate gate and up tiles,
-    which W1 can feed through a tensor descriptor (W1_TMA)."""
+    """Up-projection of gathered x rows (+ the bias b1[e] where HAS_B1) with the activation in the epilogue:
+    writes A = act(H) (the down-projection input) and, if STORE_PREACT, the pre-activation H for backward,
+    its gate/up columns in W1's row order (INTERLEAVED or not). Gated: one wide MMA over interleaved
+    gate/up weight rows, or (TWO_DOTS) two MMAs on separate gate and up tiles, which W1 can feed through
+    a tensor descriptor (W1_TMA)."""
     tile, pid_n = _swizzle(tl.program_id(0), NUM_TILES, tl.cdiv(H, BLOCK_N), GROUP_M)
     e, rows, rmask = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_M)
     if e < 0:
@@ -63,30 +65,41 @@ def _up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < H
     w_e = w1_ptr + e.to(tl.int64) * stride_we
+    b_e = b1_ptr + e.to(tl.int64) * stride_be
     omask = rmask[:, None] & nmask[None, :]
     if GATED:
         if TWO_DOTS:
             gate, up = _gate_up_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wf, stride_wd, offs_n,
-                                    nmask, D, H, w1_desc, e * 2 * H, W1_TMA, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+                                    nmask, D, H, w1_desc, e * 2 * H, W1_TMA, INTERLEAVED, BLOCK_M, BLOCK_N, BLOCK_K,
+                                    PRECISION)
         else:
-            # One (BLOCK_K, 2·BLOCK_N) weight tile holds the gate and up rows interleaved (column 2j: gate
-            # row n+j, column 2j+1: up row H+n+j), so a single wide MMA serves both; split afterwards.
+            # One (BLOCK_K, 2·BLOCK_N) weight tile holds the gate and up rows of pairs n .. n+BLOCK_N alternating
+            # (column 2j: gate, 2j+1: up, of pair n+j), so a single wide MMA serves both; split afterwards.
             j = tl.arange(0, 2 * BLOCK_N)
-            w_rows = (j % 2) * H + pid_n * BLOCK_N + j // 2
-            acc = _rows_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wd, stride_wf, w_rows,
-                            (pid_n * BLOCK_N + j // 2) < H, D, x_ptr, w_e, 0, False, False, False,
-                            BLOCK_M, 2 * BLOCK_N, BLOCK_K, PRECISION)
+            g_rows, u_off = _pair_cols(pid_n * BLOCK_N + j // 2, H, INTERLEAVED)
+            acc = _rows_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wd, stride_wf,
+                            g_rows + (j % 2) * u_off, (pid_n * BLOCK_N + j // 2) < H, D, x_ptr, w_e, 0, False,
+                            False, False, BLOCK_M, 2 * BLOCK_N, BLOCK_K, PRECISION)
             gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        cols, up_off = _pair_cols(offs_n, H, INTERLEAVED)
+        if HAS_B1:
+            gate += tl.load(b_e + cols * stride_bf, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            up += tl.load(b_e + (cols + up_off) * stride_bf, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if STORE_PREACT:
-            p_ptrs = _row_ptrs(preact_ptr, rows, stride_pl, offs_n)
+            p_ptrs = _row_ptrs(preact_ptr, rows, stride_pl, cols)
             tl.store(p_ptrs, gate.to(preact_ptr.dtype.element_ty), mask=omask)
-            tl.store(p_ptrs + H, up.to(preact_ptr.dtype.element_ty), mask=omask)
+            tl.store(p_ptrs + up_off, up.to(preact_ptr.dtype.element_ty), mask=omask)
         if STORE_ACT:
-            out = _act(gate, ACT) * up
+            if ACT == 4:
+                out, _, _ = _clamped_glu(gate, up)
+            else:
+                out = _act(gate, ACT) * up
             tl.store(_row_ptrs(act_ptr, rows, stride_al, offs_n), out.to(act_ptr.dtype.element_ty), mask=omask)
     else:
         gate = _rows_dot(x_ptr, tok, rmask, stride_xl, stride_xd, w_e, stride_wd, stride_wf, offs_n, nmask, D,
                          x_ptr, w1_desc, e * H, False, W1_TMA, True, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        if HAS_B1:
+            gate += tl.load(b_e + offs_n * stride_bf, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if STORE_PREACT:
             tl.store(_row_ptrs(preact_ptr, rows, stride_pl, offs_n), gate.to(preact_ptr.dtype.element_ty),
                      mask=omask)
@@ -143,10 +156,12 @@ def _rows_tile(e, rows, rmask, pid_n, a_ptr, b_ptr, a_desc, b_desc, c_ptr, N, K_
 
 
 @triton.jit
-def _combine_kernel(rows_ptr, token_slot_ptr, weights_ptr, kept_ptr, out_ptr, L, D, stride_rl, stride_ol,
-                    K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[t] = sum_k (w[t, k] *) rows[token_slot[t, k]]: each token gathers its K rows, in fixed order,
-    accumulated in fp32 (no atomics: deterministic). Slots >= kept (dropped pairs, never written) add 0."""
+def _combine_kernel(rows_ptr, token_slot_ptr, weights_ptr, kept_ptr, bias_ptr, pair_expert_ptr, out_ptr, L, D,
+                    stride_rl, stride_be, stride_bd, stride_ol, K: tl.constexpr, WEIGHTED: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[t] = sum_k (w[t, k] *) (rows[token_slot[t, k]] (+ bias[pair_expert[t, k]] where HAS_BIAS)): each
+    token gathers its K rows, in fixed order, accumulated in fp32 (no atomics: deterministic). Slots >= kept
+    (dropped pairs, never written) add 0."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tmask = t < L
@@ -158,6 +173,10 @@ def _combine_kernel(rows_ptr, token_slot_ptr, weights_ptr, kept_ptr, out_ptr, L,
         rmask = mask & (slot < kept)[:, None]
         slot = slot.to(tl.int64)
         r = tl.load(rows_ptr + slot[:, None] * stride_rl + cols[None, :], mask=rmask, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            e = tl.load(pair_expert_ptr + t * K + k, mask=tmask, other=0).to(tl.int64)
+            r += tl.load(bias_ptr + e[:, None] * stride_be + cols[None, :] * stride_bd, mask=rmask,
+                         other=0.0).to(tl.float32)
         if WEIGHTED:
             r = r * tl.load(weights_ptr + t * K + k, mask=tmask, other=0.0)[:, None]
         acc += r

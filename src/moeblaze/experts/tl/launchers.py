@@ -42,18 +42,21 @@ def _grid(num_tiles: int, n: int, device: torch.device | None = None):
     return lambda meta: ((sms if meta.get("PERSISTENT") else num_tiles * triton.cdiv(n, meta["BLOCK_N"])),)
 
 
-def up(x_LD, w1_EFD, token_R, offsets, sched, activation, store_preact, store_act):
-    """(preact (R, F), act (R, H)) = x[token] @ W1[e]ᵀ and its activation; an empty tensor for one not stored."""
+def up(x_LD, w1_EFD, token_R, offsets, sched, activation, store_preact, store_act, b1_EF=None, interleaved=False):
+    """(preact (R, F), act (R, H)) = x[token] @ W1[e]ᵀ (+ b1[e]) and its activation; an empty tensor for one not
+    stored. preact's gate/up columns follow W1's rows (interleaved or not)."""
     R, (_, F, D) = token_R.shape[0], w1_EFD.shape
     H = F // 2 if is_gated(activation) else F
     preact = x_LD.new_empty(R, F) if store_preact else x_LD.new_empty(0)
     act = x_LD.new_empty(R, H) if store_act else x_LD.new_empty(0)
     num_tiles = sched[0].shape[0]
-    w1_desc = _desc(w1_EFD.reshape(-1, D) if w1_EFD.is_contiguous() else None)
+    w1_desc = _desc(w1_EFD.reshape(-1, D) if w1_EFD.is_contiguous() and not interleaved else None)
+    b1 = b1_EF if b1_EF is not None else w1_EFD[:, 0]
     _up_kernel[_grid(num_tiles, H)](
-        x_LD, w1_EFD, w1_desc or w1_EFD, preact, act, token_R, sched[0], sched[1], offsets,
-        num_tiles, D, H, x_LD.stride(0), x_LD.stride(1), w1_EFD.stride(0), w1_EFD.stride(1), w1_EFD.stride(2), F, H,
-        GATED=is_gated(activation), ACT=ACT_CODES[activation], STORE_PREACT=store_preact, STORE_ACT=store_act,
+        x_LD, w1_EFD, w1_desc or w1_EFD, b1, preact, act, token_R, sched[0], sched[1], offsets,
+        num_tiles, D, H, x_LD.stride(0), x_LD.stride(1), w1_EFD.stride(0), w1_EFD.stride(1), w1_EFD.stride(2),
+        b1.stride(0), b1.stride(1), F, H, GATED=is_gated(activation), ACT=ACT_CODES[activation],
+        INTERLEAVED=interleaved, HAS_B1=b1_EF is not None, STORE_PREACT=store_preact, STORE_ACT=store_act,
         W1_TMA=w1_desc is not None, BLOCK_M=BLOCK_M, PRECISION=_precision(x_LD.dtype), GROUP_M=GROUP_M)
     return preact, act
 
@@ -71,23 +74,26 @@ def rows_gemm(a, b, b_strides_ekn, n, offsets, sched):
     return c
 
 
-def combine(rows_RD, token_slot_LK, weights_LK, kept, out_dtype):
-    """out[t] = sum_k (w[t, k] *) rows[token_slot[t, k]], (L, D) in out_dtype, fp32 sums in fixed order; slots
-    >= kept[0] (a one-element int32 tensor: the routing's kept rows) add nothing."""
+def combine(rows_RD, token_slot_LK, weights_LK, kept, out_dtype, bias_ED=None, pair_expert_LK=None):
+    """out[t] = sum_k (w[t, k] *) (rows[token_slot[t, k]] (+ bias[pair_expert[t, k]])), (L, D) in out_dtype, fp32
+    sums in fixed order; slots >= kept[0] (a one-element int32 tensor: the routing's kept rows) add nothing."""
     L, K = token_slot_LK.shape
     D = rows_RD.shape[1]
     out = torch.empty(L, D, dtype=out_dtype, device=rows_RD.device)
     bt, bd = (16, 32) if INTERPRET else (16, 256)
+    bias = bias_ED if bias_ED is not None else rows_RD
     launch(_combine_kernel, (triton.cdiv(L, bt), triton.cdiv(D, bd)), rows_RD, token_slot_LK,
-           weights_LK if weights_LK is not None else rows_RD, kept, out, L, D, rows_RD.stride(0), out.stride(0), K=K,
-           WEIGHTED=weights_LK is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
+           weights_LK if weights_LK is not None else rows_RD, kept, bias,
+           pair_expert_LK if pair_expert_LK is not None else token_slot_LK, out, L, D, rows_RD.stride(0),
+           bias.stride(0), bias.stride(1), out.stride(0), K=K, WEIGHTED=weights_LK is not None,
+           HAS_BIAS=bias_ED is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
     return out
 
 
-def weight_grad(p, q, out_shape, token_R, offsets, gather_p, out_dtype):
-    """dW (E, N, P) with dW[e] = P[rows of e]ᵀ Q[rows of e], P = p[token] if gather_p else Q = q[token]."""
-    E, N, P = out_shape
-    dw = torch.empty(out_shape, dtype=out_dtype, device=p.device)
+def weight_grad(p, q, dw, token_R, offsets, gather_p):
+    """dW (E, N, P), written into dw (any strides), with dW[e] = P[rows of e]ᵀ Q[rows of e], P = p[token] if
+    gather_p else Q = q[token]."""
+    E, N, P = dw.shape
     desc = _desc(q if gather_p else p)
     grid = lambda meta: (E * triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(P, meta["BLOCK_P"]),)  # noqa: E731
     _weight_grad_kernel[grid](
@@ -97,9 +103,10 @@ def weight_grad(p, q, out_shape, token_R, offsets, gather_p, out_dtype):
     return dw
 
 
-def down_bwd(dy_LD, w2_EDH, preact, topk_w_LK, token_slot_LK, dpreact, token_R, offsets, sched, activation):
+def down_bwd(dy_LD, w2_EDH, preact, topk_w_LK, token_slot_LK, dpreact, token_R, offsets, sched, activation,
+             interleaved=False):
     """dA' = dy[token] @ W2[e] with the activation's backward in the epilogue: dH into dpreact (may be preact
-    itself); returns s·A (R, H) and the router weights' gradient (L, K)."""
+    itself); returns s·A (R, H) and the router weights' gradient (L, K) without any down-projection bias term."""
     R, (_, D, H) = token_R.shape[0], w2_EDH.shape
     act_scaled = dy_LD.new_empty(R, H)
     w_sorted = torch.empty(R, dtype=torch.float32, device=dy_LD.device)  # router weights in row order
@@ -111,12 +118,12 @@ def down_bwd(dy_LD, w2_EDH, preact, topk_w_LK, token_slot_LK, dpreact, token_R, 
         dy_LD, w2_EDH, w2_desc or w2_EDH, preact, w_sorted, dpreact, act_scaled, ds_part, token_R, sched[0], sched[1],
         offsets, num_tiles, D, H, R, dy_LD.stride(0), dy_LD.stride(1), w2_EDH.stride(0), w2_EDH.stride(1),
         w2_EDH.stride(2), preact.stride(0), H, GATED=is_gated(activation), ACT=ACT_CODES[activation],
-        DS_BLOCK=DS_BLOCK, W2_TMA=w2_desc is not None,
+        INTERLEAVED=interleaved, DS_BLOCK=DS_BLOCK, W2_TMA=w2_desc is not None,
         BLOCK_M=BLOCK_M, PRECISION=_precision(dy_LD.dtype), GROUP_M=GROUP_M)
     return act_scaled, ds_part.sum(0)[token_slot_LK.long()].to(topk_w_LK.dtype)  # dropped pairs: masked by the caller
 
 
-def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_scaled, activation):
+def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_scaled, activation, interleaved=False):
     """From dA' (R, H) and H: dH into dpreact, s·A into act_scaled (either may alias its input); returns dS as
     the router weights' gradient (L, K), in topk_w's dtype."""
     R, H = dact_RH.shape
@@ -125,6 +132,7 @@ def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_sca
     block_r, block_h = (4, 16) if INTERPRET else (8, 256)  # 8x256: 2-4% ahead of 16x256 at B-E (H200)
     launch(_act_bwd_kernel, (triton.cdiv(R, block_r),), dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact,
            act_scaled, dtopk_w, R, H, dact_RH.stride(0), preact.stride(0), act_scaled.stride(0),
-           K=token_slot_LK.shape[1], GATED=is_gated(activation), ACT=ACT_CODES[activation], BLOCK_R=block_r,
+           K=token_slot_LK.shape[1], GATED=is_gated(activation), ACT=ACT_CODES[activation], INTERLEAVED=interleaved,
+           BLOCK_R=block_r,
            BLOCK_H=block_h, num_warps=4)
     return dtopk_w

@@ -1,0 +1,118 @@
+"""What gpt-oss's experts need, on the Triton kernels under the interpreter against the fp64 reference, with
+NaN-poisoned allocations: biases on both projections, gate/up rows interleaved, weights read through transposed
+views (gradients written in the same layout), and the clamped SwiGLU with pre-activations past its limits."""
+import pytest
+import torch
+
+from moeblaze.experts import moe_experts
+from moeblaze.reference import CLAMP_LIMIT, moe_experts_dense, moe_experts_reference
+from moeblaze.routing import build_routing_index
+
+from helpers import random_problem, rel_err
+
+
+def problem(L, D, H, E, K, activation, bias, transposed, scale=1.0, sentinels=0):
+    """x, w1 (E, F, D), w2 (E, D, H) (transposed views of (E, D, F) and (E, H, D) storage where asked), idx, w,
+    b1, b2: every float leaf a fresh fp32 tensor."""
+    x, w1, w2, idx, w = random_problem(L, D, H, E, K, activation)
+    x = x * scale
+    if transposed:
+        w1 = w1.transpose(1, 2).contiguous().transpose(1, 2)
+        w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    b1 = torch.randn(E, w1.shape[1]) if bias else None
+    b2 = torch.randn(E, D) if bias else None
+    if sentinels:
+        idx[torch.randperm(L)[:sentinels], -1] = E  # dropped pairs (expert-parallel sentinels)
+    return x, w1, w2, idx, w, b1, b2
+
+
+def run(L, D, H, E, K, activation="clamped_swiglu", interleaved=True, bias=True, transposed=True,
+        checkpoint="preact", scale=4.0, sentinels=0, chunk_tokens=None):
+    x, w1, w2, idx, w, b1, b2 = problem(L, D, H, E, K, activation, bias, transposed, scale, sentinels)
+    leaves = [t for t in (x, w1, w2, w, b1, b2) if t is not None]
+    ins = [t.detach().requires_grad_() for t in leaves]
+    tri = dict(zip(("x", "w1", "w2", "w", "b1", "b2"), ins + [None] * (6 - len(ins))))
+    routing = build_routing_index(idx, E, sentinels=bool(sentinels))
+    out = moe_experts(tri["x"], routing, tri["w"], tri["w1"], tri["w2"], activation, checkpoint, impl="triton",
+                      chunk_tokens=chunk_tokens, b1=tri["b1"], b2=tri["b2"], interleaved=interleaved)
+    dy = torch.randn_like(out)
+    grads = torch.autograd.grad(out, ins, dy)
+    ref_ins = [t.detach().double().requires_grad_() for t in leaves]
+    ref = dict(zip(("x", "w1", "w2", "w", "b1", "b2"), ref_ins + [None] * (6 - len(ins))))
+    keep = idx < E
+    ref_out = moe_experts_reference(ref["x"], idx.clamp(max=E - 1), ref["w"] * keep, ref["w1"], ref["w2"], activation,
+                                    ref["b1"], ref["b2"], interleaved)
+    ref_grads = torch.autograd.grad(ref_out, ref_ins, dy.double())
+    names = ["out", "dx", "dw1", "dw2", "dtopk_w", "db1", "db2"][:len(ins) + 1]
+    errs = {n: rel_err(a, b) for n, a, b in zip(names, (out,) + grads, (ref_out,) + ref_grads)}
+    if sentinels:  # a dropped pair's router weight gets no gradient
+        assert torch.count_nonzero(grads[3][~keep]) == 0
+    return errs, ins, grads
+
+
+def assert_close(errs, tol=1e-5):
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, f"relative errors over {tol}: {bad}"
+
+
+@pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
+def test_gpt_oss_experts(poison_alloc, checkpoint):
+    """Biases, interleaved gate/up, transposed weights and the clamped SwiGLU together, as gpt-oss has them."""
+    errs, ins, grads = run(45, 40, 24, 6, 2, checkpoint=checkpoint)
+    assert_close(errs)
+    for leaf, g in zip(ins, grads):  # gradients in the leaves' own layouts: no copy to reach the parameter's
+        assert g.stride() == leaf.stride()
+
+
+@pytest.mark.parametrize("activation,interleaved,bias,transposed", [
+    ("swiglu", True, False, False),  # interleaved alone
+    ("swiglu", False, True, False),  # biases alone
+    ("geglu", False, False, True),  # transposed views alone
+    ("gelu", False, True, True),  # a plain activation with biases
+    ("clamped_swiglu", False, False, False),  # the clamped activation alone, gate rows first
+])
+def test_each_feature_alone(poison_alloc, activation, interleaved, bias, transposed):
+    assert_close(run(37, 32, 16, 5, 2, activation, interleaved, bias, transposed, scale=4.0)[0])
+
+
+def test_clamps_are_exercised():
+    """The problems above reach past the clamp limits on both sides, so the clamped branches are tested."""
+    x, w1, _, _, _, b1, _ = problem(45, 40, 24, 6, 2, "clamped_swiglu", True, True, 4.0)
+    h = torch.einsum("ld,efd->lef", x, w1) + b1
+    gate, up = h[..., ::2], h[..., 1::2]
+    assert (gate > CLAMP_LIMIT).any() and (up > CLAMP_LIMIT).any() and (up < -CLAMP_LIMIT).any()
+
+
+def test_sentinels_and_chunks_with_biases(poison_alloc):
+    """Dropped pairs add no bias and get no gradient; chunked runs carry the biases and the layout."""
+    assert_close(run(41, 32, 16, 5, 3, sentinels=9)[0])
+    assert_close(run(41, 32, 16, 5, 3, chunk_tokens=16, checkpoint="recompute")[0])
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_reference_with_biases_matches_dense(interleaved):
+    x, w1, w2, idx, w, b1, b2 = problem(23, 12, 10, 5, 2, "clamped_swiglu", True, True, 4.0)
+    args = [t.double() for t in (x, w1, w2, w, b1, b2)]
+    x, w1, w2, w, b1, b2 = args
+    assert rel_err(moe_experts_reference(x, idx, w, w1, w2, "clamped_swiglu", b1, b2, interleaved),
+                   moe_experts_dense(x, idx, w, w1, w2, "clamped_swiglu", b1, b2, interleaved)) < 1e-12
+
+
+def test_reference_gradcheck_with_biases():
+    x, w1, w2, idx, w, b1, b2 = problem(6, 5, 4, 3, 2, "swiglu", True, False)
+    args = [t.double().requires_grad_() for t in (x, w1, w2, w, b1, b2)]
+    fn = lambda x, w1, w2, w, b1, b2: moe_experts_reference(x, idx, w, w1, w2, "swiglu", b1, b2, True)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(b1=torch.zeros(5, 7)), "b1 must be a tensor of shape"),
+    (dict(b2=torch.zeros(5, 31)), "b2 must be a tensor of shape"),
+    (dict(b2=torch.zeros(5, 32, dtype=torch.float64)), "b2 dtype"),
+    (dict(activation="gelu", interleaved=True), "interleaved gate/up rows need a gated activation"),
+])
+def test_bad_bias_or_layout_is_refused(bad, message):
+    activation = bad.pop("activation", "swiglu")
+    x, w1, w2, idx, w = random_problem(9, 32, 16, 5, 2, activation)
+    with pytest.raises((ValueError, TypeError), match=message):
+        moe_experts(x, build_routing_index(idx, 5), w, w1, w2, activation, **bad)
