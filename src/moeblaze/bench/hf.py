@@ -1,11 +1,14 @@
 """End-to-end training of transformers MoE models on each experts backend (`moeblaze bench --hf`).
 
 Models are built from their published configs (the values below; no download) with random weights and fewer
-layers (LAYERS) so that one GPU holds them with AdamW. Each backend trains the same model (same seed, same
+layers (LAYERS) so that one H200 holds them with AdamW. Each backend trains the same model (same seed, same
 batches) for warmup + timed steps: tokens/s, peak memory, the loss after the last step, and the experts' share of
-the step, measured against the same model whose experts compute nothing (the "skip" backend: zeros, so the
-router, attention, embeddings and optimizer cost what they cost). Then the largest batch (× seq) that still
-trains one step, doubling until out of memory, and one bisection step between the last fit and the first OOM.
+the step, measured against the same model whose experts compute nothing (the "skip" backend: zeros, and zero
+gradients for the experts' weights, so the router, attention, embeddings and the optimizer over every parameter
+cost what they cost). Then the largest batch (× seq) that still trains one step: doubling until out of memory,
+and one step between the last fit and the first failure. With `profile`, one more step per backend under
+torch.profiler: the GPU's busy time (the kernels' time) against the step's wall time (where they differ, the
+host is the limit) and the kernels that take the most.
 
 Memory: one model, its gradients and AdamW state at a time (freed between backends).
 """
@@ -16,7 +19,7 @@ import time
 
 import torch
 
-LAYERS = {"qwen3-30b-a3b": 4, "olmoe-1b-7b": 4, "mixtral-8x7b": 2, "gpt-oss-20b": 4}
+LAYERS = {"qwen3-30b-a3b": 12, "olmoe-1b-7b": 16, "mixtral-8x7b": 2, "gpt-oss-20b": 6}
 BACKENDS = ("eager", "grouped_mm", "batched_mm", "sonicmoe", "moeblaze-preact", "moeblaze-recompute")
 
 
@@ -48,10 +51,17 @@ def model_config(name: str, layers: int | None = None):
     raise ValueError(f"unknown model {name!r}; one of {tuple(LAYERS)}")
 
 
+def _skip_experts(module, hidden_states, top_k_index, top_k_weights):
+    """The "skip" backend: zeros, with zero gradients for the experts' parameters, so that the optimizer updates
+    them as on any other backend and the step differs only by the experts' computation."""
+    zero = sum(p.sum() for p in module.parameters(recurse=False)) * 0
+    return torch.zeros_like(hidden_states) + zero.to(hidden_states.dtype)
+
+
 def _register_skip() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
-    ExpertsInterface.register("skip", lambda module, h, idx, w: torch.zeros_like(h))
+    ExpertsInterface.register("skip", _skip_experts)
 
 
 def _implementation(backend: str) -> tuple[str, str | None]:
@@ -76,6 +86,12 @@ def build(name: str, backend: str, layers: int | None, device: torch.device, see
         mbt.configure(model, checkpoint=policy)
     model.train()
     return model
+
+
+def adamw(model, lr: float = 1e-4) -> torch.optim.AdamW:
+    """AdamW, fused on CUDA (one kernel over all parameters: the foreach form took ~half of Qwen3-30B-A3B's step
+    at 12 layers and batch 1 on an H200)."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, fused=next(model.parameters()).is_cuda)
 
 
 def _batches(vocab: int, batch: int, seq: int, n: int, device: torch.device, seed: int = 1) -> list[torch.Tensor]:
@@ -110,7 +126,7 @@ def train_run(name: str, backend: str, layers: int | None, batch: int, seq: int,
               device: torch.device, lr: float = 1e-4) -> dict:
     """Train warmup + steps steps; the timed steps' tokens/s and step time, peak memory, the losses."""
     model = build(name, backend, layers, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = adamw(model, lr)
     data = _batches(model.config.vocab_size, batch, seq, warmup + steps, device)
     try:
         if device.type == "cuda":
@@ -125,6 +141,34 @@ def train_run(name: str, backend: str, layers: int | None, batch: int, seq: int,
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         return dict(step_ms=step_s * 1e3, tokens_per_s=batch * seq / step_s, peak_gb=peak, loss=float(losses[-1]),
                     losses=[round(float(v), 4) for v in losses], status="ok")
+    finally:
+        del model, opt, data
+        _free()
+
+
+def profile_step(name: str, backend: str, layers: int | None, batch: int, seq: int, device: torch.device,
+                 top: int = 12) -> dict:
+    """One step (after two warmup steps) under torch.profiler: wall ms, kernels' busy ms, the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build(name, backend, layers, device)
+    opt = adamw(model)
+    data = _batches(model.config.vocab_size, batch, seq, 3, device)
+    try:
+        for ids in data[:2]:
+            _step(model, opt, ids)
+        _sync(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            _step(model, opt, data[2])
+            _sync(device)
+            wall = (time.perf_counter() - t0) * 1e3
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not getattr(e, "is_user_annotation", False) and "#" not in e.key]  # ranges, not kernels
+        kernels.sort(key=lambda e: -e.self_device_time_total)
+        busy = sum(e.self_device_time_total for e in kernels) / 1e3
+        return dict(wall_ms=wall, busy_ms=busy, top=[(e.key[:90], round(e.self_device_time_total / 1e3, 2), e.count)
+                                                     for e in kernels[:top]])
     finally:
         del model, opt, data
         _free()
@@ -149,7 +193,7 @@ def max_batch(name: str, backend: str, layers: int | None, seq: int, start: int,
     """The largest batch (sequences of seq tokens) that trains one AdamW step: from start, doubling until out of
     memory or past limit, then one bisection step (1.5x the last fit); 0 where even start does not fit."""
     model = build(name, backend, layers, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = adamw(model)
     try:
         best, b = 0, start
         while b <= limit and _fits(model, opt, b, seq, device):
@@ -164,7 +208,8 @@ def max_batch(name: str, backend: str, layers: int | None, seq: int, start: int,
 
 
 def run_model(name: str, backends, layers: int | None, batch: int, seq: int, warmup: int, steps: int,
-              find_max: bool, max_limit: int, device: torch.device, report=print) -> list[dict]:
+              find_max: bool, max_limit: int, device: torch.device, report=print, profile: bool = False
+              ) -> list[dict]:
     """One model on every backend: a row each (its experts' share against the skip backend's step), then the
     skip backend's own row."""
     _register_skip()
@@ -185,8 +230,12 @@ def run_model(name: str, backends, layers: int | None, batch: int, seq: int, war
             except Exception as e:
                 _free()
                 row["max_batch_status"] = _status(e)
+        if profile and row["status"] == "ok":
+            row["profile"] = profile_step(name, backend, layers, batch, seq, device)
         rows.append(row)
         report(format_row(row))
+        for kernel, ms, count in row.get("profile", {}).get("top", []):
+            report(f"      {ms:8.2f} ms {count:5d}x  {kernel}")
     return rows + [skip]
 
 
@@ -201,7 +250,9 @@ def format_row(r: dict) -> str:
     return (f"  {r['model']:>14} {r['backend']:>18} | {r['tokens_per_s']:>9.0f} tok/s | step {r['step_ms']:8.1f} ms"
             + (f" | peak {peak:6.1f} GB" if peak is not None else "")
             + f" | experts {100 * r.get('experts_share', 0):5.1f}% | loss {r['loss']:.4f}"
-            + (f" | max batch {mb} x {r['seq']}" if mb is not None else ""))
+            + (f" | max batch {mb} x {r['seq']}" if mb is not None else "")
+            + (f" | profiled step {r['profile']['wall_ms']:.1f} ms, GPU busy {r['profile']['busy_ms']:.1f} ms"
+               if r.get("profile") else ""))
 
 
 def markdown(rows: list[dict]) -> str:

@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=4096, help="sequence length for --hf")
     p.add_argument("--batch", type=int, default=1, help="sequences per step for --hf")
     p.add_argument("--hf-steps", type=int, default=10, help="timed steps for --hf (after --warmup)")
+    p.add_argument("--hf-profile", action="store_true",
+                   help="for --hf: one more step per backend under torch.profiler (GPU busy time, top kernels)")
     p.add_argument("--max-batch", type=int, default=0, metavar="LIMIT",
                    help="for --hf: also find each backend's largest batch up to LIMIT sequences (0: skip)")
     p.add_argument("--out", default="benchmarks/results", help="results folder")
@@ -184,7 +186,8 @@ def _run_hf(rec, args, device) -> None:
         print(f"model {name}: {args.hf_layers or hf.LAYERS[name]} layers, batch {args.batch} x {args.seq}", flush=True)
         rows += [rec.add(dict(mode="hf", **r)) for r in hf.run_model(
             name, args.hf_backends.split(","), args.hf_layers, args.batch, args.seq, args.warmup, args.hf_steps,
-            args.max_batch > 0, args.max_batch, device, report=lambda line: print(line, flush=True))]
+            args.max_batch > 0, args.max_batch, device, report=lambda line: print(line, flush=True),
+            profile=args.hf_profile)]
     print(hf.markdown(rows))
 
 
