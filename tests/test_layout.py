@@ -9,10 +9,11 @@ ALLOWED = {
     "reference": set(),
     "routing": {"reference"},
     "experts": {"reference", "routing"},
-    "nn": {"reference", "routing", "experts"},
-    "integrations": {"reference", "routing", "experts", "nn"},
-    "bench": {"reference", "routing", "experts", "nn", "integrations"},
-    "cli": {"reference", "routing", "experts", "nn", "integrations", "bench"},
+    "distributed": {"reference", "routing", "experts"},
+    "nn": {"reference", "routing", "experts", "distributed"},
+    "integrations": {"reference", "routing", "experts", "distributed", "nn"},
+    "bench": {"reference", "routing", "experts", "distributed", "nn", "integrations"},
+    "cli": {"reference", "routing", "experts", "distributed", "nn", "integrations", "bench"},
 }
 
 

@@ -1,0 +1,121 @@
+"""Expert parallelism on the GPUs of one host: the link, an all-to-all bandwidth sweep, then the EP layer against
+one GPU over all ranks' tokens, bitwise (torch.equal) in bf16, on each kernel backend and checkpoint policy, with
+uniform and skewed routing and empty experts. Run with
+
+    torchrun --nproc-per-node 2 scripts/ep_check.py [--tokens 4096] [--out DIR]
+
+The tl kernels are pinned to their first autotune config (each process would otherwise tune on its own and may
+pick another); the Gluon kernels are not autotuned. Rank 0 prints one line per check and writes them to
+DIR/ep_check.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import time
+
+import torch
+import torch.distributed as dist
+
+from moeblaze.distributed import ep_experts
+from moeblaze.experts import launch_counts, moe_experts
+from moeblaze.experts.tl import TUNED_KERNELS
+from moeblaze.routing import build_routing_index
+
+
+def bandwidth(rank: int, world: int, device) -> list[str]:
+    lines = []
+    for mb in (1, 16, 64, 256, 1024):
+        n = mb * 2**20 // 2
+        t = torch.randn(n, dtype=torch.bfloat16, device=device)
+        out = torch.empty_like(t)
+        for _ in range(3):
+            dist.all_to_all_single(out, t)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            dist.all_to_all_single(out, t)
+        torch.cuda.synchronize()
+        s = (time.perf_counter() - t0) / 10
+        sent = mb * (world - 1) / world  # bytes that leave this GPU
+        lines.append(f"all_to_all {mb:5d} MB per rank: {s * 1e3:8.3f} ms, {sent / 1024 / s:7.1f} GB/s out per GPU")
+    return lines
+
+
+def problem(rank: int, world: int, L: int, case: str, device):
+    g = torch.Generator().manual_seed(11)
+    E, D, H, K = 8 * world, 2048, 768, 4
+    x = torch.randn(world * L, D, generator=g)
+    w1 = torch.randn(E, 2 * H, D, generator=g) / D ** 0.5
+    w2 = torch.randn(E, D, H, generator=g) / H ** 0.5
+    pool = E
+    if case == "skewed":
+        pool = 8  # every token to rank 0's experts
+    scores = torch.rand(world * L, pool, generator=g)
+    if case == "empty_experts":
+        scores[:, 1::3] = -1  # a third of the experts never chosen
+    idx = scores.topk(K, dim=1).indices.int()
+    w = torch.rand(world * L, K, generator=g) + 0.1
+    dy = torch.randn(world * L, D, generator=g)
+    return [t.to(device) for t in (x, idx, w, dy)], w1.to(device, torch.bfloat16), w2.to(device, torch.bfloat16)
+
+
+def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: str, device) -> str:
+    (x, idx, w, dy), w1, w2 = problem(rank, world, L, case, device)
+    x, dy = x.bfloat16(), dy.bfloat16()
+    E_loc = w1.shape[0] // world
+    ins = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
+    out_all = moe_experts(ins[0], build_routing_index(idx, w1.shape[0]), ins[1], ins[2], ins[3],
+                          checkpoint=checkpoint, impl="triton", backend=backend)
+    g_all = torch.autograd.grad(out_all, ins, dy)
+    mine, experts = slice(rank * L, (rank + 1) * L), slice(rank * E_loc, (rank + 1) * E_loc)
+    local = [x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_(),
+             w1[experts].clone().requires_grad_(), w2[experts].clone().requires_grad_()]
+    launch_counts.clear()
+    out = ep_experts(local[0], idx[mine], local[1], local[2], local[3], checkpoint=checkpoint, backend=backend)
+    g = torch.autograd.grad(out, local, dy[mine])
+    ran = sorted({b for (_, b) in launch_counts})
+    same = {"out": torch.equal(out, out_all[mine]), "dx": torch.equal(g[0], g_all[0][mine]),
+            "dtopk_w": torch.equal(g[1], g_all[1][mine]), "dw1": torch.equal(g[2], g_all[2][experts]),
+            "dw2": torch.equal(g[3], g_all[3][experts])}
+    flags = torch.tensor([all(same.values())], device=device, dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    bad = [k for k, v in same.items() if not v]
+    return (f"ep={world} {case:>13} {backend:>5} {checkpoint:>9}: "
+            f"{'bitwise equal to one GPU' if flags.item() else 'DIFFERS'} on every rank (kernels ran on {ran})"
+            + (f"; rank {rank} differs in {bad}" if bad else ""))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    for kernel in TUNED_KERNELS.values():  # one config in every process
+        kernel.configs = kernel.configs[:1]
+    lines = []
+    if rank == 0:
+        lines.append(subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout)
+    lines += bandwidth(rank, world, device)
+    backends = ["tl"] + (["gluon"] if torch.cuda.get_device_capability(device)[0] == 9 else [])
+    for case in ("uniform", "skewed", "empty_experts"):
+        for backend in backends:
+            for checkpoint in ("preact", "recompute"):
+                lines.append(check(rank, world, args.tokens, case, backend, checkpoint, device))
+                if rank == 0:
+                    print(lines[-1], flush=True)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "ep_check.txt"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print("\n".join(lines[:7]))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
