@@ -1,6 +1,7 @@
 """Expert parallelism on the GPUs of one host: the link, an all-to-all bandwidth sweep, then the EP layer against
-one GPU over all ranks' tokens, bitwise (torch.equal) in bf16, on each kernel backend and checkpoint policy, with
-uniform and skewed routing and empty experts. Run with
+one GPU over all ranks' tokens, bitwise (torch.equal) in bf16, on each kernel backend, checkpoint policy and dispatch
+mode, with uniform and skewed routing and empty experts; the capacity mode's forward and backward run under
+torch.cuda.set_sync_debug_mode("error"): a host sync would raise. Run with
 
     torchrun --nproc-per-node 2 scripts/ep_check.py [--tokens 4096] [--out DIR]
 
@@ -61,7 +62,8 @@ def problem(rank: int, world: int, L: int, case: str, device):
     return [t.to(device) for t in (x, idx, w, dy)], w1.to(device, torch.bfloat16), w2.to(device, torch.bfloat16)
 
 
-def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: str, device) -> str:
+def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: str, device,
+          dispatch: str = "exact") -> str:
     (x, idx, w, dy), w1, w2 = problem(rank, world, L, case, device)
     x, dy = x.bfloat16(), dy.bfloat16()
     E_loc = w1.shape[0] // world
@@ -73,8 +75,14 @@ def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: st
     local = [x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_(),
              w1[experts].clone().requires_grad_(), w2[experts].clone().requires_grad_()]
     launch_counts.clear()
-    out = ep_experts(local[0], idx[mine], local[1], local[2], local[3], checkpoint=checkpoint, backend=backend)
+    kw = dict(dispatch="capacity", capacity=L * 4) if dispatch == "capacity" else {}  # room for every pair
+    if dispatch == "capacity":  # no host sync anywhere in the layer's forward and backward
+        ep_experts(local[0], idx[mine], local[1], local[2], local[3], checkpoint=checkpoint, backend=backend, **kw)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    out = ep_experts(local[0], idx[mine], local[1], local[2], local[3], checkpoint=checkpoint, backend=backend, **kw)
     g = torch.autograd.grad(out, local, dy[mine])
+    torch.cuda.set_sync_debug_mode(0)
     ran = sorted({b for (_, b) in launch_counts})
     same = {"out": torch.equal(out, out_all[mine]), "dx": torch.equal(g[0], g_all[0][mine]),
             "dtopk_w": torch.equal(g[1], g_all[1][mine]), "dw1": torch.equal(g[2], g_all[2][experts]),
@@ -82,7 +90,7 @@ def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: st
     flags = torch.tensor([all(same.values())], device=device, dtype=torch.int32)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     bad = [k for k, v in same.items() if not v]
-    return (f"ep={world} {case:>13} {backend:>5} {checkpoint:>9}: "
+    return (f"ep={world} {dispatch:>8} {case:>13} {backend:>5} {checkpoint:>9}: "
             f"{'bitwise equal to one GPU' if flags.item() else 'DIFFERS'} on every rank (kernels ran on {ran})"
             + (f"; rank {rank} differs in {bad}" if bad else ""))
 
@@ -103,12 +111,13 @@ def main():
         lines.append(subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout)
     lines += bandwidth(rank, world, device)
     backends = ["tl"] + (["gluon"] if torch.cuda.get_device_capability(device)[0] == 9 else [])
-    for case in ("uniform", "skewed", "empty_experts"):
-        for backend in backends:
-            for checkpoint in ("preact", "recompute"):
-                lines.append(check(rank, world, args.tokens, case, backend, checkpoint, device))
-                if rank == 0:
-                    print(lines[-1], flush=True)
+    for dispatch in ("exact", "capacity"):
+        for case in ("uniform", "skewed", "empty_experts"):
+            for backend in backends:
+                for checkpoint in ("preact", "recompute"):
+                    lines.append(check(rank, world, args.tokens, case, backend, checkpoint, device, dispatch))
+                    if rank == 0:
+                        print(lines[-1], flush=True)
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "ep_check.txt"), "w") as f:

@@ -14,6 +14,7 @@ import torch
 
 import moeblaze.experts
 from moeblaze import ModelConfig, MoELayer, TopKRouter, build_routing_index, moe_experts
+from moeblaze.distributed import ep_experts
 from moeblaze.cli import main
 from moeblaze.cli.checkpoint import load_checkpoint
 
@@ -69,6 +70,8 @@ CASES = [
     ("moe_experts(x, routing, w, w1, w2, b1=torch.zeros(4, 32))", ValueError),
     ("moe_experts(x, routing, w, w1, w2, b2=torch.zeros(4, 16).double())", TypeError),
     ("moe_experts(x, routing, w, w1[:, :32], w2, activation='gelu', interleaved=True)", ValueError),
+    ("ep_experts(x, idx, w, w1, w2, dispatch='alltoall')", ValueError),
+    ("ep_experts(x, idx, w, w1, w2, dispatch='capacity', on_overflow='ignore')", ValueError),
     ("load_checkpoint(damaged)", ValueError),
     ("moeblaze train --steps -5", SystemExit),
     ("moeblaze train --batch-size 0", SystemExit),
@@ -127,7 +130,8 @@ def outcome(call: str, tmp: str) -> tuple[type, str]:
     with open(damaged, "wb") as f:
         f.write(b"moeblaze-checkpoint 1 " + b"0" * 64 + b"\npayload")
     names = dict(torch=torch, MoELayer=MoELayer, TopKRouter=TopKRouter, ModelConfig=ModelConfig,
-                 build_routing_index=build_routing_index, moe_experts=moe_experts, load_checkpoint=load_checkpoint,
+                 build_routing_index=build_routing_index, moe_experts=moe_experts, ep_experts=ep_experts,
+                 load_checkpoint=load_checkpoint,
                  x=x, idx=idx, routing=build_routing_index(idx, 4), w=torch.rand(6, 2), w1=w1, w2=w2,
                  layer=MoELayer(16, 32, 4, 2), damaged=damaged)
     interpret = moeblaze.experts.INTERPRET

@@ -1,7 +1,9 @@
 """Expert parallelism on CPU processes (gloo, 127.0.0.1): the receiver index's order, and the EP layer at 2 and 4
 ranks against one process over all ranks' tokens, bitwise (torch.equal) on the Triton kernels under the
 interpreter (fp32): output, dx, the router weights' gradient and each rank's expert-weight gradients, under both
-checkpoint policies, with skewed routing, empty experts, a rank without tokens and a rank that receives nothing."""
+checkpoint policies and both dispatch modes, with skewed routing, empty experts, a rank without tokens and a rank
+that receives nothing. Capacity overflow: an error by default (every rank), dropped pairs equal to one process
+that drops them, and a tracker's rerun at the capacity it asks for equal to one process."""
 import os
 import socket
 
@@ -9,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moeblaze.distributed import ep_experts, receiver_index
+from moeblaze.distributed import CapacityTracker, ep_experts, receiver_index
 from moeblaze.experts import moe_experts
 from moeblaze.routing import build_routing_index
 
@@ -23,15 +25,18 @@ def _free_port() -> int:
 
 
 def _worker(rank, world, port, cases, errors):
-    """Every (case, checkpoint) in one process group: spawning and importing cost more than the cases."""
+    """Every (case, checkpoint, dispatch) in one process group: spawning and importing cost more than the cases."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        for case, checkpoint in cases:
+        for case, checkpoint, dispatch in cases:
             try:
-                _compare(rank, world, case, checkpoint)
+                if dispatch.startswith("overflow"):
+                    _overflow(rank, world, dispatch)
+                else:
+                    _compare(rank, world, case, checkpoint, dispatch)
             except AssertionError as e:  # reported to the parent, which fails the test; the ranks go on together
-                errors.put(f"rank {rank}, {case}, {checkpoint}: {e}")
+                errors.put(f"rank {rank}, {case}, {checkpoint}, {dispatch}: {e}")
     finally:
         dist.destroy_process_group()
 
@@ -59,30 +64,91 @@ def _problem(world, case):
     return toks, w1, w2
 
 
-def _compare(rank, world, case, checkpoint):
-    toks, w1, w2 = _problem(world, case)
-    E_loc = w1.shape[0] // world
-    # one process over all ranks' tokens
+def _one_process(toks, w1, w2, checkpoint, dropped=None):
+    """out and the gradients (x, w, w1, w2) of one process over all ranks' tokens; `dropped` (pairs) go to no
+    expert, as sentinels."""
     x_all, idx_all, w_all = (torch.cat([t[i] for t in toks]) for i in range(3))
+    E = w1.shape[0]
+    if dropped is not None:
+        idx_all = torch.where(dropped, E, idx_all)
     ins = [t.clone().requires_grad_() for t in (x_all, w_all, w1, w2)]
-    out_all = moe_experts(ins[0], build_routing_index(idx_all, w1.shape[0]), ins[1], ins[2], ins[3],
-                          checkpoint=checkpoint, impl="triton")
+    routing = build_routing_index(idx_all, E, sentinels=dropped is not None)
+    out_all = moe_experts(ins[0], routing, ins[1], ins[2], ins[3], checkpoint=checkpoint, impl="triton")
     dy_all = torch.randn(out_all.shape, generator=torch.Generator().manual_seed(3))
-    g_all = torch.autograd.grad(out_all, ins, dy_all)
-    # this rank's share under expert parallelism
+    return out_all, torch.autograd.grad(out_all, ins, dy_all), dy_all
+
+
+def _ep(rank, world, toks, w1, w2, checkpoint, dy_all, **kw):
+    """out and the gradients (x, w, w1_local, w2_local) of this rank under expert parallelism."""
+    E_loc = w1.shape[0] // world
     lo = sum(len(t[0]) for t in toks[:rank])
     mine = slice(lo, lo + len(toks[rank][0]))
     experts = slice(rank * E_loc, (rank + 1) * E_loc)
     x, idx, w = toks[rank]
     local = [x.clone().requires_grad_(), w.clone().requires_grad_(), w1[experts].clone().requires_grad_(),
              w2[experts].clone().requires_grad_()]
-    out = ep_experts(local[0], idx, local[1], local[2], local[3], checkpoint=checkpoint)
-    g = torch.autograd.grad(out, local, dy_all[mine])
+    out = ep_experts(local[0], idx, local[1], local[2], local[3], checkpoint=checkpoint, **kw)
+    return out, torch.autograd.grad(out, local, dy_all[mine]), mine, experts
+
+
+def _assert_equal(got, want, mine, experts):
+    out, g = got
+    out_all, g_all = want
     assert torch.equal(out, out_all[mine]), "out"
-    for name, a, b in zip(("dx", "dtopk_w"), g[:2], (g_all[0][mine], g_all[1][mine])):
+    for name, a, b in zip(("dx", "dtopk_w", "dw1", "dw2"), g,
+                          (g_all[0][mine], g_all[1][mine], g_all[2][experts], g_all[3][experts])):
         assert torch.equal(a, b), name
-    for name, a, b in zip(("dw1", "dw2"), g[2:], (g_all[2][experts], g_all[3][experts])):
-        assert torch.equal(a, b), name
+
+
+def _compare(rank, world, case, checkpoint, dispatch):
+    toks, w1, w2 = _problem(world, case)
+    out_all, g_all, dy_all = _one_process(toks, w1, w2, checkpoint)
+    kw = dict(dispatch="capacity", capacity=48) if dispatch == "capacity" else {}  # 48: more than any rank sends
+    out, g, mine, experts = _ep(rank, world, toks, w1, w2, checkpoint, dy_all, **kw)
+    _assert_equal((out, g), (out_all, g_all), mine, experts)
+
+
+def _dropped_pairs(toks, E, world, capacity):
+    """(L_all, K) bool: the pairs past `capacity` in their destination's expert order, rank by rank."""
+    E_loc, out = E // world, []
+    for _x, idx, _ in toks:
+        r = build_routing_index(idx, E)
+        first = r.expert_offsets[:-1].view(world, E_loc)[:, 0].long()
+        row = r.token_slot.long()
+        dest = torch.searchsorted(first, row, right=True) - 1
+        out.append(row - first[dest] >= capacity)
+    return torch.cat(out)
+
+
+def _overflow(rank, world, mode):
+    toks, w1, w2 = _problem(world, "skewed")  # every token to rank 0's experts: rank 0 receives the most
+    small = 8
+    if mode == "overflow_error":
+        x, idx, w = toks[rank]
+        E_loc = w1.shape[0] // world
+        try:
+            ep_experts(x, idx, w, w1[:E_loc], w2[:E_loc], dispatch="capacity", capacity=small)
+        except RuntimeError as e:
+            assert "needs more than 8 rows" in str(e), str(e)
+        else:
+            raise AssertionError("an overflow passed silently")
+    elif mode == "overflow_drop":
+        dropped = _dropped_pairs(toks, w1.shape[0], world, small)
+        assert dropped.any()
+        out_all, g_all, dy_all = _one_process(toks, w1, w2, "preact", dropped)
+        out, g, mine, experts = _ep(rank, world, toks, w1, w2, "preact", dy_all, dispatch="capacity",
+                                    capacity=small, on_overflow="drop")
+        _assert_equal((out, g), (out_all, g_all), mine, experts)
+    else:  # a tracker: the step overflows, grows and reruns to the one-process result
+        tracker = CapacityTracker(small)
+        out_all, g_all, dy_all = _one_process(toks, w1, w2, "recompute")
+        _ep(rank, world, toks, w1, w2, "recompute", dy_all, dispatch="capacity", tracker=tracker)
+        assert tracker.overflowed(), "the tracker missed the overflow"
+        assert tracker.grow() >= max(len(t[0]) for t in toks) * 2 and tracker.capacity % 16 == 0
+        out, g, mine, experts = _ep(rank, world, toks, w1, w2, "recompute", dy_all, dispatch="capacity",
+                                    tracker=tracker)
+        assert not tracker.overflowed()
+        _assert_equal((out, g), (out_all, g_all), mine, experts)
 
 
 def _run(world, cases):
@@ -97,12 +163,17 @@ def _run(world, cases):
 
 
 def test_ep2_equals_one_process_bitwise():
-    _run(2, [(case, checkpoint) for case in ("uniform", "skewed", "empty_experts", "empty_rank")
-             for checkpoint in ("preact", "recompute")])
+    _run(2, [(case, checkpoint, dispatch) for case in ("uniform", "skewed", "empty_experts", "empty_rank")
+             for checkpoint in ("preact", "recompute") for dispatch in ("exact", "capacity")])
 
 
 def test_ep4_equals_one_process_bitwise():
-    _run(4, [("empty_experts", "recompute"), ("empty_rank", "preact")])
+    _run(4, [("empty_experts", "recompute", "exact"), ("empty_rank", "preact", "exact"),
+             ("uniform", "recompute", "capacity")])
+
+
+def test_capacity_overflow_is_never_silent():
+    _run(2, [(None, None, "overflow_error"), (None, None, "overflow_drop"), (None, None, "overflow_tracker")])
 
 
 def test_receiver_index_orders_rows_by_expert_then_source():

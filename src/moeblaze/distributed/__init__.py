@@ -1,5 +1,5 @@
-"""Several processes: expert parallelism over torch.distributed (ep). See distributed.ep for the data flow and its
-memory contract."""
-from .ep import ep_experts, receiver_index
+"""Several processes: expert parallelism over torch.distributed (ep). See distributed.ep for the data flow, the
+dispatch modes and the memory contract."""
+from .ep import DISPATCHES, CapacityTracker, ep_experts, receiver_index
 
-__all__ = ["ep_experts", "receiver_index"]
+__all__ = ["DISPATCHES", "CapacityTracker", "ep_experts", "receiver_index"]

@@ -14,15 +14,26 @@ GPU (bitwise the same where the kernels' configs are the same).
 Backward mirrors it: dy[expert_token_idx] and the router weights in row order go to the experts, which return
 dX~ and dS = <dA', A> per row; dx and the router-weight gradient are then the sender's combine and a gather.
 
-exact dispatch: variable split sizes, read on the host once per layer call (one device-to-host sync; backward
-reuses them). Memory kept per layer, beyond the routing indexes (O(L·K + R) int32) and the tile schedule: under
+Dispatch modes:
+  exact     variable split sizes, read on the host once per layer call (one device-to-host sync; backward reuses
+            them); R = the rows actually routed here.
+  capacity  C rows per (source, destination) pair, equal splits: no host sync. A destination's rows past C (in its
+            expert order) are overflow: never silent. on_overflow="error" stops the program (a device-side assert
+            on GPUs), "drop" drops them (they add nothing, as transformers' sentinels), and a CapacityTracker
+            records the rows each destination needed so that the caller can grow C and rerun the step. The
+            receiver's padding rows are dropped pairs of its index (routing.index's sentinels): never computed.
+            R = ep·C.
+Memory kept per layer, beyond the routing indexes (O(L·K + R) int32) and the tile schedule: under
 checkpoint="preact" the received rows R·D and the pre-activation R·F; under "recompute" nothing more: the rows are
-sent again in backward and the pre-activation recomputed. Transient: the send and return buffers (L·K·D each).
+sent again in backward and the pre-activation recomputed. Transient: the send and return buffers (L·K·D each in
+exact mode, ep·C·D in capacity mode).
 
 Legend: ep ranks, E experts (E_loc = E / ep per rank), L tokens and K experts per token on this rank, R rows
 received, D hidden, F rows of W1 per expert.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -30,7 +41,7 @@ import torch.distributed as dist
 from ..experts import CHECKPOINTS, check_backend
 from ..experts.autograd import experts_backward, experts_forward
 from ..experts.dispatch import resolve
-from ..experts.stages import RowPlan, combine
+from ..experts.tl import combine as combine_rows
 from ..reference import check_activation
 from ..routing import RoutingIndex, build_routing_index, check_expert_inputs, check_topk_weights
 
@@ -55,28 +66,96 @@ def receiver_index(counts_SE: torch.Tensor) -> RoutingIndex:
     return RoutingIndex(counts_E.int(), offsets, rows.int(), slot.view(R, 1))
 
 
-def _all_to_all(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """t's rows split by in_splits to the ranks of group; the rows received from each, concatenated."""
-    out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:]))
+def _all_to_all(t: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group) -> torch.Tensor:
+    """t's rows split by in_splits (equal splits where None) to the ranks of group; the rows received."""
+    rows = sum(out_splits) if out_splits is not None else t.shape[0]
+    out = t.new_empty((rows,) + tuple(t.shape[1:]))
     dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
     return out
 
 
-class _Plan:
-    """One EP layer call's routing on both sides: the sender's index and row plan, the split sizes, the
-    receiver's index."""
+class CapacityTracker:
+    """The capacity of capacity-mode dispatch and what the layer calls needed: pass one tracker to every layer's
+    ep_experts call of a step, then, after the step, `overflowed()` (one all-reduce and one host read for the
+    whole step) says whether any destination needed more rows than `capacity`; `grow()` sets the capacity to
+    what was needed (rounded up to `multiple`) for the rerun."""
 
-    def __init__(self, routing: RoutingIndex, ep: int, group):
+    def __init__(self, capacity: int, group=None, multiple: int = 16):
+        if capacity < 1:
+            raise ValueError(f"capacity must be a positive number of rows, got {capacity}")
+        self.capacity, self.group, self.multiple = capacity, group, multiple
+        self.needed: torch.Tensor | None = None
+
+    def record(self, needed: torch.Tensor) -> None:
+        self.needed = needed if self.needed is None else torch.maximum(self.needed, needed)
+
+    def overflowed(self) -> bool:
+        if self.needed is None:
+            return False
+        need = self.needed.clone()
+        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
+        self.needed = need
+        return int(need) > self.capacity
+
+    def grow(self) -> int:
+        need = int(self.needed) if self.needed is not None else self.capacity
+        self.capacity = max(self.capacity, -(-need // self.multiple) * self.multiple)
+        self.needed = None
+        return self.capacity
+
+
+class _Plan:
+    """One EP layer call's routing on both sides. send_pos: the positions, in the sender's expert order, of the
+    rows it sends (one per send-buffer row; padding repeats a valid one); slot_LK and kept: where each pair's
+    returned row lands in the return buffer (slots >= kept: dropped); recv: the receiver's index."""
+
+    def __init__(self, routing: RoutingIndex, ep: int, group, capacity: int | None, on_overflow: str,
+                 tracker: CapacityTracker | None):
         self.routing, self.group = routing, group
         E = routing.num_experts
-        self.send_counts = routing.expert_counts.view(ep, E // ep)
-        recv_counts = torch.empty_like(self.send_counts)
-        dist.all_to_all_single(recv_counts, self.send_counts.contiguous(), group=group)
-        both = torch.stack([self.send_counts.sum(1), recv_counts.sum(1)]).cpu()  # the one host sync
-        self.in_splits, self.out_splits = both[0].tolist(), both[1].tolist()
-        self.recv = receiver_index(recv_counts)
-        self.sender = RowPlan(routing.expert_token_idx, routing.expert_offsets, routing.token_slot,
-                              *RowPlan.build(routing).sched)
+        E_loc, P, dev = E // ep, routing.expert_token_idx.shape[0], routing.token_slot.device
+        send_counts = routing.expert_counts.view(ep, E_loc)
+        if capacity is None:  # exact
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
+            both = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).cpu()  # the one host sync
+            self.in_splits, self.out_splits = both[0].tolist(), both[1].tolist()
+            self.recv = receiver_index(recv_counts)
+            self.send_pos = torch.arange(P, device=dev)
+            self.slot_LK, self.kept = routing.token_slot, routing.expert_offsets[-1:]
+            return
+        per_dest = send_counts.sum(1)  # (ep,) rows for each destination
+        needed = per_dest.max() if P else per_dest.new_zeros(())
+        if tracker is not None:
+            tracker.record(needed)
+        elif on_overflow == "error":
+            _fail_if_any(needed > capacity, group, f"capacity dispatch: a destination needs more than {capacity} "
+                         "rows (raise the capacity factor, pass on_overflow='drop', or use a CapacityTracker)")
+        # rows past C in a destination's expert order are dropped: clip the per-expert counts there
+        cum = send_counts.cumsum(1).clamp(max=capacity)
+        kept_counts = torch.diff(cum, dim=1, prepend=torch.zeros_like(cum[:, :1]))
+        recv_counts = torch.empty_like(kept_counts)
+        dist.all_to_all_single(recv_counts, kept_counts.contiguous(), group=group)
+        self.in_splits = self.out_splits = None
+        first = routing.expert_offsets[:-1].view(ep, E_loc)[:, 0].to(torch.int64)  # each destination's first row
+        j = torch.arange(capacity, device=dev)
+        self.send_pos = (first[:, None] + j).clamp(max=max(P - 1, 0)).flatten()
+        # the receiver's rows: source s's block of C, its first rows by local expert, then padding (id E_loc)
+        ids = torch.searchsorted(recv_counts.cumsum(1).to(torch.int64).contiguous(), j.expand(ep, -1).contiguous(),
+                                 right=True)
+        self.recv = build_routing_index(ids.reshape(-1, 1).int(), E_loc, check=False, sentinels=True)
+        # each pair's row in the return buffer: destination d's block, at its position past d's first row
+        row = routing.token_slot.to(torch.int64)
+        dest = torch.searchsorted(first.contiguous(), row.contiguous(), right=True) - 1
+        pos = row - first[dest]
+        self.kept = torch.full((1,), ep * capacity, dtype=torch.int32, device=dev)
+        self.slot_LK = torch.where(pos < capacity, dest * capacity + pos, ep * capacity).int()
+
+    def send(self, rows_LD: torch.Tensor) -> torch.Tensor:
+        """The send buffer of rows_LD (x or dy): its rows in send order, gathered through the routing index."""
+        if rows_LD.shape[0] == 0:
+            return rows_LD.new_zeros(self.send_pos.shape[0], rows_LD.shape[1])
+        return rows_LD[self.routing.expert_token_idx[self.send_pos].long()]
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         return _all_to_all(rows, self.out_splits, self.in_splits, self.group)
@@ -84,18 +163,35 @@ class _Plan:
     def give_back(self, rows: torch.Tensor) -> torch.Tensor:
         return _all_to_all(rows, self.in_splits, self.out_splits, self.group)
 
+    def combine(self, rows: torch.Tensor, weights_LK, out_dtype) -> torch.Tensor:
+        """The sender's combine of returned rows: sum_k (w[t, k] ·) rows[slot[t, k]], dropped slots adding 0."""
+        return combine_rows(rows, self.slot_LK, weights_LK, self.kept, out_dtype)
+
+
+def _fail_if_any(bad: torch.Tensor, group, message: str) -> None:
+    """A device-side assert on GPUs (no host sync; the program stops, and the other ranks with it). On the CPU,
+    where a host read is free, every rank raises together (one all-reduce), so none is left waiting in the next
+    collective."""
+    if bad.device.type != "cpu":
+        torch._assert_async(~bad, message)
+        return
+    flag = bad.to(torch.int32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag):
+        raise RuntimeError(message)
+
 
 class _EPExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_w, w1, w2, plan: _Plan, activation: str, save: bool, backend: str):
         r = plan.recv
-        recv_x = plan.dispatch(x[plan.routing.expert_token_idx.long()])
+        recv_x = plan.dispatch(plan.send(x))
         ones = recv_x.new_ones(recv_x.shape[0], 1, dtype=torch.float32)
         y, preact, *sched = experts_forward(recv_x, w1, w2, ones, None, None, *r.tensors(), activation, save,
-                                            backend)
+                                            backend, r.dropped)
         ret = plan.give_back(y)
         del y
-        out = (combine(plan.sender, ret, topk_w.float().contiguous(), x.dtype) if x.shape[0] else torch.zeros_like(x))
+        out = plan.combine(ret, topk_w.float().contiguous(), x.dtype) if x.shape[0] else torch.zeros_like(x)
         ctx.plan, ctx.activation, ctx.save, ctx.backend = plan, activation, save, backend
         ctx.save_for_backward(x, topk_w, w1, w2, recv_x if save else x.new_empty(0), preact, *sched)
         return out
@@ -104,41 +200,68 @@ class _EPExperts(torch.autograd.Function):
     def backward(ctx, dout):
         x, topk_w, w1, w2, recv_x, preact, *sched = ctx.saved_tensors
         plan, r = ctx.plan, ctx.plan.recv
-        eti = plan.routing.expert_token_idx.long()
         if not ctx.save:  # "recompute": the rows are sent again
-            recv_x = plan.dispatch(x[eti])
-        dy_recv = plan.dispatch(dout.contiguous()[eti])
-        w_rows = torch.empty(eti.shape[0], dtype=torch.float32, device=x.device)  # router weights in row order
-        w_rows[plan.routing.token_slot.reshape(-1).long()] = topk_w.reshape(-1).float()
-        w_recv = plan.dispatch(w_rows).view(-1, 1)
+            recv_x = plan.dispatch(plan.send(x))
+        dy_recv = plan.dispatch(plan.send(dout.contiguous()))
+        w_rows = torch.zeros(plan.routing.expert_token_idx.shape[0], dtype=torch.float32, device=x.device)
+        w_rows[plan.routing.token_slot.reshape(-1).long()] = topk_w.reshape(-1).float()  # in expert order
+        w_recv = plan.dispatch(w_rows[plan.send_pos] if w_rows.numel() else
+                               w_rows.new_zeros(plan.send_pos.shape[0])).view(-1, 1)
         dx_recv, dw1, dw2, ds_recv, _, _ = experts_backward(
             dy_recv, recv_x, w1, w2, w_recv, None, None, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot,
-            preact, ctx.activation, ctx.save, ctx.backend)
+            preact, ctx.activation, ctx.save, ctx.backend, r.dropped)
         del dy_recv, recv_x
         dx_ret = plan.give_back(dx_recv)
         ds_ret = plan.give_back(ds_recv.view(-1))
-        dx = combine(plan.sender, dx_ret, None, x.dtype) if x.shape[0] else torch.zeros_like(x)
-        dtopk_w = ds_ret[plan.routing.token_slot.long()].to(topk_w.dtype)
+        dx = plan.combine(dx_ret, None, x.dtype) if x.shape[0] else torch.zeros_like(x)
+        slot = plan.slot_LK.long()
+        dtopk_w = (ds_ret[slot.clamp(max=max(ds_ret.shape[0] - 1, 0))] if ds_ret.numel() else
+                   ds_ret.new_zeros(slot.shape))
+        dtopk_w = dtopk_w.masked_fill(slot >= plan.kept, 0).to(topk_w.dtype)
         return dx, dtopk_w, dw1, dw2, None, None, None, None
+
+
+DISPATCHES = ("exact", "capacity")
+OVERFLOW = ("error", "drop")
 
 
 def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1_local: torch.Tensor,
                w2_local: torch.Tensor, group=None, activation: str = "swiglu", checkpoint: str = "preact",
-               backend: str = "auto", index_method: str = "auto") -> torch.Tensor:
+               backend: str = "auto", index_method: str = "auto", dispatch: str = "exact",
+               capacity_factor: float = 1.25, capacity: int | None = None, on_overflow: str = "error",
+               tracker: CapacityTracker | None = None) -> torch.Tensor:
     """The experts' combined output (L, D) for this rank's tokens x (L, D), routed to global expert ids topk_idx
     (L, K) with weights (L, K), over the experts sharded across `group` (default: the world): this rank holds
     experts [rank · E_loc, (rank + 1) · E_loc) as w1_local (E_loc, F, D) and w2_local (E_loc, D, H). Every rank of
     the group must call it (a rank without tokens passes L = 0). Differentiable in x, topk_weights and the local
-    weights. The Triton kernels run the experts (impl "triton": a GPU, or the interpreter on the CPU)."""
+    weights. The Triton kernels run the experts (a GPU, or the interpreter on the CPU).
+
+    dispatch="capacity": C rows per (source, destination) pair, the same on every rank: `capacity`, or
+    tracker.capacity, or ⌈capacity_factor · L · K / ep⌉ rounded up to 16 (then every rank must have the same L).
+    Overflow (a destination needing more than C rows): with a tracker, recorded for the caller's rerun (and
+    dropped in this call); otherwise on_overflow "error" (default) or "drop"."""
     check_activation(activation)
     if checkpoint not in CHECKPOINTS:
         raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
     check_backend(backend)
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+    if on_overflow not in OVERFLOW:
+        raise ValueError(f"on_overflow must be one of {OVERFLOW}, got {on_overflow!r}")
     ep = dist.get_world_size(group)
     E = w1_local.shape[0] * ep
     check_expert_inputs(x, w1_local, w2_local, activation)
     routing = build_routing_index(topk_idx, E, index_method)
     check_topk_weights(topk_weights, routing.token_slot)
-    plan = _Plan(routing, ep, group)
+    C = None
+    if dispatch == "capacity":
+        C = capacity if capacity is not None else tracker.capacity if tracker is not None else None
+        if C is None:
+            if not capacity_factor > 0:
+                raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+            C = -(-max(1, math.ceil(capacity_factor * topk_idx.numel() / ep)) // 16) * 16
+        if C < 1:
+            raise ValueError(f"capacity must be a positive number of rows, got {C}")
+    plan = _Plan(routing, ep, group, C, on_overflow, tracker)
     return _EPExperts.apply(x, topk_weights, w1_local, w2_local, plan, activation, checkpoint == "preact",
                             resolve(backend, x.device))
