@@ -63,3 +63,14 @@ def test_model_forward_and_short_training_lowers_loss():
         losses.append(loss.item())
     assert logits.shape == (8, 16, 256)
     assert losses[-1] < 0.7 * losses[0]
+
+
+def test_state_dicts_with_the_earlier_expert_keys_load():
+    """Before the experts submodule, w1 and w2 were the layer's own parameters: such state dicts still load."""
+    layer = MoELayer(24, 16, 4, 2)
+    old = {("w1" if k == "experts.w1" else "w2" if k == "experts.w2" else k): v.clone() + 1
+           for k, v in layer.state_dict().items()}
+    assert "w1" in old and "experts.w1" not in old
+    fresh = MoELayer(24, 16, 4, 2)
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.experts.w1, old["w1"]) and torch.equal(fresh.w2, old["w2"])

@@ -1,5 +1,5 @@
 """nn.Modules: the MoE layer, the MoE transformer block and a small MoE language model."""
 from .model import CausalSelfAttention, ModelConfig, MoEBlock, MoEModel
-from .moe import MoELayer, MoEOutput
+from .moe import Experts, MoELayer, MoEOutput
 
-__all__ = ["CausalSelfAttention", "ModelConfig", "MoEBlock", "MoEModel", "MoELayer", "MoEOutput"]
+__all__ = ["CausalSelfAttention", "Experts", "ModelConfig", "MoEBlock", "MoEModel", "MoELayer", "MoEOutput"]

@@ -1,4 +1,5 @@
-"""MoELayer: router + routing index + experts + combine, as one nn.Module.
+"""MoELayer: router + routing index + experts + combine, as one nn.Module; the experts' weights and their
+computation are a submodule of their own (Experts), so that FSDP2 shards and gathers them as one unit.
 
 Memory contract: the router's (L, E) fp32 logits (as in every MoE), the routing index (O(L·K) int32)
 and what the expert implementation keeps (see experts/autograd.py: the pre-activation under
@@ -25,13 +26,47 @@ class MoEOutput(NamedTuple):
     z_loss: torch.Tensor  # router z-loss (unscaled)
 
 
-class MoELayer(nn.Module):
-    """Token-choice top-k MoE feed-forward layer, dropless.
+class Experts(nn.Module):
+    """The experts: w1 (E, F, D) with F = 2·d_expert (gate rows first) for gated activations and d_expert for
+    plain ones, w2 (E, D, d_expert), and their computation (moeblaze.experts.moe_experts) on a routing index."""
 
-    Weights: w1 (E, F, D) with F = 2·d_expert (gate rows first) for gated activations and d_expert for
-    plain ones; w2 (E, D, d_expert). impl: "auto" (Triton on CUDA, the PyTorch reference elsewhere),
-    "triton" or "reference". checkpoint: "preact" or "recompute". index_method: "auto", "dense" or "sort".
-    backend: the Triton kernels' backend, "auto", "tl" or "gluon" (see moeblaze.experts.dispatch).
+    def __init__(self, d_model: int, d_expert: int, num_experts: int, activation: str = "swiglu",
+                 impl: str = "auto", checkpoint: str = "preact", chunk_tokens: int | None = None,
+                 backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        self.d_model, self.d_expert, self.num_experts = d_model, d_expert, num_experts
+        self.activation, self.impl, self.checkpoint = activation, impl, checkpoint
+        self.chunk_tokens, self.backend = chunk_tokens, backend
+        F = up_width(activation, d_expert)
+        self.w1 = nn.Parameter(torch.empty(num_experts, F, d_model, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w1, std=1.0 / math.sqrt(self.d_model))
+        nn.init.normal_(self.w2, std=1.0 / math.sqrt(self.d_expert))
+
+    def forward(self, x_LD: torch.Tensor, routing, topk_weights: torch.Tensor) -> torch.Tensor:
+        w1, w2 = self.w1, self.w2
+        if torch.is_autocast_enabled(x_LD.device.type):  # the experts run in the autocast dtype, like nn.Linear
+            dt = torch.get_autocast_dtype(x_LD.device.type)
+            x_LD, w1, w2 = x_LD.to(dt), w1.to(dt), w2.to(dt)
+        return moe_experts(x_LD, routing, topk_weights, w1, w2, self.activation, self.checkpoint, self.impl,
+                           check=False, chunk_tokens=self.chunk_tokens, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "
+                f"activation={self.activation}, impl={self.impl}, checkpoint={self.checkpoint}")
+
+
+class MoELayer(nn.Module):
+    """Token-choice top-k MoE feed-forward layer, dropless: a router (`router`) and the experts (`experts`).
+
+    Weights: experts.w1 (E, F, D) with F = 2·d_expert (gate rows first) for gated activations and d_expert for
+    plain ones; experts.w2 (E, D, d_expert) (also reachable as layer.w1, layer.w2; state dicts saved with
+    the earlier top-level keys "w1", "w2" load). impl: "auto" (Triton on CUDA, the PyTorch reference
+    elsewhere), "triton" or "reference". checkpoint: "preact" or "recompute". index_method: "auto", "dense" or
+    "sort". backend: the Triton kernels' backend, "auto", "tl" or "gluon" (see moeblaze.experts.dispatch).
     chunk_tokens: process the experts in token chunks of this size (see moeblaze.experts.moe_experts).
     """
 
@@ -50,18 +85,19 @@ class MoELayer(nn.Module):
         check_choice("index_method", index_method, METHODS)
         resolve_impl(impl, torch.device("cpu"))
         check_backend(backend)
-        self.d_model, self.d_expert, self.num_experts, self.top_k = d_model, d_expert, num_experts, top_k
-        self.activation, self.impl, self.checkpoint, self.index_method = activation, impl, checkpoint, index_method
-        self.chunk_tokens, self.backend = chunk_tokens, backend
+        self.d_model, self.num_experts, self.top_k, self.index_method = d_model, num_experts, top_k, index_method
         self.router = TopKRouter(d_model, num_experts, top_k, scoring, renormalize, device=device)
-        F = up_width(activation, d_expert)
-        self.w1 = nn.Parameter(torch.empty(num_experts, F, d_model, device=device, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, device=device, dtype=dtype))
-        self.reset_parameters()
+        self.experts = Experts(d_model, d_expert, num_experts, activation, impl, checkpoint, chunk_tokens, backend,
+                               device, dtype)
+        self._register_load_state_dict_pre_hook(_earlier_expert_keys)
 
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.w1, std=1.0 / math.sqrt(self.d_model))
-        nn.init.normal_(self.w2, std=1.0 / math.sqrt(self.d_expert))
+    @property
+    def w1(self) -> nn.Parameter:
+        return self.experts.w1
+
+    @property
+    def w2(self) -> nn.Parameter:
+        return self.experts.w2
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
         if not isinstance(x, torch.Tensor):
@@ -73,14 +109,15 @@ class MoELayer(nn.Module):
         x_LD = x.reshape(-1, self.d_model)
         r = self.router(x_LD)
         routing = build_routing_index(r.topk_idx, self.num_experts, self.index_method, check=False)
-        w1, w2 = self.w1, self.w2
-        if torch.is_autocast_enabled(x.device.type):  # the experts run in the autocast dtype, like nn.Linear
-            dt = torch.get_autocast_dtype(x.device.type)
-            x_LD, w1, w2 = x_LD.to(dt), w1.to(dt), w2.to(dt)
-        out = moe_experts(x_LD, routing, r.topk_weights, w1, w2, self.activation, self.checkpoint, self.impl,
-                          check=False, chunk_tokens=self.chunk_tokens, backend=self.backend)
+        out = self.experts(x_LD, routing, r.topk_weights)
         return MoEOutput(out.view(x.shape), r.aux_loss, r.z_loss)
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "
-                f"top_k={self.top_k}, activation={self.activation}, impl={self.impl}, checkpoint={self.checkpoint}")
+        return f"top_k={self.top_k}, index_method={self.index_method}"
+
+
+def _earlier_expert_keys(state_dict, prefix, *_args) -> None:
+    """State dicts from before the experts submodule kept w1 and w2 on the layer: rename them."""
+    for name in ("w1", "w2"):
+        if prefix + name in state_dict:
+            state_dict[prefix + "experts." + name] = state_dict.pop(prefix + name)
