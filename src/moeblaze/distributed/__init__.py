@@ -1,5 +1,8 @@
-"""Several processes: expert parallelism over torch.distributed (ep). See distributed.ep for the data flow, the
-dispatch modes and the memory contract."""
+"""Several processes: expert parallelism over torch.distributed (ep) and FSDP2 on a 2-D mesh with it. See
+distributed.ep for the data flow, the dispatch modes and the memory contract; distributed.fsdp for the mesh, the
+units and the gradient scale."""
 from .ep import DISPATCHES, CapacityTracker, ep_experts, receiver_index
+from .fsdp import data_parallel_size, parallelize, shard_experts
 
-__all__ = ["DISPATCHES", "CapacityTracker", "ep_experts", "receiver_index"]
+__all__ = ["DISPATCHES", "CapacityTracker", "data_parallel_size", "ep_experts", "parallelize", "receiver_index",
+           "shard_experts"]

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..args import check_choice, check_int
+from ..distributed import ep_experts
 from ..experts import CHECKPOINTS, check_backend, moe_experts, resolve_impl
 from ..reference import check_activation, up_width
 from ..routing import METHODS, TopKRouter, build_routing_index
@@ -28,15 +29,18 @@ class MoEOutput(NamedTuple):
 
 class Experts(nn.Module):
     """The experts: w1 (E, F, D) with F = 2·d_expert (gate rows first) for gated activations and d_expert for
-    plain ones, w2 (E, D, d_expert), and their computation (moeblaze.experts.moe_experts) on a routing index."""
+    plain ones, w2 (E, D, d_expert), and their computation on a top-k routing: moeblaze.experts.moe_experts, or,
+    once moeblaze.distributed.shard_experts has given the module its ep group and its E / ep experts,
+    moeblaze.distributed.ep_experts (ep_kwargs: its dispatch settings)."""
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, activation: str = "swiglu",
                  impl: str = "auto", checkpoint: str = "preact", chunk_tokens: int | None = None,
-                 backend: str = "auto", device=None, dtype=None):
+                 backend: str = "auto", index_method: str = "auto", device=None, dtype=None):
         super().__init__()
         self.d_model, self.d_expert, self.num_experts = d_model, d_expert, num_experts
         self.activation, self.impl, self.checkpoint = activation, impl, checkpoint
-        self.chunk_tokens, self.backend = chunk_tokens, backend
+        self.chunk_tokens, self.backend, self.index_method = chunk_tokens, backend, index_method
+        self.ep_group, self.ep_kwargs = None, {}
         F = up_width(activation, d_expert)
         self.w1 = nn.Parameter(torch.empty(num_experts, F, d_model, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, device=device, dtype=dtype))
@@ -46,11 +50,15 @@ class Experts(nn.Module):
         nn.init.normal_(self.w1, std=1.0 / math.sqrt(self.d_model))
         nn.init.normal_(self.w2, std=1.0 / math.sqrt(self.d_expert))
 
-    def forward(self, x_LD: torch.Tensor, routing, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_LD: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.w1, self.w2
         if torch.is_autocast_enabled(x_LD.device.type):  # the experts run in the autocast dtype, like nn.Linear
             dt = torch.get_autocast_dtype(x_LD.device.type)
             x_LD, w1, w2 = x_LD.to(dt), w1.to(dt), w2.to(dt)
+        if self.ep_group is not None:
+            return ep_experts(x_LD, topk_idx, topk_weights, w1, w2, self.ep_group, self.activation, self.checkpoint,
+                              self.backend, self.index_method, **self.ep_kwargs)
+        routing = build_routing_index(topk_idx, self.num_experts, self.index_method, check=False)
         return moe_experts(x_LD, routing, topk_weights, w1, w2, self.activation, self.checkpoint, self.impl,
                            check=False, chunk_tokens=self.chunk_tokens, backend=self.backend)
 
@@ -85,10 +93,10 @@ class MoELayer(nn.Module):
         check_choice("index_method", index_method, METHODS)
         resolve_impl(impl, torch.device("cpu"))
         check_backend(backend)
-        self.d_model, self.num_experts, self.top_k, self.index_method = d_model, num_experts, top_k, index_method
+        self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
         self.router = TopKRouter(d_model, num_experts, top_k, scoring, renormalize, device=device)
         self.experts = Experts(d_model, d_expert, num_experts, activation, impl, checkpoint, chunk_tokens, backend,
-                               device, dtype)
+                               index_method, device, dtype)
         self._register_load_state_dict_pre_hook(_earlier_expert_keys)
 
     @property
@@ -108,12 +116,11 @@ class MoELayer(nn.Module):
             raise ValueError(f"expected last dimension {self.d_model}, got input of shape {tuple(x.shape)}")
         x_LD = x.reshape(-1, self.d_model)
         r = self.router(x_LD)
-        routing = build_routing_index(r.topk_idx, self.num_experts, self.index_method, check=False)
-        out = self.experts(x_LD, routing, r.topk_weights)
+        out = self.experts(x_LD, r.topk_idx, r.topk_weights)
         return MoEOutput(out.view(x.shape), r.aux_loss, r.z_loss)
 
     def extra_repr(self) -> str:
-        return f"top_k={self.top_k}, index_method={self.index_method}"
+        return f"top_k={self.top_k}"
 
 
 def _earlier_expert_keys(state_dict, prefix, *_args) -> None:

@@ -1,0 +1,69 @@
+"""FSDP2 with expert parallelism on a 2-D device mesh (efsdp × ep; ep the inner dimension, on one host's links).
+
+    mesh = init_device_mesh("cuda", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    parallelize(model, mesh)      # then: loss / data_parallel_size(mesh), backward, step
+
+shard_experts keeps, on each rank, its ep group's slice of every experts module's weights (E / ep experts, plain
+tensors) and routes that module through ep_experts. parallelize then makes every experts module an FSDP2 unit on
+the efsdp dimension (when it has more than one rank; else the expert weights stay as they are, outside FSDP) and
+every block a unit on the whole data-parallel group, the root last.
+
+Gradient scale (pytorch #160285): expert gradients already sum over the ep group (each rank's experts see every
+rank's tokens), while FSDP2 would average over efsdp only. So every unit sums (set_gradient_divide_factor(1.0),
+set_force_sum_reduction_for_comms(True)) and the loss is divided by the data-parallel size: every gradient is
+then that of the global mean loss, as on one process.
+
+Memory: each rank holds 1 / ep of the expert weights, then 1 / efsdp of that between forward and backward (FSDP2),
+and 1 / world of the dense weights; a unit's full weights exist only while it runs.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def _experts_modules(model: nn.Module):
+    return [m for m in model.modules() if hasattr(m, "ep_group") and hasattr(m, "w1") and hasattr(m, "w2")]
+
+
+def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, **ep_kwargs) -> int:
+    """Keep this rank's E / ep experts of every experts module and route them through ep_experts on ep_mesh's
+    group (ep_kwargs: dispatch, capacity_factor, on_overflow, ...); the number of modules sharded."""
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    mods = _experts_modules(model)
+    for m in mods:
+        E = m.w1.shape[0]
+        if E % ep:
+            raise ValueError(f"{E} experts do not split over ep = {ep} ranks")
+        lo, hi = rank * (E // ep), (rank + 1) * (E // ep)
+        m.w1 = nn.Parameter(m.w1.detach()[lo:hi].clone())
+        m.w2 = nn.Parameter(m.w2.detach()[lo:hi].clone())
+        m.ep_group, m.ep_kwargs = ep_mesh.get_group(), dict(ep_kwargs)
+    return len(mods)
+
+
+def data_parallel_size(mesh: DeviceMesh) -> int:
+    return mesh.size()
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
+                **ep_kwargs) -> nn.Module:
+    """Expert parallelism on mesh["ep"] and FSDP2 on the rest (see the module header); returns the model."""
+    mp = mp_policy or MixedPrecisionPolicy()
+    shard_experts(model, mesh["ep"], **ep_kwargs)
+    dp = init_device_mesh(mesh.device_type, (mesh.size(),), mesh_dim_names=("dp",))
+    efsdp = mesh["efsdp"]
+    units, ignored = [], set()
+    for m in _experts_modules(model):
+        if efsdp.size() > 1:
+            units.append(fully_shard(m, mesh=efsdp, mp_policy=mp))
+        else:
+            ignored |= set(m.parameters())
+    for block in getattr(model, "blocks", []):
+        units.append(fully_shard(block, mesh=dp, mp_policy=mp, ignored_params=ignored & set(block.parameters())))
+    units.append(fully_shard(model, mesh=dp, mp_policy=mp, ignored_params=ignored))
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    return model
