@@ -44,3 +44,12 @@ def test_published_configs_build(name):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf.model_config(name), dtype=torch.bfloat16)
     assert model.config.num_hidden_layers == hf.LAYERS[name]
+
+
+def test_the_sonicmoe_adapter_refuses_what_it_would_compute_differently():
+    cfg = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_local_experts=4,
+                                    num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=8, layer_types=["full_attention"])
+    experts = transformers.AutoModelForCausalLM.from_config(cfg).model.layers[0].mlp.experts
+    with pytest.raises(NotImplementedError, match="SwiGLU experts in the default layout only"):
+        hf._sonicmoe_experts(experts, torch.randn(3, 32), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))

@@ -21,6 +21,9 @@ import torch
 
 LAYERS = {"qwen3-30b-a3b": 12, "olmoe-1b-7b": 16, "mixtral-8x7b": 2, "gpt-oss-20b": 6}
 BACKENDS = ("eager", "grouped_mm", "batched_mm", "sonicmoe", "moeblaze-preact", "moeblaze-recompute")
+# SonicMoE through its own functional API (the wheel), for where transformers' "sonicmoe" backend can't load (it
+# fetches its kernels from the Hub): not run by default
+ADAPTERS = ("sonicmoe-adapter",)
 
 
 def model_config(name: str, layers: int | None = None):
@@ -58,10 +61,34 @@ def _skip_experts(module, hidden_states, top_k_index, top_k_weights):
     return torch.zeros_like(hidden_states) + zero.to(hidden_states.dtype)
 
 
-def _register_skip() -> None:
+def _sonicmoe_experts(module, hidden_states, top_k_index, top_k_weights):
+    """SonicMoE's moe_general_routing_inputs on an experts module in transformers' default layout with SwiGLU
+    (gate rows first, no biases); anything else raises rather than computing another function."""
+    from ..integrations.transformers import activation_of
+
+    spec, reason = activation_of(module)
+    if reason is not None or spec != ("swiglu", False) or getattr(module, "has_bias", False) or \
+            getattr(module, "is_transposed", False):
+        raise NotImplementedError(f"the SonicMoE adapter takes SwiGLU experts in the default layout only "
+                                  f"({reason or spec})")
+    import sonicmoe
+    from sonicmoe.enums import ActivationType
+
+    T, K = top_k_index.shape
+    tokens = torch.arange(T, device=hidden_states.device, dtype=torch.int32).repeat_interleave(K)
+    out, _ = sonicmoe.moe_general_routing_inputs(
+        hidden_states, top_k_weights.reshape(-1).float(), tokens, top_k_index.reshape(-1).int(),
+        module.gate_up_proj.permute(1, 2, 0), None, module.down_proj.permute(1, 2, 0), None, module.num_experts,
+        torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU, False, True)
+    return out.to(hidden_states.dtype)
+
+
+def _register_backends() -> None:
+    """The skip backend and the SonicMoE adapter, as transformers experts implementations."""
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register("skip", _skip_experts)
+    ExpertsInterface.register("sonicmoe-adapter", _sonicmoe_experts)
 
 
 def _implementation(backend: str) -> tuple[str, str | None]:
@@ -212,7 +239,7 @@ def run_model(name: str, backends, layers: int | None, batch: int, seq: int, war
               ) -> list[dict]:
     """One model on every backend: a row each (its experts' share against the skip backend's step), then the
     skip backend's own row."""
-    _register_skip()
+    _register_backends()
     base = dict(model=name, layers=layers or LAYERS[name], batch=batch, seq=seq, steps=steps)
     skip = dict(base, backend="skip", **train_run(name, "skip", layers, batch, seq, warmup, steps, device))
     rows = []

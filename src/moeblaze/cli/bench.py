@@ -59,7 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="end to end: train transformers models (comma list of qwen3-30b-a3b, olmoe-1b-7b, "
                         "mixtral-8x7b, gpt-oss-20b; published configs, random weights, fewer layers) with AdamW in "
                         "bf16 on each experts backend (--hf-backends); see moeblaze.bench.hf")
-    p.add_argument("--hf-backends", default=",".join(HF_BACKENDS), help="experts backends for --hf")
+    p.add_argument("--hf-backends", default=",".join(HF_BACKENDS),
+                   help="experts backends for --hf; also sonicmoe-adapter (SonicMoE's own API from its wheel, for "
+                        "where transformers' sonicmoe backend can't fetch its kernels)")
     p.add_argument("--hf-layers", type=int, default=None, help="layers per model for --hf (default: bench.hf.LAYERS)")
     p.add_argument("--seq", type=int, default=4096, help="sequence length for --hf")
     p.add_argument("--batch", type=int, default=1, help="sequences per step for --hf")
