@@ -235,14 +235,16 @@ def max_batch(name: str, backend: str, layers: int | None, seq: int, start: int,
 
 
 def run_model(name: str, backends, layers: int | None, batch: int, seq: int, warmup: int, steps: int,
-              find_max: bool, max_limit: int, device: torch.device, report=print, profile: bool = False
+              find_max: bool, max_limit: int, device: torch.device, report=None, profile: bool = False
               ) -> list[dict]:
-    """One model on every backend: a row each (its experts' share against the skip backend's step), then the
-    skip backend's own row."""
+    """One model on every backend: the skip backend's row first, then a row per backend (its experts' share
+    against the skip backend's step), each handed to report (when given) as soon as it is measured."""
     _register_backends()
     base = dict(model=name, layers=layers or LAYERS[name], batch=batch, seq=seq, steps=steps)
     skip = dict(base, backend="skip", **train_run(name, "skip", layers, batch, seq, warmup, steps, device))
-    rows = []
+    rows = [skip]
+    if report:
+        report(skip)
     for backend in backends:
         row = dict(base, backend=backend)
         try:
@@ -260,10 +262,9 @@ def run_model(name: str, backends, layers: int | None, batch: int, seq: int, war
         if profile and row["status"] == "ok":
             row["profile"] = profile_step(name, backend, layers, batch, seq, device)
         rows.append(row)
-        report(format_row(row))
-        for kernel, ms, count in row.get("profile", {}).get("top", []):
-            report(f"      {ms:8.2f} ms {count:5d}x  {kernel}")
-    return rows + [skip]
+        if report:
+            report(row)
+    return rows
 
 
 def _status(e: BaseException) -> str:
@@ -273,6 +274,8 @@ def _status(e: BaseException) -> str:
 def format_row(r: dict) -> str:
     if r.get("status") != "ok":
         return f"  {r['model']:>14} {r['backend']:>18} | {r.get('status')}"
+    if r["backend"] == "skip":
+        return f"  {r['model']:>14} {'skip (no experts)':>18} | step {r['step_ms']:8.1f} ms"
     mb, peak = r.get("max_batch"), r.get("peak_gb")
     return (f"  {r['model']:>14} {r['backend']:>18} | {r['tokens_per_s']:>9.0f} tok/s | step {r['step_ms']:8.1f} ms"
             + (f" | peak {peak:6.1f} GB" if peak is not None else "")

@@ -184,12 +184,17 @@ def _run_hf(rec, args, device) -> None:
     if device.type != "cuda":
         raise UsageError("--hf trains models at their real widths: it needs a CUDA GPU")
     rows = []
+
+    def report(row: dict) -> None:  # each row recorded as soon as it is measured
+        rows.append(rec.add(dict(mode="hf", **row)))
+        print(hf.format_row(row), flush=True)
+        for kernel, ms, count in row.get("profile", {}).get("top", []):
+            print(f"      {ms:8.2f} ms {count:5d}x  {kernel}", flush=True)
+
     for name in args.hf.split(","):
         print(f"model {name}: {args.hf_layers or hf.LAYERS[name]} layers, batch {args.batch} x {args.seq}", flush=True)
-        rows += [rec.add(dict(mode="hf", **r)) for r in hf.run_model(
-            name, args.hf_backends.split(","), args.hf_layers, args.batch, args.seq, args.warmup, args.hf_steps,
-            args.max_batch > 0, args.max_batch, device, report=lambda line: print(line, flush=True),
-            profile=args.hf_profile)]
+        hf.run_model(name, args.hf_backends.split(","), args.hf_layers, args.batch, args.seq, args.warmup,
+                     args.hf_steps, args.max_batch > 0, args.max_batch, device, report=report, profile=args.hf_profile)
     print(hf.markdown(rows))
 
 
