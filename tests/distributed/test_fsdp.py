@@ -2,7 +2,7 @@
 gives every parameter the gradient of one process over the global batch (the mean loss), within fp32 tolerance,
 at ep = 2 (efsdp = 1: the expert weights outside FSDP) and at efsdp = 2 × ep = 2 (4 ranks: the expert weights
 FSDP-sharded as well). This is the gradient-scale pitfall's test: without the recipe the expert gradients come
-out ep times too large."""
+out ep times too large. Gradient clipping by the global norm across the meshes matches one process's clipping."""
 import os
 import socket
 
@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from moeblaze import ModelConfig, MoEModel
-from moeblaze.distributed import data_parallel_size, parallelize
+from moeblaze.distributed import clip_grad_norm_, data_parallel_size, parallelize
 
 TOL = 1e-5
 
@@ -40,14 +40,19 @@ def _worker(rank, world, ep, port, errors):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         ids = torch.randint(0, 32, (2 * world, 8), generator=torch.Generator().manual_seed(1))
-        ref = _model()  # one process over the global batch
+        ref = _model()  # one process over the global batch, its gradients clipped to a norm below theirs
         _loss(ref, ids).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        assert ref_norm > 0.05
         want = {n: p.grad for n, p in ref.named_parameters()}
         model = _model()
         mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
         parallelize(model, mesh)
         mine = ids[2 * rank: 2 * rank + 2]
         (_loss(model, mine) / data_parallel_size(mesh)).backward()
+        norm = clip_grad_norm_(model.parameters(), 0.05)
+        if not abs(float(norm) - float(ref_norm)) <= TOL * float(ref_norm):
+            errors.put(f"rank {rank}: global norm {float(norm)} against one process's {float(ref_norm)}")
         E_loc, e0 = 4 // ep, mesh["ep"].get_local_rank() * (4 // ep)
         bad = []
         for n, p in model.named_parameters():

@@ -1,7 +1,7 @@
 """FSDP2 with expert parallelism on a 2-D device mesh (efsdp × ep; ep the inner dimension, on one host's links).
 
     mesh = init_device_mesh("cuda", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
-    parallelize(model, mesh)      # then: loss / data_parallel_size(mesh), backward, step
+    parallelize(model, mesh)      # then: loss / data_parallel_size(mesh), backward, clip_grad_norm_, step
 
 shard_experts keeps, on each rank, its ep group's slice of every experts module's weights (E / ep experts, plain
 tensors) and routes that module through ep_experts. parallelize then makes every experts module an FSDP2 unit on
@@ -18,9 +18,12 @@ and 1 / world of the dense weights; a unit's full weights exist only while it ru
 """
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 
 def _experts_modules(model: nn.Module):
@@ -67,3 +70,22 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
+    """Scale every gradient so that their global L2 norm over all ranks of `group` (default: the world) is at most
+    max_norm; returns the norm before clipping. Under parallelize every gradient element lives on exactly one
+    rank (FSDP2's shards, as DTensors; each ep rank's own experts, as plain tensors when efsdp has one rank), so
+    the squares are summed once over the ranks: one all-reduce, no host sync."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    device = local[0].device if local else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in local:
+        sq = sq + g.float().square().sum()
+    dist.all_reduce(sq, group=group)
+    norm = sq.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in local:
+        g.mul_(scale.to(g.dtype))
+    return norm
