@@ -43,7 +43,8 @@ from ..experts.autograd import experts_backward, experts_forward
 from ..experts.dispatch import resolve
 from ..experts.tl import combine as combine_rows
 from ..reference import check_activation
-from ..routing import RoutingIndex, build_routing_index, check_expert_inputs, check_topk_weights
+from ..routing import (RoutingIndex, build_routing_index, check_expert_inputs, check_topk_weights, in_row_order,
+                       pair_experts)
 
 
 def receiver_index(counts_SE: torch.Tensor) -> RoutingIndex:
@@ -121,7 +122,7 @@ class _Plan:
             both = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).cpu()  # the one host sync
             self.in_splits, self.out_splits = both[0].tolist(), both[1].tolist()
             self.recv = receiver_index(recv_counts)
-            self.send_pos = torch.arange(P, device=dev)
+            self.send_pos = None  # every row, in expert order
             self.slot_LK, self.kept = routing.token_slot, routing.expert_offsets[-1:]
             return
         per_dest = send_counts.sum(1)  # (ep,) rows for each destination
@@ -145,17 +146,24 @@ class _Plan:
                                  right=True)
         self.recv = build_routing_index(ids.reshape(-1, 1).int(), E_loc, check=False, sentinels=True)
         # each pair's row in the return buffer: destination d's block, at its position past d's first row
-        row = routing.token_slot.to(torch.int64)
-        dest = torch.searchsorted(first.contiguous(), row.contiguous(), right=True) - 1
-        pos = row - first[dest]
+        dest = pair_experts(routing.expert_offsets, routing.token_slot).long() // E_loc
+        pos = routing.token_slot.long() - first[dest]
         self.kept = torch.full((1,), ep * capacity, dtype=torch.int32, device=dev)
         self.slot_LK = torch.where(pos < capacity, dest * capacity + pos, ep * capacity).int()
 
+    def in_send_order(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (in the sender's expert order) as the send buffer lays them out (zeros where there are none)."""
+        if self.send_pos is None:
+            return rows
+        if rows.shape[0] == 0:
+            return rows.new_zeros((self.send_pos.shape[0],) + tuple(rows.shape[1:]))
+        return rows[self.send_pos]
+
     def send(self, rows_LD: torch.Tensor) -> torch.Tensor:
         """The send buffer of rows_LD (x or dy): its rows in send order, gathered through the routing index."""
-        if rows_LD.shape[0] == 0:
-            return rows_LD.new_zeros(self.send_pos.shape[0], rows_LD.shape[1])
-        return rows_LD[self.routing.expert_token_idx[self.send_pos].long()]
+        if rows_LD.shape[0] == 0:  # no tokens here
+            return self.in_send_order(rows_LD)
+        return rows_LD[self.in_send_order(self.routing.expert_token_idx).long()]
 
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
         return _all_to_all(rows, self.out_splits, self.in_splits, self.group)
@@ -203,10 +211,8 @@ class _EPExperts(torch.autograd.Function):
         if not ctx.save:  # "recompute": the rows are sent again
             recv_x = plan.dispatch(plan.send(x))
         dy_recv = plan.dispatch(plan.send(dout.contiguous()))
-        w_rows = torch.zeros(plan.routing.expert_token_idx.shape[0], dtype=torch.float32, device=x.device)
-        w_rows[plan.routing.token_slot.reshape(-1).long()] = topk_w.reshape(-1).float()  # in expert order
-        w_recv = plan.dispatch(w_rows[plan.send_pos] if w_rows.numel() else
-                               w_rows.new_zeros(plan.send_pos.shape[0])).view(-1, 1)
+        w_rows = in_row_order(topk_w, plan.routing.token_slot, torch.float32)  # router weights in expert order
+        w_recv = plan.dispatch(plan.in_send_order(w_rows)).view(-1, 1)
         dx_recv, dw1, dw2, ds_recv, _, _ = experts_backward(
             dy_recv, recv_x, w1, w2, w_recv, None, None, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot,
             preact, ctx.activation, ctx.save, ctx.backend, r.dropped)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..routing import RoutingIndex
+from ..routing import RoutingIndex, in_row_order, pair_experts
 from . import dispatch, gluon_sm90, tl
 from .schedule import BLOCK_M, tile_schedule
 
@@ -66,7 +66,7 @@ class RowPlan:
     @property
     def pair_expert(self) -> torch.Tensor:
         """(L, K) int32: the expert of each pair (E for dropped pairs), from its row and the offsets."""
-        return torch.searchsorted(self.offsets_E1[1:], self.token_slot_LK, right=True, out_int32=True)
+        return pair_experts(self.offsets_E1, self.token_slot_LK)
 
     @property
     def num_rows(self) -> int:
@@ -152,8 +152,7 @@ def bias_grads(plan: RowPlan, dy_LD, dpreact_RF, topk_w_LK, b1_EF, b2_ED, backen
         ones = dpreact_RF.new_ones(1, 1).expand(dy_LD.shape[0], 1)
         db1 = weight_grad(plan, dpreact_RF, ones, b1_EF.new_empty(*b1_EF.shape, 1), False, backend)[..., 0]
     if b2_ED is not None:
-        s_R = dy_LD.new_zeros(plan.num_rows, 1)
-        s_R[plan.token_slot_LK.reshape(-1).long(), 0] = topk_w_LK.reshape(-1).to(dy_LD.dtype)
+        s_R = in_row_order(topk_w_LK, plan.token_slot_LK, dy_LD.dtype).view(-1, 1)
         db2 = weight_grad(plan, dy_LD, s_R, b2_ED.new_empty(*b2_ED.shape, 1), True, backend)[..., 0]
         E = b2_ED.shape[0]
         e_LK = plan.pair_expert.long()

@@ -1,12 +1,12 @@
 """Router (top-k scores and losses) and the O(L·K) routing index with its two builders."""
 from .checks import check_expert_inputs, check_topk_idx, check_topk_weights
 from .index import (DENSE_MAX_EXPERTS, METHODS, RoutingIndex, build_index_dense_torch, build_index_dense_triton,
-                    build_index_sort, build_routing_index, count_per_expert)
+                    build_index_sort, build_routing_index, count_per_expert, in_row_order, pair_experts)
 from .router import SCORINGS, RouterOutput, TopKRouter, route_topk, router_z_loss, switch_aux_loss
 
 __all__ = [
     "check_expert_inputs", "check_topk_idx", "check_topk_weights", "DENSE_MAX_EXPERTS", "METHODS", "RoutingIndex",
     "build_index_dense_torch", "build_index_dense_triton", "build_index_sort", "build_routing_index",
-    "count_per_expert", "SCORINGS",
+    "count_per_expert", "in_row_order", "pair_experts", "SCORINGS",
     "RouterOutput", "TopKRouter", "route_topk", "router_z_loss", "switch_aux_loss",
 ]

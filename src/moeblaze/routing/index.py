@@ -68,8 +68,19 @@ class RoutingIndex:
 
     def topk_idx(self) -> torch.Tensor:
         """(L, K) int32 expert ids recovered from the index (the expert owning each pair's slot)."""
-        ends = self.expert_offsets[1:].contiguous()
-        return torch.searchsorted(ends, self.token_slot.contiguous(), right=True).to(torch.int32)
+        return pair_experts(self.expert_offsets, self.token_slot)
+
+
+def pair_experts(expert_offsets: torch.Tensor, token_slot: torch.Tensor) -> torch.Tensor:
+    """(L, K) int32: the expert owning each pair's row (E for a dropped pair's), from the offsets (E + 1,)."""
+    return torch.searchsorted(expert_offsets[1:].contiguous(), token_slot.contiguous(), right=True, out_int32=True)
+
+
+def in_row_order(values_LK: torch.Tensor, token_slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(L·K,) values of the pairs (router weights) placed at their rows: out[token_slot[t, k]] = values[t, k]."""
+    out = torch.empty(token_slot.numel(), dtype=dtype, device=values_LK.device)
+    out[token_slot.reshape(-1).long()] = values_LK.reshape(-1).to(dtype)
+    return out
 
 
 def count_per_expert(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:

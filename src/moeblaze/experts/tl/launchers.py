@@ -16,6 +16,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...config import INTERPRET
 from ...launch import launch, sm_count, tma_ok
 from ...reference import is_gated
+from ...routing import in_row_order
 from ..schedule import BLOCK_M
 from .backward import _act_bwd_kernel, _down_bwd_kernel, _weight_grad_kernel
 from .common import ACT_CODES
@@ -109,8 +110,7 @@ def down_bwd(dy_LD, w2_EDH, preact, topk_w_LK, token_slot_LK, dpreact, token_R, 
     itself); returns s·A (R, H) and the router weights' gradient (L, K) without any down-projection bias term."""
     R, (_, D, H) = token_R.shape[0], w2_EDH.shape
     act_scaled = dy_LD.new_empty(R, H)
-    w_sorted = torch.empty(R, dtype=torch.float32, device=dy_LD.device)  # router weights in row order
-    w_sorted[token_slot_LK.reshape(-1).long()] = topk_w_LK.reshape(-1).float()
+    w_sorted = in_row_order(topk_w_LK, token_slot_LK, torch.float32)  # router weights in row order
     ds_part = torch.empty(triton.cdiv(H, DS_BLOCK), R, dtype=torch.float32, device=dy_LD.device)
     num_tiles = sched[0].shape[0]
     w2_desc = _desc(w2_EDH.reshape(-1, H) if w2_EDH.is_contiguous() else None)
