@@ -49,3 +49,36 @@ def check_invariants(r: RoutingIndex, idx: torch.Tensor) -> None:
     for e in range(E):  # tokens ascend inside each expert
         seg = r.expert_token_idx[r.expert_offsets[e]: r.expert_offsets[e + 1]]
         assert torch.all(seg[1:] > seg[:-1])
+
+
+def _rank_entry(rank, world, port, body, args, errors):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        body(rank, world, errors, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(body, world: int, *args) -> None:
+    """Run body(rank, world, errors, *args) in `world` spawned CPU processes of one gloo group on 127.0.0.1; body
+    puts what it finds wrong on `errors` (a queue), and the caller's test fails listing every rank's findings (an
+    exception in a rank fails it too)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    errors = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_rank_entry, args=(world, port, body, args, errors), nprocs=world, join=True,
+                       start_method="spawn")
+    bad = []
+    while not errors.empty():
+        bad.append(errors.get())
+    assert not bad, bad

@@ -4,41 +4,26 @@ interpreter (fp32): output, dx, the router weights' gradient and each rank's exp
 checkpoint policies and both dispatch modes, with skewed routing, empty experts, a rank without tokens and a rank
 that receives nothing. Capacity overflow: an error by default (every rank), dropped pairs equal to one process
 that drops them, and a tracker's rerun at the capacity it asks for equal to one process."""
-import os
-import socket
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moeblaze.distributed import CapacityTracker, ep_experts, receiver_index
 from moeblaze.experts import moe_experts
 from moeblaze.routing import build_routing_index
 
-from helpers import random_problem, random_routing
+from helpers import random_problem, random_routing, run_ranks
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, cases, errors):
+def _cases(rank, world, errors, cases):
     """Every (case, checkpoint, dispatch) in one process group: spawning and importing cost more than the cases."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for case, checkpoint, dispatch in cases:
-            try:
-                if dispatch.startswith("overflow"):
-                    _overflow(rank, world, dispatch)
-                else:
-                    _compare(rank, world, case, checkpoint, dispatch)
-            except AssertionError as e:  # reported to the parent, which fails the test; the ranks go on together
-                errors.put(f"rank {rank}, {case}, {checkpoint}, {dispatch}: {e}")
-    finally:
-        dist.destroy_process_group()
+    for case, checkpoint, dispatch in cases:
+        try:
+            if dispatch.startswith("overflow"):
+                _overflow(rank, world, dispatch)
+            else:
+                _compare(rank, world, case, checkpoint, dispatch)
+        except AssertionError as e:  # reported to the parent, which fails the test; the ranks go on together
+            errors.put(f"rank {rank}, {case}, {checkpoint}, {dispatch}: {e}")
 
 
 def _problem(world, case):
@@ -152,14 +137,7 @@ def _overflow(rank, world, mode):
 
 
 def _run(world, cases):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(world, _free_port(), cases, errors), nprocs=world, join=True,
-                       start_method="spawn")
-    bad = []
-    while not errors.empty():
-        bad.append(errors.get())
-    assert not bad, bad
+    run_ranks(_cases, world, cases)
 
 
 def test_ep2_equals_one_process_bitwise():

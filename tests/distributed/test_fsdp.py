@@ -3,25 +3,16 @@ gives every parameter the gradient of one process over the global batch (the mea
 at ep = 2 (efsdp = 1: the expert weights outside FSDP) and at efsdp = 2 × ep = 2 (4 ranks: the expert weights
 FSDP-sharded as well). This is the gradient-scale pitfall's test: without the recipe the expert gradients come
 out ep times too large. Gradient clipping by the global norm across the meshes matches one process's clipping."""
-import os
-import socket
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from moeblaze import ModelConfig, MoEModel
 from moeblaze.distributed import clip_grad_norm_, data_parallel_size, parallelize
 
+from helpers import run_ranks
+
 TOL = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model():
@@ -35,46 +26,36 @@ def _loss(model, ids):
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def _worker(rank, world, ep, port, errors):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        ids = torch.randint(0, 32, (2 * world, 8), generator=torch.Generator().manual_seed(1))
-        ref = _model()  # one process over the global batch, its gradients clipped to a norm below theirs
-        _loss(ref, ids).backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-        assert ref_norm > 0.05
-        want = {n: p.grad for n, p in ref.named_parameters()}
-        model = _model()
-        mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
-        parallelize(model, mesh)
-        mine = ids[2 * rank: 2 * rank + 2]
-        (_loss(model, mine) / data_parallel_size(mesh)).backward()
-        norm = clip_grad_norm_(model.parameters(), 0.05)
-        if not abs(float(norm) - float(ref_norm)) <= TOL * float(ref_norm):
-            errors.put(f"rank {rank}: global norm {float(norm)} against one process's {float(ref_norm)}")
-        E_loc, e0 = 4 // ep, mesh["ep"].get_local_rank() * (4 // ep)
-        bad = []
-        for n, p in model.named_parameters():
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            w = want[n][e0:e0 + E_loc] if n.endswith(("experts.w1", "experts.w2")) else want[n]
-            err = float((g - w).norm() / w.norm().clamp_min(1e-30))
-            if not err <= TOL:
-                bad.append(f"{n}: rel err {err:.2e}")
-        if bad:
-            errors.put(f"rank {rank} (ep {ep}): {bad}")
-    finally:
-        dist.destroy_process_group()
+def _step(rank, world, errors, ep):
+    """One step in this rank, its norm and gradients compared with one process's."""
+    ids = torch.randint(0, 32, (2 * world, 8), generator=torch.Generator().manual_seed(1))
+    ref = _model()  # one process over the global batch, its gradients clipped to a norm below theirs
+    _loss(ref, ids).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    assert ref_norm > 0.05
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    model = _model()
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    parallelize(model, mesh)
+    mine = ids[2 * rank: 2 * rank + 2]
+    (_loss(model, mine) / data_parallel_size(mesh)).backward()
+    norm = clip_grad_norm_(model.parameters(), 0.05)
+    if not abs(float(norm) - float(ref_norm)) <= TOL * float(ref_norm):
+        errors.put(f"rank {rank}: global norm {float(norm)} against one process's {float(ref_norm)}")
+    E_loc, e0 = 4 // ep, mesh["ep"].get_local_rank() * (4 // ep)
+    bad = []
+    for n, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        w = want[n][e0:e0 + E_loc] if n.endswith(("experts.w1", "experts.w2")) else want[n]
+        err = float((g - w).norm() / w.norm().clamp_min(1e-30))
+        if not err <= TOL:
+            bad.append(f"{n}: rel err {err:.2e}")
+    if bad:
+        errors.put(f"rank {rank} (ep {ep}): {bad}")
 
 
 def _run(world, ep):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(world, ep, _free_port(), errors), nprocs=world, join=True, start_method="spawn")
-    bad = []
-    while not errors.empty():
-        bad.append(errors.get())
-    assert not bad, bad
+    run_ranks(_step, world, ep)
 
 
 def test_fsdp2_ep2_step_matches_one_process():
