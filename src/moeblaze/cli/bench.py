@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only regenerate that file's Results section from the results folder, measure nothing")
 
 
-def _env(device: torch.device) -> dict:
+def _env(device: torch.device, command: str | None = None) -> dict:
     import triton
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -88,7 +88,7 @@ def _env(device: torch.device) -> dict:
         except OSError:
             sha = "unknown"
     return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "git_sha": sha,
-            "run_id": uuid.uuid4().hex[:12], "command": "moeblaze bench " + shlex.join(sys.argv[2:]),
+            "run_id": uuid.uuid4().hex[:12], "command": command or "moeblaze bench " + shlex.join(sys.argv[2:]),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 

@@ -105,3 +105,112 @@ def load_checkpoint(path: str, map_location=None) -> dict:
         raise CheckpointError(f"{path} is corrupted: its contents don't match the checksum written with them "
                               "(changed or truncated after it was saved); refusing to load it")
     return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+
+
+# Sharded checkpoints (training under torchrun): one folder written by torch.distributed.checkpoint (DCP), every
+# rank writing its own shards, with a manifest of each file's sha256 that rank 0 writes last. A save goes to
+# `<path>.tmp` and replaces `<path>` only once every rank has written and the manifest is on disk (the earlier
+# folder is kept as `<path>.old` until then, and a load falls back to it if a crash came between the two renames),
+# so a killed save never leaves a half-written checkpoint in place. A load verifies the manifest first (rank 0, one
+# broadcast) and refuses a changed, truncated or missing file. DCP reshards on load: a checkpoint written at one
+# mesh shape loads at another. Assumes, as DCP does, one file system every rank sees.
+MANIFEST = "moeblaze-manifest.sha256"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def probe_writable_folder(path: str) -> None:
+    """Raise CheckpointError unless a sharded checkpoint (a folder) can be written at `path`."""
+    if os.path.isfile(path):
+        raise CheckpointError(f"{path} is a file; a sharded checkpoint is a folder (give a folder path)")
+    existed = os.path.isdir(path + ".tmp")
+    probe_writable(os.path.join(path + ".tmp", "probe"))
+    if not existed:
+        os.rmdir(path + ".tmp")
+
+
+def sharded_checkpoint_path(path: str) -> str | None:
+    """The folder a sharded load reads: `path`, else `<path>.old` (a save interrupted between its renames)."""
+    for p in (path, path + ".old"):
+        if os.path.isfile(os.path.join(p, MANIFEST)):
+            return p
+    return None
+
+
+def save_sharded(path: str, state: dict, rank: int) -> None:
+    """Every rank calls it with its state dict (DTensors for sharded values); see the section's comment."""
+    import shutil
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    tmp = path + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    dcp.save(state, checkpoint_id=tmp)
+    dist.barrier()  # every rank's files are written
+    if rank == 0:
+        names = sorted(n for n in os.listdir(tmp) if n != MANIFEST)
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            f.writelines(f"{_sha256(os.path.join(tmp, n))}  {n}\n" for n in names)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = path + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def verify_sharded(path: str) -> None:
+    """CheckpointError unless every file the manifest lists is there with its checksum, and no other."""
+    listed = {}
+    with open(os.path.join(path, MANIFEST)) as f:
+        for line in f:
+            digest, _, name = line.rstrip("\n").partition("  ")
+            listed[name] = digest
+    present = set(os.listdir(path)) - {MANIFEST}
+    if present != set(listed):
+        raise CheckpointError(f"{path} is incomplete or has foreign files: missing {sorted(set(listed) - present)}, "
+                              f"unexpected {sorted(present - set(listed))}")
+    for name, digest in listed.items():
+        if _sha256(os.path.join(path, name)) != digest:
+            raise CheckpointError(f"{path}/{name} is corrupted: its contents don't match the checksum written with "
+                                  "them; refusing to load the checkpoint")
+
+
+def load_sharded(path: str, state: dict, rank: int) -> None:
+    """Load the sharded checkpoint at `path` into `state` in place (every rank), after rank 0 has verified it;
+    CheckpointError on every rank if it is not whole."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    problem = [None]
+    if rank == 0:
+        try:
+            verify_sharded(path)
+        except (CheckpointError, OSError) as e:
+            problem = [str(e)]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
+    dcp.load(state, checkpoint_id=path)

@@ -7,12 +7,20 @@ state, config) are written atomically with a checksum and verified on --resume (
 loss stops the run with an error naming the step, before anything is saved, so the last checkpoint is never
 overwritten by a diverged state (the check rides on the run's existing host reads, every 10 steps and before
 every evaluation and save, so it adds no host sync).
+
+Under `torchrun --nproc-per-node N` (see cli/parallel.py): FSDP2 on all N processes and, with --ep, expert
+parallelism on a 2-D mesh; --batch-size is per process (the global batch is N times it: the batch one process
+would draw, split across the ranks, so that one process at N x the batch sees the same tokens); the losses
+logged and the validation loss are global means; checkpoints are sharded folders (torch.distributed.checkpoint).
+--bench-steps times that many steps after --bench-warmup and writes one results row (tokens/s per GPU, peak memory,
+the step split with --bench-profile) instead of training to --steps.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import functools
+import json
 import math
 import os
 import time
@@ -22,49 +30,94 @@ import torch.nn.functional as F
 
 from ..args import check_choice, check_int
 from ..config import INTERPRET
+from ..distributed import DISPATCHES
 from ..nn import ModelConfig, MoEModel
 from ..reference import ACTIVATIONS
-from . import UsageError
-from .checkpoint import CheckpointError, load_checkpoint, probe_writable, save_checkpoint
+from . import UsageError, parallel
+from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, probe_writable, probe_writable_folder,
+                         save_checkpoint, save_sharded, sharded_checkpoint_path)
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
+
+# Model shapes by name; a flag given on the command line overrides its preset's value. "qwen3-30b-a3b": MoE layers
+# shaped as Qwen3-30B-A3B's (hidden 2048, 128 experts, top-8, expert width 768; 16 heads of 128), 4 of them.
+SHAPE = ("seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k", "d_expert")
+_d = ModelConfig()
+PRESETS = {
+    "small": dict(seq_len=_d.max_seq_len, d_model=_d.d_model, n_layers=_d.n_layers, n_heads=_d.n_heads,
+                  num_experts=_d.num_experts, top_k=_d.top_k, d_expert=_d.d_expert),
+    "qwen3-30b-a3b": dict(seq_len=4096, d_model=2048, n_layers=4, n_heads=16, num_experts=128, top_k=8,
+                          d_expert=768),
+}
+OVERFLOW = ("rerun", "drop", "error")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = ModelConfig()
+    d = PRESETS["small"]
+    p.add_argument("--preset", default="small", choices=tuple(PRESETS),
+                   help="model shape (default small); the shape flags below override it")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=d.max_seq_len)
-    p.add_argument("--d-model", type=int, default=d.d_model)
-    p.add_argument("--n-layers", type=int, default=d.n_layers)
-    p.add_argument("--n-heads", type=int, default=d.n_heads)
-    p.add_argument("--num-experts", type=int, default=d.num_experts)
-    p.add_argument("--top-k", type=int, default=d.top_k)
-    p.add_argument("--d-expert", type=int, default=d.d_expert)
-    p.add_argument("--activation", default=d.activation, choices=ACTIVATIONS)
-    p.add_argument("--impl", default=d.impl, choices=("auto", "triton", "reference"))
-    p.add_argument("--checkpoint-policy", default=d.checkpoint, choices=("preact", "recompute"))
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (per process under torchrun)")
+    p.add_argument("--seq-len", type=int, default=None, help=f"default {d['seq_len']} (small)")
+    p.add_argument("--d-model", type=int, default=None, help=f"default {d['d_model']} (small)")
+    p.add_argument("--n-layers", type=int, default=None, help=f"default {d['n_layers']} (small)")
+    p.add_argument("--n-heads", type=int, default=None, help=f"default {d['n_heads']} (small)")
+    p.add_argument("--num-experts", type=int, default=None, help=f"default {d['num_experts']} (small)")
+    p.add_argument("--top-k", type=int, default=None, help=f"default {d['top_k']} (small)")
+    p.add_argument("--d-expert", type=int, default=None, help=f"default {d['d_expert']} (small)")
+    p.add_argument("--activation", default=ModelConfig.activation, choices=ACTIVATIONS)
+    p.add_argument("--impl", default=ModelConfig.impl, choices=("auto", "triton", "reference"))
+    p.add_argument("--checkpoint-policy", default=ModelConfig.checkpoint, choices=("preact", "recompute"))
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--aux-loss-coef", type=float, default=1e-2)
     p.add_argument("--z-loss-coef", type=float, default=1e-3)
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--save", default="checkpoints/moeblaze.pt", help="checkpoint path ('' to disable)")
+    p.add_argument("--save", default=None, help="checkpoint path ('' to disable; default checkpoints/moeblaze.pt, "
+                   "or the folder checkpoints/moeblaze-sharded under torchrun)")
     p.add_argument("--save-every", type=int, default=250)
     p.add_argument("--resume", action="store_true",
                    help="continue from the checkpoint at --save (without one, say so and start from step 0)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="compute dtype; bfloat16 runs under CUDA autocast")
+                   help="compute dtype; bfloat16 runs under CUDA autocast (and FSDP2 keeps bf16 parameters with "
+                        "fp32 gradient reductions under torchrun)")
     p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("several processes (torchrun --nproc-per-node N)")
+    g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a divisor of N and of --num-experts; "
+                   "default 1: FSDP2 alone)")
+    g.add_argument("--ep-dispatch", default="exact", choices=DISPATCHES,
+                   help="exact: variable all-to-all splits, one host sync per layer; capacity: fixed splits, none")
+    g.add_argument("--capacity-factor", type=float, default=1.25,
+                   help="capacity dispatch: rows per pair of ranks = factor x tokens x top-k / ep (default 1.25)")
+    g.add_argument("--on-overflow", default="rerun", choices=OVERFLOW,
+                   help="capacity dispatch, when a rank needs more rows than the capacity: rerun the step with a "
+                        "larger capacity (default), drop the rows past it, or stop with an error")
+    p.add_argument("--loss-log", default="", help="write every step's training loss (the global mean under torchrun) "
+                   "to this file as JSON lines at the end of the run")
+    b = p.add_argument_group("benchmark")
+    b.add_argument("--bench-steps", type=int, default=0,
+                   help="time this many steps (after --bench-warmup) and write a results row, instead of training")
+    b.add_argument("--bench-warmup", type=int, default=3)
+    b.add_argument("--bench-profile", action="store_true", help="and one more step under torch.profiler: the step "
+                   "split into GEMMs, all-to-all, all-gather + reduce-scatter and exposed communication")
+    b.add_argument("--results", default="benchmarks/results", help="folder of the results file (one JSON line "
+                   "per run in <gpu>.jsonl)")
 
 
 def check_args(args, val_len: int) -> ModelConfig:
     """The model config of the flags, after every flag is checked (UsageError naming the flag otherwise)."""
+    dist_run = parallel.launched()
+    for name in SHAPE:
+        if getattr(args, name, None) is None:
+            setattr(args, name, PRESETS[args.preset][name])
+    if args.save is None:
+        args.save = "checkpoints/moeblaze-sharded" if dist_run else "checkpoints/moeblaze.pt"
     try:
         for name in ("steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k",
-                     "d_expert", "eval_every", "eval_batches", "save_every"):
+                     "d_expert", "eval_every", "eval_batches", "save_every", "ep", "bench_warmup"):
             check_int("--" + name.replace("_", "-"), getattr(args, name))
         check_int("--seed", args.seed, minimum=0)
+        check_int("--bench-steps", args.bench_steps, minimum=0)
         if args.seq_len > val_len - 2:
             raise ValueError(f"--seq-len must be at most {val_len - 2} (the held-out text's length - 2), "
                              f"got {args.seq_len}")
@@ -74,11 +127,15 @@ def check_args(args, val_len: int) -> ModelConfig:
             v = getattr(args, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
+        if not (math.isfinite(args.capacity_factor) and args.capacity_factor > 0):
+            raise ValueError(f"--capacity-factor must be a positive finite number, got {args.capacity_factor}")
         if args.top_k > args.num_experts:
             raise ValueError(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
         if args.d_model % args.n_heads:
             raise ValueError(f"--d-model ({args.d_model}) must be divisible by --n-heads ({args.n_heads})")
         check_choice("--activation", args.activation, ACTIVATIONS)
+        check_choice("--ep-dispatch", args.ep_dispatch, DISPATCHES)
+        check_choice("--on-overflow", args.on_overflow, OVERFLOW)
         cfg = ModelConfig(max_seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers,
                           n_heads=args.n_heads, num_experts=args.num_experts, top_k=args.top_k,
                           d_expert=args.d_expert, activation=args.activation, impl=args.impl,
@@ -91,45 +148,74 @@ def check_args(args, val_len: int) -> ModelConfig:
         raise UsageError("--dtype bfloat16 needs --device cuda")
     if args.impl == "triton" and args.device != "cuda" and not INTERPRET:
         raise UsageError("--impl triton needs --device cuda (or TRITON_INTERPRET=1 set before the command starts)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.ep > 1:
+        if not dist_run:
+            raise UsageError(f"--ep {args.ep} needs {args.ep} or more processes: run under torchrun "
+                             "--nproc-per-node N")
+        if world % args.ep:
+            raise UsageError(f"--ep {args.ep} must divide the number of processes ({world})")
+        if args.num_experts % args.ep:
+            raise UsageError(f"--ep {args.ep} must divide --num-experts ({args.num_experts})")
+        if args.impl == "reference" or (args.device != "cuda" and not INTERPRET):
+            raise UsageError("--ep runs the experts on the Triton kernels: --device cuda (or TRITON_INTERPRET=1 set "
+                             "before the command starts), not --impl reference")
+    elif args.ep_dispatch != "exact":
+        raise UsageError("--ep-dispatch capacity needs --ep > 1")
     if args.resume and not args.save:
         raise UsageError("--resume needs a checkpoint path (--save)")
-    if args.save:
+    if args.bench_steps and args.resume:
+        raise UsageError("--bench-steps times fresh steps: it does not --resume")
+    if args.save and not args.bench_steps:
         try:
-            probe_writable(args.save)
+            (probe_writable_folder if dist_run else probe_writable)(args.save)
         except CheckpointError as e:
             raise UsageError(f"--save: {e}") from None
     return cfg
 
 
+def _batch(data, args, gen, ranks):
+    """This process's (inputs, targets): under torchrun, its slice of the global batch one generator draws."""
+    n = args.batch_size * (ranks.world if ranks else 1)
+    x, y = random_batch(data, n, args.seq_len, gen)
+    if ranks is not None:
+        x, y = (t[ranks.rank * args.batch_size:(ranks.rank + 1) * args.batch_size] for t in (x, y))
+    return x, y
+
+
 @torch.no_grad()
-def evaluate(model, val, args, device, ctx) -> float:
+def evaluate(model, val, args, device, ctx, ranks=None) -> float:
+    """The mean validation loss over --eval-batches fixed batches (over every rank's slice under torchrun)."""
     model.eval()
     gen = torch.Generator().manual_seed(1234)
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for _ in range(args.eval_batches):
-        x, y = random_batch(val, args.batch_size, args.seq_len, gen)
+        x, y = _batch(val, args, gen, ranks)
         with ctx():
             logits, _, _ = model(x.to(device))
-        total += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten()).item()
+        total += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten())
     model.train()
-    return total / args.eval_batches
+    if ranks is not None:
+        total = ranks.mean(total)
+    return float(total) / args.eval_batches
 
 
-def run(args) -> dict:
-    from tqdm import tqdm
+def _train_state(model, opt, step: int, gen, cfg, ranks):
+    """What a checkpoint holds; under torchrun the state dicts come from torch.distributed.checkpoint's helpers
+    (DTensor shards) and the config is a JSON string."""
+    if ranks is None:
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                "generator": gen.get_state(), "config": cfg.to_dict()}
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    train, val = split_corpus(builtin_corpus())
-    cfg = check_args(args, len(val))
-    device = torch.device(args.device)
-    torch.manual_seed(args.seed)
-    entropy = unigram_entropy(torch.cat([train, val]))
-    model = MoEModel(cfg).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    gen = torch.Generator().manual_seed(args.seed)
-    step = saved_step = 0
-    if args.resume and not os.path.exists(args.save):
-        print(f"--resume: no checkpoint at {args.save}; starting from step 0")
-    elif args.resume:
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optimizer": osd, "train": {"step": step, "generator": gen.get_state(),
+                                                      "config": json.dumps(cfg.to_dict(), sort_keys=True)}}
+
+
+def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
+    """The step of the checkpoint at --save, loaded into model, opt and gen (SystemExit if it can't be)."""
+    if ranks is None:
         try:
             ck = load_checkpoint(args.save, map_location=device)
         except CheckpointError as e:
@@ -139,69 +225,159 @@ def run(args) -> dict:
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         gen.set_state(ck["generator"].cpu())
-        step = saved_step = ck["step"]
-        print(f"resumed from {args.save} at step {step}")
-        if step >= args.steps:
-            print(f"--resume: the checkpoint is at step {step}, not before --steps {args.steps}: nothing to train")
-    if args.dtype == "bfloat16":
-        ctx = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16)
-    else:
-        ctx = contextlib.nullcontext
+        return ck["step"]
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _train_state(model, opt, 0, gen, cfg, ranks)
+    state["train"]["config"] = ""
+    try:
+        load_sharded(sharded_checkpoint_path(args.save), state, ranks.rank)
+    except CheckpointError as e:
+        raise SystemExit(f"--resume: {e}") from None
+    saved = json.loads(state["train"]["config"])
+    if saved != cfg.to_dict():
+        raise SystemExit(f"--resume: checkpoint config {saved} differs from the flags {cfg.to_dict()}")
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    gen.set_state(state["train"]["generator"].cpu())
+    return int(state["train"]["step"])
+
+
+def run(args) -> dict:
+    train, val = split_corpus(builtin_corpus())
+    cfg = check_args(args, len(val))
+    ranks = parallel.start(args.device, args.ep) if parallel.launched() else None
+    try:
+        return _run(args, cfg, train, val, ranks)
+    finally:
+        if ranks is not None:
+            parallel.finish()
+
+
+def _run(args, cfg, train, val, ranks) -> dict:
+    from tqdm import tqdm
+
+    device = ranks.device if ranks else torch.device(args.device)
+    main = ranks is None or ranks.main
+    say = print if main else (lambda *a, **k: None)
+    torch.manual_seed(args.seed)
+    entropy = unigram_entropy(torch.cat([train, val]))
+    model = MoEModel(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"moeblaze train: {n_params / 1e6:.2f}M parameters, {cfg.n_layers} MoE blocks x {cfg.num_experts} experts "
-          f"(top-{cfg.top_k}, {cfg.activation}), corpus {len(train) + len(val):,} bytes, device {device}")
-    print(f"unigram entropy of the corpus: {entropy:.3f} nats/byte (a model that ignores context)")
+    bf16 = args.dtype == "bfloat16"
+    if ranks is not None:
+        parallel.parallelize_model(model, ranks, args.ep_dispatch, args.capacity_factor, args.on_overflow,
+                                   args.batch_size * args.seq_len, cfg.top_k, bf16)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(args.seed)
+    step = saved_step = 0
+    bench = args.bench_steps > 0
+    save = "" if bench else args.save
+    found = (sharded_checkpoint_path(save) is not None) if ranks else os.path.exists(save)
+    if args.resume and not found:
+        say(f"--resume: no checkpoint at {save}; starting from step 0")
+    elif args.resume:
+        step = saved_step = _resume(args, model, opt, gen, cfg, device, ranks)
+        say(f"resumed from {save} at step {step}")
+        if step >= args.steps:
+            say(f"--resume: the checkpoint is at step {step}, not before --steps {args.steps}: nothing to train")
+    ctx = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext
+    world = ranks.world if ranks else 1
+    layout = "" if ranks is None else f", {world} processes (efsdp {world // ranks.ep} x ep {ranks.ep}" + (
+        f", {args.ep_dispatch} dispatch)" if ranks.ep > 1 else ")")
+    say(f"moeblaze train: {n_params / 1e6:.2f}M parameters, {cfg.n_layers} MoE blocks x {cfg.num_experts} experts "
+        f"(top-{cfg.top_k}, {cfg.activation}), corpus {len(train) + len(val):,} bytes, device {device.type}{layout}")
+    say(f"unigram entropy of the corpus: {entropy:.3f} nats/byte (a model that ignores context)")
+    last = args.bench_warmup + args.bench_steps if bench else args.steps
 
     def lr_at(s: int) -> float:
-        warm = max(1, args.steps // 20)
+        warm = max(1, last // 20)
         if s < warm:
             return args.lr * (s + 1) / warm
-        return args.lr * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, args.steps - warm)))
+        return args.lr * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, last - warm)))
 
-    val_loss = float("nan")
-    first_bad = torch.full((), -1, dtype=torch.long, device=device)  # the first step whose loss was not finite
-    bar = tqdm(total=max(args.steps, step), initial=step, desc="train", dynamic_ncols=True)
-    t_last, tokens = time.perf_counter(), 0
-    while step < args.steps:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        x, y = random_batch(train, args.batch_size, args.seq_len, gen)
-        x, y = x.to(device), y.to(device)
+    def clip():
+        if ranks is None:
+            return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        from ..distributed import clip_grad_norm_
+        return clip_grad_norm_(model.parameters(), 1.0)
+
+    def train_step(x, y):
         with ctx():
             logits, aux, z = model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         total = loss + args.aux_loss_coef * aux + args.z_loss_coef * z
         opt.zero_grad(set_to_none=True)
-        total.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        (total / world).backward()  # under FSDP2 every unit sums: the gradient of the global mean (distributed.fsdp)
+        return loss, aux, total
+
+    val_loss = float("nan")
+    first_bad = torch.full((), -1, dtype=torch.long, device=device)  # the first step whose loss was not finite
+    bar = tqdm(total=max(last, step), initial=step, desc="bench" if bench else "train", dynamic_ncols=True,
+               disable=not main)
+    log = bar.write if main else (lambda *a, **k: None)
+    timer = parallel.StepTimer(device) if bench else None
+    t_last, tokens = time.perf_counter(), 0
+    loss = torch.full((), float("nan"), device=device)  # the last step's training loss (none when nothing trains)
+    losses, first_logged = [], step + 1
+    while step < last:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        x, y = _batch(train, args, gen, ranks)
+        x, y = x.to(device), y.to(device)
+        if timer is not None and step >= args.bench_warmup:
+            timer.start()
+        loss, aux, total = parallel.until_no_overflow(ranks, functools.partial(train_step, x, y), log)
+        clip()
         opt.step()
+        if timer is not None and step >= args.bench_warmup:
+            timer.stop()
         step += 1
+        if args.loss_log:  # kept on the device, read once at the end
+            losses.append(ranks.mean(loss.detach()) if ranks else loss.detach())
         tokens += x.numel()
         bar.update(1)
         first_bad = torch.where((first_bad < 0) & ~torch.isfinite(total.detach()), step, first_bad)
-        evaluate_now = step % args.eval_every == 0 or step == args.steps
-        save_now = bool(args.save) and (step % args.save_every == 0 or step == args.steps)
-        if step % 10 == 0 or evaluate_now or save_now:  # a host read: check the loss before anything is kept
-            if (bad := int(first_bad)) >= 0:
+        evaluate_now = not bench and (step % args.eval_every == 0 or step == last)
+        save_now = bool(save) and (step % args.save_every == 0 or step == last)
+        if step % 10 == 0 or evaluate_now or save_now or step == last:  # a host read: check before anything is kept
+            bad = int(ranks.max(first_bad) if ranks else first_bad)
+            if bad >= 0:
                 bar.close()
-                kept = f"the checkpoint at {args.save} (step {saved_step}) is left as it was" if saved_step else \
+                kept = f"the checkpoint at {save} (step {saved_step}) is left as it was" if saved_step else \
                     "no checkpoint was written"
                 raise SystemExit(f"non-finite training loss at step {bad}: stopped at step {step}; {kept}")
-        if step % 10 == 0 or step == args.steps:
+        if step % 10 == 0 or step == last:
+            shown = ranks.mean(torch.stack([loss.detach(), aux.detach()])) if ranks else torch.stack([loss, aux])
             now = time.perf_counter()
-            bar.set_postfix(loss=f"{loss.item():.3f}", aux=f"{aux.item() / cfg.n_layers:.3f}",
-                            tok_s=f"{tokens / (now - t_last):,.0f}")
+            bar.set_postfix(loss=f"{shown[0].item():.3f}", aux=f"{shown[1].item() / cfg.n_layers:.3f}",
+                            tok_s=f"{tokens * world / (now - t_last):,.0f}")
             t_last, tokens = now, 0
         if evaluate_now:
-            val_loss = evaluate(model, val, args, device, ctx)
-            bar.write(f"step {step}: train loss {loss.item():.3f}, val loss {val_loss:.3f} nats/byte")
+            val_loss = parallel.until_no_overflow(ranks, lambda: evaluate(model, val, args, device, ctx, ranks), log)
+            shown = float(ranks.mean(loss.detach())) if ranks else loss.item()
+            log(f"step {step}: train loss {shown:.3f}, val loss {val_loss:.3f} nats/byte")
         if save_now:
-            save_checkpoint(args.save, {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                                        "generator": gen.get_state(), "config": cfg.to_dict()})
+            state = _train_state(model, opt, step, gen, cfg, ranks)
+            if ranks is None:
+                save_checkpoint(save, state)
+            else:
+                save_sharded(save, state, ranks.rank)
             saved_step = step
     bar.close()
+    if args.loss_log and main:
+        with open(args.loss_log, "w") as f:
+            f.writelines(json.dumps({"step": first_logged + i, "loss": float(v)}) + "\n"
+                         for i, v in enumerate(torch.stack(losses).tolist() if losses else []))
+    final_loss = float(ranks.mean(loss.detach()) if ranks else loss.detach())
+    if bench:
+        row = parallel.bench_row(args, cfg, ranks, timer, final_loss, n_params,
+                                 (lambda: train_step(*(t.to(device) for t in _batch(train, args, gen, ranks))),
+                                  lambda: (clip(), opt.step())) if args.bench_profile else None)
+        if main:
+            say(parallel.format_row(row))
+        return row
     if math.isnan(val_loss):
-        val_loss = evaluate(model, val, args, device, ctx)
-    print(f"final validation loss {val_loss:.3f} nats/byte vs unigram entropy {entropy:.3f} "
-          f"({'learned' if val_loss < entropy else 'did NOT beat'} context: {entropy - val_loss:+.3f} nats/byte)")
-    return {"val_loss": val_loss, "unigram_entropy": entropy, "step": step}
+        val_loss = parallel.until_no_overflow(ranks, lambda: evaluate(model, val, args, device, ctx, ranks), log)
+    say(f"final validation loss {val_loss:.5f} nats/byte vs unigram entropy {entropy:.3f} "
+        f"({'learned' if val_loss < entropy else 'did NOT beat'} context: {entropy - val_loss:+.3f} nats/byte)")
+    return {"val_loss": val_loss, "unigram_entropy": entropy, "step": step, "train_loss": final_loss}

@@ -3,10 +3,13 @@
     mesh = init_device_mesh("cuda", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
     parallelize(model, mesh)      # then: loss / data_parallel_size(mesh), backward, clip_grad_norm_, step
 
-shard_experts keeps, on each rank, its ep group's slice of every experts module's weights (E / ep experts, plain
-tensors) and routes that module through ep_experts. parallelize then makes every experts module an FSDP2 unit on
+shard_experts keeps, on each rank, its ep group's slice of every experts module's weights (E / ep experts: DTensors
+sharded on dim 0 over the ep mesh, so that each weight keeps one global name and shape for checkpoints) and routes
+that module through ep_experts. parallelize then makes every experts module an FSDP2 unit on
 the efsdp dimension (when it has more than one rank; else the expert weights stay as they are, outside FSDP) and
-every block a unit on the whole data-parallel group, the root last.
+every block a unit on the whole data-parallel group, the root last. FSDP2 composes with the ep sharding as with
+tensor parallelism: an expert weight is then a DTensor on the 2-D mesh, and torch.distributed.checkpoint saves and
+loads it (at another mesh shape too) like any other.
 
 Gradient scale (pytorch #160285): expert gradients already sum over the ep group (each rank's experts see every
 rank's tokens), while FSDP2 would average over efsdp only. So every unit sums (set_gradient_divide_factor(1.0),
@@ -23,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 
 def _experts_modules(model: nn.Module):
@@ -35,13 +38,16 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, **ep_kwargs) -> int:
     group (ep_kwargs: dispatch, capacity_factor, on_overflow, ...); the number of modules sharded."""
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     mods = _experts_modules(model)
+    if ep == 1:  # every rank holds every expert: the experts run as on one GPU (FSDP2 shards them)
+        return 0
     for m in mods:
         E = m.w1.shape[0]
         if E % ep:
             raise ValueError(f"{E} experts do not split over ep = {ep} ranks")
         lo, hi = rank * (E // ep), (rank + 1) * (E // ep)
-        m.w1 = nn.Parameter(m.w1.detach()[lo:hi].clone())
-        m.w2 = nn.Parameter(m.w2.detach()[lo:hi].clone())
+        for name in ("w1", "w2"):
+            local = getattr(m, name).detach()[lo:hi].clone()
+            setattr(m, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
         m.ep_group, m.ep_kwargs = ep_mesh.get_group(), dict(ep_kwargs)
     return len(mods)
 
@@ -75,7 +81,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
 def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
     """Scale every gradient so that their global L2 norm over all ranks of `group` (default: the world) is at most
     max_norm; returns the norm before clipping. Under parallelize every gradient element lives on exactly one
-    rank (FSDP2's shards, as DTensors; each ep rank's own experts, as plain tensors when efsdp has one rank), so
+    rank (FSDP2's shards and each ep rank's own experts, all DTensors), so
     the squares are summed once over the ranks: one all-reduce, no host sync."""
     grads = [p.grad for p in parameters if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]

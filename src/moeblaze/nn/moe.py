@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..args import check_choice, check_int
 from ..distributed import ep_experts
@@ -52,6 +53,8 @@ class Experts(nn.Module):
 
     def forward(self, x_LD: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.w1, self.w2
+        if isinstance(w1, DTensor):  # sharded over the ep group (moeblaze.distributed): this rank's experts
+            w1, w2 = w1.to_local(), w2.to_local()
         if torch.is_autocast_enabled(x_LD.device.type):  # the experts run in the autocast dtype, like nn.Linear
             dt = torch.get_autocast_dtype(x_LD.device.type)
             x_LD, w1, w2 = x_LD.to(dt), w1.to(dt), w2.to(dt)

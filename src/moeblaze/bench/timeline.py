@@ -1,0 +1,80 @@
+"""Where a training step's GPU time goes, from a profiler trace (the chrome-trace JSON torch.profiler exports):
+GEMMs (the experts' kernels, cuBLAS / cuDNN matmuls and attention), other compute, all-to-all (expert parallelism:
+NCCL send/recv), all-gather + reduce-scatter (+ all-reduce: FSDP2 and the loss and norm reductions), and the
+communication that no compute overlaps (exposed): the length of the union of the communication kernels' intervals
+minus its intersection with the union of the compute kernels' intervals.
+
+Memory: the trace's kernel events, once.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+GEMM = re.compile(r"gemm|matmul|mma|nvjet|cutlass|xmma|flash|fmha|attention|_up_kernel|_rows_kernel|up_swiglu|"
+                  r"_down_bwd_kernel|weight_grad_kernel", re.IGNORECASE)
+ALL_TO_ALL = re.compile(r"nccl.*(SendRecv|AllToAll|Send|Recv)", re.IGNORECASE)
+COLLECTIVE = re.compile(r"nccl.*(AllGather|ReduceScatter|AllReduce|Broadcast)", re.IGNORECASE)
+PARTS = ("gemm_ms", "other_compute_ms", "all_to_all_ms", "allgather_reducescatter_ms")
+
+
+def kind(name: str) -> str:
+    """The part of PARTS a kernel belongs to, by its name."""
+    if ALL_TO_ALL.search(name):
+        return "all_to_all_ms"
+    if COLLECTIVE.search(name) or name.lower().startswith("nccl"):
+        return "allgather_reducescatter_ms"
+    return "gemm_ms" if GEMM.search(name) else "other_compute_ms"
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _overlap(u: list[tuple[float, float]], v: list[tuple[float, float]]) -> float:
+    """Length of the intersection of two sorted disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(u) and j < len(v):
+        a, b = max(u[i][0], v[j][0]), min(u[i][1], v[j][1])
+        total += max(0.0, b - a)
+        if u[i][1] < v[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def step_split(kernels: list[tuple[str, float, float]], steps: int = 1) -> dict:
+    """kernels: (name, start µs, duration µs) of the GPU kernels of `steps` steps; per step, in ms: each part's
+    summed kernel time, busy_ms (the union of all kernels' intervals) and exposed_comm_ms."""
+    parts = dict.fromkeys(PARTS, 0.0)
+    comm, compute = [], []
+    for name, ts, dur in kernels:
+        k = kind(name)
+        parts[k] += dur
+        (comm if k in ("all_to_all_ms", "allgather_reducescatter_ms") else compute).append((ts, ts + dur))
+    comm_u, compute_u = _union(comm), _union(compute)
+    exposed = _length(comm_u) - _overlap(comm_u, compute_u)
+    busy = _length(_union(comm + compute))
+    out = {k: v / 1e3 / steps for k, v in parts.items()}
+    out.update(busy_ms=busy / 1e3 / steps, exposed_comm_ms=exposed / 1e3 / steps)
+    return out
+
+
+def trace_kernels(path: str) -> list[tuple[str, float, float]]:
+    """(name, start µs, duration µs) of every GPU kernel in a chrome trace torch.profiler exported."""
+    with open(path) as f:
+        events = json.load(f).get("traceEvents", [])
+    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
+            if e.get("ph") == "X" and e.get("cat") == "kernel"]

@@ -1,0 +1,203 @@
+"""`moeblaze train` under torchrun: the process group, the mesh, the parallel model, global means.
+
+One process per GPU (NCCL) or per CPU rank (gloo), started by torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK
+and the rendezvous). The mesh is (N / ep, ep), named ("efsdp", "ep"): moeblaze.distributed.parallelize shards the
+experts over ep and FSDP2 the rest. Capacity dispatch with --on-overflow rerun shares one CapacityTracker among
+every layer: after a step's backward, one all-reduce and one host read say whether any layer needed more rows
+than the capacity; then the capacity grows and the step runs again from its forward (the gradients of the
+overflowed pass are discarded), so no row is ever dropped silently.
+
+Memory: what moeblaze.distributed's modules state; nothing here beyond a scalar per reduction.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def launched() -> bool:
+    """Whether this process is one of several started by torchrun."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+@dataclass
+class Ranks:
+    rank: int
+    world: int
+    ep: int
+    device: torch.device
+    mesh: object
+    tracker: object = None
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of t over every rank (gloo has no AVG)."""
+        t = t.detach().clone()
+        dist.all_reduce(t)
+        return t
+
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        return self.sum(t) / self.world
+
+    def max(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+
+def start(device_type: str, ep: int) -> Ranks:
+    """Join the process group torchrun set up and build the (efsdp, ep) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", device_id=device if device_type == "cuda"
+                            else None)
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device_type, (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    return Ranks(dist.get_rank(), world, ep, device, mesh)
+
+
+def initial_capacity(capacity_factor: float, tokens: int, top_k: int, ep: int) -> int:
+    """ep_experts' capacity for `tokens` tokens per rank: ⌈factor · tokens · K / ep⌉ rounded up to 16."""
+    return -(-max(1, math.ceil(capacity_factor * tokens * top_k / ep)) // 16) * 16
+
+
+def parallelize_model(model, ranks: Ranks, dispatch: str, capacity_factor: float, on_overflow: str,
+                      tokens: int, top_k: int, bf16: bool):
+    """FSDP2 (+ ep) on the model, bf16 parameters with fp32 gradient reductions under bf16; the model."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ..distributed import CapacityTracker, parallelize
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    ep_kwargs = {}
+    if ranks.ep > 1:
+        ep_kwargs["dispatch"] = dispatch
+        if dispatch == "capacity":
+            ep_kwargs["capacity_factor"] = capacity_factor
+            if on_overflow == "rerun":
+                ranks.tracker = CapacityTracker(initial_capacity(capacity_factor, tokens, top_k, ranks.ep))
+                ep_kwargs["tracker"] = ranks.tracker
+            else:
+                ep_kwargs["on_overflow"] = on_overflow
+    return parallelize(model, ranks.mesh, mp_policy=mp, **ep_kwargs)
+
+
+def until_no_overflow(ranks: Ranks | None, fn, log):
+    """fn() once, and again after growing the capacity while any layer overflowed it (capacity dispatch with
+    --on-overflow rerun); fn's result."""
+    while True:
+        out = fn()
+        tracker = ranks.tracker if ranks is not None else None
+        if tracker is None or not tracker.overflowed():
+            return out
+        old = tracker.capacity
+        new = tracker.grow()
+        log(f"capacity overflow: a destination needed more than {old} rows; capacity grown to {new}, step rerun")
+
+
+def finish() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class StepTimer:
+    """Per-step times: CUDA events on a GPU (read once, at the end: no sync per step), the host clock on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def _mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        import time
+
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.marks.append([self._mark(), None])
+
+    def stop(self) -> None:
+        self.marks[-1][1] = self._mark()
+
+    def times_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in self.marks]
+        return [(b - a) * 1e3 for a, b in self.marks]
+
+
+def profile_split(step_fn, finish_fn, device: torch.device) -> dict:
+    """One more step under torch.profiler: its GPU time split (bench.timeline)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..bench.timeline import step_split, trace_kernels
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step_fn()
+        finish_fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        return {k: round(v, 3) for k, v in step_split(trace_kernels(path)).items()}
+
+
+def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_params: int, profile_fns) -> dict:
+    """The results row of a --bench-steps run (every rank calls it; rank 0 writes it to the results file)."""
+    import shlex
+    import statistics
+    import sys
+
+    from .bench import Recorder, _env
+
+    device = ranks.device if ranks else torch.device(args.device)
+    step_ms = statistics.median(timer.times_ms())
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else 0.0
+    if ranks is not None:
+        both = ranks.max(torch.tensor([step_ms, peak], dtype=torch.float64, device=device))
+        step_ms, peak = float(both[0]), float(both[1])
+    world, ep = (ranks.world, ranks.ep) if ranks else (1, 1)
+    tokens = args.batch_size * args.seq_len
+    row = dict(mode="train", preset=args.preset, model=cfg.to_dict(), world=world, ep=ep, efsdp=world // ep,
+               dispatch=args.ep_dispatch if ep > 1 else "-", dtype=args.dtype, batch_per_gpu=args.batch_size,
+               seq=args.seq_len, tokens_per_gpu=tokens, params_m=round(n_params / 1e6, 1),
+               steps=args.bench_steps, warmup=args.bench_warmup, step_ms=round(step_ms, 3),
+               tokens_s_per_gpu=round(tokens / step_ms * 1e3, 1), peak_gb=round(peak, 3), loss=loss,
+               status="ok")
+    if ep > 1 and args.ep_dispatch == "capacity":
+        row.update(capacity_factor=args.capacity_factor, on_overflow=args.on_overflow,
+                   capacity=ranks.tracker.capacity if ranks.tracker is not None else None)
+    if profile_fns is not None:
+        row["split"] = profile_split(*profile_fns, device)
+    launcher = f"torchrun --nproc-per-node {world} -m moeblaze.cli " if ranks else "moeblaze "
+    env = _env(device, launcher + shlex.join(sys.argv[1:]))
+    if ranks is None or ranks.main:
+        row = Recorder(args.results, env).add(row)
+    return row
+
+
+def format_row(r: dict) -> str:
+    split = r.get("split")
+    parts = "" if not split else " | " + ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in split.items())
+    return (f"bench: {r['world']} x {r.get('gpu', 'cpu')} (efsdp {r['efsdp']} x ep {r['ep']}, {r['dispatch']}): "
+            f"step {r['step_ms']:.1f} ms, {r['tokens_s_per_gpu']:,.0f} tokens/s per GPU, peak {r['peak_gb']:.2f} GB, "
+            f"loss {r['loss']:.4f}{parts}")
