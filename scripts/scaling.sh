@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Training on one and on N GPUs of one host (N = GPUS, default: every GPU), written under $OUT (default ./out).
-#   usage: bash scripts/scaling.sh [bench] [curves]   (default: both)
+#   usage: [PRESETS="small qwen3-30b-a3b"] bash scripts/scaling.sh [bench] [curves]   (default: both)
 # bench:  `moeblaze train --bench-steps` at a fixed per-GPU batch: one GPU without torchrun, then N GPUs under
 #         torchrun with FSDP2 alone (ep 1) and with ep = N in both dispatch modes, for the small model's default
 #         and the Qwen3-30B-A3B-shaped preset; one results row each ($OUT/results/<gpu>.jsonl, with the step split
@@ -25,7 +25,7 @@ for s in $steps; do
   case $s in
     bench)
       B="--bench-steps ${BENCH_STEPS:-10} --bench-warmup 3 --dtype bfloat16 --results $OUT/results"
-      for preset in small qwen3-30b-a3b; do
+      for preset in ${PRESETS:-small qwen3-30b-a3b}; do
         P="--preset $preset $B"
         [ $preset = qwen3-30b-a3b ] && P="$P --batch-size ${QWEN_BATCH:-2}"
         CUDA_VISIBLE_DEVICES=0 run $one $P
