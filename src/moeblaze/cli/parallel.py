@@ -142,7 +142,8 @@ class StepTimer:
 
 
 def profile_split(step_fn, finish_fn, device: torch.device) -> dict:
-    """One more step under torch.profiler: its GPU time split (bench.timeline)."""
+    """One more step under torch.profiler: its GPU time split (bench.timeline), and the host's costliest ops
+    (self time, under the profiler's own overhead)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -155,10 +156,14 @@ def profile_split(step_fn, finish_fn, device: torch.device) -> dict:
         finish_fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
+    host = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
+                  key=lambda e: -e.self_cpu_time_total)
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
-        return {k: round(v, 3) for k, v in step_split(trace_kernels(path)).items()}
+        split = {k: round(v, 3) for k, v in step_split(trace_kernels(path)).items()}
+    split["host_top_ms"] = [(e.key[:60], round(e.self_cpu_time_total / 1e3, 2), e.count) for e in host[:8]]
+    return split
 
 
 def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_params: int, profile_fns) -> dict:
@@ -197,7 +202,9 @@ def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_p
 
 def format_row(r: dict) -> str:
     split = r.get("split")
-    parts = "" if not split else " | " + ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in split.items())
+    parts = "" if not split else " | " + ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in split.items()
+                                                   if k != "host_top_ms")
     return (f"bench: {r['world']} x {r.get('gpu', 'cpu')} (efsdp {r['efsdp']} x ep {r['ep']}, {r['dispatch']}): "
             f"step {r['step_ms']:.1f} ms, {r['tokens_s_per_gpu']:,.0f} tokens/s per GPU, peak {r['peak_gb']:.2f} GB, "
-            f"loss {r['loss']:.4f}{parts}")
+            f"loss {r['loss']:.4f}{parts}" + (f"\n  host's costliest ops (ms, calls): {split['host_top_ms']}"
+                                              if split else ""))

@@ -267,7 +267,8 @@ def _run(args, cfg, train, val, ranks) -> dict:
     if ranks is not None:
         parallel.parallelize_model(model, ranks, args.ep_dispatch, args.capacity_factor, args.on_overflow,
                                    args.batch_size * args.seq_len, cfg.top_k, bf16)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=device.type == "cuda")  # one kernel for every parameter (DTensors too)
     gen = torch.Generator().manual_seed(args.seed)
     step = saved_step = 0
     bench = args.bench_steps > 0

@@ -71,7 +71,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
             ignored |= set(m.parameters())
     for block in getattr(model, "blocks", []):
         units.append(fully_shard(block, mesh=dp, mp_policy=mp, ignored_params=ignored & set(block.parameters())))
-    units.append(fully_shard(model, mesh=dp, mp_policy=mp, ignored_params=ignored))
+    # the root's parameters (embeddings, final norm) are used again first thing in backward: kept gathered
+    units.append(fully_shard(model, mesh=dp, mp_policy=mp, ignored_params=ignored, reshard_after_forward=False))
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
@@ -82,16 +83,19 @@ def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
     """Scale every gradient so that their global L2 norm over all ranks of `group` (default: the world) is at most
     max_norm; returns the norm before clipping. Under parallelize every gradient element lives on exactly one
     rank (FSDP2's shards and each ep rank's own experts, all DTensors), so
-    the squares are summed once over the ranks: one all-reduce, no host sync."""
+    the squares are summed once over the ranks: one all-reduce, no host sync; a few kernels per dtype."""
     grads = [p.grad for p in parameters if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     device = local[0].device if local else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)
+    by_dtype: dict = {}
     for g in local:
-        sq = sq + g.float().square().sum()
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():  # one norm kernel per dtype, not one per gradient
+        sq = sq + torch.stack(torch._foreach_norm(same)).float().square().sum()
     dist.all_reduce(sq, group=group)
     norm = sq.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in local:
-        g.mul_(scale.to(g.dtype))
+    for same in by_dtype.values():
+        torch._foreach_mul_(same, scale.to(same[0].dtype))
     return norm
