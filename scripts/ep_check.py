@@ -1,7 +1,8 @@
 """Expert parallelism on the GPUs of one host: the link, an all-to-all bandwidth sweep, then the EP layer against
 one GPU over all ranks' tokens, bitwise (torch.equal) in bf16, on each kernel backend, checkpoint policy and dispatch
 mode, with uniform and skewed routing and empty experts; the capacity mode's forward and backward run under
-torch.cuda.set_sync_debug_mode("error"): a host sync would raise. Run with
+torch.cuda.set_sync_debug_mode("error"): a host sync would raise; then the capacity mode under
+torch.compile(fullgraph=True) and captured in a CUDA graph (replayed on new inputs), against eager. Run with
 
     torchrun --nproc-per-node 2 scripts/ep_check.py [--tokens 4096] [--out DIR]
 
@@ -95,10 +96,62 @@ def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: st
             + (f"; rank {rank} differs in {bad}" if bad else ""))
 
 
+def captured(rank: int, world: int, L: int, backend: str, checkpoint: str, device, mode: str) -> str:
+    """Capacity dispatch under torch.compile(fullgraph=True) (mode "compile") or captured in a CUDA graph and
+    replayed on new inputs copied into its buffers (mode "cuda_graph"): forward and backward against eager on the
+    same inputs, bitwise."""
+    def inputs(case):
+        (x, idx, w, dy), w1, w2 = problem(rank, world, L, case, device)
+        mine, experts = slice(rank * L, (rank + 1) * L), slice(rank * w1.shape[0] // world,
+                                                               (rank + 1) * w1.shape[0] // world)
+        return (x[mine].bfloat16(), idx[mine], w[mine], w1[experts].contiguous(), w2[experts].contiguous(),
+                dy[mine].bfloat16())
+
+    kw = dict(dispatch="capacity", capacity=L * 4, checkpoint=checkpoint, backend=backend)
+
+    def step(fn, x, idx, w, w1, w2, dy):
+        out = fn(x, idx, w, w1, w2, **kw)
+        return (out, *torch.autograd.grad(out, (x, w, w1, w2), dy))
+
+    def leaves(ts):
+        x, idx, w, w1, w2, dy = ts
+        return x.requires_grad_(), idx, w.requires_grad_(), w1.requires_grad_(), w2.requires_grad_(), dy
+
+    first, second = inputs("uniform"), inputs("skewed")
+    want = step(ep_experts, *leaves([t.clone() for t in second]))
+    if mode == "compile":
+        torch._dynamo.reset()
+        fn = torch.compile(ep_experts, fullgraph=True)
+        step(fn, *leaves([t.clone() for t in first]))
+        got = step(fn, *leaves([t.clone() for t in second]))
+    else:
+        static = leaves([t.clone() for t in first])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: kernels compiled and every lazy allocation made
+            for _ in range(2):
+                step(ep_experts, *static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step(ep_experts, *static)
+        with torch.no_grad():
+            for buf, new in zip(static, second):
+                buf.copy_(new)
+        graph.replay()
+        got = outs
+    same = all(torch.equal(a, b) for a, b in zip(got, want))
+    flags = torch.tensor([same], device=device, dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return (f"ep={world} capacity {mode:>10} {backend:>5} {checkpoint:>9}: "
+            f"{'bitwise equal to eager' if flags.item() else 'DIFFERS'} on every rank (new inputs, skewed routing)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--only-captured", action="store_true", help="only the torch.compile and CUDA graph checks")
     args = ap.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -109,18 +162,29 @@ def main():
     lines = []
     if rank == 0:
         lines.append(subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout)
-    lines += bandwidth(rank, world, device)
+    if not args.only_captured:
+        lines += bandwidth(rank, world, device)
     backends = ["tl"] + (["gluon"] if torch.cuda.get_device_capability(device)[0] == 9 else [])
-    for dispatch in ("exact", "capacity"):
+    for dispatch in () if args.only_captured else ("exact", "capacity"):
         for case in ("uniform", "skewed", "empty_experts"):
             for backend in backends:
                 for checkpoint in ("preact", "recompute"):
                     lines.append(check(rank, world, args.tokens, case, backend, checkpoint, device, dispatch))
                     if rank == 0:
                         print(lines[-1], flush=True)
+    for mode in ("compile", "cuda_graph"):
+        for backend in backends:
+            for checkpoint in ("preact", "recompute"):
+                try:
+                    lines.append(captured(rank, world, args.tokens, backend, checkpoint, device, mode))
+                except Exception as e:  # noqa: BLE001 (reported, and the other checks still run)
+                    lines.append(f"ep={world} capacity {mode:>10} {backend:>5} {checkpoint:>9}: FAILED "
+                                 f"{type(e).__name__}: {str(e)[:300]}")
+                if rank == 0:
+                    print(lines[-1], flush=True)
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "ep_check.txt"), "w") as f:
+        with open(os.path.join(args.out, "ep_captured.txt" if args.only_captured else "ep_check.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
         print("\n".join(lines[:7]))
     dist.destroy_process_group()

@@ -2,7 +2,7 @@
 ranks against one process over all ranks' tokens, bitwise (torch.equal) on the Triton kernels under the
 interpreter (fp32): output, dx, the router weights' gradient and each rank's expert-weight gradients, under both
 checkpoint policies and both dispatch modes, with skewed routing, empty experts, a rank without tokens and a rank
-that receives nothing. Capacity overflow: an error by default (every rank), dropped pairs equal to one process
+that receives nothing; capacity dispatch also under torch.compile(fullgraph=True). Capacity overflow: an error by default (every rank), dropped pairs equal to one process
 that drops them, and a tracker's rerun at the capacity it asks for equal to one process."""
 
 import torch
@@ -72,7 +72,13 @@ def _ep(rank, world, toks, w1, w2, checkpoint, dy_all, **kw):
     x, idx, w = toks[rank]
     local = [x.clone().requires_grad_(), w.clone().requires_grad_(), w1[experts].clone().requires_grad_(),
              w2[experts].clone().requires_grad_()]
-    out = ep_experts(local[0], idx, local[1], local[2], local[3], checkpoint=checkpoint, **kw)
+    call = ep_experts
+    if kw.pop("compiled", False):  # traced whole by torch.compile: the capacity path's custom ops (the index by
+        # sort: dynamo can't trace the interpreter's launch of the dense builder; the same index either way)
+        torch._dynamo.reset()
+        kw["index_method"] = "sort"
+        call = torch.compile(ep_experts, fullgraph=True, backend="aot_eager")
+    out = call(local[0], idx, local[1], local[2], local[3], checkpoint=checkpoint, **kw)
     return out, torch.autograd.grad(out, local, dy_all[mine]), mine, experts
 
 
@@ -88,7 +94,9 @@ def _assert_equal(got, want, mine, experts):
 def _compare(rank, world, case, checkpoint, dispatch):
     toks, w1, w2 = _problem(world, case)
     out_all, g_all, dy_all = _one_process(toks, w1, w2, checkpoint)
-    kw = dict(dispatch="capacity", capacity=48) if dispatch == "capacity" else {}  # 48: more than any rank sends
+    kw = {}
+    if dispatch.startswith("capacity"):  # 48: more than any rank sends
+        kw = dict(dispatch="capacity", capacity=48, compiled=dispatch == "capacity_compiled")
     out, g, mine, experts = _ep(rank, world, toks, w1, w2, checkpoint, dy_all, **kw)
     _assert_equal((out, g), (out_all, g_all), mine, experts)
 
@@ -142,7 +150,8 @@ def _run(world, cases):
 
 def test_ep2_equals_one_process_bitwise():
     _run(2, [(case, checkpoint, dispatch) for case in ("uniform", "skewed", "empty_experts", "empty_rank")
-             for checkpoint in ("preact", "recompute") for dispatch in ("exact", "capacity")])
+             for checkpoint in ("preact", "recompute") for dispatch in ("exact", "capacity")]
+         + [("uniform", "preact", "capacity_compiled"), ("empty_rank", "recompute", "capacity_compiled")])
 
 
 def test_ep4_equals_one_process_bitwise():

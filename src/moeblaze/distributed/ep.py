@@ -41,6 +41,8 @@ import torch.distributed as dist
 from ..experts import CHECKPOINTS, check_backend
 from ..experts.autograd import experts_backward, experts_forward
 from ..experts.dispatch import resolve
+from ..experts.schedule import BLOCK_M
+from ..launch import ensure_context
 from ..experts.tl import combine as combine_rows
 from ..reference import check_activation
 from ..routing import (RoutingIndex, build_routing_index, check_expert_inputs, check_topk_weights, in_row_order,
@@ -108,10 +110,10 @@ class CapacityTracker:
 class _Plan:
     """One EP layer call's routing on both sides. send_pos: the positions, in the sender's expert order, of the
     rows it sends (one per send-buffer row; padding repeats a valid one); slot_LK and kept: where each pair's
-    returned row lands in the return buffer (slots >= kept: dropped); recv: the receiver's index."""
+    returned row lands in the return buffer (slots >= kept: dropped); recv: the receiver's index; needed (capacity
+    mode): the most rows any destination needed from this rank."""
 
-    def __init__(self, routing: RoutingIndex, ep: int, group, capacity: int | None, on_overflow: str,
-                 tracker: CapacityTracker | None):
+    def __init__(self, routing: RoutingIndex, ep: int, group, capacity: int | None, fail_on_overflow: bool):
         self.routing, self.group = routing, group
         E = routing.num_experts
         E_loc, P, dev = E // ep, routing.expert_token_idx.shape[0], routing.token_slot.device
@@ -122,15 +124,13 @@ class _Plan:
             both = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).cpu()  # the one host sync
             self.in_splits, self.out_splits = both[0].tolist(), both[1].tolist()
             self.recv = receiver_index(recv_counts)
-            self.send_pos = None  # every row, in expert order
+            self.send_pos = self.needed = None  # every row, in expert order
             self.slot_LK, self.kept = routing.token_slot, routing.expert_offsets[-1:]
             return
         per_dest = send_counts.sum(1)  # (ep,) rows for each destination
-        needed = per_dest.max() if P else per_dest.new_zeros(())
-        if tracker is not None:
-            tracker.record(needed)
-        elif on_overflow == "error":
-            _fail_if_any(needed > capacity, group, f"capacity dispatch: a destination needs more than {capacity} "
+        self.needed = per_dest.max() if P else per_dest.new_zeros(())
+        if fail_on_overflow:
+            _fail_if_any(self.needed > capacity, group, f"capacity dispatch: a destination needs more than {capacity} "
                          "rows (raise the capacity factor, pass on_overflow='drop', or use a CapacityTracker)")
         # rows past C in a destination's expert order are dropped: clip the per-expert counts there
         cum = send_counts.cumsum(1).clamp(max=capacity)
@@ -150,6 +150,19 @@ class _Plan:
         pos = routing.token_slot.long() - first[dest]
         self.kept = torch.full((1,), ep * capacity, dtype=torch.int32, device=dev)
         self.slot_LK = torch.where(pos < capacity, dest * capacity + pos, ep * capacity).int()
+
+    def saved(self) -> tuple:
+        """A capacity plan's tensors (what restore takes back)."""
+        return (*self.recv.tensors(), self.send_pos, self.slot_LK, self.kept)
+
+    @classmethod
+    def restore(cls, routing: RoutingIndex, group, saved) -> _Plan:
+        """The capacity plan whose tensors are `saved`, without any communication."""
+        plan = cls.__new__(cls)
+        counts, offsets, eti, slot, plan.send_pos, plan.slot_LK, plan.kept = saved
+        plan.routing, plan.group, plan.in_splits, plan.out_splits, plan.needed = routing, group, None, None, None
+        plan.recv = RoutingIndex(counts, offsets, eti, slot, dropped=True)
+        return plan
 
     def in_send_order(self, rows: torch.Tensor) -> torch.Tensor:
         """rows (in the sender's expert order) as the send buffer lays them out (zeros where there are none)."""
@@ -189,42 +202,140 @@ def _fail_if_any(bad: torch.Tensor, group, message: str) -> None:
         raise RuntimeError(message)
 
 
+def _forward(x, topk_w, w1, w2, plan: _Plan, activation: str, save: bool, backend: str):
+    """(out, what backward needs: the received rows (empty under recompute), preact, *the tile schedule)."""
+    r = plan.recv
+    recv_x = plan.dispatch(plan.send(x))
+    ones = recv_x.new_ones(recv_x.shape[0], 1, dtype=torch.float32)
+    y, preact, *sched = experts_forward(recv_x, w1, w2, ones, None, None, *r.tensors(), activation, save, backend,
+                                        r.dropped)
+    ret = plan.give_back(y)
+    del y
+    out = plan.combine(ret, topk_w.float().contiguous(), x.dtype) if x.shape[0] else torch.zeros_like(x)
+    return out, (recv_x if save else x.new_empty(0)), preact, *sched
+
+
+def _backward(dout, x, topk_w, w1, w2, plan: _Plan, recv_x, preact, sched, activation: str, save: bool,
+              backend: str):
+    """(dx, dtopk_w, dw1, dw2)."""
+    r = plan.recv
+    if not save:  # "recompute": the rows are sent again
+        recv_x = plan.dispatch(plan.send(x))
+    dy_recv = plan.dispatch(plan.send(dout.contiguous()))
+    w_rows = in_row_order(topk_w, plan.routing.token_slot, torch.float32)  # router weights in expert order
+    w_recv = plan.dispatch(plan.in_send_order(w_rows)).view(-1, 1)
+    dx_recv, dw1, dw2, ds_recv, _, _ = experts_backward(
+        dy_recv, recv_x, w1, w2, w_recv, None, None, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot,
+        preact, activation, save, backend, r.dropped)
+    del dy_recv, recv_x
+    dx_ret = plan.give_back(dx_recv)
+    ds_ret = plan.give_back(ds_recv.view(-1))
+    dx = plan.combine(dx_ret, None, x.dtype) if x.shape[0] else torch.zeros_like(x)
+    slot = plan.slot_LK.long()
+    dtopk_w = (ds_ret[slot.clamp(max=max(ds_ret.shape[0] - 1, 0))] if ds_ret.numel() else
+               ds_ret.new_zeros(slot.shape))
+    dtopk_w = dtopk_w.masked_fill(slot >= plan.kept, 0).to(topk_w.dtype)
+    return dx, dtopk_w, dw1, dw2
+
+
 class _EPExperts(torch.autograd.Function):
+    """Eager mode, both dispatch modes: the plan rides on the context as a Python object."""
+
     @staticmethod
     def forward(ctx, x, topk_w, w1, w2, plan: _Plan, activation: str, save: bool, backend: str):
-        r = plan.recv
-        recv_x = plan.dispatch(plan.send(x))
-        ones = recv_x.new_ones(recv_x.shape[0], 1, dtype=torch.float32)
-        y, preact, *sched = experts_forward(recv_x, w1, w2, ones, None, None, *r.tensors(), activation, save,
-                                            backend, r.dropped)
-        ret = plan.give_back(y)
-        del y
-        out = plan.combine(ret, topk_w.float().contiguous(), x.dtype) if x.shape[0] else torch.zeros_like(x)
+        out, recv_x, preact, *sched = _forward(x, topk_w, w1, w2, plan, activation, save, backend)
         ctx.plan, ctx.activation, ctx.save, ctx.backend = plan, activation, save, backend
-        ctx.save_for_backward(x, topk_w, w1, w2, recv_x if save else x.new_empty(0), preact, *sched)
+        ctx.save_for_backward(x, topk_w, w1, w2, recv_x, preact, *sched)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         x, topk_w, w1, w2, recv_x, preact, *sched = ctx.saved_tensors
-        plan, r = ctx.plan, ctx.plan.recv
-        if not ctx.save:  # "recompute": the rows are sent again
-            recv_x = plan.dispatch(plan.send(x))
-        dy_recv = plan.dispatch(plan.send(dout.contiguous()))
-        w_rows = in_row_order(topk_w, plan.routing.token_slot, torch.float32)  # router weights in expert order
-        w_recv = plan.dispatch(plan.in_send_order(w_rows)).view(-1, 1)
-        dx_recv, dw1, dw2, ds_recv, _, _ = experts_backward(
-            dy_recv, recv_x, w1, w2, w_recv, None, None, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot,
-            preact, ctx.activation, ctx.save, ctx.backend, r.dropped)
-        del dy_recv, recv_x
-        dx_ret = plan.give_back(dx_recv)
-        ds_ret = plan.give_back(ds_recv.view(-1))
-        dx = plan.combine(dx_ret, None, x.dtype) if x.shape[0] else torch.zeros_like(x)
-        slot = plan.slot_LK.long()
-        dtopk_w = (ds_ret[slot.clamp(max=max(ds_ret.shape[0] - 1, 0))] if ds_ret.numel() else
-                   ds_ret.new_zeros(slot.shape))
-        dtopk_w = dtopk_w.masked_fill(slot >= plan.kept, 0).to(topk_w.dtype)
-        return dx, dtopk_w, dw1, dw2, None, None, None, None
+        return (*_backward(dout, x, topk_w, w1, w2, ctx.plan, recv_x, preact, sched, ctx.activation, ctx.save,
+                           ctx.backend), None, None, None, None)
+
+
+# Capacity dispatch under torch.compile: the same bodies as custom ops (the communication inside them, on a
+# process group named by string), every plan tensor an output, so that the graph holds no Python object and no
+# host sync; fixed shapes (ep·C rows) let it compile with fullgraph=True and run in a CUDA graph.
+T = torch.Tensor
+_N_FWD_IN = 14
+
+
+@torch.library.custom_op("moeblaze::ep_capacity_fwd", mutates_args=())
+def ep_capacity_fwd(x: T, topk_w: T, w1: T, w2: T, counts: T, offsets: T, eti: T, slot: T, group_name: str,
+                    activation: str, save: bool, backend: str, capacity: int, fail_on_overflow: bool
+                    ) -> tuple[T, T, T, T, T, T, T, T, T, T, T, T, T, T]:
+    group = _resolve_group(group_name)
+    routing = RoutingIndex(counts, offsets, eti, slot)
+    plan = _Plan(routing, dist.get_world_size(group), group, capacity, fail_on_overflow)
+    out, recv_x, preact, *sched = _forward(x, topk_w, w1, w2, plan, activation, save, backend)
+    return (out, plan.needed.to(torch.int64), *plan.saved(), recv_x, preact, *sched)
+
+
+@ep_capacity_fwd.register_fake
+def _(x, topk_w, w1, w2, counts, offsets, eti, slot, group_name, activation, save, backend, capacity,
+      fail_on_overflow):
+    ep = _resolve_group_size(group_name)
+    E_loc, R, dev = w1.shape[0], ep * capacity, x.device
+    tiles = R // BLOCK_M + E_loc
+    ints = dict(dtype=torch.int32, device=dev)
+    return (x.new_empty(x.shape), torch.empty((), dtype=torch.int64, device=dev), torch.empty(E_loc, **ints),
+            torch.empty(E_loc + 1, **ints), torch.empty(R, **ints), torch.empty(R, 1, **ints),
+            torch.empty(R, dtype=torch.int64, device=dev), torch.empty(slot.shape, **ints), torch.empty(1, **ints),
+            x.new_empty(R, x.shape[1]) if save else x.new_empty(0),
+            x.new_empty(R, w1.shape[1]) if save else x.new_empty(0),
+            torch.empty(tiles, **ints), torch.empty(tiles, **ints), torch.empty(1, **ints))
+
+
+@torch.library.custom_op("moeblaze::ep_capacity_bwd", mutates_args=())
+def ep_capacity_bwd(dout: T, x: T, topk_w: T, w1: T, w2: T, counts: T, offsets: T, eti: T, slot: T, r_counts: T,
+                    r_offsets: T, r_eti: T, r_slot: T, send_pos: T, slot_LK: T, kept: T, recv_x: T, preact: T,
+                    tile_expert: T, tile_row: T, tiles_used: T, group_name: str, activation: str, save: bool,
+                    backend: str) -> tuple[T, T, T, T]:
+    if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.autograd)
+        ensure_context(dout.get_device())
+    plan = _Plan.restore(RoutingIndex(counts, offsets, eti, slot), _resolve_group(group_name),
+                         (r_counts, r_offsets, r_eti, r_slot, send_pos, slot_LK, kept))
+    return _backward(dout, x, topk_w, w1, w2, plan, recv_x, preact, (tile_expert, tile_row, tiles_used), activation,
+                     save, backend)
+
+
+@ep_capacity_bwd.register_fake
+def _(dout, x, topk_w, w1, w2, *rest):
+    return x.new_empty(x.shape), topk_w.new_empty(topk_w.shape), torch.empty_like(w1), torch.empty_like(w2)
+
+
+def _capacity_setup_context(ctx, inputs, output):
+    x, topk_w, w1, w2, counts, offsets, eti, slot = inputs[:8]
+    ctx.group_name, ctx.activation, ctx.save, ctx.backend = inputs[8:12]
+    ctx.save_for_backward(x, topk_w, w1, w2, counts, offsets, eti, slot, *output[2:])
+    ctx.set_materialize_grads(False)
+
+
+def _capacity_backward(ctx, dout, *_saved_outputs):
+    if dout is None:
+        return (None,) * _N_FWD_IN
+    dx, dtopk_w, dw1, dw2 = ep_capacity_bwd(dout.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.activation,
+                                            ctx.save, ctx.backend)
+    return (dx, dtopk_w, dw1, dw2) + (None,) * (_N_FWD_IN - 4)
+
+
+ep_capacity_fwd.register_autograd(_capacity_backward, setup_context=_capacity_setup_context)
+
+
+def _group_name(group) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def _resolve_group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def _resolve_group_size(name: str) -> int:
+    return dist.get_world_size(_resolve_group(name))
 
 
 DISPATCHES = ("exact", "capacity")
@@ -268,6 +379,16 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
             C = -(-max(1, math.ceil(capacity_factor * topk_idx.numel() / ep)) // 16) * 16
         if C < 1:
             raise ValueError(f"capacity must be a positive number of rows, got {C}")
-    plan = _Plan(routing, ep, group, C, on_overflow, tracker)
-    return _EPExperts.apply(x, topk_weights, w1_local, w2_local, plan, activation, checkpoint == "preact",
-                            resolve(backend, x.device))
+    save, backend = checkpoint == "preact", resolve(backend, x.device)
+    fail = on_overflow == "error" and tracker is None
+    if C is not None and torch.compiler.is_compiling():
+        outs = ep_capacity_fwd(x, topk_weights, w1_local, w2_local, *routing.tensors(), _group_name(group), activation,
+                               save, backend, C, fail)
+        out, needed = outs[0], outs[1]
+    else:
+        plan = _Plan(routing, ep, group, C, fail)
+        out = _EPExperts.apply(x, topk_weights, w1_local, w2_local, plan, activation, save, backend)
+        needed = plan.needed
+    if tracker is not None and needed is not None:
+        tracker.record(needed)
+    return out
