@@ -1,4 +1,5 @@
 import argparse
+import math
 import os
 import re
 import signal
@@ -219,3 +220,13 @@ def test_progress_shows_the_mean_aux_loss_over_blocks(tmp_path, capsys):
     assert main(["train", *TINY, "--n-layers", "4", "--steps", "10", "--save", ""]) == 0
     shown = [float(v) for v in re.findall(r"aux=([0-9.]+)", capsys.readouterr().err)]
     assert shown and all(0.9 < v < 2.0 for v in shown), shown
+
+
+def test_router_of_a_family_trains_and_updates_its_expert_bias(tmp_path):
+    """--router deepseek-v3: sigmoid scores, groups, the sequence loss, and the expert bias moved every step."""
+    res = train.run(args_for(tmp_path, steps=6, eval_every=6, save_every=6, router="deepseek-v3", num_experts=8))
+    assert math.isfinite(res["val_loss"])
+    state = load_checkpoint(str(tmp_path / "ck.pt"))["model"]
+    bias = state["blocks.0.moe.router.expert_bias"]
+    assert bias.abs().sum() > 0 and abs(float(bias.sum())) < 1e-5  # moved, and centred
+    assert state["blocks.0.moe.router.expert_load"].abs().sum() == 0  # counted since the last update: nothing

@@ -2,8 +2,9 @@
 ranks against one process over all ranks' tokens, bitwise (torch.equal) on the Triton kernels under the
 interpreter (fp32): output, dx, the router weights' gradient and each rank's expert-weight gradients, under both
 checkpoint policies and both dispatch modes, with skewed routing, empty experts, a rank without tokens and a rank
-that receives nothing; capacity dispatch also under torch.compile(fullgraph=True). Capacity overflow: an error by default (every rank), dropped pairs equal to one process
-that drops them, and a tracker's rerun at the capacity it asks for equal to one process."""
+that receives nothing; capacity dispatch also under torch.compile(fullgraph=True). Capacity overflow: an error by
+default (every rank), dropped pairs equal to one process that drops them, and a tracker's rerun at the capacity it
+asks for equal to one process."""
 
 import torch
 

@@ -33,6 +33,7 @@ from ..config import INTERPRET
 from ..distributed import DISPATCHES
 from ..nn import ModelConfig, MoEModel
 from ..reference import ACTIVATIONS
+from ..routing import ROUTERS, update_expert_biases
 from . import UsageError, parallel
 from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, probe_writable, probe_writable_folder,
                          save_checkpoint, save_sharded, sharded_checkpoint_path)
@@ -67,6 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation", default=ModelConfig.activation, choices=ACTIVATIONS)
     p.add_argument("--impl", default=ModelConfig.impl, choices=("auto", "triton", "reference"))
     p.add_argument("--checkpoint-policy", default=ModelConfig.checkpoint, choices=("preact", "recompute"))
+    p.add_argument("--router", default=ModelConfig.router, choices=tuple(ROUTERS),
+                   help="a model family's routing (score function, scale, biases, groups, balancing loss; default: "
+                        "softmax top-k, renormalized, switch loss); deepseek-v3's expert bias is updated after every "
+                        "optimizer step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--aux-loss-coef", type=float, default=1e-2)
     p.add_argument("--z-loss-coef", type=float, default=1e-3)
@@ -136,10 +141,11 @@ def check_args(args, val_len: int) -> ModelConfig:
         check_choice("--activation", args.activation, ACTIVATIONS)
         check_choice("--ep-dispatch", args.ep_dispatch, DISPATCHES)
         check_choice("--on-overflow", args.on_overflow, OVERFLOW)
+        check_choice("--router", args.router, tuple(ROUTERS))
         cfg = ModelConfig(max_seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers,
                           n_heads=args.n_heads, num_experts=args.num_experts, top_k=args.top_k,
                           d_expert=args.d_expert, activation=args.activation, impl=args.impl,
-                          checkpoint=args.checkpoint_policy)
+                          checkpoint=args.checkpoint_policy, router=args.router)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -220,8 +226,9 @@ def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
             ck = load_checkpoint(args.save, map_location=device)
         except CheckpointError as e:
             raise SystemExit(f"--resume: {e}") from None
-        if ck["config"] != cfg.to_dict():
-            raise SystemExit(f"--resume: checkpoint config {ck['config']} differs from the flags {cfg.to_dict()}")
+        saved = ModelConfig(**ck["config"]).to_dict()  # fields added since the checkpoint: their defaults
+        if saved != cfg.to_dict():
+            raise SystemExit(f"--resume: checkpoint config {saved} differs from the flags {cfg.to_dict()}")
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         gen.set_state(ck["generator"].cpu())
@@ -234,7 +241,7 @@ def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
         load_sharded(sharded_checkpoint_path(args.save), state, ranks.rank)
     except CheckpointError as e:
         raise SystemExit(f"--resume: {e}") from None
-    saved = json.loads(state["train"]["config"])
+    saved = ModelConfig(**json.loads(state["train"]["config"])).to_dict()
     if saved != cfg.to_dict():
         raise SystemExit(f"--resume: checkpoint config {saved} differs from the flags {cfg.to_dict()}")
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
@@ -330,6 +337,7 @@ def _run(args, cfg, train, val, ranks) -> dict:
         loss, aux, total = parallel.until_no_overflow(ranks, functools.partial(train_step, x, y), log)
         clip()
         opt.step()
+        update_expert_biases(model)  # the loads summed over every rank under torchrun
         if timer is not None and step >= args.bench_warmup:
             timer.stop()
         step += 1

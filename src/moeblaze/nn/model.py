@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from ..args import check_choice, check_int
 from ..experts import CHECKPOINTS, IMPLS
 from ..reference import check_activation
+from ..routing import ROUTERS
+from ..routing.router import check_groups
 from .moe import MoELayer
 
 
@@ -30,6 +32,7 @@ class ModelConfig:
     activation: str = "swiglu"
     impl: str = "auto"
     checkpoint: str = "preact"
+    router: str = "default"  # a family's routing: moeblaze.routing.ROUTERS
 
     def __post_init__(self):
         """Every field checked here, so a bad config fails when it is made, naming the field."""
@@ -43,6 +46,10 @@ class ModelConfig:
         check_activation(self.activation)
         check_choice("impl", self.impl, IMPLS)
         check_choice("checkpoint", self.checkpoint, CHECKPOINTS)
+        check_choice("router", self.router, tuple(ROUTERS))
+        opts = ROUTERS[self.router]
+        if opts.get("num_groups", 1) > 1:
+            check_groups(self.num_experts, self.top_k, opts["num_groups"], opts["topk_groups"])
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,7 +80,7 @@ class MoEBlock(nn.Module):
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads)
         self.norm2 = nn.RMSNorm(cfg.d_model)
         self.moe = MoELayer(cfg.d_model, cfg.d_expert, cfg.num_experts, cfg.top_k, cfg.activation, cfg.impl,
-                            cfg.checkpoint)
+                            cfg.checkpoint, router=ROUTERS[cfg.router])
 
     def forward(self, x: torch.Tensor):
         x = x + self.attn(self.norm1(x))

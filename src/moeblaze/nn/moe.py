@@ -79,12 +79,14 @@ class MoELayer(nn.Module):
     elsewhere), "triton" or "reference". checkpoint: "preact" or "recompute". index_method: "auto", "dense" or
     "sort". backend: the Triton kernels' backend, "auto", "tl" or "gluon" (see moeblaze.experts.dispatch).
     chunk_tokens: process the experts in token chunks of this size (see moeblaze.experts.moe_experts).
+    router: more TopKRouter options (score function, scale, biases, groups, balancing loss; a family's set is
+    moeblaze.routing.ROUTERS[name]); x of shape (..., T, D) holds sequences of T tokens (the "sequence" loss).
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, activation: str = "swiglu",
                  impl: str = "auto", checkpoint: str = "preact", scoring: str = "softmax_topk",
                  renormalize: bool = True, index_method: str = "auto", chunk_tokens: int | None = None,
-                 backend: str = "auto", device=None, dtype=None):
+                 backend: str = "auto", router: dict | None = None, device=None, dtype=None):
         super().__init__()
         for name, value in (("d_model", d_model), ("d_expert", d_expert), ("num_experts", num_experts),
                             ("top_k", top_k)):
@@ -97,7 +99,8 @@ class MoELayer(nn.Module):
         resolve_impl(impl, torch.device("cpu"))
         check_backend(backend)
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
-        self.router = TopKRouter(d_model, num_experts, top_k, scoring, renormalize, device=device)
+        self.router = TopKRouter(d_model, num_experts, top_k, **{"scoring": scoring, "renormalize": renormalize,
+                                                                 **(router or {})}, device=device)
         self.experts = Experts(d_model, d_expert, num_experts, activation, impl, checkpoint, chunk_tokens, backend,
                                index_method, device, dtype)
         self._register_load_state_dict_pre_hook(_earlier_expert_keys)
@@ -118,7 +121,7 @@ class MoELayer(nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"expected last dimension {self.d_model}, got input of shape {tuple(x.shape)}")
         x_LD = x.reshape(-1, self.d_model)
-        r = self.router(x_LD)
+        r = self.router(x_LD, seq_len=x.shape[-2] if x.dim() >= 3 else None)
         out = self.experts(x_LD, r.topk_idx, r.topk_weights)
         return MoEOutput(out.view(x.shape), r.aux_loss, r.z_loss)
 

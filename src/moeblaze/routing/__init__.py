@@ -2,11 +2,13 @@
 from .checks import check_expert_inputs, check_topk_idx, check_topk_weights
 from .index import (DENSE_MAX_EXPERTS, METHODS, RoutingIndex, build_index_dense_torch, build_index_dense_triton,
                     build_index_sort, build_routing_index, count_per_expert, in_row_order, pair_experts)
-from .router import SCORINGS, RouterOutput, TopKRouter, route_topk, router_z_loss, switch_aux_loss
+from .router import (AUX_LOSSES, ROUTERS, SCORINGS, RouterOutput, TopKRouter, balance_probs, route_topk, router_z_loss,
+                     sequence_aux_loss, switch_aux_loss, update_expert_biases)
 
 __all__ = [
     "check_expert_inputs", "check_topk_idx", "check_topk_weights", "DENSE_MAX_EXPERTS", "METHODS", "RoutingIndex",
     "build_index_dense_torch", "build_index_dense_triton", "build_index_sort", "build_routing_index",
     "count_per_expert", "in_row_order", "pair_experts", "SCORINGS",
-    "RouterOutput", "TopKRouter", "route_topk", "router_z_loss", "switch_aux_loss",
+    "AUX_LOSSES", "ROUTERS", "RouterOutput", "TopKRouter", "balance_probs", "route_topk", "router_z_loss",
+    "sequence_aux_loss", "switch_aux_loss", "update_expert_biases",
 ]

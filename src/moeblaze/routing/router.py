@@ -1,60 +1,138 @@
-"""Top-k token-choice router: a bias-free linear d -> E, scores in fp32, and its auxiliary losses.
+"""Top-k token-choice router: a linear d -> E (optionally with a learned bias), scores in fp32, and its losses.
 
-Two conventions:
-  "softmax_topk": softmax over all E experts, keep the top K probabilities, optionally renormalize
-                  them to sum to 1 (Mixtral, Qwen3, DeepSeek-V2 style);
-  "topk_softmax": top K of the logits, then a softmax over those K (SonicMoE, Switch-style).
-Losses: the switch load-balancing loss  E * sum_e f_e * P_e  (f_e: fraction of the L·K assignments
-that go to expert e, P_e: mean softmax probability of e; 1.0 when perfectly balanced) and the router
-z-loss  mean_t logsumexp(logits_t)^2. Both are 0 (finite, with zero gradients) for an empty batch.
-Memory: the (L, E) fp32 logits and probabilities live only until backward of the router, as in any router.
+Scores and weights (`scoring`):
+  "softmax_topk": softmax over all E experts, keep the top K probabilities (Mixtral, Qwen3, OLMoE);
+  "sigmoid_topk": a sigmoid per expert, keep the top K (DeepSeek-V3, Kimi K2, GLM-4.5);
+  "topk_softmax": top K of the logits, then a softmax over those K (gpt-oss, Switch, SonicMoE).
+`renormalize` divides the kept scores by their sum (not for "topk_softmax", whose weights sum to 1 already);
+`route_scale` multiplies the weights (DeepSeek-V3's routed_scaling_factor).
+Selection only (the weights stay the scores above):
+  expert_bias  a per-expert bias added to the scores when choosing, learned without gradients: the router counts
+               the tokens each expert gets while training, and `update_expert_bias()` (once per optimizer step,
+               the counts summed over a process group first) moves it by rate · sign(mean load − load), centred
+               (DeepSeek-V3's aux-loss-free balancing);
+  num_groups / topk_groups: experts in num_groups equal groups; each token keeps the topk_groups groups with the
+               largest sum of their two best (biased) scores and chooses its K among them (DeepSeek-V3: 8 / 4).
+Balancing losses (`aux_loss`), over P_e = a token's normalized scores (softmax probabilities; sigmoid scores over
+their sum) and f_e = the fraction of the pairs that go to expert e (counted before any rounding):
+  "switch"    E · sum_e f_e · mean_t P_e over this micro-batch (1.0 when balanced);
+  "sequence"  the same per sequence (forward's seq_len), averaged over sequences (DeepSeek-V3);
+  "global"    f from counts summed over the ranks of `aux_group` (one all-reduce, detached), P local (Qwen);
+  "none"      0.
+The router z-loss mean_t logsumexp(logits_t)^2. Every loss is 0 (finite, with zero gradients) for an empty batch.
+No host sync anywhere.
+Memory: the (L, E) fp32 logits and scores live only until backward of the router, as in any router; two (E,)
+fp32 buffers with expert_bias.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..args import check_bool, check_choice, check_int
 from .index import count_per_expert
 
-SCORINGS = ("softmax_topk", "topk_softmax")
+SCORINGS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
+AUX_LOSSES = ("switch", "sequence", "global", "none")
 
 
 @dataclass
 class RouterOutput:
     topk_idx: torch.Tensor  # (L, K) int32 expert ids
     topk_weights: torch.Tensor  # (L, K) fp32, differentiable
-    aux_loss: torch.Tensor  # scalar fp32, switch load-balancing loss
+    aux_loss: torch.Tensor  # scalar fp32, the load-balancing loss (the router's aux_loss kind)
     z_loss: torch.Tensor  # scalar fp32
 
 
-def route_topk(logits_LE: torch.Tensor, top_k: int, scoring: str = "softmax_topk", renormalize: bool = True):
-    """(topk_idx int32 (L, K), topk_weights fp32 (L, K)) from fp32 logits."""
+def check_groups(num_experts: int, top_k: int, num_groups: int, topk_groups: int) -> None:
+    check_int("num_groups", num_groups)
+    check_int("topk_groups", topk_groups)
+    if num_experts % num_groups:
+        raise ValueError(f"num_groups ({num_groups}) must divide num_experts ({num_experts})")
+    if topk_groups > num_groups:
+        raise ValueError(f"topk_groups must be <= num_groups ({num_groups}), got {topk_groups}")
+    if top_k > topk_groups * (num_experts // num_groups):
+        raise ValueError(f"top_k ({top_k}) must be <= topk_groups x experts per group "
+                         f"({topk_groups} x {num_experts // num_groups})")
+
+
+def _group_mask(sel_LE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """sel with every expert outside each token's topk_groups best groups set to -inf; a group's score is the sum
+    of its two best scores (its best one where a group has one expert)."""
+    L, E = sel_LE.shape
+    grouped = sel_LE.view(L, num_groups, E // num_groups)
+    score_LG = grouped.topk(min(2, E // num_groups), dim=-1).values.sum(-1)
+    keep_LG = torch.zeros_like(score_LG, dtype=torch.bool).scatter_(1, score_LG.topk(topk_groups, dim=-1).indices,
+                                                                   True)
+    return grouped.masked_fill(~keep_LG[..., None], float("-inf")).view(L, E)
+
+
+def route_topk(logits_LE: torch.Tensor, top_k: int, scoring: str = "softmax_topk", renormalize: bool = True,
+               route_scale: float = 1.0, selection_bias: torch.Tensor | None = None, num_groups: int = 1,
+               topk_groups: int = 1):
+    """(topk_idx int32 (L, K), topk_weights fp32 (L, K)) from logits (see the module header); selection_bias (E,)
+    shifts the choice only."""
     if scoring not in SCORINGS:
         raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
     E = logits_LE.shape[-1]
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k must satisfy 1 <= top_k <= num_experts ({E}), got {top_k}")
+    check_groups(E, top_k, num_groups, topk_groups)
     logits_LE = logits_LE.float()
-    if scoring == "softmax_topk":
-        probs = logits_LE.softmax(dim=-1)
-        w, idx = probs.topk(top_k, dim=-1)
-        if renormalize:
-            w = w / w.sum(dim=-1, keepdim=True)
-    else:
-        vals, idx = logits_LE.topk(top_k, dim=-1)
-        w = vals.softmax(dim=-1)
+    scores = logits_LE if scoring == "topk_softmax" else (
+        logits_LE.softmax(dim=-1) if scoring == "softmax_topk" else logits_LE.sigmoid())
+    sel = scores if selection_bias is None else scores + selection_bias.float()
+    if num_groups > 1:
+        sel = _group_mask(sel, num_groups, topk_groups)
+    idx = sel.topk(top_k, dim=-1).indices
+    w = scores.gather(1, idx)
+    if scoring == "topk_softmax":
+        w = w.softmax(dim=-1)
+    elif renormalize:
+        w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if scoring == "sigmoid_topk" else 0.0))
+    if route_scale != 1.0:
+        w = w * route_scale
     return idx.to(torch.int32), w
 
 
-def switch_aux_loss(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor) -> torch.Tensor:
-    """E * sum_e f_e * P_e; gradients flow through P (the probabilities), as in Switch Transformer."""
+def balance_probs(logits_LE: torch.Tensor, scoring: str = "softmax_topk") -> torch.Tensor:
+    """P (L, E): each token's scores normalized to sum to 1 (softmax probabilities; sigmoid scores over their
+    sum), what the balancing losses weigh."""
+    logits_LE = logits_LE.float()
+    if scoring == "sigmoid_topk":
+        s = logits_LE.sigmoid()
+        return s / (s.sum(dim=-1, keepdim=True) + 1e-20)
+    return logits_LE.softmax(dim=-1)
+
+
+def switch_aux_loss(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, scoring: str = "softmax_topk",
+                    counts_E: torch.Tensor | None = None, pairs: torch.Tensor | float | None = None) -> torch.Tensor:
+    """E * sum_e f_e * P_e; gradients flow through P, as in Switch Transformer. counts_E and pairs (detached)
+    replace this micro-batch's counts and pair count where given (the global-batch loss)."""
     L, E = logits_LE.shape
-    probs_mean_E = logits_LE.float().softmax(dim=-1).sum(dim=0) / max(L, 1)  # a mean that is 0, not NaN, at L = 0
-    frac_E = count_per_expert(topk_idx_LK, E).float() / max(topk_idx_LK.numel(), 1)
+    probs_mean_E = balance_probs(logits_LE, scoring).sum(dim=0) / max(L, 1)  # 0, not NaN, at L = 0
+    if counts_E is None:
+        counts_E, pairs = count_per_expert(topk_idx_LK, E).float(), float(topk_idx_LK.numel())
+    frac_E = counts_E.float() / (pairs.clamp(min=1) if isinstance(pairs, torch.Tensor) else max(pairs, 1))
     return E * (frac_E * probs_mean_E).sum()
+
+
+def sequence_aux_loss(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, seq_len: int,
+                      scoring: str = "softmax_topk") -> torch.Tensor:
+    """The switch loss of each sequence (seq_len consecutive tokens), averaged over the sequences."""
+    L, E = logits_LE.shape
+    if L % seq_len:
+        raise ValueError(f"the sequence loss needs whole sequences: {L} tokens is not a multiple of {seq_len}")
+    n, K = L // seq_len, topk_idx_LK.shape[1]
+    probs_NE = balance_probs(logits_LE, scoring).view(n, seq_len, E).mean(dim=1)
+    onehot = torch.zeros(n, seq_len * K, E, device=logits_LE.device)
+    onehot.scatter_(2, topk_idx_LK.long().reshape(n, seq_len * K, 1), 1.0)
+    frac_NE = onehot.sum(dim=1) / (seq_len * K)
+    return E * (frac_NE * probs_NE).sum() / max(n, 1)
 
 
 def router_z_loss(logits_LE: torch.Tensor) -> torch.Tensor:
@@ -62,27 +140,109 @@ def router_z_loss(logits_LE: torch.Tensor) -> torch.Tensor:
 
 
 class TopKRouter(nn.Module):
-    """x (L, D) -> RouterOutput. The gate weight is (E, D), bias-free; scores are computed in fp32."""
+    """x (L, D) -> RouterOutput (see the module header). weight (E, D); `bias` (E,) with gate_bias; the buffers
+    expert_bias and expert_load (E,) with expert_bias."""
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, scoring: str = "softmax_topk",
-                 renormalize: bool = True, device=None, dtype=None):
+                 renormalize: bool = True, route_scale: float = 1.0, gate_bias: bool = False,
+                 expert_bias: bool = False, expert_bias_rate: float = 1e-3, num_groups: int = 1, topk_groups: int = 1,
+                 aux_loss: str = "switch", aux_group=None, device=None, dtype=None):
         super().__init__()
         check_int("d_model", d_model)
         check_int("num_experts", num_experts)
         check_int("top_k", top_k)
         check_choice("scoring", scoring, SCORINGS)
         check_bool("renormalize", renormalize)
+        check_bool("gate_bias", gate_bias)
+        check_bool("expert_bias", expert_bias)
+        check_choice("aux_loss", aux_loss, AUX_LOSSES)
         if top_k > num_experts:
             raise ValueError(f"top_k must satisfy 1 <= top_k <= num_experts ({num_experts}), got {top_k}")
+        for name, v in (("route_scale", route_scale), ("expert_bias_rate", expert_bias_rate)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+        check_groups(num_experts, top_k, num_groups, topk_groups)
         self.num_experts, self.top_k, self.scoring, self.renormalize = num_experts, top_k, scoring, renormalize
+        self.route_scale, self.expert_bias_rate = float(route_scale), float(expert_bias_rate)
+        self.num_groups, self.topk_groups, self.aux_loss, self.aux_group = num_groups, topk_groups, aux_loss, aux_group
         self.weight = nn.Parameter(torch.empty(num_experts, d_model, device=device, dtype=dtype))
         nn.init.normal_(self.weight, std=d_model ** -0.5)
+        self.bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype)) if gate_bias else None
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, device=device))
+            self.register_buffer("expert_load", torch.zeros(num_experts, device=device))
+        else:
+            self.expert_bias = self.expert_load = None
 
-    def forward(self, x_LD: torch.Tensor) -> RouterOutput:
+    def forward(self, x_LD: torch.Tensor, seq_len: int | None = None) -> RouterOutput:
+        """seq_len: tokens per sequence (x's rows are whole sequences, one after another); the "sequence" loss
+        needs it."""
         logits_LE = x_LD.float() @ self.weight.float().t()
-        idx, w = route_topk(logits_LE, self.top_k, self.scoring, self.renormalize)
-        return RouterOutput(idx, w, switch_aux_loss(logits_LE, idx), router_z_loss(logits_LE))
+        if self.bias is not None:
+            logits_LE = logits_LE + self.bias.float()
+        idx, w = route_topk(logits_LE, self.top_k, self.scoring, self.renormalize, self.route_scale,
+                            self.expert_bias, self.num_groups, self.topk_groups)
+        if self.expert_load is not None and self.training:
+            self.expert_load += count_per_expert(idx, self.num_experts).float()
+        return RouterOutput(idx, w, self._aux(logits_LE, idx, seq_len), router_z_loss(logits_LE))
+
+    def _aux(self, logits_LE, idx, seq_len):
+        if self.aux_loss == "none":
+            return logits_LE.sum() * 0.0
+        if self.aux_loss == "sequence":
+            if seq_len is None:
+                raise ValueError('aux_loss="sequence" needs forward(x, seq_len=...) (the layer passes it)')
+            return sequence_aux_loss(logits_LE, idx, seq_len, self.scoring)
+        if self.aux_loss == "global" and dist.is_available() and dist.is_initialized():
+            both = torch.cat([count_per_expert(idx, self.num_experts).float(),
+                              torch.tensor([float(idx.numel())], device=idx.device)])
+            dist.all_reduce(both, group=self.aux_group)
+            return switch_aux_loss(logits_LE, idx, self.scoring, both[:-1], both[-1])
+        return switch_aux_loss(logits_LE, idx, self.scoring)
+
+    @torch.no_grad()
+    def update_expert_bias(self, group=None) -> torch.Tensor | None:
+        """Once per optimizer step (after it): move expert_bias by rate · sign(mean load − load), centred, from
+        the loads counted since the last update (summed over `group`'s ranks when distributed; every rank then
+        applies the same update), and restart the count. Returns the loads used (None without expert_bias)."""
+        if self.expert_load is None:
+            return None
+        load = self.expert_load.clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(load, group=group)
+        delta = self.expert_bias_rate * torch.sign(load.mean() - load)
+        self.expert_bias += delta - delta.mean()
+        self.expert_load.zero_()
+        return load
 
     def extra_repr(self) -> str:
+        extra = "".join(f", {k}={v}" for k, v in (("route_scale", self.route_scale), ("num_groups", self.num_groups),
+                                                  ("topk_groups", self.topk_groups)) if v != 1)
         return (f"d_model={self.weight.shape[1]}, num_experts={self.num_experts}, top_k={self.top_k}, "
-                f"scoring={self.scoring}")
+                f"scoring={self.scoring}, aux_loss={self.aux_loss}{extra}"
+                + (", gate_bias" if self.bias is not None else "")
+                + (f", expert_bias(rate={self.expert_bias_rate})" if self.expert_bias is not None else ""))
+
+
+# Routers of model families by name (TopKRouter's options; see research notes on routing): "default" is the
+# softmax top-k, renormalized, with the switch loss (Mixtral's).
+ROUTERS = {
+    "default": {},
+    "mixtral": dict(scoring="softmax_topk", renormalize=True, aux_loss="switch"),
+    "qwen3-moe": dict(scoring="softmax_topk", renormalize=True, aux_loss="global"),
+    "qwen3-next": dict(scoring="softmax_topk", renormalize=True, aux_loss="global"),
+    "olmoe": dict(scoring="softmax_topk", renormalize=False, aux_loss="switch"),
+    "deepseek-v3": dict(scoring="sigmoid_topk", renormalize=True, route_scale=2.5, expert_bias=True, num_groups=8,
+                        topk_groups=4, aux_loss="sequence"),
+    "gpt-oss": dict(scoring="topk_softmax", gate_bias=True, aux_loss="switch"),
+}
+
+
+def update_expert_biases(model: nn.Module, group=None) -> int:
+    """update_expert_bias() on every router of the model that has an expert bias; how many."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, TopKRouter) and m.expert_bias is not None:
+            m.update_expert_bias(group)
+            n += 1
+    return n
