@@ -39,6 +39,14 @@ CASES = [
     ("MoELayer(16, 32, 4, 2, scoring='sigmoid')", ValueError),
     ("MoELayer(16, 32, 4, 2, renormalize='yes')", TypeError),
     ("TopKRouter(16, 0, 1)", ValueError),
+    ("TopKRouter(16, 8, 2, num_groups=3)", ValueError),
+    ("TopKRouter(16, 8, 4, num_groups=4, topk_groups=1)", ValueError),
+    ("TopKRouter(16, 8, 2, route_scale=0.0)", ValueError),
+    ("TopKRouter(16, 8, 2, aux_loss='z')", ValueError),
+    ("TopKRouter(16, 8, 2, aux_loss='sequence')(x)", ValueError),
+    ("MoELayer(16, 32, 4, 2, shared_experts=-1)", ValueError),
+    ("ModelConfig(router='llama')", ValueError),
+    ("ModelConfig(dense_layers=3)", ValueError),
     ("ModelConfig(n_layers=0)", ValueError),
     ("ModelConfig(n_heads=3)", ValueError),
     ("ModelConfig(vocab_size=256.0)", TypeError),
@@ -85,6 +93,10 @@ CASES = [
     ("moeblaze train --save notes.txt/ck.pt", SystemExit),
     ("moeblaze train --save .", SystemExit),
     ("moeblaze train --resume --save ''", SystemExit),
+    ("moeblaze train --ep 2  # one process", SystemExit),
+    ("moeblaze train --ep-dispatch capacity", SystemExit),
+    ("moeblaze train --capacity-factor 0", SystemExit),
+    ("moeblaze train --router deepseek-v3 --num-experts 4", SystemExit),
 ]
 
 
@@ -117,7 +129,7 @@ def outcome(call: str, tmp: str) -> tuple[type, str]:
         os.chdir(tmp)
         try:
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                rc = main(shlex.split(call)[1:])
+                rc = main(shlex.split(call.split("  #")[0])[1:])
         except SystemExit as e:  # argparse's own checks (choices, types) exit from inside parse_args
             rc = e.code
         finally:

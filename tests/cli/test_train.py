@@ -222,11 +222,18 @@ def test_progress_shows_the_mean_aux_loss_over_blocks(tmp_path, capsys):
     assert shown and all(0.9 < v < 2.0 for v in shown), shown
 
 
-def test_router_of_a_family_trains_and_updates_its_expert_bias(tmp_path):
-    """--router deepseek-v3: sigmoid scores, groups, the sequence loss, and the expert bias moved every step."""
-    res = train.run(args_for(tmp_path, steps=6, eval_every=6, save_every=6, router="deepseek-v3", num_experts=8))
+def test_presets_of_today_s_routing_train(tmp_path):
+    """deepseek-v3-small (sigmoid scores, groups, the sequence loss, a shared expert, a dense first layer, the
+    expert bias moved every step) and qwen3-next-small (a gated shared expert) train, from their presets."""
+    shape = dict(d_model=None, n_layers=None, n_heads=None, num_experts=None, top_k=None, d_expert=None)
+    res = train.run(args_for(tmp_path, steps=6, eval_every=6, save_every=6, preset="deepseek-v3-small", **shape))
     assert math.isfinite(res["val_loss"])
-    state = load_checkpoint(str(tmp_path / "ck.pt"))["model"]
-    bias = state["blocks.0.moe.router.expert_bias"]
+    ck = load_checkpoint(str(tmp_path / "ck.pt"))
+    assert ck["config"]["router"] == "deepseek-v3" and ck["config"]["dense_layers"] == 1
+    state = ck["model"]
+    assert "blocks.0.moe.up.weight" in state and "blocks.1.moe.shared.w1" in state
+    bias = state["blocks.1.moe.router.expert_bias"]
     assert bias.abs().sum() > 0 and abs(float(bias.sum())) < 1e-5  # moved, and centred
-    assert state["blocks.0.moe.router.expert_load"].abs().sum() == 0  # counted since the last update: nothing
+    assert state["blocks.1.moe.router.expert_load"].abs().sum() == 0  # counted since the last update: nothing
+    res = train.run(args_for(tmp_path, steps=4, eval_every=4, save="", preset="qwen3-next-small", **shape))
+    assert math.isfinite(res["val_loss"])

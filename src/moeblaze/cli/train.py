@@ -39,15 +39,23 @@ from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, probe_w
                          save_checkpoint, save_sharded, sharded_checkpoint_path)
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
 
-# Model shapes by name; a flag given on the command line overrides its preset's value. "qwen3-30b-a3b": MoE layers
+# Models by name; a flag given on the command line overrides its preset's value. "qwen3-30b-a3b": MoE layers
 # shaped as Qwen3-30B-A3B's (hidden 2048, 128 experts, top-8, expert width 768; 16 heads of 128), 4 of them.
+# "deepseek-v3-small": DeepSeek-V3's routing (sigmoid scores, expert-bias balancing, 8 groups of which 4 are kept,
+# scale 2.5, the sequence loss), a shared expert and a dense first layer, at a small size; "qwen3-next-small":
+# Qwen3-Next's (softmax, renormalized, global-batch loss) with a gated shared expert.
 SHAPE = ("seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k", "d_expert")
+EXTRAS = ("router", "shared_experts", "d_shared", "shared_gate", "dense_layers")
 _d = ModelConfig()
 PRESETS = {
     "small": dict(seq_len=_d.max_seq_len, d_model=_d.d_model, n_layers=_d.n_layers, n_heads=_d.n_heads,
                   num_experts=_d.num_experts, top_k=_d.top_k, d_expert=_d.d_expert),
     "qwen3-30b-a3b": dict(seq_len=4096, d_model=2048, n_layers=4, n_heads=16, num_experts=128, top_k=8,
                           d_expert=768),
+    "deepseek-v3-small": dict(seq_len=128, d_model=128, n_layers=3, n_heads=4, num_experts=16, top_k=2, d_expert=128,
+                              router="deepseek-v3", shared_experts=1, dense_layers=1),
+    "qwen3-next-small": dict(seq_len=128, d_model=128, n_layers=2, n_heads=4, num_experts=16, top_k=4, d_expert=64,
+                             router="qwen3-next", shared_experts=1, d_shared=128, shared_gate=True),
 }
 OVERFLOW = ("rerun", "drop", "error")
 
@@ -68,7 +76,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation", default=ModelConfig.activation, choices=ACTIVATIONS)
     p.add_argument("--impl", default=ModelConfig.impl, choices=("auto", "triton", "reference"))
     p.add_argument("--checkpoint-policy", default=ModelConfig.checkpoint, choices=("preact", "recompute"))
-    p.add_argument("--router", default=ModelConfig.router, choices=tuple(ROUTERS),
+    p.add_argument("--shared-experts", type=int, default=None, help="always-on experts per MoE layer (default 0)")
+    p.add_argument("--d-shared", type=int, default=None, help="their width (default: --d-expert)")
+    p.add_argument("--shared-gate", action="store_const", const=True, default=None,
+                   help="scale the shared experts' output by a learned sigmoid gate of x")
+    p.add_argument("--dense-layers", type=int, default=None, help="dense feed-forward in the first N blocks")
+    p.add_argument("--router", default=None, choices=tuple(ROUTERS),
                    help="a model family's routing (score function, scale, biases, groups, balancing loss; default: "
                         "softmax top-k, renormalized, switch loss); deepseek-v3's expert bias is updated after every "
                         "optimizer step")
@@ -112,9 +125,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check_args(args, val_len: int) -> ModelConfig:
     """The model config of the flags, after every flag is checked (UsageError naming the flag otherwise)."""
     dist_run = parallel.launched()
-    for name in SHAPE:
+    for name in SHAPE + EXTRAS:
         if getattr(args, name, None) is None:
-            setattr(args, name, PRESETS[args.preset][name])
+            preset = PRESETS[args.preset]
+            setattr(args, name, preset[name] if name in preset else getattr(ModelConfig, name))
     if args.save is None:
         args.save = "checkpoints/moeblaze-sharded" if dist_run else "checkpoints/moeblaze.pt"
     try:
@@ -122,6 +136,8 @@ def check_args(args, val_len: int) -> ModelConfig:
                      "d_expert", "eval_every", "eval_batches", "save_every", "ep", "bench_warmup"):
             check_int("--" + name.replace("_", "-"), getattr(args, name))
         check_int("--seed", args.seed, minimum=0)
+        for name in ("shared_experts", "d_shared", "dense_layers"):
+            check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=0)
         check_int("--bench-steps", args.bench_steps, minimum=0)
         if args.seq_len > val_len - 2:
             raise ValueError(f"--seq-len must be at most {val_len - 2} (the held-out text's length - 2), "
@@ -145,7 +161,8 @@ def check_args(args, val_len: int) -> ModelConfig:
         cfg = ModelConfig(max_seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers,
                           n_heads=args.n_heads, num_experts=args.num_experts, top_k=args.top_k,
                           d_expert=args.d_expert, activation=args.activation, impl=args.impl,
-                          checkpoint=args.checkpoint_policy, router=args.router)
+                          checkpoint=args.checkpoint_policy, router=args.router, shared_experts=args.shared_experts,
+                          d_shared=args.d_shared, shared_gate=args.shared_gate, dense_layers=args.dense_layers)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
     if args.device == "cuda" and not torch.cuda.is_available():

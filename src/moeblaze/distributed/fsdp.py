@@ -30,7 +30,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 
 def _experts_modules(model: nn.Module):
-    return [m for m in model.modules() if hasattr(m, "ep_group") and hasattr(m, "w1") and hasattr(m, "w2")]
+    """The routed experts modules (shared experts, always on, stay whole on every rank)."""
+    return [m for m in model.modules() if hasattr(m, "ep_group") and hasattr(m, "w1") and hasattr(m, "w2")
+            and getattr(m, "expert_parallel", True)]
 
 
 def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, **ep_kwargs) -> int:

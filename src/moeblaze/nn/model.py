@@ -11,12 +11,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..args import check_choice, check_int
+from ..args import check_bool, check_choice, check_int
 from ..experts import CHECKPOINTS, IMPLS
-from ..reference import check_activation
+from ..reference import apply_activation, check_activation, up_width
 from ..routing import ROUTERS
 from ..routing.router import check_groups
-from .moe import MoELayer
+from .moe import MoELayer, MoEOutput
 
 
 @dataclass
@@ -33,6 +33,10 @@ class ModelConfig:
     impl: str = "auto"
     checkpoint: str = "preact"
     router: str = "default"  # a family's routing: moeblaze.routing.ROUTERS
+    shared_experts: int = 0  # always-on experts per MoE layer
+    d_shared: int = 0  # their width (0: d_expert)
+    shared_gate: bool = False  # σ(x·gᵀ) scales their output (Qwen3-Next)
+    dense_layers: int = 0  # the first blocks have a dense feed-forward of width top_k · d_expert (DeepSeek-V3)
 
     def __post_init__(self):
         """Every field checked here, so a bad config fails when it is made, naming the field."""
@@ -46,6 +50,11 @@ class ModelConfig:
         check_activation(self.activation)
         check_choice("impl", self.impl, IMPLS)
         check_choice("checkpoint", self.checkpoint, CHECKPOINTS)
+        for name in ("shared_experts", "d_shared", "dense_layers"):
+            check_int(name, getattr(self, name), minimum=0)
+        check_bool("shared_gate", self.shared_gate)
+        if self.dense_layers > self.n_layers:
+            raise ValueError(f"dense_layers must be <= n_layers ({self.n_layers}), got {self.dense_layers}")
         check_choice("router", self.router, tuple(ROUTERS))
         opts = ROUTERS[self.router]
         if opts.get("num_groups", 1) > 1:
@@ -71,16 +80,36 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
-class MoEBlock(nn.Module):
-    """x + attn(norm(x)), then + moe(norm(x)); returns the new x and the block's router losses."""
+class DenseFFN(nn.Module):
+    """A dense feed-forward layer of the model's activation (the first blocks of DeepSeek-V3-style models); its
+    router losses are 0."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, d_model: int, d_hidden: int, activation: str):
+        super().__init__()
+        self.activation = activation
+        self.up = nn.Linear(d_model, up_width(activation, d_hidden), bias=False)
+        self.down = nn.Linear(d_hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> MoEOutput:
+        zero = x.new_zeros((), dtype=torch.float32)
+        return MoEOutput(self.down(apply_activation(self.up(x), self.activation)), zero, zero)
+
+
+class MoEBlock(nn.Module):
+    """x + attn(norm(x)), then + moe(norm(x)); returns the new x and the block's router losses. `dense`: a
+    DenseFFN in place of the MoE layer."""
+
+    def __init__(self, cfg: ModelConfig, dense: bool = False):
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads)
         self.norm2 = nn.RMSNorm(cfg.d_model)
-        self.moe = MoELayer(cfg.d_model, cfg.d_expert, cfg.num_experts, cfg.top_k, cfg.activation, cfg.impl,
-                            cfg.checkpoint, router=ROUTERS[cfg.router])
+        if dense:
+            self.moe = DenseFFN(cfg.d_model, cfg.top_k * cfg.d_expert, cfg.activation)
+        else:
+            self.moe = MoELayer(cfg.d_model, cfg.d_expert, cfg.num_experts, cfg.top_k, cfg.activation, cfg.impl,
+                                cfg.checkpoint, router=ROUTERS[cfg.router], shared_experts=cfg.shared_experts,
+                                d_shared=cfg.d_shared or None, shared_gate=cfg.shared_gate)
 
     def forward(self, x: torch.Tensor):
         x = x + self.attn(self.norm1(x))
@@ -94,7 +123,7 @@ class MoEModel(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-        self.blocks = nn.ModuleList(MoEBlock(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(MoEBlock(cfg, dense=i < cfg.dense_layers) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.d_model)
         nn.init.normal_(self.tok_emb.weight, std=0.02)
         nn.init.normal_(self.pos_emb.weight, std=0.02)

@@ -1,10 +1,12 @@
 """MoELayer: router + routing index + experts + combine, as one nn.Module; the experts' weights and their
-computation are a submodule of their own (Experts), so that FSDP2 shards and gathers them as one unit.
+computation are a submodule of their own (Experts), so that FSDP2 shards and gathers them as one unit; optional
+shared experts (SharedExperts: always on, never routed) beside them.
 
 Memory contract: the router's (L, E) fp32 logits (as in every MoE), the routing index (O(L·K) int32)
 and what the expert implementation keeps (see experts/autograd.py: the pre-activation under
-checkpoint="preact", nothing more under "recompute"). No (L·K, D) routing buffer is ever allocated by
-the Triton implementation.
+checkpoint="preact", nothing more under "recompute"); shared experts keep the same for L·S rows (S shared
+experts: their (L, S) index, and under "preact" their pre-activation L·S·F_s) and, gated, the (L, 1) gate. No
+(L·K, D) routing buffer is ever allocated by the Triton implementation, nor an (L·S, D) one for shared experts.
 """
 from __future__ import annotations
 
@@ -70,6 +72,39 @@ class Experts(nn.Module):
                 f"activation={self.activation}, impl={self.impl}, checkpoint={self.checkpoint}")
 
 
+class SharedExperts(Experts):
+    """S always-on experts of their own width: every token goes to each of them with weight 1, or with a learned
+    gate σ(x·gᵀ) (Qwen3-Next's shared_expert_gate), and their outputs are summed. The routed experts' kernels
+    compute them through an index that sends every token to each shared expert in token order (rows read in
+    place: no gathered copy), in a launch of their own, since their weights are tensors of their own. Never a
+    routing target: outside the router's losses, its bias updates and expert parallelism (each rank keeps all S,
+    like the dense weights)."""
+
+    expert_parallel = False
+
+    def __init__(self, d_model: int, d_hidden: int, count: int, activation: str = "swiglu", impl: str = "auto",
+                 checkpoint: str = "preact", gated: bool = False, chunk_tokens: int | None = None,
+                 backend: str = "auto", device=None, dtype=None):
+        check_int("shared_experts", count)
+        check_int("d_shared", d_hidden)
+        super().__init__(d_model, d_hidden, count, activation, impl, checkpoint, chunk_tokens, backend, "dense",
+                         device, dtype)
+        self.gate = nn.Parameter(torch.zeros(1, d_model, device=device, dtype=dtype)) if gated else None
+
+    def forward(self, x_LD: torch.Tensor) -> torch.Tensor:
+        L, S = x_LD.shape[0], self.num_experts
+        idx = torch.arange(S, dtype=torch.int32, device=x_LD.device).expand(L, S)
+        if self.gate is None:
+            w = torch.ones(L, S, dtype=torch.promote_types(x_LD.dtype, torch.float32), device=x_LD.device)
+        else:
+            dt = torch.promote_types(x_LD.dtype, torch.float32)  # fp32 at least, as router scores
+            w = torch.sigmoid(x_LD.to(dt) @ self.gate.to(dt).t()).expand(L, S)
+        return super().forward(x_LD, idx, w)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (", gated" if self.gate is not None else "")
+
+
 class MoELayer(nn.Module):
     """Token-choice top-k MoE feed-forward layer, dropless: a router (`router`) and the experts (`experts`).
 
@@ -81,12 +116,15 @@ class MoELayer(nn.Module):
     chunk_tokens: process the experts in token chunks of this size (see moeblaze.experts.moe_experts).
     router: more TopKRouter options (score function, scale, biases, groups, balancing loss; a family's set is
     moeblaze.routing.ROUTERS[name]); x of shape (..., T, D) holds sequences of T tokens (the "sequence" loss).
+    shared_experts: S always-on experts of width d_shared (default d_expert), gated by σ(x·gᵀ) with shared_gate
+    (the submodule `shared`, a SharedExperts).
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, activation: str = "swiglu",
                  impl: str = "auto", checkpoint: str = "preact", scoring: str = "softmax_topk",
                  renormalize: bool = True, index_method: str = "auto", chunk_tokens: int | None = None,
-                 backend: str = "auto", router: dict | None = None, device=None, dtype=None):
+                 backend: str = "auto", router: dict | None = None, shared_experts: int = 0,
+                 d_shared: int | None = None, shared_gate: bool = False, device=None, dtype=None):
         super().__init__()
         for name, value in (("d_model", d_model), ("d_expert", d_expert), ("num_experts", num_experts),
                             ("top_k", top_k)):
@@ -103,6 +141,11 @@ class MoELayer(nn.Module):
                                                                  **(router or {})}, device=device)
         self.experts = Experts(d_model, d_expert, num_experts, activation, impl, checkpoint, chunk_tokens, backend,
                                index_method, device, dtype)
+        check_int("shared_experts", shared_experts, minimum=0)
+        self.shared = None
+        if shared_experts:
+            self.shared = SharedExperts(d_model, d_shared or d_expert, shared_experts, activation, impl, checkpoint,
+                                        shared_gate, chunk_tokens, backend, device, dtype)
         self._register_load_state_dict_pre_hook(_earlier_expert_keys)
 
     @property
@@ -123,6 +166,8 @@ class MoELayer(nn.Module):
         x_LD = x.reshape(-1, self.d_model)
         r = self.router(x_LD, seq_len=x.shape[-2] if x.dim() >= 3 else None)
         out = self.experts(x_LD, r.topk_idx, r.topk_weights)
+        if self.shared is not None:
+            out = out + self.shared(x_LD)
         return MoEOutput(out.view(x.shape), r.aux_loss, r.z_loss)
 
     def extra_repr(self) -> str:
