@@ -60,6 +60,7 @@ def _rank_entry(rank, world, port, body, args, errors):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         body(rank, world, errors, *args)
+        dist.barrier()  # every rank's collectives done before any rank tears the group down
     finally:
         dist.destroy_process_group()
 

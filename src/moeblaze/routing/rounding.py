@@ -1,0 +1,100 @@
+"""Token rounding (SonicMoE, arXiv 2512.14080 §5.2): after the token-choice top-k, every expert's token count is
+moved to a multiple of the GEMM's row tile M, so that no tile is partly empty. Training only: evaluation routes
+plain top-k.
+
+For each expert e with f_e token-choice pairs, a target f'_e, a multiple of M (never above the L tokens):
+  "nr-f" (default)  the nearest multiple: up iff ⌈f_e⌉ − f_e < f_e − ⌊f_e⌋ (ties down)
+  "up"              ⌈f_e⌉ (rounded down instead where that exceeds L)
+  "down"            ⌊f_e⌋ (token dropping)
+Each expert then keeps the f'_e tokens that rank first in its column of S', where S' = S − 1 except at the token's
+own top-k choices, S'[t, I_topk] = S[t, I_topk] (S: the router's scores in [0, 1]): its token-choice pairs before
+any other, each group by score. Rounding down drops an expert's lowest-scored token-choice pairs; rounding up adds
+its highest-scored other tokens. Every expert moves by less than one tile; one with f_e ≤ M/2 under "nr-f" gets
+nothing. So the number of experts per token varies.
+
+Weights: a kept token-choice pair keeps its top-k weight. An added pair (t, e) gets the weight the router would
+have given e among t's choices, with t's own normalizer: route_scale · s[t, e] / Σ_k s[t, I_k] where the router
+renormalizes ("softmax_topk", "sigmoid_topk"), route_scale · s[t, e] where it doesn't, and
+route_scale · exp(l[t, e]) / Σ_k exp(l[t, I_k]) for "topk_softmax". A dropped pair is dropped with its weight:
+the others are not renormalized (the expert's output for that token is simply absent, as under token dropping).
+The balancing losses use the counts before rounding.
+
+This is the reference (dense (L, E) masks, a sort per expert column): what the kernels' path is checked against.
+Memory: (L, E) scores, ranks and masks, transient.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from ..args import check_choice, check_int
+from .router import SCORINGS
+
+RULES = ("nr-f", "up", "down")
+
+
+class RoundedRouting(NamedTuple):
+    kept_LE: torch.Tensor  # (L, E) bool: the pairs every expert computes
+    weights_LE: torch.Tensor  # (L, E) fp32: their weights (0 elsewhere), differentiable in the logits
+    counts_E: torch.Tensor  # (E,) int64: kept tokens per expert, each a multiple of the tile
+
+
+def rounded_counts(counts_E: torch.Tensor, tile: int, rule: str = "nr-f", num_tokens: int | None = None
+                   ) -> torch.Tensor:
+    """Each expert's target count f'_e (see the module header)."""
+    check_choice("rule", rule, RULES)
+    check_int("tile", tile)
+    f = counts_E.to(torch.int64)
+    down = f // tile * tile
+    up = -(-f // tile) * tile
+    if num_tokens is not None:
+        up = torch.where(up > num_tokens, down, up)
+    if rule == "up":
+        return up
+    if rule == "down":
+        return down
+    return torch.where(up - f < f - down, up, down)
+
+
+def _scores(logits_LE: torch.Tensor, scoring: str) -> torch.Tensor:
+    logits_LE = logits_LE.float()
+    return logits_LE.sigmoid() if scoring == "sigmoid_topk" else logits_LE.softmax(dim=-1)
+
+
+def round_tokens(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weights_LK: torch.Tensor, tile: int,
+                 rule: str = "nr-f", scoring: str = "softmax_topk", renormalize: bool = True,
+                 route_scale: float = 1.0) -> RoundedRouting:
+    """The token-rounded routing of a token-choice top-k (topk_idx, topk_weights from `logits` by the same
+    scoring, renormalize and route_scale; see moeblaze.routing.route_topk)."""
+    check_choice("scoring", scoring, SCORINGS)
+    L, E = logits_LE.shape
+    K = topk_idx_LK.shape[1]
+    if L * K < 2 * tile * E:
+        warnings.warn(f"token rounding with {L * K / E:.0f} tokens per expert on average, fewer than 2 tiles of "
+                      f"{tile}: rounding moves each expert by up to a tile, which changes the routing a lot here "
+                      "(SonicMoE measured worse quality at 1 tile)", stacklevel=2)
+    idx = topk_idx_LK.long()
+    s = _scores(logits_LE, scoring)
+    chosen = torch.zeros(L, E, dtype=torch.bool, device=s.device).scatter_(1, idx, True)
+    ranked = torch.where(chosen, s, s - 1).detach()
+    counts = chosen.sum(0)
+    target = rounded_counts(counts, tile, rule, L)
+    order = ranked.argsort(dim=0, descending=True, stable=True)  # per expert: its tokens, best first
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(L, device=s.device)[:, None].expand(L, E))
+    kept = rank < target[None, :]
+    # weights: the token's top-k weights where chosen, the router's weight with the token's normalizer elsewhere
+    if scoring == "topk_softmax":
+        lf = logits_LE.float()
+        chosen_l = lf.gather(1, idx)
+        m = chosen_l.max(dim=1, keepdim=True).values
+        other = torch.exp(lf - m) / torch.exp(chosen_l - m).sum(dim=1, keepdim=True)
+    elif renormalize:
+        other = s / (s.gather(1, idx).sum(dim=1, keepdim=True) + (1e-20 if scoring == "sigmoid_topk" else 0.0))
+    else:
+        other = s
+    other = other * route_scale
+    w = torch.zeros(L, E, dtype=torch.float32, device=s.device).scatter(1, idx, topk_weights_LK.float())
+    w = torch.where(chosen, w, other)
+    return RoundedRouting(kept, torch.where(kept, w, torch.zeros_like(w)), kept.sum(0))
