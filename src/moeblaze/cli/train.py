@@ -112,6 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "larger capacity (default), drop the rows past it, or stop with an error")
     p.add_argument("--loss-log", default="", help="write every step's training loss (the global mean under torchrun) "
                    "to this file as JSON lines at the end of the run")
+    g.add_argument("--fsdp-keep-gathered", action="store_true",
+                   help="keep each FSDP2 unit's gathered parameters from forward to backward (one all-gather per "
+                        "step instead of two; the memory of the full parameters)")
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench-steps", type=int, default=0,
                    help="time this many steps (after --bench-warmup) and write a results row, instead of training")
@@ -290,7 +293,7 @@ def _run(args, cfg, train, val, ranks) -> dict:
     bf16 = args.dtype == "bfloat16"
     if ranks is not None:
         parallel.parallelize_model(model, ranks, args.ep_dispatch, args.capacity_factor, args.on_overflow,
-                                   args.batch_size * args.seq_len, cfg.top_k, bf16)
+                                   args.batch_size * args.seq_len, cfg.top_k, bf16, args.fsdp_keep_gathered)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")  # one kernel for every parameter (DTensors too)
     gen = torch.Generator().manual_seed(args.seed)

@@ -59,8 +59,10 @@ def data_parallel_size(mesh: DeviceMesh) -> int:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
-                **ep_kwargs) -> nn.Module:
-    """Expert parallelism on mesh["ep"] and FSDP2 on the rest (see the module header); returns the model."""
+                reshard_after_forward: bool = True, **ep_kwargs) -> nn.Module:
+    """Expert parallelism on mesh["ep"] and FSDP2 on the rest (see the module header); returns the model.
+    reshard_after_forward=False keeps each unit's gathered parameters from its forward to its backward: one
+    all-gather per unit and step instead of two, for the memory of the full (1 / ep of the expert) parameters."""
     mp = mp_policy or MixedPrecisionPolicy()
     shard_experts(model, mesh["ep"], **ep_kwargs)
     dp = init_device_mesh(mesh.device_type, (mesh.size(),), mesh_dim_names=("dp",))
@@ -68,11 +70,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
     units, ignored = [], set()
     for m in _experts_modules(model):
         if efsdp.size() > 1:
-            units.append(fully_shard(m, mesh=efsdp, mp_policy=mp))
+            units.append(fully_shard(m, mesh=efsdp, mp_policy=mp, reshard_after_forward=reshard_after_forward))
         else:
             ignored |= set(m.parameters())
     for block in getattr(model, "blocks", []):
-        units.append(fully_shard(block, mesh=dp, mp_policy=mp, ignored_params=ignored & set(block.parameters())))
+        units.append(fully_shard(block, mesh=dp, mp_policy=mp, ignored_params=ignored & set(block.parameters()),
+                                 reshard_after_forward=reshard_after_forward))
     # the root's parameters (embeddings, final norm) are used again first thing in backward: kept gathered
     units.append(fully_shard(model, mesh=dp, mp_policy=mp, ignored_params=ignored, reshard_after_forward=False))
     for unit in units:
