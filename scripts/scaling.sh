@@ -7,7 +7,8 @@
 #         from one profiled step on the N-GPU runs).
 # curves: 50 steps of the small model on the same global batch: one GPU at N x the batch, N GPUs at ep 1 and ep N;
 #         every step's loss in $OUT/curves/*.jsonl (plot: python scripts/plot_curves.py $OUT/curves).
-# MOEBLAZE_GIT_SHA names the commit measured in the result rows.
+# MOEBLAZE_GIT_SHA names the commit measured in the result rows; MANY_ARGS adds flags to the N-GPU runs (e.g.
+# --fsdp-keep-gathered).
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT/results" "$OUT/curves"
@@ -29,9 +30,9 @@ for s in $steps; do
         P="--preset $preset $B"
         [ $preset = qwen3-30b-a3b ] && P="$P --batch-size ${QWEN_BATCH:-2}"
         CUDA_VISIBLE_DEVICES=0 run $one $P
-        run $many $P --bench-profile
-        run $many $P --bench-profile --ep $N
-        run $many $P --bench-profile --ep $N --ep-dispatch capacity
+        run $many $P ${MANY_ARGS:-} --bench-profile
+        run $many $P ${MANY_ARGS:-} --bench-profile --ep $N
+        run $many $P ${MANY_ARGS:-} --bench-profile --ep $N --ep-dispatch capacity
       done ;;
     curves)
       C="--steps 50 --eval-every 50 --dtype bfloat16 --seed 0"
