@@ -1,6 +1,7 @@
 """`moeblaze train` under torchrun on CPU processes (gloo; the kernels under the interpreter): a few steps on 2
-ranks with expert parallelism (both dispatch modes; capacity dispatch with a capacity too small, so that the step
-is rerun with a larger one) and with FSDP2 alone end at the training loss of one process over the same global batch;
+ranks with expert parallelism and FSDP2 (both dispatch modes; capacity dispatch with a capacity too small, so that
+the step is rerun with a larger one) end at the training loss of one process over the same global batch (FSDP2
+alone: tests/distributed/test_fsdp.py);
 a sharded checkpoint written at ep = 2 resumes at ep = 1 with the same weights, and a damaged one is refused."""
 import json
 import os
@@ -39,10 +40,9 @@ def test_two_ranks_train_like_one_process(tmp_path):
     _run(tmp_path, 2, *bench, "--batch-size", "2", "--ep", "2")
     out = _run(tmp_path, 2, *bench, "--batch-size", "2", "--ep", "2", "--ep-dispatch", "capacity",
                "--capacity-factor", "0.25")
-    _run(tmp_path, 2, *bench, "--batch-size", "2")
     one, *rows = _bench_losses(tmp_path)
     assert (one["world"], one["ep"]) == (1, 1)
-    assert [(r["world"], r["ep"], r["dispatch"]) for r in rows] == [(2, 2, "exact"), (2, 2, "capacity"), (2, 1, "-")]
+    assert [(r["world"], r["ep"], r["dispatch"]) for r in rows] == [(2, 2, "exact"), (2, 2, "capacity")]
     for r in rows:
         assert abs(r["loss"] - one["loss"]) <= TOL * one["loss"], (r, one)
     assert out.count("capacity overflow") == 1, out  # said once (rank 0), then the rerun needed no more

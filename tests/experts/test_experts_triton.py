@@ -114,9 +114,9 @@ def test_token_chunks_give_the_same_result(poison_alloc, checkpoint):
         assert rel_err(a, b) < 1e-6
 
 
-@pytest.mark.parametrize("block_n,prefetch,split",
-                         [(32, 1, 1), (32, 0, 1), (64, 0, 2), (64, 1, 2), (64, 0, 4), (128, 1, 4)])
-@pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
+@pytest.mark.parametrize("block_n,prefetch,split,checkpoint",  # each policy at half the configs, both at each width
+                         [(32, 1, 1, "preact"), (32, 0, 1, "recompute"), (64, 0, 2, "recompute"),
+                          (64, 1, 2, "preact"), (64, 0, 4, "preact"), (128, 1, 4, "recompute")])
 def test_dh_kernel_variants(poison_alloc, monkeypatch, block_n, prefetch, split, checkpoint):
     """Every code path of the dH kernel the GPU autotuner may pick (H prefetch, epilogue in halves or
     quarters, several dS partials per tile), on odd H so the last column tile is masked."""
