@@ -8,7 +8,7 @@
 # curves: 50 steps of the small model on the same global batch: one GPU at N x the batch, N GPUs at ep 1 and ep N;
 #         every step's loss in $OUT/curves/*.jsonl (plot: python scripts/plot_curves.py $OUT/curves).
 # MOEBLAZE_GIT_SHA names the commit measured in the result rows; MANY_ARGS adds flags to the N-GPU runs (e.g.
-# --fsdp-keep-gathered).
+# --fsdp-keep-gathered), ONE_ARGS to the one-GPU run.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT/results" "$OUT/curves"
@@ -29,7 +29,7 @@ for s in $steps; do
       for preset in ${PRESETS:-small qwen3-30b-a3b}; do
         P="--preset $preset $B"
         [ $preset = qwen3-30b-a3b ] && P="$P --batch-size ${QWEN_BATCH:-2}"
-        CUDA_VISIBLE_DEVICES=0 run $one $P
+        CUDA_VISIBLE_DEVICES=0 run $one $P ${ONE_ARGS:-}
         run $many $P ${MANY_ARGS:-} --bench-profile
         run $many $P ${MANY_ARGS:-} --bench-profile --ep $N
         run $many $P ${MANY_ARGS:-} --bench-profile --ep $N --ep-dispatch capacity

@@ -184,6 +184,7 @@ def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_p
     tokens = args.batch_size * args.seq_len
     row = dict(mode="train", preset=args.preset, model=cfg.to_dict(), world=world, ep=ep, efsdp=world // ep,
                dispatch=args.ep_dispatch if ep > 1 else "-", keep_gathered=bool(ranks and args.fsdp_keep_gathered),
+               compiled=args.compile,
                dtype=args.dtype, batch_per_gpu=args.batch_size,
                seq=args.seq_len, tokens_per_gpu=tokens, params_m=round(n_params / 1e6, 1),
                steps=args.bench_steps, warmup=args.bench_warmup, step_ms=round(step_ms, 3),

@@ -100,6 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute dtype; bfloat16 runs under CUDA autocast (and FSDP2 keeps bf16 parameters with "
                         "fp32 gradient reductions under torchrun)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="torch.compile each block (GPU; under torchrun before "
+                   "FSDP2 wraps it): fewer launches and less host time per step")
     g = p.add_argument_group("several processes (torchrun --nproc-per-node N)")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a divisor of N and of --num-experts; "
                    "default 1: FSDP2 alone)")
@@ -170,6 +172,8 @@ def check_args(args, val_len: int) -> ModelConfig:
         raise UsageError(str(e)) from None
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
+    if args.compile and args.device != "cuda":
+        raise UsageError("--compile needs --device cuda (the interpreter's kernels do not compile)")
     if args.dtype == "bfloat16" and args.device != "cuda":
         raise UsageError("--dtype bfloat16 needs --device cuda")
     if args.impl == "triton" and args.device != "cuda" and not INTERPRET:
@@ -291,6 +295,9 @@ def _run(args, cfg, train, val, ranks) -> dict:
     model = MoEModel(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     bf16 = args.dtype == "bfloat16"
+    if args.compile:
+        for block in model.blocks:
+            block.compile()
     if ranks is not None:
         parallel.parallelize_model(model, ranks, args.ep_dispatch, args.capacity_factor, args.on_overflow,
                                    args.batch_size * args.seq_len, cfg.top_k, bf16, args.fsdp_keep_gathered)
