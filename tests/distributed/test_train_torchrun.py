@@ -2,7 +2,8 @@
 ranks with expert parallelism and FSDP2 (both dispatch modes; capacity dispatch with a capacity too small, so that
 the step is rerun with a larger one) end at the training loss of one process over the same global batch (FSDP2
 alone: tests/distributed/test_fsdp.py);
-a sharded checkpoint written at ep = 2 resumes at ep = 1 with the same weights, and a damaged one is refused."""
+a sharded checkpoint written at ep = 2 resumes at ep = 1 and in one process with the same weights (and one process
+goes on training and saving it), and a damaged one is refused."""
 import json
 import os
 import re
@@ -55,10 +56,15 @@ def test_sharded_checkpoint_resumes_at_another_mesh_and_refuses_damage(tmp_path)
     first = _run(tmp_path, 2, *common, "--ep", "2")
     assert sorted(os.listdir(ck)) == [".metadata", "__0_0.distcp", "__1_0.distcp", MANIFEST]
     again = _run(tmp_path, 2, *common, "--resume")  # efsdp 2 x ep 1: the experts resharded
-    assert "resumed from" in again and "nothing to train" in again
-    val = [re.search(r"final validation loss ([0-9.]+)", s).group(1) for s in (first, again)]
-    assert val[0] == val[1], val
-    path = os.path.join(ck, "__1_0.distcp")
+    alone = _run(tmp_path, 1, *common, "--resume", "--batch-size", "4")  # one process: every expert, whole
+    for out in (again, alone):
+        assert "resumed from" in out and "nothing to train" in out
+    val = [re.search(r"final validation loss ([0-9.]+)", s).group(1) for s in (first, again, alone)]
+    assert val[0] == val[1] == val[2], val
+    more = _run(tmp_path, 1, *common, "--resume", "--batch-size", "4", "--steps", "6")  # and one process goes on
+    assert "resumed from" in more and "step 6" in more
+    verify_sharded(ck)  # written again, sharded, by one process
+    path = os.path.join(ck, "__0_0.distcp")
     data = bytearray(open(path, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(path, "wb").write(bytes(data))
@@ -66,6 +72,6 @@ def test_sharded_checkpoint_resumes_at_another_mesh_and_refuses_damage(tmp_path)
         verify_sharded(ck)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                        "-m", "moeblaze.cli", "train", *TINY, *common,
-                        "--resume", "--steps", "6"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+                        "-m", "moeblaze.cli", "train", *TINY, *common, "--resume", "--steps", "8"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert p.returncode != 0 and "corrupted" in p.stderr, p.stderr[-2000:]

@@ -158,12 +158,14 @@ def save_sharded(path: str, state: dict, rank: int) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    together = dist.is_available() and dist.is_initialized()
+    barrier = dist.barrier if together else (lambda: None)
     tmp = path + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    dcp.save(state, checkpoint_id=tmp)
-    dist.barrier()  # every rank's files are written
+    barrier()
+    dcp.save(state, checkpoint_id=tmp, no_dist=not together)
+    barrier()  # every rank's files are written
     if rank == 0:
         names = sorted(n for n in os.listdir(tmp) if n != MANIFEST)
         with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -178,7 +180,7 @@ def save_sharded(path: str, state: dict, rank: int) -> None:
         os.replace(tmp, path)
         _fsync_dir(os.path.dirname(os.path.abspath(path)))
         shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    barrier()
 
 
 def verify_sharded(path: str) -> None:
@@ -199,18 +201,21 @@ def verify_sharded(path: str) -> None:
 
 
 def load_sharded(path: str, state: dict, rank: int) -> None:
-    """Load the sharded checkpoint at `path` into `state` in place (every rank), after rank 0 has verified it;
-    CheckpointError on every rank if it is not whole."""
+    """Load the sharded checkpoint at `path` into `state` in place (every rank, or one process without a process
+    group: DCP reshards to whatever the state's tensors are), after rank 0 has verified it; CheckpointError on
+    every rank if it is not whole."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    together = dist.is_available() and dist.is_initialized()
     problem = [None]
     if rank == 0:
         try:
             verify_sharded(path)
         except (CheckpointError, OSError) as e:
             problem = [str(e)]
-    dist.broadcast_object_list(problem, src=0)
+    if together:
+        dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
         raise CheckpointError(problem[0])
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, no_dist=not together)

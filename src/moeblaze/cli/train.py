@@ -198,10 +198,16 @@ def check_args(args, val_len: int) -> ModelConfig:
         raise UsageError("--bench-steps times fresh steps: it does not --resume")
     if args.save and not args.bench_steps:
         try:
-            (probe_writable_folder if dist_run else probe_writable)(args.save)
+            (probe_writable_folder if _sharded(args.save, dist_run) else probe_writable)(args.save)
         except CheckpointError as e:
             raise UsageError(f"--save: {e}") from None
     return cfg
+
+
+def _sharded(save: str, dist_run: bool) -> bool:
+    """Whether the checkpoint at `save` is (to be) a sharded folder: always under torchrun, and in one process
+    where `save` already is one (a run on several GPUs continued, or evaluated, on one)."""
+    return dist_run or sharded_checkpoint_path(save) is not None
 
 
 def _batch(data, args, gen, ranks):
@@ -230,10 +236,10 @@ def evaluate(model, val, args, device, ctx, ranks=None) -> float:
     return float(total) / args.eval_batches
 
 
-def _train_state(model, opt, step: int, gen, cfg, ranks):
-    """What a checkpoint holds; under torchrun the state dicts come from torch.distributed.checkpoint's helpers
-    (DTensor shards) and the config is a JSON string."""
-    if ranks is None:
+def _train_state(model, opt, step: int, gen, cfg, sharded: bool):
+    """What a checkpoint holds; in a sharded one the state dicts come from torch.distributed.checkpoint's helpers
+    (DTensor shards under torchrun) and the config is a JSON string."""
+    if not sharded:
         return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                 "generator": gen.get_state(), "config": cfg.to_dict()}
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -245,7 +251,7 @@ def _train_state(model, opt, step: int, gen, cfg, ranks):
 
 def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
     """The step of the checkpoint at --save, loaded into model, opt and gen (SystemExit if it can't be)."""
-    if ranks is None:
+    if not _sharded(args.save, ranks is not None):
         try:
             ck = load_checkpoint(args.save, map_location=device)
         except CheckpointError as e:
@@ -259,10 +265,10 @@ def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
         return ck["step"]
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = _train_state(model, opt, 0, gen, cfg, ranks)
+    state = _train_state(model, opt, 0, gen, cfg, True)
     state["train"]["config"] = ""
     try:
-        load_sharded(sharded_checkpoint_path(args.save), state, ranks.rank)
+        load_sharded(sharded_checkpoint_path(args.save), state, ranks.rank if ranks else 0)
     except CheckpointError as e:
         raise SystemExit(f"--resume: {e}") from None
     saved = ModelConfig(**json.loads(state["train"]["config"])).to_dict()
@@ -307,7 +313,8 @@ def _run(args, cfg, train, val, ranks) -> dict:
     step = saved_step = 0
     bench = args.bench_steps > 0
     save = "" if bench else args.save
-    found = (sharded_checkpoint_path(save) is not None) if ranks else os.path.exists(save)
+    sharded = bool(save) and _sharded(save, ranks is not None)
+    found = (sharded_checkpoint_path(save) is not None) if sharded else os.path.exists(save)
     if args.resume and not found:
         say(f"--resume: no checkpoint at {save}; starting from step 0")
     elif args.resume:
@@ -393,11 +400,11 @@ def _run(args, cfg, train, val, ranks) -> dict:
             shown = float(ranks.mean(loss.detach())) if ranks else loss.item()
             log(f"step {step}: train loss {shown:.3f}, val loss {val_loss:.3f} nats/byte")
         if save_now:
-            state = _train_state(model, opt, step, gen, cfg, ranks)
-            if ranks is None:
-                save_checkpoint(save, state)
+            state = _train_state(model, opt, step, gen, cfg, sharded)
+            if sharded:
+                save_sharded(save, state, ranks.rank if ranks else 0)
             else:
-                save_sharded(save, state, ranks.rank)
+                save_checkpoint(save, state)
             saved_step = step
     bar.close()
     if args.loss_log and main:
