@@ -134,13 +134,12 @@ def _fsync_dir(folder: str) -> None:
 
 
 def probe_writable_folder(path: str) -> None:
-    """Raise CheckpointError unless a sharded checkpoint (a folder) can be written at `path`."""
+    """Raise CheckpointError unless a sharded checkpoint (a folder) can be written at `path`: a save writes
+    `<path>.tmp` beside it and renames, so the parent folder must take new entries (probed with a file of a unique
+    name, so that every rank can probe at once)."""
     if os.path.isfile(path):
         raise CheckpointError(f"{path} is a file; a sharded checkpoint is a folder (give a folder path)")
-    existed = os.path.isdir(path + ".tmp")
-    probe_writable(os.path.join(path + ".tmp", "probe"))
-    if not existed:
-        os.rmdir(path + ".tmp")
+    probe_writable(os.path.join(os.path.dirname(os.path.abspath(path)), os.path.basename(path) + ".probe"))
 
 
 def sharded_checkpoint_path(path: str) -> str | None:
