@@ -53,3 +53,28 @@ def test_shared_experts_stay_out_of_routing():
     assert layer.router.num_experts == 4 and layer.shared.num_experts == 1
     with pytest.raises(ValueError, match="shared_experts must be >= 0"):
         MoELayer(16, 32, 4, 2, shared_experts=-1)
+
+
+@pytest.mark.filterwarnings("ignore:token rounding with")
+def test_token_rounding_layer_trains_rounded_and_evaluates_plain():
+    """MoELayer(token_rounding="up"): in training the experts compute the rounded routing (the manual composition
+    of round_tokens, rounded_index and moe_experts); in evaluation, plain top-k (the same layer without it)."""
+    from moeblaze.experts import moe_experts
+    from moeblaze.routing import round_tokens, rounded_index
+
+    layer = MoELayer(16, 32, 4, 2, impl="triton", token_rounding="up", rounding_tile=16, shared_experts=1)
+    plain = MoELayer(16, 32, 4, 2, impl="triton", shared_experts=1)
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(3, 30, 16)
+    got = layer(x).out
+    r = layer.router(x.reshape(-1, 16), seq_len=30)
+    rr = round_tokens(r.logits, r.topk_idx, r.topk_weights, 16, "up")
+    index, w, over = rounded_index(rr.kept_LE, rr.weights_LE, 4, 90 * 2 + 4 * 15)
+    want = moe_experts(x.reshape(-1, 16), index, w, layer.w1, layer.w2, impl="triton") + layer.shared(x.reshape(-1, 16))
+    assert not over and torch.equal(got.reshape(-1, 16), want)
+    assert not torch.equal(got, plain(x).out)  # rounding changed the routing
+    layer.eval()
+    plain.eval()
+    assert torch.equal(layer(x).out, plain(x).out)
+    with pytest.raises(ValueError, match="token_rounding"):
+        MoELayer(16, 32, 4, 2, token_rounding="sr-f")

@@ -84,3 +84,64 @@ def test_warns_below_two_tiles_per_expert():
         round_tokens(logits, idx, w, 16)
     assert math.isfinite(float(round_tokens(torch.randn(512, 4), *route_topk(torch.randn(512, 4), 2), 16)
                                .weights_LE.sum()))
+
+
+def _dense(x, w1, w2, kept, weights, activation="swiglu"):
+    """fp64: sum over the kept pairs of weight · expert(x)."""
+    from moeblaze.reference import apply_activation
+
+    E = w1.shape[0]
+    return sum((weights[:, e:e + 1] * kept[:, e:e + 1]) * (apply_activation(x @ w1[e].t(), activation) @ w2[e].t())
+               for e in range(E))
+
+
+@pytest.mark.filterwarnings("ignore:token rounding with")
+@pytest.mark.parametrize("rule,checkpoint", [("up", "preact"), ("nr-f", "recompute"), ("down", "preact")])
+def test_rounded_routing_through_the_kernels(poison_alloc, rule, checkpoint):
+    """The kernels (interpreter) on a rounded index: tokens with fewer and more than K experts, rows in a static
+    buffer with a dropped tail; output and every gradient (x, w1, w2, and the logits through the weights) against
+    the dense fp64 sum over the kept pairs."""
+    from moeblaze.experts import moe_experts
+    from moeblaze.routing import rounded_index
+
+    torch.manual_seed(1)
+    L, D, H, E, K, M = 90, 16, 16, 4, 2, 16
+    x, w1, w2 = torch.randn(L, D), torch.randn(E, 2 * H, D) / 4, torch.randn(E, D, H) / 4
+    logits = (torch.randn(L, E) * 2).requires_grad_()
+    idx, w = route_topk(logits, K)
+    r = round_tokens(logits, idx, w, M, rule)
+    per_token = r.kept_LE.sum(1)
+    if rule == "up":
+        assert per_token.max() > K  # some tokens gained experts
+    assert not torch.equal(r.kept_LE.sum(0), torch.bincount(idx.flatten().long(), minlength=E))  # rounding moved
+    index, wk, overflow = rounded_index(r.kept_LE, r.weights_LE, 2 * K, L * K + E * M)
+    assert not overflow and index.expert_token_idx.shape == (L * K + E * M + 1,)
+    ins = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    out = moe_experts(ins[0], index, wk, ins[1], ins[2], checkpoint=checkpoint, impl="triton")
+    ref_in = [t.double().requires_grad_() for t in (x, w1, w2)]
+    logits64 = logits.detach().double().requires_grad_()
+    idx64, w64 = route_topk(logits64, K)
+    r64 = round_tokens(logits64, idx64, w64, M, rule)
+    assert torch.equal(r64.kept_LE, r.kept_LE)
+    ref = _dense(*ref_in, r.kept_LE, r64.weights_LE.double())
+    assert float((out.detach().double() - ref.detach()).norm() / ref.detach().norm()) < 1e-5
+    dy = torch.randn(L, D)
+    got = torch.autograd.grad(out, ins + [logits], dy)
+    want = torch.autograd.grad(ref, ref_in + [logits64], dy.double())
+    for name, a, b in zip(("dx", "dw1", "dw2", "dlogits"), got, want):
+        assert float((a.double() - b).norm() / b.norm()) < 1e-5, name
+
+
+def test_rounded_index_reports_overflow():
+    from moeblaze.routing import rounded_index
+
+    kept = torch.tensor([[True, True, True], [True, False, False]])
+    w = torch.rand(2, 3)
+    _, _, over = rounded_index(kept, w, 2, 8)  # token 0 has 3 experts, the table 2
+    assert bool(over)
+    _, _, over = rounded_index(kept, w, 3, 3)  # 4 pairs, 3 rows
+    assert bool(over)
+    index, wk, over = rounded_index(kept, w, 3, 4)
+    assert not over and index.expert_offsets.tolist() == [0, 2, 3, 4]
+    assert index.token_slot.tolist() == [[0, 2, 3], [1, 4, 4]]  # the empty place points to the spare last row
+    assert torch.equal(wk[0], w[0]) and wk[1].tolist() == [w[1, 0].item(), 0.0, 0.0]

@@ -33,7 +33,7 @@ from ..config import INTERPRET
 from ..distributed import DISPATCHES
 from ..nn import ModelConfig, MoEModel
 from ..reference import ACTIVATIONS
-from ..routing import ROUTERS, update_expert_biases
+from ..routing import ROUTERS, RULES, update_expert_biases
 from . import UsageError, parallel
 from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, probe_writable, probe_writable_folder,
                          save_checkpoint, save_sharded, sharded_checkpoint_path)
@@ -81,6 +81,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-gate", action="store_const", const=True, default=None,
                    help="scale the shared experts' output by a learned sigmoid gate of x")
     p.add_argument("--dense-layers", type=int, default=None, help="dense feed-forward in the first N blocks")
+    p.add_argument("--token-rounding", default="", choices=("",) + RULES,
+                   help="SonicMoE's token rounding while training (nr-f, up, down): every expert's tokens a multiple "
+                        "of the tile; evaluation routes plain top-k")
+    p.add_argument("--rounding-tile", type=int, default=0, help="its tile (default 0: the kernels' row tile, 128)")
     p.add_argument("--router", default=None, choices=tuple(ROUTERS),
                    help="a model family's routing (score function, scale, biases, groups, balancing loss; default: "
                         "softmax top-k, renormalized, switch loss); deepseek-v3's expert bias is updated after every "
@@ -141,8 +145,10 @@ def check_args(args, val_len: int) -> ModelConfig:
                      "d_expert", "eval_every", "eval_batches", "save_every", "ep", "bench_warmup"):
             check_int("--" + name.replace("_", "-"), getattr(args, name))
         check_int("--seed", args.seed, minimum=0)
-        for name in ("shared_experts", "d_shared", "dense_layers"):
+        for name in ("shared_experts", "d_shared", "dense_layers", "rounding_tile"):
             check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=0)
+        if args.token_rounding and args.ep > 1:
+            raise ValueError("--token-rounding under --ep is not supported yet")
         check_int("--bench-steps", args.bench_steps, minimum=0)
         if args.seq_len > val_len - 2:
             raise ValueError(f"--seq-len must be at most {val_len - 2} (the held-out text's length - 2), "
@@ -167,7 +173,8 @@ def check_args(args, val_len: int) -> ModelConfig:
                           n_heads=args.n_heads, num_experts=args.num_experts, top_k=args.top_k,
                           d_expert=args.d_expert, activation=args.activation, impl=args.impl,
                           checkpoint=args.checkpoint_policy, router=args.router, shared_experts=args.shared_experts,
-                          d_shared=args.d_shared, shared_gate=args.shared_gate, dense_layers=args.dense_layers)
+                          d_shared=args.d_shared, shared_gate=args.shared_gate, dense_layers=args.dense_layers,
+                          token_rounding=args.token_rounding, rounding_tile=args.rounding_tile)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from ..args import check_bool, check_choice, check_int
 from ..experts import CHECKPOINTS, IMPLS
 from ..reference import apply_activation, check_activation, up_width
-from ..routing import ROUTERS
+from ..routing import ROUTERS, RULES
 from ..routing.router import check_groups
 from .moe import MoELayer, MoEOutput
 
@@ -37,6 +37,8 @@ class ModelConfig:
     d_shared: int = 0  # their width (0: d_expert)
     shared_gate: bool = False  # σ(x·gᵀ) scales their output (Qwen3-Next)
     dense_layers: int = 0  # the first blocks have a dense feed-forward of width top_k · d_expert (DeepSeek-V3)
+    token_rounding: str = ""  # "", or a rule of moeblaze.routing.rounding (training only)
+    rounding_tile: int = 0  # its tile (0: the kernels' row tile)
 
     def __post_init__(self):
         """Every field checked here, so a bad config fails when it is made, naming the field."""
@@ -50,7 +52,9 @@ class ModelConfig:
         check_activation(self.activation)
         check_choice("impl", self.impl, IMPLS)
         check_choice("checkpoint", self.checkpoint, CHECKPOINTS)
-        for name in ("shared_experts", "d_shared", "dense_layers"):
+        if self.token_rounding:
+            check_choice("token_rounding", self.token_rounding, RULES)
+        for name in ("shared_experts", "d_shared", "dense_layers", "rounding_tile"):
             check_int(name, getattr(self, name), minimum=0)
         check_bool("shared_gate", self.shared_gate)
         if self.dense_layers > self.n_layers:
@@ -109,7 +113,8 @@ class MoEBlock(nn.Module):
         else:
             self.moe = MoELayer(cfg.d_model, cfg.d_expert, cfg.num_experts, cfg.top_k, cfg.activation, cfg.impl,
                                 cfg.checkpoint, router=ROUTERS[cfg.router], shared_experts=cfg.shared_experts,
-                                d_shared=cfg.d_shared or None, shared_gate=cfg.shared_gate)
+                                d_shared=cfg.d_shared or None, shared_gate=cfg.shared_gate,
+                                token_rounding=cfg.token_rounding or None, rounding_tile=cfg.rounding_tile or None)
 
     def forward(self, x: torch.Tensor):
         x = x + self.attn(self.norm1(x))

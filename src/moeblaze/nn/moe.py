@@ -21,7 +21,8 @@ from ..args import check_choice, check_int
 from ..distributed import ep_experts
 from ..experts import CHECKPOINTS, check_backend, moe_experts, resolve_impl
 from ..reference import check_activation, up_width
-from ..routing import METHODS, TopKRouter, build_routing_index
+from ..experts.schedule import BLOCK_M
+from ..routing import METHODS, RULES, TopKRouter, build_routing_index, round_tokens, rounded_index
 
 
 class MoEOutput(NamedTuple):
@@ -53,7 +54,10 @@ class Experts(nn.Module):
         nn.init.normal_(self.w1, std=1.0 / math.sqrt(self.d_model))
         nn.init.normal_(self.w2, std=1.0 / math.sqrt(self.d_expert))
 
-    def forward(self, x_LD: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_LD: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor,
+                routing=None) -> torch.Tensor:
+        """routing: a prebuilt RoutingIndex (token rounding's, with topk_weights in its table's layout) instead of
+        one built from topk_idx."""
         w1, w2 = self.w1, self.w2
         if isinstance(w1, DTensor):  # sharded over the ep group (moeblaze.distributed): this rank's experts
             w1, w2 = w1.to_local(), w2.to_local()
@@ -61,9 +65,12 @@ class Experts(nn.Module):
             dt = torch.get_autocast_dtype(x_LD.device.type)
             x_LD, w1, w2 = x_LD.to(dt), w1.to(dt), w2.to(dt)
         if self.ep_group is not None:
+            if routing is not None:
+                raise NotImplementedError("a prebuilt routing index (token rounding) under expert parallelism")
             return ep_experts(x_LD, topk_idx, topk_weights, w1, w2, self.ep_group, self.activation, self.checkpoint,
                               self.backend, self.index_method, **self.ep_kwargs)
-        routing = build_routing_index(topk_idx, self.num_experts, self.index_method, check=False)
+        if routing is None:
+            routing = build_routing_index(topk_idx, self.num_experts, self.index_method, check=False)
         return moe_experts(x_LD, routing, topk_weights, w1, w2, self.activation, self.checkpoint, self.impl,
                            check=False, chunk_tokens=self.chunk_tokens, backend=self.backend)
 
@@ -118,13 +125,17 @@ class MoELayer(nn.Module):
     moeblaze.routing.ROUTERS[name]); x of shape (..., T, D) holds sequences of T tokens (the "sequence" loss).
     shared_experts: S always-on experts of width d_shared (default d_expert), gated by σ(x·gᵀ) with shared_gate
     (the submodule `shared`, a SharedExperts).
+    token_rounding: "nr-f", "up" or "down" (moeblaze.routing.rounding): while training, every expert's tokens are
+    rounded to a multiple of rounding_tile (default: the kernels' row tile); a token may then have up to
+    rounding_max_experts experts (default min(E, 2K); more stops the program). Evaluation routes plain top-k.
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, activation: str = "swiglu",
                  impl: str = "auto", checkpoint: str = "preact", scoring: str = "softmax_topk",
                  renormalize: bool = True, index_method: str = "auto", chunk_tokens: int | None = None,
                  backend: str = "auto", router: dict | None = None, shared_experts: int = 0,
-                 d_shared: int | None = None, shared_gate: bool = False, device=None, dtype=None):
+                 d_shared: int | None = None, shared_gate: bool = False, token_rounding: str | None = None,
+                 rounding_tile: int | None = None, rounding_max_experts: int | None = None, device=None, dtype=None):
         super().__init__()
         for name, value in (("d_model", d_model), ("d_expert", d_expert), ("num_experts", num_experts),
                             ("top_k", top_k)):
@@ -141,6 +152,12 @@ class MoELayer(nn.Module):
                                                                  **(router or {})}, device=device)
         self.experts = Experts(d_model, d_expert, num_experts, activation, impl, checkpoint, chunk_tokens, backend,
                                index_method, device, dtype)
+        if token_rounding is not None:
+            check_choice("token_rounding", token_rounding, RULES)
+        self.token_rounding = token_rounding
+        self.rounding_tile = check_int("rounding_tile", rounding_tile) if rounding_tile is not None else BLOCK_M
+        self.rounding_max_experts = (check_int("rounding_max_experts", rounding_max_experts)
+                                     if rounding_max_experts is not None else min(num_experts, 2 * top_k))
         check_int("shared_experts", shared_experts, minimum=0)
         self.shared = None
         if shared_experts:
@@ -165,13 +182,35 @@ class MoELayer(nn.Module):
             raise ValueError(f"expected last dimension {self.d_model}, got input of shape {tuple(x.shape)}")
         x_LD = x.reshape(-1, self.d_model)
         r = self.router(x_LD, seq_len=x.shape[-2] if x.dim() >= 3 else None)
-        out = self.experts(x_LD, r.topk_idx, r.topk_weights)
+        if self.token_rounding is not None and self.training:
+            out = self.experts(x_LD, None, *self._rounded(r))
+        else:
+            out = self.experts(x_LD, r.topk_idx, r.topk_weights)
         if self.shared is not None:
             out = out + self.shared(x_LD)
         return MoEOutput(out.view(x.shape), r.aux_loss, r.z_loss)
 
+    def _rounded(self, r):
+        """(weights in the rounded index's table, the index) of token rounding (moeblaze.routing.rounding)."""
+        L, K, E, M = r.topk_idx.shape[0], self.top_k, self.num_experts, self.rounding_tile
+        rt = self.router
+        rr = round_tokens(r.logits, r.topk_idx, r.topk_weights, M, self.token_rounding, rt.scoring, rt.renormalize,
+                          rt.route_scale)
+        grow = {"nr-f": -(-M // 2), "up": M - 1, "down": 0}[self.token_rounding]  # each expert's largest rise
+        index, w, overflow = rounded_index(rr.kept_LE, rr.weights_LE, self.rounding_max_experts,
+                                           min(L * K + E * grow, L * E))
+        message = (f"token rounding: a token got more than rounding_max_experts={self.rounding_max_experts} "
+                   "experts; raise it")
+        if overflow.device.type == "cpu":
+            if bool(overflow):
+                raise RuntimeError(message)
+        else:
+            torch._assert_async(~overflow, message)  # no host sync: the program stops
+        return w, index
+
     def extra_repr(self) -> str:
-        return f"top_k={self.top_k}"
+        rounding = f", token_rounding={self.token_rounding} (tile {self.rounding_tile})" if self.token_rounding else ""
+        return f"top_k={self.top_k}{rounding}"
 
 
 def _earlier_expert_keys(state_dict, prefix, *_args) -> None:

@@ -98,3 +98,38 @@ def round_tokens(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weight
     w = torch.zeros(L, E, dtype=torch.float32, device=s.device).scatter(1, idx, topk_weights_LK.float())
     w = torch.where(chosen, w, other)
     return RoundedRouting(kept, torch.where(kept, w, torch.zeros_like(w)), kept.sum(0))
+
+
+def rounded_index(kept_LE: torch.Tensor, weights_LE: torch.Tensor, max_experts: int, max_rows: int):
+    """(RoutingIndex, weights (L, max_experts) fp32, overflow) of a token-rounded routing for the kernels, with no
+    host sync and no sort. Rows are expert-major, tokens ascending inside each expert, in a buffer of max_rows + 1
+    rows of static size (max_rows: the caller's bound on the kept pairs); the rows past the kept pairs are a
+    dropped tail (never computed, combined as zero, no gradient), and every empty place of a token's
+    (max_experts)-wide table points to the last row, which is always in that tail. overflow (a bool tensor): the
+    kept pairs exceed max_rows, or a token has more than max_experts experts; what does not fit is left out, and
+    the caller raises or reruns with larger bounds. O(L·E) int32 transient."""
+    from .index import RoutingIndex
+
+    L, E = kept_LE.shape
+    R, dev = max_rows + 1, kept_LE.device
+    kept64 = kept_LE.to(torch.int64)
+    row_LE = kept64.cumsum(0) - 1 + (kept64.sum(0).cumsum(0) - kept64.sum(0))[None, :]  # expert-major rows
+    k_LE = kept64.cumsum(1) - 1  # each pair's place among its token's experts
+    fits = kept_LE & (row_LE < max_rows) & (k_LE < max_experts)
+    overflow = (kept_LE & ~fits).any()
+    counts = fits.sum(0)
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device=dev)
+    offsets[1:] = counts.cumsum(0).int()
+    row_LE = fits.to(torch.int64).cumsum(0) - 1 + (offsets[:-1].to(torch.int64))[None, :]  # again, over what fits
+    sink = torch.full_like(row_LE, R - 1)
+    eti = torch.zeros(R, dtype=torch.int32, device=dev)
+    eti.scatter_(0, torch.where(fits, row_LE, sink).flatten(),
+                 torch.where(fits, torch.arange(L, device=dev)[:, None], 0).int().flatten())
+    eti[R - 1] = 0
+    col = torch.where(fits, k_LE, max_experts)  # one more column takes what does not fit, then is cut off
+    slot = torch.full((L, max_experts + 1), R - 1, dtype=torch.int64, device=dev)
+    slot.scatter_(1, col, torch.where(fits, row_LE, sink))
+    w = torch.zeros(L, max_experts + 1, dtype=torch.float32, device=dev)
+    w = w.scatter(1, col, torch.where(fits, weights_LE.float(), 0.0))
+    index = RoutingIndex(counts.int(), offsets, eti, slot[:, :max_experts].int().contiguous(), dropped=True)
+    return index, w[:, :max_experts], overflow

@@ -46,6 +46,7 @@ class RouterOutput:
     topk_weights: torch.Tensor  # (L, K) fp32, differentiable
     aux_loss: torch.Tensor  # scalar fp32, the load-balancing loss (the router's aux_loss kind)
     z_loss: torch.Tensor  # scalar fp32
+    logits: torch.Tensor | None = None  # (L, E) fp32, the gate bias included (token rounding reads them)
 
 
 def check_groups(num_experts: int, top_k: int, num_groups: int, topk_groups: int) -> None:
@@ -184,7 +185,7 @@ class TopKRouter(nn.Module):
                             self.expert_bias, self.num_groups, self.topk_groups)
         if self.expert_load is not None and self.training:
             self.expert_load += count_per_expert(idx, self.num_experts).float()
-        return RouterOutput(idx, w, self._aux(logits_LE, idx, seq_len), router_z_loss(logits_LE))
+        return RouterOutput(idx, w, self._aux(logits_LE, idx, seq_len), router_z_loss(logits_LE), logits_LE)
 
     def _aux(self, logits_LE, idx, seq_len):
         if self.aux_loss == "none":
