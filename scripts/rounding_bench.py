@@ -39,6 +39,15 @@ def main():
         dy = torch.randn_like(x)
         times = {rule: [] for rule in layers}
         pairs = {}
+        if os.environ.get("ROUNDING_DIAG"):  # host-side look at the rounded routing before any step runs
+            from moeblaze.routing import round_tokens
+            with torch.no_grad():
+                r = layers[None].router(x)
+                for rule in ("nr-f", "up", "down"):
+                    rr = round_tokens(r.logits, r.topk_idx, r.topk_weights, 128, rule)
+                    per_token = rr.kept_LE.sum(1)
+                    print(name, rule, "pairs", int(rr.counts_E.sum()), "max experts per token", int(per_token.max()),
+                          "table", layers[rule].rounding_max_experts, flush=True)
         for i in range(args.iters + 3):
             for rule, layer in layers.items():
                 xi = x.clone().requires_grad_()
