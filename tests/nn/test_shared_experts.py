@@ -69,7 +69,7 @@ def test_token_rounding_layer_trains_rounded_and_evaluates_plain():
     got = layer(x).out
     r = layer.router(x.reshape(-1, 16), seq_len=30)
     rr = round_tokens(r.logits, r.topk_idx, r.topk_weights, 16, "up")
-    index, w, over = rounded_index(rr.kept_LE, rr.weights_LE, 4, 90 * 2 + 4 * 15)
+    index, w, over = rounded_index(rr.kept_LE, rr.weights_LE, 4, 90 * 2 + 4 * 15)  # min(E, 4K) = 4
     want = moe_experts(x.reshape(-1, 16), index, w, layer.w1, layer.w2, impl="triton") + layer.shared(x.reshape(-1, 16))
     assert not over and torch.equal(got.reshape(-1, 16), want)
     assert not torch.equal(got, plain(x).out)  # rounding changed the routing
