@@ -145,3 +145,20 @@ def test_rounded_index_reports_overflow():
     assert not over and index.expert_offsets.tolist() == [0, 2, 3, 4]
     assert index.token_slot.tolist() == [[0, 2, 3], [1, 4, 4]]  # the empty place points to the spare last row
     assert torch.equal(wk[0], w[0]) and wk[1].tolist() == [w[1, 0].item(), 0.0, 0.0]
+
+
+@pytest.mark.filterwarnings("ignore:token rounding with")
+@pytest.mark.parametrize("scoring", ["softmax_topk", "sigmoid_topk", "topk_softmax"])
+def test_fast_rounding_equals_the_reference(scoring):
+    """Two column-wise top-(M - 1) selections give the reference's kept pairs and weights (continuous random scores:
+    no ties), for every rule, including a tile larger than the batch."""
+    from moeblaze.routing import round_tokens_fast
+
+    torch.manual_seed(5)
+    for L, E, K, M in ((256, 8, 2, 16), (300, 16, 4, 32), (64, 4, 1, 16), (2048, 64, 4, 128), (100, 4, 2, 128)):
+        for rule in ("nr-f", "up", "down"):
+            logits = torch.randn(L, E) * 2
+            idx, w = route_topk(logits, K, scoring)
+            a, b = round_tokens(logits, idx, w, M, rule, scoring), round_tokens_fast(logits, idx, w, M, rule, scoring)
+            assert torch.equal(a.kept_LE, b.kept_LE), (L, E, K, M, rule)
+            assert torch.equal(a.weights_LE, b.weights_LE) and torch.equal(a.counts_E, b.counts_E)

@@ -22,7 +22,7 @@ from ..distributed import ep_experts
 from ..experts import CHECKPOINTS, check_backend, moe_experts, resolve_impl
 from ..reference import check_activation, up_width
 from ..experts.schedule import BLOCK_M
-from ..routing import METHODS, RULES, TopKRouter, build_routing_index, round_tokens, rounded_index
+from ..routing import METHODS, RULES, TopKRouter, build_routing_index, round_tokens_fast, rounded_index
 
 
 class MoEOutput(NamedTuple):
@@ -195,7 +195,7 @@ class MoELayer(nn.Module):
         """(weights in the rounded index's table, the index) of token rounding (moeblaze.routing.rounding)."""
         L, K, E, M = r.topk_idx.shape[0], self.top_k, self.num_experts, self.rounding_tile
         rt = self.router
-        rr = round_tokens(r.logits, r.topk_idx, r.topk_weights, M, self.token_rounding, rt.scoring, rt.renormalize,
+        rr = round_tokens_fast(r.logits, r.topk_idx, r.topk_weights, M, self.token_rounding, rt.scoring, rt.renormalize,
                           rt.route_scale)
         grow = {"nr-f": -(-M // 2), "up": M - 1, "down": 0}[self.token_rounding]  # each expert's largest rise
         index, w, overflow = rounded_index(rr.kept_LE, rr.weights_LE, self.rounding_max_experts,

@@ -19,8 +19,12 @@ route_scale · exp(l[t, e]) / Σ_k exp(l[t, I_k]) for "topk_softmax". A dropped 
 the others are not renormalized (the expert's output for that token is simply absent, as under token dropping).
 The balancing losses use the counts before rounding.
 
-This is the reference (dense (L, E) masks, a sort per expert column): what the kernels' path is checked against.
-Memory: (L, E) scores, ranks and masks, transient.
+round_tokens is the reference (dense (L, E) masks, a sort per expert column), what the rest is checked against;
+round_tokens_fast gives the same result without sorting: an expert moves by less than a tile, so it only ever
+drops some of its M − 1 lowest-scored token-choice pairs or adds some of its M − 1 best other tokens, two
+column-wise top-(M − 1) selections (ties between equal scores may then resolve differently from the reference's
+stable order). rounded_index turns a rounding into the kernels' routing index.
+Memory: (L, E) scores and masks, transient (as the router's own (L, E) logits).
 """
 from __future__ import annotations
 
@@ -85,6 +89,48 @@ def round_tokens(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weight
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(L, device=s.device)[:, None].expand(L, E))
     kept = rank < target[None, :]
     # weights: the token's top-k weights where chosen, the router's weight with the token's normalizer elsewhere
+    if scoring == "topk_softmax":
+        lf = logits_LE.float()
+        chosen_l = lf.gather(1, idx)
+        m = chosen_l.max(dim=1, keepdim=True).values
+        other = torch.exp(lf - m) / torch.exp(chosen_l - m).sum(dim=1, keepdim=True)
+    elif renormalize:
+        other = s / (s.gather(1, idx).sum(dim=1, keepdim=True) + (1e-20 if scoring == "sigmoid_topk" else 0.0))
+    else:
+        other = s
+    other = other * route_scale
+    w = torch.zeros(L, E, dtype=torch.float32, device=s.device).scatter(1, idx, topk_weights_LK.float())
+    w = torch.where(chosen, w, other)
+    return RoundedRouting(kept, torch.where(kept, w, torch.zeros_like(w)), kept.sum(0))
+
+
+def round_tokens_fast(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weights_LK: torch.Tensor,
+                      tile: int, rule: str = "nr-f", scoring: str = "softmax_topk", renormalize: bool = True,
+                      route_scale: float = 1.0) -> RoundedRouting:
+    """round_tokens's result through two column-wise top-(tile − 1) selections instead of a sort (see the module
+    header)."""
+    check_choice("scoring", scoring, SCORINGS)
+    L, E = logits_LE.shape
+    K = topk_idx_LK.shape[1]
+    if L * K < 2 * tile * E:
+        warnings.warn(f"token rounding with {L * K / E:.0f} tokens per expert on average, fewer than 2 tiles of "
+                      f"{tile}: rounding moves each expert by up to a tile, which changes the routing a lot here "
+                      "(SonicMoE measured worse quality at 1 tile)", stacklevel=2)
+    idx = topk_idx_LK.long()
+    s = _scores(logits_LE, scoring)
+    chosen = torch.zeros(L, E, dtype=torch.bool, device=s.device).scatter_(1, idx, True)
+    counts = chosen.sum(0)
+    change = rounded_counts(counts, tile, rule, L) - counts  # (E,): < 0 drop, > 0 add, |change| < tile
+    k = min(tile - 1, L)
+    sd = s.detach()
+    j = torch.arange(k, device=s.device)[:, None]
+    kept = chosen.clone()
+    if k > 0:
+        worst = torch.where(chosen, sd, float("inf")).topk(k, dim=0, largest=False).indices  # (k, E)
+        best = torch.where(chosen, float("-inf"), sd).topk(k, dim=0).indices
+        cols = torch.arange(E, device=s.device)[None, :].expand(k, E)
+        kept[worst, cols] = torch.where(j < -change[None, :], False, kept[worst, cols])
+        kept[best, cols] = torch.where(j < change[None, :], True, kept[best, cols])
     if scoring == "topk_softmax":
         lf = logits_LE.float()
         chosen_l = lf.gather(1, idx)
