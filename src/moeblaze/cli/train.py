@@ -256,6 +256,13 @@ def _train_state(model, opt, step: int, gen, cfg, sharded: bool):
                                                       "config": json.dumps(cfg.to_dict(), sort_keys=True)}}
 
 
+def _same_config(saved: dict, cfg: ModelConfig) -> None:
+    """SystemExit unless a checkpoint's config is the flags' (fields added since it was saved: their defaults)."""
+    saved = ModelConfig(**saved).to_dict()
+    if saved != cfg.to_dict():
+        raise SystemExit(f"--resume: checkpoint config {saved} differs from the flags {cfg.to_dict()}")
+
+
 def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
     """The step of the checkpoint at --save, loaded into model, opt and gen (SystemExit if it can't be)."""
     if not _sharded(args.save, ranks is not None):
@@ -263,9 +270,7 @@ def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
             ck = load_checkpoint(args.save, map_location=device)
         except CheckpointError as e:
             raise SystemExit(f"--resume: {e}") from None
-        saved = ModelConfig(**ck["config"]).to_dict()  # fields added since the checkpoint: their defaults
-        if saved != cfg.to_dict():
-            raise SystemExit(f"--resume: checkpoint config {saved} differs from the flags {cfg.to_dict()}")
+        _same_config(ck["config"], cfg)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["optimizer"])
         gen.set_state(ck["generator"].cpu())
@@ -278,9 +283,7 @@ def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
         load_sharded(sharded_checkpoint_path(args.save), state, ranks.rank if ranks else 0)
     except CheckpointError as e:
         raise SystemExit(f"--resume: {e}") from None
-    saved = ModelConfig(**json.loads(state["train"]["config"])).to_dict()
-    if saved != cfg.to_dict():
-        raise SystemExit(f"--resume: checkpoint config {saved} differs from the flags {cfg.to_dict()}")
+    _same_config(json.loads(state["train"]["config"]), cfg)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     gen.set_state(state["train"]["generator"].cpu())
     return int(state["train"]["step"])
@@ -314,6 +317,7 @@ def _run(args, cfg, train, val, ranks) -> dict:
     if ranks is not None:
         parallel.parallelize_model(model, ranks, args.ep_dispatch, args.capacity_factor, args.on_overflow,
                                    args.batch_size * args.seq_len, cfg.top_k, bf16, args.fsdp_keep_gathered)
+    biased = ROUTERS[cfg.router].get("expert_bias", False)  # routers to update after each step (no walk otherwise)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")  # one kernel for every parameter (DTensors too)
     gen = torch.Generator().manual_seed(args.seed)
@@ -378,7 +382,8 @@ def _run(args, cfg, train, val, ranks) -> dict:
         loss, aux, total = parallel.until_no_overflow(ranks, functools.partial(train_step, x, y), log)
         clip()
         opt.step()
-        update_expert_biases(model)  # the loads summed over every rank under torchrun
+        if biased:
+            update_expert_biases(model)  # the loads summed over every rank under torchrun
         if timer is not None and step >= args.bench_warmup:
             timer.stop()
         step += 1

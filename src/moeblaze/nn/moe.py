@@ -23,6 +23,7 @@ from ..experts import CHECKPOINTS, check_backend, moe_experts, resolve_impl
 from ..reference import check_activation, up_width
 from ..experts.schedule import BLOCK_M
 from ..routing import METHODS, RULES, TopKRouter, build_routing_index, round_tokens_fast, rounded_index
+from ..routing.checks import fail_if
 
 
 class MoEOutput(NamedTuple):
@@ -195,18 +196,13 @@ class MoELayer(nn.Module):
         """(weights in the rounded index's table, the index) of token rounding (moeblaze.routing.rounding)."""
         L, K, E, M = r.topk_idx.shape[0], self.top_k, self.num_experts, self.rounding_tile
         rt = self.router
-        rr = round_tokens_fast(r.logits, r.topk_idx, r.topk_weights, M, self.token_rounding, rt.scoring, rt.renormalize,
-                          rt.route_scale)
+        rr = round_tokens_fast(r.logits, r.topk_idx, r.topk_weights, M, self.token_rounding, rt.scoring,
+                               rt.renormalize, rt.route_scale)
         grow = {"nr-f": -(-M // 2), "up": M - 1, "down": 0}[self.token_rounding]  # each expert's largest rise
         index, w, overflow = rounded_index(rr.kept_LE, rr.weights_LE, self.rounding_max_experts,
                                            min(L * K + E * grow, L * E))
-        message = (f"token rounding: a token got more than rounding_max_experts={self.rounding_max_experts} "
-                   "experts; raise it")
-        if overflow.device.type == "cpu":
-            if bool(overflow):
-                raise RuntimeError(message)
-        else:
-            torch._assert_async(~overflow, message)  # no host sync: the program stops
+        fail_if(overflow, f"token rounding: a token got more than rounding_max_experts={self.rounding_max_experts} "
+                "experts; raise it", RuntimeError)  # on a GPU a device-side assert: no host sync
         return w, index
 
     def extra_repr(self) -> str:

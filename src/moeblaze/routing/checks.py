@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 
-def _fail_if(bad: torch.Tensor, message: str) -> None:
-    """Raise (CPU, eager) or assert on the device (accelerators, compile) when `bad` holds True."""
+def fail_if(bad: torch.Tensor, message: str, error: type[Exception] = ValueError) -> None:
+    """Raise `error` (CPU, eager) or assert on the device (accelerators, compile) when `bad` holds True."""
     if bad.device.type == "cpu" and not torch.compiler.is_compiling():
         if bool(bad):
-            raise ValueError(message)
+            raise error(message)
     else:
         torch._assert_async(~bad, message)
 
@@ -34,11 +34,11 @@ def check_topk_idx(topk_idx_LK: torch.Tensor, num_experts: int, check_values: bo
         raise ValueError(f"top-k must satisfy 1 <= K <= num_experts ({num_experts}), got K={K}")
     if not check_values or topk_idx_LK.numel() == 0:
         return
-    _fail_if(((topk_idx_LK < 0) | (topk_idx_LK >= num_experts)).any(),
+    fail_if(((topk_idx_LK < 0) | (topk_idx_LK >= num_experts)).any(),
              f"topk_idx holds an expert id outside [0, {num_experts})")
     if K > 1:
         srt = topk_idx_LK.sort(dim=1).values
-        _fail_if((srt[:, 1:] == srt[:, :-1]).any(), "topk_idx routes a token to the same expert twice")
+        fail_if((srt[:, 1:] == srt[:, :-1]).any(), "topk_idx routes a token to the same expert twice")
 
 
 def check_topk_weights(topk_w_LK: torch.Tensor, topk_idx_LK: torch.Tensor, check_values: bool = True) -> None:
@@ -52,7 +52,7 @@ def check_topk_weights(topk_w_LK: torch.Tensor, topk_idx_LK: torch.Tensor, check
     if topk_w_LK.device != topk_idx_LK.device:
         raise ValueError(f"topk_weights is on {topk_w_LK.device} but topk_idx is on {topk_idx_LK.device}")
     if check_values and topk_w_LK.numel():
-        _fail_if(~torch.isfinite(topk_w_LK).all(), "topk_weights holds NaN or Inf")
+        fail_if(~torch.isfinite(topk_w_LK).all(), "topk_weights holds NaN or Inf")
 
 
 def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, activation: str,

@@ -28,6 +28,7 @@ Memory: (L, E) scores and masks, transient (as the router's own (L, E) logits).
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import NamedTuple
 
@@ -67,27 +68,22 @@ def _scores(logits_LE: torch.Tensor, scoring: str) -> torch.Tensor:
     return logits_LE.sigmoid() if scoring == "sigmoid_topk" else logits_LE.softmax(dim=-1)
 
 
-def round_tokens(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weights_LK: torch.Tensor, tile: int,
-                 rule: str = "nr-f", scoring: str = "softmax_topk", renormalize: bool = True,
-                 route_scale: float = 1.0) -> RoundedRouting:
-    """The token-rounded routing of a token-choice top-k (topk_idx, topk_weights from `logits` by the same
-    scoring, renormalize and route_scale; see moeblaze.routing.route_topk)."""
+def _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
+           keep) -> RoundedRouting:
+    """What both roundings share: the checks, the warning, the scores, the counts and targets and the weight
+    convention; keep(scores (L, E) detached, chosen (L, E), counts (E,), target (E,)) -> the kept (L, E) mask."""
     check_choice("scoring", scoring, SCORINGS)
     L, E = logits_LE.shape
     K = topk_idx_LK.shape[1]
     if L * K < 2 * tile * E:
         warnings.warn(f"token rounding with {L * K / E:.0f} tokens per expert on average, fewer than 2 tiles of "
                       f"{tile}: rounding moves each expert by up to a tile, which changes the routing a lot here "
-                      "(SonicMoE measured worse quality at 1 tile)", stacklevel=2)
+                      "(SonicMoE measured worse quality at 1 tile)", stacklevel=3)
     idx = topk_idx_LK.long()
     s = _scores(logits_LE, scoring)
     chosen = torch.zeros(L, E, dtype=torch.bool, device=s.device).scatter_(1, idx, True)
-    ranked = torch.where(chosen, s, s - 1).detach()
     counts = chosen.sum(0)
-    target = rounded_counts(counts, tile, rule, L)
-    order = ranked.argsort(dim=0, descending=True, stable=True)  # per expert: its tokens, best first
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(L, device=s.device)[:, None].expand(L, E))
-    kept = rank < target[None, :]
+    kept = keep(s.detach(), chosen, counts, rounded_counts(counts, tile, rule, L))
     # weights: the token's top-k weights where chosen, the router's weight with the token's normalizer elsewhere
     if scoring == "topk_softmax":
         lf = logits_LE.float()
@@ -104,46 +100,47 @@ def round_tokens(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weight
     return RoundedRouting(kept, torch.where(kept, w, torch.zeros_like(w)), kept.sum(0))
 
 
+def _keep_by_sort(s, chosen, counts, target):
+    """Each expert's first target[e] tokens of its column of S' (token-choice pairs first), by a stable sort."""
+    L, E = s.shape
+    order = torch.where(chosen, s, s - 1).argsort(dim=0, descending=True, stable=True)  # per expert, best first
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(L, device=s.device)[:, None].expand(L, E))
+    return rank < target[None, :]
+
+
+def _keep_by_topk(s, chosen, counts, target, k: int):
+    """The same through two column-wise top-k selections (k = tile - 1): an expert drops some of its worst
+    token-choice pairs or adds some of its best other tokens, fewer than a tile either way."""
+    L, E = s.shape
+    change = target - counts  # (E,): < 0 drop, > 0 add, |change| < tile
+    k = min(k, L)
+    kept = chosen.clone()
+    if k > 0:
+        j = torch.arange(k, device=s.device)[:, None]
+        worst = torch.where(chosen, s, float("inf")).topk(k, dim=0, largest=False).indices  # (k, E)
+        best = torch.where(chosen, float("-inf"), s).topk(k, dim=0).indices
+        cols = torch.arange(E, device=s.device)[None, :].expand(k, E)
+        kept[worst, cols] = torch.where(j < -change[None, :], False, kept[worst, cols])
+        kept[best, cols] = torch.where(j < change[None, :], True, kept[best, cols])
+    return kept
+
+
+def round_tokens(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weights_LK: torch.Tensor, tile: int,
+                 rule: str = "nr-f", scoring: str = "softmax_topk", renormalize: bool = True,
+                 route_scale: float = 1.0) -> RoundedRouting:
+    """The token-rounded routing of a token-choice top-k (topk_idx, topk_weights from `logits` by the same
+    scoring, renormalize and route_scale; see moeblaze.routing.route_topk)."""
+    return _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
+                  _keep_by_sort)
+
+
 def round_tokens_fast(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weights_LK: torch.Tensor,
                       tile: int, rule: str = "nr-f", scoring: str = "softmax_topk", renormalize: bool = True,
                       route_scale: float = 1.0) -> RoundedRouting:
     """round_tokens's result through two column-wise top-(tile − 1) selections instead of a sort (see the module
     header)."""
-    check_choice("scoring", scoring, SCORINGS)
-    L, E = logits_LE.shape
-    K = topk_idx_LK.shape[1]
-    if L * K < 2 * tile * E:
-        warnings.warn(f"token rounding with {L * K / E:.0f} tokens per expert on average, fewer than 2 tiles of "
-                      f"{tile}: rounding moves each expert by up to a tile, which changes the routing a lot here "
-                      "(SonicMoE measured worse quality at 1 tile)", stacklevel=2)
-    idx = topk_idx_LK.long()
-    s = _scores(logits_LE, scoring)
-    chosen = torch.zeros(L, E, dtype=torch.bool, device=s.device).scatter_(1, idx, True)
-    counts = chosen.sum(0)
-    change = rounded_counts(counts, tile, rule, L) - counts  # (E,): < 0 drop, > 0 add, |change| < tile
-    k = min(tile - 1, L)
-    sd = s.detach()
-    j = torch.arange(k, device=s.device)[:, None]
-    kept = chosen.clone()
-    if k > 0:
-        worst = torch.where(chosen, sd, float("inf")).topk(k, dim=0, largest=False).indices  # (k, E)
-        best = torch.where(chosen, float("-inf"), sd).topk(k, dim=0).indices
-        cols = torch.arange(E, device=s.device)[None, :].expand(k, E)
-        kept[worst, cols] = torch.where(j < -change[None, :], False, kept[worst, cols])
-        kept[best, cols] = torch.where(j < change[None, :], True, kept[best, cols])
-    if scoring == "topk_softmax":
-        lf = logits_LE.float()
-        chosen_l = lf.gather(1, idx)
-        m = chosen_l.max(dim=1, keepdim=True).values
-        other = torch.exp(lf - m) / torch.exp(chosen_l - m).sum(dim=1, keepdim=True)
-    elif renormalize:
-        other = s / (s.gather(1, idx).sum(dim=1, keepdim=True) + (1e-20 if scoring == "sigmoid_topk" else 0.0))
-    else:
-        other = s
-    other = other * route_scale
-    w = torch.zeros(L, E, dtype=torch.float32, device=s.device).scatter(1, idx, topk_weights_LK.float())
-    w = torch.where(chosen, w, other)
-    return RoundedRouting(kept, torch.where(kept, w, torch.zeros_like(w)), kept.sum(0))
+    return _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
+                  functools.partial(_keep_by_topk, k=tile - 1))
 
 
 def rounded_index(kept_LE: torch.Tensor, weights_LE: torch.Tensor, max_experts: int, max_rows: int):
@@ -153,7 +150,7 @@ def rounded_index(kept_LE: torch.Tensor, weights_LE: torch.Tensor, max_experts: 
     dropped tail (never computed, combined as zero, no gradient), and every empty place of a token's
     (max_experts)-wide table points to the last row, which is always in that tail. overflow (a bool tensor): the
     kept pairs exceed max_rows, or a token has more than max_experts experts; what does not fit is left out, and
-    the caller raises or reruns with larger bounds. O(L·E) int32 transient."""
+    the caller raises or reruns with larger bounds. O(L·E) int64 transient."""
     from .index import RoutingIndex
 
     L, E = kept_LE.shape
