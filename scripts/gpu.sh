@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: the GPU tests, then the benchmark; everything is written under $OUT (default ./out).
-#   usage: bash scripts/gpu.sh [tests] [dispatch] [layer] [scale] [profile] [ab]   (default: all but ab)
+#   usage: bash scripts/gpu.sh [tests] [dispatch] [layer] [scale] [profile] [ab] [rounding] [quality] [fp8roof]
+#   (default: the first five)
 # Exits non-zero when any step fails (each step still runs). STEP_TIMEOUT=SECONDS bounds each step, so the
 # peers' compile cache below is still written back when one runs long.
 # Peers: with .peers/ (bash ../shared/peers/get-peers.sh) beside the code, SonicMoE and Liger join the run.
@@ -39,6 +40,9 @@ for s in $steps; do
     dispatch) $limit python3 -m moeblaze.cli bench --dispatch --out "$OUT" ;;
     layer) $limit python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
     scale) $limit python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
+    rounding) $limit python3 scripts/rounding_bench.py --out "$OUT" ${ROUNDING_ARGS:-} ;;
+    quality) $limit python3 scripts/routing_quality.py run --out "$OUT/routing-quality" ${QUALITY_ARGS:-} ;;
+    fp8roof) $limit python3 scripts/fp8_roofline.py --out "$OUT" ${FP8ROOF_ARGS:-} ;;
     ab) $limit python3 scripts/ab_compare.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" ;;
     profile) for c in ${PROFILE_CONFIGS:-8192,1024,4096,16,2}; do IFS=, read L d h E K <<< "$c"; python3 -m moeblaze.cli profile --kernels --tokens $L --d-model $d --d-expert $h --num-experts $E --top-k $K || exit 1; done 2>&1 | tee "$OUT/profile.log" ;;
     *) echo "unknown step $s"; false ;;

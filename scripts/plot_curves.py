@@ -17,7 +17,7 @@ def main(folder: str, out: str | None = None) -> str:
     out = out or folder.rstrip("/") + ".png"
     fig, ax = plt.subplots(figsize=(7, 4))
     for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
-        rows = [json.loads(line) for line in open(path) if line.strip()]
+        rows = [r for r in map(json.loads, filter(str.strip, open(path))) if "loss" in r]  # not the val rows
         ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=os.path.basename(path)[:-6], lw=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/byte)")

@@ -1,84 +1,156 @@
-"""Token rounding against plain top-k on one GPU: a MoE layer's training step (router, rounding, experts, forward
-and backward) at configs C, D and (16384, 4096, 1024, 256, 4), bf16, both in one run, timed in turns.
+"""Token rounding against plain top-k on one GPU, bf16, at configs C and D and (16384, 4096, 1024, 256, 4), in one run:
 
-    python scripts/rounding_bench.py [--out DIR] [--iters 20]
+  experts  the experts' forward + backward on a given routing: moeblaze (index built in the step) and, where it is
+           installed, SonicMoE through its general-routing API, which takes any (token, expert, score) pairs, so
+           the same rounded pairs go to both; the rounding itself is done once, outside the timed step
+  layer    moeblaze's MoELayer training step: router, rounding, index, experts, forward and backward
 
-"useful TF/s" counts the GEMM FLOPs of the pairs each step computed (6 · pairs · d · 3h, the SwiGLU layer's
-forward and backward) over its time; a row per (config, routing) goes to DIR/rounding.jsonl.
+    python scripts/rounding_bench.py [--out DIR] [--configs C,D,E256]
+
+Routing: a fresh router's (logits ~ N(0, 1), softmax top-k, renormalized). Each step is timed in turns with the
+others (CUDA events, rounds until each has had a second: moeblaze.bench.harness). "useful TF/s" counts the GEMM
+FLOPs of the pairs a step computes, 18 · pairs · d · h (SwiGLU, forward and backward), over its time. One row
+per (config, part, impl, routing) goes to DIR/rounding.jsonl, with its speedup over the same impl's plain top-k.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 
 import torch
 
 from moeblaze import MoELayer
-from moeblaze.bench.harness import CONFIGS
+from moeblaze.bench.harness import CONFIGS, _timed_rounds
+from moeblaze.experts import moe_experts
+from moeblaze.routing import RULES, build_routing_index, round_tokens_fast, rounded_index, route_topk
+from moeblaze.experts.schedule import BLOCK_M
 
 SHAPES = {"C": CONFIGS["C"], "D": CONFIGS["D"], "E256": (16384, 4096, 1024, 256, 4)}
+GROW = {"nr-f": -(-BLOCK_M // 2), "up": BLOCK_M - 1, "down": 0}  # an expert's largest rise under each rule
+
+
+def routings(L, E, K, g):
+    """{routing name: (kept (L, E) bool, weights (L, E) fp32)} for plain top-k and each rounding rule."""
+    logits = torch.randn(L, E, generator=g).cuda()
+    idx, w = route_topk(logits, K)
+    kept = torch.zeros(L, E, dtype=torch.bool, device="cuda").scatter_(1, idx.long(), True)
+    out = {"top-k": (kept, torch.zeros(L, E, device="cuda").scatter_(1, idx.long(), w.float()))}
+    for rule in RULES:
+        rr = round_tokens_fast(logits, idx, w, BLOCK_M, rule)
+        out[rule] = (rr.kept_LE, rr.weights_LE.detach())
+        if rounded_index(rr.kept_LE, rr.weights_LE, min(E, 4 * K), min(L * K + E * GROW[rule], L * E))[2]:
+            raise RuntimeError(f"{rule}: the rounded pairs overflow the layer's bounds at L={L}, E={E}, K={K}")
+    return out, (idx, w)
+
+
+def moeblaze_experts(L, E, K, kept, weights, w1, w2, topk, rule):
+    """A step of moeblaze's experts on the routing: plain top-k through the usual index, a rounding through
+    rounded_index (what MoELayer does), both built inside the step."""
+    if topk is not None:
+        idx, w = topk
+        w = w.float().requires_grad_()
+        return lambda x: (moe_experts(x, build_routing_index(idx, E, check=False), w, w1, w2, check=False), w)
+    wl = weights.clone().requires_grad_()
+    max_experts = min(E, 4 * K)
+
+    def call(x):
+        index, w, _ = rounded_index(kept, wl, max_experts, min(L * K + E * GROW[rule], L * E))
+        return moe_experts(x, index, w, w1, w2, check=False), wl
+    return call
+
+
+def sonicmoe_experts(L, E, kept, weights, w1, w2):
+    """SonicMoE's step on the same pairs: (token, expert) in token order, the scores gathered inside the step."""
+    import sonicmoe
+    from sonicmoe.enums import ActivationType
+
+    t, e = kept.nonzero(as_tuple=True)
+    t32, e32 = t.int(), e.int()
+    wl = weights.clone().requires_grad_()
+    w1s, w2s = w1.permute(1, 2, 0), w2.permute(1, 2, 0)
+
+    def call(x):
+        out, _ = sonicmoe.moe_general_routing_inputs(x, wl[t, e], t32, e32, w1s, None, w2s, None, E,
+                                                     torch.cuda.current_stream().cuda_stream, ActivationType.SWIGLU,
+                                                     False, True)
+        return out, wl
+    return call
+
+
+def step_fn(call, x, dy, w1, w2):
+    def step(i):
+        out, w = call(x)
+        return torch.autograd.grad(out, (x, w1, w2, w), dy)
+    return step
+
+
+def layer_fn(layer, x, dy):
+    def step(i):
+        m = layer(x)
+        return torch.autograd.grad((m.out.float() * dy.float()).sum() + m.aux_loss, [x, *layer.parameters()])
+    return step
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--configs", default=",".join(SHAPES))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    try:
+        import sonicmoe  # noqa: F401
+        have_sonic = True
+    except ImportError:
+        have_sonic = False
     rows = []
-    for name, (L, d, h, E, K) in SHAPES.items():
-        torch.manual_seed(0)
-        layers = {rule: MoELayer(d, h, E, K, token_rounding=rule).cuda().bfloat16()
-                  for rule in (None, "nr-f", "up", "down")}
-        base = layers[None].state_dict()
-        for layer in layers.values():
-            layer.load_state_dict(base)
-        x = torch.randn(L, d, device="cuda", dtype=torch.bfloat16) * 0.5
-        dy = torch.randn_like(x)
-        times = {rule: [] for rule in layers}
-        pairs = {}
-        if os.environ.get("ROUNDING_DIAG"):  # host-side look at the rounded routing before any step runs
-            from moeblaze.routing import round_tokens
-            with torch.no_grad():
-                r = layers[None].router(x)
-                for rule in ("nr-f", "up", "down"):
-                    rr = round_tokens(r.logits, r.topk_idx, r.topk_weights, 128, rule)
-                    per_token = rr.kept_LE.sum(1)
-                    print(name, rule, "pairs", int(rr.counts_E.sum()), "max experts per token", int(per_token.max()),
-                          "table", layers[rule].rounding_max_experts, flush=True)
-        for i in range(args.iters + 3):
-            for rule, layer in layers.items():
-                xi = x.clone().requires_grad_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                m = layer(xi)
-                (m.out.float() * dy.float()).sum().add(m.aux_loss).backward()
-                end.record()
-                if i >= 3:
-                    times[rule].append((start, end))
-                if i == 0:
-                    r = layer.router(x)
-                    if rule is None:
-                        pairs[rule] = L * K
-                    else:
-                        from moeblaze.routing import round_tokens
-                        rr = round_tokens(r.logits, r.topk_idx, r.topk_weights, layer.rounding_tile, rule)
-                        pairs[rule] = int(rr.counts_E.sum())
-        torch.cuda.synchronize()
-        base_ms = None
-        for rule in layers:
-            ms = statistics.median(a.elapsed_time(b) for a, b in times[rule])
-            base_ms = base_ms or ms
-            tf = 6 * pairs[rule] * d * 3 * h / (ms * 1e-3) / 1e12
-            row = dict(config=name, L=L, d=d, h=h, E=E, K=K, routing=rule or "top-k", step_ms=round(ms, 3),
-                       pairs=pairs[rule], useful_tflops=round(tf, 1), speedup_vs_topk=round(base_ms / ms, 3),
-                       gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                       git_sha=os.environ.get("MOEBLAZE_GIT_SHA", "unknown"))
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                git_sha=os.environ.get("MOEBLAZE_GIT_SHA", "unknown"), command="python scripts/rounding_bench.py")
+    for name in args.configs.split(","):
+        L, d, h, E, K = SHAPES[name]
+        g = torch.Generator().manual_seed(0)
+        w1 = (torch.randn(E, 2 * h, d, generator=g) * d ** -0.5).cuda().bfloat16().requires_grad_()
+        w2 = (torch.randn(E, d, h, generator=g) * h ** -0.5).cuda().bfloat16().requires_grad_()
+        x = (torch.randn(L, d, generator=g) * 0.5).cuda().bfloat16().requires_grad_()
+        dy = torch.randn(L, d, generator=g).cuda().bfloat16()
+        routes, topk = routings(L, E, K, g)
+        pairs = {r: int(kept.sum()) for r, (kept, _) in routes.items()}
+        for r, (kept, _) in routes.items():
+            per_token = kept.sum(1)
+            print(f"{name} {r}: pairs {pairs[r]} ({pairs[r] / (L * K):.3f} of L·K), experts per token "
+                  f"{int(per_token.min())}..{int(per_token.max())}", flush=True)
+        fns = {}
+        for r, (kept, weights) in routes.items():
+            fns[("experts", "moeblaze", r)] = step_fn(
+                moeblaze_experts(L, E, K, kept, weights, w1, w2, topk if r == "top-k" else None, r), x, dy, w1, w2)
+            if have_sonic:
+                fns[("experts", "sonicmoe", r)] = step_fn(sonicmoe_experts(L, E, kept, weights, w1, w2), x, dy, w1, w2)
+        layers = {}
+        for r in ("top-k",) + RULES:
+            torch.manual_seed(0)
+            layers[r] = MoELayer(d, h, E, K, token_rounding=None if r == "top-k" else r).cuda().bfloat16()
+            fns[("layer", "moeblaze", r)] = layer_fn(layers[r], x, dy)
+        for key, fn in list(fns.items()):  # compile and warm up; a failure leaves that step out, with its reason
+            try:
+                for i in range(3):
+                    fn(i)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001
+                print(f"{name} {key}: {type(e).__name__}: {e}", flush=True)
+                del fns[key]
+        times = _timed_rounds(fns, torch.device("cuda"), iters=5)
+        for (part, impl, r), res in times.items():
+            if isinstance(res, Exception):
+                print(f"{name} {part} {impl} {r}: {type(res).__name__}: {res}", flush=True)
+                continue
+            base = times.get((part, impl, "top-k"))
+            ms = res[0]
+            row = dict(config=name, L=L, d=d, h=h, E=E, K=K, part=part, impl=impl, routing=r, step_ms=round(ms, 3),
+                       pairs=pairs[r], useful_tflops=round(18 * pairs[r] * d * h / (ms * 1e-3) / 1e12, 1),
+                       speedup_vs_topk=round(base[0] / ms, 3) if isinstance(base, tuple) else None, **meta)
             rows.append(row)
             print(json.dumps(row), flush=True)
-        del layers
+        del fns, layers, routes, w1, w2, x, dy
         torch.cuda.empty_cache()
     with open(os.path.join(args.out, "rounding.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..args import check_choice, check_int
 from ..config import INTERPRET
 from ..distributed import DISPATCHES
-from ..nn import ModelConfig, MoEModel
+from ..nn import ModelConfig, MoELayer, MoEModel
 from ..reference import ACTIVATIONS
 from ..routing import ROUTERS, RULES, update_expert_biases
 from . import UsageError, parallel
@@ -117,7 +117,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="capacity dispatch, when a rank needs more rows than the capacity: rerun the step with a "
                         "larger capacity (default), drop the rows past it, or stop with an error")
     p.add_argument("--loss-log", default="", help="write every step's training loss (the global mean under torchrun) "
-                   "to this file as JSON lines at the end of the run")
+                   "and each MoE layer's max/mean expert load over the step's pairs (all ranks', after token "
+                   "rounding), then every validation loss, to this file as JSON lines at the end of the run")
     g.add_argument("--fsdp-keep-gathered", action="store_true",
                    help="keep each FSDP2 unit's gathered parameters from forward to backward (one all-gather per "
                         "step instead of two; the memory of the full parameters)")
@@ -371,7 +372,10 @@ def _run(args, cfg, train, val, ranks) -> dict:
     timer = parallel.StepTimer(device) if bench else None
     t_last, tokens = time.perf_counter(), 0
     loss = torch.full((), float("nan"), device=device)  # the last step's training loss (none when nothing trains)
-    losses, first_logged = [], step + 1
+    losses, loads, evals, first_logged = [], [], [], step + 1
+    moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)] if args.loss_log else []
+    for m in moe_layers:
+        m.track_load = True
     while step < last:
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
@@ -389,6 +393,12 @@ def _run(args, cfg, train, val, ranks) -> dict:
         step += 1
         if args.loss_log:  # kept on the device, read once at the end
             losses.append(ranks.mean(loss.detach()) if ranks else loss.detach())
+            if moe_layers:  # each MoE layer's max / mean expert load over this step's pairs (all ranks')
+                load = torch.stack([m.routed_load for m in moe_layers]).float()
+                load = ranks.sum(load) if ranks else load
+                loads.append(load.amax(1) / load.mean(1).clamp(min=1e-9))
+                for m in moe_layers:
+                    m.routed_load.zero_()
         tokens += x.numel()
         bar.update(1)
         first_bad = torch.where((first_bad < 0) & ~torch.isfinite(total.detach()), step, first_bad)
@@ -411,6 +421,7 @@ def _run(args, cfg, train, val, ranks) -> dict:
             val_loss = parallel.until_no_overflow(ranks, lambda: evaluate(model, val, args, device, ctx, ranks), log)
             shown = float(ranks.mean(loss.detach())) if ranks else loss.item()
             log(f"step {step}: train loss {shown:.3f}, val loss {val_loss:.3f} nats/byte")
+            evals.append((step, val_loss))
         if save_now:
             state = _train_state(model, opt, step, gen, cfg, sharded)
             if sharded:
@@ -421,8 +432,13 @@ def _run(args, cfg, train, val, ranks) -> dict:
     bar.close()
     if args.loss_log and main:
         with open(args.loss_log, "w") as f:
-            f.writelines(json.dumps({"step": first_logged + i, "loss": float(v)}) + "\n"
-                         for i, v in enumerate(torch.stack(losses).tolist() if losses else []))
+            loss_rows = torch.stack(losses).tolist() if losses else []
+            load_rows = torch.stack(loads).tolist() if loads else [None] * len(loss_rows)
+            for i, (v, ld) in enumerate(zip(loss_rows, load_rows)):
+                f.write(json.dumps({"step": first_logged + i, "loss": float(v),
+                                    **({"load_max_mean": [round(u, 4) for u in ld]} if ld is not None else {})})
+                        + "\n")
+            f.writelines(json.dumps({"step": s, "val_loss": v}) + "\n" for s, v in evals)
     final_loss = float(ranks.mean(loss.detach()) if ranks else loss.detach())
     if bench:
         row = parallel.bench_row(args, cfg, ranks, timer, final_loss, n_params,

@@ -22,7 +22,8 @@ from ..distributed import ep_experts
 from ..experts import CHECKPOINTS, check_backend, moe_experts, resolve_impl
 from ..reference import check_activation, up_width
 from ..experts.schedule import BLOCK_M
-from ..routing import METHODS, RULES, TopKRouter, build_routing_index, round_tokens_fast, rounded_index
+from ..routing import (METHODS, RULES, TopKRouter, build_routing_index, count_per_expert, round_tokens_fast,
+                       rounded_index)
 from ..routing.checks import fail_if
 
 
@@ -130,6 +131,9 @@ class MoELayer(nn.Module):
     rounded to a multiple of rounding_tile (default: the kernels' row tile); a token may then have up to
     rounding_max_experts experts (default min(E, 4K); more stops the program: on an H100 at L 16384, E 256, K 4, a
     fresh router under "up" gave one token 14). Evaluation routes plain top-k.
+    track_load (attribute, default False): while training, add each expert's computed pairs (after rounding, this
+    rank's tokens) to the int64 buffer `routed_load` (E,), on the device (no host sync); the caller reads and zeroes
+    it (moeblaze train --loss-log logs max/mean load per layer and step).
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, activation: str = "swiglu",
@@ -165,6 +169,9 @@ class MoELayer(nn.Module):
         if shared_experts:
             self.shared = SharedExperts(d_model, d_shared or d_expert, shared_experts, activation, impl, checkpoint,
                                         shared_gate, chunk_tokens, backend, device, dtype)
+        self.track_load = False
+        self.register_buffer("routed_load", torch.zeros(num_experts, dtype=torch.int64, device=device),
+                             persistent=False)
         self._register_load_state_dict_pre_hook(_earlier_expert_keys)
 
     @property
@@ -185,9 +192,14 @@ class MoELayer(nn.Module):
         x_LD = x.reshape(-1, self.d_model)
         r = self.router(x_LD, seq_len=x.shape[-2] if x.dim() >= 3 else None)
         if self.token_rounding is not None and self.training:
-            out = self.experts(x_LD, None, *self._rounded(r))
+            w, index = self._rounded(r)
+            out = self.experts(x_LD, None, w, index)
+            counts = index.expert_counts
         else:
             out = self.experts(x_LD, r.topk_idx, r.topk_weights)
+            counts = None
+        if self.track_load and self.training:
+            self.routed_load += count_per_expert(r.topk_idx, self.num_experts) if counts is None else counts
         if self.shared is not None:
             out = out + self.shared(x_LD)
         return MoEOutput(out.view(x.shape), r.aux_loss, r.z_loss)
