@@ -5,7 +5,7 @@
            the same rounded pairs go to both; the rounding itself is done once, outside the timed step
   layer    moeblaze's MoELayer training step: router, rounding, index, experts, forward and backward
 
-    python scripts/rounding_bench.py [--out DIR] [--configs C,D,E256]
+    python scripts/rounding_bench.py [--out DIR] [--configs E256,D,C]
 
 Routing: a fresh router's (logits ~ N(0, 1), softmax top-k, renormalized). Each step is timed in turns with the
 others (CUDA events, rounds until each has had a second: moeblaze.bench.harness). "useful TF/s" counts the GEMM
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 
@@ -95,7 +96,7 @@ def layer_fn(layer, x, dy):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--configs", default=",".join(SHAPES))
+    ap.add_argument("--configs", default="E256,D,C")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     try:
@@ -131,10 +132,12 @@ def main():
             layers[r] = MoELayer(d, h, E, K, token_rounding=None if r == "top-k" else r).cuda().bfloat16()
             fns[("layer", "moeblaze", r)] = layer_fn(layers[r], x, dy)
         for key, fn in list(fns.items()):  # compile and warm up; a failure leaves that step out, with its reason
+            t0 = time.perf_counter()
             try:
                 for i in range(3):
                     fn(i)
                 torch.cuda.synchronize()
+                print(f"{name} {key}: warm in {time.perf_counter() - t0:.1f} s", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"{name} {key}: {type(e).__name__}: {e}", flush=True)
                 del fns[key]
@@ -152,8 +155,8 @@ def main():
             print(json.dumps(row), flush=True)
         del fns, layers, routes, w1, w2, x, dy
         torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "rounding.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        with open(os.path.join(args.out, "rounding.jsonl"), "w") as f:  # after every config: a timeout keeps them
+            f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 if __name__ == "__main__":
