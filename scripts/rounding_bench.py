@@ -22,7 +22,7 @@ import time
 import torch
 
 from moeblaze import MoELayer
-from moeblaze.bench.harness import CONFIGS, _timed_rounds
+from moeblaze.bench.harness import CONFIGS, _timed_rounds, kernel_times
 from moeblaze.experts import moe_experts
 from moeblaze.routing import RULES, build_routing_index, round_tokens_fast, rounded_index, route_topk
 from moeblaze.experts.schedule import BLOCK_M
@@ -97,6 +97,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--configs", default="E256,D,C")
+    ap.add_argument("--profile", action="store_true", help="print moeblaze's kernels per step instead of timing")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     try:
@@ -124,7 +125,7 @@ def main():
         for r, (kept, weights) in routes.items():
             fns[("experts", "moeblaze", r)] = step_fn(
                 moeblaze_experts(L, E, K, kept, weights, w1, w2, topk if r == "top-k" else None, r), x, dy, w1, w2)
-            if have_sonic:
+            if have_sonic and not args.profile:
                 fns[("experts", "sonicmoe", r)] = step_fn(sonicmoe_experts(L, E, kept, weights, w1, w2), x, dy, w1, w2)
         layers = {}
         for r in ("top-k",) + RULES:
@@ -141,6 +142,12 @@ def main():
             except Exception as e:  # noqa: BLE001
                 print(f"{name} {key}: {type(e).__name__}: {e}", flush=True)
                 del fns[key]
+        if args.profile:
+            for key, fn in fns.items():
+                print(f"--- {name} {key}: kernels of one step (name, calls, ms)")
+                for k, n, ms in kernel_times(lambda fn=fn: fn(0), top=12):
+                    print(f"  {ms:8.3f} {n:4d}  {k[:110]}")
+            continue
         times = _timed_rounds(fns, torch.device("cuda"), iters=5)
         for (part, impl, r), res in times.items():
             if isinstance(res, Exception):

@@ -147,6 +147,40 @@ def test_rounded_index_reports_overflow():
     assert torch.equal(wk[0], w[0]) and wk[1].tolist() == [w[1, 0].item(), 0.0, 0.0]
 
 
+def _rounded_index_by_loops(kept, w, max_experts, max_rows):
+    """rounded_index's contract written as loops: expert-major rows of the pairs that fit (a pair fits where its
+    place among its token's experts is < max_experts and its row, counted over every kept pair, < max_rows)."""
+    L, E = kept.shape
+    place = {(t, e): k for t in range(L) for k, e in enumerate(e for e in range(E) if kept[t, e])}
+    pairs = [(t, e) for e in range(E) for t in range(L) if kept[t, e]]
+    fits = [(t, e) for r, (t, e) in enumerate(pairs) if r < max_rows and place[t, e] < max_experts]
+    fits.sort(key=lambda p: (p[1], p[0]))
+    eti, slot = [0] * (max_rows + 1), [[max_rows] * max_experts for _ in range(L)]
+    wk = [[0.0] * max_experts for _ in range(L)]
+    for r, (t, e) in enumerate(fits):
+        eti[r] = t
+        slot[t][place[t, e]], wk[t][place[t, e]] = r, float(w[t, e])
+    counts = [sum(1 for _, e in fits if e == x) for x in range(E)]
+    return counts, eti, slot, wk, len(fits) < len(pairs)
+
+
+def test_rounded_index_equals_its_contract_written_as_loops():
+    """Random masks (empty tokens, empty experts, tables and row bounds that overflow or not) and L = 0."""
+    from moeblaze.routing import rounded_index
+
+    g = torch.Generator().manual_seed(3)
+    for L, E, p, max_experts, max_rows in ((40, 6, 0.3, 3, 100), (40, 6, 0.5, 2, 60), (33, 5, 0.6, 5, 50),
+                                           (17, 9, 0.1, 4, 3), (0, 4, 0.5, 2, 4)):
+        kept = torch.rand(L, E, generator=g) < p
+        w = torch.rand(L, E, generator=g)
+        index, wk, over = rounded_index(kept, w, max_experts, max_rows)
+        counts, eti, slot, wk_want, over_want = _rounded_index_by_loops(kept, w, max_experts, max_rows)
+        assert index.expert_counts.tolist() == counts and bool(over) == over_want
+        assert index.expert_offsets.tolist() == [0] + torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()
+        assert index.expert_token_idx.tolist() == eti and index.token_slot.tolist() == slot
+        assert wk.tolist() == wk_want
+
+
 @pytest.mark.filterwarnings("ignore:token rounding with")
 @pytest.mark.parametrize("scoring", ["softmax_topk", "sigmoid_topk", "topk_softmax"])
 def test_fast_rounding_equals_the_reference(scoring):

@@ -154,25 +154,29 @@ def rounded_index(kept_LE: torch.Tensor, weights_LE: torch.Tensor, max_experts: 
     from .index import RoutingIndex
 
     L, E = kept_LE.shape
-    R, dev = max_rows + 1, kept_LE.device
-    kept64 = kept_LE.to(torch.int64)
-    row_LE = kept64.cumsum(0) - 1 + (kept64.sum(0).cumsum(0) - kept64.sum(0))[None, :]  # expert-major rows
-    k_LE = kept64.cumsum(1) - 1  # each pair's place among its token's experts
-    fits = kept_LE & (row_LE < max_rows) & (k_LE < max_experts)
-    overflow = (kept_LE & ~fits).any()
-    counts = fits.sum(0)
-    offsets = torch.zeros(E + 1, dtype=torch.int32, device=dev)
-    offsets[1:] = counts.cumsum(0).int()
-    row_LE = fits.to(torch.int64).cumsum(0) - 1 + (offsets[:-1].to(torch.int64))[None, :]  # again, over what fits
-    sink = torch.full_like(row_LE, R - 1)
-    eti = torch.zeros(R, dtype=torch.int32, device=dev)
-    eti.scatter_(0, torch.where(fits, row_LE, sink).flatten(),
-                 torch.where(fits, torch.arange(L, device=dev)[:, None], 0).int().flatten())
+    R, dev, i32 = max_rows + 1, kept_LE.device, torch.int32
+    # The scans along an expert's tokens run on the (E, L) transpose, where they are the inner dimension: torch's
+    # scan over the outer dimension of a tall (L, E) tensor is sequential in L (12 ms at L 24576, E 128 on an H200).
+    kept_EL = kept_LE.t().contiguous()
+    k_EL = kept_LE.cumsum(1, dtype=i32).sub_(1).t()  # each pair's place among its token's experts
+    counts = kept_EL.sum(1, dtype=i32)
+    row_EL = kept_EL.cumsum(1, dtype=i32).sub_(1).add_((counts.cumsum(0, dtype=i32) - counts)[:, None])
+    fits_EL = kept_EL & (row_EL < max_rows) & (k_EL < max_experts)
+    overflow = (kept_EL & ~fits_EL).any()
+    counts = fits_EL.sum(1, dtype=i32)
+    offsets = torch.zeros(E + 1, dtype=i32, device=dev)
+    offsets[1:] = counts.cumsum(0, dtype=i32)
+    row_EL = fits_EL.cumsum(1, dtype=i32).sub_(1).add_(offsets[:-1, None])  # again, over what fits
+    sink = torch.full_like(row_EL, R - 1)
+    to_row = torch.where(fits_EL, row_EL, sink).long()
+    eti = torch.zeros(R, dtype=i32, device=dev)
+    tokens = torch.where(fits_EL, torch.arange(L, dtype=i32, device=dev)[None, :], 0)
+    eti.scatter_(0, to_row.flatten(), tokens.flatten())
     eti[R - 1] = 0
-    col = torch.where(fits, k_LE, max_experts)  # one more column takes what does not fit, then is cut off
-    slot = torch.full((L, max_experts + 1), R - 1, dtype=torch.int64, device=dev)
-    slot.scatter_(1, col, torch.where(fits, row_LE, sink))
+    fits, col = fits_EL.t(), torch.where(fits_EL, k_EL, max_experts).t().long()  # one more column takes what
+    slot = torch.full((L, max_experts + 1), R - 1, dtype=torch.int64, device=dev)  # does not fit, then is cut off
+    slot.scatter_(1, col, to_row.t())
     w = torch.zeros(L, max_experts + 1, dtype=torch.float32, device=dev)
     w = w.scatter(1, col, torch.where(fits, weights_LE.float(), 0.0))
-    index = RoutingIndex(counts.int(), offsets, eti, slot[:, :max_experts].int().contiguous(), dropped=True)
+    index = RoutingIndex(counts, offsets, eti, slot[:, :max_experts].int().contiguous(), dropped=True)
     return index, w[:, :max_experts], overflow
