@@ -116,3 +116,28 @@ def test_bad_bias_or_layout_is_refused(bad, message):
     x, w1, w2, idx, w = random_problem(9, 32, 16, 5, 2, activation)
     with pytest.raises((ValueError, TypeError), match=message):
         moe_experts(x, build_routing_index(idx, 5), w, w1, w2, activation, **bad)
+
+
+def test_zeroed_tail_covers_every_weight_gradient_row_block():
+    """Backward zeroes TAIL_ROWS rows past the last expert's end of a routing with dropped pairs: the weight-gradient
+    kernels read at most one row block (BLOCK_K) there, so TAIL_ROWS must cover every config's block."""
+    import inspect
+
+    from moeblaze.experts.autograd import TAIL_ROWS
+    from moeblaze.experts.gluon_sm90.wgrad import weight_grad
+    from moeblaze.experts.tl.configs import WGRAD_CONFIGS
+
+    assert max(c.kwargs["BLOCK_K"] for c in WGRAD_CONFIGS) <= TAIL_ROWS
+    assert inspect.signature(weight_grad).parameters["block_k"].default <= TAIL_ROWS
+
+
+def test_zeroing_the_tail_leaves_every_kept_row():
+    """Rows from `first` on are zeroed (at most TAIL_ROWS of them), none before it, also where no row is past it."""
+    from moeblaze.experts.autograd import TAIL_ROWS, _zero_rows_from
+
+    for R, first in ((10, 10), (10, 9), (10, 0), (TAIL_ROWS + 40, 20), (0, 0)):
+        t = torch.arange(1, R * 3 + 1, dtype=torch.float32).view(R, 3)
+        want = t.clone()
+        want[first:first + TAIL_ROWS] = 0
+        _zero_rows_from(t, torch.tensor([first], dtype=torch.int32))
+        assert torch.equal(t, want), (R, first)

@@ -79,6 +79,19 @@ def _(x, w1, w2, topk_w, b1, b2, expert_counts, expert_offsets, expert_token_idx
             torch.empty(tiles, **ints), torch.empty(tiles, **ints), torch.empty(1, **ints))
 
 
+TAIL_ROWS = 256  # >= the row block (BLOCK_K) of every weight-gradient kernel (experts.tl.configs, gluon_sm90)
+
+
+def _zero_rows_from(t_RX: torch.Tensor, first: torch.Tensor) -> None:
+    """Zero rows [first, first + TAIL_ROWS) of t_RX (those that exist), first a (1,) device tensor: no host sync.
+    Past the last row the indices are clamped to it, and every copy of it gets the same value."""
+    R = t_RX.shape[0]
+    if R == 0:
+        return
+    rows = (first + torch.arange(TAIL_ROWS, device=t_RX.device)).clamp_(max=R - 1)
+    t_RX[rows] = torch.where((rows >= first)[:, None], 0, t_RX[rows])
+
+
 def _grad_or_empty(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """A bias gradient, or an empty tensor for a bias that is absent (a custom op returns tensors only)."""
     return g if g is not None else like.new_empty(0)
@@ -109,11 +122,11 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
                                              backend, interleaved)
     del preact_RF
     if dropped:  # dropped pairs' rows were never computed and hold whatever was there: their dS is 0, and the
-        # weight gradients reduce over whole row blocks, so their s·A and dH rows are zeroed
+        # weight gradients reduce over whole row blocks, whose rows past the last expert's end (a block at most)
+        # meet zeros on the gathered side: those rows of s·A and dH are zeroed, so that no NaN there spreads
         dtopk_w = dtopk_w.masked_fill(plan.token_slot_LK >= plan.kept, 0)
-        tail = (torch.arange(plan.num_rows, device=dy_LD.device) >= plan.kept)[:, None]
-        act_scaled_RH.masked_fill_(tail, 0)
-        dpreact_RF.masked_fill_(tail, 0)
+        _zero_rows_from(act_scaled_RH, plan.kept)
+        _zero_rows_from(dpreact_RF, plan.kept)
     dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, torch.empty_like(w2_EDH), True, backend)
     del act_scaled_RH
     dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, torch.empty_like(w1_EFD), False, backend)
