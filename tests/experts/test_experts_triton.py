@@ -244,3 +244,30 @@ def test_act_bwd_kernel_matches_autograd(poison_alloc, activation, in_place):
     assert dtopk_w.shape == (L, K) and dtopk_w.dtype == topk_w.dtype
     for name, ours, ref in (("dH", dpreact, dh_ref), ("s·A", act_scaled, sa_ref), ("dS", dtopk_w, ds_ref[slot.long()])):
         assert rel_err(ours, ref) <= 1e-6, (name, rel_err(ours, ref))
+
+
+def test_act_bwd_kernel_leaves_rows_no_pair_names(poison_alloc):
+    """A rounded routing's static row buffer has rows no pair names (its tail, token 0 in expert_token_idx) holding
+    whatever was there: the pass must store no dS from them (it once stored a NaN over token 0's first pair's dS, on
+    Hopper only, where this pass runs), and every named row's dS is still right."""
+    from moeblaze.experts import stages
+    from moeblaze.routing import rounded_index
+
+    g = torch.Generator().manual_seed(8)
+    L, E, H = 12, 4, 16
+    kept = torch.rand(L, E, generator=g) < 0.5
+    kept[0, 0] = True
+    weights = torch.rand(L, E, generator=g) + 0.5
+    index, wk, over = rounded_index(kept, weights, E, L * E + 5)  # 5 + L·E - pairs rows no pair names
+    assert not over
+    R, n = index.expert_token_idx.shape[0], int(kept.sum())
+    preact, dact = torch.randn(R, 2 * H, generator=g), torch.randn(R, H, generator=g)
+    preact[n:], dact[n:] = float("nan"), float("nan")
+    dtopk_w = stages.act_bwd(stages.RowPlan.build(index), dact.clone(), preact.clone(), wk, torch.empty_like(preact),
+                             torch.empty_like(dact), "swiglu")
+    from moeblaze.reference import apply_activation
+    a = apply_activation(preact.double(), "swiglu")
+    ds_rows = (dact.double() * a).sum(1)
+    named = index.token_slot < n
+    assert torch.isfinite(dtopk_w[named]).all()
+    assert rel_err(dtopk_w[named], ds_rows[index.token_slot[named].long()]) <= 1e-6

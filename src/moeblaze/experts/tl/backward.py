@@ -101,9 +101,12 @@ def _act_bwd_kernel(dact_ptr, preact_ptr, expert_token_idx_ptr, token_slot_ptr, 
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < LK
     pair0 = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0) * K
-    pair = pair0
+    pair = tl.full((BLOCK_R,), -1, tl.int32)
     for k in tl.static_range(K):
         pair = tl.where(tl.load(token_slot_ptr + pair0 + k, mask=rmask, other=-1) == rows, pair0 + k, pair)
+    # a row that no pair names (the unused tail of a rounded routing's static row buffer) stores no dS
+    rmask &= pair >= 0
+    pair = tl.maximum(pair, 0)
     s = tl.load(topk_w_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
     ds = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, H, BLOCK_H):
