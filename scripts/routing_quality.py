@@ -28,7 +28,7 @@ VARIANTS = {
     "top-k": [],
     "rounding": ["--token-rounding", "nr-f"],
     "sigmoid-bias": ["--router", "deepseek-v3", "--aux-loss-coef", "1e-4"],
-    "sigmoid-bias+rounding": ["--router", "deepseek-v3", "--aux-loss-coef", "1e-4", "--token-rounding", "nr-f"],
+    "sigmoid-bias-rounding": ["--router", "deepseek-v3", "--aux-loss-coef", "1e-4", "--token-rounding", "nr-f"],
 }
 
 
