@@ -41,8 +41,9 @@ for s in $steps; do
     layer) $limit python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
     scale) $limit python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
     rounding) $limit python3 scripts/rounding_bench.py --out "$OUT" ${ROUNDING_ARGS:-} ;;
-    quality) $limit python3 scripts/routing_quality.py run --out "$OUT/routing-quality" ${QUALITY_ARGS:-}
-             tar czf "$OUT/routing-quality.tar.gz" -C "$OUT" routing-quality && rm -rf "$OUT/routing-quality" ;;
+    quality) $limit python3 scripts/routing_quality.py run --out "$OUT/routing-quality" ${QUALITY_ARGS:-}; r=$?
+             tar czf "$OUT/routing-quality.tar.gz" -C "$OUT" routing-quality && rm -rf "$OUT/routing-quality"
+             (exit $r) ;;
     fp8roof) $limit python3 scripts/fp8_roofline.py --out "$OUT" ${FP8ROOF_ARGS:-} ;;
     ab) $limit python3 scripts/ab_compare.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" ;;
     profile) for c in ${PROFILE_CONFIGS:-8192,1024,4096,16,2}; do IFS=, read L d h E K <<< "$c"; python3 -m moeblaze.cli profile --kernels --tokens $L --d-model $d --d-expert $h --num-experts $E --top-k $K || exit 1; done 2>&1 | tee "$OUT/profile.log" ;;
