@@ -97,6 +97,8 @@ CASES = [
     ("moeblaze train --ep-dispatch capacity", SystemExit),
     ("moeblaze train --capacity-factor 0", SystemExit),
     ("moeblaze train --router deepseek-v3 --num-experts 4", SystemExit),
+    ("moeblaze train --ep 2 --checkpoint-policy preact-fp8", SystemExit),
+    ("moeblaze train --ep 2 --token-rounding nr-f", SystemExit),
 ]
 
 

@@ -1,6 +1,7 @@
 """Property-based tests of the Triton experts under the interpreter: random tiny shapes (0 tokens included),
-every activation, both checkpoint policies, token chunks and skewed routings, in fp32 against the fp64
-reference, output and every gradient, with NaN-poisoned allocations. Derandomized, fixed example budget."""
+every activation, every checkpoint policy (preact-fp8 against the reference's arithmetic for it), token chunks and
+skewed routings, in fp32 against the fp64 reference, output and every gradient, with NaN-poisoned allocations.
+Derandomized, fixed example budget."""
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -47,7 +48,8 @@ def test_triton_experts_match_the_reference(p):
                       impl="triton", chunk_tokens=p["chunk_tokens"])
     grads = torch.autograd.grad(out, ins, dy)
     ref_ins = [t.double().requires_grad_() for t in (x, w1, w2, w)]
-    ref = moe_experts_reference(ref_ins[0], idx, ref_ins[3], ref_ins[1], ref_ins[2], act)
+    ref = moe_experts_reference(ref_ins[0], idx, ref_ins[3], ref_ins[1], ref_ins[2], act,
+                                preact_fp8=p["checkpoint"] == "preact-fp8")
     ref_grads = torch.autograd.grad(ref, ref_ins, dy.double())
     for name, a, b in zip(("out", "dx", "dw1", "dw2", "dtopk_w"), (out, *grads), (ref, *ref_grads)):
         assert a.shape == b.shape, name

@@ -72,8 +72,8 @@ CHUNK_TOKENS = 262144  # the "-chunked" policies: token chunks for millions of t
 
 
 def moeblaze_call(p: Problem, policy: str, backend: str = "auto"):
-    checkpoint, _, chunked = policy.partition("-")
-    chunk = CHUNK_TOKENS if chunked == "chunked" else None
+    checkpoint = policy.removesuffix("-chunked")
+    chunk = CHUNK_TOKENS if policy.endswith("-chunked") else None
 
     def call(x, idx, w, w1, w2):
         r = build_routing_index(idx, p.E, check=False)

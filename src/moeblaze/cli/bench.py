@@ -33,8 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma list from {','.join(IMPLS)} (default: all available but the moeblaze-<backend> ones, "
                         "which pin moeblaze to one backend)")
     p.add_argument("--policies", default=None,
-                   help="moeblaze policies: preact, recompute, and their token-chunked variants preact-chunked, "
-                        "recompute-chunked (default: preact,recompute; with --scale also recompute-chunked)")
+                   help="moeblaze policies: preact, recompute, preact-fp8, and their token-chunked variants "
+                        "preact-chunked, recompute-chunked, preact-fp8-chunked (default: preact,recompute; with "
+                        "--scale also recompute-chunked)")
     p.add_argument("--activation", default="swiglu")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="default bfloat16 on cuda, float32 on cpu")

@@ -17,7 +17,7 @@ from ..bench.baselines import torch_gmm_experts
 from ..bench.harness import kernel_times
 from ..bench.memory import SavedTensorCounter
 from ..bench.stages import compiled_resources, stage_times
-from ..experts import BACKENDS, moe_experts
+from ..experts import BACKENDS, CHECKPOINTS, moe_experts
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import build_routing_index
 
@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--activation", default="swiglu")
-    p.add_argument("--checkpoint-policy", default="preact", choices=("preact", "recompute"))
+    p.add_argument("--checkpoint-policy", default="preact", choices=CHECKPOINTS)
     p.add_argument("--impl", default=None, choices=("triton", "reference"),
                    help="default triton where it runs (CUDA, or the CPU with TRITON_INTERPRET=1), else reference")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from ..args import check_choice, check_int
 from ..config import INTERPRET
 from ..distributed import DISPATCHES
+from ..experts import CHECKPOINTS
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..reference import ACTIVATIONS
 from ..routing import ROUTERS, RULES, update_expert_biases
@@ -75,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-expert", type=int, default=None, help=f"default {d['d_expert']} (small)")
     p.add_argument("--activation", default=ModelConfig.activation, choices=ACTIVATIONS)
     p.add_argument("--impl", default=ModelConfig.impl, choices=("auto", "triton", "reference"))
-    p.add_argument("--checkpoint-policy", default=ModelConfig.checkpoint, choices=("preact", "recompute"))
+    p.add_argument("--checkpoint-policy", default=ModelConfig.checkpoint, choices=CHECKPOINTS)
     p.add_argument("--shared-experts", type=int, default=None, help="always-on experts per MoE layer (default 0)")
     p.add_argument("--d-shared", type=int, default=None, help="their width (default: --d-expert)")
     p.add_argument("--shared-gate", action="store_const", const=True, default=None,
@@ -150,6 +151,8 @@ def check_args(args, val_len: int) -> ModelConfig:
             check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=0)
         if args.token_rounding and args.ep > 1:
             raise ValueError("--token-rounding under --ep is not supported yet")
+        if args.checkpoint_policy == "preact-fp8" and args.ep > 1:
+            raise ValueError("--checkpoint-policy preact-fp8 under --ep is not supported yet")
         check_int("--bench-steps", args.bench_steps, minimum=0)
         if args.seq_len > val_len - 2:
             raise ValueError(f"--seq-len must be at most {val_len - 2} (the held-out text's length - 2), "

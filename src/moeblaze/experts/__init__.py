@@ -4,8 +4,9 @@ Package map: autograd (custom ops and autograd over the stages), stages (the doc
 (which backend runs each launch), schedule (the device-built tile schedule), launch (the light launch path),
 tl/ (the portable Triton kernels), gluon_sm90/ (the Hopper warp-specialised kernels).
 
-Memory contract: see experts.autograd (the pre-activation under checkpoint="preact", nothing but the routing
-index and the tile schedule under "recompute"); chunk_tokens bounds every transient by a token chunk.
+Memory contract: see experts.autograd (the pre-activation under checkpoint="preact", in e4m3 under "preact-fp8",
+nothing but the routing index and the tile schedule under "recompute"); chunk_tokens bounds every transient by a
+token chunk.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ..routing import RoutingIndex, build_routing_index, check_expert_inputs, ch
 from .autograd import fused_experts
 from .dispatch import BACKENDS, check_backend, launch_counts, resolve
 
-CHECKPOINTS = ("preact", "recompute")
+CHECKPOINTS = ("preact", "recompute", "preact-fp8")
 IMPLS = ("auto", "triton", "reference")
 
 
@@ -39,14 +40,16 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     w1: (E, F, D), F = 2H with the gate rows first (or, where `interleaved`, gate and up rows alternating, gate
     first) for gated activations, F = H for plain ones; w2: (E, D, H); any strides (a transposed view is read in
     place). b1 (E, F), b2 (E, D): optional biases of the two projections, in w1's and w2's row order.
-    Differentiable in x, w1, w2, topk_weights and the biases. checkpoint: "preact"
-    keeps the pre-activation for backward, "recompute" keeps nothing beyond the routing index (Triton
-    only; the reference keeps everything autograd needs). impl: "triton", "reference" or "auto"
-    (Triton on CUDA, the reference elsewhere). backend (Triton only): "auto" (the Gluon kernels on Hopper,
-    the tl kernels elsewhere), "tl" or "gluon" (see experts.dispatch). chunk_tokens: run the Triton experts on
-    chunks of this many tokens, each with its own routing index, so that the transient (L·K, D) and (L·K, F)
-    buffers of forward and backward scale with the chunk instead of L (for millions of tokens; the weights are
-    read once per chunk, and the outputs and dx are concatenated).
+    Differentiable in x, w1, w2, topk_weights and the biases. checkpoint: "preact" keeps the pre-activation for
+    backward, "recompute" keeps nothing beyond the routing index (Triton only; the reference keeps everything
+    autograd needs), "preact-fp8" keeps the pre-activation in e4m3 with one fp32 scale per 1 x 128 group
+    (reference.fp8; about half the bytes of "preact"), which backward reads back: the forward is exact, the
+    gradients come from the pre-activation as fp8 holds it. impl: "triton", "reference" or "auto" (Triton on CUDA,
+    the reference elsewhere). backend (Triton only): "auto" (the Gluon kernels on Hopper, the tl kernels elsewhere),
+    "tl" or "gluon" (see experts.dispatch). chunk_tokens: run the Triton experts on chunks of this many tokens, each
+    with its own routing index, so that the transient (L·K, D) and (L·K, F) buffers of forward and backward scale
+    with the chunk instead of L (for millions of tokens; the weights are read once per chunk, and the outputs and dx
+    are concatenated).
     """
     check_activation(activation)
     if checkpoint not in CHECKPOINTS:
@@ -63,7 +66,8 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
         raise ValueError(f"chunk_tokens must be a positive number of tokens, got {chunk_tokens}")
     impl = resolve_impl(impl, x.device)
     if impl == "reference":
-        return moe_experts_reference(x, routing.topk_idx(), topk_weights, w1, w2, activation, b1, b2, interleaved)
+        return moe_experts_reference(x, routing.topk_idx(), topk_weights, w1, w2, activation, b1, b2, interleaved,
+                                     preact_fp8=checkpoint == "preact-fp8")
     if x.device.type != "cuda" and not INTERPRET:
         raise RuntimeError(f"impl='triton' needs a CUDA GPU (x is on {x.device}), or Triton's CPU interpreter: set "
                            "TRITON_INTERPRET=1 before importing moeblaze (or triton); impl='auto' runs the PyTorch "
@@ -71,16 +75,16 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"the Triton experts take float16, bfloat16 or float32, got {x.dtype}")
     backend = resolve(backend, x.device)
-    save = checkpoint == "preact"
+    save, fp8 = checkpoint in ("preact", "preact-fp8"), checkpoint == "preact-fp8"
     if chunk_tokens is not None and x.shape[0] > chunk_tokens:
         idx, E = routing.topk_idx(), w1.shape[0]  # dropped pairs come back as id E: sentinels again
         outs = [fused_experts(xc, w1, w2, wc, b1, b2, *build_routing_index(ic, E, check=False,
                                                                            sentinels=routing.dropped).tensors(),
-                              activation, save, backend, routing.dropped, interleaved)
+                              activation, save, backend, routing.dropped, interleaved, fp8)
                 for xc, ic, wc in zip(x.split(chunk_tokens), idx.split(chunk_tokens), topk_weights.split(chunk_tokens))]
         return torch.cat(outs)
     return fused_experts(x, w1, w2, topk_weights, b1, b2, *routing.tensors(), activation, save, backend,
-                         routing.dropped, interleaved)
+                         routing.dropped, interleaved, fp8)
 
 
 __all__ = ["BACKENDS", "CHECKPOINTS", "IMPLS", "check_backend", "launch_counts", "moe_experts", "resolve_impl"]

@@ -20,6 +20,9 @@ Memory contract (bytes kept from forward to backward, beyond x, the weights and 
 anyway; b = bytes per element of x's dtype):
   checkpoint="preact"     preact: R·F·b + the routing index's token ids, slots and offsets 4·(2·R + E + 1)
                           + the tile schedule 4·(2·(R // 128 + E) + 1)
+  checkpoint="preact-fp8" preact in e4m3, R·F + its 1 x 128 scales 4·R·ceil(F / 128), + the same index and
+                          schedule (quantized and read back in passes of their own for now: torch ops, not yet
+                          the up kernel's epilogue and the dH kernel's load)
   checkpoint="recompute"  the routing index and the tile schedule only; preact is recomputed in backward
                           (one more GEMM)
 Never kept: any (R, D) gathered copy of x or dy, A = act(preact), Y, dY. Transient in forward: A and Y; in
@@ -42,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from ..launch import ensure_context
+from ..reference.fp8 import FP8, dequantize_rows, quantize_rows
 from ..routing import RoutingIndex
 from . import stages
 from .schedule import BLOCK_M
@@ -51,19 +55,29 @@ from .stages import RowPlan
 def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
                     b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None, expert_counts: torch.Tensor,
                     expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
-                    activation: str, save_preact: bool, backend: str, dropped: bool = False, interleaved: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out (L, D), preact (R, F) if save_preact else an empty tensor, *the tile schedule): the forward body,
-    the schedule built once here and handed to backward."""
+                    activation: str, save_preact: bool, backend: str, dropped: bool = False, interleaved: bool = False,
+                    preact_fp8: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out (L, D), preact (R, F) if save_preact else an empty tensor, its scales (R, ceil(F / 128)) fp32 where
+    preact_fp8 (then preact is e4m3: reference.fp8.quantize_rows) else an empty tensor, *the tile schedule): the
+    forward body, the schedule built once here and handed to backward."""
     plan = RowPlan.build(RoutingIndex(expert_counts, expert_offsets, expert_token_idx, token_slot))
     if x_LD.shape[0] == 0:  # an empty batch (a rank without tokens): no launch can address 0 rows
-        return (x_LD.new_zeros(x_LD.shape), x_LD.new_zeros(0, w1_EFD.shape[1]) if save_preact else x_LD.new_empty(0),
-                *plan.sched)
+        preact = x_LD.new_zeros(0, w1_EFD.shape[1]) if save_preact else x_LD.new_empty(0)
+        return (x_LD.new_zeros(x_LD.shape), *_kept_preact(preact, save_preact and preact_fp8), *plan.sched)
     preact, act = stages.up(plan, x_LD, w1_EFD, activation, save_preact, True, backend, b1_EF, interleaved)
     y_RD = stages.down(plan, act, w2_EDH, backend)
     del act
     out = stages.combine(plan, y_RD, topk_w_LK.float().contiguous(), x_LD.dtype, bias_ED=b2_ED)
-    return (out, preact, *plan.sched)
+    return (out, *_kept_preact(preact, save_preact and preact_fp8), *plan.sched)
+
+
+def _kept_preact(preact_RF: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(preact as backward keeps it, its scales): e4m3 with 1 x 128 scales where fp8 (a pass of its own for now),
+    else itself and an empty tensor."""
+    if not fp8:
+        return preact_RF, preact_RF.new_empty(0, dtype=torch.float32)
+    return quantize_rows(preact_RF)
 
 
 experts_fwd = torch.library.custom_op("moeblaze::experts_fwd", experts_forward, mutates_args=())
@@ -71,12 +85,15 @@ experts_fwd = torch.library.custom_op("moeblaze::experts_fwd", experts_forward, 
 
 @experts_fwd.register_fake
 def _(x, w1, w2, topk_w, b1, b2, expert_counts, expert_offsets, expert_token_idx, token_slot, activation, save_preact,
-      backend, dropped=False, interleaved=False):
-    R = expert_token_idx.shape[0]
+      backend, dropped=False, interleaved=False, preact_fp8=False):
+    R, F = expert_token_idx.shape[0], w1.shape[1]
     tiles = R // BLOCK_M + expert_counts.shape[0]
     ints = dict(dtype=torch.int32, device=x.device)
-    return (x.new_empty(x.shape), (x.new_empty(R, w1.shape[1]) if save_preact else x.new_empty(0)),
-            torch.empty(tiles, **ints), torch.empty(tiles, **ints), torch.empty(1, **ints))
+    fp8 = save_preact and preact_fp8
+    preact = x.new_empty(R, F, dtype=FP8 if fp8 else x.dtype) if save_preact else x.new_empty(0)
+    scale = x.new_empty((R, -(-F // 128)) if fp8 else (0,), dtype=torch.float32)
+    return (x.new_empty(x.shape), preact, scale, torch.empty(tiles, **ints), torch.empty(tiles, **ints),
+            torch.empty(1, **ints))
 
 
 TAIL_ROWS = 256  # >= the row block (BLOCK_K) of every weight-gradient kernel (experts.tl.configs, gluon_sm90)
@@ -102,10 +119,11 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
                      tile_expert: torch.Tensor, tile_row: torch.Tensor, tiles_used: torch.Tensor,
                      expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
                      preact_RF: torch.Tensor, activation: str, has_preact: bool, backend: str, dropped: bool = False,
-                     interleaved: bool = False
+                     interleaved: bool = False, preact_scale: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw2, dtopk_w, db1, db2), db1 and db2 empty where their bias is absent: the backward body. The
-    weights' gradients come in the weights' own layouts (strides)."""
+    weights' gradients come in the weights' own layouts (strides). An e4m3 preact comes with its 1 x 128 scales
+    (preact_scale) and is read back in x's dtype."""
     if dy_LD.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
         ensure_context(dy_LD.get_device())
     if x_LD.shape[0] == 0:  # an empty batch: nothing flows back but zeros
@@ -115,9 +133,12 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
     plan = RowPlan(expert_token_idx, expert_offsets, token_slot, tile_expert, tile_row, tiles_used)
     if not has_preact:
         preact_RF, _ = stages.up(plan, x_LD, w1_EFD, activation, True, False, backend, b1_EF, interleaved)
-    # Under "recompute" preact is a fresh buffer that nothing else reads: each dH tile overwrites the preact tile
-    # it was computed from (read before written, by the same program), saving an (R, F) buffer.
-    dpreact_RF = preact_RF if not has_preact else torch.empty_like(preact_RF)
+    fresh = not has_preact
+    if has_preact and preact_RF.dtype == FP8:  # read back from e4m3 (a pass of its own for now): a fresh buffer
+        preact_RF, fresh = dequantize_rows(preact_RF, preact_scale, x_LD.dtype), True
+    # Where preact is a fresh buffer that nothing else reads (recomputed, or read back from e4m3), each dH tile
+    # overwrites the preact tile it was computed from (read before written, by the same program): no (R, F) buffer.
+    dpreact_RF = preact_RF if fresh else torch.empty_like(preact_RF)
     act_scaled_RH, dtopk_w = stages.down_bwd(plan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, activation,
                                              backend, interleaved)
     del preact_RF
@@ -144,18 +165,18 @@ experts_bwd = torch.library.custom_op("moeblaze::experts_bwd", experts_backward,
 
 @experts_bwd.register_fake
 def _(dy, x, w1, w2, topk_w, b1, b2, tile_expert, tile_row, tiles_used, expert_offsets, expert_token_idx, token_slot,
-      preact, activation, has_preact, backend, dropped=False, interleaved=False):
+      preact, activation, has_preact, backend, dropped=False, interleaved=False, preact_scale=None):
     return (x.new_empty(x.shape), torch.empty_like(w1), torch.empty_like(w2), topk_w.new_empty(topk_w.shape),
             *(x.new_empty(0) if b is None else b.new_empty(b.shape) for b in (b1, b2)))
 
 
-N_INPUTS = 15
+N_INPUTS = 16
 
 
 def _setup_context(ctx, inputs, output):
     x, w1, w2, topk_w, b1, b2, _counts, offsets, eti, slot = inputs[:10]
-    activation, save_preact, backend, dropped, interleaved = inputs[10:]
-    ctx.save_for_backward(x, w1, w2, topk_w, b1, b2, *output[2:], offsets, eti, slot, output[1])
+    activation, save_preact, backend, dropped, interleaved, _fp8 = inputs[10:]
+    ctx.save_for_backward(x, w1, w2, topk_w, b1, b2, *output[3:], offsets, eti, slot, output[1], output[2])
     ctx.activation, ctx.has_preact, ctx.backend = activation, save_preact, backend
     ctx.dropped, ctx.interleaved = dropped, interleaved
     # preact is saved state, never used downstream: don't let autograd fill an (R, F) zero gradient for it
@@ -166,10 +187,11 @@ def _backward_with(experts_bwd_fn):
     def backward(ctx, dout, *_saved_outputs):
         if dout is None:  # the output took no part in the loss
             return (None,) * N_INPUTS
-        x, w1, w2, topk_w, b1, b2, tile_expert, tile_row, tiles_used, offsets, eti, slot, preact = ctx.saved_tensors
+        (x, w1, w2, topk_w, b1, b2, tile_expert, tile_row, tiles_used, offsets, eti, slot, preact,
+         preact_scale) = ctx.saved_tensors
         dx, dw1, dw2, dw, db1, db2 = experts_bwd_fn(
             dout.contiguous(), x, w1, w2, topk_w, b1, b2, tile_expert, tile_row, tiles_used, offsets, eti, slot,
-            preact, ctx.activation, ctx.has_preact, ctx.backend, ctx.dropped, ctx.interleaved)
+            preact, ctx.activation, ctx.has_preact, ctx.backend, ctx.dropped, ctx.interleaved, preact_scale)
         return ((dx, dw1, dw2, dw, db1 if b1 is not None else None, db2 if b2 is not None else None)
                 + (None,) * (N_INPUTS - 6))
     return backward
@@ -196,11 +218,11 @@ def fused_experts(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor
                   b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None, expert_counts: torch.Tensor,
                   expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
                   activation: str, save_preact: bool, backend: str, dropped: bool = False,
-                  interleaved: bool = False) -> torch.Tensor:
+                  interleaved: bool = False, preact_fp8: bool = False) -> torch.Tensor:
     """The experts' combined output (L, D), differentiable in x, w1, w2, topk_w and the biases: the custom op where
     torch.compile traces, the direct path in eager mode. Overridable through __torch_function__."""
     args = (x_LD, w1_EFD, w2_EDH, topk_w_LK, b1_EF, b2_ED, expert_counts, expert_offsets, expert_token_idx,
-            token_slot, activation, save_preact, backend, dropped, interleaved)
+            token_slot, activation, save_preact, backend, dropped, interleaved, preact_fp8)
     dense = tuple(t for t in args[:6] if t is not None)
     if torch.overrides.has_torch_function(dense):  # a __torch_function__ mode (memory profiler) sees it as one op
         return torch.overrides.handle_torch_function(fused_experts, dense, *args)

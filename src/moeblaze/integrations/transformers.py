@@ -19,7 +19,7 @@ such as tanh-GELU, interleaved columns under the default gate) runs on transform
 implementation, with one warning per experts class and reason: never a different function.
 
 Settings per experts module (configure() sets them on every one; a config attribute of the same name is the
-fallback): moeblaze_checkpoint ("preact", the default, or "recompute"), moeblaze_chunk_tokens (None),
+fallback): moeblaze_checkpoint ("preact", the default, "preact-fp8" or "recompute"), moeblaze_chunk_tokens (None),
 moeblaze_impl ("auto": the Triton kernels on CUDA, the PyTorch reference elsewhere), moeblaze_backend ("auto")
 and moeblaze_index_method (the routing index builder, "auto").
 

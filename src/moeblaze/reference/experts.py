@@ -9,6 +9,10 @@ Loops over experts, gathers each expert's tokens, and accumulates the weighted e
 reference every kernel is checked against, and is slow and memory-hungry by design: it keeps every
 intermediate for backward and synchronizes with the host (one nonzero per expert).
 
+preact_fp8=True is checkpoint="preact-fp8"'s arithmetic: the forward is unchanged, and backward reads the
+pre-activation H = x W1ᵀ + b1 back from e4m3 with 1 x 128 scales (reference.fp8), as the kernels keep it: dH, the
+s·A of dW2 and the router weights' gradient dS = <dy, A W2ᵀ + b2> all come from act(fake_quant_rows(H)).
+
 Legend: L tokens, D hidden, H expert intermediate, E experts, K experts per token.
 """
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .activations import apply_activation
+from .fp8 import fake_quant_rows
 
 
 def moe_experts_reference(
@@ -28,6 +33,7 @@ def moe_experts_reference(
     b1_EF: torch.Tensor | None = None,
     b2_ED: torch.Tensor | None = None,
     interleaved: bool = False,
+    preact_fp8: bool = False,
 ) -> torch.Tensor:
     """Expert outputs combined per token: (L, D) in x's dtype.
 
@@ -46,11 +52,46 @@ def moe_experts_reference(
         h = x_LD[tok] @ w1_EFD[e].t()
         if b1_EF is not None:
             h = h + b1_EF[e]
+        if preact_fp8:
+            out_LD = out_LD.index_add(0, tok, _TailFromFp8Preact.apply(
+                h, w2_EDH[e], None if b2_ED is None else b2_ED[e], topk_w_LK[tok, slot], activation, interleaved,
+                acc_dtype))
+            continue
         y = apply_activation(h, activation, interleaved) @ w2_EDH[e].t()
         if b2_ED is not None:
             y = y + b2_ED[e]
         out_LD = out_LD.index_add(0, tok, y.to(acc_dtype) * topk_w_LK[tok, slot, None].to(acc_dtype))
     return out_LD.to(x_LD.dtype)
+
+
+class _TailFromFp8Preact(torch.autograd.Function):
+    """w · (act(H) W2ᵀ + b2) for one expert's rows, whose backward differentiates it at fake_quant_rows(H): the
+    pre-activation as checkpoint="preact-fp8" keeps it."""
+
+    @staticmethod
+    def forward(ctx, h, w2, b2, w, activation, interleaved, acc_dtype):
+        ctx.activation, ctx.interleaved, ctx.acc_dtype, ctx.has_b2 = activation, interleaved, acc_dtype, b2 is not None
+        ctx.save_for_backward(fake_quant_rows(h).to(h.dtype), w2, *(() if b2 is None else (b2,)), w)
+        return _tail(h, w2, b2, w, activation, interleaved, acc_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        hq, w2, *rest = ctx.saved_tensors
+        b2, w = (rest[0], rest[1]) if ctx.has_b2 else (None, rest[0])
+        leaves = [t.detach().requires_grad_() for t in (hq, w2, w)]
+        b2l = None if b2 is None else b2.detach().requires_grad_()
+        with torch.enable_grad():
+            out = _tail(leaves[0], leaves[1], b2l, leaves[2], ctx.activation, ctx.interleaved, ctx.acc_dtype)
+            grads = torch.autograd.grad(out, leaves + ([b2l] if b2l is not None else []), g)
+        dh, dw2, dw = grads[:3]
+        return dh, dw2, grads[3] if b2l is not None else None, dw, None, None, None
+
+
+def _tail(h, w2, b2, w, activation, interleaved, acc_dtype):
+    y = apply_activation(h, activation, interleaved) @ w2.t()
+    if b2 is not None:
+        y = y + b2
+    return y.to(acc_dtype) * w[:, None].to(acc_dtype)
 
 
 def moe_experts_dense(

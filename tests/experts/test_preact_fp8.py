@@ -1,0 +1,126 @@
+"""e4m3 quantization (reference.fp8) on hand-made cases, and checkpoint="preact-fp8": the kernels (interpreter)
+against the reference's arithmetic for it, against plain "preact", and its kept bytes."""
+import pytest
+import torch
+
+from moeblaze.bench.memory import SavedTensorCounter
+from moeblaze.experts import moe_experts
+from moeblaze.reference import (FP8_MAX, dequantize_blocks, dequantize_rows, fake_quant_rows, moe_experts_reference,
+                                quantize_blocks, quantize_rows)
+from moeblaze.routing import build_routing_index
+
+from helpers import random_problem, rel_err
+
+
+def test_rows_scale_each_group_of_128_to_448():
+    t = torch.zeros(2, 300)
+    t[0, :128] = torch.linspace(-3, 2, 128)  # amax 3
+    t[0, 128:256] = 0.5  # amax 0.5
+    t[0, 256:] = torch.tensor([7.0] + [1.0] * 43)  # a last group of 44, amax 7
+    q, s = quantize_rows(t)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (2, 300) and s.shape == (2, 3)
+    assert torch.allclose(s[0], torch.tensor([3.0, 0.5, 7.0]) / FP8_MAX)
+    assert q[0, 0].float() == -FP8_MAX and q[0, 256].float() == FP8_MAX  # each group's amax maps to ±448
+    assert (s[1] > 0).all() and (q[1].float() == 0).all()  # an all-zero row: positive scales, zeros, no NaN
+    d = dequantize_rows(q, s)
+    assert torch.isfinite(d).all() and torch.equal(d[1], t[1])
+    assert (d[0] - t[0]).abs().max() <= 3.0 * 2 ** -4  # e4m3: 3 mantissa bits, half an ulp of the group's top
+
+
+def test_an_outlier_costs_only_its_own_group():
+    """An outlier column: every other group's values are quantized exactly as without it; its own group keeps its
+    relative precision at 100x (e4m3 has 4 exponent bits: the others stay normal numbers) and loses its small values
+    only at 1e6x, where they fall below e4m3's smallest subnormal."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(64, 512, generator=g)
+    clean = (fake_quant_rows(t) - t).norm(dim=0)
+    for factor, worse in ((100.0, False), (1e6, True)):
+        u = t.clone()
+        u[:, 5] *= factor
+        noisy = (fake_quant_rows(u) - u).norm(dim=0)
+        assert torch.equal(noisy[128:], clean[128:])
+        others = torch.cat([noisy[:5], noisy[6:128]]).sum() / torch.cat([clean[:5], clean[6:128]]).sum()
+        assert (others > 10) if worse else (others < 2), (factor, float(others))
+
+
+def test_blocks_scale_each_128_by_128_block():
+    w = torch.ones(3, 200, 130)
+    w[1, 150, 129] = -9.0  # in block (1, 1) of matrix 1
+    q, s = quantize_blocks(w)
+    assert q.shape == w.shape and s.shape == (3, 2, 2)
+    want = torch.ones(3, 2, 2)
+    want[1, 1, 1] = 9.0
+    assert torch.allclose(s, want / FP8_MAX)
+    d = dequantize_blocks(q, s)
+    assert d[1, 150, 129] == -9.0 and torch.equal(d[0], w[0])
+    assert torch.equal(quantize_blocks(torch.zeros(1, 128, 128))[0].float(), torch.zeros(1, 128, 128))
+
+
+def test_values_past_448_saturate():
+    q, s = quantize_rows(torch.tensor([[1e30, -1e30, 1.0]]))
+    assert torch.isfinite(dequantize_rows(q, s)).all() and q.float().abs().max() == FP8_MAX
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_preact_fp8_kernels_match_the_reference(poison_alloc, activation):
+    """The kernels under "preact-fp8" against the reference's arithmetic for it (the same quantization of the same
+    pre-activation), fp32 inputs, fp64 reference: the output and every gradient; the output equals plain "preact"'s
+    and the gradients stay within the format's error of it; a ragged F (not a multiple of 128) included."""
+    torch.manual_seed(0)
+    x, w1, w2, idx, w = random_problem(40, 32, 100 if activation == "gelu" else 72, 6, 2, activation)
+    routing = build_routing_index(idx, 6)
+    dy = torch.randn_like(x)
+
+    def run(impl, checkpoint, dtype, **ref):
+        ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w)]
+        if impl == "reference":
+            out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], activation, **ref)
+        else:
+            out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], activation, checkpoint, impl=impl)
+        return [out, *torch.autograd.grad(out, ins, dy.to(dtype))]
+
+    got = run("triton", "preact-fp8", torch.float32)
+    want = run("reference", None, torch.float64, preact_fp8=True)
+    exact = run("reference", None, torch.float64)
+    plain = run("triton", "preact", torch.float32)
+    assert torch.equal(got[0], plain[0])
+    for name, g, r, e in zip(("out", "dx", "dw1", "dw2", "dw"), got, want, exact):
+        assert rel_err(g, r) <= 1e-5, (name, rel_err(g, r))
+        assert rel_err(g, e) <= 0.05, (name, rel_err(g, e))  # e4m3's error on H, nothing worse
+    assert rel_err(got[1], exact[1]) > 1e-4  # the gradients do see the fp8 pre-activation
+
+
+def test_preact_fp8_keeps_one_byte_per_element_and_a_scale_per_128():
+    x, w1, w2, idx, w = random_problem(64, 32, 96, 4, 2)  # F = 192: two groups per row, the last one 64 wide
+    routing = build_routing_index(idx, 4)
+    kept = {}
+    for checkpoint in ("preact", "preact-fp8"):
+        ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
+        with SavedTensorCounter(exclude=ins) as c:
+            moe_experts(ins[0], routing, ins[3], ins[1], ins[2], checkpoint=checkpoint, impl="triton")
+        kept[checkpoint] = c.total_bytes
+    R, F = 64 * 2, 192
+    assert kept["preact"] - kept["preact-fp8"] == R * F * (4 - 1) - R * 2 * 4
+
+
+def test_preact_fp8_under_compile_equals_eager():
+    """torch.compile(fullgraph=True) traces the custom ops with the e4m3 pre-activation and its scales (their fake
+    shapes and dtypes): the same output and gradients as eager."""
+    x, w1, w2, idx, w = random_problem(24, 32, 64, 4, 2)
+    routing = build_routing_index(idx, 4)
+
+    def step(fn):
+        ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
+        out = fn(ins[0], routing.expert_counts, routing.expert_offsets, routing.expert_token_idx,
+                 routing.token_slot, ins[3], ins[1], ins[2])
+        return [out, *torch.autograd.grad(out.square().sum(), ins)]
+
+    def layer(x, counts, offsets, eti, slot, w, w1, w2):
+        from moeblaze.routing import RoutingIndex
+        return moe_experts(x, RoutingIndex(counts, offsets, eti, slot), w, w1, w2, checkpoint="preact-fp8",
+                           impl="triton", check=False)
+
+    eager = step(layer)
+    compiled = step(torch.compile(layer, fullgraph=True, backend="aot_eager"))
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a, b)
