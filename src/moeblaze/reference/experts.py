@@ -13,6 +13,12 @@ preact_fp8=True is checkpoint="preact-fp8"'s arithmetic: the forward is unchange
 pre-activation H = x W1ᵀ + b1 back from e4m3 with 1 x 128 scales (reference.fp8), as the kernels keep it: dH, the
 s·A of dW2 and the router weights' gradient dS = <dy, A W2ᵀ + b2> all come from act(fake_quant_rows(H)).
 
+fp8_gemms=True emulates precision="fp8" (DeepSeek-V3's recipe, reference.fp8's quantizers, fp32 accumulation): the
+four data GEMMs read e4m3 operands, x and dy by token (1 x 128 groups along d), A and dH by row (1 x 128 along h and
+F), W1 and W2 by 128 x 128 blocks (one grid serves W and Wᵀ); the weight gradients dW1 = dHᵀ x and dW2 = dyᵀ (s·A)
+and everything else (SwiGLU, dS = <dA', A> + <dy, b2>, the combines) stay in the input precision. It tells the
+format's error from a kernel's.
+
 Legend: L tokens, D hidden, H expert intermediate, E experts, K experts per token.
 """
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .activations import apply_activation
-from .fp8 import fake_quant_rows
+from .fp8 import fake_quant_blocks, fake_quant_rows
 
 
 def moe_experts_reference(
@@ -34,6 +40,7 @@ def moe_experts_reference(
     b2_ED: torch.Tensor | None = None,
     interleaved: bool = False,
     preact_fp8: bool = False,
+    fp8_gemms: bool = False,
 ) -> torch.Tensor:
     """Expert outputs combined per token: (L, D) in x's dtype.
 
@@ -52,6 +59,12 @@ def moe_experts_reference(
         h = x_LD[tok] @ w1_EFD[e].t()
         if b1_EF is not None:
             h = h + b1_EF[e]
+        if fp8_gemms:
+            out_LD = out_LD.index_add(0, tok, _Fp8GemmExpert.apply(
+                x_LD[tok], w1_EFD[e], w2_EDH[e], None if b1_EF is None else b1_EF[e],
+                None if b2_ED is None else b2_ED[e], topk_w_LK[tok, slot], activation, interleaved, acc_dtype,
+                preact_fp8))
+            continue
         if preact_fp8:
             out_LD = out_LD.index_add(0, tok, _TailFromFp8Preact.apply(
                 h, w2_EDH[e], None if b2_ED is None else b2_ED[e], topk_w_LK[tok, slot], activation, interleaved,
@@ -85,6 +98,46 @@ class _TailFromFp8Preact(torch.autograd.Function):
             grads = torch.autograd.grad(out, leaves + ([b2l] if b2l is not None else []), g)
         dh, dw2, dw = grads[:3]
         return dh, dw2, grads[3] if b2l is not None else None, dw, None, None, None
+
+
+class _Fp8GemmExpert(torch.autograd.Function):
+    """One expert's weighted output rows, w · (act(x W1ᵀ + b1) W2ᵀ + b2), with fp8_gemms's arithmetic (see the
+    module header) in forward and backward; H kept as is, or through e4m3 where preact_fp8."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, b1, b2, w, activation, interleaved, acc_dtype, preact_fp8):
+        dt = x.dtype
+        w1q, w2q = fake_quant_blocks(w1).to(dt), fake_quant_blocks(w2).to(dt)
+        h = fake_quant_rows(x).to(dt) @ w1q.t()
+        if b1 is not None:
+            h = h + b1
+        a = apply_activation(h, activation, interleaved)
+        y = fake_quant_rows(a).to(dt) @ w2q.t()
+        if b2 is not None:
+            y = y + b2
+        ctx.activation, ctx.interleaved, ctx.acc_dtype = activation, interleaved, acc_dtype
+        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        kept = fake_quant_rows(h).to(dt) if preact_fp8 else h
+        ctx.save_for_backward(x, w1q, w2q, kept, w, *(() if b2 is None else (b2,)))
+        return y.to(acc_dtype) * w[:, None].to(acc_dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w1q, w2q, h, w, *b2 = ctx.saved_tensors
+        dt = x.dtype
+        dy = g.to(dt)
+        with torch.enable_grad():
+            hl = h.detach().requires_grad_()
+            a = apply_activation(hl, ctx.activation, ctx.interleaved)
+        da = fake_quant_rows(dy).to(dt) @ w2q  # dA' = dy W2, e4m3 operands
+        ds = (da * a.detach()).sum(1) + ((dy * b2[0]).sum(1) if b2 else 0)
+        (dh,) = torch.autograd.grad(a, hl, da * w[:, None].to(dt))
+        dx = fake_quant_rows(dh).to(dt) @ w1q  # dX~ = dH W1, e4m3 operands
+        dw1 = dh.t() @ x  # the weight gradients in the input precision
+        dw2 = (dy * w[:, None].to(dt)).t() @ a.detach()
+        db1 = dh.sum(0) if ctx.has_b1 else None
+        db2 = (dy * w[:, None].to(dt)).sum(0) if ctx.has_b2 else None
+        return dx, dw1, dw2, db1, db2, ds.to(w.dtype), None, None, None, None
 
 
 def _tail(h, w2, b2, w, activation, interleaved, acc_dtype):
