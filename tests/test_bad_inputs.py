@@ -73,6 +73,7 @@ CASES = [
     ("moe_experts(x, routing, torch.full_like(w, float('nan')), w1, w2)", ValueError),
     ("moe_experts(x, routing, w, w1, w2, activation='tanh')", ValueError),
     ("moe_experts(x, routing, w, w1, w2, checkpoint='all')", ValueError),
+    ("moe_experts(x, routing, w, w1, w2, precision='fp4')", ValueError),
     ("moe_experts(x, routing, w, w1, w2, chunk_tokens=0)", ValueError),
     ("moe_experts(x, routing, w, w1, w2, impl='triton')  # CPU, TRITON_INTERPRET unset", RuntimeError),
     ("moe_experts(x, routing, w, w1, w2, b1=torch.zeros(4, 32))", ValueError),
@@ -99,6 +100,7 @@ CASES = [
     ("moeblaze train --router deepseek-v3 --num-experts 4", SystemExit),
     ("moeblaze train --ep 2 --checkpoint-policy preact-fp8", SystemExit),
     ("moeblaze train --ep 2 --token-rounding nr-f", SystemExit),
+    ("moeblaze train --ep 2 --precision fp8", SystemExit),
 ]
 
 

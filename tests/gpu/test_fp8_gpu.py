@@ -64,3 +64,32 @@ def test_preact_fp8_bf16(backend):
     for name, g, r, wt in zip(("out", "dx", "dw1", "dw2", "dw"), got, ref, want):
         assert torch.isfinite(g).all(), name
         assert _rel(g, wt) <= FACTOR * max(_rel(r, wt), 1e-3), (name, _rel(g, wt), _rel(r, wt))
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs fp8 tensor cores (sm_89+)")
+@pytest.mark.parametrize("checkpoint", ["preact", "preact-fp8", "recompute"])
+def test_precision_fp8_bf16_against_the_emulation(checkpoint):
+    """precision="fp8" on real e4m3 in bf16: output and every gradient within FACTOR x the bf16 emulation's error
+    against the fp32 emulation (the same recipe), and within the recipe's own error of the exact fp32 layer."""
+    torch.manual_seed(0)
+    L, D, H, E, K = 2048, 512, 256, 16, 2
+    x = torch.randn(L, D, device="cuda")
+    w1, w2 = torch.randn(E, 2 * H, D, device="cuda") / D ** 0.5, torch.randn(E, D, H, device="cuda") / H ** 0.5
+    idx, w = route_topk(torch.randn(L, E, device="cuda"), K)
+    routing = build_routing_index(idx, E)
+    dy = torch.randn(L, D, device="cuda")
+
+    def run(dtype, **kw):
+        ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w)]
+        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], checkpoint=checkpoint, **kw)
+        return [out, *torch.autograd.grad(out, ins, dy.to(dtype))]
+
+    want = run(torch.float32, impl="reference", precision="fp8")
+    ref = run(torch.bfloat16, impl="reference", precision="fp8")
+    exact = run(torch.float32, impl="reference")
+    got = run(torch.bfloat16, impl="triton", precision="fp8")
+    for name, g, r, wt, ex in zip(("out", "dx", "dw1", "dw2", "dw"), got, ref, want, exact):
+        assert torch.isfinite(g).all(), name
+        assert _rel(g, wt) <= FACTOR * max(_rel(r, wt), 1e-3), (name, _rel(g, wt), _rel(r, wt))
+        assert _rel(g, ex) <= 0.1, (name, _rel(g, ex))

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..args import check_choice, check_int
 from ..config import INTERPRET
 from ..distributed import DISPATCHES
-from ..experts import CHECKPOINTS
+from ..experts import CHECKPOINTS, PRECISIONS
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..reference import ACTIVATIONS
 from ..routing import ROUTERS, RULES, update_expert_biases
@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation", default=ModelConfig.activation, choices=ACTIVATIONS)
     p.add_argument("--impl", default=ModelConfig.impl, choices=("auto", "triton", "reference"))
     p.add_argument("--checkpoint-policy", default=ModelConfig.checkpoint, choices=CHECKPOINTS)
+    p.add_argument("--precision", default=ModelConfig.precision, choices=PRECISIONS,
+                   help="fp8: the routed experts' data GEMMs on e4m3 with 1x128 / 128x128 scales (sm_89+; correct, "
+                        "not yet fast)")
     p.add_argument("--shared-experts", type=int, default=None, help="always-on experts per MoE layer (default 0)")
     p.add_argument("--d-shared", type=int, default=None, help="their width (default: --d-expert)")
     p.add_argument("--shared-gate", action="store_const", const=True, default=None,
@@ -153,6 +156,8 @@ def check_args(args, val_len: int) -> ModelConfig:
             raise ValueError("--token-rounding under --ep is not supported yet")
         if args.checkpoint_policy == "preact-fp8" and args.ep > 1:
             raise ValueError("--checkpoint-policy preact-fp8 under --ep is not supported yet")
+        if args.precision == "fp8" and (args.ep > 1 or args.compile):
+            raise ValueError("--precision fp8 under --ep or --compile is not supported yet")
         check_int("--bench-steps", args.bench_steps, minimum=0)
         if args.seq_len > val_len - 2:
             raise ValueError(f"--seq-len must be at most {val_len - 2} (the held-out text's length - 2), "
@@ -178,7 +183,8 @@ def check_args(args, val_len: int) -> ModelConfig:
                           d_expert=args.d_expert, activation=args.activation, impl=args.impl,
                           checkpoint=args.checkpoint_policy, router=args.router, shared_experts=args.shared_experts,
                           d_shared=args.d_shared, shared_gate=args.shared_gate, dense_layers=args.dense_layers,
-                          token_rounding=args.token_rounding, rounding_tile=args.rounding_tile)
+                          token_rounding=args.token_rounding, rounding_tile=args.rounding_tile,
+                          precision=args.precision)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
     if args.device == "cuda" and not torch.cuda.is_available():

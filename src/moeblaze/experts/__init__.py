@@ -17,6 +17,7 @@ from ..reference import check_activation, moe_experts_reference
 from ..routing import RoutingIndex, build_routing_index, check_expert_inputs, check_topk_weights
 from .autograd import fused_experts
 from .dispatch import BACKENDS, check_backend, launch_counts, resolve
+from .fp8 import PRECISIONS, check_fp8_supported, fp8_experts
 
 CHECKPOINTS = ("preact", "recompute", "preact-fp8")
 IMPLS = ("auto", "triton", "reference")
@@ -34,7 +35,7 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
                 w2: torch.Tensor, activation: str = "swiglu", checkpoint: str = "preact", impl: str = "auto",
                 check: bool = True, chunk_tokens: int | None = None, backend: str = "auto",
                 b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                interleaved: bool = False) -> torch.Tensor:
+                interleaved: bool = False, precision: str = "native") -> torch.Tensor:
     """Combined expert outputs (L, D) for tokens x (L, D) routed by `routing` with weights (L, K).
 
     w1: (E, F, D), F = 2H with the gate rows first (or, where `interleaved`, gate and up rows alternating, gate
@@ -49,12 +50,16 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     "tl" or "gluon" (see experts.dispatch). chunk_tokens: run the Triton experts on chunks of this many tokens, each
     with its own routing index, so that the transient (L·K, D) and (L·K, F) buffers of forward and backward scale
     with the chunk instead of L (for millions of tokens; the weights are read once per chunk, and the outputs and dx
-    are concatenated).
+    are concatenated). precision: "native" (the GEMMs in the inputs' dtype) or "fp8" (the four data GEMMs on e4m3
+    operands with 1 x 128 / 128 x 128 scales, weight gradients in the inputs' dtype: experts.fp8; correct, not yet
+    fast; on the reference, its emulation).
     """
     check_activation(activation)
     if checkpoint not in CHECKPOINTS:
         raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
     check_backend(backend)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     check_expert_inputs(x, w1, w2, activation, b1, b2, interleaved)
     if routing.num_tokens != x.shape[0] or routing.num_experts != w1.shape[0]:
         raise ValueError(f"routing index is for L={routing.num_tokens}, E={routing.num_experts}; "
@@ -67,7 +72,7 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     impl = resolve_impl(impl, x.device)
     if impl == "reference":
         return moe_experts_reference(x, routing.topk_idx(), topk_weights, w1, w2, activation, b1, b2, interleaved,
-                                     preact_fp8=checkpoint == "preact-fp8")
+                                     preact_fp8=checkpoint == "preact-fp8", fp8_gemms=precision == "fp8")
     if x.device.type != "cuda" and not INTERPRET:
         raise RuntimeError(f"impl='triton' needs a CUDA GPU (x is on {x.device}), or Triton's CPU interpreter: set "
                            "TRITON_INTERPRET=1 before importing moeblaze (or triton); impl='auto' runs the PyTorch "
@@ -75,6 +80,9 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"the Triton experts take float16, bfloat16 or float32, got {x.dtype}")
     backend = resolve(backend, x.device)
+    if precision == "fp8":
+        check_fp8_supported(x, b1, b2, chunk_tokens)
+        return fp8_experts(x, routing, topk_weights, w1, w2, activation, checkpoint, backend, interleaved)
     save, fp8 = checkpoint in ("preact", "preact-fp8"), checkpoint == "preact-fp8"
     if chunk_tokens is not None and x.shape[0] > chunk_tokens:
         idx, E = routing.topk_idx(), w1.shape[0]  # dropped pairs come back as id E: sentinels again
@@ -87,4 +95,5 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
                          routing.dropped, interleaved, fp8)
 
 
-__all__ = ["BACKENDS", "CHECKPOINTS", "IMPLS", "check_backend", "launch_counts", "moe_experts", "resolve_impl"]
+__all__ = ["BACKENDS", "CHECKPOINTS", "IMPLS", "PRECISIONS", "check_backend", "launch_counts", "moe_experts",
+           "resolve_impl"]

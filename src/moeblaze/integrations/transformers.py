@@ -20,8 +20,9 @@ implementation, with one warning per experts class and reason: never a different
 
 Settings per experts module (configure() sets them on every one; a config attribute of the same name is the
 fallback): moeblaze_checkpoint ("preact", the default, "preact-fp8" or "recompute"), moeblaze_chunk_tokens (None),
-moeblaze_impl ("auto": the Triton kernels on CUDA, the PyTorch reference elsewhere), moeblaze_backend ("auto")
-and moeblaze_index_method (the routing index builder, "auto").
+moeblaze_impl ("auto": the Triton kernels on CUDA, the PyTorch reference elsewhere), moeblaze_backend ("auto"),
+moeblaze_index_method (the routing index builder, "auto") and moeblaze_precision ("native", or "fp8": the expert
+GEMMs on e4m3, experts.fp8).
 
 Memory contract: per call, the routing index (O(T·K) int32) and what moe_experts keeps under the policy.
 """
@@ -32,7 +33,7 @@ import warnings
 import torch
 
 from ..args import check_choice, check_int
-from ..experts import BACKENDS, CHECKPOINTS, IMPLS, moe_experts
+from ..experts import BACKENDS, CHECKPOINTS, IMPLS, PRECISIONS, moe_experts
 from ..reference import CLAMP_ALPHA, CLAMP_LIMIT
 from ..routing import METHODS, build_routing_index
 
@@ -41,7 +42,8 @@ NAME = "moeblaze"
 # transformers' hidden_act -> moeblaze's activation, with a gate (act(gate) * up) and without
 GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
 PLAIN = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "relu2": "relu2"}
-SETTINGS = {"checkpoint": "preact", "chunk_tokens": None, "impl": "auto", "backend": "auto", "index_method": "auto"}
+SETTINGS = {"checkpoint": "preact", "chunk_tokens": None, "impl": "auto", "backend": "auto", "index_method": "auto",
+            "precision": "native"}
 _warned: set = set()
 _moe = None  # transformers.integrations.moe, once found
 _act_types: dict = {}  # hidden_act -> the class transformers builds for it
@@ -72,7 +74,8 @@ def register() -> None:
 
 
 def configure(model: torch.nn.Module, checkpoint: str | None = None, chunk_tokens: int | None = None,
-              impl: str | None = None, backend: str | None = None, index_method: str | None = None) -> int:
+              impl: str | None = None, backend: str | None = None, index_method: str | None = None,
+              precision: str | None = None) -> int:
     """Set moeblaze's settings on every experts module of `model` (a None leaves a setting as it is, except
     chunk_tokens, where None means no chunks); the number of experts modules set."""
     if checkpoint is not None:
@@ -85,12 +88,14 @@ def configure(model: torch.nn.Module, checkpoint: str | None = None, chunk_token
         check_choice("backend", backend, BACKENDS)
     if index_method is not None:
         check_choice("index_method", index_method, METHODS)
+    if precision is not None:
+        check_choice("precision", precision, PRECISIONS)
     n = 0
     for m in model.modules():
         if hasattr(m, "has_gate") and hasattr(m, "down_proj"):
             m.moeblaze_chunk_tokens = chunk_tokens
             for name, value in (("checkpoint", checkpoint), ("impl", impl), ("backend", backend),
-                                ("index_method", index_method)):
+                                ("index_method", index_method), ("precision", precision)):
                 if value is not None:
                     setattr(m, "moeblaze_" + name, value)
             n += 1
@@ -188,7 +193,8 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
                                   sentinels=True)
     out = moe_experts(x, routing, top_k_weights, w1, w2, activation, _setting(module, "checkpoint"),
                       _setting(module, "impl"), check=False, chunk_tokens=_setting(module, "chunk_tokens"),
-                      backend=_setting(module, "backend"), b1=b1, b2=b2, interleaved=interleaved)
+                      backend=_setting(module, "backend"), b1=b1, b2=b2, interleaved=interleaved,
+                      precision=_setting(module, "precision"))
     return out.to(hidden_states.dtype)
 
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..args import check_bool, check_choice, check_int
-from ..experts import CHECKPOINTS, IMPLS
+from ..experts import CHECKPOINTS, IMPLS, PRECISIONS
 from ..reference import apply_activation, check_activation, up_width
 from ..routing import ROUTERS, RULES
 from ..routing.router import check_groups
@@ -39,6 +39,7 @@ class ModelConfig:
     dense_layers: int = 0  # the first blocks have a dense feed-forward of width top_k · d_expert (DeepSeek-V3)
     token_rounding: str = ""  # "", or a rule of moeblaze.routing.rounding (training only)
     rounding_tile: int = 0  # its tile (0: the kernels' row tile)
+    precision: str = "native"  # "fp8": the routed experts' GEMMs on e4m3 (moeblaze.experts.fp8)
 
     def __post_init__(self):
         """Every field checked here, so a bad config fails when it is made, naming the field."""
@@ -52,6 +53,7 @@ class ModelConfig:
         check_activation(self.activation)
         check_choice("impl", self.impl, IMPLS)
         check_choice("checkpoint", self.checkpoint, CHECKPOINTS)
+        check_choice("precision", self.precision, PRECISIONS)
         if self.token_rounding:
             check_choice("token_rounding", self.token_rounding, RULES)
         for name in ("shared_experts", "d_shared", "dense_layers", "rounding_tile"):
@@ -114,7 +116,8 @@ class MoEBlock(nn.Module):
             self.moe = MoELayer(cfg.d_model, cfg.d_expert, cfg.num_experts, cfg.top_k, cfg.activation, cfg.impl,
                                 cfg.checkpoint, router=ROUTERS[cfg.router], shared_experts=cfg.shared_experts,
                                 d_shared=cfg.d_shared or None, shared_gate=cfg.shared_gate,
-                                token_rounding=cfg.token_rounding or None, rounding_tile=cfg.rounding_tile or None)
+                                token_rounding=cfg.token_rounding or None, rounding_tile=cfg.rounding_tile or None,
+                                precision=cfg.precision)
 
     def forward(self, x: torch.Tensor):
         x = x + self.attn(self.norm1(x))

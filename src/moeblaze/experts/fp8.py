@@ -1,0 +1,115 @@
+"""precision="fp8": the experts with their four data GEMMs on e4m3 operands (DeepSeek-V3's recipe, reference.fp8's
+quantizers), as an autograd op composed from stages. Correct first, not yet fast: it is the arithmetic of
+reference.moe_experts_reference(fp8_gemms=True) on the kernels, with every quantization a torch pass of its own.
+
+Forward:   x_q = q(x) by token;  H = x_q[token] · q(W1[e])ᵀ   (tl.fp8.fp8_rows_gemm, gathered)
+           A = act(H) (torch);   Y = q(A) · q(W2[e])ᵀ          (fp8_rows_gemm)
+           out = combine(w · Y)                                 (stages.combine, fp32 sums)
+Backward:  dA' = q(dy)[token] · q(W2[e]ᵀ)ᵀ                      (fp8_rows_gemm, gathered; W2ᵀ re-quantized from the
+                                                                 input precision: the same 128 x 128 blocks)
+           dH, s·A, dS from dA' and H                           (stages.act_bwd)
+           dW2 = dy[token]ᵀ (s·A), dW1 = dHᵀ x[token]           (stages.weight_grad, input precision)
+           dX~ = q(dH) · q(W1[e]ᵀ)ᵀ; dx = combine(dX~)           (fp8_rows_gemm, stages.combine)
+q: quantize_rows for activations and gradients (1 x 128 groups), quantize_blocks for weights (128 x 128).
+
+Memory contract: as experts.autograd's for the same checkpoint (H under "preact", in e4m3 under "preact-fp8",
+recomputed by the fp8 up GEMM under "recompute"); transient: x_q, q(A), q(dy), q(dH) and the weights' e4m3 copies
+(quantized every call for now: no cache across steps yet). Not yet: biases, chunk_tokens, torch.compile, expert
+parallelism; these raise. On CUDA it needs fp8 tensor cores (sm_89 or later).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..reference import apply_activation
+from ..reference.fp8 import dequantize_rows, quantize_blocks, quantize_rows
+from ..routing import RoutingIndex
+from . import stages
+from .autograd import _zero_rows_from
+from .stages import RowPlan
+from .tl.fp8 import fp8_rows_gemm
+
+PRECISIONS = ("native", "fp8")
+
+
+def check_fp8_supported(x: torch.Tensor, b1, b2, chunk_tokens) -> None:
+    """Raise where precision="fp8" cannot run this call (see the module header)."""
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (8, 9):
+        raise RuntimeError(f"precision='fp8' needs fp8 tensor cores (sm_89 or later); "
+                           f"{torch.cuda.get_device_name(x.device)} has none: use precision='native'")
+    if b1 is not None or b2 is not None:
+        raise NotImplementedError("precision='fp8' with expert biases is not built yet")
+    if chunk_tokens is not None:
+        raise NotImplementedError("precision='fp8' with chunk_tokens is not built yet")
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("precision='fp8' under torch.compile is not built yet (eager only)")
+
+
+def _up(plan: RowPlan, x_LD, w1_EFD, out_dtype):
+    x_q, x_s = quantize_rows(x_LD)
+    w_q, w_s = quantize_blocks(w1_EFD)
+    return fp8_rows_gemm(x_q, x_s, w_q, w_s, plan.num_rows, plan.offsets_E1, plan.sched, plan.token_R, out_dtype)
+
+
+def _rows(plan: RowPlan, a_RK, w_ENK, out_dtype, token=None):
+    a_q, a_s = quantize_rows(a_RK)
+    w_q, w_s = quantize_blocks(w_ENK.contiguous())
+    return fp8_rows_gemm(a_q, a_s, w_q, w_s, plan.num_rows, plan.offsets_E1, plan.sched, token, out_dtype)
+
+
+class Fp8Experts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_LD, w1_EFD, w2_EDH, topk_w_LK, counts, offsets, eti, slot, activation, checkpoint,
+                dropped, interleaved, backend):
+        plan = RowPlan.build(RoutingIndex(counts, offsets, eti, slot))
+        dt = x_LD.dtype
+        if x_LD.shape[0] == 0:
+            out, preact = x_LD.new_zeros(x_LD.shape), x_LD.new_zeros(0, w1_EFD.shape[1])
+        else:
+            preact = _up(plan, x_LD, w1_EFD, dt)
+            y = _rows(plan, apply_activation(preact, activation, interleaved), w2_EDH, dt)
+            out = stages.combine(plan, y, topk_w_LK.float().contiguous(), dt)
+        kept, scale = preact, preact.new_empty(0, dtype=torch.float32)
+        if checkpoint == "preact-fp8":
+            kept, scale = quantize_rows(preact)
+        elif checkpoint == "recompute":
+            kept = preact.new_empty(0)
+        ctx.save_for_backward(x_LD, w1_EFD, w2_EDH, topk_w_LK, kept, scale, *plan.sched, offsets, eti, slot)
+        ctx.activation, ctx.checkpoint, ctx.dropped, ctx.interleaved = activation, checkpoint, dropped, interleaved
+        ctx.backend = backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, w1, w2, topk_w, kept, scale, te, tr, tu, offsets, eti, slot = ctx.saved_tensors
+        if x.shape[0] == 0:
+            return (torch.zeros_like(x), torch.zeros_like(w1), torch.zeros_like(w2), torch.zeros_like(topk_w),
+                    *(None,) * 9)
+        plan = RowPlan(eti, offsets, slot, te, tr, tu)
+        dt, dy = x.dtype, dout.contiguous()
+        if ctx.checkpoint == "recompute":
+            preact = _up(plan, x, w1, dt)
+        elif ctx.checkpoint == "preact-fp8":
+            preact = dequantize_rows(kept, scale, dt)
+        else:
+            preact = kept
+        dact = _rows(plan, dy, w2.transpose(1, 2), dt, token=plan.token_R)  # dA' = dy[token] W2, e4m3
+        dpreact, act_scaled = torch.empty_like(preact), torch.empty_like(dact)
+        dtopk_w = stages.act_bwd(plan, dact, preact, topk_w, dpreact, act_scaled, ctx.activation,
+                                 interleaved=ctx.interleaved)
+        del dact, preact
+        if ctx.dropped:  # as experts.autograd: dropped pairs' dS is 0, the row block past the last expert zeroed
+            dtopk_w = dtopk_w.masked_fill(plan.token_slot_LK >= plan.kept, 0)
+            _zero_rows_from(act_scaled, plan.kept)
+            _zero_rows_from(dpreact, plan.kept)
+        dw2 = stages.weight_grad(plan, dy, act_scaled, torch.empty_like(w2), True, ctx.backend)
+        del act_scaled
+        dw1 = stages.weight_grad(plan, dpreact, x, torch.empty_like(w1), False, ctx.backend)
+        dx_rows = _rows(plan, dpreact, w1.transpose(1, 2), dt)  # dX~ = dH W1, e4m3
+        dx = stages.combine(plan, dx_rows, None, dt)
+        return dx, dw1, dw2, dtopk_w, *(None,) * 9
+
+
+def fp8_experts(x, routing: RoutingIndex, topk_w, w1, w2, activation, checkpoint, backend, interleaved):
+    return Fp8Experts.apply(x, w1, w2, topk_w, *routing.tensors(), activation, checkpoint, routing.dropped,
+                            interleaved, backend)
