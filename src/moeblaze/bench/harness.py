@@ -71,14 +71,14 @@ def make_problem(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, devic
 CHUNK_TOKENS = 262144  # the "-chunked" policies: token chunks for millions of tokens
 
 
-def moeblaze_call(p: Problem, policy: str, backend: str = "auto"):
+def moeblaze_call(p: Problem, policy: str, backend: str = "auto", precision: str = "native"):
     checkpoint = policy.removesuffix("-chunked")
     chunk = CHUNK_TOKENS if policy.endswith("-chunked") else None
 
     def call(x, idx, w, w1, w2):
         r = build_routing_index(idx, p.E, check=False)
         return moe_experts(x, r, w, w1, w2, p.activation, checkpoint, impl="triton", check=False, chunk_tokens=chunk,
-                           backend=backend)
+                           backend=backend, precision=precision)
     return call
 
 
@@ -132,6 +132,10 @@ IMPLS: dict[str, tuple[Callable[[], bool], tuple, Callable]] = {
                     _moeblaze_backend("tl")),
     "moeblaze-gluon": (lambda: torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9,
                        ("preact", "recompute"), _moeblaze_backend("gluon")),
+    # moeblaze with precision="fp8" (experts.fp8): e4m3 data GEMMs, on GPUs with fp8 tensor cores
+    "moeblaze-fp8": (lambda: config.INTERPRET or (torch.cuda.is_available()
+                                                   and torch.cuda.get_device_capability() >= (8, 9)),
+                     ("preact", "preact-fp8"), lambda p, policy: moeblaze_call(p, policy, precision="fp8")),
     "reference": (lambda: True, ("-",), _reference),
     "torch_gmm": (lambda: hasattr(torch, "_grouped_mm"), ("-",), _torch_gmm),
     "sonicmoe": (lambda: torch.cuda.is_available() and _importable("sonicmoe"), ("-",), _sonicmoe),
