@@ -20,25 +20,7 @@ import triton
 import triton.language as tl
 
 from moeblaze.bench.harness import CONFIGS, _timed_rounds
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-
-
-def quantize_1x128(t: torch.Tensor):
-    """(fp8 (M, K), fp32 scales (M, K/128)): each 1x128 group scaled so that its amax maps to 448."""
-    M, K = t.shape
-    g = t.float().view(M, K // 128, 128)
-    s = g.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
-    return (g / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(M, K), s
-
-
-def quantize_128x128(t: torch.Tensor):
-    """(fp8 (N, K), fp32 scales (N/128, K/128)): one scale per 128x128 block."""
-    N, K = t.shape
-    g = t.float().view(N // 128, 128, K // 128, 128)
-    s = g.abs().amax((1, 3)).clamp(min=1e-12) / FP8_MAX
-    return (g / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(N, K), s
+from moeblaze.reference.fp8 import FP8, FP8_MAX, quantize_blocks, quantize_rows
 
 
 @triton.jit
@@ -87,8 +69,8 @@ def measure(name, gemm, M, N, Kd, E, meta) -> list:
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(M, Kd, device="cuda", generator=g).bfloat16()
     b = (torch.randn(N, Kd, device="cuda", generator=g) * Kd ** -0.5).bfloat16()
-    a8, sa = quantize_1x128(a)
-    b8, sb = quantize_128x128(b)
+    a8, sa = quantize_rows(a)
+    b8, sb = quantize_blocks(b)
     ar8 = a.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     br8 = b.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     a8r, b8r = (a.float() / ar8).to(FP8), (b.float() / br8).to(FP8)

@@ -24,11 +24,11 @@ import torch
 from moeblaze import MoELayer
 from moeblaze.bench.harness import CONFIGS, _timed_rounds, kernel_times
 from moeblaze.experts import moe_experts
-from moeblaze.routing import RULES, build_routing_index, round_tokens_fast, rounded_index, route_topk
+from moeblaze.routing import (RULES, build_routing_index, round_tokens_fast, rounded_index, rounded_rows_bound,
+                              route_topk)
 from moeblaze.experts.schedule import BLOCK_M
 
 SHAPES = {"C": CONFIGS["C"], "D": CONFIGS["D"], "E256": (16384, 4096, 1024, 256, 4)}
-GROW = {"nr-f": -(-BLOCK_M // 2), "up": BLOCK_M - 1, "down": 0}  # an expert's largest rise under each rule
 
 
 def routings(L, E, K, g):
@@ -40,7 +40,7 @@ def routings(L, E, K, g):
     for rule in RULES:
         rr = round_tokens_fast(logits, idx, w, BLOCK_M, rule)
         out[rule] = (rr.kept_LE, rr.weights_LE.detach())
-        if rounded_index(rr.kept_LE, rr.weights_LE, min(E, 4 * K), min(L * K + E * GROW[rule], L * E))[2]:
+        if rounded_index(rr.kept_LE, rr.weights_LE, min(E, 4 * K), rounded_rows_bound(L, K, E, BLOCK_M, rule))[2]:
             raise RuntimeError(f"{rule}: the rounded pairs overflow the layer's bounds at L={L}, E={E}, K={K}")
     return out, (idx, w)
 
@@ -56,7 +56,7 @@ def moeblaze_experts(L, E, K, kept, weights, w1, w2, topk, rule):
     max_experts = min(E, 4 * K)
 
     def call(x):
-        index, w, _ = rounded_index(kept, wl, max_experts, min(L * K + E * GROW[rule], L * E))
+        index, w, _ = rounded_index(kept, wl, max_experts, rounded_rows_bound(L, K, E, BLOCK_M, rule))
         return moe_experts(x, index, w, w1, w2, check=False), wl
     return call
 

@@ -12,6 +12,15 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 FACTOR = 2.0
 
 
+def _layer_problem(L=2048, D=512, H=256, E=16, K=2):
+    """(x, w1, w2, topk ids, weights, dy) in fp32 on the GPU: a SwiGLU layer under a fresh router's routing."""
+    torch.manual_seed(0)
+    x = torch.randn(L, D, device="cuda")
+    w1, w2 = torch.randn(E, 2 * H, D, device="cuda") / D ** 0.5, torch.randn(E, D, H, device="cuda") / H ** 0.5
+    idx, w = route_topk(torch.randn(L, E, device="cuda"), K)
+    return x, w1, w2, idx, w, torch.randn(L, D, device="cuda")
+
+
 def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -43,12 +52,8 @@ def test_fp8_rows_gemm_on_e4m3_matches_the_emulation(gather):
 def test_preact_fp8_bf16(backend):
     if backend == "gluon" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("Gluon kernels: Hopper only")
-    torch.manual_seed(0)
-    L, D, H, E, K = 2048, 512, 256, 16, 2
-    x = torch.randn(L, D, device="cuda")
-    w1, w2 = torch.randn(E, 2 * H, D, device="cuda") / D ** 0.5, torch.randn(E, D, H, device="cuda") / H ** 0.5
-    idx, w = route_topk(torch.randn(L, E, device="cuda"), K)
-    dy = torch.randn(L, D, device="cuda")
+    x, w1, w2, idx, w, dy = _layer_problem()
+    E = w1.shape[0]
 
     def run(dtype, **kw):
         ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w)]
@@ -72,13 +77,8 @@ def test_preact_fp8_bf16(backend):
 def test_precision_fp8_bf16_against_the_emulation(checkpoint):
     """precision="fp8" on real e4m3 in bf16: output and every gradient within FACTOR x the bf16 emulation's error
     against the fp32 emulation (the same recipe), and within the recipe's own error of the exact fp32 layer."""
-    torch.manual_seed(0)
-    L, D, H, E, K = 2048, 512, 256, 16, 2
-    x = torch.randn(L, D, device="cuda")
-    w1, w2 = torch.randn(E, 2 * H, D, device="cuda") / D ** 0.5, torch.randn(E, D, H, device="cuda") / H ** 0.5
-    idx, w = route_topk(torch.randn(L, E, device="cuda"), K)
-    routing = build_routing_index(idx, E)
-    dy = torch.randn(L, D, device="cuda")
+    x, w1, w2, idx, w, dy = _layer_problem()
+    routing = build_routing_index(idx, w1.shape[0])
 
     def run(dtype, **kw):
         ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w)]

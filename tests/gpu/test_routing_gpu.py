@@ -75,7 +75,7 @@ def test_token_rounding_through_the_kernels_bf16(poison_alloc, backend, rule, ch
     through the bf16 kernels, three steps in a row: output and every gradient (x, w1, w2, and the logits through the
     weights) finite and within FACTOR x the bf16 reference's error against the fp32 dense sum over the kept pairs."""
     from moeblaze.experts import moe_experts
-    from moeblaze.routing import round_tokens_fast, rounded_index, route_topk
+    from moeblaze.routing import round_tokens_fast, rounded_index, rounded_rows_bound, route_topk
     from moeblaze.experts.schedule import BLOCK_M
 
     if backend == "gluon" and torch.cuda.get_device_capability()[0] != 9:
@@ -86,13 +86,12 @@ def test_token_rounding_through_the_kernels_bf16(poison_alloc, backend, rule, ch
     w1, w2 = torch.randn(E, 2 * H, D, device="cuda") / D ** 0.5, torch.randn(E, D, H, device="cuda") / H ** 0.5
     logits = (torch.randn(L, E, device="cuda") * 2).requires_grad_()
     dy = torch.randn(L, D, device="cuda")
-    grow = {"nr-f": BLOCK_M // 2, "up": BLOCK_M - 1, "down": 0}[rule]
 
     def run(dtype, impl, fresh_logits):
         lg = logits.detach().clone().requires_grad_() if fresh_logits else logits
         idx, w = route_topk(lg, K)
         r = round_tokens_fast(lg, idx, w, BLOCK_M, rule)
-        index, wk, overflow = rounded_index(r.kept_LE, r.weights_LE, 4 * K, L * K + E * grow)
+        index, wk, overflow = rounded_index(r.kept_LE, r.weights_LE, 4 * K, rounded_rows_bound(L, K, E, BLOCK_M, rule))
         assert not bool(overflow)
         ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2)]
         out = moe_experts(ins[0], index, wk, ins[1], ins[2], checkpoint=checkpoint, impl=impl, backend=backend)

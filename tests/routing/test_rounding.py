@@ -196,3 +196,12 @@ def test_fast_rounding_equals_the_reference(scoring):
             a, b = round_tokens(logits, idx, w, M, rule, scoring), round_tokens_fast(logits, idx, w, M, rule, scoring)
             assert torch.equal(a.kept_LE, b.kept_LE), (L, E, K, M, rule)
             assert torch.equal(a.weights_LE, b.weights_LE) and torch.equal(a.counts_E, b.counts_E)
+
+
+def test_rounded_rows_bound_per_rule():
+    """L·K plus each expert's largest rise (under half a tile for nr-f, under a tile for up, none for down), capped
+    at L·E."""
+    from moeblaze.routing import rounded_rows_bound
+
+    assert [rounded_rows_bound(100, 2, 4, 16, r) for r in ("nr-f", "up", "down")] == [232, 260, 200]
+    assert rounded_rows_bound(100, 2, 4, 128, "up") == 400  # L·E: no expert can keep more than every token

@@ -109,6 +109,17 @@ def _zero_rows_from(t_RX: torch.Tensor, first: torch.Tensor) -> None:
     t_RX[rows] = torch.where((rows >= first)[:, None], 0, t_RX[rows])
 
 
+def clear_dropped(plan: RowPlan, dtopk_w_LK: torch.Tensor, act_scaled_RH: torch.Tensor,
+                  dpreact_RF: torch.Tensor) -> torch.Tensor:
+    """For a routing with dropped pairs, before the weight gradients: dropped pairs' rows were never computed and
+    hold whatever was there, so their dS is 0 (returned), and since the weight gradients reduce over whole row
+    blocks, whose rows past the last expert's end (a block at most) meet zeros on the gathered side, those rows of
+    s·A and dH are zeroed in place, so that no NaN there spreads."""
+    _zero_rows_from(act_scaled_RH, plan.kept)
+    _zero_rows_from(dpreact_RF, plan.kept)
+    return dtopk_w_LK.masked_fill(plan.token_slot_LK >= plan.kept, 0)
+
+
 def _grad_or_empty(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """A bias gradient, or an empty tensor for a bias that is absent (a custom op returns tensors only)."""
     return g if g is not None else like.new_empty(0)
@@ -142,12 +153,8 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
     act_scaled_RH, dtopk_w = stages.down_bwd(plan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, activation,
                                              backend, interleaved)
     del preact_RF
-    if dropped:  # dropped pairs' rows were never computed and hold whatever was there: their dS is 0, and the
-        # weight gradients reduce over whole row blocks, whose rows past the last expert's end (a block at most)
-        # meet zeros on the gathered side: those rows of s·A and dH are zeroed, so that no NaN there spreads
-        dtopk_w = dtopk_w.masked_fill(plan.token_slot_LK >= plan.kept, 0)
-        _zero_rows_from(act_scaled_RH, plan.kept)
-        _zero_rows_from(dpreact_RF, plan.kept)
+    if dropped:
+        dtopk_w = clear_dropped(plan, dtopk_w, act_scaled_RH, dpreact_RF)
     dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, torch.empty_like(w2_EDH), True, backend)
     del act_scaled_RH
     dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, torch.empty_like(w1_EFD), False, backend)

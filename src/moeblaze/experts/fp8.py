@@ -25,7 +25,7 @@ from ..reference import apply_activation
 from ..reference.fp8 import dequantize_rows, quantize_blocks, quantize_rows
 from ..routing import RoutingIndex
 from . import stages
-from .autograd import _zero_rows_from
+from .autograd import clear_dropped
 from .stages import RowPlan
 from .tl.fp8 import fp8_rows_gemm
 
@@ -45,13 +45,8 @@ def check_fp8_supported(x: torch.Tensor, b1, b2, chunk_tokens) -> None:
         raise NotImplementedError("precision='fp8' under torch.compile is not built yet (eager only)")
 
 
-def _up(plan: RowPlan, x_LD, w1_EFD, out_dtype):
-    x_q, x_s = quantize_rows(x_LD)
-    w_q, w_s = quantize_blocks(w1_EFD)
-    return fp8_rows_gemm(x_q, x_s, w_q, w_s, plan.num_rows, plan.offsets_E1, plan.sched, plan.token_R, out_dtype)
-
-
 def _rows(plan: RowPlan, a_RK, w_ENK, out_dtype, token=None):
+    """C[rows] = q(A)[token[rows] if token is given, else rows] · q(W[e])ᵀ on e4m3 (W (E, N, K), any strides)."""
     a_q, a_s = quantize_rows(a_RK)
     w_q, w_s = quantize_blocks(w_ENK.contiguous())
     return fp8_rows_gemm(a_q, a_s, w_q, w_s, plan.num_rows, plan.offsets_E1, plan.sched, token, out_dtype)
@@ -66,7 +61,7 @@ class Fp8Experts(torch.autograd.Function):
         if x_LD.shape[0] == 0:
             out, preact = x_LD.new_zeros(x_LD.shape), x_LD.new_zeros(0, w1_EFD.shape[1])
         else:
-            preact = _up(plan, x_LD, w1_EFD, dt)
+            preact = _rows(plan, x_LD, w1_EFD, dt, token=plan.token_R)  # H = x[token] W1ᵀ, e4m3
             y = _rows(plan, apply_activation(preact, activation, interleaved), w2_EDH, dt)
             out = stages.combine(plan, y, topk_w_LK.float().contiguous(), dt)
         kept, scale = preact, preact.new_empty(0, dtype=torch.float32)
@@ -88,7 +83,7 @@ class Fp8Experts(torch.autograd.Function):
         plan = RowPlan(eti, offsets, slot, te, tr, tu)
         dt, dy = x.dtype, dout.contiguous()
         if ctx.checkpoint == "recompute":
-            preact = _up(plan, x, w1, dt)
+            preact = _rows(plan, x, w1, dt, token=plan.token_R)
         elif ctx.checkpoint == "preact-fp8":
             preact = dequantize_rows(kept, scale, dt)
         else:
@@ -98,10 +93,8 @@ class Fp8Experts(torch.autograd.Function):
         dtopk_w = stages.act_bwd(plan, dact, preact, topk_w, dpreact, act_scaled, ctx.activation,
                                  interleaved=ctx.interleaved)
         del dact, preact
-        if ctx.dropped:  # as experts.autograd: dropped pairs' dS is 0, the row block past the last expert zeroed
-            dtopk_w = dtopk_w.masked_fill(plan.token_slot_LK >= plan.kept, 0)
-            _zero_rows_from(act_scaled, plan.kept)
-            _zero_rows_from(dpreact, plan.kept)
+        if ctx.dropped:
+            dtopk_w = clear_dropped(plan, dtopk_w, act_scaled, dpreact)
         dw2 = stages.weight_grad(plan, dy, act_scaled, torch.empty_like(w2), True, ctx.backend)
         del act_scaled
         dw1 = stages.weight_grad(plan, dpreact, x, torch.empty_like(w1), False, ctx.backend)

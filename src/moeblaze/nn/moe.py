@@ -23,7 +23,7 @@ from ..experts import CHECKPOINTS, PRECISIONS, check_backend, moe_experts, resol
 from ..reference import check_activation, up_width
 from ..experts.schedule import BLOCK_M
 from ..routing import (METHODS, RULES, TopKRouter, build_routing_index, count_per_expert, round_tokens_fast,
-                       rounded_index)
+                       rounded_index, rounded_rows_bound)
 from ..routing.checks import fail_if
 
 
@@ -219,9 +219,8 @@ class MoELayer(nn.Module):
         rt = self.router
         rr = round_tokens_fast(r.logits, r.topk_idx, r.topk_weights, M, self.token_rounding, rt.scoring,
                                rt.renormalize, rt.route_scale)
-        grow = {"nr-f": -(-M // 2), "up": M - 1, "down": 0}[self.token_rounding]  # each expert's largest rise
         index, w, overflow = rounded_index(rr.kept_LE, rr.weights_LE, self.rounding_max_experts,
-                                           min(L * K + E * grow, L * E))
+                                           rounded_rows_bound(L, K, E, M, self.token_rounding))
         fail_if(overflow, f"token rounding: a token got more than rounding_max_experts={self.rounding_max_experts} "
                 "experts; raise it", RuntimeError)  # on a GPU a device-side assert: no host sync
         return w, index

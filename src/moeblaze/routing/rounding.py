@@ -143,6 +143,13 @@ def round_tokens_fast(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w
                   functools.partial(_keep_by_topk, k=tile - 1))
 
 
+def rounded_rows_bound(num_tokens: int, top_k: int, num_experts: int, tile: int, rule: str) -> int:
+    """A bound on the pairs a rounding under `rule` keeps, for rounded_index's static row buffer: L·K plus each
+    expert's largest rise (under half a tile for "nr-f", under a tile for "up", none for "down"), at most L·E."""
+    rise = {"nr-f": -(-tile // 2), "up": tile - 1, "down": 0}[rule]
+    return min(num_tokens * top_k + num_experts * rise, num_tokens * num_experts)
+
+
 def rounded_index(kept_LE: torch.Tensor, weights_LE: torch.Tensor, max_experts: int, max_rows: int):
     """(RoutingIndex, weights (L, max_experts) fp32, overflow) of a token-rounded routing for the kernels, with no
     host sync and no sort. Rows are expert-major, tokens ascending inside each expert, in a buffer of max_rows + 1
