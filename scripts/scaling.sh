@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
 # Training on one and on N GPUs of one host (N = GPUS, default: every GPU), written under $OUT (default ./out).
 #   usage: [PRESETS="small qwen3-30b-a3b"] bash scripts/scaling.sh [bench] [curves]   (default: both)
+#          [RANKS="2 4 8"] bash scripts/scaling.sh cpu
 # bench:  `moeblaze train --bench-steps` at a fixed per-GPU batch: one GPU without torchrun, then N GPUs under
 #         torchrun with FSDP2 alone (ep 1) and with ep = N in both dispatch modes, for the small model's default
 #         and the Qwen3-30B-A3B-shaped preset; one results row each ($OUT/results/<gpu>.jsonl, with the step split
 #         from one profiled step on the N-GPU runs).
 # curves: 50 steps of the small model on the same global batch: one GPU at N x the batch, N GPUs at ep 1 and ep N;
 #         every step's loss in $OUT/curves/*.jsonl (plot: python scripts/plot_curves.py $OUT/curves).
+# cpu:    no GPU needed: a tiny model on CPU processes (gloo, the kernels under Triton's interpreter) at each N in
+#         RANKS (default "2 4 8") with FSDP2 alone, ep = N exact and ep = N capacity (a capacity too small, so a
+#         step is rerun), against one process over the same global batch; fails unless every loss equals it
+#         (rows in $OUT/results/cpu.jsonl, the table in $OUT/ranks.txt). E = 8 experts: one per rank at N = 8.
 # MOEBLAZE_GIT_SHA names the commit measured in the result rows; MANY_ARGS adds flags to the N-GPU runs (e.g.
 # --fsdp-keep-gathered), ONE_ARGS to the one-GPU run.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT/results" "$OUT/curves"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-N=${GPUS:-$(nvidia-smi -L | wc -l)}
 steps=${*:-bench curves}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+if [ "$steps" = cpu ]; then N=1; else
+  N=${GPUS:-$(nvidia-smi -L | wc -l)}
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 one="python3 -m moeblaze.cli train"
 many="torchrun --standalone --nproc-per-node $N -m moeblaze.cli train"
@@ -39,6 +46,33 @@ for s in $steps; do
       CUDA_VISIBLE_DEVICES=0 run $one $C --batch-size $((16 * N)) --loss-log $OUT/curves/gpu1.jsonl --save ""
       run $many $C --batch-size 16 --loss-log $OUT/curves/gpu${N}-ep1.jsonl --save ""
       run $many $C --batch-size 16 --ep $N --loss-log $OUT/curves/gpu${N}-ep${N}.jsonl --save "" ;;
+    cpu)
+      export TRITON_INTERPRET=1 OMP_NUM_THREADS=1
+      T="--seq-len 16 --d-model 32 --n-layers 1 --n-heads 2 --num-experts 8 --d-expert 32 --impl triton
+         --aux-loss-coef 0 --bench-steps 3 --bench-warmup 1 --results $OUT/results"
+      rm -f "$OUT/results/cpu.jsonl"
+      for n in ${RANKS:-2 4 8}; do
+        m="python3 -m torch.distributed.run --standalone --nproc-per-node $n -m moeblaze.cli train $T --batch-size 2"
+        run python3 -m moeblaze.cli train $T --batch-size $((2 * n))
+        run $m
+        run $m --ep $n
+        run $m --ep $n --ep-dispatch capacity --capacity-factor 0.25
+      done
+      python3 - "$OUT/results/cpu.jsonl" <<'PY' | tee "$OUT/ranks.txt" || failed="$failed [cpu losses]"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+print(f"{'ranks':>5} {'ep':>3} {'dispatch':>9} {'capacity':>8} {'loss':>10} {'one process':>11}")
+bad = 0
+for i in range(0, len(rows), 4):
+    one, *many = rows[i:i + 4]
+    for r in many:
+        ok = abs(r["loss"] - one["loss"]) <= 1e-5 * abs(one["loss"])
+        bad += not ok
+        print(f"{r['world']:>5} {r['ep']:>3} {r['dispatch'] or '-':>9} {r.get('capacity') or '-':>8} "
+              f"{r['loss']:>10.6f} {one['loss']:>11.6f}{'' if ok else '  DIFFERS'}")
+sys.exit(1 if bad or not rows else 0)
+PY
+      ;;
     *) echo "unknown step $s"; failed="$failed $s" ;;
   esac
 done
