@@ -21,8 +21,8 @@ anyway; b = bytes per element of x's dtype):
   checkpoint="preact"     preact: R·F·b + the routing index's token ids, slots and offsets 4·(2·R + E + 1)
                           + the tile schedule 4·(2·(R // 128 + E) + 1)
   checkpoint="preact-fp8" preact in e4m3, R·F + its 1 x 128 scales 4·R·ceil(F / 128), + the same index and
-                          schedule (quantized and read back in passes of their own for now: torch ops, not yet
-                          the up kernel's epilogue and the dH kernel's load)
+                          schedule (quantized and read back in one pass each, experts.tl.quant; not yet the
+                          up kernel's epilogue and the dH kernel's load)
   checkpoint="recompute"  the routing index and the tile schedule only; preact is recomputed in backward
                           (one more GEMM)
 Never kept: any (R, D) gathered copy of x or dy, A = act(preact), Y, dY. Transient in forward: A and Y; in
@@ -45,11 +45,12 @@ from __future__ import annotations
 import torch
 
 from ..launch import ensure_context
-from ..reference.fp8 import FP8, dequantize_rows, quantize_rows
+from ..reference.fp8 import FP8
 from ..routing import RoutingIndex
 from . import stages
 from .schedule import BLOCK_M
 from .stages import RowPlan
+from .tl.quant import dequantize_rows, quantize_rows
 
 
 def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
@@ -73,7 +74,7 @@ def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tens
 
 
 def _kept_preact(preact_RF: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(preact as backward keeps it, its scales): e4m3 with 1 x 128 scales where fp8 (a pass of its own for now),
+    """(preact as backward keeps it, its scales): e4m3 with 1 x 128 scales where fp8 (a pass of its own),
     else itself and an empty tensor."""
     if not fp8:
         return preact_RF, preact_RF.new_empty(0, dtype=torch.float32)
@@ -145,7 +146,7 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
     if not has_preact:
         preact_RF, _ = stages.up(plan, x_LD, w1_EFD, activation, True, False, backend, b1_EF, interleaved)
     fresh = not has_preact
-    if has_preact and preact_RF.dtype == FP8:  # read back from e4m3 (a pass of its own for now): a fresh buffer
+    if has_preact and preact_RF.dtype == FP8:  # read back from e4m3 (a pass of its own): a fresh buffer
         preact_RF, fresh = dequantize_rows(preact_RF, preact_scale, x_LD.dtype), True
     # Where preact is a fresh buffer that nothing else reads (recomputed, or read back from e4m3), each dH tile
     # overwrites the preact tile it was computed from (read before written, by the same program): no (R, F) buffer.

@@ -1,20 +1,23 @@
 """precision="fp8": the experts with their four data GEMMs on e4m3 operands (DeepSeek-V3's recipe, reference.fp8's
 quantizers), as an autograd op composed from stages. Correct first, not yet fast: it is the arithmetic of
-reference.moe_experts_reference(fp8_gemms=True) on the kernels, with every quantization a torch pass of its own.
+reference.moe_experts_reference(fp8_gemms=True) on the kernels, every quantization one pass (experts.tl.quant).
 
 Forward:   x_q = q(x) by token;  H = x_q[token] · q(W1[e])ᵀ   (tl.fp8.fp8_rows_gemm, gathered)
-           A = act(H) (torch);   Y = q(A) · q(W2[e])ᵀ          (fp8_rows_gemm)
+           q(A) = q(SiLU(gate)·up) from H in one pass (other activations: act(H) in torch, then q)
+           Y = q(A) · q(W2[e])ᵀ                                (fp8_rows_gemm)
            out = combine(w · Y)                                 (stages.combine, fp32 sums)
-Backward:  dA' = q(dy)[token] · q(W2[e]ᵀ)ᵀ                      (fp8_rows_gemm, gathered; W2ᵀ re-quantized from the
-                                                                 input precision: the same 128 x 128 blocks)
+Backward:  dA' = q(dy)[token] · q(W2[e]ᵀ)ᵀ                      (fp8_rows_gemm, gathered; q(W2ᵀ) written K-major
+                                                                 from W2 in one pass: the same 128 x 128 blocks)
            dH, s·A, dS from dA' and H                           (stages.act_bwd)
            dW2 = dy[token]ᵀ (s·A), dW1 = dHᵀ x[token]           (stages.weight_grad, input precision)
            dX~ = q(dH) · q(W1[e]ᵀ)ᵀ; dx = combine(dX~)           (fp8_rows_gemm, stages.combine)
 q: quantize_rows for activations and gradients (1 x 128 groups), quantize_blocks for weights (128 x 128).
 
 Memory contract: as experts.autograd's for the same checkpoint (H under "preact", in e4m3 under "preact-fp8",
-recomputed by the fp8 up GEMM under "recompute"); transient: x_q, q(A), q(dy), q(dH) and the weights' e4m3 copies
-(quantized every call for now: no cache across steps yet). Not yet: biases, chunk_tokens, torch.compile, expert
+recomputed by the fp8 up GEMM under "recompute"); transient: x_q, q(A), q(dy), q(dH) and the weights' e4m3 copies.
+The weights are quantized where they are used, forward and backward, never kept between them: under FSDP2 the
+gathered weights are freed after forward, and a copy kept for backward would hold them (in e4m3) through the
+step; no cache across steps either, so no copy can go stale. Not yet: biases, chunk_tokens, torch.compile, expert
 parallelism; these raise. On CUDA it needs fp8 tensor cores (sm_89 or later).
 """
 from __future__ import annotations
@@ -22,11 +25,11 @@ from __future__ import annotations
 import torch
 
 from ..reference import apply_activation
-from ..reference.fp8 import dequantize_rows, quantize_blocks, quantize_rows
 from ..routing import RoutingIndex
 from . import stages
 from .autograd import clear_dropped
 from .stages import RowPlan
+from .tl import quant
 from .tl.fp8 import fp8_rows_gemm
 
 PRECISIONS = ("native", "fp8")
@@ -45,11 +48,24 @@ def check_fp8_supported(x: torch.Tensor, b1, b2, chunk_tokens) -> None:
         raise NotImplementedError("precision='fp8' under torch.compile is not built yet (eager only)")
 
 
-def _rows(plan: RowPlan, a_RK, w_ENK, out_dtype, token=None):
-    """C[rows] = q(A)[token[rows] if token is given, else rows] · q(W[e])ᵀ on e4m3 (W (E, N, K), any strides)."""
-    a_q, a_s = quantize_rows(a_RK)
-    w_q, w_s = quantize_blocks(w_ENK.contiguous())
-    return fp8_rows_gemm(a_q, a_s, w_q, w_s, plan.num_rows, plan.offsets_E1, plan.sched, token, out_dtype)
+def quantize_weight(w_ENK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q(W) (E, N, K) K-major and its 128 x 128 scales for W (E, N, K) in any layout: a transposed view (K-major
+    storage of Wᵀ, as gpt-oss keeps W1 and W2, or backward's Wᵀ of a plain W) is written K-major in one pass."""
+    if w_ENK.stride(2) != 1 and w_ENK.stride(1) == 1:
+        return quant.quantize_blocks(w_ENK.transpose(1, 2), transpose=True)
+    return quant.quantize_blocks(w_ENK.contiguous())
+
+
+def _rows(plan: RowPlan, a_q, w_q, out_dtype, token=None):
+    """C[rows] = q(A)[token[rows] if token is given, else rows] · q(W[e])ᵀ: (a_q, a_scale), (w_q, w_scale)."""
+    return fp8_rows_gemm(*a_q, *w_q, plan.num_rows, plan.offsets_E1, plan.sched, token, out_dtype)
+
+
+def _act_quantized(preact, activation, interleaved):
+    """q(act(H)) in 1 x 128 groups: one pass from H for SwiGLU, act in torch and then one pass otherwise."""
+    if activation == "swiglu":
+        return quant.swiglu_quantize(preact, interleaved)
+    return quant.quantize_rows(apply_activation(preact, activation, interleaved))
 
 
 class Fp8Experts(torch.autograd.Function):
@@ -61,12 +77,12 @@ class Fp8Experts(torch.autograd.Function):
         if x_LD.shape[0] == 0:
             out, preact = x_LD.new_zeros(x_LD.shape), x_LD.new_zeros(0, w1_EFD.shape[1])
         else:
-            preact = _rows(plan, x_LD, w1_EFD, dt, token=plan.token_R)  # H = x[token] W1ᵀ, e4m3
-            y = _rows(plan, apply_activation(preact, activation, interleaved), w2_EDH, dt)
+            preact = _rows(plan, quant.quantize_rows(x_LD), quantize_weight(w1_EFD), dt, token=plan.token_R)
+            y = _rows(plan, _act_quantized(preact, activation, interleaved), quantize_weight(w2_EDH), dt)
             out = stages.combine(plan, y, topk_w_LK.float().contiguous(), dt)
         kept, scale = preact, preact.new_empty(0, dtype=torch.float32)
         if checkpoint == "preact-fp8":
-            kept, scale = quantize_rows(preact)
+            kept, scale = quant.quantize_rows(preact)
         elif checkpoint == "recompute":
             kept = preact.new_empty(0)
         ctx.save_for_backward(x_LD, w1_EFD, w2_EDH, topk_w_LK, kept, scale, *plan.sched, offsets, eti, slot)
@@ -83,12 +99,13 @@ class Fp8Experts(torch.autograd.Function):
         plan = RowPlan(eti, offsets, slot, te, tr, tu)
         dt, dy = x.dtype, dout.contiguous()
         if ctx.checkpoint == "recompute":
-            preact = _rows(plan, x, w1, dt, token=plan.token_R)
+            preact = _rows(plan, quant.quantize_rows(x), quantize_weight(w1), dt, token=plan.token_R)
         elif ctx.checkpoint == "preact-fp8":
-            preact = dequantize_rows(kept, scale, dt)
+            preact = quant.dequantize_rows(kept, scale, dt)
         else:
             preact = kept
-        dact = _rows(plan, dy, w2.transpose(1, 2), dt, token=plan.token_R)  # dA' = dy[token] W2, e4m3
+        # dA' = dy[token] W2, e4m3
+        dact = _rows(plan, quant.quantize_rows(dy), quantize_weight(w2.transpose(1, 2)), dt, token=plan.token_R)
         dpreact, act_scaled = torch.empty_like(preact), torch.empty_like(dact)
         dtopk_w = stages.act_bwd(plan, dact, preact, topk_w, dpreact, act_scaled, ctx.activation,
                                  interleaved=ctx.interleaved)
@@ -98,7 +115,7 @@ class Fp8Experts(torch.autograd.Function):
         dw2 = stages.weight_grad(plan, dy, act_scaled, torch.empty_like(w2), True, ctx.backend)
         del act_scaled
         dw1 = stages.weight_grad(plan, dpreact, x, torch.empty_like(w1), False, ctx.backend)
-        dx_rows = _rows(plan, dpreact, w1.transpose(1, 2), dt)  # dX~ = dH W1, e4m3
+        dx_rows = _rows(plan, quant.quantize_rows(dpreact), quantize_weight(w1.transpose(1, 2)), dt)  # dX~ = dH W1
         dx = stages.combine(plan, dx_rows, None, dt)
         return dx, dw1, dw2, dtopk_w, *(None,) * 9
 
