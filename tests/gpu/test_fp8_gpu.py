@@ -1,6 +1,7 @@
-"""On a CUDA GPU with fp8 tensor cores (`pytest -m gpu`, sm_89 and later): the tl fp8 expert GEMM on real e4m3
-operands against reference.fp8's emulation, gathered and not, at an expert shape with ragged tiles; the
-preact-fp8 policy in bf16 on both backends within FACTOR x the bf16 reference's error against fp32."""
+"""On a CUDA GPU with fp8 tensor cores (`pytest -m gpu`, sm_89 and later): the fp8 expert GEMMs (tl, and Gluon on
+Hopper) on real e4m3 operands against reference.fp8's emulation, gathered and not, at an expert shape with ragged
+tiles and an empty expert; the one-pass quantizers against reference.fp8 bit for bit; the preact-fp8 policy and
+precision="fp8" in bf16 on both backends within FACTOR x the bf16 reference's error against fp32."""
 import pytest
 import torch
 
@@ -25,27 +26,60 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
-                    reason="needs fp8 tensor cores (sm_89+)")
+def _skip_unless(backend):
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs fp8 tensor cores (sm_89+)")
+    if backend == "gluon" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("Gluon kernels: Hopper only")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["tl", "gluon"])
 @pytest.mark.parametrize("gather", [False, True])
-def test_fp8_rows_gemm_on_e4m3_matches_the_emulation(gather):
+def test_fp8_rows_gemm_on_e4m3_matches_the_emulation(gather, backend, out_dtype):
+    from moeblaze.experts import gluon_sm90
     from moeblaze.experts.stages import RowPlan
     from moeblaze.experts.tl.fp8 import fp8_rows_gemm
 
+    _skip_unless(backend)
+    gemm = gluon_sm90.fp8_rows_gemm if backend == "gluon" else fp8_rows_gemm
     torch.manual_seed(0)
     L, K, E, N, Kd = 4096, 4, 16, 1000, 1536
-    idx, _ = route_topk(torch.randn(L, E, device="cuda"), K)
+    logits = torch.randn(L, E, device="cuda")
+    logits[:, 3] = -1e4  # expert 3 gets no rows
+    idx, _ = route_topk(logits, K)
     plan = RowPlan.build(build_routing_index(idx, E))
     R = L * K
     a = torch.randn(L if gather else R, Kd, device="cuda").bfloat16()
     b = torch.randn(E, N, Kd, device="cuda").bfloat16()
     (a_q, a_s), (b_q, b_s) = quantize_rows(a), quantize_blocks(b)
-    out = fp8_rows_gemm(a_q, a_s, b_q, b_s, R, plan.offsets_E1, plan.sched,
-                        token=plan.token_R if gather else None, out_dtype=torch.float32)
+    out = gemm(a_q, a_s, b_q, b_s, R, plan.offsets_E1, plan.sched, token=plan.token_R if gather else None,
+               out_dtype=out_dtype)
+    again = gemm(a_q, a_s, b_q, b_s, R, plan.offsets_E1, plan.sched, token=plan.token_R if gather else None,
+                 out_dtype=out_dtype)
+    assert torch.equal(out, again)  # deterministic
     src = plan.token_R.long() if gather else torch.arange(R, device="cuda")
     aq, bq, off = fake_quant_rows(a), fake_quant_blocks(b), plan.offsets_E1.tolist()
     want = torch.cat([aq[src[off[e]:off[e + 1]]] @ bq[e].t() for e in range(E)])
-    assert torch.isfinite(out).all() and _rel(out, want) <= 1e-5
+    assert torch.isfinite(out).all() and _rel(out, want) <= (1e-5 if out_dtype == torch.float32 else 4e-3)
+
+
+def test_one_pass_quantizers_on_the_gpu_are_the_references():
+    from moeblaze.experts.tl import quant
+    from moeblaze.reference import apply_activation
+
+    torch.manual_seed(0)
+    t = torch.randn(3000, 1000, device="cuda").bfloat16() * torch.logspace(-3, 3, 3000, device="cuda")[:, None]
+    t[5] = 0
+    for got, want in ((quant.quantize_rows(t), quantize_rows(t)),
+                      (quant.swiglu_quantize(t), quantize_rows(apply_activation(t, "swiglu"))),
+                      (quant.quantize_blocks(t.view(3, 1000, 1000)), quantize_blocks(t.view(3, 1000, 1000))),
+                      (quant.quantize_blocks(t.view(3, 1000, 1000), transpose=True),
+                       quantize_blocks(t.view(3, 1000, 1000).transpose(1, 2).contiguous()))):
+        assert torch.equal(got[1], want[1])
+        # SwiGLU's exp differs from torch's in its last bits on the GPU: allow its rare neighbouring e4m3 value
+        assert (got[0].float() != want[0].float()).float().mean() <= 1e-3
+    assert torch.equal(quant.quantize_rows(t)[0].view(torch.uint8), quantize_rows(t)[0].view(torch.uint8))
 
 
 @pytest.mark.parametrize("backend", ["tl", "gluon"])
@@ -71,12 +105,14 @@ def test_preact_fp8_bf16(backend):
         assert _rel(g, wt) <= FACTOR * max(_rel(r, wt), 1e-3), (name, _rel(g, wt), _rel(r, wt))
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
-                    reason="needs fp8 tensor cores (sm_89+)")
+@pytest.mark.parametrize("backend", ["tl", "gluon"])
 @pytest.mark.parametrize("checkpoint", ["preact", "preact-fp8", "recompute"])
-def test_precision_fp8_bf16_against_the_emulation(checkpoint):
+def test_precision_fp8_bf16_against_the_emulation(checkpoint, backend):
     """precision="fp8" on real e4m3 in bf16: output and every gradient within FACTOR x the bf16 emulation's error
     against the fp32 emulation (the same recipe), and within the recipe's own error of the exact fp32 layer."""
+    from moeblaze.experts import dispatch
+
+    _skip_unless(backend)
     x, w1, w2, idx, w, dy = _layer_problem()
     routing = build_routing_index(idx, w1.shape[0])
 
@@ -88,7 +124,9 @@ def test_precision_fp8_bf16_against_the_emulation(checkpoint):
     want = run(torch.float32, impl="reference", precision="fp8")
     ref = run(torch.bfloat16, impl="reference", precision="fp8")
     exact = run(torch.float32, impl="reference")
-    got = run(torch.bfloat16, impl="triton", precision="fp8")
+    dispatch.launch_counts.clear()
+    got = run(torch.bfloat16, impl="triton", precision="fp8", backend=backend)
+    assert dispatch.launch_counts["fp8_rows", backend] >= 4, dispatch.launch_counts
     for name, g, r, wt, ex in zip(("out", "dx", "dw1", "dw2", "dw"), got, ref, want, exact):
         assert torch.isfinite(g).all(), name
         assert _rel(g, wt) <= FACTOR * max(_rel(r, wt), 1e-3), (name, _rel(g, wt), _rel(r, wt))

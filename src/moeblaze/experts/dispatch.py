@@ -55,10 +55,9 @@ def resolve(backend: str, device: torch.device) -> str:
     return "tl"
 
 
-def _takes(*tensors: torch.Tensor) -> bool:
-    """Operands a Gluon kernel can read: bf16/fp16, contiguous, 16-byte aligned (TMA and cp.async)."""
-    return all(t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous() and t.data_ptr() % 16 == 0
-               for t in tensors)
+def _takes(*tensors: torch.Tensor, dtypes=(torch.bfloat16, torch.float16)) -> bool:
+    """Operands a Gluon kernel can read: bf16/fp16 (or dtypes), contiguous, 16-byte aligned (TMA and cp.async)."""
+    return all(t.dtype in dtypes and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _pick(stage: str, backend: str, device: torch.device, gluon_takes) -> str:
@@ -96,3 +95,12 @@ def weight_grad(backend: str, p, q, out, gather_p: bool) -> str:
     return _pick("weight_grad", backend, p.device, lambda: out.dtype == p.dtype == q.dtype
                  and gathered.shape[1] % WGRAD_BLOCKS[0 if gather_p else 1] == 0 and dense.shape[1] % 8 == 0
                  and out.shape[2] % 8 == 0 and _takes(p, q, out))
+
+
+def fp8_rows(backend: str, a_q, w_q, out_dtype, gather: bool) -> str:
+    """An fp8 row GEMM (precision="fp8"): Gluon where A and W are e4m3, K a multiple of 16 (of 128 where A is
+    gathered: whole 16-byte copies of whole scale groups), N of 8 and C in bf16/fp16/fp32."""
+    K = w_q.shape[2]
+    return _pick("fp8_rows", backend, a_q.device, lambda: K % (128 if gather else 16) == 0 and w_q.shape[1] % 8 == 0
+                 and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
+                 and _takes(a_q, w_q, dtypes=(torch.float8_e4m3fn,)))

@@ -1,8 +1,10 @@
 """precision="fp8": the experts with their four data GEMMs on e4m3 operands (DeepSeek-V3's recipe, reference.fp8's
 quantizers), as an autograd op composed from stages. Correct first, not yet fast: it is the arithmetic of
 reference.moe_experts_reference(fp8_gemms=True) on the kernels, every quantization one pass (experts.tl.quant).
+Each fp8 GEMM (fp8_rows_gemm below) runs on the Hopper kernel (gluon_sm90.fp8) where experts.dispatch takes
+its operands, on the portable one (tl.fp8) elsewhere.
 
-Forward:   x_q = q(x) by token;  H = x_q[token] · q(W1[e])ᵀ   (tl.fp8.fp8_rows_gemm, gathered)
+Forward:   x_q = q(x) by token;  H = x_q[token] · q(W1[e])ᵀ   (fp8_rows_gemm, gathered)
            q(A) = q(SiLU(gate)·up) from H in one pass (other activations: act(H) in torch, then q)
            Y = q(A) · q(W2[e])ᵀ                                (fp8_rows_gemm)
            out = combine(w · Y)                                 (stages.combine, fp32 sums)
@@ -26,7 +28,7 @@ import torch
 
 from ..reference import apply_activation
 from ..routing import RoutingIndex
-from . import stages
+from . import dispatch, gluon_sm90, stages
 from .autograd import clear_dropped
 from .stages import RowPlan
 from .tl import quant
@@ -56,9 +58,13 @@ def quantize_weight(w_ENK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quant.quantize_blocks(w_ENK.contiguous())
 
 
-def _rows(plan: RowPlan, a_q, w_q, out_dtype, token=None):
-    """C[rows] = q(A)[token[rows] if token is given, else rows] · q(W[e])ᵀ: (a_q, a_scale), (w_q, w_scale)."""
-    return fp8_rows_gemm(*a_q, *w_q, plan.num_rows, plan.offsets_E1, plan.sched, token, out_dtype)
+def _rows(plan: RowPlan, a_q, w_q, out_dtype, backend, token=None):
+    """C[rows] = q(A)[token[rows] if token is given, else rows] · q(W[e])ᵀ: (a_q, a_scale), (w_q, w_scale); on the
+    Hopper kernel where experts.dispatch takes the operands, else on tl."""
+    gemm = fp8_rows_gemm
+    if dispatch.fp8_rows(backend, a_q[0], w_q[0], out_dtype, token is not None) == "gluon":
+        gemm = gluon_sm90.fp8_rows_gemm
+    return gemm(*a_q, *w_q, plan.num_rows, plan.offsets_E1, plan.sched, token, out_dtype)
 
 
 def _act_quantized(preact, activation, interleaved):
@@ -77,8 +83,8 @@ class Fp8Experts(torch.autograd.Function):
         if x_LD.shape[0] == 0:
             out, preact = x_LD.new_zeros(x_LD.shape), x_LD.new_zeros(0, w1_EFD.shape[1])
         else:
-            preact = _rows(plan, quant.quantize_rows(x_LD), quantize_weight(w1_EFD), dt, token=plan.token_R)
-            y = _rows(plan, _act_quantized(preact, activation, interleaved), quantize_weight(w2_EDH), dt)
+            preact = _rows(plan, quant.quantize_rows(x_LD), quantize_weight(w1_EFD), dt, backend, token=plan.token_R)
+            y = _rows(plan, _act_quantized(preact, activation, interleaved), quantize_weight(w2_EDH), dt, backend)
             out = stages.combine(plan, y, topk_w_LK.float().contiguous(), dt)
         kept, scale = preact, preact.new_empty(0, dtype=torch.float32)
         if checkpoint == "preact-fp8":
@@ -99,13 +105,14 @@ class Fp8Experts(torch.autograd.Function):
         plan = RowPlan(eti, offsets, slot, te, tr, tu)
         dt, dy = x.dtype, dout.contiguous()
         if ctx.checkpoint == "recompute":
-            preact = _rows(plan, quant.quantize_rows(x), quantize_weight(w1), dt, token=plan.token_R)
+            preact = _rows(plan, quant.quantize_rows(x), quantize_weight(w1), dt, ctx.backend, token=plan.token_R)
         elif ctx.checkpoint == "preact-fp8":
             preact = quant.dequantize_rows(kept, scale, dt)
         else:
             preact = kept
         # dA' = dy[token] W2, e4m3
-        dact = _rows(plan, quant.quantize_rows(dy), quantize_weight(w2.transpose(1, 2)), dt, token=plan.token_R)
+        dact = _rows(plan, quant.quantize_rows(dy), quantize_weight(w2.transpose(1, 2)), dt, ctx.backend,
+                     token=plan.token_R)
         dpreact, act_scaled = torch.empty_like(preact), torch.empty_like(dact)
         dtopk_w = stages.act_bwd(plan, dact, preact, topk_w, dpreact, act_scaled, ctx.activation,
                                  interleaved=ctx.interleaved)
@@ -115,7 +122,8 @@ class Fp8Experts(torch.autograd.Function):
         dw2 = stages.weight_grad(plan, dy, act_scaled, torch.empty_like(w2), True, ctx.backend)
         del act_scaled
         dw1 = stages.weight_grad(plan, dpreact, x, torch.empty_like(w1), False, ctx.backend)
-        dx_rows = _rows(plan, quant.quantize_rows(dpreact), quantize_weight(w1.transpose(1, 2)), dt)  # dX~ = dH W1
+        dx_rows = _rows(plan, quant.quantize_rows(dpreact), quantize_weight(w1.transpose(1, 2)), dt,
+                        ctx.backend)  # dX~ = dH W1
         dx = stages.combine(plan, dx_rows, None, dt)
         return dx, dw1, dw2, dtopk_w, *(None,) * 9
 

@@ -23,8 +23,6 @@ from ..schedule import BLOCK_M
 
 # the TMA load and store and the cp.async copy are async_copy_global_to_shared / async_copy_shared_to_global
 # in triton 3.6, async_load / async_store in 3.9 (where the old load names are removed)
-# the TMA load and store and the cp.async copy are async_copy_global_to_shared / async_copy_shared_to_global
-# in triton 3.6, async_load / async_store in 3.9 (where the old load names are removed)
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
@@ -47,15 +45,17 @@ EPI_COLS = gl.constexpr(64)
 
 
 @gluon.constexpr_function
-def gather_layout(block_k, warps):
-    """The gathering loader's register layout: 8 elements (16 bytes, one cp.async) per thread along K."""
-    return gl.BlockedLayout([1, 8], [32 * 8 // block_k, block_k // 8], [warps, 1], [1, 0])
+def gather_layout(block_k, warps, elem_bits=16):
+    """The gathering loader's register layout: 16 bytes (one cp.async) per thread along K."""
+    vec = 128 // elem_bits
+    return gl.BlockedLayout([1, vec], [32 * vec // block_k, block_k // vec], [warps, 1], [1, 0])
 
 
 @gluon.constexpr_function
-def mma_layout(warps, block_n):
-    """The wgmma accumulator's register layout: `warps` warps down the rows, BLOCK_N columns per instruction."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_n, 16])
+def mma_layout(warps, block_n, instr_k=16):
+    """The wgmma accumulator's register layout: `warps` warps down the rows, BLOCK_N columns per instruction,
+    instr_k deep (16 for 16-bit operands, 32 for 8-bit)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, block_n, instr_k])
 
 
 @gluon.constexpr_function
@@ -149,7 +149,8 @@ def stand_in(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 @functools.cache
 def _smem_layout(box: tuple, dtype: torch.dtype):
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv,
+           torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(box), gdt)
 
 

@@ -75,7 +75,7 @@ def gather_loader(x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, r
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if B_KN else b_bufs.type.shape[1]
     TILE_N: gl.constexpr = b_desc.block_type.shape[1] if B_KN else b_desc.block_type.shape[0]
     GATED: gl.constexpr = TILE_N != BLOCK_N  # W's box is half the stage: gate, then up
-    layout: gl.constexpr = gather_layout(BLOCK_K, gl.num_warps())
+    layout: gl.constexpr = gather_layout(BLOCK_K, gl.num_warps(), a_bufs.dtype.primitive_bitwidth)
     n_tn = gl.cdiv(N, TILE_N)
     n_k = gl.cdiv(K_DIM, BLOCK_K)
     pid, nprog, n_used, n_mine = my_tiles(used_tiles_ptr, n_tn)

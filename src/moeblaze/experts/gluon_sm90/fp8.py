@@ -1,0 +1,141 @@
+"""The fp8 row GEMM on Hopper: C[rows] = A[rows] · B[e]ᵀ on e4m3 operands with DeepSeek-V3's scales (one fp32
+per 1 x 128 group of A's rows, per 128 x 128 block of B), A's rows read in place by TMA or gathered through the
+token ids by cp.async (x and dy, quantized once per token: their scales follow the gather). B is (E·N, K),
+K-major, as fp8 wgmma needs both operands.
+
+Partitions: a loader (tma_loader, or gather_loader: a whole warpgroup) and 8 MMA warps (two warpgroups of 64 rows)
+that store their own 128 x 128 tiles. Each 128-deep stage is one MMA group from zero whose fp32 result is scaled
+and added to the tile's accumulator (the promotion every 128 of K that Hopper's narrower fp8 accumulation needs);
+the next stage's MMAs are issued before this stage's are scaled, so the tensor cores work through the promotion
+(two partial accumulators in flight, and the other warpgroup's MMAs besides). The scales are loaded by the MMA
+warps themselves while the MMAs run.
+
+Memory contract: nothing beyond C. Shared memory: STAGES x (128 + 128) x 128 bytes of operands and one 128 x 128
+tile of C in its dtype.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from ...launch import launch, sm_count
+from ...reference.fp8 import GROUP
+from ..schedule import BLOCK_M
+from .common import GATHER_WARPS, descriptor, mma_layout, my_tiles, stage_barriers, store_tile, tile_of
+from .partitions import gather_loader, tma_loader
+
+FP8_BLOCK_N = 128  # one weight block's columns: a stage's weight scale is one number
+FP8_STAGES = 4
+
+
+@gluon.jit
+def _promote(acc, part, sa_ptrs, sb_ptr, rmask, kb):
+    """acc + part · (A's scales of K-block kb for the tile's rows) · (B's scale of the block)."""
+    sa = gl.load(sa_ptrs + kb, mask=rmask, other=0.0)
+    sb = gl.load(sb_ptr + kb)
+    return acc + part * (sa * sb)[:, None]
+
+
+@gluon.jit
+def fp8_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr,
+                  stride_sbe, stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+                  used_tiles_ptr, N, K_DIM, GATHER: gl.constexpr):
+    """Every tile of this program: per stage, part = A_s · B_sᵀ from zero, acc += part · s_a · s_b (stage k's MMAs
+    issued before stage k-1's result is scaled); then the tile stored by these warps (store_tile)."""
+    S: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    acc_layout: gl.constexpr = mma_layout(8, BLOCK_N, 32)
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    n_tn = gl.cdiv(N, BLOCK_N)
+    n_k = gl.cdiv(K_DIM, BLOCK_K)
+    pid, nprog, n_used, n_mine = my_tiles(used_tiles_ptr, n_tn)
+    offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
+    for j in range(n_mine):
+        e, row0, row_end, pid_n = tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
+                                           expert_offsets_ptr)
+        rows = row0 + offs_m
+        rmask = rows < row_end
+        if GATHER:
+            src = gl.load(token_ptr + rows, mask=rows < n_rows, other=0)
+        else:
+            src = rows
+        sa_ptrs = sa_ptr + src.to(gl.int64) * stride_sal
+        sb_tile = sb_ptr + e.to(gl.int64) * stride_sbe + pid_n * stride_sbn
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        c0 = j * n_k
+        # stage 0's MMAs, then each next stage's issued before the previous one's result is scaled
+        mbarrier.wait(ready.index(c0 % S), (c0 // S) & 1)
+        if GATHER:
+            fence_async_shared()  # A came by cp.async (generic proxy); wgmma reads through the async proxy
+        prev = warpgroup_mma(a_bufs.index(c0 % S), b_bufs.index(c0 % S).permute((1, 0)),
+                             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout), use_acc=False,
+                             max_num_imprecise_acc=BLOCK_K, is_async=True)
+        for k in range(1, n_k):
+            c = c0 + k
+            s = c % S
+            mbarrier.wait(ready.index(s), (c // S) & 1)
+            if GATHER:
+                fence_async_shared()
+            cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)),
+                                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout), use_acc=False,
+                                max_num_imprecise_acc=BLOCK_K, is_async=True)
+            prev = warpgroup_mma_wait(1, deps=(prev, ))  # stage k-1's MMAs are done: its stage goes back
+            mbarrier.arrive(empty.index((c - 1) % S))
+            acc = _promote(acc, prev, sa_ptrs, sb_tile, rmask, k - 1)
+            prev = cur
+        prev = warpgroup_mma_wait(0, deps=(prev, ))
+        mbarrier.arrive(empty.index((c0 + n_k - 1) % S))
+        acc = _promote(acc, prev, sa_ptrs, sb_tile, rmask, n_k - 1)
+        store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, pid_n * BLOCK_N, N)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def fp8_rows_kernel(a_desc, x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_desc, c_ptr, stride_cl, sa_ptr, stride_sal,
+                    sb_ptr, stride_sbe, stride_sbn, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr,
+                    N, K_DIM, GATHER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WORKER_REGS: gl.constexpr):
+    """C[rows] = A[rows or token[rows]] · B[e]ᵀ on e4m3: 8 MMA warps that promote and store, behind a TMA loader
+    (A in place: a_desc) or a gathering loader of a whole warpgroup (GATHER: x_ptr, token_ptr)."""
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], b_desc.dtype)
+    a_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    if GATHER:
+        ready, empty = stage_barriers(STAGES, 32 * GATHER_WARPS + 1)
+    else:
+        ready, empty = stage_barriers(STAGES, 1)
+    mma_args = (c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr, stride_sbe,
+                stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, N,
+                K_DIM, GATHER)
+    if GATHER:
+        loader_args = (x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
+                       tile_row_ptr, used_tiles_ptr, N, K_DIM)
+        gl.warp_specialize([(fp8_mma_store, mma_args), (gather_loader, loader_args)], [GATHER_WARPS],
+                           [WORKER_REGS])
+    else:
+        loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
+                       N, K_DIM)
+        gl.warp_specialize([(fp8_mma_store, mma_args), (tma_loader, loader_args)], [1], [WORKER_REGS])
+
+
+def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=None, out_dtype=None, out=None,
+                  stages: int = FP8_STAGES, worker_regs: int = 56):
+    """experts.tl.fp8.fp8_rows_gemm on Hopper (same arguments and result): a_q (·, K) e4m3 contiguous with
+    a_scale (·, ceil(K / 128)) fp32, b_q (E, N, K) e4m3 contiguous with b_scale (E, ceil(N / 128), ceil(K / 128));
+    K a multiple of 16 (a multiple of 128 where A is gathered), N of 8. The dispatcher (experts.dispatch) checks
+    these; the launcher does not."""
+    E, N, K = b_q.shape
+    c = a_q.new_empty(num_rows, N, dtype=out_dtype) if out is None else out
+    b_desc = descriptor(b_q.reshape(E * N, K), [FP8_BLOCK_N, GROUP])
+    c_desc = descriptor(c, [BLOCK_M, FP8_BLOCK_N])
+    gather = token is not None
+    a_desc = descriptor(c if gather else a_q, [BLOCK_M, FP8_BLOCK_N if gather else GROUP])  # unused if gathering
+    launch(fp8_rows_kernel, (sm_count(a_q.device),), a_desc, a_q, a_q.stride(0), token if gather else offsets,
+           token.shape[0] if gather else num_rows, b_desc, c_desc, c, c.stride(0), a_scale, a_scale.stride(0), b_scale,
+           b_scale.stride(0), b_scale.stride(1), sched[0], sched[1], sched[2], offsets, N, K, GATHER=gather,
+           BLOCK_M=BLOCK_M, BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages, WORKER_REGS=worker_regs, num_warps=8,
+           maxnreg=168)
+    return c
