@@ -156,29 +156,48 @@ def _rows_tile(e, rows, rmask, pid_n, a_ptr, b_ptr, a_desc, b_desc, c_ptr, N, K_
 
 
 @triton.jit
+def _combine_slot(acc, k, t, tmask, cols, mask, kept, rows_ptr, token_slot_ptr, weights_ptr, bias_ptr, pair_expert_ptr,
+                  stride_rl, stride_be, stride_bd, K: tl.constexpr, WEIGHTED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc + the tokens' k-th terms: (w[t, k] *) (rows[token_slot[t, k]] (+ bias)), 0 for a slot >= kept."""
+    slot = tl.load(token_slot_ptr + t * K + k, mask=tmask, other=0)
+    rmask = mask & (slot < kept)[:, None]
+    slot = slot.to(tl.int64)
+    r = tl.load(rows_ptr + slot[:, None] * stride_rl + cols[None, :], mask=rmask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        e = tl.load(pair_expert_ptr + t * K + k, mask=tmask, other=0).to(tl.int64)
+        r += tl.load(bias_ptr + e[:, None] * stride_be + cols[None, :] * stride_bd, mask=rmask,
+                     other=0.0).to(tl.float32)
+    if WEIGHTED:
+        r = r * tl.load(weights_ptr + t * K + k, mask=tmask, other=0.0)[:, None]
+    return acc + r
+
+
+@triton.jit
 def _combine_kernel(rows_ptr, token_slot_ptr, weights_ptr, kept_ptr, bias_ptr, pair_expert_ptr, out_ptr, L, D,
                     stride_rl, stride_be, stride_bd, stride_ol, K: tl.constexpr, WEIGHTED: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+                    HAS_BIAS: tl.constexpr, WIDE: tl.constexpr, K_POW2: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
     """out[t] = sum_k (w[t, k] *) (rows[token_slot[t, k]] (+ bias[pair_expert[t, k]] where HAS_BIAS)): each
     token gathers its K rows, in fixed order, accumulated in fp32 (no atomics: deterministic). Slots >= kept
-    (dropped pairs, never written) add 0."""
+    (dropped pairs, never written) add 0. WIDE (a token-rounded routing's table, most of whose places are
+    empty): the block's slots are read first and the sum stops after the last column any of its tokens uses."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     tmask = t < L
     mask = tmask[:, None] & (cols < D)[None, :]
     kept = tl.load(kept_ptr)
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-    for k in tl.static_range(K):
-        slot = tl.load(token_slot_ptr + t * K + k, mask=tmask, other=0)
-        rmask = mask & (slot < kept)[:, None]
-        slot = slot.to(tl.int64)
-        r = tl.load(rows_ptr + slot[:, None] * stride_rl + cols[None, :], mask=rmask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            e = tl.load(pair_expert_ptr + t * K + k, mask=tmask, other=0).to(tl.int64)
-            r += tl.load(bias_ptr + e[:, None] * stride_be + cols[None, :] * stride_bd, mask=rmask,
-                         other=0.0).to(tl.float32)
-        if WEIGHTED:
-            r = r * tl.load(weights_ptr + t * K + k, mask=tmask, other=0.0)[:, None]
-        acc += r
+    if WIDE:
+        kk = tl.arange(0, K_POW2)
+        kmask = tmask[:, None] & (kk < K)[None, :]
+        slots = tl.load(token_slot_ptr + t[:, None] * K + kk[None, :], mask=kmask, other=0)
+        n_k = tl.max(tl.max(tl.where(kmask & (slots < kept), kk[None, :] + 1, 0), axis=1), axis=0)
+        for k in range(0, n_k):
+            acc = _combine_slot(acc, k, t, tmask, cols, mask, kept, rows_ptr, token_slot_ptr, weights_ptr, bias_ptr,
+                                pair_expert_ptr, stride_rl, stride_be, stride_bd, K, WEIGHTED, HAS_BIAS)
+    else:
+        for k in tl.static_range(K):
+            acc = _combine_slot(acc, k, t, tmask, cols, mask, kept, rows_ptr, token_slot_ptr, weights_ptr, bias_ptr,
+                                pair_expert_ptr, stride_rl, stride_be, stride_bd, K, WEIGHTED, HAS_BIAS)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * stride_ol + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=mask)

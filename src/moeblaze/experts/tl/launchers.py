@@ -75,6 +75,9 @@ def rows_gemm(a, b, b_strides_ekn, n, offsets, sched):
     return c
 
 
+WIDE_TABLE = 8  # wider per-token tables (token rounding's) are summed only up to each token block's last used column
+
+
 def combine(rows_RD, token_slot_LK, weights_LK, kept, out_dtype, bias_ED=None, pair_expert_LK=None):
     """out[t] = sum_k (w[t, k] *) (rows[token_slot[t, k]] (+ bias[pair_expert[t, k]])), (L, D) in out_dtype, fp32
     sums in fixed order; slots >= kept[0] (a one-element int32 tensor: the routing's kept rows) add nothing."""
@@ -87,7 +90,8 @@ def combine(rows_RD, token_slot_LK, weights_LK, kept, out_dtype, bias_ED=None, p
            weights_LK if weights_LK is not None else rows_RD, kept, bias,
            pair_expert_LK if pair_expert_LK is not None else token_slot_LK, out, L, D, rows_RD.stride(0),
            bias.stride(0), bias.stride(1), out.stride(0), K=K, WEIGHTED=weights_LK is not None,
-           HAS_BIAS=bias_ED is not None, BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
+           HAS_BIAS=bias_ED is not None, WIDE=K > WIDE_TABLE,
+           K_POW2=triton.next_power_of_2(K), BLOCK_T=bt, BLOCK_D=bd, num_warps=4)
     return out
 
 
