@@ -12,6 +12,8 @@
 #         RANKS (default "2 4 8") with FSDP2 alone, ep = N exact and ep = N capacity (a capacity too small, so a
 #         step is rerun), against one process over the same global batch; fails unless every loss equals it
 #         (rows in $OUT/results/cpu.jsonl, the table in $OUT/ranks.txt). E = 8 experts: one per rank at N = 8.
+#         Then a sharded checkpoint written at the largest N with ep = N resumes at N/2 (ep N/2, and FSDP2
+#         alone) and in one process, each with the same final validation loss ($OUT/resume.log).
 # MOEBLAZE_GIT_SHA names the commit measured in the result rows; MANY_ARGS adds flags to the N-GPU runs (e.g.
 # --fsdp-keep-gathered), ONE_ARGS to the one-GPU run.
 set -uo pipefail
@@ -72,6 +74,22 @@ for i in range(0, len(rows), 4):
               f"{r['loss']:>10.6f} {one['loss']:>11.6f}{'' if ok else '  DIFFERS'}")
 sys.exit(1 if bad or not rows else 0)
 PY
+      # a sharded checkpoint written by the most ranks (ep = N) resumes on fewer, and in one process: the same
+      # final validation loss everywhere
+      n=$(echo ${RANKS:-2 4 8} | tr ' ' '\n' | sort -n | tail -1)
+      ck="$OUT/ck-ranks"; rm -rf "$ck"
+      R="--seq-len 16 --d-model 32 --n-layers 1 --n-heads 2 --num-experts 8 --d-expert 32 --impl triton
+         --aux-loss-coef 0 --steps 4 --eval-every 4 --eval-batches 2 --batch-size 2 --save $ck"
+      # (the same global batch of 2N everywhere: the validation batches are drawn from it)
+      for launch in "--nproc-per-node $n --ep $n" "--nproc-per-node $((n / 2)) --ep $((n / 2)) --resume --batch-size 4" \
+                    "--nproc-per-node $((n / 2)) --resume --batch-size 4" "--nproc-per-node 1 --resume --batch-size $((2 * n))"; do
+        read -r a b rest <<< "$launch"
+        TAIL=2 run python3 -m torch.distributed.run --standalone $a $b -m moeblaze.cli train $R $rest
+      done 2>&1 | tee "$OUT/resume.log"
+      vals=$(grep -o "final validation loss [0-9.]*" "$OUT/resume.log" | sort -u | wc -l)
+      runs=$(grep -c "final validation loss" "$OUT/resume.log")
+      echo "resume across world sizes: $runs runs, $vals distinct final validation losses"
+      [ "$runs" -eq 4 ] && [ "$vals" -eq 1 ] || failed="$failed [resume across world sizes]"
       ;;
     *) echo "unknown step $s"; failed="$failed $s" ;;
   esac

@@ -164,16 +164,23 @@ def _rounded_index_by_loops(kept, w, max_experts, max_rows):
     return counts, eti, slot, wk, len(fits) < len(pairs)
 
 
-def test_rounded_index_equals_its_contract_written_as_loops():
-    """Random masks (empty tokens, empty experts, tables and row bounds that overflow or not) and L = 0."""
-    from moeblaze.routing import rounded_index
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_rounded_index_equals_its_contract_written_as_loops(impl):
+    """Random masks (empty tokens, empty experts, tables and row bounds that overflow or not, several token tiles
+    of the kernels) and L = 0, through the torch ops and the kernels (interpreter)."""
+    from moeblaze.routing import rounding
 
+    build = rounding._rounded_index_torch if impl == "torch" else rounding._rounded_index_triton
     g = torch.Generator().manual_seed(3)
     for L, E, p, max_experts, max_rows in ((40, 6, 0.3, 3, 100), (40, 6, 0.5, 2, 60), (33, 5, 0.6, 5, 50),
-                                           (17, 9, 0.1, 4, 3), (0, 4, 0.5, 2, 4)):
+                                           (17, 9, 0.1, 4, 3), (0, 4, 0.5, 2, 4), (300, 64, 0.05, 4, 1500),
+                                           (300, 64, 0.08, 3, 1000), (260, 40, 0.1, 6, 600)):
+        if L == 0 and impl == "triton":
+            continue  # rounded_index takes the torch ops for an empty batch
         kept = torch.rand(L, E, generator=g) < p
+        kept[5:6] = False  # a token without experts
         w = torch.rand(L, E, generator=g)
-        index, wk, over = rounded_index(kept, w, max_experts, max_rows)
+        index, wk, over = build(kept, w, max_experts, max_rows)
         counts, eti, slot, wk_want, over_want = _rounded_index_by_loops(kept, w, max_experts, max_rows)
         assert index.expert_counts.tolist() == counts and bool(over) == over_want
         assert index.expert_offsets.tolist() == [0] + torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from ..args import check_choice, check_int
+from ..config import INTERPRET
 from .router import SCORINGS
 
 RULES = ("nr-f", "up", "down")
@@ -117,8 +118,11 @@ def _keep_by_topk(s, chosen, counts, target, k: int):
     kept = chosen.clone()
     if k > 0:
         j = torch.arange(k, device=s.device)[:, None]
-        worst = torch.where(chosen, s, float("inf")).topk(k, dim=0, largest=False).indices  # (k, E)
-        best = torch.where(chosen, float("-inf"), s).topk(k, dim=0).indices
+        # each expert's column as a contiguous row of the (E, L) transpose: a selection along the outer dimension
+        # of the tall (L, E) matrix reads it strided, one slice per expert
+        s_EL, chosen_EL = s.t().contiguous(), chosen.t().contiguous()
+        worst = torch.where(chosen_EL, s_EL, float("inf")).topk(k, dim=1, largest=False).indices.t()  # (k, E)
+        best = torch.where(chosen_EL, float("-inf"), s_EL).topk(k, dim=1).indices.t()
         cols = torch.arange(E, device=s.device)[None, :].expand(k, E)
         kept[worst, cols] = torch.where(j < -change[None, :], False, kept[worst, cols])
         kept[best, cols] = torch.where(j < change[None, :], True, kept[best, cols])
@@ -157,7 +161,16 @@ def rounded_index(kept_LE: torch.Tensor, weights_LE: torch.Tensor, max_experts: 
     dropped tail (never computed, combined as zero, no gradient), and every empty place of a token's
     (max_experts)-wide table points to the last row, which is always in that tail. overflow (a bool tensor): the
     kept pairs exceed max_rows, or a token has more than max_experts experts; what does not fit is left out, and
-    the caller raises or reruns with larger bounds. O(L·E) int64 transient."""
+    the caller raises or reruns with larger bounds. O(L·E) int64 transient in torch; on GPUs (and under the
+    interpreter) five launches of routing/triton.py's kernels and a gather of the weights instead (about 45
+    torch ops above), with the same result, O(L / tile · E) int32 transient."""
+    if kept_LE.shape[0] > 0 and (kept_LE.is_cuda or INTERPRET):
+        return _rounded_index_triton(kept_LE, weights_LE, max_experts, max_rows)
+    return _rounded_index_torch(kept_LE, weights_LE, max_experts, max_rows)
+
+
+def _rounded_index_torch(kept_LE, weights_LE, max_experts: int, max_rows: int):
+    """rounded_index in torch ops (CPU tensors, and the contract the kernels are checked against)."""
     from .index import RoutingIndex
 
     L, E = kept_LE.shape
@@ -187,3 +200,37 @@ def rounded_index(kept_LE: torch.Tensor, weights_LE: torch.Tensor, max_experts: 
     w = w.scatter(1, col, torch.where(fits, weights_LE.float(), 0.0))
     index = RoutingIndex(counts, offsets, eti, slot[:, :max_experts].int().contiguous(), dropped=True)
     return index, w[:, :max_experts], overflow
+
+
+def _rounded_index_triton(kept_LE, weights_LE, max_experts: int, max_rows: int):
+    """rounded_index in five launches: kept pairs counted per tile and scanned, the fitting ones counted and
+    scanned, then placed (routing/triton.py); each place's weight gathered from weights_LE."""
+    from ..launch import launch
+    from .index import RoutingIndex, _next_pow2, dense_tile_size
+    from .triton import (rounded_fit_count_kernel, rounded_place_kernel, rounded_tile_count_kernel,
+                         routing_tile_scan_kernel)
+
+    L, E = kept_LE.shape
+    dev, i32 = kept_LE.device, torch.int32
+    kept = kept_LE.contiguous()
+    e_pad, block_l = _next_pow2(E), dense_tile_size(E)
+    n_tiles = -(-L // block_l)
+    block_e = min(e_pad, 32)
+    scan = dict(BLOCK_T=max(16, 4096 // block_e), BLOCK_E=block_e)
+    tiles = dict(BLOCK_L=block_l, E_PAD=e_pad)
+    tile_base, fit_base = (torch.empty(n_tiles, E, dtype=i32, device=dev) for _ in range(2))
+    counts_kept, counts = (torch.empty(E, dtype=i32, device=dev) for _ in range(2))
+    lost = torch.empty(n_tiles, dtype=i32, device=dev)
+    launch(rounded_tile_count_kernel, (n_tiles,), kept, tile_base, L, E, **tiles)
+    launch(routing_tile_scan_kernel, (-(-E // block_e),), tile_base, counts_kept, n_tiles, E, **scan)
+    launch(rounded_fit_count_kernel, (n_tiles,), kept, tile_base, counts_kept, fit_base, lost, L, E, max_rows,
+           M=max_experts, **tiles)
+    launch(routing_tile_scan_kernel, (-(-E // block_e),), fit_base, counts, n_tiles, E, **scan)
+    offsets = torch.empty(E + 1, dtype=i32, device=dev)
+    eti = torch.zeros(max_rows + 1, dtype=i32, device=dev)
+    slot, expert = (torch.empty(L, max_experts, dtype=i32, device=dev) for _ in range(2))
+    launch(rounded_place_kernel, (n_tiles,), kept, tile_base, counts_kept, fit_base, counts, offsets, eti, slot,
+           expert, L, E, max_rows, M=max_experts, **tiles)
+    # the weights by a gather, so that they stay differentiable in weights_LE (the router's logits)
+    w = torch.where(slot < max_rows, weights_LE.float().gather(1, expert.long()), 0.0)
+    return RoutingIndex(counts, offsets, eti, slot, dropped=True), w, lost.any()

@@ -73,3 +73,82 @@ def routing_place_kernel(topk_idx_ptr, tile_base_ptr, expert_counts_ptr, expert_
         slot = tl.sum(tl.where(ek[:, None] == e[None, :], pos, 0), axis=1)
         tl.store(token_slot_ptr + t * K + k, slot, mask=tmask)
         tl.store(expert_token_idx_ptr + slot, t, mask=tmask)
+
+
+# The same three steps for a token-rounded routing (routing.rounding.rounded_index), whose pairs come as a dense
+# (L, E) mask with a varying number of experts per token. Two passes of count-and-scan: the first places every
+# kept pair, which tells which fit (row < max_rows and the token's place among its experts < max_experts), the
+# second places the pairs that fit; the placement fills each token's max_experts-wide table, empty places
+# pointing to the sink row (max_rows, always in the dropped tail).
+
+@triton.jit
+def _kept_tile(kept_ptr, t, L, e, E):
+    """(BLOCK_L, E_PAD) int32: 1 where token t keeps expert e."""
+    mask = (t < L)[:, None] & (e < E)[None, :]
+    return tl.load(kept_ptr + t.to(tl.int64)[:, None] * E + e[None, :], mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _place(hits, pid, e, E, tile_base_ptr, counts_ptr):
+    """Each hit's row in expert-major order (experts' segments from their counts, tokens ascending inside)."""
+    emask = e < E
+    counts = tl.load(counts_ptr + e, mask=emask, other=0)
+    base = tl.cumsum(counts, axis=0) - counts + tl.load(tile_base_ptr + pid * E + e, mask=emask, other=0)
+    return base[None, :] + tl.cumsum(hits, axis=0) - hits
+
+
+@triton.jit
+def _fits(kept_ptr, tile_base_ptr, counts_ptr, pid, L, E, max_rows, M: tl.constexpr, BLOCK_L: tl.constexpr,
+          E_PAD: tl.constexpr):
+    """(token ids, experts, kept, fits, each pair's place among its token's experts) of tile pid."""
+    t = pid * BLOCK_L + tl.arange(0, BLOCK_L)
+    e = tl.arange(0, E_PAD)
+    kept = _kept_tile(kept_ptr, t, L, e, E)
+    k = tl.cumsum(kept, axis=1) - kept
+    row = _place(kept, pid, e, E, tile_base_ptr, counts_ptr)
+    fits = kept * ((row < max_rows) & (k < M)).to(tl.int32)
+    return t, e, kept, fits, k
+
+
+@triton.jit
+def rounded_tile_count_kernel(kept_ptr, tile_counts_ptr, L, E, BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
+    pid = tl.program_id(0)
+    t = pid * BLOCK_L + tl.arange(0, BLOCK_L)
+    e = tl.arange(0, E_PAD)
+    tl.store(tile_counts_ptr + pid * E + e, tl.sum(_kept_tile(kept_ptr, t, L, e, E), axis=0), mask=e < E)
+
+
+@triton.jit
+def rounded_fit_count_kernel(kept_ptr, tile_base_ptr, counts_ptr, fit_counts_ptr, lost_ptr, L, E, max_rows,
+                             M: tl.constexpr, BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
+    """Per tile: the pairs that fit, per expert, and how many kept pairs do not (lost[pid])."""
+    pid = tl.program_id(0)
+    t, e, kept, fits, k = _fits(kept_ptr, tile_base_ptr, counts_ptr, pid, L, E, max_rows, M, BLOCK_L, E_PAD)
+    tl.store(fit_counts_ptr + pid * E + e, tl.sum(fits, axis=0), mask=e < E)
+    tl.store(lost_ptr + pid, tl.sum(tl.sum(kept - fits, axis=1), axis=0))
+
+
+@triton.jit
+def rounded_place_kernel(kept_ptr, tile_base_ptr, counts_kept_ptr, fit_base_ptr, counts_ptr, offsets_ptr,
+                         expert_token_idx_ptr, token_slot_ptr, slot_expert_ptr, L, E, max_rows,
+                         M: tl.constexpr, BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
+    """The fitting pairs to their rows: expert_token_idx[row] = t, and each token's table of M places (place k:
+    the row of its k-th expert that fits, and that expert; the sink row max_rows and expert 0 where there is
+    none)."""
+    pid = tl.program_id(0)
+    t, e, kept, fits, k = _fits(kept_ptr, tile_base_ptr, counts_kept_ptr, pid, L, E, max_rows, M, BLOCK_L, E_PAD)
+    emask = e < E
+    if pid == 0:
+        counts = tl.load(counts_ptr + e, mask=emask, other=0)
+        tl.store(offsets_ptr + e, tl.cumsum(counts, axis=0) - counts, mask=emask)
+        tl.store(offsets_ptr + E, tl.sum(counts, axis=0))
+    row = _place(fits, pid, e, E, fit_base_ptr, counts_ptr)
+    tmask = t < L
+    fit = fits > 0
+    tl.store(expert_token_idx_ptr + row, t[:, None] + 0 * row, mask=fit)
+    for c in tl.static_range(M):
+        here = fit & (k == c)
+        has = tl.sum(here.to(tl.int32), axis=1) > 0
+        slot = tl.where(has, tl.sum(tl.where(here, row, 0), axis=1), max_rows)
+        tl.store(token_slot_ptr + t * M + c, slot, mask=tmask)
+        tl.store(slot_expert_ptr + t * M + c, tl.sum(tl.where(here, e[None, :], 0), axis=1), mask=tmask)
