@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: the GPU tests, then the benchmark; everything is written under $OUT (default ./out).
-#   usage: bash scripts/gpu.sh [tests] [dispatch] [layer] [scale] [profile] [ab] [rounding] [quality] [fp8roof]
+#   usage: bash scripts/gpu.sh [tests] [dispatch] [layer] [scale] [profile] [ab] [rounding] [quality] [fp8train]
+#          [fp8roof]
 #   (default: the first five)
 # Exits non-zero when any step fails (each step still runs). STEP_TIMEOUT=SECONDS bounds each step, so the
 # peers' compile cache below is still written back when one runs long.
@@ -41,8 +42,10 @@ for s in $steps; do
     layer) $limit python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
     scale) $limit python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
     rounding) $limit python3 scripts/rounding_bench.py --out "$OUT" ${ROUNDING_ARGS:-} ;;
-    quality) $limit python3 scripts/routing_quality.py run --out "$OUT/routing-quality" ${QUALITY_ARGS:-}; r=$?
-             tar czf "$OUT/routing-quality.tar.gz" -C "$OUT" routing-quality && rm -rf "$OUT/routing-quality"
+    quality|fp8train)  # scripts/train_compare.py's routing or fp8 study, its logs packed into one archive
+             study=$([ $s = quality ] && echo routing || echo fp8)
+             $limit python3 scripts/train_compare.py run --study $study --out "$OUT/$study-training" ${QUALITY_ARGS:-}
+             r=$?; tar czf "$OUT/$study-training.tar.gz" -C "$OUT" $study-training && rm -rf "$OUT/$study-training"
              (exit $r) ;;
     fp8roof) $limit python3 scripts/fp8_roofline.py --out "$OUT" ${FP8ROOF_ARGS:-} ;;
     ab) $limit python3 scripts/ab_compare.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" ;;

@@ -237,3 +237,48 @@ def test_presets_of_today_s_routing_train(tmp_path):
     assert state["blocks.1.moe.router.expert_load"].abs().sum() == 0  # counted since the last update: nothing
     res = train.run(args_for(tmp_path, steps=4, eval_every=4, save="", preset="qwen3-next-small", **shape))
     assert math.isfinite(res["val_loss"])
+
+
+def test_loss_log_has_each_step_s_loss_gradient_norm_and_load_then_the_validation(tmp_path):
+    import json
+
+    log = tmp_path / "log.jsonl"
+    train.run(args_for(tmp_path, steps=12, eval_every=6, save="", loss_log=str(log), impl="reference"))
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    steps, vals = [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13)) and [r["step"] for r in vals] == [6, 12]
+    for r in steps:
+        assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and math.isfinite(r["grad_norm"])
+        assert len(r["load_max_mean"]) == 1 and r["load_max_mean"][0] >= 1.0
+
+
+def test_train_compare_report_on_hand_made_logs(tmp_path, capsys):
+    """The fp8 study's report: the baseline's seed band, the mean final loss against it, the late gap over the
+    last 10% of steps and the mean gradient norm, on logs whose answers are known."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("train_compare", os.path.join(
+        os.path.dirname(__file__), "..", "..", "scripts", "train_compare.py"))
+    tc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tc)
+
+    def write(variant, seed, late_loss, final, norm):
+        d = tmp_path / "small"
+        d.mkdir(exist_ok=True)
+        rows = [{"step": s, "loss": 3.0 if s <= 90 else late_loss, "grad_norm": norm} for s in range(1, 101)]
+        rows.append({"step": 100, "val_loss": final})
+        (d / f"{variant}-s{seed}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write("bf16", 0, 2.0, 2.00, 1.0)
+    write("bf16", 1, 2.0, 2.02, 1.0)
+    write("fp8", 0, 2.01, 2.01, 2.0)  # inside the band [2.00, 2.02]; late gap +0.5%
+    write("fp8", 1, 2.01, 2.01, 2.0)
+    write("preact-fp8", 0, 2.0, 2.05, 1.0)  # outside
+    tc.report(argparse.Namespace(dir=str(tmp_path), study="fp8", png=""))
+    summary = json.loads((tmp_path / "summary.json").read_text())["small"]
+    assert summary["fp8"]["in_band"] and not summary["preact-fp8"]["in_band"] and summary["bf16"]["in_band"]
+    assert summary["fp8"]["late_gap"] == pytest.approx(0.005, abs=1e-5)
+    assert summary["preact-fp8"]["late_gap"] == 0 and summary["fp8"]["grad_norm"] == 2.0
+    assert summary["fp8"]["vs_baseline"] == pytest.approx(0.0, abs=1e-5)
+    assert "outside the band" in capsys.readouterr().out

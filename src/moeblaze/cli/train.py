@@ -120,8 +120,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--on-overflow", default="rerun", choices=OVERFLOW,
                    help="capacity dispatch, when a rank needs more rows than the capacity: rerun the step with a "
                         "larger capacity (default), drop the rows past it, or stop with an error")
-    p.add_argument("--loss-log", default="", help="write every step's training loss (the global mean under torchrun) "
-                   "and each MoE layer's max/mean expert load over the step's pairs (all ranks', after token "
+    p.add_argument("--loss-log", default="", help="write every step's training loss (the global mean under torchrun), "
+                   "the gradient norm before clipping and each MoE layer's max/mean expert load over the step's "
+                   "pairs (all ranks', after token "
                    "rounding), then every validation loss, to this file as JSON lines at the end of the run")
     g.add_argument("--fsdp-keep-gathered", action="store_true",
                    help="keep each FSDP2 unit's gathered parameters from forward to backward (one all-gather per "
@@ -381,7 +382,7 @@ def _run(args, cfg, train, val, ranks) -> dict:
     timer = parallel.StepTimer(device) if bench else None
     t_last, tokens = time.perf_counter(), 0
     loss = torch.full((), float("nan"), device=device)  # the last step's training loss (none when nothing trains)
-    losses, loads, evals, first_logged = [], [], [], step + 1
+    losses, norms, loads, evals, first_logged = [], [], [], [], step + 1
     moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)] if args.loss_log else []
     for m in moe_layers:
         m.track_load = True
@@ -393,7 +394,7 @@ def _run(args, cfg, train, val, ranks) -> dict:
         if timer is not None and step >= args.bench_warmup:
             timer.start()
         loss, aux, total = parallel.until_no_overflow(ranks, functools.partial(train_step, x, y), log)
-        clip()
+        grad_norm = clip()
         opt.step()
         if biased:
             update_expert_biases(model)  # the loads summed over every rank under torchrun
@@ -402,6 +403,7 @@ def _run(args, cfg, train, val, ranks) -> dict:
         step += 1
         if args.loss_log:  # kept on the device, read once at the end
             losses.append(ranks.mean(loss.detach()) if ranks else loss.detach())
+            norms.append(grad_norm.detach().float())  # the global norm: the same on every rank
             if moe_layers:  # each MoE layer's max / mean expert load over this step's pairs (all ranks')
                 load = torch.stack([m.routed_load for m in moe_layers]).float()
                 load = ranks.sum(load) if ranks else load
@@ -442,9 +444,10 @@ def _run(args, cfg, train, val, ranks) -> dict:
     if args.loss_log and main:
         with open(args.loss_log, "w") as f:
             loss_rows = torch.stack(losses).tolist() if losses else []
+            norm_rows = torch.stack(norms).tolist() if norms else []
             load_rows = torch.stack(loads).tolist() if loads else [None] * len(loss_rows)
-            for i, (v, ld) in enumerate(zip(loss_rows, load_rows)):
-                f.write(json.dumps({"step": first_logged + i, "loss": float(v),
+            for i, (v, gn, ld) in enumerate(zip(loss_rows, norm_rows, load_rows)):
+                f.write(json.dumps({"step": first_logged + i, "loss": float(v), "grad_norm": round(float(gn), 5),
                                     **({"load_max_mean": [round(u, 4) for u in ld]} if ld is not None else {})})
                         + "\n")
             f.writelines(json.dumps({"step": s, "val_loss": v}) + "\n" for s, v in evals)
