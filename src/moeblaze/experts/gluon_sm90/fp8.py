@@ -8,7 +8,7 @@ that store their own 128 x 128 tiles. Each 128-deep stage is one MMA group from 
 and added to the tile's accumulator (the promotion every 128 of K that Hopper's narrower fp8 accumulation needs);
 the next stage's MMAs are issued before this stage's are scaled, so the tensor cores work through the promotion
 (two partial accumulators in flight, and the other warpgroup's MMAs besides). The scales are loaded by the MMA
-warps themselves while the MMAs run.
+warps themselves when a stage's MMAs are issued, and used once they are done.
 
 Memory contract: nothing beyond C. Shared memory: STAGES x (128 + 128) x 128 bytes of operands and one 128 x 128
 tile of C in its dtype.
@@ -29,11 +29,9 @@ FP8_STAGES = 4
 
 
 @gluon.jit
-def _promote(acc, part, sa_ptrs, sb_ptr, rmask, kb):
-    """acc + part · (A's scales of K-block kb for the tile's rows) · (B's scale of the block)."""
-    sa = gl.load(sa_ptrs + kb, mask=rmask, other=0.0)
-    sb = gl.load(sb_ptr + kb)
-    return acc + part * (sa * sb)[:, None]
+def _scales(sa_ptrs, sb_ptr, rmask, kb):
+    """The scale of each of the tile's rows for K-block kb: A's (per row) times B's (one per block)."""
+    return gl.load(sa_ptrs + kb, mask=rmask, other=0.0) * gl.load(sb_ptr + kb)
 
 
 @gluon.jit
@@ -72,6 +70,7 @@ def fp8_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty
         prev = warpgroup_mma(a_bufs.index(c0 % S), b_bufs.index(c0 % S).permute((1, 0)),
                              gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout), use_acc=False,
                              max_num_imprecise_acc=BLOCK_K, is_async=True)
+        scale_prev = _scales(sa_ptrs, sb_tile, rmask, 0)  # loaded while the MMAs run, used a stage later
         for k in range(1, n_k):
             c = c0 + k
             s = c % S
@@ -81,13 +80,14 @@ def fp8_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty
             cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)),
                                 gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout), use_acc=False,
                                 max_num_imprecise_acc=BLOCK_K, is_async=True)
+            scale_cur = _scales(sa_ptrs, sb_tile, rmask, k)
             prev = warpgroup_mma_wait(1, deps=(prev, ))  # stage k-1's MMAs are done: its stage goes back
             mbarrier.arrive(empty.index((c - 1) % S))
-            acc = _promote(acc, prev, sa_ptrs, sb_tile, rmask, k - 1)
-            prev = cur
+            acc += prev * scale_prev[:, None]
+            prev, scale_prev = cur, scale_cur
         prev = warpgroup_mma_wait(0, deps=(prev, ))
         mbarrier.arrive(empty.index((c0 + n_k - 1) % S))
-        acc = _promote(acc, prev, sa_ptrs, sb_tile, rmask, n_k - 1)
+        acc += prev * scale_prev[:, None]
         store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, pid_n * BLOCK_N, N)
     tma.store_wait(0)
 
