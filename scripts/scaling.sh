@@ -3,7 +3,8 @@
 #   usage: [PRESETS="small qwen3-30b-a3b"] bash scripts/scaling.sh [bench] [curves]   (default: both)
 #          [RANKS="2 4 8"] bash scripts/scaling.sh cpu
 # bench:  `moeblaze train --bench-steps` at a fixed per-GPU batch: one GPU without torchrun, then N GPUs under
-#         torchrun with FSDP2 alone (ep 1) and with ep = N in both dispatch modes, for the small model's default
+#         torchrun with FSDP2 alone (ep 1; for the small model also as one FSDP2 unit, --fsdp-units model) and
+#         with ep = N in both dispatch modes, for the small model's default
 #         and the Qwen3-30B-A3B-shaped preset; one results row each ($OUT/results/<gpu>.jsonl, with the step split
 #         from one profiled step on the N-GPU runs).
 # curves: 50 steps of the small model on the same global batch: one GPU at N x the batch, N GPUs at ep 1 and ep N;
@@ -40,6 +41,7 @@ for s in $steps; do
         [ $preset = qwen3-30b-a3b ] && P="$P --batch-size ${QWEN_BATCH:-2}"
         CUDA_VISIBLE_DEVICES=0 run $one $P ${ONE_ARGS:-}
         run $many $P ${MANY_ARGS:-} --bench-profile
+        [ $preset = small ] && run $many $P ${MANY_ARGS:-} --bench-profile --fsdp-units model
         run $many $P ${MANY_ARGS:-} --bench-profile --ep $N
         run $many $P ${MANY_ARGS:-} --bench-profile --ep $N --ep-dispatch capacity
       done ;;

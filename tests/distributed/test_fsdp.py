@@ -1,10 +1,12 @@
 """FSDP2 + expert parallelism on CPU processes (gloo): one training step of the small MoE model on a 2-D mesh
 gives every parameter the gradient of one process over the global batch (the mean loss), within fp32 tolerance,
 at ep = 2 (efsdp = 1: the expert weights outside FSDP) and at efsdp = 2 × ep = 2 (4 ranks: the expert weights
-FSDP-sharded as well). This is the gradient-scale pitfall's test: without the recipe the expert gradients come
-out ep times too large. Gradient clipping by the global norm across the meshes matches one process's clipping."""
+FSDP-sharded as well), and with the whole model one FSDP2 unit (units="model"). This is the gradient-scale
+pitfall's test: without the recipe the expert gradients come out ep times too large. Gradient clipping by the
+global norm across the meshes matches one process's clipping."""
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from moeblaze import ModelConfig, MoEModel
@@ -26,7 +28,7 @@ def _loss(model, ids):
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def _step(rank, world, errors, ep):
+def _step(rank, world, errors, ep, units="blocks"):
     """One step in this rank, its norm and gradients compared with one process's."""
     ids = torch.randint(0, 32, (2 * world, 8), generator=torch.Generator().manual_seed(1))
     ref = _model()  # one process over the global batch, its gradients clipped to a norm below theirs
@@ -36,7 +38,11 @@ def _step(rank, world, errors, ep):
     want = {n: p.grad for n, p in ref.named_parameters()}
     model = _model()
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
-    parallelize(model, mesh)
+    parallelize(model, mesh, units=units)
+    n_units = sum(isinstance(m, FSDPModule) for m in model.modules())
+    want_units = 1 if units == "model" else 1 + len(model.blocks) + (2 if world // ep > 1 else 0)
+    if n_units != want_units:
+        errors.put(f"rank {rank}: {n_units} FSDP2 units, expected {want_units}")
     mine = ids[2 * rank: 2 * rank + 2]
     (_loss(model, mine) / data_parallel_size(mesh)).backward()
     norm = clip_grad_norm_(model.parameters(), 0.05)
@@ -55,8 +61,8 @@ def _step(rank, world, errors, ep):
         errors.put(f"rank {rank} (ep {ep}): {bad}")
 
 
-def _run(world, ep):
-    run_ranks(_step, world, ep)
+def _run(world, ep, units="blocks"):
+    run_ranks(_step, world, ep, units)
 
 
 def test_fsdp2_ep2_step_matches_one_process():
@@ -69,3 +75,9 @@ def test_fsdp2_efsdp2_ep2_step_matches_one_process():
 
 def test_fsdp2_alone_step_matches_one_process():
     _run(2, 1)
+
+
+def test_fsdp2_as_one_unit_matches_one_process():
+    """units="model": the whole model one FSDP2 unit at ep = 1; at ep = 2 the experts their own (ep mesh)."""
+    _run(2, 1, "model")
+    _run(2, 2, "model")

@@ -74,7 +74,7 @@ def initial_capacity(capacity_factor: float, tokens: int, top_k: int, ep: int) -
 
 
 def parallelize_model(model, ranks: Ranks, dispatch: str, capacity_factor: float, on_overflow: str,
-                      tokens: int, top_k: int, bf16: bool, keep_gathered: bool = False):
+                      tokens: int, top_k: int, bf16: bool, keep_gathered: bool = False, units: str = "blocks"):
     """FSDP2 (+ ep) on the model, bf16 parameters with fp32 gradient reductions under bf16; the model."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -91,7 +91,8 @@ def parallelize_model(model, ranks: Ranks, dispatch: str, capacity_factor: float
                 ep_kwargs["tracker"] = ranks.tracker
             else:
                 ep_kwargs["on_overflow"] = on_overflow
-    return parallelize(model, ranks.mesh, mp_policy=mp, reshard_after_forward=not keep_gathered, **ep_kwargs)
+    return parallelize(model, ranks.mesh, mp_policy=mp, reshard_after_forward=not keep_gathered, units=units,
+                       **ep_kwargs)
 
 
 def until_no_overflow(ranks: Ranks | None, fn, log):
@@ -184,7 +185,7 @@ def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_p
     tokens = args.batch_size * args.seq_len
     row = dict(mode="train", preset=args.preset, model=cfg.to_dict(), world=world, ep=ep, efsdp=world // ep,
                dispatch=args.ep_dispatch if ep > 1 else "-", keep_gathered=bool(ranks and args.fsdp_keep_gathered),
-               compiled=args.compile,
+               fsdp_units=args.fsdp_units if ranks else "-", compiled=args.compile,
                dtype=args.dtype, batch_per_gpu=args.batch_size,
                seq=args.seq_len, tokens_per_gpu=tokens, params_m=round(n_params / 1e6, 1),
                steps=args.bench_steps, warmup=args.bench_warmup, step_ms=round(step_ms, 3),

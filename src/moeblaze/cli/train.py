@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..args import check_choice, check_int
 from ..config import INTERPRET
-from ..distributed import DISPATCHES
+from ..distributed import DISPATCHES, UNITS
 from ..experts import CHECKPOINTS, PRECISIONS
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..reference import ACTIVATIONS
@@ -127,6 +127,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp-keep-gathered", action="store_true",
                    help="keep each FSDP2 unit's gathered parameters from forward to backward (one all-gather per "
                         "step instead of two; the memory of the full parameters)")
+    g.add_argument("--fsdp-units", default="blocks", choices=UNITS,
+                   help="FSDP2 units: one per block and experts module (blocks), or the whole model as one "
+                        "(model: one all-gather and reduce-scatter per step, for small models whose host time per "
+                        "unit limits them; the experts stay their own units at --ep > 1)")
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench-steps", type=int, default=0,
                    help="time this many steps (after --bench-warmup) and write a results row, instead of training")
@@ -327,7 +331,8 @@ def _run(args, cfg, train, val, ranks) -> dict:
             block.compile()
     if ranks is not None:
         parallel.parallelize_model(model, ranks, args.ep_dispatch, args.capacity_factor, args.on_overflow,
-                                   args.batch_size * args.seq_len, cfg.top_k, bf16, args.fsdp_keep_gathered)
+                                   args.batch_size * args.seq_len, cfg.top_k, bf16, args.fsdp_keep_gathered,
+                                   args.fsdp_units)
     biased = ROUTERS[cfg.router].get("expert_bias", False)  # routers to update after each step (no walk otherwise)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")  # one kernel for every parameter (DTensors too)

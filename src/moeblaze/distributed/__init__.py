@@ -2,7 +2,7 @@
 distributed.ep for the data flow, the dispatch modes and the memory contract; distributed.fsdp for the mesh, the
 units and the gradient scale."""
 from .ep import DISPATCHES, CapacityTracker, ep_experts, receiver_index
-from .fsdp import clip_grad_norm_, data_parallel_size, parallelize, shard_experts
+from .fsdp import UNITS, clip_grad_norm_, data_parallel_size, parallelize, shard_experts
 
-__all__ = ["DISPATCHES", "CapacityTracker", "clip_grad_norm_", "data_parallel_size", "ep_experts", "parallelize",
-           "receiver_index", "shard_experts"]
+__all__ = ["DISPATCHES", "UNITS", "CapacityTracker", "clip_grad_norm_", "data_parallel_size", "ep_experts",
+           "parallelize", "receiver_index", "shard_experts"]

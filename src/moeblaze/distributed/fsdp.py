@@ -58,27 +58,39 @@ def data_parallel_size(mesh: DeviceMesh) -> int:
     return mesh.size()
 
 
+UNITS = ("blocks", "model")
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
-                reshard_after_forward: bool = True, **ep_kwargs) -> nn.Module:
+                reshard_after_forward: bool = True, units: str = "blocks", **ep_kwargs) -> nn.Module:
     """Expert parallelism on mesh["ep"] and FSDP2 on the rest (see the module header); returns the model.
     reshard_after_forward=False keeps each unit's gathered parameters from its forward to its backward: one
-    all-gather per unit and step instead of two, for the memory of the full (1 / ep of the expert) parameters."""
+    all-gather per unit and step instead of two, for the memory of the full (1 / ep of the expert) parameters.
+    units="model" makes the whole model one FSDP2 unit (the expert modules too where ep = 1; at ep > 1 they stay
+    their own units on efsdp, another mesh): one all-gather and one reduce-scatter per step instead of one per block
+    and experts module, for a model whose host time per unit, not its memory, is what limits it (the small model:
+    about 1 ms of kernels per step), at the memory of every parameter gathered at once."""
+    if units not in UNITS:
+        raise ValueError(f"units must be one of {UNITS}, got {units!r}")
     mp = mp_policy or MixedPrecisionPolicy()
     shard_experts(model, mesh["ep"], **ep_kwargs)
     dp = init_device_mesh(mesh.device_type, (mesh.size(),), mesh_dim_names=("dp",))
     efsdp = mesh["efsdp"]
-    units, ignored = [], set()
+    whole = units == "model"
+    sharded, ignored = [], set()
     for m in _experts_modules(model):
+        if whole and mesh["ep"].size() == 1:
+            continue  # in the root's unit
         if efsdp.size() > 1:
-            units.append(fully_shard(m, mesh=efsdp, mp_policy=mp, reshard_after_forward=reshard_after_forward))
+            sharded.append(fully_shard(m, mesh=efsdp, mp_policy=mp, reshard_after_forward=reshard_after_forward))
         else:
             ignored |= set(m.parameters())
-    for block in getattr(model, "blocks", []):
-        units.append(fully_shard(block, mesh=dp, mp_policy=mp, ignored_params=ignored & set(block.parameters()),
-                                 reshard_after_forward=reshard_after_forward))
+    for block in [] if whole else getattr(model, "blocks", []):
+        sharded.append(fully_shard(block, mesh=dp, mp_policy=mp, ignored_params=ignored & set(block.parameters()),
+                                   reshard_after_forward=reshard_after_forward))
     # the root's parameters (embeddings, final norm) are used again first thing in backward: kept gathered
-    units.append(fully_shard(model, mesh=dp, mp_policy=mp, ignored_params=ignored, reshard_after_forward=False))
-    for unit in units:
+    sharded.append(fully_shard(model, mesh=dp, mp_policy=mp, ignored_params=ignored, reshard_after_forward=False))
+    for unit in sharded:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
     return model
