@@ -87,6 +87,7 @@ CASES = [
     ("moeblaze train --seq-len 0", SystemExit),
     ("moeblaze train --eval-every 0", SystemExit),
     ("moeblaze train --eval-batches 0", SystemExit),
+    ("moeblaze train --fsdp-units layers", SystemExit),
     ("moeblaze train --save-every 0", SystemExit),
     ("moeblaze train --lr 0", SystemExit),
     ("moeblaze train --top-k 9", SystemExit),
