@@ -8,7 +8,8 @@
 # Peers: with .peers/ (bash ../shared/peers/get-peers.sh) beside the code, SonicMoE and Liger join the run.
 # TRITON_TARBALL=.whl/triton-...-stripped.tar.xz (scripts/pack_triton.sh; carry .whl) runs everything on that triton.
 # ab: scripts/ab_compare.py against .baseline/moeblaze_base (bash scripts/make_baseline.sh REV; carry .baseline),
-#     AB_ARGS passed on (e.g. "--configs D,E --backends auto").
+#     AB_ARGS passed on (e.g. "--configs D,E --backends auto"). profile: PROFILE_CONFIGS (L,d,h,E,K ...) and
+#     PROFILE_ARGS (e.g. "--precision fp8 --no-compare").
 # SonicMoE's compiled kernels: .peers/quack_cache.tar.xz, where present, seeds its cache before the steps, and
 # the cache is written back to $OUT/quack_cache.tar.xz after them (copy it to .peers/ to spare the next
 # machine the compile).
@@ -49,7 +50,7 @@ for s in $steps; do
              (exit $r) ;;
     fp8roof) $limit python3 scripts/fp8_roofline.py --out "$OUT" ${FP8ROOF_ARGS:-} ;;
     ab) $limit python3 scripts/ab_compare.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" ;;
-    profile) for c in ${PROFILE_CONFIGS:-8192,1024,4096,16,2}; do IFS=, read L d h E K <<< "$c"; python3 -m moeblaze.cli profile --kernels --tokens $L --d-model $d --d-expert $h --num-experts $E --top-k $K || exit 1; done 2>&1 | tee "$OUT/profile.log" ;;
+    profile) for c in ${PROFILE_CONFIGS:-8192,1024,4096,16,2}; do IFS=, read L d h E K <<< "$c"; python3 -m moeblaze.cli profile --kernels --tokens $L --d-model $d --d-expert $h --num-experts $E --top-k $K ${PROFILE_ARGS:-} || exit 1; done 2>&1 | tee "$OUT/profile.log" ;;
     *) echo "unknown step $s"; false ;;
   esac
   rc=$?

@@ -17,7 +17,7 @@ from ..bench.baselines import torch_gmm_experts
 from ..bench.harness import kernel_times
 from ..bench.memory import SavedTensorCounter
 from ..bench.stages import compiled_resources, stage_times
-from ..experts import BACKENDS, CHECKPOINTS, moe_experts
+from ..experts import BACKENDS, CHECKPOINTS, PRECISIONS, moe_experts
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import build_routing_index
 
@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--no-compare", action="store_true", help="skip the conventional pipeline")
     p.add_argument("--kernels", action="store_true", help="also list GPU time per kernel (torch.profiler)")
+    p.add_argument("--precision", default="native", choices=PRECISIONS,
+                   help="fp8: the experts' data GEMMs on e4m3 (the kernel table then shows the fp8 step)")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="the Triton kernels' backend: auto (Gluon on Hopper, tl elsewhere), tl or gluon")
 
@@ -130,7 +132,7 @@ def run(args) -> dict:
         seq = min(L, 256)
         cfg = ModelConfig(max_seq_len=seq, d_model=d, n_layers=2, n_heads=max(1, d // 64), num_experts=args.num_experts,
                           top_k=args.top_k, d_expert=h, activation=args.activation, impl=args.impl,
-                          checkpoint=args.checkpoint_policy)
+                          checkpoint=args.checkpoint_policy, precision=args.precision)
         model = MoEModel(cfg).to(device, dtype)
         idx = torch.randint(0, 256, (max(1, L // seq), seq), device=device)
 
@@ -155,7 +157,8 @@ def run(args) -> dict:
     def ours():
         routing = build_routing_index(r.topk_idx, args.num_experts, check=False)
         return (moe_experts(x, routing, routing_w, layer.w1, layer.w2, args.activation, args.checkpoint_policy,
-                            args.impl, check=False, backend=args.backend).float() * dy).sum()
+                            args.impl, check=False, backend=args.backend, precision=args.precision).float()
+                * dy).sum()
 
     def conventional():
         return (torch_gmm_experts(x, r.topk_idx, routing_w, layer.w1, layer.w2, args.activation).float() * dy).sum()
@@ -163,11 +166,12 @@ def run(args) -> dict:
     head = f"L={L} d={d} h={h} E={args.num_experts} K={args.top_k} {args.activation} {dtype} on {device}"
     profile_step(None, ours, [x, routing_w, dy], device)  # warm-up (kernel compilation)
     results["moeblaze"] = profile_step(layer, ours, [x, routing_w, dy], device)
-    _print(f"moeblaze experts (impl={args.impl}, checkpoint={args.checkpoint_policy}), {head}", results["moeblaze"])
+    _print(f"moeblaze experts (impl={args.impl}, checkpoint={args.checkpoint_policy}, precision={args.precision}), "
+           f"{head}", results["moeblaze"])
     if args.kernels and cuda:
         _drop_grads(layer, x, routing_w)  # else the table would hold the adds into the earlier steps' .grad
         _print_kernels("moeblaze", kernel_times(lambda: ours().backward()))
-        if args.impl == "triton":
+        if args.impl == "triton" and args.precision == "native":  # the stage table times the bf16 launches
             _print_stages(stage_times(L, d, h, args.num_experts, args.top_k, args.activation, dtype, device,
                                       backend=args.backend))
             _print_resources(compiled_resources())
