@@ -103,10 +103,12 @@ def test_preact_fp8_keeps_one_byte_per_element_and_a_scale_per_128():
     assert kept["preact"] - kept["preact-fp8"] == R * F * (4 - 1) - R * 2 * 4
 
 
-def test_preact_fp8_under_compile_equals_eager():
+@pytest.mark.parametrize("checkpoint,precision", [("preact-fp8", "native"), ("preact", "fp8"),
+                                                  ("preact-fp8", "fp8"), ("recompute", "fp8")])
+def test_preact_fp8_under_compile_equals_eager(checkpoint, precision):
     """torch.compile(fullgraph=True) traces the custom ops with the e4m3 pre-activation and its scales (their fake
-    shapes and dtypes): the same output and gradients as eager."""
-    x, w1, w2, idx, w = random_problem(24, 32, 64, 4, 2)
+    shapes and dtypes), and precision="fp8"'s ops: the same output and gradients as eager."""
+    x, w1, w2, idx, w = random_problem(24, 128, 64, 4, 2)
     routing = build_routing_index(idx, 4)
 
     def step(fn):
@@ -117,8 +119,8 @@ def test_preact_fp8_under_compile_equals_eager():
 
     def layer(x, counts, offsets, eti, slot, w, w1, w2):
         from moeblaze.routing import RoutingIndex
-        return moe_experts(x, RoutingIndex(counts, offsets, eti, slot), w, w1, w2, checkpoint="preact-fp8",
-                           impl="triton", check=False)
+        return moe_experts(x, RoutingIndex(counts, offsets, eti, slot), w, w1, w2, checkpoint=checkpoint,
+                           impl="triton", check=False, precision=precision)
 
     eager = step(layer)
     compiled = step(torch.compile(layer, fullgraph=True, backend="aot_eager"))

@@ -161,8 +161,8 @@ def check_args(args, val_len: int) -> ModelConfig:
             raise ValueError("--token-rounding under --ep is not supported yet")
         if args.checkpoint_policy == "preact-fp8" and args.ep > 1:
             raise ValueError("--checkpoint-policy preact-fp8 under --ep is not supported yet")
-        if args.precision == "fp8" and (args.ep > 1 or args.compile):
-            raise ValueError("--precision fp8 under --ep or --compile is not supported yet")
+        if args.precision == "fp8" and args.ep > 1:
+            raise ValueError("--precision fp8 under --ep is not supported yet")
         check_int("--bench-steps", args.bench_steps, minimum=0)
         if args.seq_len > val_len - 2:
             raise ValueError(f"--seq-len must be at most {val_len - 2} (the held-out text's length - 2), "

@@ -51,8 +51,8 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     with its own routing index, so that the transient (L·K, D) and (L·K, F) buffers of forward and backward scale
     with the chunk instead of L (for millions of tokens; the weights are read once per chunk, and the outputs and dx
     are concatenated). precision: "native" (the GEMMs in the inputs' dtype) or "fp8" (the four data GEMMs on e4m3
-    operands with 1 x 128 / 128 x 128 scales, weight gradients in the inputs' dtype: experts.fp8; correct, not yet
-    fast; on the reference, its emulation).
+    operands with 1 x 128 / 128 x 128 scales, weight gradients in the inputs' dtype: experts.fp8; on the reference,
+    its emulation).
     """
     check_activation(activation)
     if checkpoint not in CHECKPOINTS:

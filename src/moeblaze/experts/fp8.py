@@ -19,17 +19,21 @@ Memory contract: as experts.autograd's for the same checkpoint (H under "preact"
 recomputed by the fp8 up GEMM under "recompute"); transient: x_q, q(A), q(dy), q(dH) and the weights' e4m3 copies.
 The weights are quantized where they are used, forward and backward, never kept between them: under FSDP2 the
 gathered weights are freed after forward, and a copy kept for backward would hold them (in e4m3) through the
-step; no cache across steps either, so no copy can go stale. Not yet: biases, chunk_tokens, torch.compile, expert
+step; no cache across steps either, so no copy can go stale. Custom ops (what torch.compile traces) and an
+autograd.Function over the same bodies (eager), as experts.autograd. Not yet: biases, chunk_tokens, expert
 parallelism; these raise. On CUDA it needs fp8 tensor cores (sm_89 or later).
 """
 from __future__ import annotations
 
 import torch
 
+from ..launch import ensure_context
 from ..reference import apply_activation
+from ..reference.fp8 import FP8
 from ..routing import RoutingIndex
 from . import dispatch, gluon_sm90, stages
 from .autograd import clear_dropped
+from .schedule import BLOCK_M
 from .stages import RowPlan
 from .tl import quant
 from .tl.fp8 import fp8_rows_gemm
@@ -46,8 +50,6 @@ def check_fp8_supported(x: torch.Tensor, b1, b2, chunk_tokens) -> None:
         raise NotImplementedError("precision='fp8' with expert biases is not built yet")
     if chunk_tokens is not None:
         raise NotImplementedError("precision='fp8' with chunk_tokens is not built yet")
-    if torch.compiler.is_compiling():
-        raise NotImplementedError("precision='fp8' under torch.compile is not built yet (eager only)")
 
 
 def quantize_weight(w_ENK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,60 +76,123 @@ def _act_quantized(preact, activation, interleaved):
     return quant.quantize_rows(apply_activation(preact, activation, interleaved))
 
 
-class Fp8Experts(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_LD, w1_EFD, w2_EDH, topk_w_LK, counts, offsets, eti, slot, activation, checkpoint,
-                dropped, interleaved, backend):
-        plan = RowPlan.build(RoutingIndex(counts, offsets, eti, slot))
-        dt = x_LD.dtype
-        if x_LD.shape[0] == 0:
-            out, preact = x_LD.new_zeros(x_LD.shape), x_LD.new_zeros(0, w1_EFD.shape[1])
-        else:
-            preact = _rows(plan, quant.quantize_rows(x_LD), quantize_weight(w1_EFD), dt, backend, token=plan.token_R)
-            y = _rows(plan, _act_quantized(preact, activation, interleaved), quantize_weight(w2_EDH), dt, backend)
-            out = stages.combine(plan, y, topk_w_LK.float().contiguous(), dt)
-        kept, scale = preact, preact.new_empty(0, dtype=torch.float32)
-        if checkpoint == "preact-fp8":
-            kept, scale = quant.quantize_rows(preact)
-        elif checkpoint == "recompute":
-            kept = preact.new_empty(0)
-        ctx.save_for_backward(x_LD, w1_EFD, w2_EDH, topk_w_LK, kept, scale, *plan.sched, offsets, eti, slot)
-        ctx.activation, ctx.checkpoint, ctx.dropped, ctx.interleaved = activation, checkpoint, dropped, interleaved
-        ctx.backend = backend
-        return out
+def fp8_experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
+                        counts: torch.Tensor, offsets: torch.Tensor, eti: torch.Tensor, slot: torch.Tensor,
+                        activation: str, checkpoint: str, dropped: bool, interleaved: bool, backend: str
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out (L, D), H as backward keeps it (in x's dtype, e4m3 or empty by checkpoint), its scales (e4m3 only, else
+    empty), *the tile schedule): the forward body (dropped is backward's, taken here for the autograd context)."""
+    plan = RowPlan.build(RoutingIndex(counts, offsets, eti, slot))
+    dt = x_LD.dtype
+    if x_LD.shape[0] == 0:
+        out, preact = x_LD.new_zeros(x_LD.shape), x_LD.new_zeros(0, w1_EFD.shape[1])
+    else:
+        preact = _rows(plan, quant.quantize_rows(x_LD), quantize_weight(w1_EFD), dt, backend, token=plan.token_R)
+        y = _rows(plan, _act_quantized(preact, activation, interleaved), quantize_weight(w2_EDH), dt, backend)
+        out = stages.combine(plan, y, topk_w_LK.float().contiguous(), dt)
+    kept, scale = preact, preact.new_empty(0, dtype=torch.float32)
+    if checkpoint == "preact-fp8":
+        kept, scale = quant.quantize_rows(preact)
+    elif checkpoint == "recompute":
+        kept = preact.new_empty(0)
+    return (out, kept, scale, *plan.sched)
+
+
+fp8_experts_fwd = torch.library.custom_op("moeblaze::fp8_experts_fwd", fp8_experts_forward, mutates_args=())
+
+
+@fp8_experts_fwd.register_fake
+def _(x, w1, w2, topk_w, counts, offsets, eti, slot, activation, checkpoint, dropped, interleaved, backend):
+    R, F = (eti.shape[0], w1.shape[1]) if x.shape[0] else (0, w1.shape[1])
+    tiles = eti.shape[0] // BLOCK_M + counts.shape[0]
+    ints = dict(dtype=torch.int32, device=x.device)
+    kept = {"preact": x.new_empty(R, F), "preact-fp8": x.new_empty(R, F, dtype=FP8)}.get(checkpoint, x.new_empty(0))
+    scale = x.new_empty((R, -(-F // 128)) if checkpoint == "preact-fp8" else (0,), dtype=torch.float32)
+    return (x.new_empty(x.shape), kept, scale, torch.empty(tiles, **ints), torch.empty(tiles, **ints),
+            torch.empty(1, **ints))
+
+
+def fp8_experts_backward(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
+                         kept: torch.Tensor, scale: torch.Tensor, te: torch.Tensor, tr: torch.Tensor, tu: torch.Tensor,
+                         offsets: torch.Tensor, eti: torch.Tensor, slot: torch.Tensor, activation: str,
+                         checkpoint: str, dropped: bool, interleaved: bool, backend: str
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw1, dw2, dtopk_w): the backward body."""
+    if dy.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
+        ensure_context(dy.get_device())
+    if x.shape[0] == 0:
+        return torch.zeros_like(x), torch.zeros_like(w1), torch.zeros_like(w2), torch.zeros_like(topk_w)
+    plan = RowPlan(eti, offsets, slot, te, tr, tu)
+    dt = x.dtype
+    if checkpoint == "recompute":
+        preact = _rows(plan, quant.quantize_rows(x), quantize_weight(w1), dt, backend, token=plan.token_R)
+    elif checkpoint == "preact-fp8":
+        preact = quant.dequantize_rows(kept, scale, dt)
+    else:
+        preact = kept
+    # dA' = dy[token] W2, e4m3
+    dact = _rows(plan, quant.quantize_rows(dy), quantize_weight(w2.transpose(1, 2)), dt, backend, token=plan.token_R)
+    dpreact, act_scaled = torch.empty_like(preact), torch.empty_like(dact)
+    dtopk_w = stages.act_bwd(plan, dact, preact, topk_w, dpreact, act_scaled, activation, interleaved=interleaved)
+    del dact, preact
+    if dropped:
+        dtopk_w = clear_dropped(plan, dtopk_w, act_scaled, dpreact)
+    dw2 = stages.weight_grad(plan, dy, act_scaled, torch.empty_like(w2), True, backend)
+    del act_scaled
+    dw1 = stages.weight_grad(plan, dpreact, x, torch.empty_like(w1), False, backend)
+    dx_rows = _rows(plan, quant.quantize_rows(dpreact), quantize_weight(w1.transpose(1, 2)), dt, backend)  # dX~ = dH W1
+    return stages.combine(plan, dx_rows, None, dt), dw1, dw2, dtopk_w
+
+
+fp8_experts_bwd = torch.library.custom_op("moeblaze::fp8_experts_bwd", fp8_experts_backward, mutates_args=())
+
+
+@fp8_experts_bwd.register_fake
+def _(dy, x, w1, w2, topk_w, kept, scale, te, tr, tu, offsets, eti, slot, activation, checkpoint, dropped,
+      interleaved, backend):
+    return x.new_empty(x.shape), torch.empty_like(w1), torch.empty_like(w2), topk_w.new_empty(topk_w.shape)
+
+
+N_INPUTS = 13  # x, w1, w2, topk_w, the index's four tensors, activation, checkpoint, dropped, interleaved, backend
+
+
+def _setup_context(ctx, inputs, output):
+    x, w1, w2, topk_w, _counts, offsets, eti, slot, activation, checkpoint, dropped, interleaved, backend = inputs
+    ctx.save_for_backward(x, w1, w2, topk_w, *output[1:], offsets, eti, slot)
+    ctx.activation, ctx.checkpoint, ctx.dropped, ctx.interleaved = activation, checkpoint, dropped, interleaved
+    ctx.backend = backend
+    ctx.set_materialize_grads(False)  # the kept H and the schedule are saved state, never used downstream
+
+
+def _backward_with(backward_fn):
+    def backward(ctx, dout, *_saved_outputs):
+        if dout is None:  # the output took no part in the loss
+            return (None,) * N_INPUTS
+        x, w1, w2, topk_w, kept, scale, te, tr, tu, offsets, eti, slot = ctx.saved_tensors
+        grads = backward_fn(dout.contiguous(), x, w1, w2, topk_w, kept, scale, te, tr, tu, offsets, eti, slot,
+                            ctx.activation, ctx.checkpoint, ctx.dropped, ctx.interleaved, ctx.backend)
+        return (*grads, *(None,) * (N_INPUTS - 4))
+    return backward
+
+
+fp8_experts_fwd.register_autograd(_backward_with(fp8_experts_bwd), setup_context=_setup_context)
+
+
+class _EagerFp8Experts(torch.autograd.Function):
+    """fp8_experts_fwd's autograd outside torch.compile: the same bodies, context and backward, called directly
+    rather than through the dispatcher."""
 
     @staticmethod
-    def backward(ctx, dout):
-        x, w1, w2, topk_w, kept, scale, te, tr, tu, offsets, eti, slot = ctx.saved_tensors
-        if x.shape[0] == 0:
-            return (torch.zeros_like(x), torch.zeros_like(w1), torch.zeros_like(w2), torch.zeros_like(topk_w),
-                    *(None,) * 9)
-        plan = RowPlan(eti, offsets, slot, te, tr, tu)
-        dt, dy = x.dtype, dout.contiguous()
-        if ctx.checkpoint == "recompute":
-            preact = _rows(plan, quant.quantize_rows(x), quantize_weight(w1), dt, ctx.backend, token=plan.token_R)
-        elif ctx.checkpoint == "preact-fp8":
-            preact = quant.dequantize_rows(kept, scale, dt)
-        else:
-            preact = kept
-        # dA' = dy[token] W2, e4m3
-        dact = _rows(plan, quant.quantize_rows(dy), quantize_weight(w2.transpose(1, 2)), dt, ctx.backend,
-                     token=plan.token_R)
-        dpreact, act_scaled = torch.empty_like(preact), torch.empty_like(dact)
-        dtopk_w = stages.act_bwd(plan, dact, preact, topk_w, dpreact, act_scaled, ctx.activation,
-                                 interleaved=ctx.interleaved)
-        del dact, preact
-        if ctx.dropped:
-            dtopk_w = clear_dropped(plan, dtopk_w, act_scaled, dpreact)
-        dw2 = stages.weight_grad(plan, dy, act_scaled, torch.empty_like(w2), True, ctx.backend)
-        del act_scaled
-        dw1 = stages.weight_grad(plan, dpreact, x, torch.empty_like(w1), False, ctx.backend)
-        dx_rows = _rows(plan, quant.quantize_rows(dpreact), quantize_weight(w1.transpose(1, 2)), dt,
-                        ctx.backend)  # dX~ = dH W1
-        dx = stages.combine(plan, dx_rows, None, dt)
-        return dx, dw1, dw2, dtopk_w, *(None,) * 9
+    def forward(ctx, *inputs):
+        output = fp8_experts_forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        ctx.mark_non_differentiable(*output[1:])
+        return output
+
+    backward = staticmethod(_backward_with(fp8_experts_backward))
 
 
 def fp8_experts(x, routing: RoutingIndex, topk_w, w1, w2, activation, checkpoint, backend, interleaved):
-    return Fp8Experts.apply(x, w1, w2, topk_w, *routing.tensors(), activation, checkpoint, routing.dropped,
-                            interleaved, backend)
+    """The experts' output on e4m3 GEMMs: the custom op where torch.compile traces, the direct path in eager mode."""
+    args = (x, w1, w2, topk_w, *routing.tensors(), activation, checkpoint, routing.dropped, interleaved, backend)
+    return (fp8_experts_fwd(*args) if torch.compiler.is_compiling() else _EagerFp8Experts.apply(*args))[0]
