@@ -3,8 +3,8 @@ inputs: what any fp8 kernel's error is measured against. Runs anywhere (CPU by d
 
   gemm   activation rows (1 x 128 scales) times a weight (128 x 128 blocks), K = 1024, 4096, 16384, with clean
          inputs, 100x outliers in 0.1% of the channels (at least one), and 10% zero rows
-  layer  moeblaze.reference.moe_experts_reference(fp8_gemms=True) and (preact_fp8=True) against the fp32 layer:
-         output and every gradient
+  layer  moeblaze.reference.moe_experts_reference(fp8_gemms=True), (preact_fp8=True) and (fp8_gemms=True,
+         fp8_wgrad=True) against the fp32 layer: output and every gradient
 
     python scripts/fp8_accuracy.py [--out DIR] [--device cpu]
 
@@ -60,7 +60,8 @@ def layer_cases(device, L=1024, d=1024, h=512, E=8, K=2):
 
     exact = run()
     for mode, kw in (("fp8 GEMMs", dict(fp8_gemms=True)), ("preact-fp8", dict(preact_fp8=True)),
-                     ("fp8 GEMMs + preact-fp8", dict(fp8_gemms=True, preact_fp8=True))):
+                     ("fp8 GEMMs + preact-fp8", dict(fp8_gemms=True, preact_fp8=True)),
+                     ("fp8 GEMMs + fp8 weight gradients", dict(fp8_gemms=True, fp8_wgrad=True))):
         for name, a, b in zip(names, run(**kw), exact):
             yield dict(part="layer", shape=f"{L},{d},{h},{E},{K}", mode=mode, tensor=name), a, b
 

@@ -129,8 +129,9 @@ def test_preact_fp8_under_compile_equals_eager(checkpoint, precision):
 
 
 @pytest.mark.parametrize("activation,biases", [("swiglu", False), ("gelu", True), ("swiglu", True)])
-@pytest.mark.parametrize("preact_fp8", [False, True])
-def test_fp8_gemm_emulation_backward_is_autograd_without_quantization(monkeypatch, activation, biases, preact_fp8):
+@pytest.mark.parametrize("preact_fp8,fp8_wgrad", [(False, False), (True, False), (False, True)])
+def test_fp8_gemm_emulation_backward_is_autograd_without_quantization(monkeypatch, activation, biases, preact_fp8,
+                                                                      fp8_wgrad):
     """The fp8 emulation's hand-written backward (dA' = dy W2, dS = <dA', A> + <dy, b2>, dH, dX~ = dH W1, dW1, dW2,
     the biases) is autograd's exactly once its quantizers are the identity: fp64, every gradient."""
     import moeblaze.reference.experts as ref
@@ -148,7 +149,7 @@ def test_fp8_gemm_emulation_backward_is_autograd_without_quantization(monkeypatc
         out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], activation, *bb, **kw)
         return [out, *torch.autograd.grad(out, ins, dy)]
 
-    for a, b in zip(run(fp8_gemms=True, preact_fp8=preact_fp8), run(preact_fp8=False)):
+    for a, b in zip(run(fp8_gemms=True, preact_fp8=preact_fp8, fp8_wgrad=fp8_wgrad), run(preact_fp8=False)):
         assert rel_err(a, b) <= 1e-12
 
 
@@ -165,6 +166,15 @@ def test_fp8_gemm_emulation_error_is_the_formats():
 
     for name, a, b in zip(("out", "dx", "dw1", "dw2", "dw"), run(fp8_gemms=True), run()):
         assert 1e-4 < rel_err(a, b) < 0.08, (name, rel_err(a, b))
+    # fp8 weight gradients: dW1 and dW2 change, within the same few percent; nothing else does
+    data, wgrad, exact = run(fp8_gemms=True), run(fp8_gemms=True, fp8_wgrad=True), run()
+    for name, a, b, c in zip(("out", "dx", "dw1", "dw2", "dw"), wgrad, data, exact):
+        if name in ("dw1", "dw2"):
+            assert not torch.equal(a, b) and 1e-4 < rel_err(a, c) < 0.08, (name, rel_err(a, c))
+        else:
+            assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="fp8_gemms"):
+        moe_experts_reference(x, idx, w, w1, w2, fp8_wgrad=True)
 
 
 @pytest.mark.parametrize("gather", [False, True])
