@@ -208,18 +208,21 @@ def _backward_with(experts_bwd_fn):
 experts_fwd.register_autograd(_backward_with(experts_bwd), setup_context=_setup_context)
 
 
-class _EagerExperts(torch.autograd.Function):
-    """experts_fwd's autograd outside torch.compile: the same bodies, context and backward, called directly
-    rather than through the dispatcher (which costs ~50 µs of host time a step)."""
+def eager_function(name: str, forward_body, setup_context, backward) -> type:
+    """A custom op's autograd outside torch.compile: an autograd.Function over the same bodies, context and
+    backward, called directly rather than through the dispatcher (which costs ~50 µs of host time a step). The
+    op's first output is the result; the others are saved state."""
 
-    @staticmethod
     def forward(ctx, *inputs):
-        output = experts_forward(*inputs)
-        _setup_context(ctx, inputs, output)
+        output = forward_body(*inputs)
+        setup_context(ctx, inputs, output)
         ctx.mark_non_differentiable(*output[1:])
         return output
 
-    backward = staticmethod(_backward_with(experts_backward))
+    return type(name, (torch.autograd.Function,), dict(forward=staticmethod(forward), backward=staticmethod(backward)))
+
+
+_EagerExperts = eager_function("_EagerExperts", experts_forward, _setup_context, _backward_with(experts_backward))
 
 
 def fused_experts(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,

@@ -32,7 +32,7 @@ from ..reference import apply_activation
 from ..reference.fp8 import FP8
 from ..routing import RoutingIndex
 from . import dispatch, gluon_sm90, stages
-from .autograd import clear_dropped
+from .autograd import clear_dropped, eager_function
 from .schedule import BLOCK_M
 from .stages import RowPlan
 from .tl import quant
@@ -178,18 +178,8 @@ def _backward_with(backward_fn):
 fp8_experts_fwd.register_autograd(_backward_with(fp8_experts_bwd), setup_context=_setup_context)
 
 
-class _EagerFp8Experts(torch.autograd.Function):
-    """fp8_experts_fwd's autograd outside torch.compile: the same bodies, context and backward, called directly
-    rather than through the dispatcher."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = fp8_experts_forward(*inputs)
-        _setup_context(ctx, inputs, output)
-        ctx.mark_non_differentiable(*output[1:])
-        return output
-
-    backward = staticmethod(_backward_with(fp8_experts_backward))
+_EagerFp8Experts = eager_function("_EagerFp8Experts", fp8_experts_forward, _setup_context,
+                                  _backward_with(fp8_experts_backward))
 
 
 def fp8_experts(x, routing: RoutingIndex, topk_w, w1, w2, activation, checkpoint, backend, interleaved):
