@@ -230,7 +230,7 @@ def _rounded_index_triton(kept_LE, weights_LE, max_experts: int, max_rows: int):
     eti = torch.zeros(max_rows + 1, dtype=i32, device=dev)
     slot, expert = (torch.empty(L, max_experts, dtype=i32, device=dev) for _ in range(2))
     launch(rounded_place_kernel, (n_tiles,), kept, tile_base, counts_kept, fit_base, counts, offsets, eti, slot,
-           expert, L, E, max_rows, M=max_experts, **tiles)
+           expert, L, E, max_rows, M=max_experts, M_PAD=_next_pow2(max_experts), **tiles)
     # the weights by a gather, so that they stay differentiable in weights_LE (the router's logits)
     w = torch.where(slot < max_rows, weights_LE.float().gather(1, expert.long()), 0.0)
     return RoutingIndex(counts, offsets, eti, slot, dropped=True), w, lost.any()

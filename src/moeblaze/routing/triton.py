@@ -131,7 +131,7 @@ def rounded_fit_count_kernel(kept_ptr, tile_base_ptr, counts_ptr, fit_counts_ptr
 @triton.jit
 def rounded_place_kernel(kept_ptr, tile_base_ptr, counts_kept_ptr, fit_base_ptr, counts_ptr, offsets_ptr,
                          expert_token_idx_ptr, token_slot_ptr, slot_expert_ptr, L, E, max_rows,
-                         M: tl.constexpr, BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
+                         M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
     """The fitting pairs to their rows: expert_token_idx[row] = t, and each token's table of M places (place k:
     the row of its k-th expert that fits, and that expert; the sink row max_rows and expert 0 where there is
     none)."""
@@ -146,9 +146,17 @@ def rounded_place_kernel(kept_ptr, tile_base_ptr, counts_kept_ptr, fit_base_ptr,
     tmask = t < L
     fit = fits > 0
     tl.store(expert_token_idx_ptr + row, t[:, None] + 0 * row, mask=fit)
+    # each token's table built in registers (M <= E by default: no larger than the hit map), then stored row by row
+    cols = tl.arange(0, M_PAD)
+    slots = tl.full((BLOCK_L, M_PAD), max_rows, tl.int32)
+    experts = tl.zeros((BLOCK_L, M_PAD), dtype=tl.int32)
     for c in tl.static_range(M):
         here = fit & (k == c)
         has = tl.sum(here.to(tl.int32), axis=1) > 0
         slot = tl.where(has, tl.sum(tl.where(here, row, 0), axis=1), max_rows)
-        tl.store(token_slot_ptr + t * M + c, slot, mask=tmask)
-        tl.store(slot_expert_ptr + t * M + c, tl.sum(tl.where(here, e[None, :], 0), axis=1), mask=tmask)
+        slots = tl.where(cols[None, :] == c, slot[:, None], slots)
+        experts = tl.where(cols[None, :] == c, tl.sum(tl.where(here, e[None, :], 0), axis=1)[:, None], experts)
+    table = t.to(tl.int64)[:, None] * M + cols[None, :]
+    tmask2 = tmask[:, None] & (cols < M)[None, :]
+    tl.store(token_slot_ptr + table, slots, mask=tmask2)
+    tl.store(slot_expert_ptr + table, experts, mask=tmask2)

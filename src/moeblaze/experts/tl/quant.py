@@ -110,13 +110,14 @@ def _blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, s
     y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
     if EMULATE:
         y = _round_e4m3(y)
-    if TRANSPOSE:  # q(W)ᵀ: row k, column n
-        q = q_ptr + e * stride_qe + k.to(tl.int64)[None, :] * stride_qr + n[:, None]
+    if TRANSPOSE:  # q(W)ᵀ: row k, column n; the tile transposed in registers, so that the stores run along n
+        q = q_ptr + e * stride_qe + k.to(tl.int64)[:, None] * stride_qr + n[None, :]
+        tl.store(q, tl.trans(y).to(q_ptr.dtype.element_ty), mask=(k < K)[:, None] & (n < N)[None, :])
         tl.store(s_ptr + e * stride_se + bk * stride_sr + bn, scale)
     else:
         q = q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qr + k[None, :]
+        tl.store(q, y.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + e * stride_se + bn * stride_sr + bk, scale)
-    tl.store(q, y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def _groups(n: int) -> int:
