@@ -1,0 +1,115 @@
+"""Kernels compiled ahead of time for sm_90 without a GPU (Triton's ASTSource / GluonASTSource and its bundled
+ptxas), where the interpreter would not tell: the Hopper fp8 kernel (every variant the launcher can pick compiles,
+issues e4m3 wgmma and spills nothing; what it computes is checked on a GPU only, tests/gpu/test_fp8_gpu.py, since
+the interpreter does not run Gluon), and the tl kernels of the fp8 quantizers, the rounded index and the wide
+combine (the interpreter runs them; this checks that they also lower for the GPU)."""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
+if not hasattr(gluon_runtime, "GluonASTSource"):
+    pytest.skip("this triton has no ahead-of-time Gluon source", allow_module_level=True)
+
+from moeblaze.experts.gluon_sm90 import fp8  # noqa: E402
+from moeblaze.experts.gluon_sm90.common import descriptor  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+SIZES = ("n_rows", "N", "K_DIM")  # values, not 16-divisible in general; strides and pointers are (as launched)
+
+
+def _compile(gather: bool, out_dtype: torch.dtype):
+    fn = fp8.fp8_rows_kernel
+    a = torch.empty(1024, 512, dtype=torch.float8_e4m3fn)
+    w = torch.empty(8 * 256, 512, dtype=torch.float8_e4m3fn)
+    c = torch.empty(1024, 256, dtype=out_dtype)
+    descs = dict(a_desc=descriptor(c if gather else a, [128, 128]), b_desc=descriptor(w, [fp8.FP8_BLOCK_N, 128]),
+                 c_desc=descriptor(c, [128, fp8.FP8_BLOCK_N]))
+    consts = dict(GATHER=gather, BLOCK_M=128, BLOCK_N=fp8.FP8_BLOCK_N, BLOCK_K=128, STAGES=fp8.FP8_STAGES,
+                  WORKER_REGS=56)
+    ptrs = dict(c_ptr="*bf16" if out_dtype == torch.bfloat16 else "*fp32", x_ptr="*fp8e4nv", sa_ptr="*fp32",
+                sb_ptr="*fp32")
+    sig, attrs = {}, {}
+    for i, p in enumerate(fn.params):
+        n = p.name
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in descs:
+            sig[n] = descs[n].__mangle__()
+        else:
+            sig[n] = ptrs.get(n, "*i32" if n.endswith("_ptr") else "i32")
+            if n not in SIZES:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = gluon_runtime.GluonASTSource(fn, sig, consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=168))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("gather", [False, True])
+def test_fp8_rows_kernel_compiles_for_sm90_without_spills(gather, out_dtype):
+    ck = _compile(gather, out_dtype)
+    ptx = ck.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+    assert "wgmma.wait_group.sync.aligned 1" in ptx  # the next stage's MMAs in flight while one is promoted
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(ck.asm["cubin"])
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", path], capture_output=True,
+                               text=True, check=True).stdout
+    stack = [int(s) for s in re.findall(r"STACK:(\d+)", usage)]
+    assert stack and max(stack) == 0, usage
+    assert ck.metadata.shared <= 227 * 1024
+
+
+
+# the tl kernels are compiled in a child process: this session runs them under the interpreter, which turns
+# @triton.jit into its own function objects
+TL_SNIPPET = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moeblaze.experts.tl import forward, quant
+from moeblaze.routing import triton as rk
+
+Q = dict(GROUP=128, AMAX_FLOOR=1e-12, FP8_MAX=448.0, EMULATE=False)
+ROWS = dict(t_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
+BLOCKS = dict(w_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
+KERNELS = [  # (kernel, pointer types, constexprs, warps)
+    (quant._rows_kernel, ROWS, dict(SWIGLU=True, INTERLEAVED=False, ROWS=quant.ROWS, **Q), 4),
+    (quant._rows_kernel, ROWS, dict(SWIGLU=False, INTERLEAVED=True, ROWS=quant.ROWS, **Q), 4),
+    (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=True, **Q), 8),
+    (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=False, **Q), 8),
+    (quant._dequant_rows_kernel, dict(q_ptr="*fp8e4nv", s_ptr="*fp32", t_ptr="*bf16"),
+     dict(ROWS=quant.ROWS, GROUP=128), 4),
+    (rk.rounded_tile_count_kernel, dict(kept_ptr="*i1"), dict(BLOCK_L=32, E_PAD=256), 4),
+    (rk.rounded_fit_count_kernel, dict(kept_ptr="*i1"), dict(M=32, BLOCK_L=32, E_PAD=256), 4),
+    (rk.rounded_place_kernel, dict(kept_ptr="*i1"), dict(M=32, M_PAD=32, BLOCK_L=32, E_PAD=256), 4),
+    (rk.rounded_place_kernel, dict(kept_ptr="*i1"), dict(M=8, M_PAD=8, BLOCK_L=1024, E_PAD=8), 4),
+    (forward._combine_kernel, dict(rows_ptr="*bf16", weights_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16"),
+     dict(K=32, WEIGHTED=True, HAS_BIAS=False, WIDE=True, K_POW2=32, BLOCK_T=16, BLOCK_D=256), 4),
+]
+for kernel, ptrs, consts, warps in KERNELS:
+    sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "*i32" if p.name.endswith("_ptr") else "i32")
+           for p in kernel.params}
+    ck = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=warps))
+    print(kernel.fn.__name__, len(ck.asm["cubin"]) > 0)
+"""
+
+
+def test_tl_kernels_of_fp8_rounding_and_the_wide_combine_lower_for_sm90():
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", TL_SNIPPET], cwd=root, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.split()
+    assert lines[1::2] == ["True"] * 10 and len(lines) == 20, out.stdout
