@@ -1,6 +1,6 @@
 """precision="fp8": the experts with their four data GEMMs on e4m3 operands (DeepSeek-V3's recipe, reference.fp8's
-quantizers), as an autograd op composed from stages. Correct first, not yet fast: it is the arithmetic of
-reference.moe_experts_reference(fp8_gemms=True) on the kernels, every quantization one pass (experts.tl.quant).
+quantizers), as an autograd op composed from stages: the arithmetic of reference.moe_experts_reference(fp8_gemms=True)
+on the kernels, every quantization one pass (experts.tl.quant).
 Each fp8 GEMM (fp8_rows_gemm below) runs on the Hopper kernel (gluon_sm90.fp8) where experts.dispatch takes
 its operands, on the portable one (tl.fp8) elsewhere.
 
