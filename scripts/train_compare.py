@@ -9,6 +9,7 @@ variant's validation loss against the study's baseline and its curves.
                    loss (its mean over the last 10% of steps against the baseline's); the gradient norm over training
 
     python scripts/train_compare.py run [--study routing] [--out DIR] [--seeds 0,1,2] [--jobs 6] [--steps 1000]  (GPU)
+                                        [--shapes small] [--cpu]   (--cpu: a proxy in fp32 on the reference)
     python scripts/train_compare.py report DIR [--study routing] [--png FILE]                                 (anywhere)
 
 Shapes, routing: "small" (moeblaze train's default: 8 experts, top-2, 2048 tokens a step: 4 tiles of 128 pairs per
@@ -53,13 +54,16 @@ STUDIES = {
 
 def run(args) -> int:
     study, jobs = STUDIES[args.study], []
+    device = ["--device", "cpu", "--dtype", "float32", "--impl", "reference"] if args.cpu else ["--dtype", "bfloat16"]
     for shape, shape_args in study["shapes"].items():
+        if args.shapes and shape not in args.shapes.split(","):
+            continue
         os.makedirs(os.path.join(args.out, shape), exist_ok=True)
         for variant, variant_args in study["variants"].items():
             for seed in args.seeds.split(","):
                 log = os.path.join(args.out, shape, f"{variant}-s{seed}.jsonl")
                 jobs.append([sys.executable, "-m", "moeblaze.cli", "train", "--steps", str(args.steps), "--seed", seed,
-                             "--dtype", "bfloat16", "--save", "", "--loss-log", log, *shape_args, *variant_args])
+                             *device, "--save", "", "--loss-log", log, *shape_args, *variant_args])
 
     def one(cmd):
         p = subprocess.run(cmd, capture_output=True, text=True)
@@ -68,8 +72,9 @@ def run(args) -> int:
               flush=True)
         return p.returncode
 
-    subprocess.run([sys.executable, "-m", "moeblaze.cli", "train", "--steps", "2", "--save", "", "--dtype",
-                    "bfloat16"], capture_output=True)  # compile the kernels once, before the jobs share the cache
+    if not args.cpu:  # compile the kernels once, before the jobs share the cache
+        subprocess.run([sys.executable, "-m", "moeblaze.cli", "train", "--steps", "2", "--save", "", "--dtype",
+                        "bfloat16"], capture_output=True)
     with ThreadPoolExecutor(args.jobs) as pool:
         return max(pool.map(one, jobs))
 
@@ -172,6 +177,9 @@ def main():
     r.add_argument("--seeds", default="0,1,2")
     r.add_argument("--jobs", type=int, default=6)
     r.add_argument("--steps", type=int, default=1000)
+    r.add_argument("--shapes", default="", help="a comma-separated subset of the study's shapes")
+    r.add_argument("--cpu", action="store_true", help="a CPU proxy: float32, the PyTorch reference (the fp8 study: "
+                   "its emulation), not the GPU's bf16 kernels")
     p = sub.add_parser("report")
     p.add_argument("dir")
     p.add_argument("--study", default="routing", choices=tuple(STUDIES))
