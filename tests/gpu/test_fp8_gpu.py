@@ -61,7 +61,12 @@ def test_fp8_rows_gemm_on_e4m3_matches_the_emulation(gather, backend, out_dtype)
     src = plan.token_R.long() if gather else torch.arange(R, device="cuda")
     aq, bq, off = fake_quant_rows(a), fake_quant_blocks(b), plan.offsets_E1.tolist()
     want = torch.cat([aq[src[off[e]:off[e + 1]]] @ bq[e].t() for e in range(E)])
-    assert torch.isfinite(out).all() and _rel(out, want) <= (1e-5 if out_dtype == torch.float32 else 4e-3)
+    # Hopper's fp8 MMA accumulates a 128-deep block in fewer bits than fp32 (about 14, DeepSeek-V3 §3.3.2; the
+    # reason for the promotion every 128): ~1e-4 from the emulation's fp32 sums, measured; bf16 output adds its
+    # rounding. Against the exact product of the bf16 inputs, the kernel stays within 1.1x the emulation's error.
+    assert torch.isfinite(out).all() and _rel(out, want) <= (1e-3 if out_dtype == torch.float32 else 4e-3)
+    exact = torch.cat([a.float()[src[off[e]:off[e + 1]]] @ b.float()[e].t() for e in range(E)])
+    assert _rel(out, exact) <= 1.1 * _rel(want, exact), (_rel(out, exact), _rel(want, exact))
 
 
 def test_one_pass_quantizers_on_the_gpu_are_the_references():

@@ -193,7 +193,7 @@ def test_backward_on_a_fresh_thread(backend):
     x, idx, w, dy = p.sets[0]
     r = build_routing_index(idx, p.E)
     args = (x.detach(), p.w1.detach(), p.w2.detach(), w.detach(), None, None)  # no biases
-    _, preact, *sched = experts_forward(*args, *r.tensors(), "swiglu", True, backend)
+    _, preact, _scale, *sched = experts_forward(*args, *r.tensors(), "swiglu", True, backend)
     bwd_args = (dy, *args, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot, preact, "swiglu", True,
                 backend)
     want = experts_backward(*bwd_args)

@@ -98,9 +98,10 @@ def weight_grad(backend: str, p, q, out, gather_p: bool) -> str:
 
 
 def fp8_rows(backend: str, a_q, w_q, out_dtype, gather: bool) -> str:
-    """An fp8 row GEMM (precision="fp8"): Gluon where A and W are e4m3, K a multiple of 16 (of 128 where A is
-    gathered: whole 16-byte copies of whole scale groups), N of 8 and C in bf16/fp16/fp32."""
+    """An fp8 row GEMM (precision="fp8"): Gluon where A and W are e4m3, K a multiple of 128 (A's rows are read by
+    the gathering loader, in place too: whole 16-byte copies of whole scale groups), N of 8 and C in
+    bf16/fp16/fp32."""
     K = w_q.shape[2]
-    return _pick("fp8_rows", backend, a_q.device, lambda: K % (128 if gather else 16) == 0 and w_q.shape[1] % 8 == 0
+    return _pick("fp8_rows", backend, a_q.device, lambda: K % 128 == 0 and w_q.shape[1] % 8 == 0
                  and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
                  and _takes(a_q, w_q, dtypes=(torch.float8_e4m3fn,)))

@@ -13,6 +13,7 @@ warps themselves when a stage's MMAs are issued, and used once they are done.
 Memory contract: nothing beyond C. Shared memory: STAGES x (128 + 128) x 128 bytes of operands and one 128 x 128
 tile of C in its dtype.
 """
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -125,10 +126,13 @@ def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=No
                   stages: int = FP8_STAGES, worker_regs: int = 56):
     """experts.tl.fp8.fp8_rows_gemm on Hopper (same arguments and result): a_q (·, K) e4m3 contiguous with
     a_scale (·, ceil(K / 128)) fp32, b_q (E, N, K) e4m3 contiguous with b_scale (E, ceil(N / 128), ceil(K / 128));
-    K a multiple of 16 (a multiple of 128 where A is gathered), N of 8. The dispatcher (experts.dispatch) checks
+    K a multiple of 128, N of 8. A in place is read through the gathering loader with the identity as tokens
+    (triton 3.6 fails to lower the variant with a TMA loader for A). The dispatcher (experts.dispatch) checks
     these; the launcher does not."""
     E, N, K = b_q.shape
     c = a_q.new_empty(num_rows, N, dtype=out_dtype) if out is None else out
+    if token is None:  # A in place through the gathering loader: triton 3.6 fails to lower the TMA-loader variant
+        token = torch.arange(num_rows, dtype=torch.int32, device=a_q.device)
     b_desc = descriptor(b_q.reshape(E * N, K), [FP8_BLOCK_N, GROUP])
     c_desc = descriptor(c, [BLOCK_M, FP8_BLOCK_N])
     gather = token is not None

@@ -10,10 +10,11 @@ its scales, where the torch passes of the reference make six.
                     transpose=True writes q(W)ᵀ (E, K, N) and its scales (E, ceil(K / 128), ceil(N / 128)),
                     the K-major operand backward's GEMMs need (square blocks: quantize_blocks(Wᵀ) exactly)
 
-Values equal reference.fp8's bit for bit on the GPU (division rounded to nearest, e4m3's saturating cast;
-swiglu_quantize rounds A to H's dtype first, as the unfused path stores it, with SiLU in fp32). Triton's
-interpreter casts to e4m3 wrongly where rounding carries into the exponent (125.9 gives 64), so under it the
-kernels round in fp32 arithmetic first (_round_e4m3); the cast of a value e4m3 holds exactly is right there.
+Values equal reference.fp8's bit for bit on the GPU (both divisions rounded to nearest, as Triton's `/` is not;
+e4m3's saturating cast; swiglu_quantize rounds A to H's dtype first, as the unfused path stores it, with SiLU in
+fp32). Triton's interpreter casts to e4m3 wrongly where rounding carries into the exponent (125.9 gives 64), so
+under it the kernels round in fp32 arithmetic first (_round_e4m3); the cast of a value e4m3 holds exactly is right
+there.
 
 Memory: the outputs only.
 """
@@ -47,7 +48,7 @@ def _quantize(v, mask, q_ptrs, s_ptrs, smask, AMAX_FLOOR: tl.constexpr, FP8_MAX:
               EMULATE: tl.constexpr):
     """Stores q and the scale of each row of v (ROWS, GROUP) fp32, one group per row (masked lanes are 0)."""
     v = tl.where(mask, v, 0.0)
-    scale = tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR) / FP8_MAX
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR), FP8_MAX)
     y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -FP8_MAX), FP8_MAX)
     if EMULATE:
         y = _round_e4m3(y)
@@ -106,7 +107,7 @@ def _blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, s
     mask = (n < N)[:, None] & (k < K)[None, :]
     v = tl.load(w_ptr + e * stride_we + n.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=mask,
                 other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.max(tl.abs(v), axis=1), axis=0), AMAX_FLOOR) / FP8_MAX
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(v), axis=1), axis=0), AMAX_FLOOR), FP8_MAX)
     y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
     if EMULATE:
         y = _round_e4m3(y)
