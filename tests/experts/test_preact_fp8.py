@@ -52,7 +52,9 @@ def test_blocks_scale_each_128_by_128_block():
     want[1, 1, 1] = 9.0
     assert torch.allclose(s, want / FP8_MAX)
     d = dequantize_blocks(q, s)
-    assert d[1, 150, 129] == -9.0 and torch.equal(d[0], w[0])
+    # the scale is amax times fp32's 1/448 (one rounding, alike on every device): within an ulp of amax / 448
+    assert torch.allclose(d[1, 150, 129], torch.tensor(-9.0), rtol=2 ** -23, atol=0)
+    assert torch.allclose(d[0], w[0], rtol=2 ** -23, atol=0)
     assert torch.equal(quantize_blocks(torch.zeros(1, 128, 128))[0].float(), torch.zeros(1, 128, 128))
 
 

@@ -79,7 +79,7 @@ from triton.compiler import ASTSource
 from moeblaze.experts.tl import forward, quant
 from moeblaze.routing import triton as rk
 
-Q = dict(GROUP=128, AMAX_FLOOR=1e-12, FP8_MAX=448.0, EMULATE=False)
+Q = dict(GROUP=128, AMAX_FLOOR=1e-12, INV_FP8_MAX=1 / 448, FP8_MAX=448.0, EMULATE=False)
 ROWS = dict(t_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
 BLOCKS = dict(w_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
 KERNELS = [  # (kernel, pointer types, constexprs, warps)

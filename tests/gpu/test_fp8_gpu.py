@@ -76,15 +76,15 @@ def test_one_pass_quantizers_on_the_gpu_are_the_references():
     torch.manual_seed(0)
     t = torch.randn(3000, 1000, device="cuda").bfloat16() * torch.logspace(-3, 3, 3000, device="cuda")[:, None]
     t[5] = 0
-    for got, want in ((quant.quantize_rows(t), quantize_rows(t)),
-                      (quant.swiglu_quantize(t), quantize_rows(apply_activation(t, "swiglu"))),
-                      (quant.quantize_blocks(t.view(3, 1000, 1000)), quantize_blocks(t.view(3, 1000, 1000))),
-                      (quant.quantize_blocks(t.view(3, 1000, 1000), transpose=True),
-                       quantize_blocks(t.view(3, 1000, 1000).transpose(1, 2).contiguous()))):
-        assert torch.equal(got[1], want[1])
-        # SwiGLU's exp differs from torch's in its last bits on the GPU: allow its rare neighbouring e4m3 value
-        assert (got[0].float() != want[0].float()).float().mean() <= 1e-3
-    assert torch.equal(quant.quantize_rows(t)[0].view(torch.uint8), quantize_rows(t)[0].view(torch.uint8))
+    w = t.view(3, 1000, 1000)
+    for got, want in ((quant.quantize_rows(t), quantize_rows(t)), (quant.quantize_blocks(w), quantize_blocks(w)),
+                      (quant.quantize_blocks(w, transpose=True), quantize_blocks(w.transpose(1, 2).contiguous()))):
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    # SwiGLU: the kernel's exp differs from torch's in its last bits, so A in bf16 may differ by one bf16 step
+    # (2^-8 relative), and with it a group's amax (its scale) and a value's e4m3 neighbour, rarely
+    got, want = quant.swiglu_quantize(t), quantize_rows(apply_activation(t, "swiglu"))
+    assert ((got[1] - want[1]).abs() <= want[1] * 2 ** -7).all()
+    assert (got[0].float() != want[0].float()).float().mean() <= 1e-3
 
 
 @pytest.mark.parametrize("backend", ["tl", "gluon"])

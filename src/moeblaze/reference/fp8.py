@@ -3,7 +3,8 @@
   rows    one fp32 scale per 1 x 128 group along the last dimension (activations, gradients, a kept pre-activation)
   blocks  one fp32 scale per 128 x 128 block of a matrix's last two dimensions (weights)
 
-A group's scale is amax / 448 (e4m3's largest finite value), so its largest magnitude maps to ±448; values are divided
+A group's scale is amax / 448 (e4m3's largest finite value; computed as amax times 1/448 in fp32, so that every
+device rounds it alike), so its largest magnitude maps to ±448 (within an ulp); values are divided
 by the scale, clamped to ±448 (a saturating cast) and cast to torch.float8_e4m3fn; the value a kernel sees is
 q · scale. An all-zero group (a padding row, an empty expert's slot) gets the scale AMAX_FLOOR / 448 instead of 0, so
 no scale is 0 and no division gives NaN: its values quantize to 0. A last group narrower than 128 (a width that is not
@@ -28,8 +29,13 @@ def _groups(n: int) -> int:
     return -(-n // GROUP)
 
 
+INV_FP8_MAX = float(torch.tensor(1 / FP8_MAX, dtype=torch.float32))  # 1/448 as fp32 holds it, exactly
+
+
 def _scale(amax: torch.Tensor) -> torch.Tensor:
-    return amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    # times the fp32 reciprocal, not / 448: torch divides by a scalar through its reciprocal on CUDA and exactly on
+    # the CPU, while one fp32 multiply rounds the same everywhere (the kernels do the same multiply)
+    return amax.clamp(min=AMAX_FLOOR) * INV_FP8_MAX
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,11 +10,11 @@ its scales, where the torch passes of the reference make six.
                     transpose=True writes q(W)ᵀ (E, K, N) and its scales (E, ceil(K / 128), ceil(N / 128)),
                     the K-major operand backward's GEMMs need (square blocks: quantize_blocks(Wᵀ) exactly)
 
-Values equal reference.fp8's bit for bit on the GPU (both divisions rounded to nearest, as Triton's `/` is not;
-e4m3's saturating cast; swiglu_quantize rounds A to H's dtype first, as the unfused path stores it, with SiLU in
-fp32). Triton's interpreter casts to e4m3 wrongly where rounding carries into the exponent (125.9 gives 64), so
-under it the kernels round in fp32 arithmetic first (_round_e4m3); the cast of a value e4m3 holds exactly is right
-there.
+Values equal reference.fp8's bit for bit on the GPU: the scale is amax times fp32's 1/448, v / scale is rounded
+to nearest (which Triton's `/` is not), and e4m3's cast saturates. swiglu_quantize rounds A to H's dtype first, as
+the unfused path stores it, with SiLU in fp32. Triton's interpreter casts to e4m3 wrongly where rounding carries
+into the exponent (125.9 gives 64), so under it the kernels round in fp32 arithmetic first (_round_e4m3); the cast
+of a value e4m3 holds exactly is right there.
 
 Memory: the outputs only.
 """
@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ...config import INTERPRET
 from ...launch import launch
-from ...reference.fp8 import AMAX_FLOOR, FP8, FP8_MAX, GROUP
+from ...reference.fp8 import AMAX_FLOOR, FP8, FP8_MAX, GROUP, INV_FP8_MAX
 
 ROWS = 32  # rows of a program of the row quantizers
 
@@ -44,11 +44,12 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _quantize(v, mask, q_ptrs, s_ptrs, smask, AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr,
+def _quantize(v, mask, q_ptrs, s_ptrs, smask, AMAX_FLOOR: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+              FP8_MAX: tl.constexpr,
               EMULATE: tl.constexpr):
     """Stores q and the scale of each row of v (ROWS, GROUP) fp32, one group per row (masked lanes are 0)."""
     v = tl.where(mask, v, 0.0)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR), FP8_MAX)
+    scale = tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR) * INV_FP8_MAX
     y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -FP8_MAX), FP8_MAX)
     if EMULATE:
         y = _round_e4m3(y)
@@ -59,7 +60,7 @@ def _quantize(v, mask, q_ptrs, s_ptrs, smask, AMAX_FLOOR: tl.constexpr, FP8_MAX:
 @triton.jit
 def _rows_kernel(t_ptr, q_ptr, s_ptr, R, N, stride_t, stride_q, stride_s, SWIGLU: tl.constexpr,
                  INTERLEAVED: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-                 FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
+                 INV_FP8_MAX: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
@@ -78,7 +79,8 @@ def _rows_kernel(t_ptr, q_ptr, s_ptr, R, N, stride_t, stride_q, stride_s, SWIGLU
     else:
         v = tl.load(src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     q = q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :]
-    _quantize(v, mask, q, s_ptr + rows.to(tl.int64) * stride_s + g, rmask, AMAX_FLOOR, FP8_MAX, EMULATE)
+    _quantize(v, mask, q, s_ptr + rows.to(tl.int64) * stride_s + g, rmask, AMAX_FLOOR, INV_FP8_MAX, FP8_MAX,
+              EMULATE)
 
 
 @triton.jit
@@ -98,7 +100,8 @@ def _dequant_rows_kernel(q_ptr, s_ptr, t_ptr, R, N, stride_q, stride_s, stride_t
 
 @triton.jit
 def _blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, stride_qr, stride_se, stride_sr,
-                   TRANSPOSE: tl.constexpr, GROUP: tl.constexpr, AMAX_FLOOR: tl.constexpr, FP8_MAX: tl.constexpr,
+                   TRANSPOSE: tl.constexpr, GROUP: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+                   INV_FP8_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
                    EMULATE: tl.constexpr):
     e = tl.program_id(2).to(tl.int64)
     bn, bk = tl.program_id(0), tl.program_id(1)
@@ -107,7 +110,7 @@ def _blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, s
     mask = (n < N)[:, None] & (k < K)[None, :]
     v = tl.load(w_ptr + e * stride_we + n.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=mask,
                 other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.max(tl.abs(v), axis=1), axis=0), AMAX_FLOOR), FP8_MAX)
+    scale = tl.maximum(tl.max(tl.max(tl.abs(v), axis=1), axis=0), AMAX_FLOOR) * INV_FP8_MAX
     y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
     if EMULATE:
         y = _round_e4m3(y)
@@ -138,6 +141,7 @@ def _rows(t: torch.Tensor, n: int, swiglu: bool, interleaved: bool) -> tuple[tor
     if R and n:
         launch(_rows_kernel, (triton.cdiv(R, ROWS), _groups(n)), t, q, s, R, n, t.stride(0), q.stride(0),
                s.stride(0), SWIGLU=swiglu, INTERLEAVED=interleaved, ROWS=ROWS, GROUP=GROUP, AMAX_FLOOR=AMAX_FLOOR,
+               INV_FP8_MAX=INV_FP8_MAX,
                FP8_MAX=FP8_MAX, EMULATE=INTERPRET, num_warps=4)
     return q, s
 
@@ -176,6 +180,7 @@ def quantize_blocks(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Ten
     s = torch.empty((E, gk, gn) if transpose else (E, gn, gk), dtype=torch.float32, device=w.device)
     if q.numel():
         launch(_blocks_kernel, (gn, gk, E), w, q, s, N, K, w.stride(0), w.stride(1), q.stride(0), q.stride(1),
-               s.stride(0), s.stride(1), TRANSPOSE=transpose, GROUP=GROUP, AMAX_FLOOR=AMAX_FLOOR, FP8_MAX=FP8_MAX,
+               s.stride(0), s.stride(1), TRANSPOSE=transpose, GROUP=GROUP, AMAX_FLOOR=AMAX_FLOOR,
+               INV_FP8_MAX=INV_FP8_MAX, FP8_MAX=FP8_MAX,
                EMULATE=INTERPRET, num_warps=8)
     return q, s
