@@ -97,7 +97,7 @@ def weight_grad(backend: str, p, q, out, gather_p: bool) -> str:
                  and out.shape[2] % 8 == 0 and _takes(p, q, out))
 
 
-def fp8_rows(backend: str, a_q, w_q, out_dtype, gather: bool) -> str:
+def fp8_rows(backend: str, a_q, w_q, out_dtype) -> str:
     """An fp8 row GEMM (precision="fp8"): Gluon where A and W are e4m3, K a multiple of 128 (A's rows are read by
     the gathering loader, in place too: whole 16-byte copies of whole scale groups), N of 8 and C in
     bf16/fp16/fp32."""

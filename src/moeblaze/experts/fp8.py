@@ -64,7 +64,7 @@ def _rows(plan: RowPlan, a_q, w_q, out_dtype, backend, token=None):
     """C[rows] = q(A)[token[rows] if token is given, else rows] · q(W[e])ᵀ: (a_q, a_scale), (w_q, w_scale); on the
     Hopper kernel where experts.dispatch takes the operands, else on tl."""
     gemm = fp8_rows_gemm
-    if dispatch.fp8_rows(backend, a_q[0], w_q[0], out_dtype, token is not None) == "gluon":
+    if dispatch.fp8_rows(backend, a_q[0], w_q[0], out_dtype) == "gluon":
         gemm = gluon_sm90.fp8_rows_gemm
     return gemm(*a_q, *w_q, plan.num_rows, plan.offsets_E1, plan.sched, token, out_dtype)
 

@@ -1,9 +1,9 @@
 """The fp8 row GEMM on Hopper: C[rows] = A[rows] · B[e]ᵀ on e4m3 operands with DeepSeek-V3's scales (one fp32
-per 1 x 128 group of A's rows, per 128 x 128 block of B), A's rows read in place by TMA or gathered through the
-token ids by cp.async (x and dy, quantized once per token: their scales follow the gather). B is (E·N, K),
+per 1 x 128 group of A's rows, per 128 x 128 block of B), A's rows gathered through the token ids by cp.async (x
+and dy, quantized once per token: their scales follow the gather; A in place through the identity). B is (E·N, K),
 K-major, as fp8 wgmma needs both operands.
 
-Partitions: a loader (tma_loader, or gather_loader: a whole warpgroup) and 8 MMA warps (two warpgroups of 64 rows)
+Partitions: the gathering loader (a whole warpgroup) and 8 MMA warps (two warpgroups of 64 rows)
 that store their own 128 x 128 tiles. Each 128-deep stage is one MMA group from zero whose fp32 result is scaled
 and added to the tile's accumulator (the promotion every 128 of K that Hopper's narrower fp8 accumulation needs);
 the next stage's MMAs are issued before this stage's are scaled, so the tensor cores work through the promotion
@@ -23,7 +23,7 @@ from ...launch import launch, sm_count
 from ...reference.fp8 import GROUP
 from ..schedule import BLOCK_M
 from .common import GATHER_WARPS, descriptor, mma_layout, my_tiles, stage_barriers, store_tile, tile_of
-from .partitions import gather_loader, tma_loader
+from .partitions import gather_loader
 
 FP8_BLOCK_N = 128  # one weight block's columns: a stage's weight scale is one number
 FP8_STAGES = 4
@@ -38,7 +38,7 @@ def _scales(sa_ptrs, sb_ptr, rmask, kb):
 @gluon.jit
 def fp8_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr,
                   stride_sbe, stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
-                  used_tiles_ptr, N, K_DIM, GATHER: gl.constexpr):
+                  used_tiles_ptr, N, K_DIM):
     """Every tile of this program: per stage, part = A_s · B_sᵀ from zero, acc += part · s_a · s_b (stage k's MMAs
     issued before stage k-1's result is scaled); then the tile stored by these warps (store_tile)."""
     S: gl.constexpr = a_bufs.type.shape[0]
@@ -56,18 +56,14 @@ def fp8_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty
                                            expert_offsets_ptr)
         rows = row0 + offs_m
         rmask = rows < row_end
-        if GATHER:
-            src = gl.load(token_ptr + rows, mask=rows < n_rows, other=0)
-        else:
-            src = rows
+        src = gl.load(token_ptr + rows, mask=rows < n_rows, other=0)
         sa_ptrs = sa_ptr + src.to(gl.int64) * stride_sal
         sb_tile = sb_ptr + e.to(gl.int64) * stride_sbe + pid_n * stride_sbn
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         c0 = j * n_k
         # stage 0's MMAs, then each next stage's issued before the previous one's result is scaled
         mbarrier.wait(ready.index(c0 % S), (c0 // S) & 1)
-        if GATHER:
-            fence_async_shared()  # A came by cp.async (generic proxy); wgmma reads through the async proxy
+        fence_async_shared()  # A came by cp.async (generic proxy); wgmma reads through the async proxy
         prev = warpgroup_mma(a_bufs.index(c0 % S), b_bufs.index(c0 % S).permute((1, 0)),
                              gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout), use_acc=False,
                              max_num_imprecise_acc=BLOCK_K, is_async=True)
@@ -76,8 +72,7 @@ def fp8_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty
             c = c0 + k
             s = c % S
             mbarrier.wait(ready.index(s), (c // S) & 1)
-            if GATHER:
-                fence_async_shared()
+            fence_async_shared()
             cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)),
                                 gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout), use_acc=False,
                                 max_num_imprecise_acc=BLOCK_K, is_async=True)
@@ -94,52 +89,40 @@ def fp8_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty
 
 
 @gluon.jit
-def fp8_rows_kernel(a_desc, x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_desc, c_ptr, stride_cl, sa_ptr, stride_sal,
-                    sb_ptr, stride_sbe, stride_sbn, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr,
-                    N, K_DIM, GATHER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WORKER_REGS: gl.constexpr):
-    """C[rows] = A[rows or token[rows]] · B[e]ᵀ on e4m3: 8 MMA warps that promote and store, behind a TMA loader
-    (A in place: a_desc) or a gathering loader of a whole warpgroup (GATHER: x_ptr, token_ptr)."""
+def fp8_rows_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_desc, c_ptr, stride_cl, sa_ptr, stride_sal, sb_ptr,
+                    stride_sbe, stride_sbn, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, N, K_DIM,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                    WORKER_REGS: gl.constexpr):
+    """C[rows] = x[token[rows]] · B[e]ᵀ on e4m3: 8 MMA warps that promote and store, behind a gathering loader of a
+    whole warpgroup."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], b_desc.dtype)
     a_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
-    if GATHER:
-        ready, empty = stage_barriers(STAGES, 32 * GATHER_WARPS + 1)
-    else:
-        ready, empty = stage_barriers(STAGES, 1)
+    ready, empty = stage_barriers(STAGES, 32 * GATHER_WARPS + 1)
     mma_args = (c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr, stride_sbe,
                 stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, N,
-                K_DIM, GATHER)
-    if GATHER:
-        loader_args = (x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
-                       tile_row_ptr, used_tiles_ptr, N, K_DIM)
-        gl.warp_specialize([(fp8_mma_store, mma_args), (gather_loader, loader_args)], [GATHER_WARPS],
-                           [WORKER_REGS])
-    else:
-        loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
-                       N, K_DIM)
-        gl.warp_specialize([(fp8_mma_store, mma_args), (tma_loader, loader_args)], [1], [WORKER_REGS])
+                K_DIM)
+    loader_args = (x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
+                   tile_row_ptr, used_tiles_ptr, N, K_DIM)
+    gl.warp_specialize([(fp8_mma_store, mma_args), (gather_loader, loader_args)], [GATHER_WARPS], [WORKER_REGS])
 
 
 def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=None, out_dtype=None, out=None,
                   stages: int = FP8_STAGES, worker_regs: int = 56):
     """experts.tl.fp8.fp8_rows_gemm on Hopper (same arguments and result): a_q (·, K) e4m3 contiguous with
     a_scale (·, ceil(K / 128)) fp32, b_q (E, N, K) e4m3 contiguous with b_scale (E, ceil(N / 128), ceil(K / 128));
-    K a multiple of 128, N of 8. A in place is read through the gathering loader with the identity as tokens
-    (triton 3.6 fails to lower the variant with a TMA loader for A). The dispatcher (experts.dispatch) checks
+    K a multiple of 128, N of 8. A in place (token None) is read through the gathering loader with the identity as
+    tokens: triton 3.6 fails to lower a variant with a TMA loader for A. The dispatcher (experts.dispatch) checks
     these; the launcher does not."""
     E, N, K = b_q.shape
     c = a_q.new_empty(num_rows, N, dtype=out_dtype) if out is None else out
-    if token is None:  # A in place through the gathering loader: triton 3.6 fails to lower the TMA-loader variant
+    if token is None:
         token = torch.arange(num_rows, dtype=torch.int32, device=a_q.device)
     b_desc = descriptor(b_q.reshape(E * N, K), [FP8_BLOCK_N, GROUP])
     c_desc = descriptor(c, [BLOCK_M, FP8_BLOCK_N])
-    gather = token is not None
-    a_desc = descriptor(c if gather else a_q, [BLOCK_M, FP8_BLOCK_N if gather else GROUP])  # unused if gathering
-    launch(fp8_rows_kernel, (sm_count(a_q.device),), a_desc, a_q, a_q.stride(0), token if gather else offsets,
-           token.shape[0] if gather else num_rows, b_desc, c_desc, c, c.stride(0), a_scale, a_scale.stride(0), b_scale,
-           b_scale.stride(0), b_scale.stride(1), sched[0], sched[1], sched[2], offsets, N, K, GATHER=gather,
-           BLOCK_M=BLOCK_M, BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages, WORKER_REGS=worker_regs, num_warps=8,
-           maxnreg=168)
+    launch(fp8_rows_kernel, (sm_count(a_q.device),), a_q, a_q.stride(0), token, token.shape[0], b_desc, c_desc, c,
+           c.stride(0), a_scale, a_scale.stride(0), b_scale, b_scale.stride(0), b_scale.stride(1), sched[0], sched[1],
+           sched[2], offsets, N, K, BLOCK_M=BLOCK_M, BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages,
+           WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
     return c
