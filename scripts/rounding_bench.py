@@ -38,7 +38,7 @@ def routings(L, E, K, g):
     kept = torch.zeros(L, E, dtype=torch.bool, device="cuda").scatter_(1, idx.long(), True)
     out = {"top-k": (kept, torch.zeros(L, E, device="cuda").scatter_(1, idx.long(), w.float()))}
     for rule in RULES:
-        rr = round_tokens_fast(logits, idx, w, BLOCK_M, rule)
+        rr = round_tokens_fast(logits, idx, w, BLOCK_M, rule, max_experts=min(E, 4 * K))  # as MoELayer
         out[rule] = (rr.kept_LE, rr.weights_LE.detach())
         if rounded_index(rr.kept_LE, rr.weights_LE, min(E, 4 * K), rounded_rows_bound(L, K, E, BLOCK_M, rule))[2]:
             raise RuntimeError(f"{rule}: the rounded pairs overflow the layer's bounds at L={L}, E={E}, K={K}")

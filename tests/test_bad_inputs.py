@@ -28,6 +28,7 @@ CASES = [
     ("MoELayer(16, 0, 4, 2)", ValueError),
     ("MoELayer(0, 32, 4, 2)", ValueError),
     ("MoELayer(16, 32, 4.0, 2)", TypeError),
+    ("MoELayer(16, 32, 4, 2, token_rounding=\"nr-f\", rounding_max_experts=1)", ValueError),  # below top_k
     ("MoELayer(16, 32, 4, 5)", ValueError),
     ("MoELayer(16, 32, 4, True)", TypeError),
     ("MoELayer(16, 32, 4, 2, chunk_tokens=0)", ValueError),

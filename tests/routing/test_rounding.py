@@ -212,3 +212,36 @@ def test_rounded_rows_bound_per_rule():
 
     assert [rounded_rows_bound(100, 2, 4, 16, r) for r in ("nr-f", "up", "down")] == [232, 260, 200]
     assert rounded_rows_bound(100, 2, 4, 128, "up") == 400  # L·E: no expert can keep more than every token
+
+
+@pytest.mark.filterwarnings("ignore:token rounding with")
+@pytest.mark.parametrize("rule", ["nr-f", "up"])
+def test_max_experts_bounds_experts_per_token(rule):
+    """Tokens that score high for every expert (sigmoid scores allow it) would be every rising expert's first
+    addition; with max_experts, each expert that added a pair to a token over the bound rounds down instead:
+    no token over it, counts still multiples of the tile, the other experts as without the bound; the fast
+    rounding gives the reference's result."""
+    from moeblaze.routing import round_tokens_fast
+
+    torch.manual_seed(7)
+    L, E, K, M, cap = 256, 16, 2, 16, 4
+    logits = torch.randn(L, E)
+    logits[:3] += 6.0  # three tokens near the top of every column
+    idx, w = route_topk(logits, K, "sigmoid_topk")
+    free = round_tokens(logits, idx, w, M, rule, "sigmoid_topk")
+    assert free.kept_LE.sum(1).max() > cap  # the bound matters here
+    got = round_tokens(logits, idx, w, M, rule, "sigmoid_topk", max_experts=cap)
+    assert torch.equal(got.kept_LE, round_tokens_fast(logits, idx, w, M, rule, "sigmoid_topk", max_experts=cap).kept_LE)
+    assert got.kept_LE.sum(1).max() <= cap
+    assert torch.all(got.counts_E % M == 0)
+    chosen = torch.zeros(L, E, dtype=torch.bool).scatter_(1, idx.long(), True)
+    f = chosen.sum(0)
+    over = free.kept_LE.sum(1) > cap
+    gave = (free.kept_LE & ~chosen & over[:, None]).any(0)
+    assert gave.any() and not gave.all()
+    assert torch.equal(got.counts_E[gave], f[gave] // M * M)  # rounded down
+    assert torch.equal(got.kept_LE[:, ~gave], free.kept_LE[:, ~gave])  # the others untouched
+    assert not (got.kept_LE & ~free.kept_LE).any()  # a subset of the unbounded pairs, with their weights
+    assert torch.equal(got.weights_LE, torch.where(got.kept_LE, free.weights_LE, 0.0))
+    with pytest.raises(ValueError, match="max_experts"):
+        round_tokens(logits, idx, w, M, rule, "sigmoid_topk", max_experts=K - 1)

@@ -136,9 +136,9 @@ class MoELayer(nn.Module):
     shared_experts: S always-on experts of width d_shared (default d_expert), gated by σ(x·gᵀ) with shared_gate
     (the submodule `shared`, a SharedExperts).
     token_rounding: "nr-f", "up" or "down" (moeblaze.routing.rounding): while training, every expert's tokens are
-    rounded to a multiple of rounding_tile (default: the kernels' row tile); a token may then have up to
-    rounding_max_experts experts (default min(E, 4K); more stops the program: on an H100 at L 16384, E 256, K 4, a
-    fresh router under "up" gave one token 14). Evaluation routes plain top-k.
+    rounded to a multiple of rounding_tile (default: the kernels' row tile); a token then has at most
+    rounding_max_experts experts (default min(E, 4K), at least K): an expert whose rounding up would give a token
+    more rounds down instead (moeblaze.routing.rounding). Evaluation routes plain top-k.
     track_load (attribute, default False): while training, add each expert's computed pairs (after rounding, this
     rank's tokens) to the int64 buffer `routed_load` (E,), on the device (no host sync); the caller reads and zeroes
     it (moeblaze train --loss-log logs max/mean load per layer and step).
@@ -171,7 +171,7 @@ class MoELayer(nn.Module):
             check_choice("token_rounding", token_rounding, RULES)
         self.token_rounding = token_rounding
         self.rounding_tile = check_int("rounding_tile", rounding_tile) if rounding_tile is not None else BLOCK_M
-        self.rounding_max_experts = (check_int("rounding_max_experts", rounding_max_experts)
+        self.rounding_max_experts = (check_int("rounding_max_experts", rounding_max_experts, minimum=top_k)
                                      if rounding_max_experts is not None else min(num_experts, 4 * top_k))
         check_int("shared_experts", shared_experts, minimum=0)
         self.shared = None
@@ -218,11 +218,13 @@ class MoELayer(nn.Module):
         L, K, E, M = r.topk_idx.shape[0], self.top_k, self.num_experts, self.rounding_tile
         rt = self.router
         rr = round_tokens_fast(r.logits, r.topk_idx, r.topk_weights, M, self.token_rounding, rt.scoring,
-                               rt.renormalize, rt.route_scale)
+                               rt.renormalize, rt.route_scale, self.rounding_max_experts)
         index, w, overflow = rounded_index(rr.kept_LE, rr.weights_LE, self.rounding_max_experts,
                                            rounded_rows_bound(L, K, E, M, self.token_rounding))
-        fail_if(overflow, f"token rounding: a token got more than rounding_max_experts={self.rounding_max_experts} "
-                "experts; raise it", RuntimeError)  # on a GPU a device-side assert: no host sync
+        # the rounding keeps both bounds by construction: an overflow here is a bug, never a silent drop
+        fail_if(overflow, f"token rounding: the rounded pairs overflow the index's bounds (rounding_max_experts="
+                f"{self.rounding_max_experts}, rows {rounded_rows_bound(L, K, E, M, self.token_rounding)})",
+                RuntimeError)  # on a GPU a device-side assert: no host sync
         return w, index
 
     def extra_repr(self) -> str:

@@ -10,7 +10,11 @@ Each expert then keeps the f'_e tokens that rank first in its column of S', wher
 own top-k choices, S'[t, I_topk] = S[t, I_topk] (S: the router's scores in [0, 1]): its token-choice pairs before
 any other, each group by score. Rounding down drops an expert's lowest-scored token-choice pairs; rounding up adds
 its highest-scored other tokens. Every expert moves by less than one tile; one with f_e ≤ M/2 under "nr-f" gets
-nothing. So the number of experts per token varies.
+nothing. So the number of experts per token varies, and with max_experts it stays bounded: where the additions would
+give a token more than max_experts experts (a token that scores high everywhere, as sigmoid routers allow), every
+expert that added a pair to such a token rounds down instead. Dropping never adds a pair, so after that one pass
+no token exceeds the bound (each over-bound token keeps only its own top-k pairs, K ≤ max_experts), every count is
+still a multiple of M, and nothing syncs with the host.
 
 Weights: a kept token-choice pair keeps its top-k weight. An added pair (t, e) gets the weight the router would
 have given e among t's choices, with t's own normalizer: route_scale · s[t, e] / Σ_k s[t, I_k] where the router
@@ -70,12 +74,15 @@ def _scores(logits_LE: torch.Tensor, scoring: str) -> torch.Tensor:
 
 
 def _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
-           keep) -> RoundedRouting:
-    """What both roundings share: the checks, the warning, the scores, the counts and targets and the weight
-    convention; keep(scores (L, E) detached, chosen (L, E), counts (E,), target (E,)) -> the kept (L, E) mask."""
+           keep, max_experts) -> RoundedRouting:
+    """What both roundings share: the checks, the warning, the scores, the counts and targets, the bound on
+    experts per token and the weight convention; keep(scores (L, E) detached, chosen (L, E), counts (E,), targets
+    (a tuple of (E,))) -> a kept (L, E) mask per target."""
     check_choice("scoring", scoring, SCORINGS)
     L, E = logits_LE.shape
     K = topk_idx_LK.shape[1]
+    if max_experts is not None and check_int("max_experts", max_experts) < K:
+        raise ValueError(f"max_experts must be at least top_k ({K}), got {max_experts}")
     if L * K < 2 * tile * E:
         warnings.warn(f"token rounding with {L * K / E:.0f} tokens per expert on average, fewer than 2 tiles of "
                       f"{tile}: rounding moves each expert by up to a tile, which changes the routing a lot here "
@@ -84,7 +91,14 @@ def _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renorma
     s = _scores(logits_LE, scoring)
     chosen = torch.zeros(L, E, dtype=torch.bool, device=s.device).scatter_(1, idx, True)
     counts = chosen.sum(0)
-    kept = keep(s.detach(), chosen, counts, rounded_counts(counts, tile, rule, L))
+    target = rounded_counts(counts, tile, rule, L)
+    if max_experts is None or max_experts >= E or rule == "down":
+        kept = keep(s.detach(), chosen, counts, (target,))[0]
+    else:  # experts that added a pair to a token over the bound round down instead (see the module header)
+        kept, kept_down = keep(s.detach(), chosen, counts, (target, counts // tile * tile))
+        over_L = kept.sum(1) > max_experts
+        gave_E = (kept & ~chosen & over_L[:, None]).any(0)
+        kept = torch.where(gave_E[None, :], kept_down, kept)
     # weights: the token's top-k weights where chosen, the router's weight with the token's normalizer elsewhere
     if scoring == "topk_softmax":
         lf = logits_LE.float()
@@ -101,50 +115,56 @@ def _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renorma
     return RoundedRouting(kept, torch.where(kept, w, torch.zeros_like(w)), kept.sum(0))
 
 
-def _keep_by_sort(s, chosen, counts, target):
+def _keep_by_sort(s, chosen, counts, targets):
     """Each expert's first target[e] tokens of its column of S' (token-choice pairs first), by a stable sort."""
     L, E = s.shape
     order = torch.where(chosen, s, s - 1).argsort(dim=0, descending=True, stable=True)  # per expert, best first
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(L, device=s.device)[:, None].expand(L, E))
-    return rank < target[None, :]
+    return tuple(rank < target[None, :] for target in targets)
 
 
-def _keep_by_topk(s, chosen, counts, target, k: int):
-    """The same through two column-wise top-k selections (k = tile - 1): an expert drops some of its worst
-    token-choice pairs or adds some of its best other tokens, fewer than a tile either way."""
+def _keep_by_topk(s, chosen, counts, targets, k: int):
+    """The same through two column-wise top-k selections (k = tile - 1), made once for every target: an expert
+    drops some of its worst token-choice pairs or adds some of its best other tokens, fewer than a tile either
+    way."""
     L, E = s.shape
-    change = target - counts  # (E,): < 0 drop, > 0 add, |change| < tile
     k = min(k, L)
-    kept = chosen.clone()
-    if k > 0:
-        j = torch.arange(k, device=s.device)[:, None]
-        # each expert's column as a contiguous row of the (E, L) transpose: a selection along the outer dimension
-        # of the tall (L, E) matrix reads it strided, one slice per expert
-        s_EL, chosen_EL = s.t().contiguous(), chosen.t().contiguous()
-        worst = torch.where(chosen_EL, s_EL, float("inf")).topk(k, dim=1, largest=False).indices.t()  # (k, E)
-        best = torch.where(chosen_EL, float("-inf"), s_EL).topk(k, dim=1).indices.t()
-        cols = torch.arange(E, device=s.device)[None, :].expand(k, E)
+    if k == 0:
+        return tuple(chosen.clone() for _ in targets)
+    j = torch.arange(k, device=s.device)[:, None]
+    # each expert's column as a contiguous row of the (E, L) transpose: a selection along the outer dimension
+    # of the tall (L, E) matrix reads it strided, one slice per expert
+    s_EL, chosen_EL = s.t().contiguous(), chosen.t().contiguous()
+    worst = torch.where(chosen_EL, s_EL, float("inf")).topk(k, dim=1, largest=False).indices.t()  # (k, E)
+    best = torch.where(chosen_EL, float("-inf"), s_EL).topk(k, dim=1).indices.t()
+    cols = torch.arange(E, device=s.device)[None, :].expand(k, E)
+    masks = []
+    for target in targets:
+        change = target - counts  # (E,): < 0 drop, > 0 add, |change| < tile
+        kept = chosen.clone()
         kept[worst, cols] = torch.where(j < -change[None, :], False, kept[worst, cols])
         kept[best, cols] = torch.where(j < change[None, :], True, kept[best, cols])
-    return kept
+        masks.append(kept)
+    return tuple(masks)
 
 
 def round_tokens(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weights_LK: torch.Tensor, tile: int,
                  rule: str = "nr-f", scoring: str = "softmax_topk", renormalize: bool = True,
-                 route_scale: float = 1.0) -> RoundedRouting:
+                 route_scale: float = 1.0, max_experts: int | None = None) -> RoundedRouting:
     """The token-rounded routing of a token-choice top-k (topk_idx, topk_weights from `logits` by the same
-    scoring, renormalize and route_scale; see moeblaze.routing.route_topk)."""
+    scoring, renormalize and route_scale; see moeblaze.routing.route_topk); at most max_experts experts per token
+    where given (see the module header)."""
     return _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
-                  _keep_by_sort)
+                  _keep_by_sort, max_experts)
 
 
 def round_tokens_fast(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weights_LK: torch.Tensor,
                       tile: int, rule: str = "nr-f", scoring: str = "softmax_topk", renormalize: bool = True,
-                      route_scale: float = 1.0) -> RoundedRouting:
+                      route_scale: float = 1.0, max_experts: int | None = None) -> RoundedRouting:
     """round_tokens's result through two column-wise top-(tile − 1) selections instead of a sort (see the module
     header)."""
     return _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
-                  functools.partial(_keep_by_topk, k=tile - 1))
+                  functools.partial(_keep_by_topk, k=tile - 1), max_experts)
 
 
 def rounded_rows_bound(num_tokens: int, top_k: int, num_experts: int, tile: int, rule: str) -> int:
