@@ -9,7 +9,8 @@ variant's validation loss against the study's baseline and its curves.
                    loss (its mean over the last 10% of steps against the baseline's); the gradient norm over training
 
     python scripts/train_compare.py run [--study routing] [--out DIR] [--seeds 0,1,2] [--jobs 6] [--steps 1000]  (GPU)
-                                        [--shapes small] [--cpu]   (--cpu: a proxy in fp32 on the reference)
+                                        [--shapes small] [--variants top-k,rounding] [--cpu]
+                                        (--cpu: a proxy in fp32 on the reference)
     python scripts/train_compare.py report DIR [--study routing] [--png FILE]                                 (anywhere)
 
 Shapes, routing: "small" (moeblaze train's default: 8 experts, top-2, 2048 tokens a step: 4 tiles of 128 pairs per
@@ -60,6 +61,8 @@ def run(args) -> int:
             continue
         os.makedirs(os.path.join(args.out, shape), exist_ok=True)
         for variant, variant_args in study["variants"].items():
+            if args.variants and variant not in args.variants.split(","):
+                continue
             for seed in args.seeds.split(","):
                 log = os.path.join(args.out, shape, f"{variant}-s{seed}.jsonl")
                 jobs.append([sys.executable, "-m", "moeblaze.cli", "train", "--steps", str(args.steps), "--seed", seed,
@@ -178,6 +181,7 @@ def main():
     r.add_argument("--jobs", type=int, default=6)
     r.add_argument("--steps", type=int, default=1000)
     r.add_argument("--shapes", default="", help="a comma-separated subset of the study's shapes")
+    r.add_argument("--variants", default="", help="a comma-separated subset of the study's variants")
     r.add_argument("--cpu", action="store_true", help="a CPU proxy: float32, the PyTorch reference (the fp8 study: "
                    "its emulation), not the GPU's bf16 kernels")
     p = sub.add_parser("report")
