@@ -146,17 +146,14 @@ def rounded_place_kernel(kept_ptr, tile_base_ptr, counts_kept_ptr, fit_base_ptr,
     tmask = t < L
     fit = fits > 0
     tl.store(expert_token_idx_ptr + row, t[:, None] + 0 * row, mask=fit)
-    # each token's table built in registers (M <= E by default: no larger than the hit map), then stored row by row
+    # each token's table: every place the sink row and expert 0, then each fitting pair's row and expert at its
+    # place k, a scatter (the barrier orders a place's two stores); O(M + E) per token
     cols = tl.arange(0, M_PAD)
-    slots = tl.full((BLOCK_L, M_PAD), max_rows, tl.int32)
-    experts = tl.zeros((BLOCK_L, M_PAD), dtype=tl.int32)
-    for c in tl.static_range(M):
-        here = fit & (k == c)
-        has = tl.sum(here.to(tl.int32), axis=1) > 0
-        slot = tl.where(has, tl.sum(tl.where(here, row, 0), axis=1), max_rows)
-        slots = tl.where(cols[None, :] == c, slot[:, None], slots)
-        experts = tl.where(cols[None, :] == c, tl.sum(tl.where(here, e[None, :], 0), axis=1)[:, None], experts)
     table = t.to(tl.int64)[:, None] * M + cols[None, :]
     tmask2 = tmask[:, None] & (cols < M)[None, :]
-    tl.store(token_slot_ptr + table, slots, mask=tmask2)
-    tl.store(slot_expert_ptr + table, experts, mask=tmask2)
+    tl.store(token_slot_ptr + table, tl.full((BLOCK_L, M_PAD), max_rows, tl.int32), mask=tmask2)
+    tl.store(slot_expert_ptr + table, tl.zeros((BLOCK_L, M_PAD), tl.int32), mask=tmask2)
+    tl.debug_barrier()
+    place = t.to(tl.int64)[:, None] * M + k
+    tl.store(token_slot_ptr + place, row, mask=fit)
+    tl.store(slot_expert_ptr + place, e[None, :] + 0 * row, mask=fit)
