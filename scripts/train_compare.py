@@ -137,7 +137,8 @@ def _plot(folder, png, study):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shapes, (key, label) = study["shapes"], study["curve"]
+    key, label = study["curve"]
+    shapes = [s for s in study["shapes"] if glob.glob(os.path.join(folder, s, "*.jsonl"))]  # the shapes run here
     fig, axes = plt.subplots(2, len(shapes), figsize=(6 * len(shapes), 7), squeeze=False)
     for col, shape in enumerate(shapes):
         for variant in study["variants"]:
