@@ -6,6 +6,8 @@ K=h) as one plain GEMM and as a grouped GEMM over E equal groups, bf16 against e
   fp8-rowwise  torch._scaled_mm, row/col scales   grouped-fp8   torch._scaled_grouped_mm (rowwise)
   fp8-block    torch.nn.functional.scaled_mm with DeepSeek-V3's 1x128 / 128x128 scales, where this torch has it
   fp8-triton   a plain Triton kernel with the same scales: acc += dot(a, b) · s_a · s_b per 128-deep block
+  moeblaze-fp8-gather, moeblaze-fp8-tma   (Hopper) moeblaze's Gluon fp8 row GEMM over the E groups, A read through
+               its gathering loader (the identity as tokens: how A in place runs now) or by TMA (tma_a)
 
     python scripts/fp8_roofline.py [--out DIR] [--configs B,D,E]    (one JSON row per (config, gemm, impl))
 """
@@ -89,6 +91,18 @@ def measure(name, gemm, M, N, Kd, E, meta) -> list:
                                                           br8.view(1, N).expand(E, N).contiguous(),
                                                           offs=offs, out_dtype=torch.bfloat16),
     }
+    if torch.cuda.get_device_capability()[0] == 9:
+        from moeblaze.experts import gluon_sm90
+        from moeblaze.experts.schedule import BLOCK_M, tile_schedule
+
+        counts = torch.full((E,), M // E, device="cuda", dtype=torch.int32)
+        starts = torch.arange(E + 1, device="cuda", dtype=torch.int32) * (M // E)
+        sched = tile_schedule(counts, starts, M, BLOCK_M)
+        bE8, sbE = quantize_blocks(bE)
+        fns["moeblaze-fp8-gather"] = lambda i: gluon_sm90.fp8_rows_gemm(a8, sa, bE8, sbE, M, starts, sched, None,
+                                                                        torch.bfloat16)
+        fns["moeblaze-fp8-tma"] = lambda i: gluon_sm90.fp8_rows_gemm(a8, sa, bE8, sbE, M, starts, sched, None,
+                                                                     torch.bfloat16, tma_a=True)
     sf = getattr(torch.nn.functional, "scaled_mm", None)
     if sf is not None:
         ST = torch.nn.functional.ScalingType

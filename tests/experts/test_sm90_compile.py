@@ -25,11 +25,20 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 SIZES = ("n_rows", "N", "K_DIM")  # values, not 16-divisible in general; strides and pointers are (as launched)
 
 
-def _compile(out_dtype: torch.dtype):
-    fn = fp8.fp8_rows_kernel
+def _mangle(desc) -> str:
+    """A descriptor's signature type: its own __mangle__ (triton 3.9), the runtime's mangle_type before (3.6)."""
+    if hasattr(desc, "__mangle__"):
+        return desc.__mangle__()
+    from triton.runtime.jit import mangle_type
+    return mangle_type(desc)
+
+
+def _compile(out_dtype: torch.dtype, tma_a: bool = False):
+    fn = fp8.fp8_rows_tma_kernel if tma_a else fp8.fp8_rows_kernel
     w = torch.empty(8 * 256, 512, dtype=torch.float8_e4m3fn)
     c = torch.empty(1024, 256, dtype=out_dtype)
-    descs = dict(b_desc=descriptor(w, [fp8.FP8_BLOCK_N, 128]), c_desc=descriptor(c, [128, fp8.FP8_BLOCK_N]))
+    descs = dict(b_desc=descriptor(w, [fp8.FP8_BLOCK_N, 128]), c_desc=descriptor(c, [128, fp8.FP8_BLOCK_N]),
+                 a_desc=descriptor(torch.empty(1024, 512, dtype=torch.float8_e4m3fn), [128, 128]))
     consts = dict(BLOCK_M=128, BLOCK_N=fp8.FP8_BLOCK_N, BLOCK_K=128, STAGES=fp8.FP8_STAGES,
                   WORKER_REGS=56)
     ptrs = dict(c_ptr="*bf16" if out_dtype == torch.bfloat16 else "*fp32", x_ptr="*fp8e4nv", sa_ptr="*fp32",
@@ -40,7 +49,7 @@ def _compile(out_dtype: torch.dtype):
         if n in consts:
             sig[n] = "constexpr"
         elif n in descs:
-            sig[n] = descs[n].__mangle__()
+            sig[n] = _mangle(descs[n])
         else:
             sig[n] = ptrs.get(n, "*i32" if n.endswith("_ptr") else "i32")
             if n not in SIZES:
@@ -49,9 +58,11 @@ def _compile(out_dtype: torch.dtype):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=168))
 
 
+@pytest.mark.parametrize("tma_a", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-def test_fp8_rows_kernel_compiles_for_sm90_without_spills(out_dtype):
-    ck = _compile(out_dtype)
+def test_fp8_rows_kernel_compiles_for_sm90_without_spills(out_dtype, tma_a):
+    """Both loaders (gathering; TMA for A in place, tma_a): e4m3 wgmma, the next stage in flight, no spills."""
+    ck = _compile(out_dtype, tma_a)
     ptx = ck.asm["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
     assert "wgmma.wait_group.sync.aligned 1" in ptx  # the next stage's MMAs in flight while one is promoted

@@ -1,9 +1,11 @@
 """The fp8 row GEMM on Hopper: C[rows] = A[rows] · B[e]ᵀ on e4m3 operands with DeepSeek-V3's scales (one fp32
 per 1 x 128 group of A's rows, per 128 x 128 block of B), A's rows gathered through the token ids by cp.async (x
-and dy, quantized once per token: their scales follow the gather; A in place through the identity). B is (E·N, K),
-K-major, as fp8 wgmma needs both operands.
+and dy, quantized once per token: their scales follow the gather; A in place through the identity, or, with
+tma_a, read in place by TMA: an experiment to time against the gathering loader before it becomes the default).
+B is (E·N, K), K-major, as fp8 wgmma needs both operands.
 
-Partitions: the gathering loader (a whole warpgroup) and 8 MMA warps (two warpgroups of 64 rows)
+Partitions: the gathering loader (a whole warpgroup; or a 1-warp TMA loader) and 8 MMA warps (two warpgroups of 64
+rows)
 that store their own 128 x 128 tiles. Each 128-deep stage is one MMA group from zero whose fp32 result is scaled
 and added to the tile's accumulator (the promotion every 128 of K that Hopper's narrower fp8 accumulation needs);
 the next stage's MMAs are issued before this stage's are scaled, so the tensor cores work through the promotion
@@ -23,7 +25,7 @@ from ...launch import launch, sm_count
 from ...reference.fp8 import GROUP
 from ..schedule import BLOCK_M
 from .common import GATHER_WARPS, descriptor, mma_layout, my_tiles, stage_barriers, store_tile, tile_of
-from .partitions import gather_loader
+from .partitions import gather_loader, tma_loader
 
 FP8_BLOCK_N = 128  # one weight block's columns: a stage's weight scale is one number
 FP8_STAGES = 4
@@ -108,19 +110,45 @@ def fp8_rows_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_desc, c_ptr, 
     gl.warp_specialize([(fp8_mma_store, mma_args), (gather_loader, loader_args)], [GATHER_WARPS], [WORKER_REGS])
 
 
+@gluon.jit
+def fp8_rows_tma_kernel(a_desc, token_ptr, n_rows, b_desc, c_desc, c_ptr, stride_cl, sa_ptr, stride_sal, sb_ptr,
+                        stride_sbe, stride_sbn, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, N,
+                        K_DIM, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                        STAGES: gl.constexpr, WORKER_REGS: gl.constexpr):
+    """C[rows] = A[rows] · B[e]ᵀ on e4m3, A in place: the same 8 MMA warps behind a 1-warp TMA loader (token: the
+    identity, through which the MMA warps read A's scales)."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    ready, empty = stage_barriers(STAGES, 1)
+    mma_args = (c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr, stride_sbe,
+                stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, N,
+                K_DIM)
+    loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, N,
+                   K_DIM)
+    gl.warp_specialize([(fp8_mma_store, mma_args), (tma_loader, loader_args)], [1], [WORKER_REGS])
+
+
 def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=None, out_dtype=None, out=None,
-                  stages: int = FP8_STAGES, worker_regs: int = 56):
+                  stages: int = FP8_STAGES, worker_regs: int = 56, tma_a: bool = False):
     """experts.tl.fp8.fp8_rows_gemm on Hopper (same arguments and result): a_q (·, K) e4m3 contiguous with
     a_scale (·, ceil(K / 128)) fp32, b_q (E, N, K) e4m3 contiguous with b_scale (E, ceil(N / 128), ceil(K / 128));
     K a multiple of 128, N of 8. A in place (token None) is read through the gathering loader with the identity as
-    tokens: triton 3.6 fails to lower a variant with a TMA loader for A. The dispatcher (experts.dispatch) checks
-    these; the launcher does not."""
+    tokens, or by TMA where tma_a (not yet the default: to be timed against it on the GPU). The dispatcher
+    (experts.dispatch) checks these; the launcher does not."""
     E, N, K = b_q.shape
     c = a_q.new_empty(num_rows, N, dtype=out_dtype) if out is None else out
-    if token is None:
+    in_place = token is None
+    if in_place:
         token = torch.arange(num_rows, dtype=torch.int32, device=a_q.device)
     b_desc = descriptor(b_q.reshape(E * N, K), [FP8_BLOCK_N, GROUP])
     c_desc = descriptor(c, [BLOCK_M, FP8_BLOCK_N])
+    if in_place and tma_a:
+        launch(fp8_rows_tma_kernel, (sm_count(a_q.device),), descriptor(a_q, [BLOCK_M, GROUP]), token, num_rows,
+               b_desc, c_desc, c, c.stride(0), a_scale, a_scale.stride(0), b_scale, b_scale.stride(0),
+               b_scale.stride(1), sched[0], sched[1], sched[2], offsets, N, K, BLOCK_M=BLOCK_M, BLOCK_N=FP8_BLOCK_N,
+               BLOCK_K=GROUP, STAGES=stages, WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+        return c
     launch(fp8_rows_kernel, (sm_count(a_q.device),), a_q, a_q.stride(0), token, token.shape[0], b_desc, c_desc, c,
            c.stride(0), a_scale, a_scale.stride(0), b_scale, b_scale.stride(0), b_scale.stride(1), sched[0], sched[1],
            sched[2], offsets, N, K, BLOCK_M=BLOCK_M, BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages,
