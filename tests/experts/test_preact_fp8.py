@@ -92,6 +92,32 @@ def test_preact_fp8_kernels_match_the_reference(poison_alloc, activation):
     assert rel_err(got[1], exact[1]) > 1e-4  # the gradients do see the fp8 pre-activation
 
 
+@pytest.mark.parametrize("activation,interleaved", [("swiglu", False), ("swiglu", True), ("gelu", False)])
+def test_dh_pass_reads_e4m3_preact_as_its_read_back_copy(poison_alloc, activation, interleaved):
+    """The dH pass (act_bwd) given H in e4m3 and its scales equals the same pass over the one-pass read-back copy
+    (quant.dequantize_rows) bit for bit: dH, s·A and dS; H wider than one 128-column group, and ragged."""
+    from moeblaze.experts import stages
+    from moeblaze.experts.stages import RowPlan
+    from moeblaze.experts.tl import quant
+
+    torch.manual_seed(1)
+    H = 200 if activation == "gelu" else 136
+    x, w1, w2, idx, w = random_problem(24, 16, H, 4, 2, activation)
+    plan = RowPlan.build(build_routing_index(idx, 4))
+    R, F = idx.numel(), w1.shape[1]
+    preact = torch.randn(R, F) * torch.logspace(-2, 2, F)[None, :]
+    kept, scale = quant.quantize_rows(preact)
+    dact = torch.randn(R, H)
+
+    def run(h, **kw):
+        dpreact, act_scaled = torch.empty(R, F), torch.empty(R, H)
+        ds = stages.act_bwd(plan, dact, h, w, dpreact, act_scaled, activation, interleaved=interleaved, **kw)
+        return dpreact, act_scaled, ds
+
+    for got, want in zip(run(kept, preact_scale=scale), run(quant.dequantize_rows(kept, scale, torch.float32))):
+        assert torch.equal(got, want)
+
+
 def test_preact_fp8_keeps_one_byte_per_element_and_a_scale_per_128():
     x, w1, w2, idx, w = random_problem(64, 32, 96, 4, 2)  # F = 192: two groups per row, the last one 64 wide
     routing = build_routing_index(idx, 4)

@@ -21,8 +21,9 @@ anyway; b = bytes per element of x's dtype):
   checkpoint="preact"     preact: R·F·b + the routing index's token ids, slots and offsets 4·(2·R + E + 1)
                           + the tile schedule 4·(2·(R // 128 + E) + 1)
   checkpoint="preact-fp8" preact in e4m3, R·F + its 1 x 128 scales 4·R·ceil(F / 128), + the same index and
-                          schedule (quantized and read back in one pass each, experts.tl.quant; not yet the
-                          up kernel's epilogue and the dH kernel's load)
+                          schedule (quantized in a pass of its own, experts.tl.quant, not yet in the up kernel's
+                          epilogue; read back by the dH pass as it loads it on Hopper, in a pass into dH's
+                          buffer before the tl kernel's fused dH)
   checkpoint="recompute"  the routing index and the tile schedule only; preact is recomputed in backward
                           (one more GEMM)
 Never kept: any (R, D) gathered copy of x or dy, A = act(preact), Y, dY. Transient in forward: A and Y; in
@@ -50,7 +51,7 @@ from ..routing import RoutingIndex
 from . import stages
 from .schedule import BLOCK_M
 from .stages import RowPlan
-from .tl.quant import dequantize_rows, quantize_rows
+from .tl.quant import quantize_rows
 
 
 def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
@@ -145,14 +146,16 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
     plan = RowPlan(expert_token_idx, expert_offsets, token_slot, tile_expert, tile_row, tiles_used)
     if not has_preact:
         preact_RF, _ = stages.up(plan, x_LD, w1_EFD, activation, True, False, backend, b1_EF, interleaved)
-    fresh = not has_preact
-    if has_preact and preact_RF.dtype == FP8:  # read back from e4m3 (a pass of its own): a fresh buffer
-        preact_RF, fresh = dequantize_rows(preact_RF, preact_scale, x_LD.dtype), True
-    # Where preact is a fresh buffer that nothing else reads (recomputed, or read back from e4m3), each dH tile
-    # overwrites the preact tile it was computed from (read before written, by the same program): no (R, F) buffer.
-    dpreact_RF = preact_RF if fresh else torch.empty_like(preact_RF)
+    fp8 = has_preact and preact_RF.dtype == FP8
+    # Where preact is a fresh buffer that nothing else reads (recomputed), each dH tile overwrites the preact tile it
+    # was computed from (read before written, by the same program): no (R, F) buffer. H kept in e4m3 is read back
+    # by the dH pass itself (stages.down_bwd) and dH gets a buffer of its own, the one a read-back copy would take.
+    if fp8:
+        dpreact_RF = torch.empty(preact_RF.shape, dtype=x_LD.dtype, device=x_LD.device)
+    else:
+        dpreact_RF = preact_RF if not has_preact else torch.empty_like(preact_RF)
     act_scaled_RH, dtopk_w = stages.down_bwd(plan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, activation,
-                                             backend, interleaved)
+                                             backend, interleaved, preact_scale if fp8 else None)
     del preact_RF
     if dropped:
         dtopk_w = clear_dropped(plan, dtopk_w, act_scaled_RH, dpreact_RF)

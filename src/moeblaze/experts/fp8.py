@@ -15,8 +15,9 @@ Backward:  dA' = q(dy)[token] · q(W2[e]ᵀ)ᵀ                      (fp8_rows_g
            dX~ = q(dH) · q(W1[e]ᵀ)ᵀ; dx = combine(dX~)           (fp8_rows_gemm, stages.combine)
 q: quantize_rows for activations and gradients (1 x 128 groups), quantize_blocks for weights (128 x 128).
 
-Memory contract: as experts.autograd's for the same checkpoint (H under "preact", in e4m3 under "preact-fp8",
-recomputed by the fp8 up GEMM under "recompute"); transient: x_q, q(A), q(dy), q(dH) and the weights' e4m3 copies.
+Memory contract: as experts.autograd's for the same checkpoint (H under "preact", in e4m3 under "preact-fp8", read
+back by the dH pass as it loads it, recomputed by the fp8 up GEMM under "recompute"); transient: x_q, q(A), q(dy),
+q(dH) and the weights' e4m3 copies.
 The weights are quantized where they are used, forward and backward, never kept between them: under FSDP2 the
 gathered weights are freed after forward, and a copy kept for backward would hold them (in e4m3) through the
 step; no cache across steps either, so no copy can go stale. Custom ops (what torch.compile traces) and an
@@ -124,16 +125,16 @@ def fp8_experts_backward(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2
         return torch.zeros_like(x), torch.zeros_like(w1), torch.zeros_like(w2), torch.zeros_like(topk_w)
     plan = RowPlan(eti, offsets, slot, te, tr, tu)
     dt = x.dtype
+    preact, preact_scale = kept, None  # H in e4m3 ("preact-fp8") is read back by the dH pass as it loads it
     if checkpoint == "recompute":
         preact = _rows(plan, quant.quantize_rows(x), quantize_weight(w1), dt, backend, token=plan.token_R)
     elif checkpoint == "preact-fp8":
-        preact = quant.dequantize_rows(kept, scale, dt)
-    else:
-        preact = kept
+        preact_scale = scale
     # dA' = dy[token] W2, e4m3
     dact = _rows(plan, quant.quantize_rows(dy), quantize_weight(w2.transpose(1, 2)), dt, backend, token=plan.token_R)
-    dpreact, act_scaled = torch.empty_like(preact), torch.empty_like(dact)
-    dtopk_w = stages.act_bwd(plan, dact, preact, topk_w, dpreact, act_scaled, activation, interleaved=interleaved)
+    dpreact, act_scaled = torch.empty(preact.shape, dtype=dt, device=dy.device), torch.empty_like(dact)
+    dtopk_w = stages.act_bwd(plan, dact, preact, topk_w, dpreact, act_scaled, activation, interleaved=interleaved,
+                             preact_scale=preact_scale)
     del dact, preact
     if dropped:
         dtopk_w = clear_dropped(plan, dtopk_w, act_scaled, dpreact)

@@ -31,6 +31,7 @@ import torch
 from ..routing import RoutingIndex, in_row_order, pair_experts
 from . import dispatch, gluon_sm90, tl
 from .schedule import BLOCK_M, tile_schedule
+from .tl import quant
 
 
 @dataclass(frozen=True)
@@ -110,26 +111,30 @@ def combine(plan: RowPlan, rows_RD, weights_LK: torch.Tensor | None, out_dtype: 
 
 
 def down_bwd(plan: RowPlan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, activation: str,
-             backend: str = "auto", interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             backend: str = "auto", interleaved: bool = False, preact_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """dH into dpreact (which may be preact itself: each element is read before it is written); returns
     (s·A (R, H), the router weights' gradient dS (L, K) in topk_w's dtype, without a down-projection bias's
-    term, which bias_grads adds)."""
+    term, which bias_grads adds). preact in e4m3 comes with its 1 x 128 scales (preact_scale) and dpreact is then
+    a buffer of its own, in the io dtype: the Gluon path reads H back inside the dH pass, the tl one into dpreact
+    first (one pass) and computes dH over it."""
     if dispatch.down_bwd(backend, dy_LD, w2_EDH, preact_RF) == "gluon":
         # dA' by the gathering GEMM into the s·A buffer, then the epilogue as its own pass, which overwrites dA'
         # with s·A (a fused epilogue leaves the tensor cores idle at ~60% of the rate)
         act_scaled = gluon_sm90.gathered_rows_gemm(dy_LD, w2_EDH, plan.token_R, plan.offsets_E1, plan.sched)
         return act_scaled, act_bwd(plan, act_scaled, preact_RF, topk_w_LK, dpreact_RF, act_scaled, activation,
-                                   interleaved=interleaved)
+                                   interleaved=interleaved, preact_scale=preact_scale)
+    if preact_scale is not None:
+        preact_RF = quant.dequantize_rows(preact_RF, preact_scale, dpreact_RF.dtype, out=dpreact_RF)
     return tl.down_bwd(dy_LD, w2_EDH, preact_RF, topk_w_LK, plan.token_slot_LK, dpreact_RF, plan.token_R,
                        plan.offsets_E1, plan.sched, activation, interleaved)
 
 
 def act_bwd(plan: RowPlan, dact_RH, preact_RF, topk_w_LK, dpreact_RF, act_scaled_RH, activation: str,
-            backend: str = "auto", interleaved: bool = False) -> torch.Tensor:
+            backend: str = "auto", interleaved: bool = False, preact_scale=None) -> torch.Tensor:
     """From dA' and preact: dH into dpreact, s·A into act_scaled (either may alias its input); returns dS (L, K).
-    One kernel on every backend."""
+    preact in e4m3 with its scales (preact_scale) is read back as it is loaded. One kernel on every backend."""
     return tl.act_bwd(dact_RH, preact_RF, plan.token_R, plan.token_slot_LK, topk_w_LK, dpreact_RF, act_scaled_RH,
-                      activation, interleaved)
+                      activation, interleaved, preact_scale)
 
 
 def weight_grad(plan: RowPlan, p, q, out, gather_p: bool, backend: str = "auto") -> torch.Tensor:

@@ -1,6 +1,7 @@
 """tl kernels of the backward pass: dA' = dy[token] @ W2[e] with the activation's backward in its epilogue
-(down_bwd), the same epilogue as a pass of its own (act_bwd, after a dA' computed apart), and the weight
-gradients, which reduce over each expert's rows and gather one side through expert_token_idx.
+(down_bwd), the same epilogue as a pass of its own (act_bwd, after a dA' computed apart; it also reads H kept in
+e4m3, dequantized as it is loaded), and the weight gradients, which reduce over each expert's rows and gather one
+side through expert_token_idx.
 
 Memory: nothing beyond the outputs, and down_bwd's fp32 router-gradient partials (H / DS_BLOCK per row).
 """
@@ -9,6 +10,8 @@ import triton.language as tl
 
 from .common import _act, _act_grad, _clamped_glu, _pair_cols, _row_ptrs, _rows_dot, _swizzle, _tile_rows
 from .configs import DH_CONFIGS, WGRAD_CONFIGS
+
+FP8_GROUP: tl.constexpr = tl.constexpr(128)  # reference.fp8.GROUP: the columns of one scale
 
 
 @triton.jit
@@ -88,16 +91,26 @@ def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_s
 
 
 @triton.jit
-def _act_bwd_kernel(dact_ptr, preact_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr, dpreact_ptr,
-                    act_scaled_ptr, dtopk_w_ptr, LK, H, stride_dl, stride_pl, stride_al, K: tl.constexpr,
-                    GATED: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+def _dequant(v, scale_ptr, rows, rmask, cols, stride_s, OUT_TY: tl.constexpr):
+    """e4m3 values v of rows x cols as quant.dequantize_rows writes them (q · scale in fp32, rounded to the io
+    dtype OUT_TY), in fp32; one scale per row and FP8_GROUP columns."""
+    s = tl.load(scale_ptr + rows.to(tl.int64)[:, None] * stride_s + (cols // FP8_GROUP)[None, :],
+                mask=rmask[:, None], other=0.0)
+    return (v.to(tl.float32) * s).to(OUT_TY).to(tl.float32)
+
+
+@triton.jit
+def _act_bwd_kernel(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr,
+                    dpreact_ptr, act_scaled_ptr, dtopk_w_ptr, LK, H, stride_dl, stride_pl, stride_ps, stride_al,
+                    K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                    FP8_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """The dH epilogue as a pass of its own over BLOCK_R rows, for a dA' = dy[token] @ W2[e] computed
     apart (the Hopper path): from dA' and H, dH = d act(s * dA'), s * A, and dS[r] = <dA'[r], A[r]>
     whole (no partials), stored straight into the router-weight gradient (L, K) in its dtype. A row r of
     token t is the pair (t, k) with token_slot[t, k] == r: its weight is read from topk_w there and its
     dS stored there, so no row-order copy of the weights exists. dpreact may be preact and act_scaled
-    may be dact: each element is read before it is written, by the same thread."""
+    may be dact: each element is read before it is written, by the same thread. FP8_H: H is e4m3 with one fp32
+    scale per row and 128 of its columns (preact_scale), read back as it is loaded: no dequantized copy."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < LK
     pair0 = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0) * K
@@ -114,6 +127,15 @@ def _act_bwd_kernel(dact_ptr, preact_ptr, expert_token_idx_ptr, token_slot_ptr, 
         mask = rmask[:, None] & (cols < H)[None, :]
         da = tl.load(_row_ptrs(dact_ptr, rows, stride_dl, cols), mask=mask, other=0.0).to(tl.float32)
         g, u = _load_h(preact_ptr, rows, rmask, c0, H, stride_pl, GATED, INTERLEAVED, BLOCK_H)
+        if FP8_H:
+            if GATED:
+                pcols, up_off = _pair_cols(cols, H, INTERLEAVED)
+                g = _dequant(g, preact_scale_ptr, rows, rmask, pcols, stride_ps, dpreact_ptr.dtype.element_ty)
+                u = _dequant(u, preact_scale_ptr, rows, rmask, pcols + up_off, stride_ps,
+                             dpreact_ptr.dtype.element_ty)
+            else:
+                g = _dequant(g, preact_scale_ptr, rows, rmask, cols, stride_ps, dpreact_ptr.dtype.element_ty)
+                u = g
         a = _store_dh_and_sa(da, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, mask,
                              GATED, ACT, INTERLEAVED)
         ds += tl.sum(da * a, axis=1)

@@ -127,16 +127,19 @@ def down_bwd(dy_LD, w2_EDH, preact, topk_w_LK, token_slot_LK, dpreact, token_R, 
     return act_scaled, ds_part.sum(0)[token_slot_LK.long()].to(topk_w_LK.dtype)  # dropped pairs: masked by the caller
 
 
-def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_scaled, activation, interleaved=False):
+def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_scaled, activation, interleaved=False,
+            preact_scale=None):
     """From dA' (R, H) and H: dH into dpreact, s·A into act_scaled (either may alias its input); returns dS as
-    the router weights' gradient (L, K), in topk_w's dtype."""
+    the router weights' gradient (L, K), in topk_w's dtype. H in e4m3 comes with its 1 x 128 scales
+    (preact_scale) and is read back in dpreact's dtype as it is loaded (dpreact is then a buffer of its own)."""
     R, H = dact_RH.shape
     topk_w_LK = topk_w_LK.contiguous()
     dtopk_w = torch.empty_like(topk_w_LK)
+    fp8 = preact_scale is not None
+    scale = preact_scale if fp8 else preact
     block_r, block_h = (4, 16) if INTERPRET else (8, 256)  # 8x256: 2-4% ahead of 16x256 at B-E (H200)
-    launch(_act_bwd_kernel, (triton.cdiv(R, block_r),), dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact,
-           act_scaled, dtopk_w, R, H, dact_RH.stride(0), preact.stride(0), act_scaled.stride(0),
-           K=token_slot_LK.shape[1], GATED=is_gated(activation), ACT=ACT_CODES[activation], INTERLEAVED=interleaved,
-           BLOCK_R=block_r,
-           BLOCK_H=block_h, num_warps=4)
+    launch(_act_bwd_kernel, (triton.cdiv(R, block_r),), dact_RH, preact, scale, token_R, token_slot_LK, topk_w_LK,
+           dpreact, act_scaled, dtopk_w, R, H, dact_RH.stride(0), preact.stride(0), scale.stride(0),
+           act_scaled.stride(0), K=token_slot_LK.shape[1], GATED=is_gated(activation), ACT=ACT_CODES[activation],
+           INTERLEAVED=interleaved, FP8_H=fp8, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
     return dtopk_w

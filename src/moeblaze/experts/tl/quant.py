@@ -160,10 +160,12 @@ def swiglu_quantize(preact: torch.Tensor, interleaved: bool = False) -> tuple[to
     return _rows(preact, preact.shape[1] // 2, True, interleaved)
 
 
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """q · scale (R, n) in dtype for quantize_rows's pair: reference.fp8.dequantize_rows in one pass."""
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """q · scale (R, n) in dtype for quantize_rows's pair: reference.fp8.dequantize_rows in one pass (into out,
+    (R, n) of that dtype with a contiguous last dimension, where given)."""
     R, n = q.shape
-    t = torch.empty(R, n, dtype=dtype, device=q.device)
+    t = torch.empty(R, n, dtype=dtype, device=q.device) if out is None else out
     if R and n:
         launch(_dequant_rows_kernel, (triton.cdiv(R, ROWS), _groups(n)), q, scale, t, R, n, q.stride(0),
                scale.stride(0), t.stride(0), ROWS=ROWS, GROUP=GROUP, num_warps=4)
