@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: the GPU tests, then the benchmark; everything is written under $OUT (default ./out).
 #   usage: bash scripts/gpu.sh [tests] [dispatch] [layer] [scale] [profile] [ab] [rounding] [quality] [fp8train]
-#          [fp8roof]
+#          [fp8roof] [fp8lab]
 #   (default: the first five)
 # Exits non-zero when any step fails (each step still runs). STEP_TIMEOUT=SECONDS bounds each step, so the
 # peers' compile cache below is still written back when one runs long.
@@ -49,6 +49,7 @@ for s in $steps; do
              r=$?; tar czf "$OUT/$study-training.tar.gz" -C "$OUT" $study-training && rm -rf "$OUT/$study-training"
              (exit $r) ;;
     fp8roof) $limit python3 scripts/fp8_roofline.py --out "$OUT" ${FP8ROOF_ARGS:-} ;;
+    fp8lab) $limit python3 scripts/fp8_kernel_lab.py --out "$OUT" ${FP8LAB_ARGS:-} ;;
     ab) $limit python3 scripts/ab_compare.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" ;;
     profile) for c in ${PROFILE_CONFIGS:-8192,1024,4096,16,2}; do IFS=, read L d h E K <<< "$c"; python3 -m moeblaze.cli profile --kernels --tokens $L --d-model $d --d-expert $h --num-experts $E --top-k $K ${PROFILE_ARGS:-} || exit 1; done 2>&1 | tee "$OUT/profile.log" ;;
     *) echo "unknown step $s"; false ;;
