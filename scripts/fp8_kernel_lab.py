@@ -1,10 +1,15 @@
 """What limits the fp8 Hopper GEMM (experts/gluon_sm90/fp8.py): the kernel timed beside variants that each take one
 suspect away, on a config's four expert GEMM shapes (up and dA' gathered, down and dX~ in place), with the bf16
-Gluon row GEMMs on the same shapes. Each shape's variants are timed in turns (moeblaze.bench.harness).
+Gluon row GEMMs on the same shapes. Each shape's variants are timed in turns (moeblaze.bench.harness), and each fp8
+variant's output is compared with the kernel's (equal_to_fp8: they do the same arithmetic).
 
   fp8             the kernel as the experts run it (A in place through the gathering loader, identity tokens)
   fp8-tma         A in place read by TMA (fp8_rows_gemm(tma_a=True)); in-place shapes only
   fp8-wait0       the promotion with no next stage in flight (wgmma.wait_group 0 before each stage's scaling)
+  fp8-256         128 x 256 tiles as two 128 x 128 halves sharing each stage's A (half the gathered A per FLOP, a
+                  quarter less into shared memory), each half promoted as fp8-wait0 does; 3 stages. Its two
+                  accumulators and a stage in flight are past the registers: it spills (~200 B a thread on
+                  triton 3.6, 8 B on 3.9, sm_90), which its time includes
 (One accumulator chained through the stages with no promotion at all, the bound that would show the promotion's
 whole cost, fails to compile on triton 3.6: an assertion in its lowering of a chained fp8 wgmma; so does a stage's
 result added unscaled or scaled by the block's scale alone.)
@@ -79,37 +84,97 @@ def _mma_wait0(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, s
 
 
 @gluon.jit
+def _mma_dual(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr,
+              stride_sbe, stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
+              used_tiles_ptr, N, K_DIM):
+    """A 128 x 256 tile as two 128 x 128 halves sharing each stage's A: per stage, the first half's MMAs from zero,
+    waited for and scaled into its accumulator, then the second's; registers: two accumulators and one stage."""
+    S: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    HALF: gl.constexpr = BLOCK_N // 2
+    acc_layout: gl.constexpr = mma_layout(8, HALF, 32)
+    row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    n_tn = gl.cdiv(N, BLOCK_N)
+    n_k = gl.cdiv(K_DIM, BLOCK_K)
+    pid, nprog, n_used, n_mine = my_tiles(used_tiles_ptr, n_tn)
+    offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
+    for j in range(n_mine):
+        e, row0, row_end, pid_n = tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
+                                           expert_offsets_ptr)
+        rows = row0 + offs_m
+        rmask = rows < row_end
+        src = gl.load(token_ptr + rows, mask=rows < n_rows, other=0)
+        sa_ptrs = sa_ptr + src.to(gl.int64) * stride_sal
+        sb0 = sb_ptr + e.to(gl.int64) * stride_sbe + (2 * pid_n) * stride_sbn
+        has1 = pid_n * BLOCK_N + HALF < N
+        acc0 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
+        acc1 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
+        for k in range(n_k):
+            c = j * n_k + k
+            s = c % S
+            mbarrier.wait(ready.index(s), (c // S) & 1)
+            fence_async_shared()
+            a = a_bufs.index(s)
+            b = b_bufs.index(s)
+            part = warpgroup_mma(a, b.slice(0, HALF, dim=0).permute((1, 0)),
+                                 gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout), use_acc=False,
+                                 max_num_imprecise_acc=BLOCK_K, is_async=True)
+            sa = gl.load(sa_ptrs + k, mask=rmask, other=0.0)
+            s0 = gl.load(sb0 + k)
+            s1 = gl.load(sb0 + stride_sbn + k, mask=has1, other=0.0)
+            done = warpgroup_mma_wait(0, deps=(part, ))
+            acc0 += done * (sa * s0)[:, None]
+            part = warpgroup_mma(a, b.slice(HALF, HALF, dim=0).permute((1, 0)),
+                                 gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout), use_acc=False,
+                                 max_num_imprecise_acc=BLOCK_K, is_async=True)
+            done = warpgroup_mma_wait(0, deps=(part, ))
+            mbarrier.arrive(empty.index(s))
+            acc1 += done * (sa * s1)[:, None]
+        store_tile(acc0, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, pid_n * BLOCK_N, N)
+        store_tile(acc1, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, pid_n * BLOCK_N + HALF, N)
+    tma.store_wait(0)
+
+
+@gluon.jit
 def fp8_wait0_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_desc, c_ptr, stride_cl, sa_ptr, stride_sal,
                        sb_ptr, stride_sbe, stride_sbn, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
-                       expert_offsets_ptr, N, K_DIM, BLOCK_M: gl.constexpr,
+                       expert_offsets_ptr, N, K_DIM, DUAL: gl.constexpr, BLOCK_M: gl.constexpr,
                        BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                        WORKER_REGS: gl.constexpr):
+    """The gathering loader behind _mma_wait0, or (DUAL, BLOCK_N 256) _mma_dual."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], b_desc.dtype)
     a_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     ready, empty = stage_barriers(STAGES, 32 * GATHER_WARPS + 1)
     mma_args = (c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr, stride_sbe,
                 stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, N,
                 K_DIM)
     loader_args = (x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
                    tile_row_ptr, used_tiles_ptr, N, K_DIM)
-    gl.warp_specialize([(_mma_wait0, mma_args), (gather_loader, loader_args)], [GATHER_WARPS], [56])
+    if DUAL:
+        gl.warp_specialize([(_mma_dual, mma_args), (gather_loader, loader_args)], [GATHER_WARPS], [WORKER_REGS])
+    else:
+        gl.warp_specialize([(_mma_wait0, mma_args), (gather_loader, loader_args)], [GATHER_WARPS], [WORKER_REGS])
 
 
-def fp8_wait0(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token):
-    """gluon_sm90.fp8_rows_gemm's launch with the wait-0 MMA partition, bf16 out."""
+def fp8_lab(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token, dual: bool = False):
+    """gluon_sm90.fp8_rows_gemm's launch with the wait-0 MMA partition (dual: 128 x 256 tiles in two halves,
+    3 stages), bf16 out."""
     from moeblaze.launch import launch, sm_count
 
     E, N, K = b_q.shape
     c = a_q.new_empty(num_rows, N, dtype=torch.bfloat16)
     if token is None:
         token = torch.arange(num_rows, dtype=torch.int32, device=a_q.device)
+    block_n = 2 * FP8_BLOCK_N if dual else FP8_BLOCK_N
     launch(fp8_wait0_kernel, (sm_count(a_q.device),), a_q, a_q.stride(0), token, token.shape[0],
-           descriptor(b_q.reshape(E * N, K), [FP8_BLOCK_N, 128]), descriptor(c, [BLOCK_M, FP8_BLOCK_N]), c,
+           descriptor(b_q.reshape(E * N, K), [block_n, 128]), descriptor(c, [BLOCK_M, FP8_BLOCK_N]), c,
            c.stride(0), a_scale, a_scale.stride(0), b_scale, b_scale.stride(0), b_scale.stride(1), sched[0],
-           sched[1], sched[2], offsets, N, K, BLOCK_M=BLOCK_M, BLOCK_N=FP8_BLOCK_N, BLOCK_K=128,
-           STAGES=FP8_STAGES, WORKER_REGS=56, num_warps=8, maxnreg=168)
+           sched[1], sched[2], offsets, N, K, DUAL=dual, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=128,
+           STAGES=3 if dual else FP8_STAGES, WORKER_REGS=56, num_warps=8, maxnreg=168)
     return c
 
 
@@ -119,7 +184,8 @@ def variants(a, w, plan, R, gathered) -> dict:
     tok = plan.token_R if gathered else None
     args = (*aq, *wq, R, plan.offsets_E1, plan.sched)
     fns = {"fp8": lambda i: gluon_sm90.fp8_rows_gemm(*args, tok, torch.bfloat16),
-           "fp8-wait0": lambda i: fp8_wait0(*args, tok)}
+           "fp8-wait0": lambda i: fp8_lab(*args, tok),
+           "fp8-256": lambda i: fp8_lab(*args, tok, dual=True)}
     if not gathered:
         fns["fp8-tma"] = lambda i: gluon_sm90.fp8_rows_gemm(*args, None, torch.bfloat16, tma_a=True)
         fns["bf16"] = lambda i: gluon_sm90.rows_gemm(a, w, plan.offsets_E1, plan.sched)
@@ -141,13 +207,24 @@ def measure(config, meta) -> list:
                                          ("dA'", L, h, d, True), ("dX~", R, d, 2 * h, False)):
         a = torch.randn(m_src, kd, device="cuda").bfloat16()
         w = (torch.randn(E, n, kd, device="cuda") * kd ** -0.5).bfloat16()
-        times = _timed_rounds(variants(a, w, plan, R, gathered), torch.device("cuda"), iters=10)
+        fns = variants(a, w, plan, R, gathered)
+        want = fns["fp8"](0)
+        same = {}  # each fp8 variant's output against the kernel's: the same arithmetic, so equal
+        for impl, fn in fns.items():
+            if impl.startswith("fp8-"):
+                try:
+                    same[impl] = bool(torch.equal(fn(0), want))
+                except Exception as ex:  # noqa: BLE001  (a variant that fails is reported, the others run)
+                    print(f"{config} {gemm} {impl}: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+                    fns.pop(impl)
+        times = _timed_rounds(fns, torch.device("cuda"), iters=10)
         for impl, res in times.items():
             if isinstance(res, Exception):
                 print(f"{config} {gemm} {impl}: {res}", flush=True)
                 continue
             row = dict(mode="fp8-kernel-lab", config=config, gemm=gemm, R=R, N=n, K=kd, gathered=gathered, impl=impl,
-                       ms=round(res[0], 4), tflops=round(2 * R * n * kd / (res[0] * 1e-3) / 1e12, 1), **meta)
+                       ms=round(res[0], 4), tflops=round(2 * R * n * kd / (res[0] * 1e-3) / 1e12, 1),
+                       equal_to_fp8=same.get(impl), **meta)
             rows.append(row)
             print(json.dumps(row), flush=True)
         del a, w
