@@ -118,6 +118,33 @@ def test_dh_pass_reads_e4m3_preact_as_its_read_back_copy(poison_alloc, activatio
         assert torch.equal(got, want)
 
 
+def test_dh_pass_finds_each_row_s_pair_in_a_wide_table(poison_alloc):
+    """A token-rounded routing's table wider than 8 places (read one row of places at a time) gives the dH pass
+    the same dH, s·A and per-pair dS as the same pairs in a table of 8 places (read place by place)."""
+    from moeblaze.experts import stages
+    from moeblaze.experts.stages import RowPlan
+    from moeblaze.routing import rounded_index
+
+    torch.manual_seed(2)
+    L, E, F, H = 40, 12, 64, 32
+    kept = torch.rand(L, E) < 0.4
+    kept[kept.sum(1) > 8] = False  # at most 8 experts a token, so both widths hold every pair
+    weights = torch.rand(L, E)
+    R = int(kept.sum())
+    preact, dact = torch.randn(R + 1, F), torch.randn(R + 1, H)
+    got = {}
+    for width in (8, 16):
+        index, w, overflow = rounded_index(kept, weights, width, R)
+        assert not overflow
+        plan = RowPlan.build(index)
+        dpreact, act_scaled = torch.empty(R + 1, F), torch.empty(R + 1, H)
+        ds = stages.act_bwd(plan, dact, preact, w, dpreact, act_scaled, "swiglu")
+        used = index.token_slot < R
+        got[width] = (dpreact[:R], act_scaled[:R], ds[used], index.token_slot[used])
+    for a, b in zip(got[8], got[16]):
+        assert torch.equal(a, b)
+
+
 def test_preact_fp8_keeps_one_byte_per_element_and_a_scale_per_128():
     x, w1, w2, idx, w = random_problem(64, 32, 96, 4, 2)  # F = 192: two groups per row, the last one 64 wide
     routing = build_routing_index(idx, 4)

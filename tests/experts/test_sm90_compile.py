@@ -106,7 +106,11 @@ KERNELS = [  # (kernel, pointer types, constexprs, warps)
     (backward._act_bwd_kernel, dict(dact_ptr="*bf16", preact_ptr="*fp8e4nv", preact_scale_ptr="*fp32",
                                     topk_w_ptr="*fp32", dpreact_ptr="*bf16", act_scaled_ptr="*bf16",
                                     dtopk_w_ptr="*fp32"),
-     dict(K=8, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=True, BLOCK_R=8, BLOCK_H=256), 4),
+     dict(K=8, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=True, WIDE=False, K_POW2=8, BLOCK_R=8, BLOCK_H=256), 4),
+    (backward._act_bwd_kernel, dict(dact_ptr="*bf16", preact_ptr="*bf16", preact_scale_ptr="*bf16",
+                                    topk_w_ptr="*fp32", dpreact_ptr="*bf16", act_scaled_ptr="*bf16",
+                                    dtopk_w_ptr="*fp32"),
+     dict(K=32, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=False, WIDE=True, K_POW2=32, BLOCK_R=8, BLOCK_H=256), 4),
 ]
 for kernel, ptrs, consts, warps in KERNELS:
     sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "*i32" if p.name.endswith("_ptr") else "i32")
@@ -118,11 +122,12 @@ for kernel, ptrs, consts, warps in KERNELS:
 
 
 def test_tl_kernels_of_fp8_rounding_and_the_wide_combine_lower_for_sm90():
-    """Each kernel of TL_SNIPPET's list (the dH pass reading H in e4m3 among them) compiles for sm_90."""
+    """Each kernel of TL_SNIPPET's list (the dH pass reading H in e4m3, and reading a wide table, among them)
+    compiles for sm_90."""
     root = os.path.join(os.path.dirname(__file__), "..", "..")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.join(root, "src") + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", TL_SNIPPET], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split()
-    assert lines[1::2] == ["True"] * 11 and len(lines) == 22, out.stdout
+    assert lines[1::2] == ["True"] * 12 and len(lines) == 24, out.stdout

@@ -103,20 +103,28 @@ def _dequant(v, scale_ptr, rows, rmask, cols, stride_s, OUT_TY: tl.constexpr):
 def _act_bwd_kernel(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr,
                     dpreact_ptr, act_scaled_ptr, dtopk_w_ptr, LK, H, stride_dl, stride_pl, stride_ps, stride_al,
                     K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                    FP8_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                    FP8_H: tl.constexpr, WIDE: tl.constexpr, K_POW2: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
     """The dH epilogue as a pass of its own over BLOCK_R rows, for a dA' = dy[token] @ W2[e] computed
     apart (the Hopper path): from dA' and H, dH = d act(s * dA'), s * A, and dS[r] = <dA'[r], A[r]>
     whole (no partials), stored straight into the router-weight gradient (L, K) in its dtype. A row r of
     token t is the pair (t, k) with token_slot[t, k] == r: its weight is read from topk_w there and its
     dS stored there, so no row-order copy of the weights exists. dpreact may be preact and act_scaled
     may be dact: each element is read before it is written, by the same thread. FP8_H: H is e4m3 with one fp32
-    scale per row and 128 of its columns (preact_scale), read back as it is loaded: no dequantized copy."""
+    scale per row and 128 of its columns (preact_scale), read back as it is loaded: no dequantized copy. WIDE (a
+    token-rounded routing's table of K places, most empty): each row's token's places are read in one load."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < LK
     pair0 = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0) * K
-    pair = tl.full((BLOCK_R,), -1, tl.int32)
-    for k in tl.static_range(K):
-        pair = tl.where(tl.load(token_slot_ptr + pair0 + k, mask=rmask, other=-1) == rows, pair0 + k, pair)
+    if WIDE:
+        kk = tl.arange(0, K_POW2)
+        places = pair0[:, None] + kk[None, :]
+        slots = tl.load(token_slot_ptr + places, mask=rmask[:, None] & (kk < K)[None, :], other=-1)
+        pair = tl.max(tl.where(slots == rows[:, None], places, -1), axis=1)
+    else:
+        pair = tl.full((BLOCK_R,), -1, tl.int32)
+        for k in tl.static_range(K):
+            pair = tl.where(tl.load(token_slot_ptr + pair0 + k, mask=rmask, other=-1) == rows, pair0 + k, pair)
     # a row that no pair names (the unused tail of a rounded routing's static row buffer) stores no dS
     rmask &= pair >= 0
     pair = tl.maximum(pair, 0)

@@ -137,9 +137,11 @@ def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_sca
     dtopk_w = torch.empty_like(topk_w_LK)
     fp8 = preact_scale is not None
     scale = preact_scale if fp8 else preact
+    K = token_slot_LK.shape[1]  # a token-rounded routing's table is wider (WIDE): read a row's places at once
     block_r, block_h = (4, 16) if INTERPRET else (8, 256)  # 8x256: 2-4% ahead of 16x256 at B-E (H200)
     launch(_act_bwd_kernel, (triton.cdiv(R, block_r),), dact_RH, preact, scale, token_R, token_slot_LK, topk_w_LK,
            dpreact, act_scaled, dtopk_w, R, H, dact_RH.stride(0), preact.stride(0), scale.stride(0),
-           act_scaled.stride(0), K=token_slot_LK.shape[1], GATED=is_gated(activation), ACT=ACT_CODES[activation],
-           INTERLEAVED=interleaved, FP8_H=fp8, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
+           act_scaled.stride(0), K=K, GATED=is_gated(activation), ACT=ACT_CODES[activation],
+           INTERLEAVED=interleaved, FP8_H=fp8, WIDE=K > WIDE_TABLE, K_POW2=triton.next_power_of_2(K), BLOCK_R=block_r,
+           BLOCK_H=block_h, num_warps=4)
     return dtopk_w
