@@ -33,8 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from moeblaze.bench.harness import CONFIGS, _timed_rounds
 from moeblaze.experts import gluon_sm90
 from moeblaze.experts.gluon_sm90.common import (GATHER_WARPS, descriptor, mma_layout, my_tiles, stage_barriers,
-                                                store_tile, tile_of)
-from moeblaze.experts.gluon_sm90.fp8 import FP8_BLOCK_N, FP8_STAGES, _scales
+                                                store_tile)
+from moeblaze.experts.gluon_sm90.fp8 import FP8_BLOCK_N, FP8_STAGES, _scales, scaled_tile
 from moeblaze.experts.gluon_sm90.partitions import gather_loader
 from moeblaze.experts.schedule import BLOCK_M
 from moeblaze.experts.stages import RowPlan
@@ -59,13 +59,9 @@ def _mma_wait0(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, s
     pid, nprog, n_used, n_mine = my_tiles(used_tiles_ptr, n_tn)
     offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
     for j in range(n_mine):
-        e, row0, row_end, pid_n = tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
-                                           expert_offsets_ptr)
-        rows = row0 + offs_m
-        rmask = rows < row_end
-        src = gl.load(token_ptr + rows, mask=rows < n_rows, other=0)
-        sa_ptrs = sa_ptr + src.to(gl.int64) * stride_sal
-        sb_tile = sb_ptr + e.to(gl.int64) * stride_sbe + pid_n * stride_sbn
+        row0, row_end, pid_n, rmask, sa_ptrs, sb_tile = scaled_tile(
+            j, pid, nprog, n_used, n_tn, offs_m, token_ptr, n_rows, sa_ptr, stride_sal, sb_ptr, stride_sbe,
+            stride_sbn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_N)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         for k in range(n_k):
             c = j * n_k + k
@@ -101,13 +97,9 @@ def _mma_dual(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa
     pid, nprog, n_used, n_mine = my_tiles(used_tiles_ptr, n_tn)
     offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
     for j in range(n_mine):
-        e, row0, row_end, pid_n = tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
-                                           expert_offsets_ptr)
-        rows = row0 + offs_m
-        rmask = rows < row_end
-        src = gl.load(token_ptr + rows, mask=rows < n_rows, other=0)
-        sa_ptrs = sa_ptr + src.to(gl.int64) * stride_sal
-        sb0 = sb_ptr + e.to(gl.int64) * stride_sbe + (2 * pid_n) * stride_sbn
+        row0, row_end, pid_n, rmask, sa_ptrs, sb0 = scaled_tile(
+            j, pid, nprog, n_used, n_tn, offs_m, token_ptr, n_rows, sa_ptr, stride_sal, sb_ptr, stride_sbe,
+            stride_sbn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_N)
         has1 = pid_n * BLOCK_N + HALF < N
         acc0 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
         acc1 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)

@@ -29,12 +29,26 @@ from .partitions import gather_loader, tma_loader
 
 FP8_BLOCK_N = 128  # one weight block's columns: a stage's weight scale is one number
 FP8_STAGES = 4
+SCALE_BLOCK = gl.constexpr(GROUP)  # the columns (and K) of one weight scale
 
 
 @gluon.jit
 def _scales(sa_ptrs, sb_ptr, rmask, kb):
     """The scale of each of the tile's rows for K-block kb: A's (per row) times B's (one per block)."""
     return gl.load(sa_ptrs + kb, mask=rmask, other=0.0) * gl.load(sb_ptr + kb)
+
+
+@gluon.jit
+def scaled_tile(j, pid, nprog, n_used, n_tn, offs_m, token_ptr, n_rows, sa_ptr, stride_sal, sb_ptr, stride_sbe,
+                stride_sbn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_N: gl.constexpr):
+    """This program's j-th tile (tile_of) with where its scales are: (first row, row end, column tile, its rows'
+    mask, A's scale pointers of its rows (through the token ids), B's of its first weight block); offs_m: the
+    rows' offsets in the accumulator's row layout."""
+    e, row0, row_end, pid_n = tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
+    rows = row0 + offs_m
+    src = gl.load(token_ptr + rows, mask=rows < n_rows, other=0)
+    sb_tile = sb_ptr + e.to(gl.int64) * stride_sbe + pid_n * (BLOCK_N // SCALE_BLOCK) * stride_sbn
+    return row0, row_end, pid_n, rows < row_end, sa_ptr + src.to(gl.int64) * stride_sal, sb_tile
 
 
 @gluon.jit
@@ -54,13 +68,9 @@ def fp8_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty
     pid, nprog, n_used, n_mine = my_tiles(used_tiles_ptr, n_tn)
     offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
     for j in range(n_mine):
-        e, row0, row_end, pid_n = tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr,
-                                           expert_offsets_ptr)
-        rows = row0 + offs_m
-        rmask = rows < row_end
-        src = gl.load(token_ptr + rows, mask=rows < n_rows, other=0)
-        sa_ptrs = sa_ptr + src.to(gl.int64) * stride_sal
-        sb_tile = sb_ptr + e.to(gl.int64) * stride_sbe + pid_n * stride_sbn
+        row0, row_end, pid_n, rmask, sa_ptrs, sb_tile = scaled_tile(
+            j, pid, nprog, n_used, n_tn, offs_m, token_ptr, n_rows, sa_ptr, stride_sal, sb_ptr, stride_sbe,
+            stride_sbn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_N)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         c0 = j * n_k
         # stage 0's MMAs, then each next stage's issued before the previous one's result is scaled
@@ -141,16 +151,15 @@ def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=No
     in_place = token is None
     if in_place:
         token = torch.arange(num_rows, dtype=torch.int32, device=a_q.device)
-    b_desc = descriptor(b_q.reshape(E * N, K), [FP8_BLOCK_N, GROUP])
-    c_desc = descriptor(c, [BLOCK_M, FP8_BLOCK_N])
+    # what both kernels take after A: B, C, the scales, the schedule, the sizes
+    rest = (descriptor(b_q.reshape(E * N, K), [FP8_BLOCK_N, GROUP]), descriptor(c, [BLOCK_M, FP8_BLOCK_N]), c,
+            c.stride(0), a_scale, a_scale.stride(0), b_scale, b_scale.stride(0), b_scale.stride(1), sched[0],
+            sched[1], sched[2], offsets, N, K)
+    meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages, WORKER_REGS=worker_regs,
+                num_warps=8, maxnreg=168)
     if in_place and tma_a:
         launch(fp8_rows_tma_kernel, (sm_count(a_q.device),), descriptor(a_q, [BLOCK_M, GROUP]), token, num_rows,
-               b_desc, c_desc, c, c.stride(0), a_scale, a_scale.stride(0), b_scale, b_scale.stride(0),
-               b_scale.stride(1), sched[0], sched[1], sched[2], offsets, N, K, BLOCK_M=BLOCK_M, BLOCK_N=FP8_BLOCK_N,
-               BLOCK_K=GROUP, STAGES=stages, WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
-        return c
-    launch(fp8_rows_kernel, (sm_count(a_q.device),), a_q, a_q.stride(0), token, token.shape[0], b_desc, c_desc, c,
-           c.stride(0), a_scale, a_scale.stride(0), b_scale, b_scale.stride(0), b_scale.stride(1), sched[0], sched[1],
-           sched[2], offsets, N, K, BLOCK_M=BLOCK_M, BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages,
-           WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+               *rest, **meta)
+    else:
+        launch(fp8_rows_kernel, (sm_count(a_q.device),), a_q, a_q.stride(0), token, token.shape[0], *rest, **meta)
     return c
