@@ -24,8 +24,8 @@ import torch
 from moeblaze import MoELayer
 from moeblaze.bench.harness import CONFIGS, _timed_rounds, kernel_times
 from moeblaze.experts import moe_experts
-from moeblaze.routing import (RULES, build_routing_index, round_tokens_fast, rounded_index, rounded_rows_bound,
-                              route_topk)
+from moeblaze.routing import (RULES, build_routing_index, default_max_experts, round_tokens_fast, rounded_index,
+                              rounded_rows_bound, route_topk)
 from moeblaze.experts.schedule import BLOCK_M
 
 SHAPES = {"C": CONFIGS["C"], "D": CONFIGS["D"], "E256": (16384, 4096, 1024, 256, 4)}
@@ -38,9 +38,10 @@ def routings(L, E, K, g):
     kept = torch.zeros(L, E, dtype=torch.bool, device="cuda").scatter_(1, idx.long(), True)
     out = {"top-k": (kept, torch.zeros(L, E, device="cuda").scatter_(1, idx.long(), w.float()))}
     for rule in RULES:
-        rr = round_tokens_fast(logits, idx, w, BLOCK_M, rule, max_experts=min(E, 4 * K))  # as MoELayer
+        rr = round_tokens_fast(logits, idx, w, BLOCK_M, rule, max_experts=default_max_experts(E, K))  # as MoELayer
         out[rule] = (rr.kept_LE, rr.weights_LE.detach())
-        if rounded_index(rr.kept_LE, rr.weights_LE, min(E, 4 * K), rounded_rows_bound(L, K, E, BLOCK_M, rule))[2]:
+        if rounded_index(rr.kept_LE, rr.weights_LE, default_max_experts(E, K),
+                         rounded_rows_bound(L, K, E, BLOCK_M, rule))[2]:
             raise RuntimeError(f"{rule}: the rounded pairs overflow the layer's bounds at L={L}, E={E}, K={K}")
     return out, (idx, w)
 
@@ -53,7 +54,7 @@ def moeblaze_experts(L, E, K, kept, weights, w1, w2, topk, rule):
         w = w.float().requires_grad_()
         return lambda x: (moe_experts(x, build_routing_index(idx, E, check=False), w, w1, w2, check=False), w)
     wl = weights.clone().requires_grad_()
-    max_experts = min(E, 4 * K)
+    max_experts = default_max_experts(E, K)
 
     def call(x):
         index, w, _ = rounded_index(kept, wl, max_experts, rounded_rows_bound(L, K, E, BLOCK_M, rule))

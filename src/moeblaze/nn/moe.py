@@ -22,8 +22,8 @@ from ..distributed import ep_experts
 from ..experts import CHECKPOINTS, PRECISIONS, check_backend, moe_experts, resolve_impl
 from ..reference import check_activation, up_width
 from ..experts.schedule import BLOCK_M
-from ..routing import (METHODS, RULES, TopKRouter, build_routing_index, count_per_expert, round_tokens_fast,
-                       rounded_index, rounded_rows_bound)
+from ..routing import (METHODS, RULES, TopKRouter, build_routing_index, count_per_expert, default_max_experts,
+                       round_tokens_fast, rounded_index, rounded_rows_bound)
 from ..routing.checks import fail_if
 
 
@@ -172,7 +172,7 @@ class MoELayer(nn.Module):
         self.token_rounding = token_rounding
         self.rounding_tile = check_int("rounding_tile", rounding_tile) if rounding_tile is not None else BLOCK_M
         self.rounding_max_experts = (check_int("rounding_max_experts", rounding_max_experts, minimum=top_k)
-                                     if rounding_max_experts is not None else min(num_experts, 4 * top_k))
+                                     if rounding_max_experts is not None else default_max_experts(num_experts, top_k))
         check_int("shared_experts", shared_experts, minimum=0)
         self.shared = None
         if shared_experts:
@@ -219,12 +219,11 @@ class MoELayer(nn.Module):
         rt = self.router
         rr = round_tokens_fast(r.logits, r.topk_idx, r.topk_weights, M, self.token_rounding, rt.scoring,
                                rt.renormalize, rt.route_scale, self.rounding_max_experts)
-        index, w, overflow = rounded_index(rr.kept_LE, rr.weights_LE, self.rounding_max_experts,
-                                           rounded_rows_bound(L, K, E, M, self.token_rounding))
+        rows = rounded_rows_bound(L, K, E, M, self.token_rounding)
+        index, w, overflow = rounded_index(rr.kept_LE, rr.weights_LE, self.rounding_max_experts, rows)
         # the rounding keeps both bounds by construction: an overflow here is a bug, never a silent drop
         fail_if(overflow, f"token rounding: the rounded pairs overflow the index's bounds (rounding_max_experts="
-                f"{self.rounding_max_experts}, rows {rounded_rows_bound(L, K, E, M, self.token_rounding)})",
-                RuntimeError)  # on a GPU a device-side assert: no host sync
+                f"{self.rounding_max_experts}, rows {rows})", RuntimeError)  # a device-side assert: no host sync
         return w, index
 
     def extra_repr(self) -> str:

@@ -167,6 +167,11 @@ def round_tokens_fast(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w
                   functools.partial(_keep_by_topk, k=tile - 1), max_experts)
 
 
+def default_max_experts(num_experts: int, top_k: int) -> int:
+    """The bound on experts per token MoELayer gives a rounding by default: min(E, 4K)."""
+    return min(num_experts, 4 * top_k)
+
+
 def rounded_rows_bound(num_tokens: int, top_k: int, num_experts: int, tile: int, rule: str) -> int:
     """A bound on the pairs a rounding under `rule` keeps, for rounded_index's static row buffer: L·K plus each
     expert's largest rise (under half a tile for "nr-f", under a tile for "up", none for "down"), at most L·E."""
