@@ -8,10 +8,11 @@ Memory: nothing beyond the outputs, and down_bwd's fp32 router-gradient partials
 import triton
 import triton.language as tl
 
+from ...reference.fp8 import GROUP
 from .common import _act, _act_grad, _clamped_glu, _pair_cols, _row_ptrs, _rows_dot, _swizzle, _tile_rows
 from .configs import DH_CONFIGS, WGRAD_CONFIGS
 
-FP8_GROUP: tl.constexpr = tl.constexpr(128)  # reference.fp8.GROUP: the columns of one scale
+FP8_GROUP: tl.constexpr = tl.constexpr(GROUP)  # the columns of one e4m3 scale
 
 
 @triton.jit

@@ -45,8 +45,7 @@ def _round_e4m3(v):
 
 @triton.jit
 def _quantize(v, mask, q_ptrs, s_ptrs, smask, AMAX_FLOOR: tl.constexpr, INV_FP8_MAX: tl.constexpr,
-              FP8_MAX: tl.constexpr,
-              EMULATE: tl.constexpr):
+              FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
     """Stores q and the scale of each row of v (ROWS, GROUP) fp32, one group per row (masked lanes are 0)."""
     v = tl.where(mask, v, 0.0)
     scale = tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR) * INV_FP8_MAX
@@ -101,8 +100,7 @@ def _dequant_rows_kernel(q_ptr, s_ptr, t_ptr, R, N, stride_q, stride_s, stride_t
 @triton.jit
 def _blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, stride_qr, stride_se, stride_sr,
                    TRANSPOSE: tl.constexpr, GROUP: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-                   INV_FP8_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
-                   EMULATE: tl.constexpr):
+                   INV_FP8_MAX: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
     e = tl.program_id(2).to(tl.int64)
     bn, bk = tl.program_id(0), tl.program_id(1)
     n = bn * GROUP + tl.arange(0, GROUP)
@@ -141,8 +139,7 @@ def _rows(t: torch.Tensor, n: int, swiglu: bool, interleaved: bool) -> tuple[tor
     if R and n:
         launch(_rows_kernel, (triton.cdiv(R, ROWS), _groups(n)), t, q, s, R, n, t.stride(0), q.stride(0),
                s.stride(0), SWIGLU=swiglu, INTERLEAVED=interleaved, ROWS=ROWS, GROUP=GROUP, AMAX_FLOOR=AMAX_FLOOR,
-               INV_FP8_MAX=INV_FP8_MAX,
-               FP8_MAX=FP8_MAX, EMULATE=INTERPRET, num_warps=4)
+               INV_FP8_MAX=INV_FP8_MAX, FP8_MAX=FP8_MAX, EMULATE=INTERPRET, num_warps=4)
     return q, s
 
 
@@ -183,6 +180,5 @@ def quantize_blocks(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Ten
     if q.numel():
         launch(_blocks_kernel, (gn, gk, E), w, q, s, N, K, w.stride(0), w.stride(1), q.stride(0), q.stride(1),
                s.stride(0), s.stride(1), TRANSPOSE=transpose, GROUP=GROUP, AMAX_FLOOR=AMAX_FLOOR,
-               INV_FP8_MAX=INV_FP8_MAX, FP8_MAX=FP8_MAX,
-               EMULATE=INTERPRET, num_warps=8)
+               INV_FP8_MAX=INV_FP8_MAX, FP8_MAX=FP8_MAX, EMULATE=INTERPRET, num_warps=8)
     return q, s
