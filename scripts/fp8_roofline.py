@@ -7,7 +7,7 @@ K=h) as one plain GEMM and as a grouped GEMM over E equal groups, bf16 against e
   fp8-block    torch.nn.functional.scaled_mm with DeepSeek-V3's 1x128 / 128x128 scales, where this torch has it
   fp8-triton   a plain Triton kernel with the same scales: acc += dot(a, b) · s_a · s_b per 128-deep block
   moeblaze-fp8-gather, moeblaze-fp8-tma   (Hopper) moeblaze's Gluon fp8 row GEMM over the E groups, A read through
-               its gathering loader (the identity as tokens: how A in place runs now) or by TMA (tma_a)
+               its gathering loader (the identity as tokens) or by TMA (tma_a: how A in place runs)
 
     python scripts/fp8_roofline.py [--out DIR] [--configs B,D,E]    (one JSON row per (config, gemm, impl))
 """
@@ -100,13 +100,14 @@ def measure(name, gemm, M, N, Kd, E, meta) -> list:
         sched = tile_schedule(counts, starts, M, BLOCK_M)
         bE8, sbE = quantize_blocks(bE)
         fns["moeblaze-fp8-gather"] = lambda i: gluon_sm90.fp8_rows_gemm(a8, sa, bE8, sbE, M, starts, sched, None,
-                                                                        torch.bfloat16)
+                                                                        torch.bfloat16, tma_a=False)
         fns["moeblaze-fp8-tma"] = lambda i: gluon_sm90.fp8_rows_gemm(a8, sa, bE8, sbE, M, starts, sched, None,
-                                                                     torch.bfloat16, tma_a=True)
+                                                                     torch.bfloat16)
     sf = getattr(torch.nn.functional, "scaled_mm", None)
     if sf is not None:
         ST = torch.nn.functional.ScalingType
-        fns["fp8-block"] = lambda i: sf(a8, b8.t(), sa, ST.BlockWise1x128, sb.t(), ST.BlockWise128x128,
+        sa_m = sa.t().contiguous().t()  # cuBLAS takes the 1 x 128 scales M-major: strides (1, M)
+        fns["fp8-block"] = lambda i: sf(a8, b8.t(), sa_m, ST.BlockWise1x128, sb.t(), ST.BlockWise128x128,
                                         output_dtype=torch.bfloat16)
     errs = {}
     for key, fn in list(fns.items()):

@@ -156,24 +156,20 @@ def _smem_layout(box: tuple, dtype: torch.dtype):
 
 @gluon.jit
 def store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, col0, N):
-    """The MMA partition's own store of a finished tile: through c_smem and one TMA store where the tile lies
-    within its rows (row0 + BLOCK_M <= row_end), else masked stores from the registers. c_smem is written only
-    once the previous tile's TMA store has read it."""
+    """The MMA partition's own store of a finished tile, through c_smem: one TMA store where the tile lies within
+    its rows (row0 + BLOCK_M <= row_end), else masked pieces (store_pieces), which hold few registers beside
+    what else is live (the fp8 GEMM's other half). c_smem is written only once the previous tile's store has
+    read it."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
-    BLOCK_N: gl.constexpr = c_smem.type.shape[1]
+    tma.store_wait(0)
+    thread_barrier()  # every thread sees the previous store done before it overwrites c_smem
+    c_smem.store(acc.to(c_smem.dtype))
+    fence_async_shared()
+    thread_barrier()  # the whole tile is in c_smem before the TMA store (or the pieces) read it
     if row0 + BLOCK_M <= row_end:
-        tma.store_wait(0)
-        thread_barrier()  # every thread sees the previous store done before it overwrites c_smem
-        c_smem.store(acc.to(c_smem.dtype))
-        fence_async_shared()
-        thread_barrier()  # the whole tile is in c_smem before the TMA store reads it
         tma_store(c_desc, [row0, col0], c_smem)
     else:
-        acc_layout: gl.constexpr = acc.type.layout
-        rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
-        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        gl.store(c_ptr + rows.to(gl.int64)[:, None] * stride_cl + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=(rows < row_end)[:, None] & (cols < N)[None, :])
+        store_pieces(c_smem, c_ptr, stride_cl, row0, row_end, col0, N)
 
 
 @gluon.jit

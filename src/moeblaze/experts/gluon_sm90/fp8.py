@@ -1,18 +1,23 @@
 """The fp8 row GEMM on Hopper: C[rows] = A[rows] · B[e]ᵀ on e4m3 operands with DeepSeek-V3's scales (one fp32
 per 1 x 128 group of A's rows, per 128 x 128 block of B), A's rows gathered through the token ids by cp.async (x
-and dy, quantized once per token: their scales follow the gather; A in place through the identity, or, with
-tma_a, read in place by TMA: an experiment to time against the gathering loader before it becomes the default).
-B is (E·N, K), K-major, as fp8 wgmma needs both operands.
+and dy, quantized once per token: their scales follow the gather), A in place read by TMA (tma_a; 1-11% faster
+than the gathering loader over the identity at B, D and E, which tma_a=False still runs). B is (E·N, K), K-major,
+as fp8 wgmma needs both operands.
 
 Partitions: the gathering loader (a whole warpgroup; or a 1-warp TMA loader) and 8 MMA warps (two warpgroups of 64
-rows)
-that store their own 128 x 128 tiles. Each 128-deep stage is one MMA group from zero whose fp32 result is scaled
-and added to the tile's accumulator (the promotion every 128 of K that Hopper's narrower fp8 accumulation needs);
-the next stage's MMAs are issued before this stage's are scaled, so the tensor cores work through the promotion
-(two partial accumulators in flight, and the other warpgroup's MMAs besides). The scales are loaded by the MMA
-warps themselves when a stage's MMAs are issued, and used once they are done.
+rows) that store their own tiles. A tile is 128 x 256: two 128-column halves (one weight block each) that share
+each stage's A, so a gathered row of A feeds twice the columns of a 128 x 128 tile. Per 128-deep stage, each
+half's MMAs run from zero and their fp32 result is scaled and added to the half's accumulator (the promotion every
+128 of K that Hopper's narrower fp8 accumulation needs), waited for before the next MMAs: two accumulators and
+one partial are what the registers hold, and the other warpgroup's MMAs run through one's promotion. Measured
+against the 128 x 128 tile that kept the next stage's MMAs in flight: 1.2-1.5x on the four expert GEMMs of
+configs B and D (benchmarks/NOTES.md).
 
-Memory contract: nothing beyond C. Shared memory: STAGES x (128 + 128) x 128 bytes of operands and one 128 x 128
+Registers: 64 for the loader leave the MMA warps 232 (setmaxnreg); the bf16 gathering kernel spills nothing on
+triton 3.6 and 3.9, the TMA one and fp32 C nothing on 3.6 and 136-176 bytes a thread on 3.9 (ptxas; no loader
+budget clears every case on both).
+
+Memory contract: nothing beyond C. Shared memory: STAGES x (128 + 256) x 128 bytes of operands and one 128 x 128
 tile of C in its dtype.
 """
 import torch
@@ -27,15 +32,10 @@ from ..schedule import BLOCK_M
 from .common import GATHER_WARPS, descriptor, mma_layout, my_tiles, stage_barriers, store_tile, tile_of
 from .partitions import gather_loader, tma_loader
 
-FP8_BLOCK_N = 128  # one weight block's columns: a stage's weight scale is one number
-FP8_STAGES = 4
+FP8_BLOCK_N = 2 * GROUP  # a tile's columns: two weight blocks, each half's weight scale one number a stage
+FP8_STAGES = 3
+FP8_WORKER_REGS = 64  # the loader's registers: the fewest at which the bf16 gathering kernel spills nothing
 SCALE_BLOCK = gl.constexpr(GROUP)  # the columns (and K) of one weight scale
-
-
-@gluon.jit
-def _scales(sa_ptrs, sb_ptr, rmask, kb):
-    """The scale of each of the tile's rows for K-block kb: A's (per row) times B's (one per block)."""
-    return gl.load(sa_ptrs + kb, mask=rmask, other=0.0) * gl.load(sb_ptr + kb)
 
 
 @gluon.jit
@@ -55,48 +55,51 @@ def scaled_tile(j, pid, nprog, n_used, n_tn, offs_m, token_ptr, n_rows, sa_ptr, 
 def fp8_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr,
                   stride_sbe, stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
                   used_tiles_ptr, N, K_DIM):
-    """Every tile of this program: per stage, part = A_s · B_sᵀ from zero, acc += part · s_a · s_b (stage k's MMAs
-    issued before stage k-1's result is scaled); then the tile stored by these warps (store_tile)."""
+    """Every tile of this program, as two 128-column halves sharing each stage's A: per stage, a half's MMAs
+    from zero, waited for and scaled into its accumulator (acc += part · s_a · s_b), then the other half's; then
+    both halves stored by these warps (store_tile; a second half past N is skipped)."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    acc_layout: gl.constexpr = mma_layout(8, BLOCK_N, 32)
+    HALF: gl.constexpr = BLOCK_N // 2
+    acc_layout: gl.constexpr = mma_layout(8, HALF, 32)
     row_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
     n_tn = gl.cdiv(N, BLOCK_N)
     n_k = gl.cdiv(K_DIM, BLOCK_K)
     pid, nprog, n_used, n_mine = my_tiles(used_tiles_ptr, n_tn)
     offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
     for j in range(n_mine):
-        row0, row_end, pid_n, rmask, sa_ptrs, sb_tile = scaled_tile(
+        row0, row_end, pid_n, rmask, sa_ptrs, sb0 = scaled_tile(
             j, pid, nprog, n_used, n_tn, offs_m, token_ptr, n_rows, sa_ptr, stride_sal, sb_ptr, stride_sbe,
             stride_sbn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_N)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-        c0 = j * n_k
-        # stage 0's MMAs, then each next stage's issued before the previous one's result is scaled
-        mbarrier.wait(ready.index(c0 % S), (c0 // S) & 1)
-        fence_async_shared()  # A came by cp.async (generic proxy); wgmma reads through the async proxy
-        prev = warpgroup_mma(a_bufs.index(c0 % S), b_bufs.index(c0 % S).permute((1, 0)),
-                             gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout), use_acc=False,
-                             max_num_imprecise_acc=BLOCK_K, is_async=True)
-        scale_prev = _scales(sa_ptrs, sb_tile, rmask, 0)  # loaded while the MMAs run, used a stage later
-        for k in range(1, n_k):
-            c = c0 + k
+        has1 = pid_n * BLOCK_N + HALF < N  # past N, the second half's B rows are the next expert's (or zeros)
+        acc0 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
+        acc1 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
+        for k in range(n_k):
+            c = j * n_k + k
             s = c % S
             mbarrier.wait(ready.index(s), (c // S) & 1)
-            fence_async_shared()
-            cur = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)),
-                                gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout), use_acc=False,
-                                max_num_imprecise_acc=BLOCK_K, is_async=True)
-            scale_cur = _scales(sa_ptrs, sb_tile, rmask, k)
-            prev = warpgroup_mma_wait(1, deps=(prev, ))  # stage k-1's MMAs are done: its stage goes back
-            mbarrier.arrive(empty.index((c - 1) % S))
-            acc += prev * scale_prev[:, None]
-            prev, scale_prev = cur, scale_cur
-        prev = warpgroup_mma_wait(0, deps=(prev, ))
-        mbarrier.arrive(empty.index((c0 + n_k - 1) % S))
-        acc += prev * scale_prev[:, None]
-        store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, pid_n * BLOCK_N, N)
+            fence_async_shared()  # A came by cp.async (generic proxy); wgmma reads through the async proxy
+            a = a_bufs.index(s)
+            b = b_bufs.index(s)
+            part = warpgroup_mma(a, b.slice(0, HALF, dim=0).permute((1, 0)),
+                                 gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout), use_acc=False,
+                                 max_num_imprecise_acc=BLOCK_K, is_async=True)
+            sa = gl.load(sa_ptrs + k, mask=rmask, other=0.0)  # loaded while the MMAs run
+            s0 = gl.load(sb0 + k)
+            s1 = gl.load(sb0 + stride_sbn + k, mask=has1, other=0.0)
+            part = warpgroup_mma_wait(0, deps=(part, ))
+            acc0 += part * (sa * s0)[:, None]
+            part = warpgroup_mma(a, b.slice(HALF, HALF, dim=0).permute((1, 0)),
+                                 gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout), use_acc=False,
+                                 max_num_imprecise_acc=BLOCK_K, is_async=True)
+            part = warpgroup_mma_wait(0, deps=(part, ))
+            mbarrier.arrive(empty.index(s))  # both halves have read the stage
+            acc1 += part * (sa * s1)[:, None]
+        store_tile(acc0, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, pid_n * BLOCK_N, N)
+        if has1:
+            store_tile(acc1, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, pid_n * BLOCK_N + HALF, N)
     tma.store_wait(0)
 
 
@@ -110,7 +113,7 @@ def fp8_rows_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_desc, c_ptr, 
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], b_desc.dtype)
     a_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)  # one half
     ready, empty = stage_barriers(STAGES, 32 * GATHER_WARPS + 1)
     mma_args = (c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr, stride_sbe,
                 stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, N,
@@ -129,7 +132,7 @@ def fp8_rows_tma_kernel(a_desc, token_ptr, n_rows, b_desc, c_desc, c_ptr, stride
     identity, through which the MMA warps read A's scales)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)  # one half
     ready, empty = stage_barriers(STAGES, 1)
     mma_args = (c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr, stride_sbe,
                 stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, N,
@@ -140,11 +143,11 @@ def fp8_rows_tma_kernel(a_desc, token_ptr, n_rows, b_desc, c_desc, c_ptr, stride
 
 
 def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=None, out_dtype=None, out=None,
-                  stages: int = FP8_STAGES, worker_regs: int = 56, tma_a: bool = False):
+                  stages: int = FP8_STAGES, worker_regs: int = FP8_WORKER_REGS, tma_a: bool = True):
     """experts.tl.fp8.fp8_rows_gemm on Hopper (same arguments and result): a_q (·, K) e4m3 contiguous with
     a_scale (·, ceil(K / 128)) fp32, b_q (E, N, K) e4m3 contiguous with b_scale (E, ceil(N / 128), ceil(K / 128));
-    K a multiple of 128, N of 8. A in place (token None) is read through the gathering loader with the identity as
-    tokens, or by TMA where tma_a (not yet the default: to be timed against it on the GPU). The dispatcher
+    K a multiple of 128, N of 8. A in place (token None) is read by TMA (tma_a), or through the gathering loader
+    with the identity as tokens. The dispatcher
     (experts.dispatch) checks these; the launcher does not."""
     E, N, K = b_q.shape
     c = a_q.new_empty(num_rows, N, dtype=out_dtype) if out is None else out
@@ -152,7 +155,7 @@ def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=No
     if in_place:
         token = torch.arange(num_rows, dtype=torch.int32, device=a_q.device)
     # what both kernels take after A: B, C, the scales, the schedule, the sizes
-    rest = (descriptor(b_q.reshape(E * N, K), [FP8_BLOCK_N, GROUP]), descriptor(c, [BLOCK_M, FP8_BLOCK_N]), c,
+    rest = (descriptor(b_q.reshape(E * N, K), [FP8_BLOCK_N, GROUP]), descriptor(c, [BLOCK_M, GROUP]), c,
             c.stride(0), a_scale, a_scale.stride(0), b_scale, b_scale.stride(0), b_scale.stride(1), sched[0],
             sched[1], sched[2], offsets, N, K)
     meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages, WORKER_REGS=worker_regs,
