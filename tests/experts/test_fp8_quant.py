@@ -98,3 +98,15 @@ def test_quantizers_refuse_bad_operands():
         quant.quantize_blocks(torch.randn(128, 128))
     q, s = quant.quantize_rows(torch.randn(0, 256))
     assert q.shape == (0, 256) and s.shape == (0, 2)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("h", [256, 200, 40])
+def test_swiglu_quantize_keeps_h_quantized_as_quantize_rows(poison_alloc, interleaved, h):
+    """keep_preact: A's pair as without it, and H's equal to quantize_rows(H) bit for bit; hard rows (zero,
+    outliers, tiny) in H; h = 200 gate-first takes the fallback pass, 40 interleaved a second group past H's end."""
+    gen = torch.Generator().manual_seed(h + 7 * interleaved)
+    preact = _hard_rows(37, 2 * h, torch.float16, gen)
+    got_a, got_h = quant.swiglu_quantize(preact, interleaved, keep_preact=True)
+    _same(got_a, quant.swiglu_quantize(preact, interleaved))
+    _same(got_h, quantize_rows(preact))

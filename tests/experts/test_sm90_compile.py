@@ -89,11 +89,13 @@ from moeblaze.experts.tl import backward, forward, quant
 from moeblaze.routing import triton as rk
 
 Q = dict(GROUP=128, AMAX_FLOOR=1e-12, INV_FP8_MAX=1 / 448, FP8_MAX=448.0, EMULATE=False)
-ROWS = dict(t_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
+ROWS = dict(t_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", qh_ptr="*fp8e4nv", sh_ptr="*fp32")
 BLOCKS = dict(w_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
 KERNELS = [  # (kernel, pointer types, constexprs, warps)
-    (quant._rows_kernel, ROWS, dict(SWIGLU=True, INTERLEAVED=False, ROWS=quant.ROWS, **Q), 4),
-    (quant._rows_kernel, ROWS, dict(SWIGLU=False, INTERLEAVED=True, ROWS=quant.ROWS, **Q), 4),
+    (quant._rows_kernel, ROWS, dict(SWIGLU=True, INTERLEAVED=False, KEEP_H=False, ROWS=quant.ROWS, **Q), 4),
+    (quant._rows_kernel, ROWS, dict(SWIGLU=False, INTERLEAVED=True, KEEP_H=False, ROWS=quant.ROWS, **Q), 4),
+    (quant._rows_kernel, ROWS, dict(SWIGLU=True, INTERLEAVED=False, KEEP_H=True, ROWS=quant.ROWS, **Q), 4),
+    (quant._rows_kernel, ROWS, dict(SWIGLU=True, INTERLEAVED=True, KEEP_H=True, ROWS=quant.ROWS, **Q), 4),
     (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=True, **Q), 8),
     (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=False, **Q), 8),
     (quant._dequant_rows_kernel, dict(q_ptr="*fp8e4nv", s_ptr="*fp32", t_ptr="*bf16"),
@@ -131,4 +133,4 @@ def test_tl_kernels_of_fp8_rounding_and_the_wide_combine_lower_for_sm90():
     out = subprocess.run([sys.executable, "-c", TL_SNIPPET], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split()
-    assert lines[1::2] == ["True"] * 12 and len(lines) == 24, out.stdout
+    assert lines[1::2] == ["True"] * 14 and len(lines) == 28, out.stdout

@@ -5,7 +5,8 @@ Each fp8 GEMM (fp8_rows_gemm below) runs on the Hopper kernel (gluon_sm90.fp8) w
 its operands, on the portable one (tl.fp8) elsewhere.
 
 Forward:   x_q = q(x) by token;  H = x_q[token] · q(W1[e])ᵀ   (fp8_rows_gemm, gathered)
-           q(A) = q(SiLU(gate)·up) from H in one pass (other activations: act(H) in torch, then q)
+           q(A) = q(SiLU(gate)·up) from H in one pass (other activations: act(H) in torch, then q); under
+           "preact-fp8" the same pass quantizes the kept H
            Y = q(A) · q(W2[e])ᵀ                                (fp8_rows_gemm)
            out = combine(w · Y)                                 (stages.combine, fp32 sums)
 Backward:  dA' = q(dy)[token] · q(W2[e]ᵀ)ᵀ                      (fp8_rows_gemm, gathered; q(W2ᵀ) written K-major
@@ -85,15 +86,20 @@ def fp8_experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.
     empty), *the tile schedule): the forward body (dropped is backward's, taken here for the autograd context)."""
     plan = RowPlan.build(RoutingIndex(counts, offsets, eti, slot))
     dt = x_LD.dtype
+    kept_fp8 = None  # H in e4m3 and its scales, where quantized with A (one read of H for both)
     if x_LD.shape[0] == 0:
         out, preact = x_LD.new_zeros(x_LD.shape), x_LD.new_zeros(0, w1_EFD.shape[1])
     else:
         preact = _rows(plan, quant.quantize_rows(x_LD), quantize_weight(w1_EFD), dt, backend, token=plan.token_R)
-        y = _rows(plan, _act_quantized(preact, activation, interleaved), quantize_weight(w2_EDH), dt, backend)
+        if checkpoint == "preact-fp8" and activation == "swiglu":
+            act_q, kept_fp8 = quant.swiglu_quantize(preact, interleaved, keep_preact=True)
+        else:
+            act_q = _act_quantized(preact, activation, interleaved)
+        y = _rows(plan, act_q, quantize_weight(w2_EDH), dt, backend)
         out = stages.combine(plan, y, topk_w_LK.float().contiguous(), dt)
     kept, scale = preact, preact.new_empty(0, dtype=torch.float32)
     if checkpoint == "preact-fp8":
-        kept, scale = quant.quantize_rows(preact)
+        kept, scale = kept_fp8 if kept_fp8 is not None else quant.quantize_rows(preact)
     elif checkpoint == "recompute":
         kept = preact.new_empty(0)
     return (out, kept, scale, *plan.sched)

@@ -4,7 +4,8 @@ its scales, where the torch passes of the reference make six.
 
   quantize_rows     t (R, n) -> q (R, n), scales (R, ceil(n / 128)): 1 x 128 groups (x, dy, dH, a kept H)
   swiglu_quantize   H (R, 2h) -> q(SiLU(gate) * up) (R, h) and its 1 x 128 scales: the down-projection's
-                    operand straight from H (gate columns first, or interleaved), A never stored in bf16
+                    operand straight from H (gate columns first, or interleaved), A never stored in bf16; and,
+                    where asked, quantize_rows(H) from the same read (a kept H under preact-fp8)
   dequantize_rows   (q, scales) -> q · scale in a given dtype (backward's read of a kept H)
   quantize_blocks   W (E, N, K) -> q (E, N, K), scales (E, ceil(N / 128), ceil(K / 128)): 128 x 128 blocks;
                     transpose=True writes q(W)ᵀ (E, K, N) and its scales (E, ceil(K / 128), ceil(N / 128)),
@@ -49,37 +50,81 @@ def _quantize(v, mask, q_ptrs, s_ptrs, smask, AMAX_FLOOR: tl.constexpr, INV_FP8_
     """Stores q and the scale of each row of v (ROWS, GROUP) fp32, one group per row (masked lanes are 0)."""
     v = tl.where(mask, v, 0.0)
     scale = tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR) * INV_FP8_MAX
-    y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[:, None]), -FP8_MAX), FP8_MAX)
-    if EMULATE:
-        y = _round_e4m3(y)
-    tl.store(q_ptrs, y.to(q_ptrs.dtype.element_ty), mask=mask)
+    _store_scaled(v, scale[:, None], mask, q_ptrs, FP8_MAX, EMULATE)
     tl.store(s_ptrs, scale, mask=smask)
 
 
 @triton.jit
-def _rows_kernel(t_ptr, q_ptr, s_ptr, R, N, stride_t, stride_q, stride_s, SWIGLU: tl.constexpr,
-                 INTERLEAVED: tl.constexpr, ROWS: tl.constexpr, GROUP: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-                 INV_FP8_MAX: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
+def _rows_kernel(t_ptr, q_ptr, s_ptr, qh_ptr, sh_ptr, R, N, stride_t, stride_q, stride_s, stride_qh, stride_sh,
+                 SWIGLU: tl.constexpr, INTERLEAVED: tl.constexpr, KEEP_H: tl.constexpr, ROWS: tl.constexpr,
+                 GROUP: tl.constexpr, AMAX_FLOOR: tl.constexpr, INV_FP8_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+                 EMULATE: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
     rmask = rows < R
     mask = rmask[:, None] & (cols < N)[None, :]
-    src = t_ptr + rows.to(tl.int64)[:, None] * stride_t
+    r64 = rows.to(tl.int64)
+    src = t_ptr + r64[:, None] * stride_t
     if SWIGLU:  # N is h: gate and up of column j at j and N + j, or at 2j and 2j + 1 (interleaved)
         if INTERLEAVED:
-            gate = tl.load(src + 2 * cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(src + 2 * cols[None, :] + 1, mask=mask, other=0.0)
+            gate_at = 2 * cols[None, :]
+            up_at = 2 * cols[None, :] + 1
         else:
-            gate = tl.load(src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(src + N + cols[None, :], mask=mask, other=0.0)
+            gate_at = cols[None, :]
+            up_at = N + cols[None, :]
+        gate_h = tl.load(src + gate_at, mask=mask, other=0.0)
+        up = tl.load(src + up_at, mask=mask, other=0.0)
+        gate = gate_h.to(tl.float32)
         a = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up  # SiLU(gate) in H's dtype, times up, as torch
         v = a.to(up.dtype).to(tl.float32)
+        if KEEP_H:  # H itself in its own 1 x 128 groups, from the values just loaded
+            if INTERLEAVED:  # H's groups 2g and 2g + 1: gate and up of this group's first and last 64 columns
+                h_groups = tl.cdiv(2 * N, GROUP)
+                smask = rmask[:, None] & ((2 * g + tl.arange(0, 2)) < h_groups)[None, :]
+                _quantize_pairs(gate, up.to(tl.float32), mask, qh_ptr + r64[:, None] * stride_qh, gate_at, up_at,
+                                sh_ptr + r64 * stride_sh + 2 * g, smask, ROWS, GROUP, AMAX_FLOOR, INV_FP8_MAX,
+                                FP8_MAX, EMULATE)
+            else:  # N a multiple of GROUP (checked on the host): gate is H's group g, up its group N / GROUP + g
+                qh = qh_ptr + r64[:, None] * stride_qh
+                _quantize(gate, mask, qh + gate_at, sh_ptr + r64 * stride_sh + g, rmask, AMAX_FLOOR, INV_FP8_MAX,
+                          FP8_MAX, EMULATE)
+                _quantize(up.to(tl.float32), mask, qh + up_at, sh_ptr + r64 * stride_sh + N // GROUP + g, rmask,
+                          AMAX_FLOOR, INV_FP8_MAX, FP8_MAX, EMULATE)
     else:
         v = tl.load(src + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :]
-    _quantize(v, mask, q, s_ptr + rows.to(tl.int64) * stride_s + g, rmask, AMAX_FLOOR, INV_FP8_MAX, FP8_MAX,
-              EMULATE)
+    q = q_ptr + r64[:, None] * stride_q + cols[None, :]
+    _quantize(v, mask, q, s_ptr + r64 * stride_s + g, rmask, AMAX_FLOOR, INV_FP8_MAX, FP8_MAX, EMULATE)
+
+
+@triton.jit
+def _quantize_pairs(gate, up, mask, q_row_ptrs, gate_at, up_at, s_ptrs, smask, ROWS: tl.constexpr,
+                    GROUP: tl.constexpr, AMAX_FLOOR: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+                    FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
+    """Interleaved H's two groups under (gate, up) (ROWS, GROUP) fp32: group 0 holds the first GROUP / 2 columns
+    of each, group 1 the rest; stores q at gate_at / up_at, and the groups' scales at s_ptrs and s_ptrs + 1 where
+    smask's two columns allow (a second group wholly past H's end has none)."""
+    HALF: tl.constexpr = GROUP // 2
+    gate = tl.where(mask, gate, 0.0)
+    up = tl.where(mask, up, 0.0)
+    amax = tl.maximum(tl.max(tl.reshape(tl.abs(gate), (ROWS, 2, HALF)), axis=2),
+                      tl.max(tl.reshape(tl.abs(up), (ROWS, 2, HALF)), axis=2))  # (ROWS, 2)
+    scale = tl.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
+    lo, hi = tl.split(scale)
+    col_scale = tl.where((tl.arange(0, GROUP) < HALF)[None, :], lo[:, None], hi[:, None])
+    _store_scaled(gate, col_scale, mask, q_row_ptrs + gate_at, FP8_MAX, EMULATE)
+    _store_scaled(up, col_scale, mask, q_row_ptrs + up_at, FP8_MAX, EMULATE)
+    two = tl.arange(0, 2)
+    tl.store(s_ptrs[:, None] + two[None, :], scale, mask=smask)
+
+
+@triton.jit
+def _store_scaled(v, scale, mask, q_ptrs, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
+    """q = v / scale, saturated and cast to e4m3 (v and scale of one shape)."""
+    y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
+    if EMULATE:
+        y = _round_e4m3(y)
+    tl.store(q_ptrs, y.to(q_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -132,15 +177,18 @@ def _check(t: torch.Tensor, dims: int, name: str) -> None:
                          f"expected, got {tuple(t.shape)} {t.dtype} with strides {t.stride()}")
 
 
-def _rows(t: torch.Tensor, n: int, swiglu: bool, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(t: torch.Tensor, n: int, swiglu: bool, interleaved: bool, keep_h: bool = False):
     R = t.shape[0]
     q = torch.empty(R, n, dtype=FP8, device=t.device)
     s = torch.empty(R, _groups(n), dtype=torch.float32, device=t.device)
+    qh = torch.empty(R, t.shape[1] if keep_h else 0, dtype=FP8, device=t.device)
+    sh = torch.empty(R, _groups(qh.shape[1]), dtype=torch.float32, device=t.device)
     if R and n:
-        launch(_rows_kernel, (triton.cdiv(R, ROWS), _groups(n)), t, q, s, R, n, t.stride(0), q.stride(0),
-               s.stride(0), SWIGLU=swiglu, INTERLEAVED=interleaved, ROWS=ROWS, GROUP=GROUP, AMAX_FLOOR=AMAX_FLOOR,
-               INV_FP8_MAX=INV_FP8_MAX, FP8_MAX=FP8_MAX, EMULATE=INTERPRET, num_warps=4)
-    return q, s
+        launch(_rows_kernel, (triton.cdiv(R, ROWS), _groups(n)), t, q, s, qh, sh, R, n, t.stride(0), q.stride(0),
+               s.stride(0), max(qh.stride(0), 1), max(sh.stride(0), 1), SWIGLU=swiglu, INTERLEAVED=interleaved,
+               KEEP_H=keep_h, ROWS=ROWS, GROUP=GROUP, AMAX_FLOOR=AMAX_FLOOR, INV_FP8_MAX=INV_FP8_MAX,
+               FP8_MAX=FP8_MAX, EMULATE=INTERPRET, num_warps=4)
+    return ((q, s), (qh, sh)) if keep_h else (q, s)
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,12 +197,18 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _rows(t, t.shape[1], False, False)
 
 
-def swiglu_quantize(preact: torch.Tensor, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scales) of A = SiLU(gate) * up (R, h) from H (R, 2h) in 1 x 128 groups, A never written out."""
+def swiglu_quantize(preact: torch.Tensor, interleaved: bool = False, keep_preact: bool = False):
+    """(q, scales) of A = SiLU(gate) * up (R, h) from H (R, 2h) in 1 x 128 groups, A never written out; with
+    keep_preact, ((q, scales) of A, quantize_rows(H)) from the same read of H (checkpoint="preact-fp8" under
+    precision="fp8"), where H's groups fall on gate's and up's (interleaved, or h a multiple of 128), else
+    quantize_rows(H) as a pass of its own."""
     _check(preact, 2, "swiglu_quantize")
     if preact.shape[1] % 2:
         raise ValueError(f"swiglu_quantize: H's width must be even (gate and up), got {preact.shape[1]}")
-    return _rows(preact, preact.shape[1] // 2, True, interleaved)
+    h = preact.shape[1] // 2
+    if keep_preact and not (interleaved or h % GROUP == 0):
+        return _rows(preact, h, True, interleaved), quantize_rows(preact)
+    return _rows(preact, h, True, interleaved, keep_preact)
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
