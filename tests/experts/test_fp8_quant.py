@@ -89,6 +89,17 @@ def test_quantize_blocks_is_the_references(poison_alloc, transpose, shape):
     _same(quant.quantize_blocks(w, transpose), want)
 
 
+@pytest.mark.parametrize("shape", [(3, 256, 128), (2, 200, 300)])
+def test_quantize_blocks_both_is_the_two_passes(poison_alloc, shape):
+    """both=True: quantize_blocks(w) and quantize_blocks(w, transpose=True) from one read, bit for bit."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    w = (torch.randn(*shape, generator=gen) * torch.logspace(-2, 2, shape[0])[:, None, None]).half()
+    w[-1, 7, 9] = 500.0
+    got, got_t = quant.quantize_blocks(w, both=True)
+    _same(got, quantize_blocks(w))
+    _same(got_t, quantize_blocks(w.transpose(1, 2).contiguous()))
+
+
 def test_quantizers_refuse_bad_operands():
     with pytest.raises(ValueError, match="contiguous last"):
         quant.quantize_rows(torch.randn(8, 128).t())
@@ -96,6 +107,8 @@ def test_quantizers_refuse_bad_operands():
         quant.swiglu_quantize(torch.randn(8, 127))
     with pytest.raises(ValueError, match="3 dimensions"):
         quant.quantize_blocks(torch.randn(128, 128))
+    with pytest.raises(ValueError, match="exclusive"):
+        quant.quantize_blocks(torch.randn(1, 128, 128), transpose=True, both=True)
     q, s = quant.quantize_rows(torch.randn(0, 256))
     assert q.shape == (0, 256) and s.shape == (0, 2)
 

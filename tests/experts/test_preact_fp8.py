@@ -118,6 +118,50 @@ def test_dh_pass_reads_e4m3_preact_as_its_read_back_copy(poison_alloc, activatio
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("activation,interleaved,H,fp8_h", [("swiglu", False, 256, False), ("swiglu", True, 136, True),
+                                                           ("swiglu", True, 40, False), ("gelu", False, 200, True)])
+def test_dh_pass_quantizes_dh_as_quantize_rows(poison_alloc, activation, interleaved, H, fp8_h):
+    """With dpreact_q, the dH pass also writes quant.quantize_rows(dH) of the dH it stores, bit for bit, and stores
+    the same dH, s·A and dS as without it; gate-first dH (H a multiple of 128: its up groups start at H),
+    interleaved (groups of 64 pairs; ragged, and a last group past the end), non-gated; H in e4m3 or not. Where
+    gate-first H is not a multiple of 128 it refuses."""
+    from moeblaze.experts import stages
+    from moeblaze.experts.stages import RowPlan
+    from moeblaze.experts.tl import dh_quantizable, quant
+
+    torch.manual_seed(H)
+    x, w1, w2, idx, w = random_problem(24, 16, H, 4, 2, activation)
+    plan = RowPlan.build(build_routing_index(idx, 4))
+    R, F = idx.numel(), w1.shape[1]
+    preact = torch.randn(R, F) * torch.logspace(-2, 2, F)[None, :]
+    dact = torch.randn(R, H) * torch.logspace(-3, 3, R)[:, None]
+    dact[3] = 0  # a zero row of dH: its scales are the floor
+    h, kw = preact, {}
+    if fp8_h:
+        h, scale = quant.quantize_rows(preact)
+        kw = dict(preact_scale=scale)
+
+    def run(q=None):
+        dpreact, act_scaled = torch.empty(R, F), torch.empty(R, H)
+        ds = stages.act_bwd(plan, dact, h, w, dpreact, act_scaled, activation, interleaved=interleaved,
+                            dpreact_q=q, **kw)
+        return dpreact, act_scaled, ds
+
+    assert dh_quantizable(H, activation, interleaved)
+    q = (torch.empty(R, F, dtype=torch.float8_e4m3fn), torch.full((R, -(-F // 128)), float("nan")))
+    got, plain = run(q), run()
+    for a, b in zip(got, plain):
+        assert torch.equal(a, b)
+    want_q, want_s = quantize_rows(got[0])
+    assert torch.equal(q[1], want_s)
+    assert torch.equal(q[0].float(), want_q.float())
+    if activation == "swiglu" and not interleaved:
+        assert not dh_quantizable(200, activation, False)
+        with pytest.raises(ValueError, match="not quantized in the pass"):
+            stages.act_bwd(plan, torch.randn(R, 200), torch.randn(R, 400), w, torch.empty(R, 400),
+                           torch.empty(R, 200), activation, dpreact_q=q)
+
+
 def test_dh_pass_finds_each_row_s_pair_in_a_wide_table(poison_alloc):
     """A token-rounded routing's table wider than 8 places (read one row of places at a time) gives the dH pass
     the same dH, s·A and per-pair dS as the same pairs in a table of 8 places (read place by place)."""

@@ -90,14 +90,15 @@ from moeblaze.routing import triton as rk
 
 Q = dict(GROUP=128, AMAX_FLOOR=1e-12, INV_FP8_MAX=1 / 448, FP8_MAX=448.0, EMULATE=False)
 ROWS = dict(t_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", qh_ptr="*fp8e4nv", sh_ptr="*fp32")
-BLOCKS = dict(w_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32")
+BLOCKS = dict(w_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", st_ptr="*fp32")
 KERNELS = [  # (kernel, pointer types, constexprs, warps)
     (quant._rows_kernel, ROWS, dict(SWIGLU=True, INTERLEAVED=False, KEEP_H=False, ROWS=quant.ROWS, **Q), 4),
     (quant._rows_kernel, ROWS, dict(SWIGLU=False, INTERLEAVED=True, KEEP_H=False, ROWS=quant.ROWS, **Q), 4),
     (quant._rows_kernel, ROWS, dict(SWIGLU=True, INTERLEAVED=False, KEEP_H=True, ROWS=quant.ROWS, **Q), 4),
     (quant._rows_kernel, ROWS, dict(SWIGLU=True, INTERLEAVED=True, KEEP_H=True, ROWS=quant.ROWS, **Q), 4),
-    (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=True, **Q), 8),
-    (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=False, **Q), 8),
+    (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=True, BOTH=False, **Q), 8),
+    (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=False, BOTH=False, **Q), 8),
+    (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=False, BOTH=True, **Q), 8),
     (quant._dequant_rows_kernel, dict(q_ptr="*fp8e4nv", s_ptr="*fp32", t_ptr="*bf16"),
      dict(ROWS=quant.ROWS, GROUP=128), 4),
     (rk.rounded_tile_count_kernel, dict(kept_ptr="*i1"), dict(BLOCK_L=32, E_PAD=256), 4),
@@ -108,12 +109,19 @@ KERNELS = [  # (kernel, pointer types, constexprs, warps)
      dict(K=32, WEIGHTED=True, HAS_BIAS=False, WIDE=True, K_POW2=32, BLOCK_T=16, BLOCK_D=256), 4),
     (backward._act_bwd_kernel, dict(dact_ptr="*bf16", preact_ptr="*fp8e4nv", preact_scale_ptr="*fp32",
                                     topk_w_ptr="*fp32", dpreact_ptr="*bf16", act_scaled_ptr="*bf16",
-                                    dtopk_w_ptr="*fp32"),
-     dict(K=8, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=True, WIDE=False, K_POW2=8, BLOCK_R=8, BLOCK_H=256), 4),
+                                    dtopk_w_ptr="*fp32", dq_ptr="*fp8e4nv", dqs_ptr="*fp32"),
+     dict(K=8, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=True, QUANT_DH=True, WIDE=False, K_POW2=8, BLOCK_R=8,
+          BLOCK_H=256), 4),
+    (backward._act_bwd_kernel, dict(dact_ptr="*bf16", preact_ptr="*bf16", preact_scale_ptr="*fp32",
+                                    topk_w_ptr="*fp32", dpreact_ptr="*bf16", act_scaled_ptr="*bf16",
+                                    dtopk_w_ptr="*fp32", dq_ptr="*fp8e4nv", dqs_ptr="*fp32"),
+     dict(K=8, GATED=True, ACT=0, INTERLEAVED=True, FP8_H=False, QUANT_DH=True, WIDE=False, K_POW2=8, BLOCK_R=8,
+          BLOCK_H=256), 4),
     (backward._act_bwd_kernel, dict(dact_ptr="*bf16", preact_ptr="*bf16", preact_scale_ptr="*bf16",
                                     topk_w_ptr="*fp32", dpreact_ptr="*bf16", act_scaled_ptr="*bf16",
-                                    dtopk_w_ptr="*fp32"),
-     dict(K=32, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=False, WIDE=True, K_POW2=32, BLOCK_R=8, BLOCK_H=256), 4),
+                                    dtopk_w_ptr="*fp32", dq_ptr="*bf16", dqs_ptr="*bf16"),
+     dict(K=32, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=False, QUANT_DH=False, WIDE=True, K_POW2=32, BLOCK_R=8,
+          BLOCK_H=256), 4),
 ]
 for kernel, ptrs, consts, warps in KERNELS:
     sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "*i32" if p.name.endswith("_ptr") else "i32")
@@ -133,4 +141,4 @@ def test_tl_kernels_of_fp8_rounding_and_the_wide_combine_lower_for_sm90():
     out = subprocess.run([sys.executable, "-c", TL_SNIPPET], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split()
-    assert lines[1::2] == ["True"] * 14 and len(lines) == 28, out.stdout
+    assert lines[1::2] == ["True"] * 16 and len(lines) == 32, out.stdout

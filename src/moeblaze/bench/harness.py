@@ -71,14 +71,20 @@ def make_problem(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, devic
 CHUNK_TOKENS = 262144  # the "-chunked" policies: token chunks for millions of tokens
 
 
-def moeblaze_call(p: Problem, policy: str, backend: str = "auto", precision: str = "native"):
+def moeblaze_call(p: Problem, policy: str, backend: str = "auto", precision: str = "native",
+                  weight_cache: bool = False):
+    """weight_cache: precision="fp8" with fp8_weight_cache, each step taken as an optimizer step's only micro-batch
+    (the weights' version counters moved on before it, as an update would), so it pays one quantization a step."""
     checkpoint = policy.removesuffix("-chunked")
     chunk = CHUNK_TOKENS if policy.endswith("-chunked") else None
 
     def call(x, idx, w, w1, w2):
+        if weight_cache:
+            torch.autograd.graph.increment_version(w1)
+            torch.autograd.graph.increment_version(w2)
         r = build_routing_index(idx, p.E, check=False)
         return moe_experts(x, r, w, w1, w2, p.activation, checkpoint, impl="triton", check=False, chunk_tokens=chunk,
-                           backend=backend, precision=precision)
+                           backend=backend, precision=precision, fp8_weight_cache=weight_cache)
     return call
 
 
@@ -136,6 +142,9 @@ IMPLS: dict[str, tuple[Callable[[], bool], tuple, Callable]] = {
     "moeblaze-fp8": (lambda: config.INTERPRET or (torch.cuda.is_available()
                                                    and torch.cuda.get_device_capability() >= (8, 9)),
                      ("preact", "preact-fp8"), lambda p, policy: moeblaze_call(p, policy, precision="fp8")),
+    # the same with fp8_weight_cache: the weights quantized once a step, both layouts from one read
+    "moeblaze-fp8-cached": (lambda: IMPLS["moeblaze-fp8"][0](), ("preact", "preact-fp8"),
+                            lambda p, policy: moeblaze_call(p, policy, precision="fp8", weight_cache=True)),
     "reference": (lambda: True, ("-",), _reference),
     "torch_gmm": (lambda: hasattr(torch, "_grouped_mm"), ("-",), _torch_gmm),
     "sonicmoe": (lambda: torch.cuda.is_available() and _importable("sonicmoe"), ("-",), _sonicmoe),

@@ -78,8 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impl", default=ModelConfig.impl, choices=("auto", "triton", "reference"))
     p.add_argument("--checkpoint-policy", default=ModelConfig.checkpoint, choices=CHECKPOINTS)
     p.add_argument("--precision", default=ModelConfig.precision, choices=PRECISIONS,
-                   help="fp8: the routed experts' data GEMMs on e4m3 with 1x128 / 128x128 scales (sm_89+; correct, "
-                        "not yet fast)")
+                   help="fp8: the routed experts' data GEMMs on e4m3 with 1x128 / 128x128 scales (sm_89+)")
+    p.add_argument("--fp8-weight-cache", action="store_true",
+                   help="with --precision fp8: quantize the experts' weights once per optimizer step (both layouts "
+                        "from one read) and keep the e4m3 copies in between, instead of where each GEMM uses them")
     p.add_argument("--shared-experts", type=int, default=None, help="always-on experts per MoE layer (default 0)")
     p.add_argument("--d-shared", type=int, default=None, help="their width (default: --d-expert)")
     p.add_argument("--shared-gate", action="store_const", const=True, default=None,
@@ -189,7 +191,7 @@ def check_args(args, val_len: int) -> ModelConfig:
                           checkpoint=args.checkpoint_policy, router=args.router, shared_experts=args.shared_experts,
                           d_shared=args.d_shared, shared_gate=args.shared_gate, dense_layers=args.dense_layers,
                           token_rounding=args.token_rounding, rounding_tile=args.rounding_tile,
-                          precision=args.precision)
+                          precision=args.precision, fp8_weight_cache=args.fp8_weight_cache)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
     if args.device == "cuda" and not torch.cuda.is_available():

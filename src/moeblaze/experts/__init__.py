@@ -35,7 +35,7 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
                 w2: torch.Tensor, activation: str = "swiglu", checkpoint: str = "preact", impl: str = "auto",
                 check: bool = True, chunk_tokens: int | None = None, backend: str = "auto",
                 b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                interleaved: bool = False, precision: str = "native") -> torch.Tensor:
+                interleaved: bool = False, precision: str = "native", fp8_weight_cache: bool = False) -> torch.Tensor:
     """Combined expert outputs (L, D) for tokens x (L, D) routed by `routing` with weights (L, K).
 
     w1: (E, F, D), F = 2H with the gate rows first (or, where `interleaved`, gate and up rows alternating, gate
@@ -52,7 +52,10 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     with the chunk instead of L (for millions of tokens; the weights are read once per chunk, and the outputs and dx
     are concatenated). precision: "native" (the GEMMs in the inputs' dtype) or "fp8" (the four data GEMMs on e4m3
     operands with 1 x 128 / 128 x 128 scales, weight gradients in the inputs' dtype: experts.fp8; on the reference,
-    its emulation).
+    its emulation). fp8_weight_cache (precision="fp8"): keep each weight's e4m3 copies, both layouts quantized from
+    one read, until the weight changes (its version counter: an optimizer step), instead of quantizing where used:
+    forward and backward, and every micro-batch of an accumulated step, share one quantization, for the copies'
+    bytes (half the weights' in bf16) held between steps (experts.fp8).
     """
     check_activation(activation)
     if checkpoint not in CHECKPOINTS:
@@ -60,6 +63,8 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     check_backend(backend)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if fp8_weight_cache and precision != "fp8":
+        raise ValueError(f"fp8_weight_cache keeps e4m3 weights for precision='fp8'; precision is {precision!r}")
     check_expert_inputs(x, w1, w2, activation, b1, b2, interleaved)
     if routing.num_tokens != x.shape[0] or routing.num_experts != w1.shape[0]:
         raise ValueError(f"routing index is for L={routing.num_tokens}, E={routing.num_experts}; "
@@ -82,7 +87,8 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     backend = resolve(backend, x.device)
     if precision == "fp8":
         check_fp8_supported(x, b1, b2, chunk_tokens)
-        return fp8_experts(x, routing, topk_weights, w1, w2, activation, checkpoint, backend, interleaved)
+        return fp8_experts(x, routing, topk_weights, w1, w2, activation, checkpoint, backend, interleaved,
+                           fp8_weight_cache)
     save, fp8 = checkpoint in ("preact", "preact-fp8"), checkpoint == "preact-fp8"
     if chunk_tokens is not None and x.shape[0] > chunk_tokens:
         idx, E = routing.topk_idx(), w1.shape[0]  # dropped pairs come back as id E: sentinels again

@@ -130,11 +130,12 @@ def down_bwd(plan: RowPlan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, act
 
 
 def act_bwd(plan: RowPlan, dact_RH, preact_RF, topk_w_LK, dpreact_RF, act_scaled_RH, activation: str,
-            backend: str = "auto", interleaved: bool = False, preact_scale=None) -> torch.Tensor:
+            backend: str = "auto", interleaved: bool = False, preact_scale=None, dpreact_q=None) -> torch.Tensor:
     """From dA' and preact: dH into dpreact, s·A into act_scaled (either may alias its input); returns dS (L, K).
-    preact in e4m3 with its scales (preact_scale) is read back as it is loaded. One kernel on every backend."""
+    preact in e4m3 with its scales (preact_scale) is read back as it is loaded; dpreact_q, a (q, scales) pair,
+    receives dH quantized in 1 x 128 groups as it is stored (tl.dh_quantizable). One kernel on every backend."""
     return tl.act_bwd(dact_RH, preact_RF, plan.token_R, plan.token_slot_LK, topk_w_LK, dpreact_RF, act_scaled_RH,
-                      activation, interleaved, preact_scale)
+                      activation, interleaved, preact_scale, dpreact_q)
 
 
 def weight_grad(plan: RowPlan, p, q, out, gather_p: bool, backend: str = "auto") -> torch.Tensor:

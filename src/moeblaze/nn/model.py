@@ -40,6 +40,7 @@ class ModelConfig:
     token_rounding: str = ""  # "", or a rule of moeblaze.routing.rounding (training only)
     rounding_tile: int = 0  # its tile (0: the kernels' row tile)
     precision: str = "native"  # "fp8": the routed experts' GEMMs on e4m3 (moeblaze.experts.fp8)
+    fp8_weight_cache: bool = False  # with "fp8": the experts' e4m3 weights kept until an optimizer step changes them
 
     def __post_init__(self):
         """Every field checked here, so a bad config fails when it is made, naming the field."""
@@ -54,6 +55,8 @@ class ModelConfig:
         check_choice("impl", self.impl, IMPLS)
         check_choice("checkpoint", self.checkpoint, CHECKPOINTS)
         check_choice("precision", self.precision, PRECISIONS)
+        if self.fp8_weight_cache and self.precision != "fp8":
+            raise ValueError(f"fp8_weight_cache needs precision='fp8', got {self.precision!r}")
         if self.token_rounding:
             check_choice("token_rounding", self.token_rounding, RULES)
         for name in ("shared_experts", "d_shared", "dense_layers", "rounding_tile"):
@@ -117,7 +120,7 @@ class MoEBlock(nn.Module):
                                 cfg.checkpoint, router=ROUTERS[cfg.router], shared_experts=cfg.shared_experts,
                                 d_shared=cfg.d_shared or None, shared_gate=cfg.shared_gate,
                                 token_rounding=cfg.token_rounding or None, rounding_tile=cfg.rounding_tile or None,
-                                precision=cfg.precision)
+                                precision=cfg.precision, fp8_weight_cache=cfg.fp8_weight_cache)
 
     def forward(self, x: torch.Tensor):
         x = x + self.attn(self.norm1(x))

@@ -47,6 +47,7 @@ class Experts(nn.Module):
         check_choice("precision", precision, PRECISIONS)
         self.d_model, self.d_expert, self.num_experts = d_model, d_expert, num_experts
         self.precision = precision
+        self.fp8_weight_cache = False  # precision="fp8": keep the weights' e4m3 copies until they change (MoELayer)
         self.activation, self.impl, self.checkpoint = activation, impl, checkpoint
         self.chunk_tokens, self.backend, self.index_method = chunk_tokens, backend, index_method
         self.ep_group, self.ep_kwargs = None, {}
@@ -79,12 +80,14 @@ class Experts(nn.Module):
         if routing is None:
             routing = build_routing_index(topk_idx, self.num_experts, self.index_method, check=False)
         return moe_experts(x_LD, routing, topk_weights, w1, w2, self.activation, self.checkpoint, self.impl,
-                           check=False, chunk_tokens=self.chunk_tokens, backend=self.backend, precision=self.precision)
+                           check=False, chunk_tokens=self.chunk_tokens, backend=self.backend, precision=self.precision,
+                           fp8_weight_cache=self.fp8_weight_cache)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "
                 f"activation={self.activation}, impl={self.impl}, checkpoint={self.checkpoint}"
-                + (f", precision={self.precision}" if self.precision != "native" else ""))
+                + (f", precision={self.precision}" if self.precision != "native" else "")
+                + (", fp8_weight_cache" if self.fp8_weight_cache else ""))
 
 
 class SharedExperts(Experts):
@@ -130,7 +133,8 @@ class MoELayer(nn.Module):
     "sort". backend: the Triton kernels' backend, "auto", "tl" or "gluon" (see moeblaze.experts.dispatch).
     chunk_tokens: process the experts in token chunks of this size (see moeblaze.experts.moe_experts).
     precision: "native" or "fp8" (the routed experts' GEMMs on e4m3: moeblaze.experts.fp8; shared experts stay
-    native).
+    native). fp8_weight_cache (precision="fp8"): the routed experts' weights quantized once per change (an optimizer
+    step) instead of where used, their e4m3 copies kept in between (moeblaze.experts.moe_experts).
     router: more TopKRouter options (score function, scale, biases, groups, balancing loss; a family's set is
     moeblaze.routing.ROUTERS[name]); x of shape (..., T, D) holds sequences of T tokens (the "sequence" loss).
     shared_experts: S always-on experts of width d_shared (default d_expert), gated by σ(x·gᵀ) with shared_gate
@@ -150,7 +154,7 @@ class MoELayer(nn.Module):
                  backend: str = "auto", router: dict | None = None, shared_experts: int = 0,
                  d_shared: int | None = None, shared_gate: bool = False, token_rounding: str | None = None,
                  rounding_tile: int | None = None, rounding_max_experts: int | None = None, precision: str = "native",
-                 device=None, dtype=None):
+                 fp8_weight_cache: bool = False, device=None, dtype=None):
         super().__init__()
         for name, value in (("d_model", d_model), ("d_expert", d_expert), ("num_experts", num_experts),
                             ("top_k", top_k)):
@@ -167,6 +171,9 @@ class MoELayer(nn.Module):
                                                                  **(router or {})}, device=device)
         self.experts = Experts(d_model, d_expert, num_experts, activation, impl, checkpoint, chunk_tokens, backend,
                                index_method, precision, device, dtype)
+        if fp8_weight_cache and precision != "fp8":
+            raise ValueError(f"fp8_weight_cache keeps e4m3 weights for precision='fp8'; precision is {precision!r}")
+        self.experts.fp8_weight_cache = fp8_weight_cache
         if token_rounding is not None:
             check_choice("token_rounding", token_rounding, RULES)
         self.token_rounding = token_rounding

@@ -10,7 +10,7 @@ each stage's A, so a gathered row of A feeds twice the columns of a 128 x 128 ti
 half's MMAs run from zero and their fp32 result is scaled and added to the half's accumulator (the promotion every
 128 of K that Hopper's narrower fp8 accumulation needs), waited for before the next MMAs: two accumulators and
 one partial are what the registers hold, and the other warpgroup's MMAs run through one's promotion. Measured
-against the 128 x 128 tile that kept the next stage's MMAs in flight: 1.2-1.5x on the four expert GEMMs of
+against the 128 x 128 tile that kept the next stage's MMAs in flight: 1.2-1.6x on the four expert GEMMs of
 configs B and D (benchmarks/NOTES.md).
 
 Registers: 64 for the loader leave the MMA warps 232 (setmaxnreg); the bf16 gathering kernel spills nothing on

@@ -8,11 +8,18 @@ Memory: nothing beyond the outputs, and down_bwd's fp32 router-gradient partials
 import triton
 import triton.language as tl
 
-from ...reference.fp8 import GROUP
+from ...config import INTERPRET
+from ...reference.fp8 import AMAX_FLOOR, FP8_MAX, GROUP, INV_FP8_MAX
 from .common import _act, _act_grad, _clamped_glu, _pair_cols, _row_ptrs, _rows_dot, _swizzle, _tile_rows
 from .configs import DH_CONFIGS, WGRAD_CONFIGS
+from .quant import _store_scaled
 
 FP8_GROUP: tl.constexpr = tl.constexpr(GROUP)  # the columns of one e4m3 scale
+# the quantizer's constants (experts.tl.quant), for dH quantized where the dH pass writes it
+Q_AMAX_FLOOR: tl.constexpr = tl.constexpr(AMAX_FLOOR)
+Q_INV_MAX: tl.constexpr = tl.constexpr(INV_FP8_MAX)
+Q_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
+Q_EMULATE: tl.constexpr = tl.constexpr(INTERPRET)
 
 
 @triton.jit
@@ -45,7 +52,8 @@ def _store_dh_and_sa(dact, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, str
                      GATED: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr):
     """From dA' (fp32) of rows x pairs cols, H there (g; u too if GATED) and the rows' router weights s: stores
     dH = d act(s * dA') into dpreact (gate and up columns as _pair_cols places them) and s * A into act_scaled;
-    returns A (fp32), for dS. The s * A addresses are formed at their store (held across the dH math, they
+    returns A (fp32), for dS, and dH's gate and up parts as stored (up is gate if not GATED; unused, they
+    cost nothing). The s * A addresses are formed at their store (held across the dH math, they
     cost the fused dH kernel ~90 B more of spills per thread, sm_90, triton 3.6)."""
     g = g.to(tl.float32)
     if GATED:
@@ -55,20 +63,24 @@ def _store_dh_and_sa(dact, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, str
         das = dact * s[:, None]
         if ACT == 4:
             a, dg, du = _clamped_glu(g, u)
-            tl.store(dp_ptrs, (das * dg).to(dpreact_ptr.dtype.element_ty), mask=mask)
-            tl.store(dp_ptrs + up_off, (das * du).to(dpreact_ptr.dtype.element_ty), mask=mask)
+            dh_g = (das * dg).to(dpreact_ptr.dtype.element_ty)
+            tl.store(dp_ptrs, dh_g, mask=mask)
+            dh_u = (das * du).to(dpreact_ptr.dtype.element_ty)
         else:
             act_g = _act(g, ACT)
             a = act_g * u
-            tl.store(dp_ptrs, (das * u * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=mask)
-            tl.store(dp_ptrs + up_off, (das * act_g).to(dpreact_ptr.dtype.element_ty), mask=mask)
+            dh_g = (das * u * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty)
+            tl.store(dp_ptrs, dh_g, mask=mask)
+            dh_u = (das * act_g).to(dpreact_ptr.dtype.element_ty)
+        tl.store(dp_ptrs + up_off, dh_u, mask=mask)
     else:
         a = _act(g, ACT)
-        tl.store(_row_ptrs(dpreact_ptr, rows, stride_pl, cols),
-                 (dact * s[:, None] * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty), mask=mask)
+        dh_g = (dact * s[:, None] * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty)
+        dh_u = dh_g
+        tl.store(_row_ptrs(dpreact_ptr, rows, stride_pl, cols), dh_g, mask=mask)
     tl.store(_row_ptrs(act_scaled_ptr, rows, stride_al, cols), (a * s[:, None]).to(act_scaled_ptr.dtype.element_ty),
              mask=mask)
-    return a
+    return a, dh_g, dh_u
 
 
 @triton.jit
@@ -81,8 +93,8 @@ def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_s
     omask = rmask[:, None] & (offs_n < H)[None, :]
     g = g.to(tl.float32)  # before the router weights' load, as before the helper: ptxas then spills no more
     s = tl.load(w_sorted_ptr + rows, mask=rmask, other=0.0)
-    a = _store_dh_and_sa(dact, g, u, s, rows, offs_n, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, omask,
-                         GATED, ACT, INTERLEAVED)
+    a, _, _ = _store_dh_and_sa(dact, g, u, s, rows, offs_n, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H,
+                               omask, GATED, ACT, INTERLEAVED)
     R: tl.constexpr = BLOCK_N // DS_BLOCK
     ds = tl.sum(tl.reshape(dact * a, (BLOCK_M, R, DS_BLOCK)), axis=2)  # (BLOCK_M, R)
     slot = col0 // DS_BLOCK + tl.arange(0, R)
@@ -101,19 +113,70 @@ def _dequant(v, scale_ptr, rows, rmask, cols, stride_s, OUT_TY: tl.constexpr):
 
 
 @triton.jit
+def _group_scales(v, BLOCK_R: tl.constexpr, NG: tl.constexpr, PER: tl.constexpr):
+    """|v| (BLOCK_R, NG · PER)'s amax over each run of PER columns: (BLOCK_R, NG) fp32."""
+    return tl.max(tl.reshape(tl.abs(v), (BLOCK_R, NG, PER)), axis=2)
+
+
+@triton.jit
+def _spread(scale, BLOCK_R: tl.constexpr, NG: tl.constexpr, PER: tl.constexpr):
+    """(BLOCK_R, NG) -> (BLOCK_R, NG · PER): each group's value on its PER columns."""
+    return tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_R, NG, PER)), (BLOCK_R, NG * PER))
+
+
+@triton.jit
+def _quantize_dh(dh_g, dh_u, rows, rmask, c0, H, dq_ptr, dqs_ptr, stride_dq, stride_dqs, GATED: tl.constexpr,
+                 INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """dH's columns of pairs c0 .. c0 + BLOCK_H (gate and up parts as stored, fp32) quantized in dH's own 1 x 128
+    groups, as quant.quantize_rows(dH) writes them: q into dq, the scales into dqs. BLOCK_H is a multiple of 128;
+    gate-first dH needs H a multiple of 128 too (its up groups start at H), checked on the host."""
+    cols = c0 + tl.arange(0, BLOCK_H)
+    mask = rmask[:, None] & (cols < H)[None, :]
+    dh_g = tl.where(mask, dh_g, 0.0)
+    dh_u = tl.where(mask, dh_u, 0.0)
+    r64 = rows.to(tl.int64)
+    q_rows = dq_ptr + r64[:, None] * stride_dq
+    s_rows = dqs_ptr + r64[:, None] * stride_dqs
+    if GATED and INTERLEAVED:  # a group: gate and up of 64 pairs, side by side
+        PER: tl.constexpr = FP8_GROUP // 2
+        NG: tl.constexpr = BLOCK_H // PER
+        amax = tl.maximum(_group_scales(dh_g, BLOCK_R, NG, PER), _group_scales(dh_u, BLOCK_R, NG, PER))
+        scale = tl.maximum(amax, Q_AMAX_FLOOR) * Q_INV_MAX
+        col_scale = _spread(scale, BLOCK_R, NG, PER)
+        _store_scaled(dh_g, col_scale, mask, q_rows + 2 * cols[None, :], Q_MAX, Q_EMULATE)
+        _store_scaled(dh_u, col_scale, mask, q_rows + 2 * cols[None, :] + 1, Q_MAX, Q_EMULATE)
+        groups = 2 * c0 // FP8_GROUP + tl.arange(0, NG)
+        tl.store(s_rows + groups[None, :], scale, mask=rmask[:, None] & (groups * FP8_GROUP < 2 * H)[None, :])
+    else:
+        NG: tl.constexpr = BLOCK_H // FP8_GROUP
+        groups = c0 // FP8_GROUP + tl.arange(0, NG)
+        smask = rmask[:, None] & (groups * FP8_GROUP < H)[None, :]
+        scale = tl.maximum(_group_scales(dh_g, BLOCK_R, NG, FP8_GROUP), Q_AMAX_FLOOR) * Q_INV_MAX
+        _store_scaled(dh_g, _spread(scale, BLOCK_R, NG, FP8_GROUP), mask, q_rows + cols[None, :], Q_MAX, Q_EMULATE)
+        tl.store(s_rows + groups[None, :], scale, mask=smask)
+        if GATED:  # up: columns H + j, groups H / 128 on
+            scale = tl.maximum(_group_scales(dh_u, BLOCK_R, NG, FP8_GROUP), Q_AMAX_FLOOR) * Q_INV_MAX
+            _store_scaled(dh_u, _spread(scale, BLOCK_R, NG, FP8_GROUP), mask, q_rows + H + cols[None, :], Q_MAX,
+                          Q_EMULATE)
+            tl.store(s_rows + H // FP8_GROUP + groups[None, :], scale, mask=smask)
+
+
+@triton.jit
 def _act_bwd_kernel(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr,
-                    dpreact_ptr, act_scaled_ptr, dtopk_w_ptr, LK, H, stride_dl, stride_pl, stride_ps, stride_al,
-                    K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr,
-                    FP8_H: tl.constexpr, WIDE: tl.constexpr, K_POW2: tl.constexpr, BLOCK_R: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+                    dpreact_ptr, act_scaled_ptr, dtopk_w_ptr, dq_ptr, dqs_ptr, LK, H, stride_dl, stride_pl,
+                    stride_ps, stride_al, stride_dq, stride_dqs, K: tl.constexpr, GATED: tl.constexpr,
+                    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, FP8_H: tl.constexpr, QUANT_DH: tl.constexpr,
+                    WIDE: tl.constexpr, K_POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     """The dH epilogue as a pass of its own over BLOCK_R rows, for a dA' = dy[token] @ W2[e] computed
     apart (the Hopper path): from dA' and H, dH = d act(s * dA'), s * A, and dS[r] = <dA'[r], A[r]>
     whole (no partials), stored straight into the router-weight gradient (L, K) in its dtype. A row r of
     token t is the pair (t, k) with token_slot[t, k] == r: its weight is read from topk_w there and its
     dS stored there, so no row-order copy of the weights exists. dpreact may be preact and act_scaled
     may be dact: each element is read before it is written, by the same thread. FP8_H: H is e4m3 with one fp32
-    scale per row and 128 of its columns (preact_scale), read back as it is loaded: no dequantized copy. WIDE (a
-    token-rounded routing's table of K places, most empty): each row's token's places are read in one load."""
+    scale per row and 128 of its columns (preact_scale), read back as it is loaded: no dequantized copy. QUANT_DH:
+    dH is also quantized as it is stored (dq, dqs: quant.quantize_rows(dH)'s pair), for precision="fp8"'s dX~.
+    WIDE (a token-rounded routing's table of K places, most empty): each row's token's places are read in one
+    load."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < LK
     pair0 = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0) * K
@@ -145,8 +208,11 @@ def _act_bwd_kernel(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr
             else:
                 g = _dequant(g, preact_scale_ptr, rows, rmask, cols, stride_ps, dpreact_ptr.dtype.element_ty)
                 u = g
-        a = _store_dh_and_sa(da, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, mask,
-                             GATED, ACT, INTERLEAVED)
+        a, dh_g, dh_u = _store_dh_and_sa(da, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al,
+                                         H, mask, GATED, ACT, INTERLEAVED)
+        if QUANT_DH:
+            _quantize_dh(dh_g.to(tl.float32), dh_u.to(tl.float32), rows, rmask, c0, H, dq_ptr, dqs_ptr, stride_dq,
+                         stride_dqs, GATED, INTERLEAVED, BLOCK_R, BLOCK_H)
         ds += tl.sum(da * a, axis=1)
     tl.store(dtopk_w_ptr + pair, ds.to(dtopk_w_ptr.dtype.element_ty), mask=rmask)
 

@@ -9,7 +9,8 @@ its scales, where the torch passes of the reference make six.
   dequantize_rows   (q, scales) -> q · scale in a given dtype (backward's read of a kept H)
   quantize_blocks   W (E, N, K) -> q (E, N, K), scales (E, ceil(N / 128), ceil(K / 128)): 128 x 128 blocks;
                     transpose=True writes q(W)ᵀ (E, K, N) and its scales (E, ceil(K / 128), ceil(N / 128)),
-                    the K-major operand backward's GEMMs need (square blocks: quantize_blocks(Wᵀ) exactly)
+                    the K-major operand backward's GEMMs need (square blocks: quantize_blocks(Wᵀ) exactly);
+                    both=True writes the two from one read of W (experts.fp8's weight cache)
 
 Values equal reference.fp8's bit for bit on the GPU: the scale is amax times fp32's 1/448, v / scale is rounded
 to nearest (which Triton's `/` is not), and e4m3's cast saturates. swiglu_quantize rounds A to H's dtype first, as
@@ -143,9 +144,11 @@ def _dequant_rows_kernel(q_ptr, s_ptr, t_ptr, R, N, stride_q, stride_s, stride_t
 
 
 @triton.jit
-def _blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, stride_qr, stride_se, stride_sr,
-                   TRANSPOSE: tl.constexpr, GROUP: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-                   INV_FP8_MAX: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
+def _blocks_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_we, stride_wn, stride_qe, stride_qr, stride_se,
+                   stride_sr, stride_qte, stride_qtr, stride_ste, stride_str, TRANSPOSE: tl.constexpr,
+                   BOTH: tl.constexpr, GROUP: tl.constexpr, AMAX_FLOOR: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+                   FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
+    """One 128 x 128 block of W: q(W) into q (TRANSPOSE: q(W)ᵀ), and with BOTH q(W)ᵀ into qt as well."""
     e = tl.program_id(2).to(tl.int64)
     bn, bk = tl.program_id(0), tl.program_id(1)
     n = bn * GROUP + tl.arange(0, GROUP)
@@ -157,11 +160,16 @@ def _blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, s
     y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
     if EMULATE:
         y = _round_e4m3(y)
-    if TRANSPOSE:  # q(W)ᵀ: row k, column n; the tile transposed in registers, so that the stores run along n
-        q = q_ptr + e * stride_qe + k.to(tl.int64)[:, None] * stride_qr + n[None, :]
+    if TRANSPOSE or BOTH:  # q(W)ᵀ: row k, column n; the tile transposed in registers, so that the stores run along n
+        tq_ptr = qt_ptr if BOTH else q_ptr
+        q = tq_ptr + e * (stride_qte if BOTH else stride_qe) + k.to(tl.int64)[:, None] * (
+            stride_qtr if BOTH else stride_qr) + n[None, :]
         tl.store(q, tl.trans(y).to(q_ptr.dtype.element_ty), mask=(k < K)[:, None] & (n < N)[None, :])
-        tl.store(s_ptr + e * stride_se + bk * stride_sr + bn, scale)
-    else:
+        if BOTH:
+            tl.store(st_ptr + e * stride_ste + bk * stride_str + bn, scale)
+        else:
+            tl.store(s_ptr + e * stride_se + bk * stride_sr + bn, scale)
+    if not TRANSPOSE:
         q = q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qr + k[None, :]
         tl.store(q, y.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + e * stride_se + bn * stride_sr + bk, scale)
@@ -223,16 +231,22 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, ou
     return t
 
 
-def quantize_blocks(w: torch.Tensor, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_blocks(w: torch.Tensor, transpose: bool = False, both: bool = False):
     """(q, scales) of w (E, N, K) in 128 x 128 blocks: reference.fp8.quantize_blocks(w) in one pass, or with
-    transpose that of w.transpose(1, 2), written K-major from w as it is."""
+    transpose that of w.transpose(1, 2), written K-major from w as it is; with both, the two pairs from one read
+    of w: ((q, scales) of w, (q, scales) of w.transpose(1, 2))."""
     _check(w, 3, "quantize_blocks")
+    if transpose and both:
+        raise ValueError("quantize_blocks: transpose and both are exclusive (both returns the transposed pair too)")
     E, N, K = w.shape
     gn, gk = _groups(N), _groups(K)
     q = torch.empty((E, K, N) if transpose else (E, N, K), dtype=FP8, device=w.device)
     s = torch.empty((E, gk, gn) if transpose else (E, gn, gk), dtype=torch.float32, device=w.device)
+    qt, st = (torch.empty(E, K, N, dtype=FP8, device=w.device),
+              torch.empty(E, gk, gn, dtype=torch.float32, device=w.device)) if both else (q, s)
     if q.numel():
-        launch(_blocks_kernel, (gn, gk, E), w, q, s, N, K, w.stride(0), w.stride(1), q.stride(0), q.stride(1),
-               s.stride(0), s.stride(1), TRANSPOSE=transpose, GROUP=GROUP, AMAX_FLOOR=AMAX_FLOOR,
-               INV_FP8_MAX=INV_FP8_MAX, FP8_MAX=FP8_MAX, EMULATE=INTERPRET, num_warps=8)
-    return q, s
+        launch(_blocks_kernel, (gn, gk, E), w, q, s, qt, st, N, K, w.stride(0), w.stride(1), q.stride(0),
+               q.stride(1), s.stride(0), s.stride(1), qt.stride(0), qt.stride(1), st.stride(0), st.stride(1),
+               TRANSPOSE=transpose, BOTH=both, GROUP=GROUP, AMAX_FLOOR=AMAX_FLOOR, INV_FP8_MAX=INV_FP8_MAX,
+               FP8_MAX=FP8_MAX, EMULATE=INTERPRET, num_warps=8)
+    return ((q, s), (qt, st)) if both else (q, s)
