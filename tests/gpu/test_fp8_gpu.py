@@ -85,8 +85,14 @@ def test_one_pass_quantizers_on_the_gpu_are_the_references():
     t = torch.randn(3000, 1000, device="cuda").bfloat16() * torch.logspace(-3, 3, 3000, device="cuda")[:, None]
     t[5] = 0
     w = t.view(3, 1000, 1000)
-    for got, want in ((quant.quantize_rows(t), quantize_rows(t)), (quant.quantize_blocks(w), quantize_blocks(w)),
-                      (quant.quantize_blocks(w, transpose=True), quantize_blocks(w.transpose(1, 2).contiguous()))):
+    both, both_t = quant.quantize_blocks(w, both=True)
+    h = torch.cat([t, t[:, :24]], 1)  # (3000, 1024): H with h = 512, whose groups fall on gate's and up's
+    pairs = [(quant.quantize_rows(t), quantize_rows(t)), (quant.quantize_blocks(w), quantize_blocks(w)),
+             (quant.quantize_blocks(w, transpose=True), quantize_blocks(w.transpose(1, 2).contiguous())),
+             (both, quantize_blocks(w)), (both_t, quantize_blocks(w.transpose(1, 2).contiguous()))]
+    for interleaved in (False, True):  # H's own pair, from the SwiGLU quantizer's read of H
+        pairs.append((quant.swiglu_quantize(h, interleaved, keep_preact=True)[1], quantize_rows(h)))
+    for got, want in pairs:
         assert torch.equal(got[1], want[1]) and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
     # SwiGLU: the kernel's exp differs from torch's in its last bits, so A in bf16 may differ by one bf16 step
     # (2^-8 relative), and with it a group's amax (its scale) and a value's e4m3 neighbour, rarely
@@ -144,3 +150,39 @@ def test_precision_fp8_bf16_against_the_emulation(checkpoint, backend):
         assert torch.isfinite(g).all(), name
         assert _rel(g, wt) <= FACTOR * max(_rel(r, wt), 1e-3), (name, _rel(g, wt), _rel(r, wt))
         assert _rel(g, ex) <= 0.1, (name, _rel(g, ex))
+
+
+@pytest.mark.parametrize("backend", ["tl", "gluon"])
+def test_fp8_weight_cache_and_the_dh_pass_quantizer_on_the_gpu(backend):
+    """precision="fp8" with fp8_weight_cache: the same output and gradients, bit for bit, as quantizing where used;
+    the dH pass's q(dH) is quantize_rows(dH) bit for bit on the GPU."""
+    from moeblaze.experts import stages
+    from moeblaze.experts.stages import RowPlan
+    from moeblaze.experts.tl import quant
+
+    _skip_unless(backend)
+    x, w1, w2, idx, w, dy = _layer_problem()
+    routing = build_routing_index(idx, w1.shape[0])
+    w1, w2 = w1.bfloat16().requires_grad_(), w2.bfloat16().requires_grad_()
+
+    def run(cache):
+        ins = [t.bfloat16().requires_grad_() for t in (x, w)]
+        out = moe_experts(ins[0], routing, ins[1], w1, w2, impl="triton", precision="fp8", backend=backend,
+                          fp8_weight_cache=cache)
+        return [out, *torch.autograd.grad(out, [*ins, w1, w2], dy.bfloat16())]
+
+    plain = run(False)
+    for _ in range(2):
+        for a, b in zip(run(True), plain):
+            assert torch.equal(a, b)
+    plan = RowPlan.build(routing)
+    R, F, H = idx.numel(), w1.shape[1], w1.shape[1] // 2
+    preact = torch.randn(R, F, device="cuda").bfloat16()
+    for interleaved in (False, True):
+        dpreact, act_scaled = torch.empty_like(preact), torch.randn(R, H, device="cuda").bfloat16()
+        q = (torch.empty(R, F, device="cuda", dtype=torch.float8_e4m3fn),
+             torch.empty(R, F // 128, device="cuda"))
+        stages.act_bwd(plan, act_scaled, preact, w, dpreact, act_scaled, "swiglu", interleaved=interleaved,
+                       dpreact_q=q)
+        want = quant.quantize_rows(dpreact)
+        assert torch.equal(q[1], want[1]) and torch.equal(q[0].view(torch.uint8), want[0].view(torch.uint8))
