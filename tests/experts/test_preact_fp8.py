@@ -92,16 +92,17 @@ def test_preact_fp8_kernels_match_the_reference(poison_alloc, activation):
     assert rel_err(got[1], exact[1]) > 1e-4  # the gradients do see the fp8 pre-activation
 
 
-@pytest.mark.parametrize("activation,interleaved", [("swiglu", False), ("swiglu", True), ("gelu", False)])
-def test_dh_pass_reads_e4m3_preact_as_its_read_back_copy(poison_alloc, activation, interleaved):
+@pytest.mark.parametrize("activation,interleaved,H", [("swiglu", False, 136), ("swiglu", False, 256),
+                                                      ("swiglu", True, 136), ("gelu", False, 200)])
+def test_dh_pass_reads_e4m3_preact_as_its_read_back_copy(poison_alloc, activation, interleaved, H):
     """The dH pass (act_bwd) given H in e4m3 and its scales equals the same pass over the one-pass read-back copy
-    (quant.dequantize_rows) bit for bit: dH, s·A and dS; H wider than one 128-column group, and ragged."""
+    (quant.dequantize_rows) bit for bit: dH, s·A and dS; H wider than one 128-column group, and ragged; scales
+    loaded per group (interleaved, plain, gate-first with H a multiple of 128) and per element (gate-first 136)."""
     from moeblaze.experts import stages
     from moeblaze.experts.stages import RowPlan
     from moeblaze.experts.tl import quant
 
     torch.manual_seed(1)
-    H = 200 if activation == "gelu" else 136
     x, w1, w2, idx, w = random_problem(24, 16, H, 4, 2, activation)
     plan = RowPlan.build(build_routing_index(idx, 4))
     R, F = idx.numel(), w1.shape[1]

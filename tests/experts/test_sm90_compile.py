@@ -110,18 +110,23 @@ KERNELS = [  # (kernel, pointer types, constexprs, warps)
     (backward._act_bwd_kernel, dict(dact_ptr="*bf16", preact_ptr="*fp8e4nv", preact_scale_ptr="*fp32",
                                     topk_w_ptr="*fp32", dpreact_ptr="*bf16", act_scaled_ptr="*bf16",
                                     dtopk_w_ptr="*fp32", dq_ptr="*fp8e4nv", dqs_ptr="*fp32"),
-     dict(K=8, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=True, QUANT_DH=True, WIDE=False, K_POW2=8, BLOCK_R=8,
-          BLOCK_H=256), 4),
-    (backward._act_bwd_kernel, dict(dact_ptr="*bf16", preact_ptr="*bf16", preact_scale_ptr="*fp32",
+     dict(K=8, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=True, H_ALIGNED=True, QUANT_DH=True, WIDE=False,
+          K_POW2=8, BLOCK_R=8, BLOCK_H=256), 4),
+    (backward._act_bwd_kernel, dict(dact_ptr="*bf16", preact_ptr="*fp8e4nv", preact_scale_ptr="*fp32",
+                                    topk_w_ptr="*fp32", dpreact_ptr="*bf16", act_scaled_ptr="*bf16",
+                                    dtopk_w_ptr="*fp32", dq_ptr="*bf16", dqs_ptr="*bf16"),
+     dict(K=8, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=True, H_ALIGNED=False, QUANT_DH=False, WIDE=False,
+          K_POW2=8, BLOCK_R=8, BLOCK_H=256), 4),
+    (backward._act_bwd_kernel, dict(dact_ptr="*bf16", preact_ptr="*fp8e4nv", preact_scale_ptr="*fp32",
                                     topk_w_ptr="*fp32", dpreact_ptr="*bf16", act_scaled_ptr="*bf16",
                                     dtopk_w_ptr="*fp32", dq_ptr="*fp8e4nv", dqs_ptr="*fp32"),
-     dict(K=8, GATED=True, ACT=0, INTERLEAVED=True, FP8_H=False, QUANT_DH=True, WIDE=False, K_POW2=8, BLOCK_R=8,
-          BLOCK_H=256), 4),
+     dict(K=8, GATED=True, ACT=0, INTERLEAVED=True, FP8_H=True, H_ALIGNED=False, QUANT_DH=True, WIDE=False,
+          K_POW2=8, BLOCK_R=8, BLOCK_H=256), 4),
     (backward._act_bwd_kernel, dict(dact_ptr="*bf16", preact_ptr="*bf16", preact_scale_ptr="*bf16",
                                     topk_w_ptr="*fp32", dpreact_ptr="*bf16", act_scaled_ptr="*bf16",
                                     dtopk_w_ptr="*fp32", dq_ptr="*bf16", dqs_ptr="*bf16"),
-     dict(K=32, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=False, QUANT_DH=False, WIDE=True, K_POW2=32, BLOCK_R=8,
-          BLOCK_H=256), 4),
+     dict(K=32, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=False, H_ALIGNED=False, QUANT_DH=False, WIDE=True,
+          K_POW2=32, BLOCK_R=8, BLOCK_H=256), 4),
 ]
 for kernel, ptrs, consts, warps in KERNELS:
     sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "*i32" if p.name.endswith("_ptr") else "i32")
@@ -141,4 +146,4 @@ def test_tl_kernels_of_fp8_rounding_and_the_wide_combine_lower_for_sm90():
     out = subprocess.run([sys.executable, "-c", TL_SNIPPET], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split()
-    assert lines[1::2] == ["True"] * 16 and len(lines) == 32, out.stdout
+    assert lines[1::2] == ["True"] * 17 and len(lines) == 34, out.stdout

@@ -106,10 +106,22 @@ def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_s
 @triton.jit
 def _dequant(v, scale_ptr, rows, rmask, cols, stride_s, OUT_TY: tl.constexpr):
     """e4m3 values v of rows x cols as quant.dequantize_rows writes them (q · scale in fp32, rounded to the io
-    dtype OUT_TY), in fp32; one scale per row and FP8_GROUP columns."""
+    dtype OUT_TY), in fp32; one scale per row and FP8_GROUP columns, loaded for each element."""
     s = tl.load(scale_ptr + rows.to(tl.int64)[:, None] * stride_s + (cols // FP8_GROUP)[None, :],
                 mask=rmask[:, None], other=0.0)
     return (v.to(tl.float32) * s).to(OUT_TY).to(tl.float32)
+
+
+@triton.jit
+def _run_scales(scale_ptr, rows, rmask, g0, n_groups, stride_s, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                RUN: tl.constexpr):
+    """The scales of BLOCK_H consecutive pairs whose scale changes every RUN of them, from group g0 on: one load
+    per row and group, spread over the run (BLOCK_R, BLOCK_H)."""
+    NG: tl.constexpr = BLOCK_H // RUN
+    groups = g0 + tl.arange(0, NG)
+    s = tl.load(scale_ptr + rows.to(tl.int64)[:, None] * stride_s + groups[None, :],
+                mask=rmask[:, None] & (groups < n_groups)[None, :], other=0.0)
+    return _spread(s, BLOCK_R, NG, RUN)
 
 
 @triton.jit
@@ -165,15 +177,18 @@ def _quantize_dh(dh_g, dh_u, rows, rmask, c0, H, dq_ptr, dqs_ptr, stride_dq, str
 def _act_bwd_kernel(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr,
                     dpreact_ptr, act_scaled_ptr, dtopk_w_ptr, dq_ptr, dqs_ptr, LK, H, stride_dl, stride_pl,
                     stride_ps, stride_al, stride_dq, stride_dqs, K: tl.constexpr, GATED: tl.constexpr,
-                    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, FP8_H: tl.constexpr, QUANT_DH: tl.constexpr,
-                    WIDE: tl.constexpr, K_POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, FP8_H: tl.constexpr, H_ALIGNED: tl.constexpr,
+                    QUANT_DH: tl.constexpr, WIDE: tl.constexpr, K_POW2: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
     """The dH epilogue as a pass of its own over BLOCK_R rows, for a dA' = dy[token] @ W2[e] computed
     apart (the Hopper path): from dA' and H, dH = d act(s * dA'), s * A, and dS[r] = <dA'[r], A[r]>
     whole (no partials), stored straight into the router-weight gradient (L, K) in its dtype. A row r of
     token t is the pair (t, k) with token_slot[t, k] == r: its weight is read from topk_w there and its
     dS stored there, so no row-order copy of the weights exists. dpreact may be preact and act_scaled
     may be dact: each element is read before it is written, by the same thread. FP8_H: H is e4m3 with one fp32
-    scale per row and 128 of its columns (preact_scale), read back as it is loaded: no dequantized copy. QUANT_DH:
+    scale per row and 128 of its columns (preact_scale), read back as it is loaded: no dequantized copy; its scales
+    are loaded once per row and group where a group's columns fall within the pass (H_ALIGNED: H a multiple of 128,
+    which gate-first H needs; interleaved and plain H always), else once per element. QUANT_DH:
     dH is also quantized as it is stored (dq, dqs: quant.quantize_rows(dH)'s pair), for precision="fp8"'s dX~.
     WIDE (a token-rounded routing's table of K places, most empty): each row's token's places are read in one
     load."""
@@ -200,13 +215,28 @@ def _act_bwd_kernel(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr
         da = tl.load(_row_ptrs(dact_ptr, rows, stride_dl, cols), mask=mask, other=0.0).to(tl.float32)
         g, u = _load_h(preact_ptr, rows, rmask, c0, H, stride_pl, GATED, INTERLEAVED, BLOCK_H)
         if FP8_H:
-            if GATED:
+            OUT_TY: tl.constexpr = dpreact_ptr.dtype.element_ty
+            n_groups = tl.cdiv(2 * H if GATED else H, FP8_GROUP)
+            if GATED and INTERLEAVED:  # gate and up of 64 pairs share a group: one set of scales for both
+                sg = _run_scales(preact_scale_ptr, rows, rmask, c0 // (FP8_GROUP // 2), n_groups, stride_ps,
+                                 BLOCK_R, BLOCK_H, FP8_GROUP // 2)
+                g = (g.to(tl.float32) * sg).to(OUT_TY).to(tl.float32)
+                u = (u.to(tl.float32) * sg).to(OUT_TY).to(tl.float32)
+            elif GATED and H_ALIGNED:  # gate-first, H a multiple of 128: up's groups start at H / 128
+                sg = _run_scales(preact_scale_ptr, rows, rmask, c0 // FP8_GROUP, n_groups, stride_ps, BLOCK_R,
+                                 BLOCK_H, FP8_GROUP)
+                g = (g.to(tl.float32) * sg).to(OUT_TY).to(tl.float32)
+                su = _run_scales(preact_scale_ptr, rows, rmask, (H + c0) // FP8_GROUP, n_groups, stride_ps, BLOCK_R,
+                                 BLOCK_H, FP8_GROUP)
+                u = (u.to(tl.float32) * su).to(OUT_TY).to(tl.float32)
+            elif GATED:  # up's groups straddle the pass's columns: a scale per element
                 pcols, up_off = _pair_cols(cols, H, INTERLEAVED)
-                g = _dequant(g, preact_scale_ptr, rows, rmask, pcols, stride_ps, dpreact_ptr.dtype.element_ty)
-                u = _dequant(u, preact_scale_ptr, rows, rmask, pcols + up_off, stride_ps,
-                             dpreact_ptr.dtype.element_ty)
+                g = _dequant(g, preact_scale_ptr, rows, rmask, pcols, stride_ps, OUT_TY)
+                u = _dequant(u, preact_scale_ptr, rows, rmask, pcols + up_off, stride_ps, OUT_TY)
             else:
-                g = _dequant(g, preact_scale_ptr, rows, rmask, cols, stride_ps, dpreact_ptr.dtype.element_ty)
+                sg = _run_scales(preact_scale_ptr, rows, rmask, c0 // FP8_GROUP, n_groups, stride_ps, BLOCK_R,
+                                 BLOCK_H, FP8_GROUP)
+                g = (g.to(tl.float32) * sg).to(OUT_TY).to(tl.float32)
                 u = g
         a, dh_g, dh_u = _store_dh_and_sa(da, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al,
                                          H, mask, GATED, ACT, INTERLEAVED)

@@ -150,7 +150,8 @@ def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_sca
     launch(_act_bwd_kernel, (triton.cdiv(R, block_r),), dact_RH, preact, scale, token_R, token_slot_LK, topk_w_LK,
            dpreact, act_scaled, dtopk_w, dq, dqs, R, H, dact_RH.stride(0), preact.stride(0), scale.stride(0),
            act_scaled.stride(0), dq.stride(0), dqs.stride(0), K=K, GATED=is_gated(activation),
-           ACT=ACT_CODES[activation], INTERLEAVED=interleaved, FP8_H=fp8, QUANT_DH=quant_dh, WIDE=K > WIDE_TABLE,
+           ACT=ACT_CODES[activation], INTERLEAVED=interleaved, FP8_H=fp8, H_ALIGNED=H % 128 == 0,
+           QUANT_DH=quant_dh, WIDE=K > WIDE_TABLE,
            K_POW2=triton.next_power_of_2(K), BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
     return dtopk_w
 
