@@ -104,11 +104,12 @@ def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_s
 
 
 @triton.jit
-def _dequant(v, scale_ptr, rows, rmask, cols, stride_s, OUT_TY: tl.constexpr):
+def _dequant(v, scale_ptr, rows, mask, cols, stride_s, OUT_TY: tl.constexpr):
     """e4m3 values v of rows x cols as quant.dequantize_rows writes them (q · scale in fp32, rounded to the io
-    dtype OUT_TY), in fp32; one scale per row and FP8_GROUP columns, loaded for each element."""
-    s = tl.load(scale_ptr + rows.to(tl.int64)[:, None] * stride_s + (cols // FP8_GROUP)[None, :],
-                mask=rmask[:, None], other=0.0)
+    dtype OUT_TY), in fp32; one scale per row and FP8_GROUP columns, loaded for each element under its mask (a
+    column past H has no scale: its group may lie past the row's)."""
+    s = tl.load(scale_ptr + rows.to(tl.int64)[:, None] * stride_s + (cols // FP8_GROUP)[None, :], mask=mask,
+                other=0.0)
     return (v.to(tl.float32) * s).to(OUT_TY).to(tl.float32)
 
 
@@ -231,8 +232,8 @@ def _act_bwd_kernel(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr
                 u = (u.to(tl.float32) * su).to(OUT_TY).to(tl.float32)
             elif GATED:  # up's groups straddle the pass's columns: a scale per element
                 pcols, up_off = _pair_cols(cols, H, INTERLEAVED)
-                g = _dequant(g, preact_scale_ptr, rows, rmask, pcols, stride_ps, OUT_TY)
-                u = _dequant(u, preact_scale_ptr, rows, rmask, pcols + up_off, stride_ps, OUT_TY)
+                g = _dequant(g, preact_scale_ptr, rows, mask, pcols, stride_ps, OUT_TY)
+                u = _dequant(u, preact_scale_ptr, rows, mask, pcols + up_off, stride_ps, OUT_TY)
             else:
                 sg = _run_scales(preact_scale_ptr, rows, rmask, c0 // FP8_GROUP, n_groups, stride_ps, BLOCK_R,
                                  BLOCK_H, FP8_GROUP)
