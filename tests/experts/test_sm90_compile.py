@@ -131,6 +131,10 @@ from moeblaze.routing import triton as rk
 Q = dict(GROUP=128, AMAX_FLOOR=1e-12, INV_FP8_MAX=1 / 448, FP8_MAX=448.0, EMULATE=False)
 ROWS = dict(t_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", qh_ptr="*fp8e4nv", sh_ptr="*fp32")
 BLOCKS = dict(w_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", qt_ptr="*fp8e4nv", st_ptr="*fp32")
+DH_PTRS = dict(dact_ptr="*bf16", preact_ptr="*fp8e4nv", preact_scale_ptr="*fp32", topk_w_ptr="*fp32",
+               dpreact_ptr="*bf16", act_scaled_ptr="*bf16", dtopk_w_ptr="*fp32", dq_ptr="*fp8e4nv", dqs_ptr="*fp32")
+DH = dict(K=8, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=True, H_ALIGNED=False, QUANT_DH=False, WIDE=False,
+          K_POW2=8, BLOCK_R=8, BLOCK_H=256)
 KERNELS = [  # (kernel, pointer types, constexprs, warps)
     (quant._rows_kernel, ROWS, dict(SWIGLU=True, INTERLEAVED=False, KEEP_H=False, ROWS=quant.ROWS, **Q), 4),
     (quant._rows_kernel, ROWS, dict(SWIGLU=False, INTERLEAVED=True, KEEP_H=False, ROWS=quant.ROWS, **Q), 4),
@@ -147,26 +151,11 @@ KERNELS = [  # (kernel, pointer types, constexprs, warps)
     (rk.rounded_place_kernel, dict(kept_ptr="*i1"), dict(M=8, M_PAD=8, BLOCK_L=1024, E_PAD=8), 4),
     (forward._combine_kernel, dict(rows_ptr="*bf16", weights_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16"),
      dict(K=32, WEIGHTED=True, HAS_BIAS=False, WIDE=True, K_POW2=32, BLOCK_T=16, BLOCK_D=256), 4),
-    (backward._act_bwd_kernel, dict(dact_ptr="*bf16", preact_ptr="*fp8e4nv", preact_scale_ptr="*fp32",
-                                    topk_w_ptr="*fp32", dpreact_ptr="*bf16", act_scaled_ptr="*bf16",
-                                    dtopk_w_ptr="*fp32", dq_ptr="*fp8e4nv", dqs_ptr="*fp32"),
-     dict(K=8, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=True, H_ALIGNED=True, QUANT_DH=True, WIDE=False,
-          K_POW2=8, BLOCK_R=8, BLOCK_H=256), 4),
-    (backward._act_bwd_kernel, dict(dact_ptr="*bf16", preact_ptr="*fp8e4nv", preact_scale_ptr="*fp32",
-                                    topk_w_ptr="*fp32", dpreact_ptr="*bf16", act_scaled_ptr="*bf16",
-                                    dtopk_w_ptr="*fp32", dq_ptr="*bf16", dqs_ptr="*bf16"),
-     dict(K=8, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=True, H_ALIGNED=False, QUANT_DH=False, WIDE=False,
-          K_POW2=8, BLOCK_R=8, BLOCK_H=256), 4),
-    (backward._act_bwd_kernel, dict(dact_ptr="*bf16", preact_ptr="*fp8e4nv", preact_scale_ptr="*fp32",
-                                    topk_w_ptr="*fp32", dpreact_ptr="*bf16", act_scaled_ptr="*bf16",
-                                    dtopk_w_ptr="*fp32", dq_ptr="*fp8e4nv", dqs_ptr="*fp32"),
-     dict(K=8, GATED=True, ACT=0, INTERLEAVED=True, FP8_H=True, H_ALIGNED=False, QUANT_DH=True, WIDE=False,
-          K_POW2=8, BLOCK_R=8, BLOCK_H=256), 4),
-    (backward._act_bwd_kernel, dict(dact_ptr="*bf16", preact_ptr="*bf16", preact_scale_ptr="*bf16",
-                                    topk_w_ptr="*fp32", dpreact_ptr="*bf16", act_scaled_ptr="*bf16",
-                                    dtopk_w_ptr="*fp32", dq_ptr="*bf16", dqs_ptr="*bf16"),
-     dict(K=32, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=False, H_ALIGNED=False, QUANT_DH=False, WIDE=True,
-          K_POW2=32, BLOCK_R=8, BLOCK_H=256), 4),
+    (backward._act_bwd_kernel, DH_PTRS, dict(DH, H_ALIGNED=True, QUANT_DH=True), 4),  # e4m3 H, scales per group
+    (backward._act_bwd_kernel, DH_PTRS, DH, 4),  # e4m3 H, scales per element
+    (backward._act_bwd_kernel, DH_PTRS, dict(DH, INTERLEAVED=True, QUANT_DH=True), 4),
+    (backward._act_bwd_kernel, dict(DH_PTRS, preact_ptr="*bf16"),  # a wide table
+     dict(DH, K=32, K_POW2=32, FP8_H=False, WIDE=True), 4),
 ]
 for kernel, ptrs, consts, warps in KERNELS:
     sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "*i32" if p.name.endswith("_ptr") else "i32")
