@@ -67,6 +67,17 @@ def test_fp8_bench_with_the_weight_cache_pays_one_quantization_a_step(tmp_path, 
     assert calls == [True, True] * 3
 
 
+def test_bench_precision_fp8_adds_the_fp8_rows(tmp_path):
+    """`moeblaze bench --precision fp8`: moeblaze-fp8 joins the named implementations with its own policies."""
+    out = str(tmp_path)
+    assert main(["bench", "--config", "48,32,16,4,2", "--impls", "reference", "--precision", "fp8", "--out", out,
+                 "--warmup", "0", "--iters", "1", "--no-ref"]) == 0
+    rows = read_rows(out)
+    assert [(r["impl"], r["policy"]) for r in rows] == [("reference", "-"), ("moeblaze-fp8", "preact"),
+                                                       ("moeblaze-fp8", "preact-fp8")]
+    assert all(r["status"] == "ok" for r in rows)
+
+
 def test_scale_records_oom_and_keeps_going(tmp_path, monkeypatch):
     def oom_past_64_tokens(p, policy):
         def call(x, idx, w, w1, w2):

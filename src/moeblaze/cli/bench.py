@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="moeblaze policies: preact, recompute, preact-fp8, and their token-chunked variants "
                         "preact-chunked, recompute-chunked, preact-fp8-chunked (default: preact,recompute; with "
                         "--scale also recompute-chunked)")
+    p.add_argument("--precision", default="native", choices=("native", "fp8"),
+                   help="fp8: add moeblaze-fp8 (precision=\"fp8\", policies preact and preact-fp8 unless --policies "
+                        "names others) to the implementations, beside the peers' bf16")
     p.add_argument("--activation", default="swiglu")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="default bfloat16 on cuda, float32 on cpu")
@@ -201,6 +204,10 @@ def _run_hf(rec, args, device) -> None:
 
 def _impl_policies(args, scale=False):
     names = available_impls(args.impls.split(",") if args.impls else None)
+    if args.precision == "fp8" and "moeblaze-fp8" not in names:
+        if not available_impls(["moeblaze-fp8"]):
+            raise UsageError("--precision fp8 needs fp8 tensor cores (sm_89 or later) or Triton's interpreter")
+        names.append("moeblaze-fp8")
     out = []
     for n in names:
         pols = IMPLS[n][1]
