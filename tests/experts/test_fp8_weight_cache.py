@@ -81,6 +81,16 @@ def test_the_cache_forgets_a_weight_that_is_gone(poison_alloc):
     assert key not in fp8._PAIRS
 
 
+def test_an_inference_tensor_is_quantized_where_used(poison_alloc, quantize_calls):
+    """Under torch.inference_mode a weight made there has no version counter: it is never cached."""
+    with torch.inference_mode():
+        x, w1, w2, idx, w = random_problem(16, 128, 64, 2, 1)
+        routing = build_routing_index(idx, 2)
+        for _ in range(2):
+            moe_experts(x, routing, w, w1, w2, impl="triton", precision="fp8", fp8_weight_cache=True)
+    assert quantize_calls == [(tuple(w1.shape), False), (tuple(w2.shape), False)] * 2
+
+
 def test_fp8_weight_cache_needs_fp8():
     x, w1, w2, idx, w = random_problem(8, 128, 64, 2, 1)
     with pytest.raises(ValueError, match="fp8_weight_cache"):

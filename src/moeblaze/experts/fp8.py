@@ -97,8 +97,9 @@ def weight_pair(w_ENK: torch.Tensor) -> tuple:
 
 
 def _weight(w_ENK: torch.Tensor, cache: bool, transposed: bool = False):
-    """q(W) (or q(Wᵀ) where transposed): from the cache (weight_pair) or quantized here."""
-    if cache:
+    """q(W) (or q(Wᵀ) where transposed): from the cache (weight_pair) or quantized here (also for an inference
+    tensor, which has no version counter to check a copy against)."""
+    if cache and not w_ENK.is_inference():
         return weight_pair(w_ENK)[1 if transposed else 0]
     return quantize_weight(w_ENK.transpose(1, 2) if transposed else w_ENK)
 
