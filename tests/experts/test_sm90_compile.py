@@ -126,6 +126,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moeblaze.experts.tl import backward, forward, quant
+from moeblaze.experts.tl import fp8 as tl_fp8
 from moeblaze.routing import triton as rk
 
 Q = dict(GROUP=128, AMAX_FLOOR=1e-12, INV_FP8_MAX=1 / 448, FP8_MAX=448.0, EMULATE=False)
@@ -143,6 +144,9 @@ KERNELS = [  # (kernel, pointer types, constexprs, warps)
     (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=True, BOTH=False, **Q), 8),
     (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=False, BOTH=False, **Q), 8),
     (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=False, BOTH=True, **Q), 8),
+    (quant._tiles_t_kernel, dict(a_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"), dict(GATHER=True, **Q), 8),
+    (tl_fp8._fp8_wgrad_kernel, dict(a_ptr="*fp8e4nv", sa_ptr="*fp32", b_ptr="*fp8e4nv", sb_ptr="*fp32",
+                                    c_ptr="*bf16"), dict(BLOCK_N=128, BLOCK_P=128, GROUP=128), 8),
     (quant._dequant_rows_kernel, dict(q_ptr="*fp8e4nv", s_ptr="*fp32", t_ptr="*bf16"),
      dict(ROWS=quant.ROWS, GROUP=128), 4),
     (rk.rounded_tile_count_kernel, dict(kept_ptr="*i1"), dict(BLOCK_L=32, E_PAD=256), 4),
@@ -175,4 +179,4 @@ def test_tl_kernels_of_fp8_rounding_and_the_wide_combine_lower_for_sm90():
     out = subprocess.run([sys.executable, "-c", TL_SNIPPET], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split()
-    assert lines[1::2] == ["True"] * 17 and len(lines) == 34, out.stdout
+    assert lines[1::2] == ["True"] * 19 and len(lines) == 38, out.stdout

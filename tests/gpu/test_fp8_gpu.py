@@ -186,3 +186,24 @@ def test_fp8_weight_cache_and_the_dh_pass_quantizer_on_the_gpu(backend):
                        dpreact_q=q)
         want = quant.quantize_rows(dpreact)
         assert torch.equal(q[1], want[1]) and torch.equal(q[0].view(torch.uint8), want[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", ["tl", "gluon"])
+def test_fp8_weight_gradients_bf16_against_the_emulation(backend):
+    """fp8_wgrad=True on real e4m3 in bf16: output and every gradient within FACTOR x the bf16 emulation's error
+    against the fp32 emulation of the same recipe (the weight gradients' operands in e4m3 too)."""
+    _skip_unless(backend)
+    x, w1, w2, idx, w, dy = _layer_problem()
+    routing = build_routing_index(idx, w1.shape[0])
+
+    def run(dtype, **kw):
+        ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w)]
+        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], precision="fp8", fp8_wgrad=True, **kw)
+        return [out, *torch.autograd.grad(out, ins, dy.to(dtype))]
+
+    want = run(torch.float32, impl="reference")
+    ref = run(torch.bfloat16, impl="reference")
+    got = run(torch.bfloat16, impl="triton", backend=backend)
+    for name, g, r, wt in zip(("out", "dx", "dw1", "dw2", "dw"), got, ref, want):
+        assert torch.isfinite(g).all(), name
+        assert _rel(g, wt) <= FACTOR * max(_rel(r, wt), 1e-3), (name, _rel(g, wt), _rel(r, wt))

@@ -72,7 +72,7 @@ CHUNK_TOKENS = 262144  # the "-chunked" policies: token chunks for millions of t
 
 
 def moeblaze_call(p: Problem, policy: str, backend: str = "auto", precision: str = "native",
-                  weight_cache: bool = False):
+                  weight_cache: bool = False, fp8_wgrad: bool = False):
     """weight_cache: precision="fp8" with fp8_weight_cache, each step taken as an optimizer step's only micro-batch
     (the weights' version counters moved on before it, as an update would), so it pays one quantization a step."""
     checkpoint = policy.removesuffix("-chunked")
@@ -84,7 +84,7 @@ def moeblaze_call(p: Problem, policy: str, backend: str = "auto", precision: str
             torch.autograd.graph.increment_version(w2)
         r = build_routing_index(idx, p.E, check=False)
         return moe_experts(x, r, w, w1, w2, p.activation, checkpoint, impl="triton", check=False, chunk_tokens=chunk,
-                           backend=backend, precision=precision, fp8_weight_cache=weight_cache)
+                           backend=backend, precision=precision, fp8_weight_cache=weight_cache, fp8_wgrad=fp8_wgrad)
     return call
 
 
@@ -145,6 +145,9 @@ IMPLS: dict[str, tuple[Callable[[], bool], tuple, Callable]] = {
     # the same with fp8_weight_cache: the weights quantized once a step, both layouts from one read
     "moeblaze-fp8-cached": (lambda: IMPLS["moeblaze-fp8"][0](), ("preact", "preact-fp8"),
                             lambda p, policy: moeblaze_call(p, policy, precision="fp8", weight_cache=True)),
+    # the same with the weight gradients on e4m3 too (fp8_wgrad, the portable kernel)
+    "moeblaze-fp8-wgrad": (lambda: IMPLS["moeblaze-fp8"][0](), ("preact", "preact-fp8"),
+                           lambda p, policy: moeblaze_call(p, policy, precision="fp8", fp8_wgrad=True)),
     "reference": (lambda: True, ("-",), _reference),
     "torch_gmm": (lambda: hasattr(torch, "_grouped_mm"), ("-",), _torch_gmm),
     "sonicmoe": (lambda: torch.cuda.is_available() and _importable("sonicmoe"), ("-",), _sonicmoe),

@@ -35,7 +35,8 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
                 w2: torch.Tensor, activation: str = "swiglu", checkpoint: str = "preact", impl: str = "auto",
                 check: bool = True, chunk_tokens: int | None = None, backend: str = "auto",
                 b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                interleaved: bool = False, precision: str = "native", fp8_weight_cache: bool = False) -> torch.Tensor:
+                interleaved: bool = False, precision: str = "native", fp8_weight_cache: bool = False,
+                fp8_wgrad: bool = False) -> torch.Tensor:
     """Combined expert outputs (L, D) for tokens x (L, D) routed by `routing` with weights (L, K).
 
     w1: (E, F, D), F = 2H with the gate rows first (or, where `interleaved`, gate and up rows alternating, gate
@@ -55,7 +56,9 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     its emulation). fp8_weight_cache (precision="fp8"): keep each weight's e4m3 copies, both layouts quantized from
     one read, until the weight changes (its version counter: an optimizer step), instead of quantizing where used:
     forward and backward, and every micro-batch of an accumulated step, share one quantization, for the copies'
-    bytes (half the weights' in bf16) held between steps (experts.fp8).
+    bytes (half the weights' in bf16) held between steps (experts.fp8). fp8_wgrad (precision="fp8"): the weight
+    gradients on e4m3 operands too, each scaled per 128 of an expert's rows (DeepSeek-V3's 128 x 1 groups; on the
+    portable tl kernel for now, to be measured against the bf16 weight gradients).
     """
     check_activation(activation)
     if checkpoint not in CHECKPOINTS:
@@ -65,6 +68,9 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if fp8_weight_cache and precision != "fp8":
         raise ValueError(f"fp8_weight_cache keeps e4m3 weights for precision='fp8'; precision is {precision!r}")
+    if fp8_wgrad and precision != "fp8":
+        raise ValueError(f"fp8_wgrad takes the weight gradients to e4m3 past precision='fp8'; precision is "
+                         f"{precision!r}")
     check_expert_inputs(x, w1, w2, activation, b1, b2, interleaved)
     if routing.num_tokens != x.shape[0] or routing.num_experts != w1.shape[0]:
         raise ValueError(f"routing index is for L={routing.num_tokens}, E={routing.num_experts}; "
@@ -77,7 +83,8 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     impl = resolve_impl(impl, x.device)
     if impl == "reference":
         return moe_experts_reference(x, routing.topk_idx(), topk_weights, w1, w2, activation, b1, b2, interleaved,
-                                     preact_fp8=checkpoint == "preact-fp8", fp8_gemms=precision == "fp8")
+                                     preact_fp8=checkpoint == "preact-fp8", fp8_gemms=precision == "fp8",
+                                     fp8_wgrad=fp8_wgrad)
     if x.device.type != "cuda" and not INTERPRET:
         raise RuntimeError(f"impl='triton' needs a CUDA GPU (x is on {x.device}), or Triton's CPU interpreter: set "
                            "TRITON_INTERPRET=1 before importing moeblaze (or triton); impl='auto' runs the PyTorch "
@@ -88,7 +95,7 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     if precision == "fp8":
         check_fp8_supported(x, b1, b2, chunk_tokens)
         return fp8_experts(x, routing, topk_weights, w1, w2, activation, checkpoint, backend, interleaved,
-                           fp8_weight_cache)
+                           fp8_weight_cache, fp8_wgrad)
     save, fp8 = checkpoint in ("preact", "preact-fp8"), checkpoint == "preact-fp8"
     if chunk_tokens is not None and x.shape[0] > chunk_tokens:
         idx, E = routing.topk_idx(), w1.shape[0]  # dropped pairs come back as id E: sentinels again

@@ -12,7 +12,10 @@ Forward:   x_q = q(x) by token;  H = x_q[token] · q(W1[e])ᵀ   (fp8_rows_gemm,
 Backward:  dA' = q(dy)[token] · q(W2[e]ᵀ)ᵀ                      (fp8_rows_gemm, gathered; q(W2ᵀ) written K-major
                                                                  from W2 in one pass: the same 128 x 128 blocks)
            dH, s·A, dS from dA' and H; q(dH) as dH is stored     (stages.act_bwd)
-           dW2 = dy[token]ᵀ (s·A), dW1 = dHᵀ x[token]           (stages.weight_grad, input precision)
+           dW2 = dy[token]ᵀ (s·A), dW1 = dHᵀ x[token]           (stages.weight_grad, input precision; with
+                                                                 fp8_wgrad on e4m3 operands scaled per 128 of an
+                                                                 expert's rows: quant.quantize_tiles_t, then
+                                                                 tl.fp8.fp8_weight_grad, the portable kernel)
            dX~ = q(dH) · q(W1[e]ᵀ)ᵀ; dx = combine(dX~)           (fp8_rows_gemm, stages.combine)
 q: quantize_rows for activations and gradients (1 x 128 groups), quantize_blocks for weights (128 x 128).
 
@@ -37,14 +40,14 @@ import torch
 
 from ..launch import ensure_context
 from ..reference import apply_activation
-from ..reference.fp8 import FP8
+from ..reference.fp8 import FP8, GROUP
 from ..routing import RoutingIndex
 from . import dispatch, gluon_sm90, stages, tl
 from .autograd import clear_dropped, eager_function
-from .schedule import BLOCK_M
+from .schedule import BLOCK_M, tile_schedule
 from .stages import RowPlan
 from .tl import quant
-from .tl.fp8 import fp8_rows_gemm
+from .tl.fp8 import fp8_rows_gemm, fp8_weight_grad
 
 PRECISIONS = ("native", "fp8")
 
@@ -123,7 +126,7 @@ def _act_quantized(preact, activation, interleaved):
 def fp8_experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
                         counts: torch.Tensor, offsets: torch.Tensor, eti: torch.Tensor, slot: torch.Tensor,
                         activation: str, checkpoint: str, dropped: bool, interleaved: bool, backend: str,
-                        cache_weights: bool = False
+                        cache_weights: bool = False, fp8_wgrad: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out (L, D), H as backward keeps it (in x's dtype, e4m3 or empty by checkpoint), its scales (e4m3 only, else
     empty), *the tile schedule): the forward body (dropped is backward's, taken here for the autograd context)."""
@@ -154,7 +157,7 @@ fp8_experts_fwd = torch.library.custom_op("moeblaze::fp8_experts_fwd", fp8_exper
 
 @fp8_experts_fwd.register_fake
 def _(x, w1, w2, topk_w, counts, offsets, eti, slot, activation, checkpoint, dropped, interleaved, backend,
-      cache_weights=False):
+      cache_weights=False, fp8_wgrad=False):
     R, F = (eti.shape[0], w1.shape[1]) if x.shape[0] else (0, w1.shape[1])
     tiles = eti.shape[0] // BLOCK_M + counts.shape[0]
     ints = dict(dtype=torch.int32, device=x.device)
@@ -167,7 +170,8 @@ def _(x, w1, w2, topk_w, counts, offsets, eti, slot, activation, checkpoint, dro
 def fp8_experts_backward(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_w: torch.Tensor,
                          kept: torch.Tensor, scale: torch.Tensor, te: torch.Tensor, tr: torch.Tensor, tu: torch.Tensor,
                          offsets: torch.Tensor, eti: torch.Tensor, slot: torch.Tensor, activation: str,
-                         checkpoint: str, dropped: bool, interleaved: bool, backend: str, cache_weights: bool = False
+                         checkpoint: str, dropped: bool, interleaved: bool, backend: str, cache_weights: bool = False,
+                         fp8_wgrad: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw2, dtopk_w): the backward body."""
     if dy.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
@@ -198,12 +202,31 @@ def fp8_experts_backward(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2
     del dact, preact
     if dropped:
         dtopk_w = clear_dropped(plan, dtopk_w, act_scaled, dpreact)
-    dw2 = stages.weight_grad(plan, dy, act_scaled, torch.empty_like(w2), True, backend)
-    del act_scaled
-    dw1 = stages.weight_grad(plan, dpreact, x, torch.empty_like(w1), False, backend)
+    if fp8_wgrad:
+        dw2, dw1 = _fp8_weight_grads(plan, dy, act_scaled, dpreact, x, w1, w2)
+        del act_scaled
+    else:
+        dw2 = stages.weight_grad(plan, dy, act_scaled, torch.empty_like(w2), True, backend)
+        del act_scaled
+        dw1 = stages.weight_grad(plan, dpreact, x, torch.empty_like(w1), False, backend)
     dpreact_q = dpreact_q if dpreact_q is not None else quant.quantize_rows(dpreact)
     dx_rows = _rows(plan, dpreact_q, _weight(w1, cache_weights, transposed=True), dt, backend)  # dX~ = dH W1
     return stages.combine(plan, dx_rows, None, dt), dw1, dw2, dtopk_w
+
+
+def _fp8_weight_grads(plan: RowPlan, dy, act_scaled, dpreact, x, w1, w2):
+    """(dW2, dW1) on e4m3 operands (fp8_wgrad): dW2 = q(dy[rows])ᵀ q(s·A), dW1 = q(dH)ᵀ q(x[rows]), each operand
+    quantized per 128 of an expert's rows (reference: moe_experts_reference(fp8_wgrad=True)), in the weights'
+    layouts."""
+    counts = plan.offsets_E1[1:] - plan.offsets_E1[:-1]
+    sched = tile_schedule(counts, plan.offsets_E1, plan.num_rows, GROUP)
+
+    def grad(p, q, w, gather_p):
+        pt = quant.quantize_tiles_t(p, sched, plan.offsets_E1, plan.token_R if gather_p else None)
+        qt = quant.quantize_tiles_t(q, sched, plan.offsets_E1, None if gather_p else plan.token_R)
+        dw = fp8_weight_grad(pt, qt, plan.offsets_E1, torch.empty(w.shape, dtype=w.dtype, device=w.device))
+        return dw if dw.stride() == w.stride() else torch.empty_like(w).copy_(dw)
+    return grad(dy, act_scaled, w2, True), grad(dpreact, x, w1, False)
 
 
 fp8_experts_bwd = torch.library.custom_op("moeblaze::fp8_experts_bwd", fp8_experts_backward, mutates_args=())
@@ -211,20 +234,20 @@ fp8_experts_bwd = torch.library.custom_op("moeblaze::fp8_experts_bwd", fp8_exper
 
 @fp8_experts_bwd.register_fake
 def _(dy, x, w1, w2, topk_w, kept, scale, te, tr, tu, offsets, eti, slot, activation, checkpoint, dropped,
-      interleaved, backend, cache_weights=False):
+      interleaved, backend, cache_weights=False, fp8_wgrad=False):
     return x.new_empty(x.shape), torch.empty_like(w1), torch.empty_like(w2), topk_w.new_empty(topk_w.shape)
 
 
-N_INPUTS = 14  # x, w1, w2, topk_w, the index's four tensors, activation, checkpoint, dropped, interleaved, backend,
-# cache_weights
+N_INPUTS = 15  # x, w1, w2, topk_w, the index's four tensors, activation, checkpoint, dropped, interleaved, backend,
+# cache_weights, fp8_wgrad
 
 
 def _setup_context(ctx, inputs, output):
     (x, w1, w2, topk_w, _counts, offsets, eti, slot, activation, checkpoint, dropped, interleaved, backend,
-     cache_weights) = inputs
+     cache_weights, fp8_wgrad) = inputs
     ctx.save_for_backward(x, w1, w2, topk_w, *output[1:], offsets, eti, slot)
     ctx.activation, ctx.checkpoint, ctx.dropped, ctx.interleaved = activation, checkpoint, dropped, interleaved
-    ctx.backend, ctx.cache_weights = backend, cache_weights
+    ctx.backend, ctx.cache_weights, ctx.fp8_wgrad = backend, cache_weights, fp8_wgrad
     ctx.set_materialize_grads(False)  # the kept H and the schedule are saved state, never used downstream
 
 
@@ -235,7 +258,7 @@ def _backward_with(backward_fn):
         x, w1, w2, topk_w, kept, scale, te, tr, tu, offsets, eti, slot = ctx.saved_tensors
         grads = backward_fn(dout.contiguous(), x, w1, w2, topk_w, kept, scale, te, tr, tu, offsets, eti, slot,
                             ctx.activation, ctx.checkpoint, ctx.dropped, ctx.interleaved, ctx.backend,
-                            ctx.cache_weights)
+                            ctx.cache_weights, ctx.fp8_wgrad)
         return (*grads, *(None,) * (N_INPUTS - 4))
     return backward
 
@@ -248,8 +271,8 @@ _EagerFp8Experts = eager_function("_EagerFp8Experts", fp8_experts_forward, _setu
 
 
 def fp8_experts(x, routing: RoutingIndex, topk_w, w1, w2, activation, checkpoint, backend, interleaved,
-                cache_weights: bool = False):
+                cache_weights: bool = False, fp8_wgrad: bool = False):
     """The experts' output on e4m3 GEMMs: the custom op where torch.compile traces, the direct path in eager mode."""
     args = (x, w1, w2, topk_w, *routing.tensors(), activation, checkpoint, routing.dropped, interleaved, backend,
-            cache_weights)
+            cache_weights, fp8_wgrad)
     return (fp8_experts_fwd(*args) if torch.compiler.is_compiling() else _EagerFp8Experts.apply(*args))[0]
