@@ -12,7 +12,7 @@ from ...config import INTERPRET
 from ...reference.fp8 import AMAX_FLOOR, FP8_MAX, GROUP, INV_FP8_MAX
 from .common import _act, _act_grad, _clamped_glu, _pair_cols, _row_ptrs, _rows_dot, _swizzle, _tile_rows
 from .configs import DH_CONFIGS, WGRAD_CONFIGS
-from .quant import _store_scaled
+from .quant import _group_amax, _quantize_gate_up, _spread, _store_scaled
 
 FP8_GROUP: tl.constexpr = tl.constexpr(GROUP)  # the columns of one e4m3 scale
 # the quantizer's constants (experts.tl.quant), for dH quantized where the dH pass writes it
@@ -104,13 +104,19 @@ def _dh_epilogue(dact, col0, rows, rmask, g, u, w_sorted_ptr, dpreact_ptr, act_s
 
 
 @triton.jit
+def _read_back(v, scale, OUT_TY: tl.constexpr):
+    """e4m3 values v as quant.dequantize_rows writes them: v · scale in fp32, rounded to the io dtype OUT_TY, in
+    fp32."""
+    return (v.to(tl.float32) * scale).to(OUT_TY).to(tl.float32)
+
+
+@triton.jit
 def _dequant(v, scale_ptr, rows, mask, cols, stride_s, OUT_TY: tl.constexpr):
-    """e4m3 values v of rows x cols as quant.dequantize_rows writes them (q · scale in fp32, rounded to the io
-    dtype OUT_TY), in fp32; one scale per row and FP8_GROUP columns, loaded for each element under its mask (a
-    column past H has no scale: its group may lie past the row's)."""
+    """_read_back of e4m3 values v of rows x cols, one scale per row and FP8_GROUP columns, loaded for each
+    element under its mask (a column past H has no scale: its group may lie past the row's)."""
     s = tl.load(scale_ptr + rows.to(tl.int64)[:, None] * stride_s + (cols // FP8_GROUP)[None, :], mask=mask,
                 other=0.0)
-    return (v.to(tl.float32) * s).to(OUT_TY).to(tl.float32)
+    return _read_back(v, s, OUT_TY)
 
 
 @triton.jit
@@ -126,15 +132,28 @@ def _run_scales(scale_ptr, rows, rmask, g0, n_groups, stride_s, BLOCK_R: tl.cons
 
 
 @triton.jit
-def _group_scales(v, BLOCK_R: tl.constexpr, NG: tl.constexpr, PER: tl.constexpr):
-    """|v| (BLOCK_R, NG · PER)'s amax over each run of PER columns: (BLOCK_R, NG) fp32."""
-    return tl.max(tl.reshape(tl.abs(v), (BLOCK_R, NG, PER)), axis=2)
-
-
-@triton.jit
-def _spread(scale, BLOCK_R: tl.constexpr, NG: tl.constexpr, PER: tl.constexpr):
-    """(BLOCK_R, NG) -> (BLOCK_R, NG · PER): each group's value on its PER columns."""
-    return tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_R, NG, PER)), (BLOCK_R, NG * PER))
+def _dequant_h(g, u, scale_ptr, rows, rmask, mask, c0, cols, H, stride_s, OUT_TY: tl.constexpr, GATED: tl.constexpr,
+               INTERLEAVED: tl.constexpr, H_ALIGNED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(gate, up) of H in e4m3 for pairs c0 .. c0 + BLOCK_H, read back (_read_back) in fp32: the scales loaded once
+    per row and group where a group's columns fall within the pass (interleaved, plain, or gate-first with
+    H_ALIGNED), else once per element."""
+    n_groups = tl.cdiv(2 * H if GATED else H, FP8_GROUP)
+    if GATED and INTERLEAVED:  # gate and up of 64 pairs share a group: one set of scales for both
+        s = _run_scales(scale_ptr, rows, rmask, c0 // (FP8_GROUP // 2), n_groups, stride_s, BLOCK_R, BLOCK_H,
+                        FP8_GROUP // 2)
+        return _read_back(g, s, OUT_TY), _read_back(u, s, OUT_TY)
+    if GATED and H_ALIGNED:  # gate-first, H a multiple of 128: up's groups start at H / 128
+        sg = _run_scales(scale_ptr, rows, rmask, c0 // FP8_GROUP, n_groups, stride_s, BLOCK_R, BLOCK_H, FP8_GROUP)
+        su = _run_scales(scale_ptr, rows, rmask, (H + c0) // FP8_GROUP, n_groups, stride_s, BLOCK_R, BLOCK_H,
+                         FP8_GROUP)
+        return _read_back(g, sg, OUT_TY), _read_back(u, su, OUT_TY)
+    if GATED:  # up's groups straddle the pass's columns: a scale per element
+        pcols, up_off = _pair_cols(cols, H, INTERLEAVED)
+        return (_dequant(g, scale_ptr, rows, mask, pcols, stride_s, OUT_TY),
+                _dequant(u, scale_ptr, rows, mask, pcols + up_off, stride_s, OUT_TY))
+    s = _run_scales(scale_ptr, rows, rmask, c0 // FP8_GROUP, n_groups, stride_s, BLOCK_R, BLOCK_H, FP8_GROUP)
+    g = _read_back(g, s, OUT_TY)
+    return g, g
 
 
 @triton.jit
@@ -151,24 +170,17 @@ def _quantize_dh(dh_g, dh_u, rows, rmask, c0, H, dq_ptr, dqs_ptr, stride_dq, str
     q_rows = dq_ptr + r64[:, None] * stride_dq
     s_rows = dqs_ptr + r64[:, None] * stride_dqs
     if GATED and INTERLEAVED:  # a group: gate and up of 64 pairs, side by side
-        PER: tl.constexpr = FP8_GROUP // 2
-        NG: tl.constexpr = BLOCK_H // PER
-        amax = tl.maximum(_group_scales(dh_g, BLOCK_R, NG, PER), _group_scales(dh_u, BLOCK_R, NG, PER))
-        scale = tl.maximum(amax, Q_AMAX_FLOOR) * Q_INV_MAX
-        col_scale = _spread(scale, BLOCK_R, NG, PER)
-        _store_scaled(dh_g, col_scale, mask, q_rows + 2 * cols[None, :], Q_MAX, Q_EMULATE)
-        _store_scaled(dh_u, col_scale, mask, q_rows + 2 * cols[None, :] + 1, Q_MAX, Q_EMULATE)
-        groups = 2 * c0 // FP8_GROUP + tl.arange(0, NG)
-        tl.store(s_rows + groups[None, :], scale, mask=rmask[:, None] & (groups * FP8_GROUP < 2 * H)[None, :])
+        _quantize_gate_up(dh_g, dh_u, mask, q_rows, cols, s_rows, 2 * c0 // FP8_GROUP, rmask, 2 * H, BLOCK_R,
+                          2 * BLOCK_H // FP8_GROUP, FP8_GROUP // 2, Q_AMAX_FLOOR, Q_INV_MAX, Q_MAX, Q_EMULATE)
     else:
         NG: tl.constexpr = BLOCK_H // FP8_GROUP
         groups = c0 // FP8_GROUP + tl.arange(0, NG)
         smask = rmask[:, None] & (groups * FP8_GROUP < H)[None, :]
-        scale = tl.maximum(_group_scales(dh_g, BLOCK_R, NG, FP8_GROUP), Q_AMAX_FLOOR) * Q_INV_MAX
+        scale = tl.maximum(_group_amax(dh_g, BLOCK_R, NG, FP8_GROUP), Q_AMAX_FLOOR) * Q_INV_MAX
         _store_scaled(dh_g, _spread(scale, BLOCK_R, NG, FP8_GROUP), mask, q_rows + cols[None, :], Q_MAX, Q_EMULATE)
         tl.store(s_rows + groups[None, :], scale, mask=smask)
         if GATED:  # up: columns H + j, groups H / 128 on
-            scale = tl.maximum(_group_scales(dh_u, BLOCK_R, NG, FP8_GROUP), Q_AMAX_FLOOR) * Q_INV_MAX
+            scale = tl.maximum(_group_amax(dh_u, BLOCK_R, NG, FP8_GROUP), Q_AMAX_FLOOR) * Q_INV_MAX
             _store_scaled(dh_u, _spread(scale, BLOCK_R, NG, FP8_GROUP), mask, q_rows + H + cols[None, :], Q_MAX,
                           Q_EMULATE)
             tl.store(s_rows + H // FP8_GROUP + groups[None, :], scale, mask=smask)
@@ -216,29 +228,8 @@ def _act_bwd_kernel(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr
         da = tl.load(_row_ptrs(dact_ptr, rows, stride_dl, cols), mask=mask, other=0.0).to(tl.float32)
         g, u = _load_h(preact_ptr, rows, rmask, c0, H, stride_pl, GATED, INTERLEAVED, BLOCK_H)
         if FP8_H:
-            OUT_TY: tl.constexpr = dpreact_ptr.dtype.element_ty
-            n_groups = tl.cdiv(2 * H if GATED else H, FP8_GROUP)
-            if GATED and INTERLEAVED:  # gate and up of 64 pairs share a group: one set of scales for both
-                sg = _run_scales(preact_scale_ptr, rows, rmask, c0 // (FP8_GROUP // 2), n_groups, stride_ps,
-                                 BLOCK_R, BLOCK_H, FP8_GROUP // 2)
-                g = (g.to(tl.float32) * sg).to(OUT_TY).to(tl.float32)
-                u = (u.to(tl.float32) * sg).to(OUT_TY).to(tl.float32)
-            elif GATED and H_ALIGNED:  # gate-first, H a multiple of 128: up's groups start at H / 128
-                sg = _run_scales(preact_scale_ptr, rows, rmask, c0 // FP8_GROUP, n_groups, stride_ps, BLOCK_R,
-                                 BLOCK_H, FP8_GROUP)
-                g = (g.to(tl.float32) * sg).to(OUT_TY).to(tl.float32)
-                su = _run_scales(preact_scale_ptr, rows, rmask, (H + c0) // FP8_GROUP, n_groups, stride_ps, BLOCK_R,
-                                 BLOCK_H, FP8_GROUP)
-                u = (u.to(tl.float32) * su).to(OUT_TY).to(tl.float32)
-            elif GATED:  # up's groups straddle the pass's columns: a scale per element
-                pcols, up_off = _pair_cols(cols, H, INTERLEAVED)
-                g = _dequant(g, preact_scale_ptr, rows, mask, pcols, stride_ps, OUT_TY)
-                u = _dequant(u, preact_scale_ptr, rows, mask, pcols + up_off, stride_ps, OUT_TY)
-            else:
-                sg = _run_scales(preact_scale_ptr, rows, rmask, c0 // FP8_GROUP, n_groups, stride_ps, BLOCK_R,
-                                 BLOCK_H, FP8_GROUP)
-                g = (g.to(tl.float32) * sg).to(OUT_TY).to(tl.float32)
-                u = g
+            g, u = _dequant_h(g, u, preact_scale_ptr, rows, rmask, mask, c0, cols, H, stride_ps,
+                              dpreact_ptr.dtype.element_ty, GATED, INTERLEAVED, H_ALIGNED, BLOCK_R, BLOCK_H)
         a, dh_g, dh_u = _store_dh_and_sa(da, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al,
                                          H, mask, GATED, ACT, INTERLEAVED)
         if QUANT_DH:

@@ -76,18 +76,15 @@ def _rows_kernel(t_ptr, q_ptr, s_ptr, qh_ptr, sh_ptr, R, N, stride_t, stride_q, 
         else:
             gate_at = cols[None, :]
             up_at = N + cols[None, :]
-        gate_h = tl.load(src + gate_at, mask=mask, other=0.0)
+        gate = tl.load(src + gate_at, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(src + up_at, mask=mask, other=0.0)
-        gate = gate_h.to(tl.float32)
         a = (gate / (1.0 + tl.exp(-gate))).to(up.dtype) * up  # SiLU(gate) in H's dtype, times up, as torch
         v = a.to(up.dtype).to(tl.float32)
         if KEEP_H:  # H itself in its own 1 x 128 groups, from the values just loaded
             if INTERLEAVED:  # H's groups 2g and 2g + 1: gate and up of this group's first and last 64 columns
-                h_groups = tl.cdiv(2 * N, GROUP)
-                smask = rmask[:, None] & ((2 * g + tl.arange(0, 2)) < h_groups)[None, :]
-                _quantize_pairs(gate, up.to(tl.float32), mask, qh_ptr + r64[:, None] * stride_qh, gate_at, up_at,
-                                sh_ptr + r64 * stride_sh + 2 * g, smask, ROWS, GROUP, AMAX_FLOOR, INV_FP8_MAX,
-                                FP8_MAX, EMULATE)
+                _quantize_gate_up(gate, up.to(tl.float32), mask, qh_ptr + r64[:, None] * stride_qh, cols,
+                                  sh_ptr + r64[:, None] * stride_sh, 2 * g, rmask, 2 * N, ROWS, 2, GROUP // 2,
+                                  AMAX_FLOOR, INV_FP8_MAX, FP8_MAX, EMULATE)
             else:  # N a multiple of GROUP (checked on the host): gate is H's group g, up its group N / GROUP + g
                 qh = qh_ptr + r64[:, None] * stride_qh
                 _quantize(gate, mask, qh + gate_at, sh_ptr + r64 * stride_sh + g, rmask, AMAX_FLOOR, INV_FP8_MAX,
@@ -101,24 +98,34 @@ def _rows_kernel(t_ptr, q_ptr, s_ptr, qh_ptr, sh_ptr, R, N, stride_t, stride_q, 
 
 
 @triton.jit
-def _quantize_pairs(gate, up, mask, q_row_ptrs, gate_at, up_at, s_ptrs, smask, ROWS: tl.constexpr,
-                    GROUP: tl.constexpr, AMAX_FLOOR: tl.constexpr, INV_FP8_MAX: tl.constexpr,
-                    FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
-    """Interleaved H's two groups under (gate, up) (ROWS, GROUP) fp32: group 0 holds the first GROUP / 2 columns
-    of each, group 1 the rest; stores q at gate_at / up_at, and the groups' scales at s_ptrs and s_ptrs + 1 where
-    smask's two columns allow (a second group wholly past H's end has none)."""
-    HALF: tl.constexpr = GROUP // 2
+def _group_amax(v, ROWS: tl.constexpr, NG: tl.constexpr, PER: tl.constexpr):
+    """|v| (ROWS, NG · PER)'s amax over each run of PER columns: (ROWS, NG) fp32."""
+    return tl.max(tl.reshape(tl.abs(v), (ROWS, NG, PER)), axis=2)
+
+
+@triton.jit
+def _spread(scale, ROWS: tl.constexpr, NG: tl.constexpr, PER: tl.constexpr):
+    """(ROWS, NG) -> (ROWS, NG · PER): each group's value on its PER columns."""
+    return tl.reshape(tl.broadcast_to(scale[:, :, None], (ROWS, NG, PER)), (ROWS, NG * PER))
+
+
+@triton.jit
+def _quantize_gate_up(gate, up, mask, q_rows, cols, s_rows, g0, rmask, width, ROWS: tl.constexpr, NG: tl.constexpr,
+                      PER: tl.constexpr, AMAX_FLOOR: tl.constexpr, INV_FP8_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
+                      EMULATE: tl.constexpr):
+    """Interleaved H (or dH) in its own 1 x (2 · PER) groups, from its gate and up parts (ROWS, NG · PER) fp32 of
+    pairs cols: group g0 + i holds the gate and up of pairs i · PER .. (i + 1) · PER. q at q_rows' columns 2 · cols
+    (gate) and 2 · cols + 1 (up), each group's scale at s_rows' column g0 + i, for groups below width's end (width:
+    H's columns); q_rows and s_rows point at the rows (ROWS, 1)."""
     gate = tl.where(mask, gate, 0.0)
     up = tl.where(mask, up, 0.0)
-    amax = tl.maximum(tl.max(tl.reshape(tl.abs(gate), (ROWS, 2, HALF)), axis=2),
-                      tl.max(tl.reshape(tl.abs(up), (ROWS, 2, HALF)), axis=2))  # (ROWS, 2)
+    amax = tl.maximum(_group_amax(gate, ROWS, NG, PER), _group_amax(up, ROWS, NG, PER))
     scale = tl.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
-    lo, hi = tl.split(scale)
-    col_scale = tl.where((tl.arange(0, GROUP) < HALF)[None, :], lo[:, None], hi[:, None])
-    _store_scaled(gate, col_scale, mask, q_row_ptrs + gate_at, FP8_MAX, EMULATE)
-    _store_scaled(up, col_scale, mask, q_row_ptrs + up_at, FP8_MAX, EMULATE)
-    two = tl.arange(0, 2)
-    tl.store(s_ptrs[:, None] + two[None, :], scale, mask=smask)
+    col_scale = _spread(scale, ROWS, NG, PER)
+    _store_scaled(gate, col_scale, mask, q_rows + 2 * cols[None, :], FP8_MAX, EMULATE)
+    _store_scaled(up, col_scale, mask, q_rows + 2 * cols[None, :] + 1, FP8_MAX, EMULATE)
+    groups = g0 + tl.arange(0, NG)
+    tl.store(s_rows + groups[None, :], scale, mask=rmask[:, None] & (groups * 2 * PER < width)[None, :])
 
 
 @triton.jit
