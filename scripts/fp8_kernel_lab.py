@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 
 import torch
-import triton
 
 from moeblaze.bench.harness import CONFIGS, _timed_rounds
+from moeblaze.cli.bench import run_env
 from moeblaze.experts import gluon_sm90
 from moeblaze.experts.stages import RowPlan
 from moeblaze.experts.tl import quant
@@ -85,8 +87,7 @@ def main():
     ap.add_argument("--configs", default="D")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                git_sha=os.environ.get("MOEBLAZE_GIT_SHA", "unknown"), command="python scripts/fp8_kernel_lab.py")
+    meta = run_env(torch.device("cuda"), shlex.join(["python", "scripts/fp8_kernel_lab.py", *sys.argv[1:]]))
     rows = [r for c in args.configs.split(",") for r in measure(c, meta)]
     with open(os.path.join(args.out, "fp8_kernel_lab.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -16,12 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 
 import torch
 import triton
 import triton.language as tl
 
 from moeblaze.bench.harness import CONFIGS, _timed_rounds
+from moeblaze.cli.bench import run_env
 from moeblaze.reference.fp8 import FP8, FP8_MAX, quantize_blocks, quantize_rows
 
 
@@ -136,8 +139,7 @@ def main():
     ap.add_argument("--configs", default="B,D,E")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                git_sha=os.environ.get("MOEBLAZE_GIT_SHA", "unknown"), command="python scripts/fp8_roofline.py")
+    meta = run_env(torch.device("cuda"), shlex.join(["python", "scripts/fp8_roofline.py", *sys.argv[1:]]))
     rows = []
     for name in args.configs.split(","):
         L, d, h, E, K = CONFIGS[name]

@@ -17,12 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 import time
 
 import torch
 
 from moeblaze import MoELayer
 from moeblaze.bench.harness import CONFIGS, _timed_rounds, kernel_times
+from moeblaze.cli.bench import run_env
 from moeblaze.experts import moe_experts
 from moeblaze.routing import (RULES, build_routing_index, default_max_experts, round_tokens_fast, rounded_index,
                               rounded_rows_bound, route_topk)
@@ -107,8 +110,7 @@ def main():
     except ImportError:
         have_sonic = False
     rows = []
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                git_sha=os.environ.get("MOEBLAZE_GIT_SHA", "unknown"), command="python scripts/rounding_bench.py")
+    meta = run_env(torch.device("cuda"), shlex.join(["python", "scripts/rounding_bench.py", *sys.argv[1:]]))
     for name in args.configs.split(","):
         L, d, h, E, K = SHAPES[name]
         g = torch.Generator().manual_seed(0)

@@ -80,7 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only regenerate that file's Results section from the results folder, measure nothing")
 
 
-def _env(device: torch.device, command: str | None = None) -> dict:
+def run_env(device: torch.device, command: str | None = None) -> dict:
+    """What every results row carries: the GPU, torch and triton versions, the commit (MOEBLAZE_GIT_SHA, else git's
+    HEAD), a run id, the command (default: this `moeblaze bench` invocation) and the date."""
     import triton
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -233,7 +235,7 @@ def run(args):
         return
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    rec = Recorder(args.out, _env(device))
+    rec = Recorder(args.out, run_env(device))
     print(f"moeblaze bench: run {rec.env['run_id']} on {rec.env['gpu']}, torch {rec.env['torch']}, "
           f"triton {rec.env['triton']}; rows -> {rec.path}", flush=True)
     if args.hf:

@@ -173,7 +173,7 @@ def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_p
     import statistics
     import sys
 
-    from .bench import Recorder, _env
+    from .bench import Recorder, run_env
 
     device = ranks.device if ranks else torch.device(args.device)
     step_ms = statistics.median(timer.times_ms())
@@ -197,7 +197,7 @@ def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_p
     if profile_fns is not None:
         row["split"] = profile_split(*profile_fns, device)
     launcher = f"torchrun --nproc-per-node {world} -m moeblaze.cli " if ranks else "moeblaze "
-    env = _env(device, launcher + shlex.join(sys.argv[1:]))
+    env = run_env(device, launcher + shlex.join(sys.argv[1:]))
     if ranks is None or ranks.main:
         row = Recorder(args.results, env).add(row)
     return row

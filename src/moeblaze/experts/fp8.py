@@ -63,10 +63,16 @@ def check_fp8_supported(x: torch.Tensor, b1, b2, chunk_tokens) -> None:
         raise NotImplementedError("precision='fp8' with chunk_tokens is not built yet")
 
 
+def _transposed_view(w_ENK: torch.Tensor) -> bool:
+    """W (E, N, K) is a transposed view: K-major storage of Wᵀ (as gpt-oss keeps W1 and W2, or backward's Wᵀ of a
+    plain W), quantized from its storage as it lies."""
+    return w_ENK.stride(2) != 1 and w_ENK.stride(1) == 1
+
+
 def quantize_weight(w_ENK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q(W) (E, N, K) K-major and its 128 x 128 scales for W (E, N, K) in any layout: a transposed view (K-major
-    storage of Wᵀ, as gpt-oss keeps W1 and W2, or backward's Wᵀ of a plain W) is written K-major in one pass."""
-    if w_ENK.stride(2) != 1 and w_ENK.stride(1) == 1:
+    """q(W) (E, N, K) K-major and its 128 x 128 scales for W (E, N, K) in any layout: a transposed view is written
+    K-major in one pass."""
+    if _transposed_view(w_ENK):
         return quant.quantize_blocks(w_ENK.transpose(1, 2), transpose=True)
     return quant.quantize_blocks(w_ENK.contiguous())
 
@@ -87,7 +93,7 @@ def weight_pair(w_ENK: torch.Tensor) -> tuple:
     entry = _PAIRS.get(key)
     if entry is not None and entry[0]() is w_ENK and entry[1] == _signature(w_ENK):
         return entry[2]
-    if w_ENK.stride(2) != 1 and w_ENK.stride(1) == 1:  # a transposed view: read its storage as it is
+    if _transposed_view(w_ENK):
         pair_t, pair = quant.quantize_blocks(w_ENK.transpose(1, 2), both=True)
     else:
         pair, pair_t = quant.quantize_blocks(w_ENK.contiguous(), both=True)
