@@ -16,9 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import sys
 
 import torch
 
+from moeblaze.cli.bench import run_env
 from moeblaze.reference import fake_quant_blocks, fake_quant_rows, moe_experts_reference
 from moeblaze.routing import route_topk
 
@@ -72,11 +75,9 @@ def main():
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    rows = []
-    for key, got, want in (*gemm_cases(args.device), *layer_cases(args.device)):
-        rows.append({**key, **metrics(got, want), "device": args.device, "torch": torch.__version__,
-                     "git_sha": os.environ.get("MOEBLAZE_GIT_SHA", "unknown"),
-                     "command": "python scripts/fp8_accuracy.py"})
+    env = run_env(torch.device(args.device), shlex.join(["python", "scripts/fp8_accuracy.py", *sys.argv[1:]]))
+    rows = [{**key, **metrics(got, want), "device": args.device, **env}
+            for key, got, want in (*gemm_cases(args.device), *layer_cases(args.device))]
     with open(os.path.join(args.out, "fp8_accuracy.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     print("| what | rel. L2 | cosine | calc_diff |\n|---|---|---|---|")

@@ -81,7 +81,7 @@ def up(plan: RowPlan, x_LD, w1_EFD, activation: str, store_preact: bool = True, 
     preact comes back as its e4m3 pair (q, scales) (quant.quantize_rows), written by the Gluon kernel's epilogue
     in place of H where it can (h a multiple of 128), else quantized by a pass of its own."""
     if dispatch.up(backend, x_LD, w1_EFD, activation, b1_EF is None and not interleaved) == "gluon":
-        fused = preact_fp8 and store_preact and w1_EFD.shape[1] % 256 == 0
+        fused = preact_fp8 and store_preact and w1_EFD.shape[1] % (2 * quant.GROUP) == 0  # h % 128 == 0
         preact, act = gluon_sm90.up_swiglu(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched,
                                            store_preact=store_preact and not fused, store_act=store_act,
                                            quant_preact=fused)
