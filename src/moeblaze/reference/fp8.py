@@ -4,11 +4,12 @@
   blocks  one fp32 scale per 128 x 128 block of a matrix's last two dimensions (weights)
 
 A group's scale is amax / 448 (e4m3's largest finite value; computed as amax times 1/448 in fp32, so that every
-device rounds it alike), so its largest magnitude maps to ±448 (within an ulp); values are divided
-by the scale, clamped to ±448 (a saturating cast) and cast to torch.float8_e4m3fn; the value a kernel sees is
-q · scale. An all-zero group (a padding row, an empty expert's slot) gets the scale AMAX_FLOOR / 448 instead of 0, so
-no scale is 0 and no division gives NaN: its values quantize to 0. A last group narrower than 128 (a width that is not
-a multiple of 128) is scaled on its own. Non-finite inputs are not supported (the amax, and so the group, turns NaN).
+device rounds it alike), so its largest magnitude maps to ±448 (within an ulp); values are multiplied by the
+scale's fp32 reciprocal (1 / scale rounded once: one division a group, not one an element, in the kernels too),
+clamped to ±448 (a saturating cast) and cast to torch.float8_e4m3fn; the value a kernel sees is q · scale. An
+all-zero group (a padding row, an empty expert's slot) gets the scale AMAX_FLOOR / 448 instead of 0, so no scale is
+0 and its reciprocal is finite: its values quantize to 0. A last group narrower than 128 (a width that is not a
+multiple of 128) is scaled on its own. Non-finite inputs are not supported (the amax, and so the group, turns NaN).
 
 fake_quant_rows / fake_quant_blocks give q · scale in fp32 (the emulated value, what a kernel's GEMM multiplies), so a
 kernel's error can be told apart from the format's. Memory: the fp8 tensor is one byte per element, its scales 4 bytes
@@ -43,7 +44,7 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = t.shape[-1]
     g = F.pad(t.float(), (0, _groups(n) * GROUP - n)).unflatten(-1, (_groups(n), GROUP))
     scale = _scale(g.abs().amax(-1))
-    q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2)[..., :n]
+    q = (g * torch.reciprocal(scale)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten(-2)[..., :n]
     return q.contiguous(), scale
 
 
@@ -59,7 +60,7 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = F.pad(w.float(), (0, _groups(n) * GROUP - n, 0, _groups(m) * GROUP - m))
     g = g.unflatten(-1, (_groups(n), GROUP)).unflatten(-3, (_groups(m), GROUP))  # (..., M/128, 128, N/128, 128)
     scale = _scale(g.abs().amax((-3, -1)))
-    q = (g / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = (g * torch.reciprocal(scale)[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.flatten(-2).flatten(-3, -2)[..., :m, :n].contiguous(), scale
 
 

@@ -37,26 +37,26 @@ Q_MAX = gl.constexpr(FP8_MAX)
 
 
 @gluon.jit
-def _store_group_e4m3(c_smem, rh, col0, rows, rmask, cols, H, q_ptr, stride_ql, scale_ptrs):
+def _store_group_e4m3(c_smem, rh, col0, rows, rmask, cols, q_ptr, stride_ql, scale_ptrs):
     """Rows rh·EPI_ROWS .. of one 1 x 128 group of H, the tile's columns col0 .. col0+128 in c_smem, quantized as
-    quant.quantize_rows does (amax over the group's columns below H, scale = max(amax, floor) / 448, q = v / scale
-    saturated): q stored at q_ptr's columns cols (H's columns of the group's first 64; up's q_ptr is offset by H)
-    and the rows' scales at scale_ptrs."""
+    quant.quantize_rows does (amax over the group, scale = max(amax, floor) / 448, q = v · (1 / scale) saturated):
+    q stored at q_ptr's columns cols (H's columns of the group's first 64; up's q_ptr is offset by H) and the rows'
+    scales at scale_ptrs. H is a multiple of 128, so every column of the group is H's; a row past its expert's end
+    is scaled by its own values and not stored."""
     layout: gl.constexpr = epilogue_layout(gl.num_warps())
     piece = c_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0).slice(col0, 2 * EPI_COLS, dim=1)
     # the amax from each 64-column half in turn, then each half read again and stored: one half live at a time
     amax = gl.zeros([EPI_ROWS], gl.float32, gl.SliceLayout(1, layout))
     for i in gl.static_range(2):
-        m = rmask[:, None] & (cols + i * EPI_COLS < H)[None, :]
-        v = gl.where(m, piece.slice(i * EPI_COLS, EPI_COLS, dim=1).load(layout).to(gl.float32), 0.0)
+        v = piece.slice(i * EPI_COLS, EPI_COLS, dim=1).load(layout).to(gl.float32)
         amax = gl.maximum(amax, gl.max(gl.abs(v), axis=1))
     scale = gl.maximum(amax, Q_FLOOR) * Q_INV_MAX
+    inv = gl.div_rn(gl.full_like(scale, 1.0), scale)  # one division a row, a multiply an element
+    q_rows = q_ptr + rows.to(gl.int64)[:, None] * stride_ql
     for i in gl.static_range(2):
-        m = rmask[:, None] & (cols + i * EPI_COLS < H)[None, :]
-        v = gl.where(m, piece.slice(i * EPI_COLS, EPI_COLS, dim=1).load(layout).to(gl.float32), 0.0)
-        y = gl.minimum(gl.maximum(gl.div_rn(v, scale[:, None]), -Q_MAX), Q_MAX)
-        gl.store(q_ptr + rows.to(gl.int64)[:, None] * stride_ql + (cols + i * EPI_COLS)[None, :],
-                 y.to(q_ptr.dtype.element_ty), mask=m)
+        v = piece.slice(i * EPI_COLS, EPI_COLS, dim=1).load(layout).to(gl.float32)
+        y = gl.minimum(gl.maximum(v * inv[:, None], -Q_MAX), Q_MAX)
+        gl.store(q_rows + (cols + i * EPI_COLS)[None, :], y.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
     gl.store(scale_ptrs, scale, mask=rmask)
 
 
@@ -93,8 +93,8 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, h_desc, preact_ptr, act_ptr, stri
             if QUANT_PREACT:
                 cols = pid_n * HALF + offs_n
                 s_row = qs_ptr + rows.to(gl.int64) * stride_qs
-                _store_group_e4m3(c_smem, rh, 0, rows, rmask, cols, H, q_ptr, stride_ql, s_row + pid_n)
-                _store_group_e4m3(c_smem, rh, HALF, rows, rmask, cols, H, q_ptr + H, stride_ql,
+                _store_group_e4m3(c_smem, rh, 0, rows, rmask, cols, q_ptr, stride_ql, s_row + pid_n)
+                _store_group_e4m3(c_smem, rh, HALF, rows, rmask, cols, q_ptr + H, stride_ql,
                                   s_row + H // HALF + pid_n)
             for ch in gl.static_range(HALF // EPI_COLS):
                 piece = c_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0)

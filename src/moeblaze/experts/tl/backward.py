@@ -12,7 +12,7 @@ from ...config import INTERPRET
 from ...reference.fp8 import AMAX_FLOOR, FP8_MAX, GROUP, INV_FP8_MAX
 from .common import _act, _act_grad, _clamped_glu, _pair_cols, _row_ptrs, _rows_dot, _swizzle, _tile_rows
 from .configs import DH_CONFIGS, WGRAD_CONFIGS
-from .quant import _group_amax, _quantize_gate_up, _spread, _store_scaled
+from .quant import _group_amax, _quantize_gate_up, _reciprocal, _spread, _store_scaled
 
 FP8_GROUP: tl.constexpr = tl.constexpr(GROUP)  # the columns of one e4m3 scale
 # the quantizer's constants (experts.tl.quant), for dH quantized where the dH pass writes it
@@ -177,12 +177,13 @@ def _quantize_dh(dh_g, dh_u, rows, rmask, c0, H, dq_ptr, dqs_ptr, stride_dq, str
         groups = c0 // FP8_GROUP + tl.arange(0, NG)
         smask = rmask[:, None] & (groups * FP8_GROUP < H)[None, :]
         scale = tl.maximum(_group_amax(dh_g, BLOCK_R, NG, FP8_GROUP), Q_AMAX_FLOOR) * Q_INV_MAX
-        _store_scaled(dh_g, _spread(scale, BLOCK_R, NG, FP8_GROUP), mask, q_rows + cols[None, :], Q_MAX, Q_EMULATE)
+        _store_scaled(dh_g, _spread(_reciprocal(scale), BLOCK_R, NG, FP8_GROUP), mask, q_rows + cols[None, :], Q_MAX,
+                      Q_EMULATE)
         tl.store(s_rows + groups[None, :], scale, mask=smask)
         if GATED:  # up: columns H + j, groups H / 128 on
             scale = tl.maximum(_group_amax(dh_u, BLOCK_R, NG, FP8_GROUP), Q_AMAX_FLOOR) * Q_INV_MAX
-            _store_scaled(dh_u, _spread(scale, BLOCK_R, NG, FP8_GROUP), mask, q_rows + H + cols[None, :], Q_MAX,
-                          Q_EMULATE)
+            _store_scaled(dh_u, _spread(_reciprocal(scale), BLOCK_R, NG, FP8_GROUP), mask, q_rows + H + cols[None, :],
+                          Q_MAX, Q_EMULATE)
             tl.store(s_rows + H // FP8_GROUP + groups[None, :], scale, mask=smask)
 
 

@@ -1,5 +1,5 @@
 """The fp8 quantizers as single-pass kernels: reference.fp8's arithmetic (amax per group, scale = max(amax,
-AMAX_FLOOR) / 448, q = clamp(v / scale, ±448) cast to e4m3), one read of the input and one write of q and
+AMAX_FLOOR) / 448, q = clamp(v · (1 / scale), ±448) cast to e4m3), one read of the input and one write of q and
 its scales, where the torch passes of the reference make six.
 
   quantize_rows     t (R, n) -> q (R, n), scales (R, ceil(n / 128)): 1 x 128 groups (x, dy, dH, a kept H)
@@ -14,8 +14,9 @@ its scales, where the torch passes of the reference make six.
                     the K-major operand backward's GEMMs need (square blocks: quantize_blocks(Wᵀ) exactly);
                     both=True writes the two from one read of W (experts.fp8's weight cache)
 
-Values equal reference.fp8's bit for bit on the GPU: the scale is amax times fp32's 1/448, v / scale is rounded
-to nearest (which Triton's `/` is not), and e4m3's cast saturates. swiglu_quantize rounds A to H's dtype first, as
+Values equal reference.fp8's bit for bit on the GPU: the scale is amax times fp32's 1/448, its reciprocal is
+rounded to nearest once per group (div_rn: Triton's `/` is not), each value is multiplied by it, and e4m3's cast
+saturates. swiglu_quantize rounds A to H's dtype first, as
 the unfused path stores it, with SiLU in fp32. Triton's interpreter casts to e4m3 wrongly where rounding carries
 into the exponent (125.9 gives 64), so under it the kernels round in fp32 arithmetic first (_round_e4m3); the cast
 of a value e4m3 holds exactly is right there.
@@ -53,7 +54,7 @@ def _quantize(v, mask, q_ptrs, s_ptrs, smask, AMAX_FLOOR: tl.constexpr, INV_FP8_
     """Stores q and the scale of each row of v (ROWS, GROUP) fp32, one group per row (masked lanes are 0)."""
     v = tl.where(mask, v, 0.0)
     scale = tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR) * INV_FP8_MAX
-    _store_scaled(v, scale[:, None], mask, q_ptrs, FP8_MAX, EMULATE)
+    _store_scaled(v, _reciprocal(scale)[:, None], mask, q_ptrs, FP8_MAX, EMULATE)
     tl.store(s_ptrs, scale, mask=smask)
 
 
@@ -121,17 +122,23 @@ def _quantize_gate_up(gate, up, mask, q_rows, cols, s_rows, g0, rmask, width, RO
     up = tl.where(mask, up, 0.0)
     amax = tl.maximum(_group_amax(gate, ROWS, NG, PER), _group_amax(up, ROWS, NG, PER))
     scale = tl.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
-    col_scale = _spread(scale, ROWS, NG, PER)
-    _store_scaled(gate, col_scale, mask, q_rows + 2 * cols[None, :], FP8_MAX, EMULATE)
-    _store_scaled(up, col_scale, mask, q_rows + 2 * cols[None, :] + 1, FP8_MAX, EMULATE)
+    col_inv = _spread(_reciprocal(scale), ROWS, NG, PER)
+    _store_scaled(gate, col_inv, mask, q_rows + 2 * cols[None, :], FP8_MAX, EMULATE)
+    _store_scaled(up, col_inv, mask, q_rows + 2 * cols[None, :] + 1, FP8_MAX, EMULATE)
     groups = g0 + tl.arange(0, NG)
     tl.store(s_rows + groups[None, :], scale, mask=rmask[:, None] & (groups * 2 * PER < width)[None, :])
 
 
 @triton.jit
-def _store_scaled(v, scale, mask, q_ptrs, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
-    """q = v / scale, saturated and cast to e4m3 (v and scale of one shape)."""
-    y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
+def _reciprocal(scale):
+    """1 / scale rounded to nearest (what a group's values are multiplied by)."""
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def _store_scaled(v, inv_scale, mask, q_ptrs, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
+    """q = v · inv_scale (the scale's reciprocal), saturated and cast to e4m3 (v and inv_scale of one shape)."""
+    y = tl.minimum(tl.maximum(v * inv_scale, -FP8_MAX), FP8_MAX)
     if EMULATE:
         y = _round_e4m3(y)
     tl.store(q_ptrs, y.to(q_ptrs.dtype.element_ty), mask=mask)
@@ -166,7 +173,7 @@ def _blocks_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_we, stride_
     v = tl.load(w_ptr + e * stride_we + n.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=mask,
                 other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.max(tl.abs(v), axis=1), axis=0), AMAX_FLOOR) * INV_FP8_MAX
-    y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -FP8_MAX), FP8_MAX)
+    y = tl.minimum(tl.maximum(v * _reciprocal(scale), -FP8_MAX), FP8_MAX)
     if EMULATE:
         y = _round_e4m3(y)
     if TRANSPOSE or BOTH:  # q(W)ᵀ: row k, column n; the tile transposed in registers, so that the stores run along n
@@ -205,7 +212,7 @@ def _tiles_t_kernel(a_ptr, token_ptr, q_ptr, s_ptr, tile_expert_ptr, tile_row_pt
     v = tl.load(a_ptr + src.to(tl.int64)[:, None] * stride_al + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                 other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(v), axis=0), AMAX_FLOOR) * INV_FP8_MAX  # (GROUP,) one per column
-    y = tl.minimum(tl.maximum(tl.math.div_rn(v, scale[None, :]), -FP8_MAX), FP8_MAX)
+    y = tl.minimum(tl.maximum(v * _reciprocal(scale)[None, :], -FP8_MAX), FP8_MAX)
     if EMULATE:
         y = _round_e4m3(y)
     q = q_ptr + cols.to(tl.int64)[:, None] * stride_qn + (t * GROUP + r)[None, :]
@@ -217,7 +224,7 @@ def quantize_tiles_t(a: torch.Tensor, sched, offsets: torch.Tensor, token: torch
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q (N, T · 128) e4m3, scales (N, T) fp32) of A's rows (A[token[r]] where token is given) taken tile by tile
     of a schedule of 128-row tiles (sched = experts.schedule.tile_schedule(counts, offsets, rows, 128), whatever
-    the kernels' own row tile; T its length), transposed: column n of tile t holds A[rows of t, n] / scale[n, t],
+    the kernels' own row tile; T its length), transposed: column n of tile t holds A[rows of t, n] · (1 / scale[n, t]),
     scaled by their amax over the tile's rows (reference.fp8.quantize_rows of each tile's Aᵀ, the weight
     gradients' 128 x 1 groups), zeros past the tile's expert's end; tiles past the used ones are left unwritten."""
     _check(a, 2, "quantize_tiles_t")
