@@ -8,7 +8,12 @@ is compared with the kernel's (equal_to_fp8: they do the same arithmetic).
   fp8-s4     4 stages instead of 3 (bf16 C: 224 KB of shared memory)
   bf16       gluon_sm90.gathered_rows_gemm / rows_gemm on the same shape, bf16 operands
 
-    python scripts/fp8_kernel_lab.py [--out DIR] [--configs D]      (Hopper; rows in DIR/fp8_kernel_lab.jsonl)
+With --quantizers, the quantizers instead (experts/tl/quant.py), on the step's tensors, beside a copy of each input
+(torch's clone: what this GPU's memory moves): x and dH by quantize_rows, H by swiglu_quantize (and with H kept),
+W1 and W2 by quantize_blocks (plain, transposed, both layouts). Their GB/s count the bytes read and written once.
+
+    python scripts/fp8_kernel_lab.py [--out DIR] [--configs D] [--quantizers]
+                                     (Hopper; rows in DIR/fp8_kernel_lab.jsonl)
 """
 from __future__ import annotations
 
@@ -81,14 +86,62 @@ def measure(config, meta) -> list:
     return rows
 
 
+def _bytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+def _flat(out) -> list:
+    return [t for o in (out if isinstance(out, tuple) else (out,))
+            for t in (_flat(o) if isinstance(o, tuple) else [o])]
+
+
+def measure_quantizers(config, meta) -> list:
+    """Each quantizer against a clone of its input (see the module header)."""
+    L, d, h, E, K = CONFIGS[config]
+    R = L * K
+    torch.manual_seed(0)
+    x = torch.randn(L, d, device="cuda").bfloat16()
+    H = torch.randn(R, 2 * h, device="cuda").bfloat16()
+    w1 = (torch.randn(E, 2 * h, d, device="cuda") * d ** -0.5).bfloat16()
+    w2 = (torch.randn(E, d, h, device="cuda") * h ** -0.5).bfloat16()
+    cases = {  # name: (input, fn)
+        "x rows": (x, lambda: quant.quantize_rows(x)),
+        "dH rows": (H, lambda: quant.quantize_rows(H)),
+        "H swiglu": (H, lambda: quant.swiglu_quantize(H)),
+        "H swiglu+keep": (H, lambda: quant.swiglu_quantize(H, keep_preact=True)),
+        "W1 blocks": (w1, lambda: quant.quantize_blocks(w1)),
+        "W1 blocks-t": (w1, lambda: quant.quantize_blocks(w1, transpose=True)),
+        "W1 blocks-both": (w1, lambda: quant.quantize_blocks(w1, both=True)),
+        "W2 blocks": (w2, lambda: quant.quantize_blocks(w2)),
+        "W2 blocks-t": (w2, lambda: quant.quantize_blocks(w2, transpose=True)),
+        "W2 blocks-both": (w2, lambda: quant.quantize_blocks(w2, both=True)),
+    }
+    rows = []
+    for name, (t, fn) in cases.items():
+        moved = _bytes(t, *_flat(fn()))
+        copy_name = f"copy {name.split()[0]}"
+        fns = {name: lambda i, fn=fn: fn(), copy_name: lambda i, t=t: t.clone()}
+        for impl, res in _timed_rounds(fns, torch.device("cuda"), iters=10).items():
+            if isinstance(res, Exception):
+                print(f"{config} {impl}: {res}", flush=True)
+                continue
+            nbytes = 2 * _bytes(t) if impl == copy_name else moved
+            row = dict(mode="fp8-quant-lab", config=config, op=impl, shape=list(t.shape), ms=round(res[0], 4),
+                       gbps=round(nbytes / (res[0] * 1e-3) / 1e9, 1), **meta)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--configs", default="D")
+    ap.add_argument("--quantizers", action="store_true", help="time the quantizers instead of the GEMM")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     meta = run_env(torch.device("cuda"), shlex.join(["python", "scripts/fp8_kernel_lab.py", *sys.argv[1:]]))
-    rows = [r for c in args.configs.split(",") for r in measure(c, meta)]
+    rows = [r for c in args.configs.split(",") for r in (measure_quantizers if args.quantizers else measure)(c, meta)]
     with open(os.path.join(args.out, "fp8_kernel_lab.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
