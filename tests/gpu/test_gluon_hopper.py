@@ -106,29 +106,6 @@ def test_up_swiglu_matches_torch(h, d, counts, store_act):
         assert act is None
 
 
-@pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
-def test_up_swiglu_stores_h_in_e4m3_as_quantize_rows(counts):
-    """quant_preact: H in e4m3 with its 1 x 128 scales from the epilogue, bit for bit quantize_rows of the H the
-    same kernel stores in bf16 (three column tiles, ragged and empty experts), and the same A; refused where h is
-    not a multiple of 128."""
-    from moeblaze.experts.gluon_sm90 import up_swiglu
-    from moeblaze.experts.tl.quant import quantize_rows
-
-    h, d = 384, 256
-    g = torch.Generator(device="cpu").manual_seed(7)
-    E, LK, offsets, token, sched = routing(counts, g, gathered=True)
-    x = torch.randn(TOKENS, d, generator=g).to("cuda", torch.bfloat16)
-    w1 = (torch.randn(E, 2 * h, d, generator=g) * d ** -0.5).to("cuda", torch.bfloat16)
-    preact, act = up_swiglu(x, w1, token, offsets, sched)
-    (q, s), act_q = up_swiglu(x, w1, token, offsets, sched, store_preact=False, quant_preact=True)
-    want_q, want_s = quantize_rows(preact)
-    assert torch.equal(s, want_s)
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-    assert torch.equal(act_q, act)
-    with pytest.raises(ValueError, match="quant_preact"):
-        up_swiglu(x, w1[:, :200], token, offsets, sched, store_preact=False, quant_preact=True)
-
-
 # dW1: P = dH (dense, 328 columns: 2.6 row tiles of dW, stored piecewise), Q = x[token] (512 = 2 column tiles);
 # dW2: P = dy[token] (256 = 2 row tiles, stored by TMA), Q = s·A (dense, 200 columns: a column tail)
 @pytest.mark.parametrize("counts", [RAGGED, MANY, [0, 0, 64, 0]], ids=["ragged", "many", "one_stage"])

@@ -78,15 +78,11 @@ def up(plan: RowPlan, x_LD, w1_EFD, activation: str, store_preact: bool = True, 
        backend: str = "auto", b1_EF=None, interleaved: bool = False, preact_fp8: bool = False):
     """(preact (R, F), act (R, H)) with the bias b1 (E, F) where given; an empty tensor for one not stored.
     preact's gate/up columns follow W1's rows (interleaved: gate at even rows). preact_fp8 (with store_preact):
-    preact comes back as its e4m3 pair (q, scales) (quant.quantize_rows), written by the Gluon kernel's epilogue
-    in place of H where it can (h a multiple of 128), else quantized by a pass of its own."""
+    preact comes back as its e4m3 pair (q, scales), quantized by a pass of its own (quant.quantize_rows; in the
+    Gluon epilogue, beside A, it made the up-projection 1.3-1.7x slower on an H200: benchmarks/NOTES.md)."""
     if dispatch.up(backend, x_LD, w1_EFD, activation, b1_EF is None and not interleaved) == "gluon":
-        fused = preact_fp8 and store_preact and w1_EFD.shape[1] % (2 * quant.GROUP) == 0  # h % 128 == 0
         preact, act = gluon_sm90.up_swiglu(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched,
-                                           store_preact=store_preact and not fused, store_act=store_act,
-                                           quant_preact=fused)
-        if fused:
-            return preact, (act if store_act else x_LD.new_empty(0))
+                                           store_preact=store_preact, store_act=store_act)
         preact = preact if store_preact else x_LD.new_empty(0)
         act = act if store_act else x_LD.new_empty(0)
     else:

@@ -5,21 +5,15 @@ Partitions: 8 MMA warps (mma_handoff), a 2-warp gathering loader, a 2-warp epilo
 while the MMA warps go on with the next tile. A stage holds 128 gate rows of W1 and the 128 matching up rows,
 so one 128x256 MMA computes both halves. The stored H is what backward reads, and A is computed from it.
 
-With quant_preact (checkpoint="preact-fp8", h a multiple of 128), H goes out in e4m3 with its 1 x 128 scales
-instead (quant.quantize_rows(H)'s pair, bit for bit: each tile's gate and up halves are one group a row each),
-never in the io dtype.
-
-Memory contract: nothing beyond H (or its e4m3 pair) and A (either may be skipped: backward's recompute stores H
-alone), and the 32 KB stand-in of common.stand_in where H is not stored by TMA. Shared memory: 3 stages of
+Memory contract: nothing beyond H and A (either may be skipped: backward's recompute stores H alone), and
+the 32 KB stand-in of common.stand_in where H is not stored by TMA. Shared memory: 3 stages of
 (128 + 256) x 64 operands and one 128 x 256 tile of the accumulator in the io dtype.
 """
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from ...launch import launch, sm_count, tma_ok
-from ...reference.fp8 import AMAX_FLOOR, FP8, FP8_MAX, GROUP, INV_FP8_MAX
 from ..schedule import BLOCK_M
 from .common import (EPI_COLS, EPI_ROWS, descriptor, epilogue_layout, my_tiles, one_barrier, stage_barriers, stand_in,
                      tile_of, tma_store)
@@ -31,46 +25,14 @@ from .partitions import EPI_WARPS, gather_loader, mma_handoff
 UP_LOADER_WARPS = gl.constexpr(2)
 
 
-Q_FLOOR = gl.constexpr(AMAX_FLOOR)
-Q_INV_MAX = gl.constexpr(INV_FP8_MAX)
-Q_MAX = gl.constexpr(FP8_MAX)
-
-
 @gluon.jit
-def _store_group_e4m3(c_smem, rh, col0, rows, rmask, cols, q_ptr, stride_ql, scale_ptrs):
-    """Rows rh·EPI_ROWS .. of one 1 x 128 group of H, the tile's columns col0 .. col0+128 in c_smem, quantized as
-    quant.quantize_rows does (amax over the group, scale = max(amax, floor) / 448, q = v · (1 / scale) saturated):
-    q stored at q_ptr's columns cols (H's columns of the group's first 64; up's q_ptr is offset by H) and the rows'
-    scales at scale_ptrs. H is a multiple of 128, so every column of the group is H's; a row past its expert's end
-    is scaled by its own values and not stored."""
-    layout: gl.constexpr = epilogue_layout(gl.num_warps())
-    piece = c_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0).slice(col0, 2 * EPI_COLS, dim=1)
-    # the amax from each 64-column half in turn, then each half read again and stored: one half live at a time
-    amax = gl.zeros([EPI_ROWS], gl.float32, gl.SliceLayout(1, layout))
-    for i in gl.static_range(2):
-        v = piece.slice(i * EPI_COLS, EPI_COLS, dim=1).load(layout).to(gl.float32)
-        amax = gl.maximum(amax, gl.max(gl.abs(v), axis=1))
-    scale = gl.maximum(amax, Q_FLOOR) * Q_INV_MAX
-    inv = gl.div_rn(gl.full_like(scale, 1.0), scale)  # one division a row, a multiply an element
-    q_rows = q_ptr + rows.to(gl.int64)[:, None] * stride_ql
-    for i in gl.static_range(2):
-        v = piece.slice(i * EPI_COLS, EPI_COLS, dim=1).load(layout).to(gl.float32)
-        y = gl.minimum(gl.maximum(v * inv[:, None], -Q_MAX), Q_MAX)
-        gl.store(q_rows + (cols + i * EPI_COLS)[None, :], y.to(q_ptr.dtype.element_ty), mask=rmask[:, None])
-    gl.store(scale_ptrs, scale, mask=rmask)
-
-
-@gluon.jit
-def _up_epilogue(c_smem, acc_ready, acc_empty, h_desc, preact_ptr, act_ptr, stride_pl, stride_al, q_ptr, qs_ptr,
-                 stride_ql, stride_qs, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H,
-                 STORE_PREACT: gl.constexpr, STORE_ACT: gl.constexpr, TMA_PREACT: gl.constexpr,
-                 QUANT_PREACT: gl.constexpr):
+def _up_epilogue(c_smem, acc_ready, acc_empty, h_desc, preact_ptr, act_ptr, stride_pl, stride_al, tile_expert_ptr,
+                 tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT: gl.constexpr,
+                 STORE_ACT: gl.constexpr, TMA_PREACT: gl.constexpr):
     """Each tile's H = [gate | up] from c_smem: stores H (if STORE_PREACT) and A = SiLU(gate) * up (if
     STORE_ACT), in 32x64 pieces with coalesced 16-byte stores; the stored H is what backward reads, and A
     is computed from it. With TMA_PREACT, a tile within its expert's rows and H's columns stores its two
-    halves of H by TMA (h_desc: boxes of BLOCK_M x HALF of H), so the two warps store only A. QUANT_PREACT
-    (HALF = 128, H a multiple of 128): H in e4m3 into q_ptr and its scales into qs_ptr instead, each half of a
-    row one group (gate's group pid_n, up's H / 128 + pid_n)."""
+    halves of H by TMA (h_desc: boxes of BLOCK_M x HALF of H), so the two warps store only A."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
     HALF: gl.constexpr = c_smem.type.shape[1] // 2
     layout: gl.constexpr = epilogue_layout(gl.num_warps())
@@ -90,12 +52,6 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, h_desc, preact_ptr, act_ptr, stri
         for rh in gl.static_range(BLOCK_M // EPI_ROWS):
             rows = row0 + rh * EPI_ROWS + offs_m
             rmask = rows < row_end
-            if QUANT_PREACT:
-                cols = pid_n * HALF + offs_n
-                s_row = qs_ptr + rows.to(gl.int64) * stride_qs
-                _store_group_e4m3(c_smem, rh, 0, rows, rmask, cols, q_ptr, stride_ql, s_row + pid_n)
-                _store_group_e4m3(c_smem, rh, HALF, rows, rmask, cols, q_ptr + H, stride_ql,
-                                  s_row + H // HALF + pid_n)
             for ch in gl.static_range(HALF // EPI_COLS):
                 piece = c_smem.slice(rh * EPI_ROWS, EPI_ROWS, dim=0)
                 gate = piece.slice(ch * EPI_COLS, EPI_COLS, dim=1).load(layout)
@@ -119,10 +75,9 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, h_desc, preact_ptr, act_ptr, stri
 
 @gluon.jit
 def up_swiglu_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, h_desc, preact_ptr, act_ptr, stride_pl,
-                        stride_al, q_ptr, qs_ptr, stride_ql, stride_qs, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
-                        expert_offsets_ptr, H, K_DIM, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_K: gl.constexpr, STAGES: gl.constexpr, STORE_PREACT: gl.constexpr,
-                        STORE_ACT: gl.constexpr, TMA_PREACT: gl.constexpr, QUANT_PREACT: gl.constexpr,
+                        stride_al, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, H, K_DIM,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                        STORE_PREACT: gl.constexpr, STORE_ACT: gl.constexpr, TMA_PREACT: gl.constexpr,
                         WORKER_REGS: gl.constexpr):
     """H = x[token[rows]] @ W1[e]ᵀ (gate and up), A = SiLU(gate) * up; three partitions: the 8-warp MMA
     partition (default), a 2-warp gathering loader, a 2-warp epilogue."""
@@ -138,40 +93,31 @@ def up_swiglu_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, h_desc, preact
                 K_DIM, True)
     loader_args = (x_ptr, stride_xl, token_ptr, n_rows, w_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
                    tile_row_ptr, used_tiles_ptr, H, K_DIM)
-    epi_args = (c_smem, acc_ready, acc_empty, h_desc, preact_ptr, act_ptr, stride_pl, stride_al, q_ptr, qs_ptr,
-                stride_ql, stride_qs, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H,
-                STORE_PREACT, STORE_ACT, TMA_PREACT, QUANT_PREACT)
+    epi_args = (c_smem, acc_ready, acc_empty, h_desc, preact_ptr, act_ptr, stride_pl, stride_al, tile_expert_ptr,
+                tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT, STORE_ACT, TMA_PREACT)
     gl.warp_specialize([(mma_handoff, mma_args), (gather_loader, loader_args), (_up_epilogue, epi_args)],
                        [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
 
 def up_swiglu(x, w1, token, offsets, sched, preact=None, act=None, store_preact: bool = True,
-              store_act: bool = True, block_k: int = 64, stages: int = 3, worker_regs: int = 112,
-              quant_preact: bool = False):
+              store_act: bool = True, block_k: int = 64, stages: int = 3, worker_regs: int = 112):
     """The SwiGLU up-projection: H (rows, 2h) = x[token[rows]] @ W1[e]ᵀ and A (rows, h) = SiLU(H[:, :h]) *
     H[:, h:], for each expert's contiguous rows; x (L, d), w1 (E, 2h, d) bf16/fp16 contiguous, d a
     multiple of block_k. Returns (H or None, A or None): H if store_preact, A if store_act (backward's
-    recompute stores H alone); with quant_preact (h a multiple of 128, instead of store_preact) H is returned as
-    (q (rows, 2h) e4m3, scales (rows, 2h / 128) fp32), quant.quantize_rows(H) bit for bit. The dispatcher
-    (experts.dispatch) checks the operands; the launcher does not."""
+    recompute stores H alone). The dispatcher (experts.dispatch) checks the operands; the launcher does not."""
     E, two_h, d = w1.shape
     h = two_h // 2
     block_n = 256  # 128 gate columns and the matching 128 up columns
     w_desc = descriptor(w1.reshape(E * two_h, d), [block_n // 2, block_k])
     rows = token.shape[0]
-    if not (store_preact or store_act or quant_preact):
+    if not (store_preact or store_act):
         raise ValueError("up_swiglu stores H, A or both")
-    if quant_preact and (store_preact or h % GROUP):
-        raise ValueError(f"up_swiglu: quant_preact stores H in e4m3 instead of store_preact, for h a multiple of "
-                         f"{GROUP}; got store_preact={store_preact}, h={h}")
     if store_preact and preact is None:
         preact = x.new_empty(rows, two_h)
     if store_act and act is None:
         act = x.new_empty(rows, h)
-    q, qs = ((x.new_empty(rows, two_h, dtype=FP8), x.new_empty(rows, two_h // GROUP, dtype=torch.float32))
-             if quant_preact else (x.new_empty(0, dtype=FP8), x.new_empty(0, dtype=torch.float32)))
-    p = preact if store_preact else (act if store_act else q)
-    a = act if store_act else p
+    p = preact if store_preact else act
+    a = act if store_act else preact
     # H's halves of a tile go out by TMA where H's rows are 16-byte aligned (a descriptor can address them)
     tma_preact = store_preact and tma_ok(preact)
     # (without it the kernel never stores through h_desc; the partitions see TMA_PREACT at run time, so a
@@ -180,9 +126,8 @@ def up_swiglu(x, w1, token, offsets, sched, preact=None, act=None, store_preact:
     # 12 warps x 168 registers fill the register file: the loader and epilogue warpgroup gets
     # worker_regs, the MMA warps the rest
     grid = (sm_count(x.device),)
-    launch(up_swiglu_kernel, grid, x, x.stride(0), token, rows, w_desc, h_desc, p, a, p.stride(0), a.stride(0), q, qs,
-           max(q.stride(0), 1), max(qs.stride(0), 1), sched[0], sched[1], sched[2], offsets, h, d, BLOCK_M=BLOCK_M,
-           BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, STORE_PREACT=store_preact, STORE_ACT=store_act,
-           TMA_PREACT=tma_preact, QUANT_PREACT=quant_preact, WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
-    kept = (q, qs) if quant_preact else (preact if store_preact else None)
-    return kept, (act if store_act else None)
+    launch(up_swiglu_kernel, grid, x, x.stride(0), token, rows, w_desc, h_desc, p, a, p.stride(0), a.stride(0),
+           sched[0], sched[1], sched[2], offsets, h, d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+           STAGES=stages, STORE_PREACT=store_preact, STORE_ACT=store_act, TMA_PREACT=tma_preact,
+           WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+    return (preact if store_preact else None), (act if store_act else None)
