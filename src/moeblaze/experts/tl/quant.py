@@ -14,12 +14,11 @@ its scales, where the torch passes of the reference make six.
                     the K-major operand backward's GEMMs need (square blocks: quantize_blocks(Wᵀ) exactly);
                     both=True writes the two from one read of W (experts.fp8's weight cache)
 
-Values equal reference.fp8's bit for bit on the GPU: the scale is amax times fp32's 1/448, its reciprocal is
-rounded to nearest once per group (div_rn: Triton's `/` is not), each value is multiplied by it, and e4m3's cast
-saturates. swiglu_quantize rounds A to H's dtype first, as
-the unfused path stores it, with SiLU in fp32. Triton's interpreter casts to e4m3 wrongly where rounding carries
-into the exponent (125.9 gives 64), so under it the kernels round in fp32 arithmetic first (_round_e4m3); the cast
-of a value e4m3 holds exactly is right there.
+Values equal reference.fp8's bit for bit on the GPU: the scale is amax times fp32's 1/448, its reciprocal is rounded
+to nearest once per group (div_rn: Triton's `/` is not), each value is multiplied by it, and e4m3's cast saturates.
+swiglu_quantize rounds A to H's dtype first, as the unfused path stores it, with SiLU in fp32. Triton's interpreter
+casts to e4m3 wrongly where rounding carries into the exponent (125.9 gives 64), so under it the kernels round in
+fp32 arithmetic first (_round_e4m3); the cast of a value e4m3 holds exactly is right there.
 
 Memory: the outputs only.
 """
@@ -311,8 +310,8 @@ def quantize_blocks(w: torch.Tensor, transpose: bool = False, both: bool = False
     s = torch.empty((E, gk, gn) if transpose else (E, gn, gk), dtype=torch.float32, device=w.device)
     qt, st = (torch.empty(E, K, N, dtype=FP8, device=w.device),
               torch.empty(E, gk, gn, dtype=torch.float32, device=w.device)) if both else (q, s)
-    # both at 8 warps: 220 registers a thread on triton 3.6 (one block a multiprocessor), 2.55 TB/s on an H200
-    # against 4.1-4.25 for either layout alone; at 16 warps, 112
+    # both: 2.55 TB/s on an H200 against 4.1-4.25 for either layout alone, at 8 warps (220 registers a thread on
+    # triton 3.6) and at 16 (112): registers are not its limit (benchmarks/NOTES.md)
     if q.numel():
         launch(_blocks_kernel, (gn, gk, E), w, q, s, qt, st, N, K, w.stride(0), w.stride(1), q.stride(0),
                q.stride(1), s.stride(0), s.stride(1), qt.stride(0), qt.stride(1), st.stride(0), st.stride(1),
