@@ -67,13 +67,11 @@ def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tens
     if x_LD.shape[0] == 0:  # an empty batch (a rank without tokens): no launch can address 0 rows
         preact = x_LD.new_zeros(0, w1_EFD.shape[1]) if save_preact else x_LD.new_empty(0)
         return (x_LD.new_zeros(x_LD.shape), *_kept_preact(preact, save_preact and preact_fp8), *plan.sched)
-    fp8 = save_preact and preact_fp8  # H kept in e4m3: from the up kernel's epilogue where it can (stages.up)
-    preact, act = stages.up(plan, x_LD, w1_EFD, activation, save_preact, True, backend, b1_EF, interleaved, fp8)
+    preact, act = stages.up(plan, x_LD, w1_EFD, activation, save_preact, True, backend, b1_EF, interleaved)
     y_RD = stages.down(plan, act, w2_EDH, backend)
     del act
     out = stages.combine(plan, y_RD, topk_w_LK.float().contiguous(), x_LD.dtype, bias_ED=b2_ED)
-    kept = preact if fp8 else (preact, preact.new_empty(0, dtype=torch.float32))
-    return (out, *kept, *plan.sched)
+    return (out, *_kept_preact(preact, save_preact and preact_fp8), *plan.sched)
 
 
 def _kept_preact(preact_RF: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:

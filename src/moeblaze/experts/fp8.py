@@ -202,7 +202,7 @@ def fp8_experts_backward(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2
     if not dropped and tl.dh_quantizable(dact.shape[1], activation, interleaved):
         F = preact.shape[1]
         dpreact_q = (torch.empty(preact.shape, dtype=FP8, device=dy.device),
-                     torch.empty(preact.shape[0], -(-F // 128), dtype=torch.float32, device=dy.device))
+                     torch.empty(preact.shape[0], -(-F // GROUP), dtype=torch.float32, device=dy.device))
     dtopk_w = stages.act_bwd(plan, dact, preact, topk_w, dpreact, act_scaled, activation, interleaved=interleaved,
                              preact_scale=preact_scale, dpreact_q=dpreact_q)
     del dact, preact

@@ -75,22 +75,15 @@ class RowPlan:
 
 
 def up(plan: RowPlan, x_LD, w1_EFD, activation: str, store_preact: bool = True, store_act: bool = True,
-       backend: str = "auto", b1_EF=None, interleaved: bool = False, preact_fp8: bool = False):
+       backend: str = "auto", b1_EF=None, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(preact (R, F), act (R, H)) with the bias b1 (E, F) where given; an empty tensor for one not stored.
-    preact's gate/up columns follow W1's rows (interleaved: gate at even rows). preact_fp8 (with store_preact):
-    preact comes back as its e4m3 pair (q, scales), quantized by a pass of its own (quant.quantize_rows; in the
-    Gluon epilogue, beside A, it made the up-projection 1.3-1.7x slower on an H200: benchmarks/NOTES.md)."""
+    preact's gate/up columns follow W1's rows (interleaved: gate at even rows)."""
     if dispatch.up(backend, x_LD, w1_EFD, activation, b1_EF is None and not interleaved) == "gluon":
         preact, act = gluon_sm90.up_swiglu(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched,
                                            store_preact=store_preact, store_act=store_act)
-        preact = preact if store_preact else x_LD.new_empty(0)
-        act = act if store_act else x_LD.new_empty(0)
-    else:
-        preact, act = tl.up(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched, activation, store_preact,
-                            store_act, b1_EF, interleaved)
-    if preact_fp8 and store_preact:
-        return quant.quantize_rows(preact), act
-    return preact, act
+        return (preact if store_preact else x_LD.new_empty(0)), (act if store_act else x_LD.new_empty(0))
+    return tl.up(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched, activation, store_preact, store_act, b1_EF,
+                 interleaved)
 
 
 def down(plan: RowPlan, act_RH, w2_EDH, backend: str = "auto") -> torch.Tensor:
