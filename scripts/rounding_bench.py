@@ -4,13 +4,17 @@
            installed, SonicMoE through its general-routing API, which takes any (token, expert, score) pairs, so
            the same rounded pairs go to both; the rounding itself is done once, outside the timed step
   layer    moeblaze's MoELayer training step: router, rounding, index, experts, forward and backward
+  router   the router's logits, forward + backward, on the layer's x: bf16 GEMMs accumulating in fp32 (what the
+           layer runs) against fp32 GEMMs on fp32 copies (what it ran before); rows name the way, not a routing
 
     python scripts/rounding_bench.py [--out DIR] [--configs E256,D,C]
 
 Routing: a fresh router's (logits ~ N(0, 1), softmax top-k, renormalized). Each step is timed in turns with the
 others (CUDA events, rounds until each has had a second: moeblaze.bench.harness). "useful TF/s" counts the GEMM
 FLOPs of the pairs a step computes, 18 · pairs · d · h (SwiGLU, forward and backward), over its time. One row
-per (config, part, impl, routing) goes to DIR/rounding.jsonl, with its speedup over the same impl's plain top-k.
+per (config, part, impl, routing) goes to DIR/rounding.jsonl, with its speedup over the same impl's plain top-k,
+the host's ms to issue a step (host_ms: near step_ms, the host sets the pace) and the GPU's busy ms in one
+profiled step (gpu_busy_ms, every kernel's time summed: step_ms minus it is time the GPU waits).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from moeblaze import MoELayer
 from moeblaze.bench.harness import CONFIGS, _timed_rounds, kernel_times
 from moeblaze.cli.bench import run_env
 from moeblaze.experts import moe_experts
+from moeblaze.routing.router import router_logits
 from moeblaze.routing import (RULES, build_routing_index, default_max_experts, round_tokens_fast, rounded_index,
                               rounded_rows_bound, route_topk)
 from moeblaze.experts.schedule import BLOCK_M
@@ -97,6 +102,15 @@ def layer_fn(layer, x, dy):
     return step
 
 
+def router_fns(x, weight):
+    """{way: step} of the router's logits (forward + backward) on x: the layer's bf16 GEMMs and fp32 ones."""
+    g = torch.randn(x.shape[0], weight.shape[0], device=x.device)
+
+    def step(logits_fn):
+        return lambda i: torch.autograd.grad(logits_fn(x, weight), (x, weight), g)
+    return {"bf16-gemm": step(router_logits), "fp32-gemm": step(lambda a, b: a.float() @ b.float().t())}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -135,6 +149,8 @@ def main():
             torch.manual_seed(0)
             layers[r] = MoELayer(d, h, E, K, token_rounding=None if r == "top-k" else r).cuda().bfloat16()
             fns[("layer", "moeblaze", r)] = layer_fn(layers[r], x, dy)
+        for way, fn in router_fns(x, layers["top-k"].router.weight).items():
+            fns[("router", "moeblaze", way)] = fn
         for key, fn in list(fns.items()):  # compile and warm up; a failure leaves that step out, with its reason
             t0 = time.perf_counter()
             try:
@@ -147,8 +163,10 @@ def main():
                 del fns[key]
         if args.profile:
             for key, fn in fns.items():
-                print(f"--- {name} {key}: kernels of one step (name, calls, ms)")
-                for k, n, ms in kernel_times(lambda fn=fn: fn(0), top=12):
+                kernels = kernel_times(lambda fn=fn: fn(0), top=None)
+                print(f"--- {name} {key}: kernels of one step (name, calls, ms): {sum(k[2] for k in kernels):.3f} ms "
+                      f"in {sum(k[1] for k in kernels)} launches")
+                for k, n, ms in kernels[:12]:
                     print(f"  {ms:8.3f} {n:4d}  {k[:110]}")
             continue
         times = _timed_rounds(fns, torch.device("cuda"), iters=5)
@@ -156,11 +174,19 @@ def main():
             if isinstance(res, Exception):
                 print(f"{name} {part} {impl} {r}: {type(res).__name__}: {res}", flush=True)
                 continue
-            base = times.get((part, impl, "top-k"))
-            ms = res[0]
-            row = dict(config=name, L=L, d=d, h=h, E=E, K=K, part=part, impl=impl, routing=r, step_ms=round(ms, 3),
-                       pairs=pairs[r], useful_tflops=round(18 * pairs[r] * d * h / (ms * 1e-3) / 1e12, 1),
-                       speedup_vs_topk=round(base[0] / ms, 3) if isinstance(base, tuple) else None, **meta)
+            busy = sum(t for _, _, t in kernel_times(lambda fn=fns[(part, impl, r)]: fn(0), top=None))
+            ms, host_ms = res
+            if part == "router":
+                fp32 = times.get((part, impl, "fp32-gemm"))
+                row = dict(config=name, L=L, d=d, E=E, part=part, impl=impl, way=r, step_ms=round(ms, 3),
+                           vs_fp32_gemm=round(fp32[0] / ms, 3) if isinstance(fp32, tuple) else None, **meta)
+            else:
+                base = times.get((part, impl, "top-k"))
+                row = dict(config=name, L=L, d=d, h=h, E=E, K=K, part=part, impl=impl, routing=r,
+                           step_ms=round(ms, 3), pairs=pairs[r],
+                           useful_tflops=round(18 * pairs[r] * d * h / (ms * 1e-3) / 1e12, 1),
+                           speedup_vs_topk=round(base[0] / ms, 3) if isinstance(base, tuple) else None, **meta)
+            row.update(host_ms=round(host_ms, 3), gpu_busy_ms=round(busy, 3))
             rows.append(row)
             print(json.dumps(row), flush=True)
         del fns, layers, routes, w1, w2, x, dy

@@ -1,7 +1,7 @@
 """On a CUDA GPU (`pytest -m gpu`): layers with today's routers and shared experts in bf16 on the compiled
 kernels, against the same layer in fp32 on the reference (same weights, same routing: the router runs in fp32 on
-both), within FACTOR x the error of the bf16 reference layer; and the training step of such a layer holds no host
-sync (the expert-bias count and the sequence loss included)."""
+both), within FACTOR x the error of the bf16 reference layer; the training step of such a layer, and of a token-rounded
+one, holds no host sync (the expert-bias count and the sequence loss included); bf16 logits equal fp32 ones."""
 import copy
 
 import pytest
@@ -105,3 +105,37 @@ def test_token_rounding_through_the_kernels_bf16(poison_alloc, backend, rule, ch
         for name, g, b, w in zip(("out", "dx", "dw1", "dw2", "dlogits"), got, ref_bf16, want):
             assert torch.isfinite(g).all(), name
             assert _rel(g, w) <= FACTOR * max(_rel(b, w), 1e-3), (name, _rel(g, w), _rel(b, w))
+
+
+def test_bf16_router_logits_on_gpu_are_the_fp32_products():
+    """On CUDA the bf16 router's logits come from a bf16 GEMM accumulating in fp32 and its gradients from two bf16
+    terms of the fp32 gradient: logits as the fp64 product's to fp32 rounding, gradients the exact ones' bf16
+    rounding almost everywhere (a plain bf16 cast of the gradient misses ~40%)."""
+    from moeblaze.routing.router import router_logits
+
+    torch.manual_seed(0)
+    x = torch.randn(8192, 2048, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(256, 2048, device="cuda") * 2048 ** -0.5).bfloat16().requires_grad_()
+    dy = torch.randn(8192, 256, device="cuda")
+    logits = router_logits(x, w)
+    want = x.detach().double() @ w.detach().double().t()
+    assert logits.dtype == torch.float32 and (logits.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    dx, dw = torch.autograd.grad(logits, (x, w), dy)
+    for got, exact in ((dx, dy.double() @ w.detach().double()), (dw, dy.double().t() @ x.detach().double())):
+        assert (got != exact.to(torch.bfloat16)).float().mean().item() < 0.02
+
+
+@pytest.mark.filterwarnings("ignore:token rounding with")
+@pytest.mark.parametrize("rule", ["nr-f", "up", "down"])
+def test_token_rounding_step_never_syncs_with_host(rule):
+    torch.manual_seed(0)
+    layer = MoELayer(512, 256, 32, 4, token_rounding=rule).cuda().bfloat16()
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x).out.float().sum().backward()  # compile and warm up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m = layer(x)
+        (m.out.float().sum() + m.aux_loss + m.z_loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -69,3 +69,39 @@ def test_losses_of_an_empty_batch_are_zero_and_back_propagate():
     assert r.topk_idx.shape == (0, 2) and r.aux_loss.item() == 0 and r.z_loss.item() == 0
     (r.aux_loss + r.z_loss).backward()
     assert torch.equal(router.weight.grad, torch.zeros_like(router.weight))
+
+
+def _rounding_misses(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """Fraction of got's bf16 values that are not exact's (fp64) rounded to bf16."""
+    return (got != exact.to(torch.bfloat16)).float().mean().item()
+
+
+def test_bf16_logits_are_the_fp32_product_and_their_gradients_nearly_exact():
+    """bf16 x and weight: logits equal to the fp32 product's (bf16 products are exact in fp32), and both
+    gradients rounded from an fp32 result within 2^-16 of exact, so they are the exact gradient's bf16 rounding
+    almost everywhere; a gradient taken through a plain bf16 cast of the logits' gradient misses far more."""
+    from moeblaze.routing.router import router_logits
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(512, 256, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(64, 256, generator=g) * 0.1).bfloat16().requires_grad_()
+    dy = torch.randn(512, 64, generator=g)
+    logits = router_logits(x, w)
+    assert logits.dtype == torch.float32
+    want = x.detach().double() @ w.detach().double().t()
+    assert (logits.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    dx, dw = torch.autograd.grad(logits, (x, w), dy)
+    assert dx.dtype == dw.dtype == torch.bfloat16
+    dx_exact, dw_exact = dy.double() @ w.detach().double(), dy.double().t() @ x.detach().double()
+    assert _rounding_misses(dx, dx_exact) < 0.02 and _rounding_misses(dw, dw_exact) < 0.02
+    dy16 = dy.bfloat16().float()  # what a gradient through a bf16 cast of dy would see
+    plain = (dy16 @ w.detach().float()).bfloat16(), (dy16.t() @ x.detach().float()).bfloat16()
+    assert _rounding_misses(plain[0], dx_exact) > 0.1 and _rounding_misses(plain[1], dw_exact) > 0.1
+
+
+def test_router_logits_in_fp32_where_either_operand_is_not_bf16():
+    from moeblaze.routing.router import router_logits
+
+    x, w = torch.randn(8, 16), torch.randn(4, 16)
+    assert torch.equal(router_logits(x, w), x @ w.t())
+    assert torch.equal(router_logits(x.bfloat16(), w), x.bfloat16().float() @ w.t())

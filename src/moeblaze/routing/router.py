@@ -20,9 +20,10 @@ their sum) and f_e = the fraction of the pairs that go to expert e (counted befo
   "global"    f from counts summed over the ranks of `aux_group` (one all-reduce, detached), P local (Qwen);
   "none"      0.
 The router z-loss mean_t logsumexp(logits_t)^2. Every loss is 0 (finite, with zero gradients) for an empty batch.
-No host sync anywhere.
+No host sync anywhere. Logits of bf16 x and weight come from bf16 GEMMs that accumulate in fp32 (router_logits):
+the same fp32 logits as x.float() @ weight.float().t() to the order of the sums, without fp32 GEMMs.
 Memory: the (L, E) fp32 logits and scores live only until backward of the router, as in any router; two (E,)
-fp32 buffers with expert_bias.
+fp32 buffers with expert_bias. The logits' backward keeps x itself (no fp32 copy of it) when x and weight are bf16.
 """
 from __future__ import annotations
 
@@ -70,6 +71,45 @@ def _group_mask(sel_LE: torch.Tensor, num_groups: int, topk_groups: int) -> torc
     keep_LG = torch.zeros_like(score_LG, dtype=torch.bool).scatter_(1, score_LG.topk(topk_groups, dim=-1).indices,
                                                                    True)
     return grouped.masked_fill(~keep_LG[..., None], float("-inf")).view(L, E)
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in fp32 for bf16 a, b: one bf16 GEMM accumulating in fp32 on GPUs, the fp32 product elsewhere."""
+    return torch.mm(a, b, out_dtype=torch.float32) if a.is_cuda else a.float() @ b.float()
+
+
+class _Bf16Logits(torch.autograd.Function):
+    """x (L, D) @ weight (E, D)ᵀ in fp32 for bf16 x and weight. Forward: the products of two bf16 values are exact
+    in fp32, so one bf16 GEMM accumulating in fp32 gives x.float() @ weight.float().t() to the order of the sums.
+    Backward: the fp32 gradient g goes in as two bf16 terms, hi = bf16(g) and lo = bf16(g - hi), with
+    |g - hi - lo| <= 2^-16 |g| (bf16 keeps 8 bits of 24, and fp32's exponent range): two
+    GEMMs over [hi | lo] instead of two fp32 SIMT GEMMs. Keeps x and weight (no fp32 copies)."""
+
+    @staticmethod
+    def forward(ctx, x_LD, w_ED):
+        ctx.save_for_backward(x_LD, w_ED)
+        return _mm_fp32(x_LD, w_ED.t())
+
+    @staticmethod
+    def backward(ctx, g_LE):
+        x_LD, w_ED = ctx.saved_tensors
+        g_LE = g_LE.float()
+        hi = g_LE.to(torch.bfloat16)
+        g2 = torch.cat([hi, (g_LE - hi.float()).to(torch.bfloat16)], dim=1)  # (L, 2E): [hi | lo]
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _mm_fp32(g2, torch.cat([w_ED, w_ED])).to(x_LD.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _mm_fp32(g2.t(), x_LD).view(2, *w_ED.shape).sum(0).to(w_ED.dtype)
+        return dx, dw
+
+
+def router_logits(x_LD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
+    """(L, E) fp32 logits x @ weightᵀ: through bf16 GEMMs with fp32 accumulation where both are bf16 (see
+    _Bf16Logits), else in fp32."""
+    if x_LD.dtype == weight_ED.dtype == torch.bfloat16:
+        return _Bf16Logits.apply(x_LD, weight_ED)
+    return x_LD.float() @ weight_ED.float().t()
 
 
 def route_topk(logits_LE: torch.Tensor, top_k: int, scoring: str = "softmax_topk", renormalize: bool = True,
@@ -178,7 +218,7 @@ class TopKRouter(nn.Module):
     def forward(self, x_LD: torch.Tensor, seq_len: int | None = None) -> RouterOutput:
         """seq_len: tokens per sequence (x's rows are whole sequences, one after another); the "sequence" loss
         needs it."""
-        logits_LE = x_LD.float() @ self.weight.float().t()
+        logits_LE = router_logits(x_LD, self.weight)
         if self.bias is not None:
             logits_LE = logits_LE + self.bias.float()
         idx, w = route_topk(logits_LE, self.top_k, self.scoring, self.renormalize, self.route_scale,
