@@ -7,7 +7,7 @@
   router   the router's logits, forward + backward, on the layer's x: bf16 GEMMs accumulating in fp32 (what the
            layer runs) against fp32 GEMMs on fp32 copies (what it ran before); rows name the way, not a routing
 
-    python scripts/rounding_bench.py [--out DIR] [--configs E256,D,C]
+    python scripts/rounding_bench.py [--out DIR] [--configs E256,D,C] [--routings top-k,nr-f,up,down] [--profile]
 
 Routing: a fresh router's (logits ~ N(0, 1), softmax top-k, renormalized). Each step is timed in turns with the
 others (CUDA events, rounds until each has had a second: moeblaze.bench.harness). "useful TF/s" counts the GEMM
@@ -39,13 +39,13 @@ from moeblaze.experts.schedule import BLOCK_M
 SHAPES = {"C": CONFIGS["C"], "D": CONFIGS["D"], "E256": (16384, 4096, 1024, 256, 4)}
 
 
-def routings(L, E, K, g):
-    """{routing name: (kept (L, E) bool, weights (L, E) fp32)} for plain top-k and each rounding rule."""
+def routings(L, E, K, g, rules=RULES):
+    """{routing name: (kept (L, E) bool, weights (L, E) fp32)} for plain top-k and each of the rounding rules."""
     logits = torch.randn(L, E, generator=g).cuda()
     idx, w = route_topk(logits, K)
     kept = torch.zeros(L, E, dtype=torch.bool, device="cuda").scatter_(1, idx.long(), True)
     out = {"top-k": (kept, torch.zeros(L, E, device="cuda").scatter_(1, idx.long(), w.float()))}
-    for rule in RULES:
+    for rule in rules:
         rr = round_tokens_fast(logits, idx, w, BLOCK_M, rule, max_experts=default_max_experts(E, K))  # as MoELayer
         out[rule] = (rr.kept_LE, rr.weights_LE.detach())
         if rounded_index(rr.kept_LE, rr.weights_LE, default_max_experts(E, K),
@@ -115,8 +115,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--configs", default="E256,D,C")
+    ap.add_argument("--routings", default=",".join(("top-k",) + RULES), help="top-k and the rounding rules to run")
     ap.add_argument("--profile", action="store_true", help="print moeblaze's kernels per step instead of timing")
     args = ap.parse_args()
+    wanted = args.routings.split(",")
+    if "top-k" not in wanted or not set(wanted) <= {"top-k", *RULES}:
+        ap.error(f"--routings: top-k and any of {', '.join(RULES)}, got {args.routings!r}")
+    rules = tuple(r for r in RULES if r in wanted)
     os.makedirs(args.out, exist_ok=True)
     try:
         import sonicmoe  # noqa: F401
@@ -132,7 +137,7 @@ def main():
         w2 = (torch.randn(E, d, h, generator=g) * h ** -0.5).cuda().bfloat16().requires_grad_()
         x = (torch.randn(L, d, generator=g) * 0.5).cuda().bfloat16().requires_grad_()
         dy = torch.randn(L, d, generator=g).cuda().bfloat16()
-        routes, topk = routings(L, E, K, g)
+        routes, topk = routings(L, E, K, g, rules)
         pairs = {r: int(kept.sum()) for r, (kept, _) in routes.items()}
         for r, (kept, _) in routes.items():
             per_token = kept.sum(1)
@@ -145,7 +150,7 @@ def main():
             if have_sonic and not args.profile:
                 fns[("experts", "sonicmoe", r)] = step_fn(sonicmoe_experts(L, E, kept, weights, w1, w2), x, dy, w1, w2)
         layers = {}
-        for r in ("top-k",) + RULES:
+        for r in ("top-k",) + rules:
             torch.manual_seed(0)
             layers[r] = MoELayer(d, h, E, K, token_rounding=None if r == "top-k" else r).cuda().bfloat16()
             fns[("layer", "moeblaze", r)] = layer_fn(layers[r], x, dy)
@@ -189,10 +194,10 @@ def main():
             row.update(host_ms=round(host_ms, 3), gpu_busy_ms=round(busy, 3))
             rows.append(row)
             print(json.dumps(row), flush=True)
+            with open(os.path.join(args.out, "rounding.jsonl"), "w") as f:  # after every row: a timeout keeps them
+                f.writelines(json.dumps(r) + "\n" for r in rows)
         del fns, layers, routes, w1, w2, x, dy
         torch.cuda.empty_cache()
-        with open(os.path.join(args.out, "rounding.jsonl"), "w") as f:  # after every config: a timeout keeps them
-            f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 if __name__ == "__main__":

@@ -109,8 +109,9 @@ def test_token_rounding_through_the_kernels_bf16(poison_alloc, backend, rule, ch
 
 def test_bf16_router_logits_on_gpu_are_the_fp32_products():
     """On CUDA the bf16 router's logits come from a bf16 GEMM accumulating in fp32 and its gradients from two bf16
-    terms of the fp32 gradient: logits as the fp64 product's to fp32 rounding, gradients the exact ones' bf16
-    rounding almost everywhere (a plain bf16 cast of the gradient misses ~40%)."""
+    terms of the fp32 gradient: logits as far from the fp64 product as the fp32 GEMM's (the way they were computed
+    before), gradients the exact ones' bf16 rounding almost everywhere (a plain bf16 cast of the gradient misses
+    ~40%)."""
     from moeblaze.routing.router import router_logits
 
     torch.manual_seed(0)
@@ -119,10 +120,13 @@ def test_bf16_router_logits_on_gpu_are_the_fp32_products():
     dy = torch.randn(8192, 256, device="cuda")
     logits = router_logits(x, w)
     want = x.detach().double() @ w.detach().double().t()
-    assert logits.dtype == torch.float32 and (logits.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    fp32_err = (x.detach().float() @ w.detach().float().t() - want).abs().max().item()
+    err = (logits.double() - want).abs().max().item()
+    assert logits.dtype == torch.float32 and err <= 2 * fp32_err, (err, fp32_err)
     dx, dw = torch.autograd.grad(logits, (x, w), dy)
     for got, exact in ((dx, dy.double() @ w.detach().double()), (dw, dy.double().t() @ x.detach().double())):
-        assert (got != exact.to(torch.bfloat16)).float().mean().item() < 0.02
+        misses = (got != exact.to(torch.bfloat16)).float().mean().item()
+        assert misses < 0.02, misses
 
 
 @pytest.mark.filterwarnings("ignore:token rounding with")
