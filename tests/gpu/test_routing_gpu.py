@@ -109,9 +109,10 @@ def test_token_rounding_through_the_kernels_bf16(poison_alloc, backend, rule, ch
 
 def test_bf16_router_logits_on_gpu_are_the_fp32_products():
     """On CUDA the bf16 router's logits come from a bf16 GEMM accumulating in fp32 and its gradients from two bf16
-    terms of the fp32 gradient: logits as far from the fp64 product as the fp32 GEMM's (the way they were computed
-    before), gradients the exact ones' bf16 rounding almost everywhere (a plain bf16 cast of the gradient misses
-    ~40%)."""
+    terms of the fp32 gradient. Tensor cores add each 16-deep step's exact products to the fp32 sum with truncation,
+    so the logits may sit up to (K / 16) · 2^-23 · sum_k |x_k w_k| from the exact ones (the CPU tests' model of that
+    accumulation: 1.4e-5 at most, the fp32 GEMM 1.2e-6, a bf16 rounding of them up to 1e-2); the gradients are the
+    exact ones' bf16 rounding almost everywhere (modelled: 0.3% miss; a plain bf16 cast of the gradient ~40%)."""
     from moeblaze.routing.router import router_logits
 
     torch.manual_seed(0)
@@ -119,12 +120,12 @@ def test_bf16_router_logits_on_gpu_are_the_fp32_products():
     w = (torch.randn(256, 2048, device="cuda") * 2048 ** -0.5).bfloat16().requires_grad_()
     dy = torch.randn(8192, 256, device="cuda")
     logits = router_logits(x, w)
-    want = x.detach().double() @ w.detach().double().t()
-    fp32_err = (x.detach().float() @ w.detach().float().t() - want).abs().max().item()
-    err = (logits.double() - want).abs().max().item()
-    assert logits.dtype == torch.float32 and err <= 2 * fp32_err, (err, fp32_err)
+    xd, wd = x.detach().double(), w.detach().double()
+    bound = (2048 / 16) * 2.0 ** -23 * (xd.abs() @ wd.abs().t())
+    err = (logits.double() - xd @ wd.t()).abs()
+    assert logits.dtype == torch.float32 and (err <= bound).all(), (err.max().item(), (err / bound).max().item())
     dx, dw = torch.autograd.grad(logits, (x, w), dy)
-    for got, exact in ((dx, dy.double() @ w.detach().double()), (dw, dy.double().t() @ x.detach().double())):
+    for got, exact in ((dx, dy.double() @ wd), (dw, dy.double().t() @ xd)):
         misses = (got != exact.to(torch.bfloat16)).float().mean().item()
         assert misses < 0.02, misses
 
