@@ -34,6 +34,8 @@ def test_quantize_tiles_t_is_each_tiles_transposed_rows_quantized(poison_alloc, 
     a[:, 7] = 0  # a zero column: its scale is the floor
     token = plan.token_R if gathered else None
     q, s = quant.quantize_tiles_t(a, sched, plan.offsets_E1, token)
+    assert s.stride() == (1, 256)  # a tile's scales contiguous, padded to 256 columns with zeros
+    assert (s.as_strided((s.shape[1], 256), (256, 1))[:, N:] == 0).all()
     rows_a = a[plan.token_R.long()] if gathered else a
     te, tr = sched[0].tolist(), sched[1].tolist()
     used, off = int(sched[2]), plan.offsets_E1.tolist()

@@ -1,8 +1,8 @@
 """Kernels compiled ahead of time for sm_90 without a GPU (Triton's ASTSource / GluonASTSource and its bundled
-ptxas), where the interpreter would not tell: the Hopper fp8 kernel (every variant the launcher can pick compiles,
-issues e4m3 wgmma and spills nothing; what it computes is checked on a GPU only, tests/gpu/test_fp8_gpu.py, since
-the interpreter does not run Gluon), and the tl kernels of the fp8 quantizers, the rounded index and the wide
-combine (the interpreter runs them; this checks that they also lower for the GPU)."""
+ptxas), where the interpreter would not tell: the Hopper fp8 kernels (every variant the launcher can pick compiles,
+issues e4m3 wgmma and spills nothing, or next to it; what they compute is checked on a GPU only,
+tests/gpu/test_fp8_gpu.py, since the interpreter does not run Gluon), and the tl kernels of the fp8 quantizers, the
+rounded index and the wide combine (the interpreter runs them; this checks that they also lower for the GPU)."""
 import os
 import re
 import subprocess
@@ -75,14 +75,38 @@ def test_fp8_rows_kernel_compiles_for_sm90(out_dtype, tma_a):
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
     assert ck.metadata.shared <= 227 * 1024
     if (out_dtype == torch.bfloat16 and not tma_a) or triton.__version__.startswith("3.6."):
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "k.cubin")
-            with open(path, "wb") as f:
-                f.write(ck.asm["cubin"])
-            usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", path], capture_output=True,
-                                   text=True, check=True).stdout
-        stack = [int(s) for s in re.findall(r"STACK:(\d+)", usage)]
-        assert stack and max(stack) == 0, usage
+        assert _stack_bytes(ck) == 0
+
+
+def _stack_bytes(ck) -> int:
+    """The most stack (spilled registers) a thread of the compiled kernel uses, from ptxas's cubin."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(ck.asm["cubin"])
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", path], capture_output=True, text=True,
+                               check=True).stdout
+    stack = [int(s) for s in re.findall(r"STACK:(\d+)", usage)]
+    assert stack, usage
+    return max(stack)
+
+
+def test_fp8_weight_grad_kernel_compiles_for_sm90():
+    """The Hopper fp8 weight gradient with a bf16 dW (the weights' dtype in a bf16 layer): e4m3 wgmma on 128-column
+    halves, within shared memory, at most 8 bytes of stack a thread on triton 3.6 and 3.9 (its scales held by
+    pointer or by mask per column spilled 600; fp32 dW, unused by the layer, spills 240 on 3.6)."""
+    qa = torch.empty(1024, 512, dtype=torch.float8_e4m3fn)
+    qb = torch.empty(2048, 512, dtype=torch.float8_e4m3fn)
+    c = torch.empty(8 * 1024, 2048, dtype=torch.bfloat16)
+    descs = dict(a_desc=descriptor(qa, [128, 128]), b_desc=descriptor(qb, [fp8.FP8_BLOCK_N, 128]),
+                 c_desc=descriptor(c, [128, 128]))
+    consts = dict(BLOCK_M=128, BLOCK_N=fp8.FP8_BLOCK_N, BLOCK_K=128, STAGES=fp8.FP8_STAGES,
+                  WORKER_REGS=fp8.FP8_WORKER_REGS)
+    ck = _compile_gluon(fp8.fp8_weight_grad_kernel, descs, consts, dict(c_ptr="*bf16", sa_ptr="*fp32", sb_ptr="*fp32"),
+                        sizes=("E", "M", "N", "GROUP_TILES"))
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ck.asm["ptx"]
+    assert ck.metadata.shared <= 227 * 1024
+    assert _stack_bytes(ck) <= 8
 
 
 # the tl kernels are compiled in a child process: this session runs them under the interpreter, which turns

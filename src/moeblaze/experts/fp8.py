@@ -15,7 +15,8 @@ Backward:  dA' = q(dy)[token] · q(W2[e]ᵀ)ᵀ                      (fp8_rows_g
            dW2 = dy[token]ᵀ (s·A), dW1 = dHᵀ x[token]           (stages.weight_grad, input precision; with
                                                                  fp8_wgrad on e4m3 operands scaled per 128 of an
                                                                  expert's rows: quant.quantize_tiles_t, then
-                                                                 tl.fp8.fp8_weight_grad, the portable kernel)
+                                                                 fp8_weight_grad: gluon_sm90.fp8 on Hopper,
+                                                                 tl.fp8 elsewhere)
            dX~ = q(dH) · q(W1[e]ᵀ)ᵀ; dx = combine(dX~)           (fp8_rows_gemm, stages.combine)
 q: quantize_rows for activations and gradients (1 x 128 groups), quantize_blocks for weights (128 x 128).
 
@@ -209,7 +210,7 @@ def fp8_experts_backward(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2
     if dropped:
         dtopk_w = clear_dropped(plan, dtopk_w, act_scaled, dpreact)
     if fp8_wgrad:
-        dw2, dw1 = _fp8_weight_grads(plan, dy, act_scaled, dpreact, x, w1, w2)
+        dw2, dw1 = _fp8_weight_grads(plan, dy, act_scaled, dpreact, x, w1, w2, backend)
         del act_scaled
     else:
         dw2 = stages.weight_grad(plan, dy, act_scaled, torch.empty_like(w2), True, backend)
@@ -220,17 +221,21 @@ def fp8_experts_backward(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2
     return stages.combine(plan, dx_rows, None, dt), dw1, dw2, dtopk_w
 
 
-def _fp8_weight_grads(plan: RowPlan, dy, act_scaled, dpreact, x, w1, w2):
+def _fp8_weight_grads(plan: RowPlan, dy, act_scaled, dpreact, x, w1, w2, backend):
     """(dW2, dW1) on e4m3 operands (fp8_wgrad): dW2 = q(dy[rows])ᵀ q(s·A), dW1 = q(dH)ᵀ q(x[rows]), each operand
     quantized per 128 of an expert's rows (reference: moe_experts_reference(fp8_wgrad=True)), in the weights'
-    layouts."""
+    layouts; on the Hopper kernel where experts.dispatch takes the operands, else on tl."""
     counts = plan.offsets_E1[1:] - plan.offsets_E1[:-1]
     sched = tile_schedule(counts, plan.offsets_E1, plan.num_rows, GROUP)
 
     def grad(p, q, w, gather_p):
         pt = quant.quantize_tiles_t(p, sched, plan.offsets_E1, plan.token_R if gather_p else None)
         qt = quant.quantize_tiles_t(q, sched, plan.offsets_E1, None if gather_p else plan.token_R)
-        dw = fp8_weight_grad(pt, qt, plan.offsets_E1, torch.empty(w.shape, dtype=w.dtype, device=w.device))
+        dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+        gemm = fp8_weight_grad
+        if dispatch.fp8_weight_grad(backend, pt, qt, dw) == "gluon":
+            gemm = gluon_sm90.fp8_weight_grad
+        dw = gemm(pt, qt, plan.offsets_E1, dw)
         return dw if dw.stride() == w.stride() else torch.empty_like(w).copy_(dw)
     return grad(dy, act_scaled, w2, True), grad(dpreact, x, w1, False)
 

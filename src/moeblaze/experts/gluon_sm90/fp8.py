@@ -1,4 +1,4 @@
-"""The fp8 row GEMM on Hopper: C[rows] = A[rows] · B[e]ᵀ on e4m3 operands with DeepSeek-V3's scales (one fp32
+"""The fp8 GEMMs on Hopper. The row GEMM: C[rows] = A[rows] · B[e]ᵀ on e4m3 operands with DeepSeek-V3's scales (one fp32
 per 1 x 128 group of A's rows, per 128 x 128 block of B), A's rows gathered through the token ids by cp.async (x
 and dy, quantized once per token: their scales follow the gather), A in place read by TMA (tma_a; 1-11% faster
 than the gathering loader over the identity at B, D and E, which tma_a=False still runs). B is (E·N, K), K-major,
@@ -13,14 +13,20 @@ one partial are what the registers hold, and the other warpgroup's MMAs run thro
 against the 128 x 128 tile that kept the next stage's MMAs in flight: 1.2-1.6x on the four expert GEMMs of
 configs B and D (benchmarks/NOTES.md).
 
+The weight gradient (fp8_weight_grad, fp8_wgrad): dW[e] = Σ over expert e's 128-row tiles t of A_tᵀ B_t · s_a[:, t] ⊗
+s_b[:, t], from both operands as quant.quantize_tiles_t writes them (columns x tiles · 128, K-major, as the wgmma
+needs), each read by TMA: the same 8 MMA warps and two 128-column halves, promoting each tile by the outer product
+of its scales, behind a 1-warp TMA loader; dW's tiles expert by expert (wgrad._wgrad_tile's order).
+
 Registers: 64 for the loader leave the MMA warps 232 (setmaxnreg); the bf16 gathering kernel spills nothing on
 triton 3.6 and 3.9, the TMA one and fp32 C nothing on 3.6 and 136-176 bytes a thread on 3.9 (ptxas; no loader
 budget clears every case on both).
 
-Memory contract: nothing beyond C. Shared memory: STAGES x (128 + 256) x 128 bytes of operands and one 128 x 128
-tile of C in its dtype.
+Memory contract: nothing beyond C (dW), and the weight gradient's per-expert tile counts (2 · E int32). Shared
+memory: STAGES x (128 + 256) x 128 bytes of operands and one 128 x 128 tile of C in its dtype.
 """
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -29,8 +35,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ...launch import launch, sm_count
 from ...reference.fp8 import GROUP
 from ..schedule import BLOCK_M
-from .common import GATHER_WARPS, descriptor, mma_layout, my_tiles, stage_barriers, store_tile, tile_of
+from .common import (GATHER_WARPS, descriptor, mma_layout, my_tiles, stage_barriers, store_tile, tile_of,
+                     tma_load)
 from .partitions import gather_loader, tma_loader
+from .wgrad import _wgrad_tile, wgrad_group
 
 FP8_BLOCK_N = 2 * GROUP  # a tile's columns: two weight blocks, each half's weight scale one number a stage
 FP8_STAGES = 3
@@ -166,3 +174,124 @@ def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=No
     else:
         launch(fp8_rows_kernel, (sm_count(a_q.device),), a_q, a_q.stride(0), token, token.shape[0], *rest, **meta)
     return c
+
+
+# ---- the weight gradient on e4m3: dW[e] = Σ_t A_tᵀ B_t · s_a[:, t] ⊗ s_b[:, t] ------------------------------
+
+@gluon.jit
+def _fp8_wgrad_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn,
+                      group):
+    """For each dW tile (expert, row tile, column tile), a stage per row tile of the expert: A_t's BLOCK_M columns
+    and B_t's BLOCK_N at the tile's 128 rows (columns past the operand: TMA's zeros)."""
+    S: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    c = 0
+    for j in range(gl.cdiv(n_tiles - pid, nprog)):
+        e, tm, tn = _wgrad_tile(j, pid, nprog, n_tm, n_tn, group)
+        t0 = gl.load(first_ptr + e)
+        for k in range(gl.load(tiles_ptr + e)):
+            s = c % S
+            mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
+            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma_load(a_desc, [tm * BLOCK_M, (t0 + k) * BLOCK_K], ready.index(s), a_bufs.index(s))
+            tma_load(b_desc, [tn * BLOCK_N, (t0 + k) * BLOCK_K], ready.index(s), b_bufs.index(s))
+            c += 1
+
+
+@gluon.jit
+def _fp8_wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sat, sb_ptr,
+                         stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N):
+    """Each dW tile as two 128-column halves sharing each stage's A: per row tile, a half's MMAs from zero, waited
+    for and scaled into its accumulator (acc += part · s_a ⊗ s_b), then the other half's; both halves stored
+    within the expert's M rows (a second half past N skipped). An expert without rows stores zeros. A tile's
+    scales are contiguous (s_a[m, t] at sa_ptr + t · stride_sat + m) and padded to whole tiles of dW, so each
+    thread loads its own from one base address at constant offsets, unmasked: a pointer or a mask per column
+    held across the loop spilled 600 bytes a thread (the padding's zeros scale rows and columns never stored).
+    The partial scaled by s_a, then by s_b (the outer product first held 64 more registers)."""
+    S: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    HALF: gl.constexpr = BLOCK_N // 2
+    acc_layout: gl.constexpr = mma_layout(8, HALF, 32)
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    offs_n = gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
+    pid, nprog = gl.program_id(0), gl.num_programs(0)
+    c = 0
+    for j in range(gl.cdiv(n_tiles - pid, nprog)):
+        e, tm, tn = _wgrad_tile(j, pid, nprog, n_tm, n_tn, group)
+        t0 = gl.load(first_ptr + e)
+        rows = tm * BLOCK_M + offs_m
+        cols = tn * BLOCK_N + offs_n
+        acc0 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
+        acc1 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
+        for k in range(gl.load(tiles_ptr + e)):
+            s = c % S
+            mbarrier.wait(ready.index(s), (c // S) & 1)
+            a = a_bufs.index(s)
+            b = b_bufs.index(s)
+            part = warpgroup_mma(a, b.slice(0, HALF, dim=0).permute((1, 0)),
+                                 gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout), use_acc=False,
+                                 max_num_imprecise_acc=BLOCK_K, is_async=True)
+            t = (t0 + k).to(gl.int64)
+            sa = gl.load(sa_ptr + t * stride_sat + rows)  # loaded while the MMAs run
+            sb = gl.load(sb_ptr + t * stride_sbt + cols)
+            part = warpgroup_mma_wait(0, deps=(part, ))
+            acc0 += (part * sa[:, None]) * sb[None, :]
+            part = warpgroup_mma(a, b.slice(HALF, HALF, dim=0).permute((1, 0)),
+                                 gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout), use_acc=False,
+                                 max_num_imprecise_acc=BLOCK_K, is_async=True)
+            sb = gl.load(sb_ptr + t * stride_sbt + HALF + cols)
+            part = warpgroup_mma_wait(0, deps=(part, ))
+            mbarrier.arrive(empty.index(s))  # both halves have read the stage
+            acc1 += (part * sa[:, None]) * sb[None, :]
+            c += 1
+        store_tile(acc0, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
+        if tn * BLOCK_N + HALF < N:
+            store_tile(acc1, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N + HALF,
+                       N)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def fp8_weight_grad_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cl, sa_ptr, stride_sat, sb_ptr, stride_sbt, first_ptr,
+                           tiles_ptr, E, M, N, GROUP_TILES, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WORKER_REGS: gl.constexpr):
+    """dW[e] (M, N) = Σ over expert e's row tiles of A_tᵀ B_t, scaled per tile: 8 MMA warps that promote and
+    store, behind a 1-warp TMA loader."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)  # one half
+    ready, empty = stage_barriers(STAGES, 1)
+    n_tm, n_tn = gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N)
+    n_tiles = E * n_tm * n_tn
+    mma_args = (c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sat, sb_ptr,
+                stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, GROUP_TILES, M, N)
+    loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn,
+                   GROUP_TILES)
+    gl.warp_specialize([(_fp8_wgrad_mma_store, mma_args), (_fp8_wgrad_loader, loader_args)], [1], [WORKER_REGS])
+
+
+def fp8_weight_grad(a_t, b_t, offsets, out, stages: int = FP8_STAGES, worker_regs: int = FP8_WORKER_REGS):
+    """experts.tl.fp8.fp8_weight_grad on Hopper (same arguments and result): a_t = (q (M, T · 128) e4m3, scales
+    (M, T)), b_t = (q (N, T · 128), scales (N, T)) as quant.quantize_tiles_t writes them (scales tile by tile,
+    each tile's padded with zeros to a multiple of FP8_BLOCK_N); out (E, M, N)
+    contiguous in bf16/fp16/fp32 with N a multiple of 8. The dispatcher (experts.dispatch) checks these; the
+    launcher does not."""
+    (qa, sa), (qb, sb) = a_t, b_t
+    E, M, N = out.shape
+    if qa.shape[1] == 0:  # no rows at all: every expert's gradient is zero
+        return out.zero_()
+    counts = offsets[1:] - offsets[:-1]
+    tiles = (counts + GROUP - 1) // GROUP  # each expert's row tiles, in the schedule's expert-major order
+    first = (tiles.cumsum(0) - tiles).to(torch.int32)
+    c2d = out.view(E * M, N)
+    group = wgrad_group(triton.cdiv(M, BLOCK_M), triton.cdiv(N, FP8_BLOCK_N))
+    launch(fp8_weight_grad_kernel, (sm_count(qa.device),), descriptor(qa, [BLOCK_M, GROUP]),
+           descriptor(qb, [FP8_BLOCK_N, GROUP]), descriptor(c2d, [BLOCK_M, GROUP]), c2d, c2d.stride(0), sa,
+           sa.stride(1), sb, sb.stride(1), first, tiles.to(torch.int32), E, M, N, group, BLOCK_M=BLOCK_M,
+           BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages, WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+    return out

@@ -33,6 +33,7 @@ from ...launch import launch
 from ...reference.fp8 import AMAX_FLOOR, FP8, FP8_MAX, GROUP, INV_FP8_MAX
 
 ROWS = 32  # rows of a program of the row quantizers
+SCALE_PAD = 256  # quantize_tiles_t's scales: a tile's padded to whole 256-wide tiles of the weight gradient
 
 
 @triton.jit
@@ -193,12 +194,12 @@ def _blocks_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_we, stride_
 
 @triton.jit
 def _tiles_t_kernel(a_ptr, token_ptr, q_ptr, s_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr, used_ptr, N,
-                    stride_al, stride_qn, stride_sn, GATHER: tl.constexpr, GROUP: tl.constexpr,
+                    stride_al, stride_qn, stride_st, GATHER: tl.constexpr, GROUP: tl.constexpr,
                     AMAX_FLOOR: tl.constexpr, INV_FP8_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
                     EMULATE: tl.constexpr):
     """Row tile t of the schedule (GROUP rows of one expert) by GROUP columns of A (A[token[r]] where GATHER): each
     column scaled by its amax over the tile's rows, q written transposed at q[columns, t · GROUP + r] (zeros past
-    the expert's end), the scales at s[columns, t]."""
+    the expert's end), the scales at s[t, columns] (a tile's scales contiguous)."""
     t = tl.program_id(0)
     if t >= tl.load(used_ptr):
         return
@@ -217,7 +218,7 @@ def _tiles_t_kernel(a_ptr, token_ptr, q_ptr, s_ptr, tile_expert_ptr, tile_row_pt
         y = _round_e4m3(y)
     q = q_ptr + cols.to(tl.int64)[:, None] * stride_qn + (t * GROUP + r)[None, :]
     tl.store(q, tl.trans(y).to(q_ptr.dtype.element_ty), mask=cmask[:, None])
-    tl.store(s_ptr + cols.to(tl.int64) * stride_sn + t, scale, mask=cmask)
+    tl.store(s_ptr + t.to(tl.int64) * stride_st + cols, scale, mask=cmask)
 
 
 def quantize_tiles_t(a: torch.Tensor, sched, offsets: torch.Tensor, token: torch.Tensor | None = None
@@ -226,17 +227,20 @@ def quantize_tiles_t(a: torch.Tensor, sched, offsets: torch.Tensor, token: torch
     of a schedule of 128-row tiles (sched = experts.schedule.tile_schedule(counts, offsets, rows, 128), whatever
     the kernels' own row tile; T its length), transposed: column n of tile t holds A[rows of t, n] · (1 / scale[n, t]),
     scaled by their amax over the tile's rows (reference.fp8.quantize_rows of each tile's Aᵀ, the weight
-    gradients' 128 x 1 groups), zeros past the tile's expert's end; tiles past the used ones are left unwritten."""
+    gradients' 128 x 1 groups), zeros past the tile's expert's end; tiles past the used ones are left unwritten.
+    The scales are stored tile by tile, a tile's contiguous and padded with zeros to a multiple of 256 columns
+    (strides (1, N rounded up)), as the weight-gradient kernels load them."""
     _check(a, 2, "quantize_tiles_t")
     T, N = sched[0].shape[0], a.shape[1]
     q = torch.empty(N, T * GROUP, dtype=FP8, device=a.device)
-    s = torch.empty(N, T, dtype=torch.float32, device=a.device)
+    s = torch.empty(T, -(-N // SCALE_PAD) * SCALE_PAD, dtype=torch.float32, device=a.device)
+    s[:, N:].zero_()
     if T and N:
         launch(_tiles_t_kernel, (T, _groups(N)), a, token if token is not None else offsets, q, s, sched[0],
                sched[1], offsets, sched[2], N, a.stride(0), q.stride(0), s.stride(0), GATHER=token is not None,
                GROUP=GROUP, AMAX_FLOOR=AMAX_FLOOR, INV_FP8_MAX=INV_FP8_MAX, FP8_MAX=FP8_MAX, EMULATE=INTERPRET,
                num_warps=8)
-    return q, s
+    return q, s[:, :N].t()
 
 
 def _groups(n: int) -> int:
