@@ -60,6 +60,18 @@ def scaled_tile(j, pid, nprog, n_used, n_tn, offs_m, token_ptr, n_rows, sa_ptr, 
 
 
 @gluon.jit
+def half_mma(a, b, h: gl.constexpr, acc_layout: gl.constexpr):
+    """The MMAs of a stage's half h (B's rows h · HALF on) from zero, issued and in flight: a 128-deep stage's
+    partial, promoted by the caller once waited for."""
+    BLOCK_M: gl.constexpr = a.type.shape[0]
+    BLOCK_K: gl.constexpr = a.type.shape[1]
+    HALF: gl.constexpr = b.type.shape[0] // 2
+    return warpgroup_mma(a, b.slice(h * HALF, HALF, dim=0).permute((1, 0)),
+                         gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout), use_acc=False,
+                         max_num_imprecise_acc=BLOCK_K, is_async=True)
+
+
+@gluon.jit
 def fp8_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr,
                   stride_sbe, stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
                   used_tiles_ptr, N, K_DIM):
@@ -91,18 +103,13 @@ def fp8_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty
             fence_async_shared()  # A came by cp.async (generic proxy); wgmma reads through the async proxy
             a = a_bufs.index(s)
             b = b_bufs.index(s)
-            part = warpgroup_mma(a, b.slice(0, HALF, dim=0).permute((1, 0)),
-                                 gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout), use_acc=False,
-                                 max_num_imprecise_acc=BLOCK_K, is_async=True)
+            part = half_mma(a, b, 0, acc_layout)
             sa = gl.load(sa_ptrs + k, mask=rmask, other=0.0)  # loaded while the MMAs run
             s0 = gl.load(sb0 + k)
             s1 = gl.load(sb0 + stride_sbn + k, mask=has1, other=0.0)
             part = warpgroup_mma_wait(0, deps=(part, ))
             acc0 += part * (sa * s0)[:, None]
-            part = warpgroup_mma(a, b.slice(HALF, HALF, dim=0).permute((1, 0)),
-                                 gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout), use_acc=False,
-                                 max_num_imprecise_acc=BLOCK_K, is_async=True)
-            part = warpgroup_mma_wait(0, deps=(part, ))
+            part = warpgroup_mma_wait(0, deps=(half_mma(a, b, 1, acc_layout), ))
             mbarrier.arrive(empty.index(s))  # both halves have read the stage
             acc1 += part * (sa * s1)[:, None]
         store_tile(acc0, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, pid_n * BLOCK_N, N)
@@ -213,7 +220,6 @@ def _fp8_wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready
     The partial scaled by s_a, then by s_b (the outer product first held 64 more registers)."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     HALF: gl.constexpr = BLOCK_N // 2
     acc_layout: gl.constexpr = mma_layout(8, HALF, 32)
@@ -233,17 +239,13 @@ def _fp8_wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready
             mbarrier.wait(ready.index(s), (c // S) & 1)
             a = a_bufs.index(s)
             b = b_bufs.index(s)
-            part = warpgroup_mma(a, b.slice(0, HALF, dim=0).permute((1, 0)),
-                                 gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout), use_acc=False,
-                                 max_num_imprecise_acc=BLOCK_K, is_async=True)
+            part = half_mma(a, b, 0, acc_layout)
             t = (t0 + k).to(gl.int64)
             sa = gl.load(sa_ptr + t * stride_sat + rows)  # loaded while the MMAs run
             sb = gl.load(sb_ptr + t * stride_sbt + cols)
             part = warpgroup_mma_wait(0, deps=(part, ))
             acc0 += (part * sa[:, None]) * sb[None, :]
-            part = warpgroup_mma(a, b.slice(HALF, HALF, dim=0).permute((1, 0)),
-                                 gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout), use_acc=False,
-                                 max_num_imprecise_acc=BLOCK_K, is_async=True)
+            part = half_mma(a, b, 1, acc_layout)
             sb = gl.load(sb_ptr + t * stride_sbt + HALF + cols)
             part = warpgroup_mma_wait(0, deps=(part, ))
             mbarrier.arrive(empty.index(s))  # both halves have read the stage
