@@ -13,6 +13,8 @@
 # SonicMoE's compiled kernels: .peers/quack_cache.tar.xz, where present, seeds its cache before the steps, and
 # the cache is written back to $OUT/quack_cache.tar.xz after them (copy it to .peers/ to spare the next
 # machine the compile).
+# tests: GPU_TESTS (files, default tests/gpu) and PYTEST_K narrow the run: the whole suite takes over one
+# 10-minute call, e.g. GPU_TESTS="tests/gpu/test_gpu.py tests/gpu/test_routing_gpu.py" then the other files.
 # MOEBLAZE_GIT_SHA names the commit measured in the result rows; set it where the checkout is a copy whose
 # git history may be older than its files.
 set -uo pipefail
@@ -38,7 +40,7 @@ limit=${STEP_TIMEOUT:+timeout $STEP_TIMEOUT}
 for s in $steps; do
   echo "=== $s"
   case $s in
-    tests) $limit python3 -m pytest -m gpu tests/gpu -p no:logging ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" ;;
+    tests) $limit python3 -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -p no:logging ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" ;;
     dispatch) $limit python3 -m moeblaze.cli bench --dispatch --out "$OUT" ;;
     layer) $limit python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
     scale) $limit python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
