@@ -99,3 +99,19 @@ def test_precision_fp8_with_fp8_weight_gradients_matches_the_emulation(poison_al
         assert 1e-3 < rel_err(got[i], plain[i]) < 0.1
     with pytest.raises(ValueError, match="fp8_wgrad"):
         moe_experts(x, routing, w, w1, w2, impl="triton", fp8_wgrad=True)
+
+
+def test_the_hopper_weight_gradient_takes_only_padded_tile_major_scales(monkeypatch):
+    """The dispatcher sends quantize_tiles_t's operands to the Gluon kernel (which reads each tile's scales
+    unmasked, up to whole tiles of dW) and keeps scales stored any other way, or a strided dW, on tl."""
+    from moeblaze.experts import dispatch
+
+    monkeypatch.setattr(dispatch, "resolve", lambda backend, device: "gluon")  # as on an sm_90 GPU
+    plan, sched, g = _plan(300, 5, 2, 5)
+    a_t = quant.quantize_tiles_t(torch.randn(600, 200, generator=g), sched, plan.offsets_E1)
+    b_t = quant.quantize_tiles_t(torch.randn(300, 72, generator=g), sched, plan.offsets_E1, plan.token_R)
+    out = torch.empty(5, 200, 72)
+    assert dispatch.fp8_weight_grad("auto", a_t, b_t, out) == "gluon"
+    unpadded = (a_t[0], a_t[1].contiguous())  # (N, T) row-major: a column's scales contiguous instead
+    assert dispatch.fp8_weight_grad("auto", unpadded, b_t, out) == "tl"
+    assert dispatch.fp8_weight_grad("auto", a_t, b_t, torch.empty(5, 72, 200).transpose(1, 2)) == "tl"
