@@ -15,6 +15,10 @@
 # machine the compile).
 # tests: GPU_TESTS (files, default tests/gpu) and PYTEST_K narrow the run: the whole suite takes over one
 # 10-minute call, e.g. GPU_TESTS="tests/gpu/test_gpu.py tests/gpu/test_routing_gpu.py" then the other files.
+# Our own compiled kernels: .cache/triton_cache.tar.xz, where present, seeds Triton's cache (TRITON_CACHE_DIR)
+# before the steps, and the whole cache goes back to $OUT/triton_cache.tar.xz (copy it to .cache/ and carry .cache:
+# a bare machine otherwise compiles every kernel again, minutes of a run; kernels of old sources stay in it, so
+# start it afresh when it outgrows what a run can carry beside .peers).
 # MOEBLAZE_GIT_SHA names the commit measured in the result rows; set it where the checkout is a copy whose
 # git history may be older than its files.
 set -uo pipefail
@@ -31,6 +35,9 @@ if [ -n "${TRITON_TARBALL:-}" ]; then
          TRITON_PTXAS_BLACKWELL_PATH=/tmp/triton-pkg/triton/backends/nvidia/bin/ptxas
 fi
 steps=${*:-tests dispatch layer scale profile}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/moeblaze-triton-cache}
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .cache/triton_cache.tar.xz ] && tar xJf .cache/triton_cache.tar.xz -C "$TRITON_CACHE_DIR"
 quack_tmp=$(python3 -c "import getpass, tempfile; print(tempfile.gettempdir() + '/' + getpass.getuser())")
 [ -f .peers/quack_cache.tar.xz ] && mkdir -p "$quack_tmp" && tar xJf .peers/quack_cache.tar.xz -C "$quack_tmp"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -60,5 +67,6 @@ for s in $steps; do
   [ $rc -ne 0 ] && failed="$failed $s"
 done
 if [ -d "$quack_tmp/quack_cache" ]; then tar cJf "$OUT/quack_cache.tar.xz" -C "$quack_tmp" quack_cache; fi
+tar cJf "$OUT/triton_cache.tar.xz" -C "$TRITON_CACHE_DIR" . || true
 [ -n "$failed" ] && { echo "gpu.sh: failed steps:$failed"; exit 1; }
 exit 0
