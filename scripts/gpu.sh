@@ -47,7 +47,7 @@ limit=${STEP_TIMEOUT:+timeout $STEP_TIMEOUT}
 for s in $steps; do
   echo "=== $s"
   case $s in
-    tests) $limit python3 -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -p no:logging ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" ;;
+    tests) $limit python3 -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -p no:logging --durations=20 ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" ;;
     dispatch) $limit python3 -m moeblaze.cli bench --dispatch --out "$OUT" ;;
     layer) $limit python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
     scale) $limit python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
