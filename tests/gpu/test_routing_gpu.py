@@ -107,7 +107,7 @@ def test_token_rounding_through_the_kernels_bf16(poison_alloc, backend, rule, ch
             assert _rel(g, w) <= FACTOR * max(_rel(b, w), 1e-3), (name, _rel(g, w), _rel(b, w))
 
 
-def test_bf16_router_logits_on_gpu_are_the_fp32_products():
+def test_bf16_router_logits_on_gpu_within_the_bound_of_their_fp32_sums():
     """On CUDA the bf16 router's logits come from a bf16 GEMM accumulating in fp32 and its gradients from two bf16
     terms of the fp32 gradient. Tensor cores add each 16-deep step's exact products to the fp32 sum with truncation,
     so the logits may sit up to (K / 16) · 2^-23 · sum_k |x_k w_k| from the exact ones (the CPU tests' model of that

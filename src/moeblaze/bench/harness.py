@@ -145,7 +145,7 @@ IMPLS: dict[str, tuple[Callable[[], bool], tuple, Callable]] = {
     # the same with fp8_weight_cache: the weights quantized once a step, both layouts from one read
     "moeblaze-fp8-cached": (lambda: IMPLS["moeblaze-fp8"][0](), ("preact", "preact-fp8"),
                             lambda p, policy: moeblaze_call(p, policy, precision="fp8", weight_cache=True)),
-    # the same with the weight gradients on e4m3 too (fp8_wgrad, the portable kernel)
+    # the same with the weight gradients on e4m3 too (fp8_wgrad)
     "moeblaze-fp8-wgrad": (lambda: IMPLS["moeblaze-fp8"][0](), ("preact", "preact-fp8"),
                            lambda p, policy: moeblaze_call(p, policy, precision="fp8", fp8_wgrad=True)),
     "reference": (lambda: True, ("-",), _reference),

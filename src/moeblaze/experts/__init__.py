@@ -57,8 +57,8 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     one read, until the weight changes (its version counter: an optimizer step), instead of quantizing where used:
     forward and backward, and every micro-batch of an accumulated step, share one quantization, for the copies'
     bytes (half the weights' in bf16) held between steps (experts.fp8). fp8_wgrad (precision="fp8"): the weight
-    gradients on e4m3 operands too, each scaled per 128 of an expert's rows (DeepSeek-V3's 128 x 1 groups; on the
-    portable tl kernel for now, to be measured against the bf16 weight gradients).
+    gradients on e4m3 operands too, each scaled per 128 of an expert's rows (DeepSeek-V3's 128 x 1 groups; a Gluon
+    kernel on Hopper, the portable tl kernel elsewhere).
     """
     check_activation(activation)
     if checkpoint not in CHECKPOINTS:

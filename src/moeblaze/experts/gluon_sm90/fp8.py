@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ...launch import launch, sm_count
 from ...reference.fp8 import GROUP
-from ..schedule import BLOCK_M
+from ..schedule import BLOCK_M, expert_tiles
 from .common import (GATHER_WARPS, descriptor, mma_layout, my_tiles, stage_barriers, store_tile, tile_of,
                      tma_load)
 from .partitions import gather_loader, tma_loader
@@ -280,20 +280,17 @@ def fp8_weight_grad_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cl, sa_ptr, str
 def fp8_weight_grad(a_t, b_t, offsets, out, stages: int = FP8_STAGES, worker_regs: int = FP8_WORKER_REGS):
     """experts.tl.fp8.fp8_weight_grad on Hopper (same arguments and result): a_t = (q (M, T · 128) e4m3, scales
     (M, T)), b_t = (q (N, T · 128), scales (N, T)) as quant.quantize_tiles_t writes them (scales tile by tile,
-    each tile's padded with zeros to a multiple of FP8_BLOCK_N); out (E, M, N)
-    contiguous in bf16/fp16/fp32 with N a multiple of 8. The dispatcher (experts.dispatch) checks these; the
-    launcher does not."""
+    each tile's padded with zeros to a multiple of FP8_BLOCK_N); out (E, M, N) contiguous in bf16/fp16/fp32 with N
+    a multiple of 8. The dispatcher (experts.dispatch) checks these; the launcher does not."""
     (qa, sa), (qb, sb) = a_t, b_t
     E, M, N = out.shape
     if qa.shape[1] == 0:  # no rows at all: every expert's gradient is zero
         return out.zero_()
-    counts = offsets[1:] - offsets[:-1]
-    tiles = (counts + GROUP - 1) // GROUP  # each expert's row tiles, in the schedule's expert-major order
-    first = (tiles.cumsum(0) - tiles).to(torch.int32)
+    first, tiles = expert_tiles(offsets, GROUP)
     c2d = out.view(E * M, N)
     group = wgrad_group(triton.cdiv(M, BLOCK_M), triton.cdiv(N, FP8_BLOCK_N))
     launch(fp8_weight_grad_kernel, (sm_count(qa.device),), descriptor(qa, [BLOCK_M, GROUP]),
            descriptor(qb, [FP8_BLOCK_N, GROUP]), descriptor(c2d, [BLOCK_M, GROUP]), c2d, c2d.stride(0), sa,
-           sa.stride(1), sb, sb.stride(1), first, tiles.to(torch.int32), E, M, N, group, BLOCK_M=BLOCK_M,
+           sa.stride(1), sb, sb.stride(1), first, tiles, E, M, N, group, BLOCK_M=BLOCK_M,
            BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages, WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
     return out

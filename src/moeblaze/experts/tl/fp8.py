@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ...config import INTERPRET
 from ...launch import launch
-from ..schedule import BLOCK_M
+from ..schedule import BLOCK_M, expert_tiles
 from .common import _swizzle, _tile_rows
 
 GROUP = 128  # the scale groups: 1 x 128 for A, 128 x 128 for B
@@ -124,12 +124,10 @@ def fp8_weight_grad(a_t, b_t, offsets: torch.Tensor, out: torch.Tensor) -> torch
                          f"{sa.stride()} and {sb.stride()}")
     if INTERPRET:  # no fp8 in the interpreter: float16 holds every e4m3 value exactly
         qa, qb = qa.to(torch.float16), qb.to(torch.float16)
-    counts = offsets[1:] - offsets[:-1]
-    tiles = (counts + GROUP - 1) // GROUP  # each expert's row tiles, in the schedule's expert-major order
-    first = (tiles.cumsum(0) - tiles).to(torch.int32)
+    first, tiles = expert_tiles(offsets, GROUP)
     block_n, block_p = (32, 32) if INTERPRET else (128, 128)
     launch(_fp8_wgrad_kernel, (E, triton.cdiv(N, block_n), triton.cdiv(P, block_p)), qa, sa, qb, sb, out, first,
-           tiles.to(torch.int32), N, P, qa.stride(0), sa.stride(1), qb.stride(0), sb.stride(1), out.stride(0),
+           tiles, N, P, qa.stride(0), sa.stride(1), qb.stride(0), sb.stride(1), out.stride(0),
            out.stride(1), BLOCK_N=block_n, BLOCK_P=block_p, GROUP=GROUP, num_warps=4 if INTERPRET else 8,
            num_stages=1 if INTERPRET else 3)
     return out
