@@ -13,8 +13,9 @@ Routing: a fresh router's (logits ~ N(0, 1), softmax top-k, renormalized). Each 
 others (CUDA events, rounds until each has had a second: moeblaze.bench.harness). "useful TF/s" counts the GEMM
 FLOPs of the pairs a step computes, 18 · pairs · d · h (SwiGLU, forward and backward), over its time. One row
 per (config, part, impl, routing) goes to DIR/rounding.jsonl, with its speedup over the same impl's plain top-k,
-the host's ms to issue a step (host_ms: near step_ms, the host sets the pace) and the GPU's busy ms in one
-profiled step (gpu_busy_ms, every kernel's time summed: step_ms minus it is time the GPU waits).
+the host's ms to issue a step (host_ms: near step_ms, the host sets the pace) and the GPU's busy ms per step over
+ten profiled back to back (gpu_busy_ms, the union of the kernels' intervals: step_ms minus it is time the GPU
+waits). --profile prints, per step, each one's kernels and the GPU's longest idle gaps instead of timing.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import time
 import torch
 
 from moeblaze import MoELayer
-from moeblaze.bench.harness import CONFIGS, _timed_rounds, kernel_times
+from moeblaze.bench.harness import CONFIGS, _timed_rounds, steady_profile
 from moeblaze.cli.bench import run_env
 from moeblaze.experts import moe_experts
 from moeblaze.routing.router import router_logits
@@ -118,7 +119,7 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--configs", default="E256,D,C")
     ap.add_argument("--routings", default=",".join(("top-k",) + RULES), help="top-k and the rounding rules to run")
-    ap.add_argument("--profile", action="store_true", help="print moeblaze's kernels per step instead of timing")
+    ap.add_argument("--profile", action="store_true", help="print each step's kernels and idle gaps instead of timing")
     args = ap.parse_args()
     wanted = args.routings.split(",")
     if "top-k" not in wanted or not set(wanted) <= {"top-k", *RULES}:
@@ -149,7 +150,7 @@ def main():
         for r, (kept, weights) in routes.items():
             fns[("experts", "moeblaze", r)] = step_fn(
                 moeblaze_experts(L, E, K, kept, weights, w1, w2, topk if r == "top-k" else None, r), x, dy, w1, w2)
-            if have_sonic and not args.profile:
+            if have_sonic:
                 fns[("experts", "sonicmoe", r)] = step_fn(sonicmoe_experts(L, E, kept, weights, w1, w2), x, dy, w1, w2)
         layers = {}
         for r in ("top-k",) + rules:
@@ -170,18 +171,22 @@ def main():
                 del fns[key]
         if args.profile:
             for key, fn in fns.items():
-                kernels = kernel_times(lambda fn=fn: fn(0), top=None)
-                print(f"--- {name} {key}: kernels of one step (name, calls, ms): {sum(k[2] for k in kernels):.3f} ms "
-                      f"in {sum(k[1] for k in kernels)} launches")
-                for k, n, ms in kernels[:12]:
-                    print(f"  {ms:8.3f} {n:4d}  {k[:110]}")
+                prof = steady_profile(fn)
+                print(f"--- {name} {key}: per step over 10 back to back: span {prof['span_ms']:.3f} ms, GPU busy "
+                      f"{prof['busy_ms']:.3f} ms, {sum(k[1] for k in prof['kernels']):.0f} launches; "
+                      f"kernels (ms, calls, name):")
+                for k, n, ms in prof["kernels"][:14]:
+                    print(f"  {ms:8.3f} {n:5.1f}  {k[:110]}")
+                print("  the GPU idle (ms, last kernel -> next kernel):")
+                for ms, a, b in prof["gaps"][:6]:
+                    print(f"  {ms:8.3f}  {a[:60]}  ->  {b[:60]}")
             continue
         times = _timed_rounds(fns, torch.device("cuda"), iters=5)
         for (part, impl, r), res in times.items():
             if isinstance(res, Exception):
                 print(f"{name} {part} {impl} {r}: {type(res).__name__}: {res}", flush=True)
                 continue
-            busy = sum(t for _, _, t in kernel_times(lambda fn=fns[(part, impl, r)]: fn(0), top=None))
+            busy = steady_profile(fns[(part, impl, r)])["busy_ms"]
             ms, host_ms = res
             if part == "router":
                 fp32 = times.get((part, impl, "fp32-gemm"))

@@ -270,6 +270,53 @@ def kernel_times(step, top: int | None = 15) -> list[tuple[str, int, float]]:
     return sorted(rows, key=lambda r: -r[2])[:top]
 
 
+def steady_profile(step, steps: int = 10) -> dict:
+    """step(i) called `steps` times back to back under torch.profiler, as a timing loop calls it (no sync in
+    between), after the caller has warmed it up. Per step, in ms: span_ms (first kernel's start to last one's
+    end), busy_ms (the union of the kernels' intervals: span minus it is time the GPU waits), kernels [(name,
+    calls, ms)] longest first, and gaps [(ms, kernel before, kernel after)] longest first: where it waits.
+    Kernel times here are the clocks of sustained work, not those of one step after an idle GPU."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from .timeline import trace_kernels
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU events: their overhead would pace the host
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        kernels = trace_kernels(path)
+    return kernel_summary(kernels, steps)
+
+
+def kernel_summary(kernels: list[tuple[str, float, float]], steps: int = 1) -> dict:
+    """steady_profile's numbers from kernels [(name, start µs, duration µs)] of `steps` steps."""
+    from .timeline import _union
+
+    kernels = sorted(kernels, key=lambda k: k[1])
+    if not kernels:
+        return dict(span_ms=0.0, busy_ms=0.0, kernels=[], gaps=[])
+    span = max(ts + dur for _, ts, dur in kernels) - kernels[0][1]
+    busy = sum(b - a for a, b in _union([(ts, ts + dur) for _, ts, dur in kernels]))
+    per_kernel, gaps, end, last = {}, {}, kernels[0][1], kernels[0][0]
+    for name, ts, dur in kernels:
+        calls, us = per_kernel.get(name, (0, 0.0))
+        per_kernel[name] = (calls + 1, us + dur)
+        if ts > end:  # the GPU ran nothing from the end of `last` until this kernel started
+            gaps[(last, name)] = gaps.get((last, name), 0.0) + ts - end
+        if ts + dur >= end:
+            end, last = ts + dur, name
+    return dict(span_ms=span / 1e3 / steps, busy_ms=busy / 1e3 / steps,
+                kernels=sorted(((k, c / steps, us / 1e3 / steps) for k, (c, us) in per_kernel.items()),
+                               key=lambda r: -r[2]),
+                gaps=sorted(((us / 1e3 / steps, a, b) for (a, b), us in gaps.items()), reverse=True))
+
+
 def gpu_busy_ms(call, p: Problem) -> float:
     """Sum of the GPU kernel times of one forward+backward step. Against step_ms it shows how much of
     a step is host overhead (Python, launches) rather than GPU work."""

@@ -1,0 +1,38 @@
+"""The profile summaries against hand-computed cases: (name, start µs, duration µs) kernels laid out by hand."""
+import pytest
+
+from moeblaze.bench.harness import kernel_summary
+from moeblaze.bench.timeline import step_split
+
+# two steps; in each, an up GEMM, a small index kernel overlapping it, a wait, then a down GEMM
+KERNELS = [
+    ("up_swiglu_kernel", 0.0, 100.0), ("build_index", 90.0, 20.0), ("_down_rows_kernel", 150.0, 50.0),
+    ("up_swiglu_kernel", 300.0, 100.0), ("build_index", 390.0, 20.0), ("_down_rows_kernel", 450.0, 50.0),
+]
+
+
+def test_kernel_summary_spans_unions_and_gaps():
+    s = kernel_summary(list(reversed(KERNELS)), steps=2)  # order given does not matter
+    assert s["span_ms"] == pytest.approx(500 / 1e3 / 2)
+    assert s["busy_ms"] == pytest.approx((110 + 50) * 2 / 1e3 / 2)  # the overlap counts once
+    assert s["kernels"] == [("up_swiglu_kernel", 1.0, 0.1), ("_down_rows_kernel", 1.0, 0.05),
+                            ("build_index", 1.0, 0.02)]
+    # gaps: 110..150 after build_index (it ends last), 200..300 between the steps, twice 40 and once 100
+    assert s["gaps"] == [(pytest.approx(0.05), "_down_rows_kernel", "up_swiglu_kernel"),
+                         (pytest.approx(0.04), "build_index", "_down_rows_kernel")]
+
+
+def test_kernel_summary_of_nothing():
+    assert kernel_summary([], steps=3) == dict(span_ms=0.0, busy_ms=0.0, kernels=[], gaps=[])
+
+
+def test_step_split_parts_and_exposed_communication():
+    kernels = [("up_swiglu_kernel", 0.0, 100.0), ("ncclDevKernel_AllGather_RING", 50.0, 100.0),
+               ("elementwise_kernel", 200.0, 10.0)]
+    s = step_split(kernels)
+    assert s["gemm_ms"] == pytest.approx(0.1)
+    assert s["allgather_reducescatter_ms"] == pytest.approx(0.1)
+    assert s["other_compute_ms"] == pytest.approx(0.01)
+    assert s["all_to_all_ms"] == 0.0
+    assert s["busy_ms"] == pytest.approx(0.16)
+    assert s["exposed_comm_ms"] == pytest.approx(0.05)  # 100..150 has no compute under it
