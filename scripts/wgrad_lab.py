@@ -1,0 +1,142 @@
+"""What a weight-gradient tile costs on Hopper when each expert has few rows (256 experts: ~256 rows each, a handful
+of 64-row steps per 128 x 256 tile of dW): the bf16 Gluon kernel (experts/gluon_sm90/wgrad.py) on the two shapes of
+(16384, 4096, 1024, 256, 4), dW1 = dHᵀ x[token] and dW2 = dy[token]ᵀ (s·A), with every expert given the same R_e
+rows (R_e = 128 .. 1024) and with a top-k routing's ragged counts; beside cuBLAS's batched GEMM on the same dense
+operands (the gathered side gathered beforehand, so it reads less than the kernel does): a yardstick for short
+reductions. Each shape's impls are timed in turns (moeblaze.bench.harness). From the aligned rows, the kernel's
+time per tile and SM is fitted as fixed + per_step · steps: what a tile costs beyond its MMAs.
+
+  gluon          the kernel as the experts run it (BLOCK_K 64, 3 stages)
+  gluon-k32-s6   BLOCK_K 32 and 6 stages: the same bytes in flight, finer steps
+  bmm            torch.bmm (E, M, R_e) x (E, R_e, N), aligned rows only
+
+    python scripts/wgrad_lab.py [--out DIR] [--rows 128,256,512,1024]   (Hopper; rows in DIR/wgrad_lab.jsonl)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+
+import torch
+
+from moeblaze.bench.harness import _timed_rounds
+from moeblaze.cli.bench import run_env
+from moeblaze.experts import gluon_sm90
+from moeblaze.experts.stages import RowPlan
+from moeblaze.routing import build_routing_index, route_topk
+
+L, D, H, E, K = 16384, 4096, 1024, 256, 4
+SMS = None
+
+
+def shapes():
+    """(name, M, N, gather_p, P's source width, Q's source width): dW[e] (M, N) = Pᵀ Q."""
+    return (("dW1", 2 * H, D, False), ("dW2", D, H, True))
+
+
+def operands(M, N, gather_p, R):
+    """p, q as the experts' backward passes them: the gathered side is (L, width), the dense side (R, width)."""
+    g = torch.Generator(device="cuda").manual_seed(R)
+    p = torch.randn(L if gather_p else R, M, device="cuda", generator=g).bfloat16()
+    q = torch.randn(R if gather_p else L, N, device="cuda", generator=g).bfloat16()
+    return p, q
+
+
+def impls(p, q, token, offsets, out, gather_p, r_e) -> dict:
+    """{impl: step(i)} on one shape (see the module header); bmm where every expert has r_e rows."""
+    fns = {"gluon": lambda i: gluon_sm90.weight_grad(p, q, token, offsets, out, gather_p),
+           "gluon-k32-s6": lambda i: gluon_sm90.weight_grad(p, q, token, offsets, out, gather_p, block_k=32,
+                                                             stages=6)}
+    if r_e is not None:
+        E, M, N = out.shape
+        pe = (p[token.long()] if gather_p else p).view(E, r_e, M).transpose(1, 2)
+        qe = (q if gather_p else q[token.long()]).view(E, r_e, N)
+        bmm_out = torch.empty_like(out)
+        fns["bmm"] = lambda i: torch.bmm(pe, qe, out=bmm_out)
+    return fns
+
+
+def measure(rows_per_expert, meta) -> list:
+    out_rows = []
+    torch.manual_seed(0)
+    cases = [(f"aligned-{r}", r) for r in rows_per_expert] + [("top-k", None)]
+    for case, r_e in cases:
+        if r_e is None:
+            idx, _ = route_topk(torch.randn(L, E, device="cuda"), K)
+            plan = RowPlan.build(build_routing_index(idx, E))
+            token, offsets = plan.token_R, plan.offsets_E1
+        else:
+            token = torch.randint(0, L, (E * r_e,), device="cuda", dtype=torch.int32)
+            offsets = (torch.arange(E + 1, device="cuda", dtype=torch.int32) * r_e)
+        R = token.numel()
+        steps = int(((offsets[1:] - offsets[:-1] + 63) // 64).sum()) / E  # 64-row steps per tile, mean over experts
+        for name, M, N, gather_p in shapes():
+            p, q = operands(M, N, gather_p, R)
+            out = torch.empty(E, M, N, device="cuda", dtype=torch.bfloat16)
+            fns = impls(p, q, token, offsets, out, gather_p, r_e)
+            want = fns["gluon"](0).float()
+            same = {}
+            for impl, fn in list(fns.items()):
+                if impl == "gluon":
+                    continue
+                try:
+                    got = fn(0).float()
+                    same[impl] = float((got - want).norm() / want.norm())
+                except Exception as ex:  # noqa: BLE001  (a variant that fails is reported, the others run)
+                    print(f"{case} {name} {impl}: {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+                    fns.pop(impl)
+            tiles = E * -(-M // 128) * -(-N // 256)
+            for impl, res in _timed_rounds(fns, torch.device("cuda"), iters=10).items():
+                if isinstance(res, Exception):
+                    print(f"{case} {name} {impl}: {res}", flush=True)
+                    continue
+                ms = res[0]
+                row = dict(mode="wgrad-lab", case=case, gemm=name, E=E, M=M, N=N, R=R, steps_per_tile=round(steps, 3),
+                           impl=impl, ms=round(ms, 4), tflops=round(2 * R * M * N / (ms * 1e-3) / 1e12, 1),
+                           us_per_tile_sm=round(ms * 1e3 / (tiles / SMS), 3), rel_to_gluon=same.get(impl), **meta)
+                out_rows.append(row)
+                print(json.dumps(row), flush=True)
+            del p, q, out, fns
+            torch.cuda.empty_cache()
+    return out_rows
+
+
+def fit(rows) -> list:
+    """Per (gemm, impl): us per tile and SM = fixed + per_step · steps, least squares over the aligned cases."""
+    out = []
+    for gemm in ("dW1", "dW2"):
+        for impl in ("gluon", "gluon-k32-s6"):
+            pts = [(r["steps_per_tile"], r["us_per_tile_sm"]) for r in rows
+                   if r["gemm"] == gemm and r["impl"] == impl and r["case"].startswith("aligned")]
+            if len(pts) < 2:
+                continue
+            x = torch.tensor([p[0] for p in pts], dtype=torch.float64)
+            y = torch.tensor([p[1] for p in pts], dtype=torch.float64)
+            A = torch.stack([torch.ones_like(x), x], 1)
+            fixed, per_step = torch.linalg.lstsq(A, y[:, None]).solution[:, 0].tolist()
+            out.append(dict(mode="wgrad-lab-fit", gemm=gemm, impl=impl, fixed_us=round(fixed, 3),
+                            per_step_us=round(per_step, 3)))
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def main():
+    global SMS
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--rows", default="128,256,512,1024", help="rows per expert of the aligned cases")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    SMS = torch.cuda.get_device_properties(0).multi_processor_count
+    meta = run_env(torch.device("cuda"), shlex.join(["python", "scripts/wgrad_lab.py", *sys.argv[1:]]))
+    rows = measure([int(r) for r in args.rows.split(",")], meta)
+    rows += [dict(r, **meta) for r in fit(rows)]
+    with open(os.path.join(args.out, "wgrad_lab.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()
