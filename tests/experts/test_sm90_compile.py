@@ -1,8 +1,8 @@
 """Kernels compiled ahead of time for sm_90 without a GPU (Triton's ASTSource / GluonASTSource and its bundled
-ptxas), where the interpreter would not tell: the Hopper fp8 kernels (every variant the launcher can pick compiles,
-issues e4m3 wgmma and spills nothing, or next to it; what they compute is checked on a GPU only,
-tests/gpu/test_fp8_gpu.py, since the interpreter does not run Gluon), and the tl kernels of the fp8 quantizers, the
-rounded index and the wide combine (the interpreter runs them; this checks that they also lower for the GPU)."""
+ptxas), where the interpreter would not tell: the Hopper bf16 weight gradient and the fp8 kernels (every variant the
+launcher can pick compiles, issues its wgmma and spills nothing, or next to it; what they compute is checked on a GPU
+only, tests/gpu/, since the interpreter does not run Gluon), and the tl kernels of the fp8 quantizers, the rounded
+index and the wide combine (the interpreter runs them; this checks that they also lower for the GPU)."""
 import os
 import re
 import subprocess
@@ -107,6 +107,25 @@ def test_fp8_weight_grad_kernel_compiles_for_sm90():
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ck.asm["ptx"]
     assert ck.metadata.shared <= 227 * 1024
     assert _stack_bytes(ck) <= 8
+
+
+@pytest.mark.parametrize("gather_p", [False, True])
+def test_bf16_weight_grad_kernel_compiles_for_sm90(gather_p):
+    """The bf16 weight gradient (a bf16 layer's dW1 gathers Q = x, dW2 gathers P = dy): bf16 wgmma on its 128 x 256
+    tiles, within shared memory, and no spills (its next tiles' row ranges are carried in registers)."""
+    from moeblaze.experts.gluon_sm90 import wgrad
+
+    block_m, block_n = wgrad.WGRAD_BLOCKS
+    dense = torch.empty(4096, 1024, dtype=torch.bfloat16)
+    c = torch.empty(8 * 1024, 2048, dtype=torch.bfloat16)
+    descs = dict(dense_desc=descriptor(dense, [64, block_n if gather_p else block_m]),
+                 c_desc=descriptor(c, [block_m, block_n]))
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=3, WORKER_REGS=56)
+    ck = _compile_gluon(wgrad.weight_grad_kernel, descs, consts, dict(src_ptr="*bf16", c_ptr="*bf16"),
+                        sizes=("E", "M", "N", "GROUP"))
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ck.asm["ptx"]
+    assert ck.metadata.shared <= 227 * 1024
+    assert _stack_bytes(ck) == 0
 
 
 # the tl kernels are compiled in a child process: this session runs them under the interpreter, which turns

@@ -79,11 +79,14 @@ def _wgrad_loader(dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, re
         e, tm, tn = _wgrad_tile(0, pid, nprog, n_tm, n_tn, group)
         start, end = gl.load(expert_offsets_ptr + e), gl.load(expert_offsets_ptr + e + 1)
         tok = gl.load(token_ptr + start + offs_r, mask=start + offs_r < end, other=0)
+        # the next tile (the last one again past the end: read, never used); its row range loaded a tile
+        # earlier still, so no stage waits on that load
+        e1, tm1, tn1 = _wgrad_tile(gl.minimum(1, n_mine - 1), pid, nprog, n_tm, n_tn, group)
+        start1, end1 = gl.load(expert_offsets_ptr + e1), gl.load(expert_offsets_ptr + e1 + 1)
         c = 0
         for j in range(n_mine):
-            # the next tile (the last one again past the end: read, never used)
-            e1, tm1, tn1 = _wgrad_tile(gl.minimum(j + 1, n_mine - 1), pid, nprog, n_tm, n_tn, group)
-            start1, end1 = gl.load(expert_offsets_ptr + e1), gl.load(expert_offsets_ptr + e1 + 1)
+            e2, tm2, tn2 = _wgrad_tile(gl.minimum(j + 2, n_mine - 1), pid, nprog, n_tm, n_tn, group)
+            start2, end2 = gl.load(expert_offsets_ptr + e2), gl.load(expert_offsets_ptr + e2 + 1)
             src_cols = src_ptr + ((tm * BLOCK_M) if GATHER_P else (tn * BLOCK_N)) + offs_c
             dense_col = (tn * BLOCK_N) if GATHER_P else (tm * BLOCK_M)
             n_k = gl.cdiv(end - start, BLOCK_K)
@@ -115,6 +118,7 @@ def _wgrad_loader(dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, re
             if n_k == 0:  # an expert without rows: nothing read ahead
                 tok = gl.load(token_ptr + start1 + offs_r, mask=start1 + offs_r < end1, other=0)
             e, tm, tn, start, end = e1, tm1, tn1, start1, end1
+            e1, tm1, tn1, start1, end1 = e2, tm2, tn2, start2, end2
 
 
 @gluon.jit
@@ -128,16 +132,23 @@ def _wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, em
     BLOCK_N: gl.constexpr = q_bufs.type.shape[2]
     acc_layout: gl.constexpr = mma_layout(8, BLOCK_N)
     pid, nprog = gl.program_id(0), gl.num_programs(0)
+    n_mine = gl.cdiv(n_tiles - pid, nprog)
     c0 = 0
-    for j in range(gl.cdiv(n_tiles - pid, nprog)):
-        e, tm, tn = _wgrad_tile(j, pid, nprog, n_tm, n_tn, group)
-        n_k = gl.cdiv(gl.load(expert_offsets_ptr + e + 1) - gl.load(expert_offsets_ptr + e), BLOCK_K)
+    # each tile's row range is loaded a tile ahead: loaded where the tile starts, a global load's latency
+    # stands between two tiles' MMAs
+    e, tm, tn = _wgrad_tile(0, pid, nprog, n_tm, n_tn, group)
+    start, end = gl.load(expert_offsets_ptr + e), gl.load(expert_offsets_ptr + e + 1)
+    for j in range(n_mine):
+        e1, tm1, tn1 = _wgrad_tile(gl.minimum(j + 1, n_mine - 1), pid, nprog, n_tm, n_tn, group)
+        start1, end1 = gl.load(expert_offsets_ptr + e1), gl.load(expert_offsets_ptr + e1 + 1)
+        n_k = gl.cdiv(end - start, BLOCK_K)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         acc = mma_steps(acc, c0, n_k, p_bufs, q_bufs, ready, empty, True, A_KM=True)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index((c0 + n_k + S - 1) % S), pred=n_k > 0)
         c0 += n_k
         store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
+        e, tm, tn, start, end = e1, tm1, tn1, start1, end1
     tma.store_wait(0)
 
 
