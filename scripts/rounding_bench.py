@@ -7,7 +7,8 @@
   router   the router's logits, forward + backward, on the layer's x: bf16 GEMMs accumulating in fp32 (what the
            layer runs) against fp32 GEMMs on fp32 copies (what it ran before); rows name the way, not a routing
 
-    python scripts/rounding_bench.py [--out DIR] [--configs E256,D,C] [--routings top-k,nr-f,up,down] [--profile]
+    python scripts/rounding_bench.py [--out DIR] [--configs E256,D,C] [--routings top-k,nr-f,up,down] [--no-peers]
+                                     [--profile [--profile-steps N]]
 
 Routing: a fresh router's (logits ~ N(0, 1), softmax top-k, renormalized). Each step is timed in turns with the
 others (CUDA events, rounds until each has had a second: moeblaze.bench.harness). "useful TF/s" counts the GEMM
@@ -120,6 +121,9 @@ def main():
     ap.add_argument("--configs", default="E256,D,C")
     ap.add_argument("--routings", default=",".join(("top-k",) + RULES), help="top-k and the rounding rules to run")
     ap.add_argument("--profile", action="store_true", help="print each step's kernels and idle gaps instead of timing")
+    ap.add_argument("--profile-steps", type=int, default=10,
+                    help="steps profiled back to back (hundreds: the clocks of a sustained run, as timing sees)")
+    ap.add_argument("--no-peers", action="store_true", help="leave SonicMoE out even where it is installed")
     args = ap.parse_args()
     wanted = args.routings.split(",")
     if "top-k" not in wanted or not set(wanted) <= {"top-k", *RULES}:
@@ -128,7 +132,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     try:
         import sonicmoe  # noqa: F401
-        have_sonic = True
+        have_sonic = not args.no_peers
     except ImportError:
         have_sonic = False
     rows = []
@@ -171,9 +175,10 @@ def main():
                 del fns[key]
         if args.profile:
             for key, fn in fns.items():
-                prof = steady_profile(fn)
-                print(f"--- {name} {key}: per step over 10 back to back: span {prof['span_ms']:.3f} ms, GPU busy "
-                      f"{prof['busy_ms']:.3f} ms, {sum(k[1] for k in prof['kernels']):.0f} launches; "
+                prof = steady_profile(fn, args.profile_steps)
+                print(f"--- {name} {key}: per step over {args.profile_steps} back to back: span "
+                      f"{prof['span_ms']:.3f} ms, GPU busy {prof['busy_ms']:.3f} ms, "
+                      f"{sum(k[1] for k in prof['kernels']):.0f} launches; "
                       f"kernels (ms, calls, name):")
                 for k, n, ms in prof["kernels"][:14]:
                     print(f"  {ms:8.3f} {n:5.1f}  {k[:110]}")
