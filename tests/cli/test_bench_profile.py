@@ -272,3 +272,14 @@ def test_results_list_peers_from_other_runs_beside_their_own_baseline():
     # the newest run, with its own baseline
     assert "| 64,32,16,4,2 | liger/pinned | 1.00 | 8.00 | - | - | 0.50 | 1 | 1 | 1 | - |" in text
     assert "9.00" not in text and text.count("liger/pinned") == 1  # the older liger row is left out
+
+
+def test_results_rows_record_no_absolute_paths():
+    """The command a row records names an absolute path (the output folder of the machine that ran it) by its
+    last part only; relative arguments stay as given."""
+    from moeblaze.cli.bench import run_env
+
+    env = run_env(torch.device("cpu"), "python scripts/rounding_bench.py --out /some/machine/out/ --configs E256")
+    assert env["command"] == "python scripts/rounding_bench.py --out out --configs E256"
+    assert run_env(torch.device("cpu"), "moeblaze bench --out bench/results")["command"] == \
+        "moeblaze bench --out bench/results"

@@ -93,8 +93,11 @@ def run_env(device: torch.device, command: str | None = None) -> dict:
                                  cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
         except OSError:
             sha = "unknown"
+    command = command or "moeblaze bench " + shlex.join(sys.argv[2:])
+    # an absolute path (the output folder of the machine that ran it) is recorded by its last part
+    command = shlex.join(os.path.basename(a.rstrip("/")) if a.startswith("/") else a for a in shlex.split(command))
     return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "git_sha": sha,
-            "run_id": uuid.uuid4().hex[:12], "command": command or "moeblaze bench " + shlex.join(sys.argv[2:]),
+            "run_id": uuid.uuid4().hex[:12], "command": command,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
