@@ -8,7 +8,7 @@
            layer runs) against fp32 GEMMs on fp32 copies (what it ran before); rows name the way, not a routing
 
     python scripts/rounding_bench.py [--out DIR] [--configs E256,D,C] [--routings top-k,nr-f,up,down] [--no-peers]
-                                     [--profile [--profile-steps N]]
+                                     [--clocks] [--profile [--profile-steps N]]
 
 Routing: a fresh router's (logits ~ N(0, 1), softmax top-k, renormalized). Each step is timed in turns with the
 others (CUDA events, rounds until each has had a second: moeblaze.bench.harness). "useful TF/s" counts the GEMM
@@ -115,6 +115,24 @@ def router_fns(x, weight):
     return {"bf16-gemm": step(router_logits), "fp32-gemm": step(lambda a, b: a.float() @ b.float().t())}
 
 
+def sustained(fn, seconds: float = 2.0) -> dict:
+    """fn run back to back for `seconds`, the GPU's SM clock (MHz) and power (W) sampled through NVML after the
+    first half second: medians. Under the power cap, work on zero rows (a ragged expert's last tile) draws less
+    power than work on data, so removing it may lift the time less than the FLOPs it removes."""
+    import statistics
+
+    mhz, watts, t0, i = [], [], time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(5):
+            fn(i)
+            i += 1
+        torch.cuda.synchronize()
+        if time.perf_counter() - t0 > 0.5:
+            mhz.append(torch.cuda.clock_rate())
+            watts.append(torch.cuda.power_draw() / 1e3)
+    return dict(sm_mhz=statistics.median(mhz), power_w=round(statistics.median(watts), 1)) if mhz else {}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -124,6 +142,8 @@ def main():
     ap.add_argument("--profile-steps", type=int, default=10,
                     help="steps profiled back to back (hundreds: the clocks of a sustained run, as timing sees)")
     ap.add_argument("--no-peers", action="store_true", help="leave SonicMoE out even where it is installed")
+    ap.add_argument("--clocks", action="store_true", help="rows also carry the SM clock and power of each step run "
+                    "alone for 2 s (NVML: sm_mhz, power_w)")
     args = ap.parse_args()
     wanted = args.routings.split(",")
     if "top-k" not in wanted or not set(wanted) <= {"top-k", *RULES}:
@@ -204,6 +224,8 @@ def main():
                            useful_tflops=round(18 * pairs[r] * d * h / (ms * 1e-3) / 1e12, 1),
                            speedup_vs_topk=round(base[0] / ms, 3) if isinstance(base, tuple) else None, **meta)
             row.update(host_ms=round(host_ms, 3), gpu_busy_ms=round(busy, 3))
+            if args.clocks:
+                row.update(sustained(fns[(part, impl, r)]))
             rows.append(row)
             print(json.dumps(row), flush=True)
             with open(os.path.join(args.out, "rounding.jsonl"), "w") as f:  # after every row: a timeout keeps them
