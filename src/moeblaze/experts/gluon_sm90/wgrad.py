@@ -135,20 +135,21 @@ def _wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, em
     n_mine = gl.cdiv(n_tiles - pid, nprog)
     c0 = 0
     # each tile's row range is loaded a tile ahead: loaded where the tile starts, a global load's latency
-    # stands between two tiles' MMAs
-    e, tm, tn = _wgrad_tile(0, pid, nprog, n_tm, n_tn, group)
-    start, end = gl.load(expert_offsets_ptr + e), gl.load(expert_offsets_ptr + e + 1)
-    for j in range(n_mine):
-        e1, tm1, tn1 = _wgrad_tile(gl.minimum(j + 1, n_mine - 1), pid, nprog, n_tm, n_tn, group)
-        start1, end1 = gl.load(expert_offsets_ptr + e1), gl.load(expert_offsets_ptr + e1 + 1)
-        n_k = gl.cdiv(end - start, BLOCK_K)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-        acc = mma_steps(acc, c0, n_k, p_bufs, q_bufs, ready, empty, True, A_KM=True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(empty.index((c0 + n_k + S - 1) % S), pred=n_k > 0)
-        c0 += n_k
-        store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
-        e, tm, tn, start, end = e1, tm1, tn1, start1, end1
+    # stands between two tiles' MMAs (a program without tiles reads none: its first tile lies past the experts)
+    if n_mine > 0:
+        e, tm, tn = _wgrad_tile(0, pid, nprog, n_tm, n_tn, group)
+        start, end = gl.load(expert_offsets_ptr + e), gl.load(expert_offsets_ptr + e + 1)
+        for j in range(n_mine):
+            e1, tm1, tn1 = _wgrad_tile(gl.minimum(j + 1, n_mine - 1), pid, nprog, n_tm, n_tn, group)
+            start1, end1 = gl.load(expert_offsets_ptr + e1), gl.load(expert_offsets_ptr + e1 + 1)
+            n_k = gl.cdiv(end - start, BLOCK_K)
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            acc = mma_steps(acc, c0, n_k, p_bufs, q_bufs, ready, empty, True, A_KM=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(empty.index((c0 + n_k + S - 1) % S), pred=n_k > 0)
+            c0 += n_k
+            store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
+            e, tm, tn, start, end = e1, tm1, tn1, start1, end1
     tma.store_wait(0)
 
 
