@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 
@@ -119,8 +120,6 @@ def sustained(fn, seconds: float = 2.0) -> dict:
     """fn run back to back for `seconds`, the GPU's SM clock (MHz) and power (W) sampled through NVML after the
     first half second: medians. Under the power cap, work on zero rows (a ragged expert's last tile) draws less
     power than work on data, so removing it may lift the time less than the FLOPs it removes."""
-    import statistics
-
     mhz, watts, t0, i = [], [], time.perf_counter(), 0
     while time.perf_counter() - t0 < seconds:
         for _ in range(5):

@@ -26,14 +26,14 @@ from moeblaze.bench.harness import _timed_rounds
 from moeblaze.cli.bench import run_env
 from moeblaze.experts import gluon_sm90
 from moeblaze.experts.stages import RowPlan
+from moeblaze.launch import sm_count
 from moeblaze.routing import build_routing_index, route_topk
 
 L, D, H, E, K = 16384, 4096, 1024, 256, 4
-SMS = None
 
 
 def shapes():
-    """(name, M, N, gather_p, P's source width, Q's source width): dW[e] (M, N) = Pᵀ Q."""
+    """(name, M, N, gather_p): dW[e] (M, N) = Pᵀ Q, P gathered through the token ids where gather_p, else Q."""
     return (("dW1", 2 * H, D, False), ("dW2", D, H, True))
 
 
@@ -61,6 +61,7 @@ def impls(p, q, token, offsets, out, gather_p, r_e) -> dict:
 
 def measure(rows_per_expert, meta) -> list:
     out_rows = []
+    sms = sm_count(torch.device("cuda"))
     torch.manual_seed(0)
     cases = [(f"aligned-{r}", r) for r in rows_per_expert] + [("top-k", None)]
     for case, r_e in cases:
@@ -96,7 +97,7 @@ def measure(rows_per_expert, meta) -> list:
                 ms = res[0]
                 row = dict(mode="wgrad-lab", case=case, gemm=name, E=E, M=M, N=N, R=R, steps_per_tile=round(steps, 3),
                            impl=impl, ms=round(ms, 4), tflops=round(2 * R * M * N / (ms * 1e-3) / 1e12, 1),
-                           us_per_tile_sm=round(ms * 1e3 / (tiles / SMS), 3), rel_to_gluon=same.get(impl), **meta)
+                           us_per_tile_sm=round(ms * 1e3 / (tiles / sms), 3), rel_to_gluon=same.get(impl), **meta)
                 out_rows.append(row)
                 print(json.dumps(row), flush=True)
             del p, q, out, fns
@@ -124,13 +125,11 @@ def fit(rows) -> list:
 
 
 def main():
-    global SMS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--rows", default="128,256,512,1024", help="rows per expert of the aligned cases")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    SMS = torch.cuda.get_device_properties(0).multi_processor_count
     meta = run_env(torch.device("cuda"), shlex.join(["python", "scripts/wgrad_lab.py", *sys.argv[1:]]))
     rows = measure([int(r) for r in args.rows.split(",")], meta)
     rows += [dict(r, **meta) for r in fit(rows)]

@@ -18,6 +18,7 @@ from ..reference import moe_experts_reference, up_width
 from ..routing import build_index_sort, build_routing_index, count_per_expert, route_topk
 from .baselines import torch_gmm_experts
 from .memory import SavedTensorCounter
+from .timeline import _union, trace_kernels
 
 # (L tokens, d hidden, h expert intermediate, E experts, K top-k): the anchors' configs
 CONFIGS = {
@@ -280,8 +281,6 @@ def steady_profile(step, steps: int = 10) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from .timeline import trace_kernels
-
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU events: their overhead would pace the host
         for i in range(steps):
@@ -296,8 +295,6 @@ def steady_profile(step, steps: int = 10) -> dict:
 
 def kernel_summary(kernels: list[tuple[str, float, float]], steps: int = 1) -> dict:
     """steady_profile's numbers from kernels [(name, start µs, duration µs)] of `steps` steps."""
-    from .timeline import _union
-
     kernels = sorted(kernels, key=lambda k: k[1])
     if not kernels:
         return dict(span_ms=0.0, busy_ms=0.0, kernels=[], gaps=[])
