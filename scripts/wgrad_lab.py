@@ -13,6 +13,8 @@ time per tile and SM is fitted as fixed + per_step · steps: what a tile costs b
   bmm            torch.bmm (E, M, R_e) x (E, R_e, N), aligned rows only
 
     python scripts/wgrad_lab.py [--out DIR] [--rows 128,256,512,1024]   (Hopper; rows in DIR/wgrad_lab.jsonl)
+    ncu ... python scripts/wgrad_lab.py --once           each Gluon impl launched once per shape on the top-k
+                                                         routing, untimed (for a profiler)
 """
 from __future__ import annotations
 
@@ -64,6 +66,32 @@ def impls(p, q, token, offsets, out, gather_p, r_e) -> dict:
     return fns
 
 
+def topk_plan():
+    """(token, offsets) of a top-k routing of random logits."""
+    idx, _ = route_topk(torch.randn(L, E, device="cuda"), K)
+    plan = RowPlan.build(build_routing_index(idx, E))
+    return plan.token_R, plan.offsets_E1
+
+
+def launch_once():
+    """Each Gluon impl once per shape on the top-k routing, after one launch of each to compile."""
+    torch.manual_seed(0)
+    token, offsets = topk_plan()
+    for name, M, N, gather_p in shapes():
+        p, q = operands(M, N, gather_p, token.numel())
+        out = torch.empty(E, M, N, device="cuda", dtype=torch.bfloat16)
+        fns = {k: f for k, f in impls(p, q, token, offsets, out, gather_p, None).items() if k != "bmm"}
+        for fn in fns.values():
+            fn(0)
+        torch.cuda.synchronize()
+        for impl, fn in fns.items():
+            torch.cuda.nvtx.range_push(f"{name} {impl}")
+            fn(0)
+            torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
+        print(name, "launched:", ", ".join(fns), flush=True)
+
+
 def measure(rows_per_expert, meta) -> list:
     out_rows = []
     sms = sm_count(torch.device("cuda"))
@@ -71,9 +99,7 @@ def measure(rows_per_expert, meta) -> list:
     cases = [(f"aligned-{r}", r) for r in rows_per_expert] + [("top-k", None)]
     for case, r_e in cases:
         if r_e is None:
-            idx, _ = route_topk(torch.randn(L, E, device="cuda"), K)
-            plan = RowPlan.build(build_routing_index(idx, E))
-            token, offsets = plan.token_R, plan.offsets_E1
+            token, offsets = topk_plan()
         else:
             token = torch.randint(0, L, (E * r_e,), device="cuda", dtype=torch.int32)
             offsets = (torch.arange(E + 1, device="cuda", dtype=torch.int32) * r_e)
@@ -133,7 +159,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--rows", default="128,256,512,1024", help="rows per expert of the aligned cases")
+    ap.add_argument("--once", action="store_true", help="launch each Gluon impl once per shape, untimed")
     args = ap.parse_args()
+    if args.once:
+        return launch_once()
     os.makedirs(args.out, exist_ok=True)
     meta = run_env(torch.device("cuda"), shlex.join(["python", "scripts/wgrad_lab.py", *sys.argv[1:]]))
     rows = measure([int(r) for r in args.rows.split(",")], meta)
