@@ -77,7 +77,14 @@ def _wgrad_loader(dense_desc, src_ptr, stride_src, token_ptr, dense_bufs, gather
     if n_mine > 0:
         e, tm, tn = _wgrad_tile(0, pid, nprog, n_tm, n_tn, group)
         start, end = gl.load(expert_offsets_ptr + e), gl.load(expert_offsets_ptr + e + 1)
-        tok = gl.load(token_ptr + start + offs_r, mask=start + offs_r < end, other=0)
+        # token ids two stages ahead of the stage being issued (a cursor over this program's stages): their
+        # load's latency stands between no two stages
+        pj, pk, ps, pe = _next_stage(pid * 0, pid * 0 - 1, start, end, n_mine, pid, nprog, n_tm, n_tn, group, expert_offsets_ptr,
+                                     BLOCK_K)
+        tok = _stage_tokens(token_ptr, ps + pk * BLOCK_K, pe, offs_r)
+        pj, pk, ps, pe = _next_stage(pj, pk, ps, pe, n_mine, pid, nprog, n_tm, n_tn, group, expert_offsets_ptr,
+                                     BLOCK_K)
+        tok1 = _stage_tokens(token_ptr, ps + pk * BLOCK_K, pe, offs_r)
         # the next tile (the last one again past the end: read, never used); its row range loaded a tile
         # earlier still, so no stage waits on that load
         e1, tm1, tn1 = _wgrad_tile(gl.minimum(1, n_mine - 1), pid, nprog, n_tm, n_tn, group)
@@ -96,15 +103,9 @@ def _wgrad_loader(dense_desc, src_ptr, stride_src, token_ptr, dense_bufs, gather
             n_k = gl.cdiv(end - start, BLOCK_K)
             for k in range(n_k):
                 row = start + k * BLOCK_K
-                # the next stage's token ids, loaded while this stage is issued: this tile's next rows or
-                # the next tile's first
-                if k + 1 < n_k:
-                    next_row = row + BLOCK_K
-                    next_end = end
-                else:
-                    next_row = start1
-                    next_end = end1
-                tok1 = gl.load(token_ptr + next_row + offs_r, mask=next_row + offs_r < next_end, other=0)
+                pj, pk, ps, pe = _next_stage(pj, pk, ps, pe, n_mine, pid, nprog, n_tm, n_tn, group,
+                                             expert_offsets_ptr, BLOCK_K)
+                tok2 = _stage_tokens(token_ptr, ps + pk * BLOCK_K, pe, offs_r)
                 s = c % S
                 mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
                 mbarrier.expect(ready.index(s), dense_desc.block_type.nbytes)
@@ -114,11 +115,30 @@ def _wgrad_loader(dense_desc, src_ptr, stride_src, token_ptr, dense_bufs, gather
                 cp_async(gathered_bufs.index(s), ptrs, mask=rmask)
                 async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
                 tok = tok1
+                tok1 = tok2
                 c += 1
-            if n_k == 0:  # an expert without rows: nothing read ahead
-                tok = gl.load(token_ptr + start1 + offs_r, mask=start1 + offs_r < end1, other=0)
             e, tm, tn, start, end = e1, tm1, tn1, start1, end1
             e1, tm1, tn1, start1, end1 = e2, tm2, tn2, start2, end2
+
+
+@gluon.jit
+def _next_stage(pj, pk, ps, pe, n_mine, pid, nprog, n_tm, n_tn, group, expert_offsets_ptr, BLOCK_K: gl.constexpr):
+    """The stage after stage pk of this program's tile pj (rows ps..pe of its expert): (tile, stage, rows),
+    past tiles without rows; past the last stage, stages beyond the last tile's rows (nothing to load)."""
+    pk += 1
+    while (pk * BLOCK_K >= pe - ps) & (pj < n_mine - 1):
+        pj += 1
+        pk *= 0
+        e, tm, tn = _wgrad_tile(pj, pid, nprog, n_tm, n_tn, group)
+        ps = gl.load(expert_offsets_ptr + e)
+        pe = gl.load(expert_offsets_ptr + e + 1)
+    return pj, pk, ps, pe
+
+
+@gluon.jit
+def _stage_tokens(token_ptr, row, end, offs_r):
+    """The token ids of a stage's rows row.. (0 past end)."""
+    return gl.load(token_ptr + row + offs_r, mask=row + offs_r < end, other=0)
 
 
 @gluon.jit
