@@ -8,8 +8,6 @@ time per tile and SM is fitted as fixed + per_step · steps: what a tile costs b
 
   gluon          the kernel as the experts run it (BLOCK_K 64, 3 stages)
   gluon-k32-s6   BLOCK_K 32 and 6 stages: the same bytes in flight, finer steps
-  pingpong       two MMA warpgroups with a 128 x 128 tile each, taking turns on the tensor cores (4 stages)
-  pingpong-s5    the same with 5 stages
   bmm            torch.bmm (E, M, R_e) x (E, R_e, N), aligned rows only
 
     python scripts/wgrad_lab.py [--out DIR] [--rows 128,256,512,1024]   (Hopper; rows in DIR/wgrad_lab.jsonl)
@@ -53,10 +51,7 @@ def impls(p, q, token, offsets, out, gather_p, r_e) -> dict:
     """{impl: step(i)} on one shape (see the module header); bmm where every expert has r_e rows."""
     fns = {"gluon": lambda i: gluon_sm90.weight_grad(p, q, token, offsets, out, gather_p),
            "gluon-k32-s6": lambda i: gluon_sm90.weight_grad(p, q, token, offsets, out, gather_p, block_k=32,
-                                                             stages=6),
-           "pingpong": lambda i: gluon_sm90.weight_grad(p, q, token, offsets, out, gather_p, pingpong=True),
-           "pingpong-s5": lambda i: gluon_sm90.weight_grad(p, q, token, offsets, out, gather_p, pingpong=True,
-                                                            stages=5)}
+                                                             stages=6)}
     if r_e is not None:
         E, M, N = out.shape
         pe = (p[token.long()] if gather_p else p).view(E, r_e, M).transpose(1, 2)
@@ -140,7 +135,7 @@ def fit(rows) -> list:
     """Per (gemm, impl): us per tile and SM = fixed + per_step · steps, least squares over the aligned cases."""
     out = []
     for gemm in ("dW1", "dW2"):
-        for impl in ("gluon", "gluon-k32-s6", "pingpong", "pingpong-s5"):
+        for impl in ("gluon", "gluon-k32-s6"):
             pts = [(r["steps_per_tile"], r["us_per_tile_sm"]) for r in rows
                    if r["gemm"] == gemm and r["impl"] == impl and r["case"].startswith("aligned")]
             if len(pts) < 2:

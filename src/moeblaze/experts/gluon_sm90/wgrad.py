@@ -23,8 +23,6 @@ from .common import (GATHER_WARPS, cp_async, descriptor, gather_layout, mma_layo
 # the reduction runs over the expert's rows, so the gathered side needs new token ids every stage: the
 # loader reads the next stage's ids while it issues this stage's copies
 WGRAD_BLOCKS = (128, 256)  # (BLOCK_M: P's columns per tile of dW, BLOCK_N: Q's columns)
-PINGPONG_BLOCKS = (128, 128)  # a tile per MMA warpgroup (weight_grad_pingpong_kernel)
-PINGPONG_STAGES = 4
 
 
 @gluon.jit
@@ -58,17 +56,20 @@ def wgrad_group(n_tm: int, n_tn: int) -> int:
 
 
 @gluon.jit
-def _wgrad_loader(dense_desc, src_ptr, stride_src, token_ptr, dense_bufs, gathered_bufs, ready, empty,
-                  expert_offsets_ptr, n_tiles, n_tm, n_tn, group, gather_p):
+def _wgrad_loader(dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, ready, empty, expert_offsets_ptr,
+                  n_tiles, n_tm, n_tn, group):
     """Stages of BLOCK_K rows of P (BLOCK_K x BLOCK_M) and Q (BLOCK_K x BLOCK_N): the dense side through TMA
     (its rows past the expert's end are the next expert's, or TMA's zeros past the tensor), the gathered
     side src[token[r]] through cp.async with the rows past the expert's end zero-filled, so they add
     nothing. (A non-finite value in the next expert's dense rows would still reach this expert's sum:
     0 x inf; a step with one has no usable gradients anyway.)"""
-    S: gl.constexpr = dense_bufs.type.shape[0]
-    BLOCK_K: gl.constexpr = dense_bufs.type.shape[1]
-    WIDTH: gl.constexpr = gathered_bufs.type.shape[2]
-    DENSE_WIDTH: gl.constexpr = dense_bufs.type.shape[2]
+    S: gl.constexpr = p_bufs.type.shape[0]
+    BLOCK_K: gl.constexpr = p_bufs.type.shape[1]
+    BLOCK_M: gl.constexpr = p_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = q_bufs.type.shape[2]
+    gl.static_assert(BLOCK_M != BLOCK_N)
+    GATHER_P: gl.constexpr = dense_desc.block_type.shape[1] == BLOCK_N  # the dense side is the one TMA loads
+    WIDTH: gl.constexpr = BLOCK_M if GATHER_P else BLOCK_N
     layout: gl.constexpr = gather_layout(64, gl.num_warps())
     pid, nprog = gl.program_id(0), gl.num_programs(0)
     n_mine = gl.cdiv(n_tiles - pid, nprog)
@@ -77,14 +78,7 @@ def _wgrad_loader(dense_desc, src_ptr, stride_src, token_ptr, dense_bufs, gather
     if n_mine > 0:
         e, tm, tn = _wgrad_tile(0, pid, nprog, n_tm, n_tn, group)
         start, end = gl.load(expert_offsets_ptr + e), gl.load(expert_offsets_ptr + e + 1)
-        # token ids two stages ahead of the stage being issued (a cursor over this program's stages): their
-        # load's latency stands between no two stages
-        pj, pk, ps, pe = _next_stage(pid * 0, pid * 0 - 1, start, end, n_mine, pid, nprog, n_tm, n_tn, group, expert_offsets_ptr,
-                                     BLOCK_K)
-        tok = _stage_tokens(token_ptr, ps + pk * BLOCK_K, pe, offs_r)
-        pj, pk, ps, pe = _next_stage(pj, pk, ps, pe, n_mine, pid, nprog, n_tm, n_tn, group, expert_offsets_ptr,
-                                     BLOCK_K)
-        tok1 = _stage_tokens(token_ptr, ps + pk * BLOCK_K, pe, offs_r)
+        tok = gl.load(token_ptr + start + offs_r, mask=start + offs_r < end, other=0)
         # the next tile (the last one again past the end: read, never used); its row range loaded a tile
         # earlier still, so no stage waits on that load
         e1, tm1, tn1 = _wgrad_tile(gl.minimum(1, n_mine - 1), pid, nprog, n_tm, n_tn, group)
@@ -93,66 +87,38 @@ def _wgrad_loader(dense_desc, src_ptr, stride_src, token_ptr, dense_bufs, gather
         for j in range(n_mine):
             e2, tm2, tn2 = _wgrad_tile(gl.minimum(j + 2, n_mine - 1), pid, nprog, n_tm, n_tn, group)
             start2, end2 = gl.load(expert_offsets_ptr + e2), gl.load(expert_offsets_ptr + e2 + 1)
-            if gather_p != 0:  # P gathered: its columns are the tile's rows of dW
-                src_col = tm * WIDTH
-                dense_col = tn * DENSE_WIDTH
-            else:
-                src_col = tn * WIDTH
-                dense_col = tm * DENSE_WIDTH
-            src_cols = src_ptr + src_col + offs_c
+            src_cols = src_ptr + ((tm * BLOCK_M) if GATHER_P else (tn * BLOCK_N)) + offs_c
+            dense_col = (tn * BLOCK_N) if GATHER_P else (tm * BLOCK_M)
             n_k = gl.cdiv(end - start, BLOCK_K)
             for k in range(n_k):
                 row = start + k * BLOCK_K
-                pj, pk, ps, pe = _next_stage(pj, pk, ps, pe, n_mine, pid, nprog, n_tm, n_tn, group,
-                                             expert_offsets_ptr, BLOCK_K)
-                tok2 = _stage_tokens(token_ptr, ps + pk * BLOCK_K, pe, offs_r)
+                # the next stage's token ids, loaded while this stage is issued: this tile's next rows or
+                # the next tile's first
+                if k + 1 < n_k:
+                    next_row = row + BLOCK_K
+                    next_end = end
+                else:
+                    next_row = start1
+                    next_end = end1
+                tok1 = gl.load(token_ptr + next_row + offs_r, mask=next_row + offs_r < next_end, other=0)
                 s = c % S
                 mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
                 mbarrier.expect(ready.index(s), dense_desc.block_type.nbytes)
                 ptrs = src_cols[None, :] + tok.to(gl.int64)[:, None] * stride_src
                 rmask = (row + offs_r < end)[:, None]
-                tma_load(dense_desc, [row, dense_col], ready.index(s), dense_bufs.index(s))
-                cp_async(gathered_bufs.index(s), ptrs, mask=rmask)
+                if GATHER_P:
+                    tma_load(dense_desc, [row, dense_col], ready.index(s), q_bufs.index(s))
+                    cp_async(p_bufs.index(s), ptrs, mask=rmask)
+                else:
+                    tma_load(dense_desc, [row, dense_col], ready.index(s), p_bufs.index(s))
+                    cp_async(q_bufs.index(s), ptrs, mask=rmask)
                 async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
                 tok = tok1
-                tok1 = tok2
                 c += 1
+            if n_k == 0:  # an expert without rows: nothing read ahead
+                tok = gl.load(token_ptr + start1 + offs_r, mask=start1 + offs_r < end1, other=0)
             e, tm, tn, start, end = e1, tm1, tn1, start1, end1
             e1, tm1, tn1, start1, end1 = e2, tm2, tn2, start2, end2
-
-
-@gluon.jit
-def _next_stage(pj, pk, ps, pe, n_mine, pid, nprog, n_tm, n_tn, group, expert_offsets_ptr, BLOCK_K: gl.constexpr):
-    """The stage after stage pk of this program's tile pj (rows ps..pe of its expert): (tile, stage, rows),
-    past tiles without rows; past the last stage, stages beyond the last tile's rows (nothing to load)."""
-    pk += 1
-    while (pk * BLOCK_K >= pe - ps) & (pj < n_mine - 1):
-        pj += 1
-        pk *= 0
-        e, tm, tn = _wgrad_tile(pj, pid, nprog, n_tm, n_tn, group)
-        ps = gl.load(expert_offsets_ptr + e)
-        pe = gl.load(expert_offsets_ptr + e + 1)
-    return pj, pk, ps, pe
-
-
-@gluon.jit
-def _stage_tokens(token_ptr, row, end, offs_r):
-    """The token ids of a stage's rows row.. (0 past end)."""
-    return gl.load(token_ptr + row + offs_r, mask=row + offs_r < end, other=0)
-
-
-@gluon.jit
-def _loader_args(dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, ready, empty, expert_offsets_ptr,
-                 n_tiles, n_tm, n_tn, group, GATHER_P: gl.constexpr):
-    """_wgrad_loader's arguments: the stage buffers as dense and gathered side, and GATHER_P as a value (a
-    partition takes no constexpr arguments)."""
-    gather_p = gl.program_id(0) * 0 + GATHER_P
-    if GATHER_P:
-        return (dense_desc, src_ptr, stride_src, token_ptr, q_bufs, p_bufs, ready, empty, expert_offsets_ptr,
-                n_tiles, n_tm, n_tn, group, gather_p)
-    else:
-        return (dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, ready, empty, expert_offsets_ptr,
-                n_tiles, n_tm, n_tn, group, gather_p)
 
 
 @gluon.jit
@@ -189,8 +155,8 @@ def _wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, em
 
 @gluon.jit
 def weight_grad_kernel(dense_desc, src_ptr, stride_src, token_ptr, c_desc, c_ptr, stride_cl, expert_offsets_ptr,
-                       E, M, N, GROUP, GATHER_P: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WORKER_REGS: gl.constexpr):
+                          E, M, N, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                          STAGES: gl.constexpr, WORKER_REGS: gl.constexpr):
     """dW[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for every expert: 8 MMA warps that store their own tiles, and a
     loader of a whole warpgroup (TMA for the dense side, cp.async for the gathered one; which is which, the
     dense side's box tells)."""
@@ -205,111 +171,27 @@ def weight_grad_kernel(dense_desc, src_ptr, stride_src, token_ptr, c_desc, c_ptr
     n_tiles = E * n_tm * n_tn
     mma_args = (c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, empty, expert_offsets_ptr, n_tiles, n_tm, n_tn,
                 GROUP, M, N)
-    loader_args = _loader_args(dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, ready, empty,
-                               expert_offsets_ptr, n_tiles, n_tm, n_tn, GROUP, GATHER_P)
+    loader_args = (dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, ready, empty, expert_offsets_ptr,
+                   n_tiles, n_tm, n_tn, GROUP)
     gl.warp_specialize([(_wgrad_mma_store, mma_args), (_wgrad_loader, loader_args)], [GATHER_WARPS], [WORKER_REGS])
 
 
-@gluon.jit
-def _wgrad_pingpong_mma(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, empty, turn, expert_offsets_ptr,
-                        n_tiles, n_tm, n_tn, group, M, N, wg: gl.constexpr):
-    """One of two MMA warpgroups that take this program's tiles in turn (wg 0 the even ones, wg 1 the odd): the
-    stages come in tile order, so each walks the stage ring over the other's tiles too. A warpgroup issues its
-    tile's MMAs only once the other has issued all of its own (the turn barriers), then drains and stores its
-    tile while the other's MMAs run: the tensor cores see no tile's epilogue."""
-    S: gl.constexpr = p_bufs.type.shape[0]
-    BLOCK_K: gl.constexpr = p_bufs.type.shape[1]
-    BLOCK_M: gl.constexpr = p_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = q_bufs.type.shape[2]
-    acc_layout: gl.constexpr = mma_layout(gl.num_warps(), BLOCK_N)
-    pid, nprog = gl.program_id(0), gl.num_programs(0)
-    n_mine = gl.cdiv(n_tiles - pid, nprog)
-    c0 = 0
-    if n_mine > 0:
-        e, tm, tn = _wgrad_tile(0, pid, nprog, n_tm, n_tn, group)
-        start, end = gl.load(expert_offsets_ptr + e), gl.load(expert_offsets_ptr + e + 1)
-        for j in range(n_mine):
-            e1, tm1, tn1 = _wgrad_tile(gl.minimum(j + 1, n_mine - 1), pid, nprog, n_tm, n_tn, group)
-            start1, end1 = gl.load(expert_offsets_ptr + e1), gl.load(expert_offsets_ptr + e1 + 1)
-            n_k = gl.cdiv(end - start, BLOCK_K)
-            if j % 2 == wg:
-                # wg 0's first wait passes (a fresh barrier's phase 1); after that each waits for the other's turn
-                mbarrier.wait(turn.index(wg), ((j // 2) & 1) ^ (1 - wg))
-                acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-                acc = mma_steps(acc, c0, n_k, p_bufs, q_bufs, ready, empty, True, A_KM=True)
-                mbarrier.arrive(turn.index(1 - wg))
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(empty.index((c0 + n_k + S - 1) % S), pred=n_k > 0)
-                store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
-            c0 += n_k
-            e, tm, tn, start, end = e1, tm1, tn1, start1, end1
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _wgrad_pingpong_mma0(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, empty, turn, expert_offsets_ptr,
-                         n_tiles, n_tm, n_tn, group, M, N):
-    _wgrad_pingpong_mma(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, empty, turn, expert_offsets_ptr,
-                        n_tiles, n_tm, n_tn, group, M, N, 0)
-
-
-@gluon.jit
-def _wgrad_pingpong_mma1(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, empty, turn, expert_offsets_ptr,
-                         n_tiles, n_tm, n_tn, group, M, N):
-    _wgrad_pingpong_mma(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, empty, turn, expert_offsets_ptr,
-                        n_tiles, n_tm, n_tn, group, M, N, 1)
-
-
-@gluon.jit
-def weight_grad_pingpong_kernel(dense_desc, src_ptr, stride_src, token_ptr, c_desc, c_ptr, stride_cl,
-                                expert_offsets_ptr, E, M, N, GROUP, GATHER_P: gl.constexpr, BLOCK_M: gl.constexpr,
-                                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                                MMA_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
-    """weight_grad_kernel with two MMA warpgroups of 4 warps that each own whole tiles and take turns on the
-    tensor cores (_wgrad_pingpong_mma), each with its own c_smem, and the same loader."""
-    dtype: gl.constexpr = dense_desc.dtype
-    p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], dtype))
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
-    c_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], c_desc.layout)
-    ready, empty = stage_barriers(STAGES, 32 * GATHER_WARPS + 1)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
-    n_tm, n_tn = gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N)
-    n_tiles = E * n_tm * n_tn
-    mma_args = (c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, empty, turn, expert_offsets_ptr, n_tiles, n_tm,
-                n_tn, GROUP, M, N)
-    loader_args = _loader_args(dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, ready, empty,
-                               expert_offsets_ptr, n_tiles, n_tm, n_tn, GROUP, GATHER_P)
-    gl.warp_specialize([(_wgrad_pingpong_mma0, (c_smem.index(0), ) + mma_args),
-                        (_wgrad_pingpong_mma1, (c_smem.index(1), ) + mma_args),
-                        (_wgrad_loader, loader_args)], [4, GATHER_WARPS], [MMA_REGS, WORKER_REGS])
-
-
-def weight_grad(p, q, token, offsets, out, gather_p: bool, block_k: int = 64, stages: int | None = None,
-                worker_regs: int = 56, pingpong: bool = False, mma_regs: int = 232):
+def weight_grad(p, q, token, offsets, out, gather_p: bool, block_k: int = 64, stages: int = 3,
+                worker_regs: int = 56):
     """out[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for each expert's contiguous rows (offsets (E+1,) int32), with
     P = p[token[rows]], Q = q[rows] if gather_p, else P = p[rows], Q = q[token[rows]]; token (rows,) int32.
     bf16/fp16, contiguous, out in the operands' dtype; the gathered side's width a multiple of its block
     (WGRAD_BLOCKS: 128 for P, 256 for Q), the dense side's and N multiples of 8 (16-byte TMA rows). The dispatcher
-    (experts.dispatch) checks these; the launcher does not. pingpong: weight_grad_pingpong_kernel, on
-    PINGPONG_BLOCKS tiles."""
+    (experts.dispatch) checks these; the launcher does not."""
     E, M, N = out.shape
-    block_m, block_n = PINGPONG_BLOCKS if pingpong else WGRAD_BLOCKS
+    block_m, block_n = WGRAD_BLOCKS
     dense, src = (q, p) if gather_p else (p, q)
     dense_desc = descriptor(dense, [block_k, block_n if gather_p else block_m])
     c2d = out.view(E * M, N)
     c_desc = descriptor(c2d, [block_m, block_n])
     grid = (sm_count(p.device),)
     group = wgrad_group(triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    args = (dense_desc, src, src.stride(0), token, c_desc, c2d, c2d.stride(0), offsets, E, M, N, group)
-    if pingpong:
-        launch(weight_grad_pingpong_kernel, grid, *args, GATHER_P=gather_p, BLOCK_M=block_m, BLOCK_N=block_n,
-               BLOCK_K=block_k, STAGES=stages or PINGPONG_STAGES, MMA_REGS=mma_regs, WORKER_REGS=worker_regs,
-               num_warps=4, maxnreg=168)
-    else:
-        launch(weight_grad_kernel, grid, *args, GATHER_P=gather_p, BLOCK_M=block_m, BLOCK_N=block_n,
-               BLOCK_K=block_k, STAGES=stages or 3, WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+    launch(weight_grad_kernel, grid, dense_desc, src, src.stride(0), token, c_desc, c2d, c2d.stride(0), offsets,
+           E, M, N, group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, WORKER_REGS=worker_regs,
+           num_warps=8, maxnreg=168)
     return out
