@@ -8,7 +8,7 @@
            layer runs) against fp32 GEMMs on fp32 copies (what it ran before); rows name the way, not a routing
 
     python scripts/rounding_bench.py [--out DIR] [--configs E256,D,C] [--routings top-k,nr-f,up,down] [--no-peers]
-                                     [--clocks] [--profile [--profile-steps N]]
+                                     [--clocks] [--profile [--profile-steps N] | --host-profile]
 
 Routing: a fresh router's (logits ~ N(0, 1), softmax top-k, renormalized). Each step is timed in turns with the
 others (CUDA events, rounds until each has had a second: moeblaze.bench.harness). "useful TF/s" counts the GEMM
@@ -16,7 +16,8 @@ FLOPs of the pairs a step computes, 18 · pairs · d · h (SwiGLU, forward and b
 per (config, part, impl, routing) goes to DIR/rounding.jsonl, with its speedup over the same impl's plain top-k,
 the host's ms to issue a step (host_ms: near step_ms, the host sets the pace) and the GPU's busy ms per step over
 ten profiled back to back (gpu_busy_ms, the union of the kernels' intervals: step_ms minus it is time the GPU
-waits). --profile prints, per step, each one's kernels and the GPU's longest idle gaps instead of timing.
+waits). --profile prints, per step, each one's kernels and the GPU's longest idle gaps instead of timing;
+--host-profile, the host's ops by their own CPU time (torch's profiler), instead of timing.
 """
 from __future__ import annotations
 
@@ -116,6 +117,26 @@ def router_fns(x, weight):
     return {"bf16-gemm": step(router_logits), "fp32-gemm": step(lambda a, b: a.float() @ b.float().t())}
 
 
+def host_profile(fn, steps: int = 5, top: int = 25) -> str:
+    """What the host does to issue a step: torch's profiler over `steps` steps (CPU activity only, the GPU
+    synchronized before and after), ops by self CPU time per step; the ops counted are the top-level ones (not
+    those an op calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for i in range(steps):
+            fn(i)
+        host = (time.perf_counter() - t0) / steps
+    torch.cuda.synchronize()
+    ops = [e for e in prof.events() if e.cpu_parent is None]
+    lines = [f"{host * 1e3:.3f} ms host a step (profiled), {len(ops) / steps:.0f} top-level ops a step; by self CPU:"]
+    for k in sorted(prof.key_averages(), key=lambda k: -k.self_cpu_time_total)[:top]:
+        lines.append(f"  {k.self_cpu_time_total / steps / 1e3:7.3f} ms {k.count / steps:6.1f}x  {k.key[:100]}")
+    return "\n".join(lines)
+
+
 def sustained(fn, seconds: float = 2.0) -> dict:
     """fn run back to back for `seconds`, the GPU's SM clock (MHz) and power (W) sampled through NVML after the
     first half second: medians. Under the power cap, work on zero rows (a ragged expert's last tile) draws less
@@ -140,6 +161,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print each step's kernels and idle gaps instead of timing")
     ap.add_argument("--profile-steps", type=int, default=10,
                     help="steps profiled back to back (hundreds: the clocks of a sustained run, as timing sees)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="print each step's host-side ops (torch's profiler, CPU only) by self time instead of timing")
     ap.add_argument("--no-peers", action="store_true", help="leave SonicMoE out even where it is installed")
     ap.add_argument("--clocks", action="store_true", help="rows also carry the SM clock and power of each step run "
                     "alone for 2 s (NVML: sm_mhz, power_w)")
@@ -192,6 +215,10 @@ def main():
             except Exception as e:  # noqa: BLE001
                 print(f"{name} {key}: {type(e).__name__}: {e}", flush=True)
                 del fns[key]
+        if args.host_profile:
+            for key, fn in fns.items():
+                print(f"--- {name} {key}: {host_profile(fn)}")
+            continue
         if args.profile:
             for key, fn in fns.items():
                 prof = steady_profile(fn, args.profile_steps)
