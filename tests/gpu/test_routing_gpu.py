@@ -144,3 +144,33 @@ def test_token_rounding_step_never_syncs_with_host(rule):
         (m.out.float().sum() + m.aux_loss + m.z_loss).backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.filterwarnings("ignore:token rounding with")
+@pytest.mark.parametrize("scoring", ["softmax_topk", "sigmoid_topk", "topk_softmax"])
+@pytest.mark.parametrize("L,E,K,cap", [(8192, 128, 8, 32), (16384, 256, 4, 16), (4096, 64, 4, 5)])
+def test_round_to_index_compiled_equals_rounding_then_index(poison_alloc, scoring, L, E, K, cap):
+    """The compiled rounding kernels against rounded_index(round_tokens_fast(...)) on the same GPU, fresh buffers
+    NaN, every rule: the same index, the weights to fp32 rounding, the logits' gradient through the weights to
+    1e-5 (the bound on experts per token binds at cap 5: tokens that score high everywhere)."""
+    from moeblaze.experts.schedule import BLOCK_M
+    from moeblaze.routing import round_to_index, round_tokens_fast, rounded_index, rounded_rows_bound, route_topk
+
+    torch.manual_seed(0)
+    for rule in ("nr-f", "up", "down"):
+        logits = torch.randn(L, E, device="cuda") * 2
+        logits[:7] += 6.0
+        logits.requires_grad_()
+        idx, w = route_topk(logits, K, scoring, route_scale=2.5)
+        rows = rounded_rows_bound(L, K, E, BLOCK_M, rule)
+        rr = round_tokens_fast(logits, idx, w, BLOCK_M, rule, scoring, True, 2.5, cap)
+        want = rounded_index(rr.kept_LE, rr.weights_LE, cap, rows)
+        got = round_to_index(logits, idx, w, BLOCK_M, rule, scoring, True, 2.5, max_experts=cap, max_rows=rows)
+        for f in ("expert_counts", "expert_offsets", "expert_token_idx", "token_slot"):
+            assert torch.equal(getattr(got[0], f), getattr(want[0], f)), (f, rule)
+        assert not bool(got[2]) and not bool(want[2])
+        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
+        dw = torch.randn(L, cap, device="cuda")
+        g_want = torch.autograd.grad((want[1] * dw).sum(), logits, retain_graph=True)[0]
+        g_got = torch.autograd.grad((got[1] * dw).sum(), logits)[0]
+        assert float((g_got - g_want).norm()) <= 1e-5 * float(g_want.norm()), rule

@@ -58,9 +58,11 @@ def test_shared_experts_stay_out_of_routing():
 @pytest.mark.filterwarnings("ignore:token rounding with")
 def test_token_rounding_layer_trains_rounded_and_evaluates_plain():
     """MoELayer(token_rounding="up"): in training the experts compute the rounded routing (the manual composition
-    of round_tokens, rounded_index and moe_experts); in evaluation, plain top-k (the same layer without it)."""
+    of round_to_index and moe_experts, whose index is the reference rounding's, its weights the reference's to
+    fp32 rounding: the kernels compute them in their own order); in evaluation, plain top-k (the same layer
+    without it)."""
     from moeblaze.experts import moe_experts
-    from moeblaze.routing import round_tokens, rounded_index
+    from moeblaze.routing import round_to_index, round_tokens, rounded_index
 
     layer = MoELayer(16, 32, 4, 2, impl="triton", token_rounding="up", rounding_tile=16, shared_experts=1)
     plain = MoELayer(16, 32, 4, 2, impl="triton", shared_experts=1)
@@ -68,10 +70,15 @@ def test_token_rounding_layer_trains_rounded_and_evaluates_plain():
     x = torch.randn(3, 30, 16)
     got = layer(x).out
     r = layer.router(x.reshape(-1, 16), seq_len=30)
-    rr = round_tokens(r.logits, r.topk_idx, r.topk_weights, 16, "up")
-    index, w, over = rounded_index(rr.kept_LE, rr.weights_LE, 4, 90 * 2 + 4 * 15)  # min(E, 4K) = 4
+    index, w, over = round_to_index(r.logits, r.topk_idx, r.topk_weights, 16, "up", max_experts=4,
+                                    max_rows=90 * 2 + 4 * 15)  # min(E, 4K) = 4
     want = moe_experts(x.reshape(-1, 16), index, w, layer.w1, layer.w2, impl="triton") + layer.shared(x.reshape(-1, 16))
     assert not over and torch.equal(got.reshape(-1, 16), want)
+    rr = round_tokens(r.logits, r.topk_idx, r.topk_weights, 16, "up")
+    index_ref, w_ref, _ = rounded_index(rr.kept_LE, rr.weights_LE, 4, 90 * 2 + 4 * 15)
+    assert torch.equal(index.token_slot, index_ref.token_slot)
+    assert torch.equal(index.expert_token_idx, index_ref.expert_token_idx)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=0)
     assert not torch.equal(got, plain(x).out)  # rounding changed the routing
     layer.eval()
     plain.eval()

@@ -23,7 +23,7 @@ from ..experts import CHECKPOINTS, PRECISIONS, check_backend, moe_experts, resol
 from ..reference import check_activation, up_width
 from ..experts.schedule import BLOCK_M
 from ..routing import (METHODS, RULES, TopKRouter, build_routing_index, count_per_expert, default_max_experts,
-                       round_tokens_fast, rounded_index, rounded_rows_bound)
+                       round_to_index, rounded_rows_bound)
 from ..routing.checks import fail_if
 
 
@@ -224,10 +224,10 @@ class MoELayer(nn.Module):
         """(weights in the rounded index's table, the index) of token rounding (moeblaze.routing.rounding)."""
         L, K, E, M = r.topk_idx.shape[0], self.top_k, self.num_experts, self.rounding_tile
         rt = self.router
-        rr = round_tokens_fast(r.logits, r.topk_idx, r.topk_weights, M, self.token_rounding, rt.scoring,
-                               rt.renormalize, rt.route_scale, self.rounding_max_experts)
         rows = rounded_rows_bound(L, K, E, M, self.token_rounding)
-        index, w, overflow = rounded_index(rr.kept_LE, rr.weights_LE, self.rounding_max_experts, rows)
+        index, w, overflow = round_to_index(r.logits, r.topk_idx, r.topk_weights, M, self.token_rounding, rt.scoring,
+                                            rt.renormalize, rt.route_scale, max_experts=self.rounding_max_experts,
+                                            max_rows=rows)
         # the rounding keeps both bounds by construction: an overflow here is a bug, never a silent drop
         fail_if(overflow, f"token rounding: the rounded pairs overflow the index's bounds (rounding_max_experts="
                 f"{self.rounding_max_experts}, rows {rows})", RuntimeError)  # a device-side assert: no host sync

@@ -73,12 +73,11 @@ def _scores(logits_LE: torch.Tensor, scoring: str) -> torch.Tensor:
     return logits_LE.sigmoid() if scoring == "sigmoid_topk" else logits_LE.softmax(dim=-1)
 
 
-def _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
-           keep, max_experts) -> RoundedRouting:
-    """What both roundings share: the checks, the warning, the scores, the counts and targets, the bound on
-    experts per token and the weight convention; keep(scores (L, E) detached, chosen (L, E), counts (E,), targets
-    (a tuple of (E,))) -> a kept (L, E) mask per target."""
+def _check(logits_LE, topk_idx_LK, tile, rule, scoring, max_experts, stacklevel: int) -> None:
+    """The arguments every rounding checks, and the warning below two tiles of tokens per expert."""
     check_choice("scoring", scoring, SCORINGS)
+    check_choice("rule", rule, RULES)
+    check_int("tile", tile)
     L, E = logits_LE.shape
     K = topk_idx_LK.shape[1]
     if max_experts is not None and check_int("max_experts", max_experts) < K:
@@ -86,7 +85,15 @@ def _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renorma
     if L * K < 2 * tile * E:
         warnings.warn(f"token rounding with {L * K / E:.0f} tokens per expert on average, fewer than 2 tiles of "
                       f"{tile}: rounding moves each expert by up to a tile, which changes the routing a lot here "
-                      "(SonicMoE measured worse quality at 1 tile)", stacklevel=3)
+                      "(SonicMoE measured worse quality at 1 tile)", stacklevel=stacklevel)
+
+
+def _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
+           keep, max_experts) -> RoundedRouting:
+    """What the roundings share, once their caller has checked the arguments: the scores, the counts and targets,
+    the bound on experts per token and the weight convention; keep(scores (L, E) detached, chosen (L, E), counts
+    (E,), targets (a tuple of (E,))) -> a kept (L, E) mask per target."""
+    L, E = logits_LE.shape
     idx = topk_idx_LK.long()
     s = _scores(logits_LE, scoring)
     chosen = torch.zeros(L, E, dtype=torch.bool, device=s.device).scatter_(1, idx, True)
@@ -154,6 +161,7 @@ def round_tokens(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weight
     """The token-rounded routing of a token-choice top-k (topk_idx, topk_weights from `logits` by the same
     scoring, renormalize and route_scale; see moeblaze.routing.route_topk); at most max_experts experts per token
     where given (see the module header)."""
+    _check(logits_LE, topk_idx_LK, tile, rule, scoring, max_experts, stacklevel=3)
     return _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
                   _keep_by_sort, max_experts)
 
@@ -163,6 +171,7 @@ def round_tokens_fast(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w
                       route_scale: float = 1.0, max_experts: int | None = None) -> RoundedRouting:
     """round_tokens's result through two column-wise top-(tile − 1) selections instead of a sort (see the module
     header)."""
+    _check(logits_LE, topk_idx_LK, tile, rule, scoring, max_experts, stacklevel=3)
     return _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
                   functools.partial(_keep_by_topk, k=tile - 1), max_experts)
 
@@ -228,8 +237,17 @@ def _rounded_index_torch(kept_LE, weights_LE, max_experts: int, max_rows: int):
 
 
 def _rounded_index_triton(kept_LE, weights_LE, max_experts: int, max_rows: int):
-    """rounded_index in five launches: kept pairs counted per tile and scanned, the fitting ones counted and
-    scanned, then placed (routing/triton.py); each place's weight gathered from weights_LE."""
+    """rounded_index in five launches (_rounded_place_triton); each place's weight gathered from weights_LE."""
+    index, expert, lost = _rounded_place_triton(kept_LE, max_experts, max_rows)
+    # the weights by a gather, so that they stay differentiable in weights_LE (the router's logits)
+    w = torch.where(index.token_slot < max_rows, weights_LE.float().gather(1, expert.long()), 0.0)
+    return index, w, lost.any()
+
+
+def _rounded_place_triton(kept_LE, max_experts: int, max_rows: int):
+    """(RoutingIndex, each place's expert (L, max_experts) int32, pairs left out per tile) of a kept mask (bool or
+    uint8) in five launches: kept pairs counted per tile and scanned, the fitting ones counted and scanned, then
+    placed (routing/triton.py)."""
     from ..launch import launch
     from .index import RoutingIndex, _next_pow2, dense_tile_size
     from .triton import (rounded_fit_count_kernel, rounded_place_kernel, rounded_tile_count_kernel,
@@ -256,6 +274,95 @@ def _rounded_index_triton(kept_LE, weights_LE, max_experts: int, max_rows: int):
     slot, expert = (torch.empty(L, max_experts, dtype=i32, device=dev) for _ in range(2))
     launch(rounded_place_kernel, (n_tiles,), kept, tile_base, counts_kept, fit_base, counts, offsets, eti, slot,
            expert, L, E, max_rows, M=max_experts, M_PAD=_next_pow2(max_experts), **tiles)
-    # the weights by a gather, so that they stay differentiable in weights_LE (the router's logits)
-    w = torch.where(slot < max_rows, weights_LE.float().gather(1, expert.long()), 0.0)
-    return RoutingIndex(counts, offsets, eti, slot, dropped=True), w, lost.any()
+    return RoutingIndex(counts, offsets, eti, slot, dropped=True), expert, lost
+
+
+def round_to_index(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weights_LK: torch.Tensor, tile: int,
+                   rule: str = "nr-f", scoring: str = "softmax_topk", renormalize: bool = True,
+                   route_scale: float = 1.0, *, max_experts: int, max_rows: int):
+    """Token rounding straight to the kernels' routing index: rounded_index(round_tokens_fast(...)) with the bound
+    max_experts and a row buffer of max_rows (rounded_rows_bound), the same (RoutingIndex, weights (L,
+    max_experts) fp32, overflow) up to ties between equal scores. On GPUs (and under the interpreter) without the
+    (L, E) masks and weights of torch ops: routing/triton.py's rounding kernels and one column-wise top-k write
+    the kept (L, E) mask, rounded_index's kernels place it, and the weights come from one kernel each way,
+    differentiable in the logits and the top-k weights: about 12 launches in forward and 1 in backward, against
+    about 80 torch ops and their backward. Transient: the (2, E, L) fp32 selection keys and the (L, E) uint8
+    mask, about as much as the router's (L, E) scores."""
+    _check(logits_LE, topk_idx_LK, tile, rule, scoring, max_experts, stacklevel=3)
+    if logits_LE.shape[0] == 0 or not (logits_LE.is_cuda or INTERPRET):
+        rr = _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
+                    functools.partial(_keep_by_topk, k=tile - 1), max_experts)
+        return rounded_index(rr.kept_LE, rr.weights_LE, max_experts, max_rows)
+    idx = topk_idx_LK.to(torch.int32).contiguous()
+    kept = _kept_triton(logits_LE.detach().contiguous(), idx, tile, rule, scoring, max_experts)
+    index, expert, lost = _rounded_place_triton(kept, max_experts, max_rows)
+    w = _RoundedWeights.apply(logits_LE, topk_weights_LK, idx, expert, index.token_slot, max_rows, scoring,
+                              renormalize, route_scale)
+    return index, w, lost.any()
+
+
+def _kept_triton(logits_LE, idx_LK, tile: int, rule: str, scoring: str, max_experts: int) -> torch.Tensor:
+    """The kept (L, E) uint8 mask of round_tokens_fast in 2 to 5 launches and a top-k (routing/triton.py)."""
+    from ..launch import launch
+    from .index import _next_pow2, dense_tile_size
+    from .triton import (RULE_CODES, SCORING_CODES, rounding_apply_kernel, rounding_bound_kernel,
+                         rounding_keys_kernel, rounding_over_kernel)
+
+    (L, E), K, dev = logits_LE.shape, idx_LK.shape[1], logits_LE.device
+    tiles = dict(BLOCK_L=dense_tile_size(E), E_PAD=_next_pow2(E))
+    n_tiles = -(-L // tiles["BLOCK_L"])
+    keys = torch.empty(2, E, L, dtype=torch.float32, device=dev)
+    kept = torch.empty(L, E, dtype=torch.uint8, device=dev)
+    tile_counts = torch.empty(n_tiles, E, dtype=torch.int32, device=dev)
+    launch(rounding_keys_kernel, (n_tiles,), logits_LE, idx_LK, keys, kept, tile_counts, L, E, K=K,
+           SCORING=SCORING_CODES[scoring], **tiles)
+    n_sel = min(tile - 1, L)
+    if n_sel == 0:  # a tile of 1: every count is already a multiple
+        return kept
+    sel = keys.view(2 * E, L).topk(n_sel, dim=1).indices  # (2E, n_sel), each row best first
+    counts, change = (torch.empty(E, dtype=torch.int32, device=dev) for _ in range(2))
+    sel_pad = _next_pow2(n_sel)
+    launch(rounding_apply_kernel, (E,), sel, tile_counts, kept, counts, change, n_tiles, L, E, n_sel, tile,
+           RULE=RULE_CODES[rule], BLOCK_T=128, SEL_PAD=sel_pad)
+    if max_experts < E and rule != "down":  # experts that added a pair to a token over the bound round down
+        over = torch.empty(L, dtype=torch.uint8, device=dev)
+        launch(rounding_over_kernel, (n_tiles,), kept, over, L, E, max_experts, **tiles)
+        launch(rounding_bound_kernel, (E,), sel, over, counts, change, kept, E, n_sel, tile, SEL_PAD=sel_pad)
+    return kept
+
+
+class _RoundedWeights(torch.autograd.Function):
+    """Each place's weight (L, M) from the logits and the top-k weights (the module header's convention), one
+    kernel each way."""
+
+    @staticmethod
+    def forward(ctx, logits_LE, topk_weights_LK, idx_LK, expert_LM, slot_LM, max_rows, scoring, renormalize,
+                route_scale):
+        from ..launch import launch
+        from .index import _next_pow2, dense_tile_size
+        from .triton import SCORING_CODES, rounded_weights_kernel
+
+        (L, E), (K, M) = logits_LE.shape, (idx_LK.shape[1], expert_LM.shape[1])
+        logits = logits_LE.detach().contiguous()
+        meta = dict(K=K, M=M, M_PAD=_next_pow2(M), SCORING=SCORING_CODES[scoring], RENORM=bool(renormalize),
+                    BLOCK_L=dense_tile_size(max(E, M)), E_PAD=_next_pow2(E))
+        w = torch.empty(L, M, dtype=torch.float32, device=logits.device)
+        launch(rounded_weights_kernel, (-(-L // meta["BLOCK_L"]),), logits, idx_LK,
+               topk_weights_LK.detach().float().contiguous(), expert_LM, slot_LM, w, L, E, max_rows,
+               float(route_scale), **meta)
+        ctx.save_for_backward(logits, idx_LK, expert_LM, slot_LM, w)
+        ctx.meta, ctx.max_rows, ctx.dtypes = meta, max_rows, (logits_LE.dtype, topk_weights_LK.dtype)
+        return w
+
+    @staticmethod
+    def backward(ctx, dw_LM):
+        from ..launch import launch
+        from .triton import rounded_weights_backward_kernel
+
+        logits, idx, expert, slot, w = ctx.saved_tensors
+        (L, E), K = logits.shape, idx.shape[1]
+        dlogits = torch.empty(L, E, dtype=torch.float32, device=logits.device)
+        dtopk = torch.empty(L, K, dtype=torch.float32, device=logits.device)
+        launch(rounded_weights_backward_kernel, (-(-L // ctx.meta["BLOCK_L"]),), logits, idx, expert, slot, w,
+               dw_LM.contiguous(), dlogits, dtopk, L, E, ctx.max_rows, **ctx.meta)
+        return dlogits.to(ctx.dtypes[0]), dtopk.to(ctx.dtypes[1]), None, None, None, None, None, None, None

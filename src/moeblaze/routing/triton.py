@@ -157,3 +157,241 @@ def rounded_place_kernel(kept_ptr, tile_base_ptr, counts_kept_ptr, fit_base_ptr,
     place = t.to(tl.int64)[:, None] * M + k
     tl.store(token_slot_ptr + place, row, mask=fit)
     tl.store(slot_expert_ptr + place, e[None, :] + 0 * row, mask=fit)
+
+
+# Token rounding itself (routing.rounding.round_to_index), from the router's logits and top-k to the kept (L, E) mask
+# rounded_index reads, with no sort and no host sync: (1) per token tile, the scores, the token-choice mask (the
+# mask's first state), each expert's token-choice count in the tile, and two selection keys per expert column, one
+# that ranks its other tokens best first and one that ranks its token-choice pairs worst first; a column-wise top-k
+# of the keys (torch) then gives each expert the at most tile - 1 tokens it can add or drop; (2) per expert, its
+# target count and the change it applies; with a bound on experts per token, (3) which tokens exceed it and (4) each
+# expert that added a pair to one of them rounds down instead. Then the rounded weights, differentiable in the
+# logits and the top-k weights, in one kernel each way.
+
+RULE_CODES = {"nr-f": 0, "up": 1, "down": 2}
+SCORING_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_topk": 2}
+
+
+@triton.jit
+def _row_scores(logits_ptr, t, L, e, E, SCORING: tl.constexpr):
+    """(logits, scores) of a (BLOCK_L, E_PAD) tile in fp32: softmax over the row, or the sigmoid; padding -inf/0."""
+    mask = (t < L)[:, None] & (e < E)[None, :]
+    lg = tl.load(logits_ptr + t.to(tl.int64)[:, None] * E + e[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+    if SCORING == 2:
+        s = tl.where(mask, tl.sigmoid(lg), 0.0)
+    else:
+        m = tl.max(lg, axis=1)
+        p = tl.exp(lg - tl.where(t < L, m, 0.0)[:, None])
+        p = tl.where(mask, p, 0.0)
+        s = p / tl.where(t < L, tl.sum(p, axis=1), 1.0)[:, None]
+    return lg, s
+
+
+@triton.jit
+def rounding_keys_kernel(logits_ptr, topk_idx_ptr, keys_ptr, kept_ptr, tile_counts_ptr, L, E,
+                         K: tl.constexpr, SCORING: tl.constexpr, BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
+    """keys (2, E, L) fp32: row e ranks expert e's other tokens by score (its token-choice pairs -inf), row E + e
+    its token-choice pairs by the negated score (others -inf); kept (L, E) uint8 = the token-choice mask;
+    tile_counts (n_tiles, E) its column sums per tile."""
+    pid = tl.program_id(0)
+    t = pid * BLOCK_L + tl.arange(0, BLOCK_L)
+    e = tl.arange(0, E_PAD)
+    mask = (t < L)[:, None] & (e < E)[None, :]
+    _, s = _row_scores(logits_ptr, t, L, e, E, SCORING)
+    hits = _tile_hits(topk_idx_ptr, t, L, e, K, BLOCK_L, E_PAD)
+    chosen = hits > 0
+    tl.store(tile_counts_ptr + pid * E + e, tl.sum(hits, axis=0), mask=e < E)
+    tl.store(kept_ptr + t.to(tl.int64)[:, None] * E + e[None, :], chosen.to(tl.uint8), mask=mask)
+    col = e.to(tl.int64)[None, :] * L + t[:, None]
+    tl.store(keys_ptr + col, tl.where(chosen, float("-inf"), s), mask=mask)
+    tl.store(keys_ptr + E * L + col, tl.where(chosen, -s, float("-inf")), mask=mask)
+
+
+@triton.jit
+def rounding_apply_kernel(sel_ptr, tile_counts_ptr, kept_ptr, counts_ptr, change_ptr, n_tiles, L, E, n_sel, tile,
+                          RULE: tl.constexpr, BLOCK_T: tl.constexpr, SEL_PAD: tl.constexpr):
+    """One program per expert: its token-choice count f, its target (the rule of routing.rounding), and the change
+    applied to its column of kept: the first target - f tokens of its add row, or the first f - target of its drop
+    row (sel: (2E, n_sel) token ids, each row best first)."""
+    ex = tl.program_id(0)
+    f = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    for t0 in range(0, n_tiles, BLOCK_T):
+        i = t0 + tl.arange(0, BLOCK_T)
+        f += tl.load(tile_counts_ptr + i * E + ex, mask=i < n_tiles, other=0)
+    f = tl.sum(f, axis=0)
+    down = f // tile * tile
+    up = (f + tile - 1) // tile * tile
+    up = tl.where(up > L, down, up)
+    if RULE == 0:
+        target = tl.where(up - f < f - down, up, down)
+    elif RULE == 1:
+        target = up
+    else:
+        target = down
+    change = target - f
+    tl.store(counts_ptr + ex, f)
+    tl.store(change_ptr + ex, change)
+    j = tl.arange(0, SEL_PAD)
+    add = tl.load(sel_ptr + ex * n_sel + j, mask=j < change, other=0)
+    tl.store(kept_ptr + add * E + ex, tl.full((SEL_PAD,), 1, tl.uint8), mask=j < change)
+    drop = tl.load(sel_ptr + (E + ex) * n_sel + j, mask=j < -change, other=0)
+    tl.store(kept_ptr + drop * E + ex, tl.zeros((SEL_PAD,), tl.uint8), mask=j < -change)
+
+
+@triton.jit
+def rounding_over_kernel(kept_ptr, over_ptr, L, E, max_experts, BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
+    """over[t] = 1 where token t keeps more than max_experts experts."""
+    t = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    n = tl.sum(_kept_tile(kept_ptr, t, L, tl.arange(0, E_PAD), E), axis=1)
+    tl.store(over_ptr + t, (n > max_experts).to(tl.uint8), mask=t < L)
+
+
+@triton.jit
+def rounding_bound_kernel(sel_ptr, over_ptr, counts_ptr, change_ptr, kept_ptr, E, n_sel, tile,
+                          SEL_PAD: tl.constexpr):
+    """One program per expert: one that added a pair to a token over the bound undoes its additions and drops its
+    f mod tile worst token-choice pairs instead (rounds down)."""
+    ex = tl.program_id(0)
+    change = tl.load(change_ptr + ex)
+    j = tl.arange(0, SEL_PAD)
+    add = tl.load(sel_ptr + ex * n_sel + j, mask=j < change, other=0)
+    gave = tl.max(tl.load(over_ptr + add, mask=j < change, other=0), axis=0) > 0
+    n_undo = tl.where(gave, change, 0)
+    tl.store(kept_ptr + add * E + ex, tl.zeros((SEL_PAD,), tl.uint8), mask=j < n_undo)
+    n_drop = tl.where(gave, tl.load(counts_ptr + ex) % tile, 0)
+    drop = tl.load(sel_ptr + (E + ex) * n_sel + j, mask=j < n_drop, other=0)
+    tl.store(kept_ptr + drop * E + ex, tl.zeros((SEL_PAD,), tl.uint8), mask=j < n_drop)
+
+
+@triton.jit
+def _chosen_norm(logits_ptr, topk_idx_ptr, t, L, E, K: tl.constexpr, SCORING: tl.constexpr, BLOCK_L: tl.constexpr,
+                 E_PAD: tl.constexpr):
+    """Per token: (the row's max logit, and the normalizer of the chosen pairs' weights): softmax_topk: the softmax
+    row's max and sum, then Σ_k s[t, I_k]; topk_softmax: max_k l[t, I_k] and Σ_k exp(l[t, I_k] - max);
+    sigmoid_topk: (0, Σ_k σ(l[t, I_k]))."""
+    tmask = t < L
+    row = t.to(tl.int64) * E
+    if SCORING == 0:
+        e = tl.arange(0, E_PAD)
+        lg, _ = _row_scores(logits_ptr, t, L, e, E, SCORING)
+        m = tl.where(tmask, tl.max(lg, axis=1), 0.0)
+        z = tl.sum(tl.where((e < E)[None, :], tl.exp(lg - m[:, None]), 0.0), axis=1)
+        z = tl.where(tmask, z, 1.0)
+    else:
+        m = tl.full((BLOCK_L,), float("-inf"), tl.float32)
+        if SCORING == 1:
+            for k in tl.static_range(K):
+                ek = tl.load(topk_idx_ptr + t * K + k, mask=tmask, other=0)
+                m = tl.maximum(m, tl.load(logits_ptr + row + ek, mask=tmask, other=0.0).to(tl.float32))
+        else:
+            m = tl.zeros((BLOCK_L,), tl.float32)
+        z = tl.full((BLOCK_L,), 1.0, tl.float32)
+    norm = tl.zeros((BLOCK_L,), tl.float32)
+    for k in tl.static_range(K):
+        ek = tl.load(topk_idx_ptr + t * K + k, mask=tmask, other=0)
+        lk = tl.load(logits_ptr + row + ek, mask=tmask, other=0.0).to(tl.float32)
+        norm += _score(lk, m, z, SCORING)
+    return m, z, norm
+
+
+@triton.jit
+def _score(lg, m, z, SCORING: tl.constexpr):
+    """A pair's unnormalized score from its logit: exp(l - max) / z (softmax_topk: the softmax score s),
+    exp(l - max) (topk_softmax), σ(l) (sigmoid_topk)."""
+    if SCORING == 0:
+        return tl.exp(lg - m) / z
+    elif SCORING == 1:
+        return tl.exp(lg - m)
+    else:
+        return tl.sigmoid(lg)
+
+
+@triton.jit
+def _divisor(norm, SCORING: tl.constexpr, RENORM: tl.constexpr):
+    """What an added pair's score is divided by: the token's normalizer (topk_softmax, or renormalized: + 1e-20
+    for sigmoid scores, as the router), else 1."""
+    if SCORING == 1:
+        return norm
+    elif RENORM:
+        return norm + (1e-20 if SCORING == 2 else 0.0)
+    else:
+        return norm * 0.0 + 1.0
+
+
+@triton.jit
+def _table(expert_ptr, slot_ptr, t, L, max_rows, M: tl.constexpr, M_PAD: tl.constexpr):
+    """(places (BLOCK_L, M_PAD) int64, in range, experts, valid: the place holds a pair) of a token tile's table."""
+    j = tl.arange(0, M_PAD)
+    inside = (t < L)[:, None] & (j < M)[None, :]
+    place = t.to(tl.int64)[:, None] * M + j[None, :]
+    ex = tl.load(expert_ptr + place, mask=inside, other=0)
+    valid = tl.load(slot_ptr + place, mask=inside, other=max_rows) < max_rows
+    return place, inside, ex, valid
+
+
+@triton.jit
+def rounded_weights_kernel(logits_ptr, topk_idx_ptr, topk_w_ptr, expert_ptr, slot_ptr, w_ptr, L, E, max_rows,
+                           route_scale, K: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr,
+                           SCORING: tl.constexpr, RENORM: tl.constexpr, BLOCK_L: tl.constexpr,
+                           E_PAD: tl.constexpr):
+    """w (L, M): each place's weight (routing.rounding's convention): a token-choice pair's top-k weight, an added
+    pair's route_scale · score / the token's normalizer, 0 where the place holds no pair."""
+    t = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    m, z, norm = _chosen_norm(logits_ptr, topk_idx_ptr, t, L, E, K, SCORING, BLOCK_L, E_PAD)
+    place, inside, ex, valid = _table(expert_ptr, slot_ptr, t, L, max_rows, M, M_PAD)
+    le = tl.load(logits_ptr + t.to(tl.int64)[:, None] * E + ex, mask=inside, other=0.0).to(tl.float32)
+    w = route_scale * (_score(le, m[:, None], z[:, None], SCORING) / _divisor(norm, SCORING, RENORM)[:, None])
+    for k in tl.static_range(K):
+        ek = tl.load(topk_idx_ptr + t * K + k, mask=t < L, other=-1)
+        wk = tl.load(topk_w_ptr + t * K + k, mask=t < L, other=0.0)
+        w = tl.where(ex == ek[:, None], wk[:, None], w)
+    tl.store(w_ptr + place, tl.where(valid, w, 0.0), mask=inside)
+
+
+@triton.jit
+def rounded_weights_backward_kernel(logits_ptr, topk_idx_ptr, expert_ptr, slot_ptr, w_ptr, dw_ptr, dlogits_ptr,
+                                    dtopk_w_ptr, L, E, max_rows, K: tl.constexpr, M: tl.constexpr,
+                                    M_PAD: tl.constexpr, SCORING: tl.constexpr, RENORM: tl.constexpr,
+                                    BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
+    """dtopk_w (L, K): the gradient of each token-choice pair's place; dlogits (L, E): the added pairs' weights'
+    gradient, at their own logit (g·w, times 1 - σ for sigmoid scores) and through the token's normalizer
+    (-Σ g·w times the chosen scores' share: the softmax row's scores where not renormalized)."""
+    t = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    tmask = t < L
+    e = tl.arange(0, E_PAD)
+    m, z, norm = _chosen_norm(logits_ptr, topk_idx_ptr, t, L, E, K, SCORING, BLOCK_L, E_PAD)
+    place, inside, ex, valid = _table(expert_ptr, slot_ptr, t, L, max_rows, M, M_PAD)
+    dw = tl.load(dw_ptr + place, mask=inside, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + place, mask=inside, other=0.0)
+    chosen_place = ex < 0
+    for k in tl.static_range(K):
+        ek = tl.load(topk_idx_ptr + t * K + k, mask=tmask, other=-1)
+        match = (ex == ek[:, None]) & valid
+        chosen_place = chosen_place | match
+        tl.store(dtopk_w_ptr + t * K + k, tl.sum(tl.where(match, dw, 0.0), axis=1), mask=tmask)
+    gw = tl.where(valid & ~chosen_place, dw * w, 0.0)
+    a = tl.sum(gw, axis=1)
+    if SCORING == 2:
+        le = tl.load(logits_ptr + t.to(tl.int64)[:, None] * E + ex, mask=inside, other=0.0).to(tl.float32)
+        own = gw * (1.0 - tl.sigmoid(le))
+    else:
+        own = gw
+    j = tl.arange(0, M_PAD)
+    dl = tl.zeros((BLOCK_L, E_PAD), tl.float32)
+    for jj in tl.static_range(M):  # each place's own term to its expert's column
+        ex_j = tl.sum(tl.where(j[None, :] == jj, ex, 0), axis=1)
+        own_j = tl.sum(tl.where(j[None, :] == jj, own, 0.0), axis=1)
+        dl += tl.where(e[None, :] == ex_j[:, None], own_j[:, None], 0.0)
+    lg, s = _row_scores(logits_ptr, t, L, e, E, SCORING)
+    chosen = _tile_hits(topk_idx_ptr, t, L, e, K, BLOCK_L, E_PAD) > 0
+    if SCORING == 0:
+        if RENORM:
+            dl -= tl.where(chosen, (a / norm)[:, None] * s, 0.0)
+        else:
+            dl -= a[:, None] * s
+    elif SCORING == 1:
+        dl -= tl.where(chosen, (a / norm)[:, None] * tl.exp(lg - m[:, None]), 0.0)
+    elif RENORM:
+        dl -= tl.where(chosen, (a / (norm + 1e-20))[:, None] * (s * (1.0 - s)), 0.0)
+    mask = tmask[:, None] & (e < E)[None, :]
+    tl.store(dlogits_ptr + t.to(tl.int64)[:, None] * E + e[None, :], dl, mask=mask)
