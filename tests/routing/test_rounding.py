@@ -252,31 +252,49 @@ def test_max_experts_bounds_experts_per_token(rule):
 def test_round_to_index_equals_rounding_then_index(poison_alloc, scoring):
     """The rounding kernels (interpreter) against rounded_index(round_tokens_fast(...)) in torch ops, fresh buffers
     NaN: the same index and overflow, the weights to fp32 rounding, and the logits' gradient through the weights
-    (the top-k weights' path included) to 1e-5; both renormalizations and every rule, with the bound on experts per
-    token binding (tokens that score high everywhere), several token tiles, and a tile larger than the batch."""
+    (the top-k weights' path included) to 1e-5; every rule, with the bound on experts per token binding (tokens
+    that score high everywhere), several token tiles, a tile larger than the batch, and without renormalization."""
     from moeblaze.routing import round_to_index, round_tokens_fast
     from moeblaze.routing.rounding import _rounded_index_torch
 
     torch.manual_seed(11)
-    for renorm in (True, False):
-        for rule in ("nr-f", "up", "down"):
-            for L, E, K, M, cap, hot in ((300, 16, 4, 32, 8, False), (256, 16, 2, 16, 4, True),
-                                         (100, 4, 2, 128, 4, False)):
-                logits = torch.randn(L, E) * 2
-                if hot:
-                    logits[:3] += 6.0
-                logits.requires_grad_()
-                idx, w = route_topk(logits, K, scoring, renormalize=renorm, route_scale=1.5)
-                rows = L * K + E * M
-                rr = round_tokens_fast(logits, idx, w, M, rule, scoring, renorm, 1.5, cap)
-                want = _rounded_index_torch(rr.kept_LE, rr.weights_LE, cap, rows)
-                got = round_to_index(logits, idx, w, M, rule, scoring, renorm, 1.5, max_experts=cap, max_rows=rows)
-                case = (renorm, rule, L, E, K, M)
-                for f in ("expert_counts", "expert_offsets", "expert_token_idx", "token_slot"):
-                    assert torch.equal(getattr(got[0], f), getattr(want[0], f)), (f, case)
-                assert bool(got[2]) == bool(want[2]) is False
-                torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
-                dw = torch.randn(L, cap)
-                g_want = torch.autograd.grad((want[1] * dw).sum(), logits, retain_graph=True)[0]
-                g_got = torch.autograd.grad((got[1] * dw).sum(), logits)[0]
-                assert float((g_got - g_want).norm()) <= 1e-5 * float(g_want.norm()), case
+    cases = [(True, rule, shape) for rule in ("nr-f", "up", "down") for shape in
+             ((300, 16, 4, 32, 8, False), (256, 16, 2, 16, 4, True), (100, 4, 2, 128, 4, False))]
+    for renorm, rule, (L, E, K, M, cap, hot) in cases + [(False, "up", (256, 16, 2, 16, 4, True))]:
+        logits = torch.randn(L, E) * 2
+        if hot:
+            logits[:3] += 6.0
+        logits.requires_grad_()
+        idx, w = route_topk(logits, K, scoring, renormalize=renorm, route_scale=1.5)
+        rows = L * K + E * M
+        rr = round_tokens_fast(logits, idx, w, M, rule, scoring, renorm, 1.5, cap)
+        want = _rounded_index_torch(rr.kept_LE, rr.weights_LE, cap, rows)
+        got = round_to_index(logits, idx, w, M, rule, scoring, renorm, 1.5, max_experts=cap, max_rows=rows)
+        case = (renorm, rule, L, E, K, M)
+        for f in ("expert_counts", "expert_offsets", "expert_token_idx", "token_slot"):
+            assert torch.equal(getattr(got[0], f), getattr(want[0], f)), (f, case)
+        assert bool(got[2]) == bool(want[2]) is False
+        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
+        dw = torch.randn(L, cap)
+        g_want = torch.autograd.grad((want[1] * dw).sum(), logits, retain_graph=True)[0]
+        g_got = torch.autograd.grad((got[1] * dw).sum(), logits)[0]
+        assert float((g_got - g_want).norm()) <= 1e-5 * float(g_want.norm()), case
+
+
+@pytest.mark.filterwarnings("ignore:token rounding with")
+def test_round_to_index_breaks_ties_as_the_reference():
+    """Scores with many exact ties (sigmoid of integer logits): the kernels' radix select adds the earliest of
+    equally scored tokens first and drops the latest first, the reference's stable sort, so their index equals
+    the reference's exactly (round_tokens_fast's top-k may break such ties either way)."""
+    from moeblaze.routing import round_to_index, rounded_index
+
+    torch.manual_seed(2)
+    for rule, cap in (("nr-f", 8), ("up", 3), ("down", 8)):
+        logits = torch.randint(-3, 4, (300, 8)).float()
+        idx, w = route_topk(logits, 2, "sigmoid_topk")
+        ref = round_tokens(logits, idx, w, 16, rule, "sigmoid_topk", max_experts=cap)
+        want = rounded_index(ref.kept_LE, ref.weights_LE, cap, 300 * 2 + 8 * 16)
+        got = round_to_index(logits, idx, w, 16, rule, "sigmoid_topk", max_experts=cap, max_rows=300 * 2 + 8 * 16)
+        for f in ("expert_counts", "expert_token_idx", "token_slot"):
+            assert torch.equal(getattr(got[0], f), getattr(want[0], f)), (f, rule)
+        torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)

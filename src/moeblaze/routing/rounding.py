@@ -27,7 +27,8 @@ round_tokens is the reference (dense (L, E) masks, a sort per expert column), wh
 round_tokens_fast gives the same result without sorting: an expert moves by less than a tile, so it only ever
 drops some of its M − 1 lowest-scored token-choice pairs or adds some of its M − 1 best other tokens, two
 column-wise top-(M − 1) selections (ties between equal scores may then resolve differently from the reference's
-stable order). rounded_index turns a rounding into the kernels' routing index.
+stable order). rounded_index turns a rounding into the kernels' routing index; round_to_index does both at once in
+kernels, ties as the reference (what MoELayer runs).
 Memory: (L, E) scores and masks, transient (as the router's own (L, E) logits).
 """
 from __future__ import annotations
@@ -280,14 +281,15 @@ def _rounded_place_triton(kept_LE, max_experts: int, max_rows: int):
 def round_to_index(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weights_LK: torch.Tensor, tile: int,
                    rule: str = "nr-f", scoring: str = "softmax_topk", renormalize: bool = True,
                    route_scale: float = 1.0, *, max_experts: int, max_rows: int):
-    """Token rounding straight to the kernels' routing index: rounded_index(round_tokens_fast(...)) with the bound
+    """Token rounding straight to the kernels' routing index: rounded_index(round_tokens(...)) with the bound
     max_experts and a row buffer of max_rows (rounded_rows_bound), the same (RoutingIndex, weights (L,
-    max_experts) fp32, overflow) up to ties between equal scores. On GPUs (and under the interpreter) without the
-    (L, E) masks and weights of torch ops: routing/triton.py's rounding kernels and one column-wise top-k write
-    the kept (L, E) mask, rounded_index's kernels place it, and the weights come from one kernel each way,
-    differentiable in the logits and the top-k weights: about 12 launches in forward and 1 in backward, against
-    about 80 torch ops and their backward. Transient: the (2, E, L) fp32 selection keys and the (L, E) uint8
-    mask, about as much as the router's (L, E) scores."""
+    max_experts) fp32, overflow), ties included, the weights to fp32 rounding. On GPUs (and under the
+    interpreter) without (L, E) torch ops: routing/triton.py's rounding kernels write the kept (L, E) mask (a
+    radix select per expert instead of a sort), rounded_index's kernels place it, and the weights come from one
+    kernel each way, differentiable in the logits and the top-k weights: 8 to 10 launches in forward and 1 in
+    backward, against about 80 torch ops and their backward for round_tokens_fast then rounded_index (what it
+    does on CPU tensors). Transient: the (2, E, L) fp32 selection keys and the (L, E) uint8 mask, about as much
+    as the router's (L, E) scores."""
     _check(logits_LE, topk_idx_LK, tile, rule, scoring, max_experts, stacklevel=3)
     if logits_LE.shape[0] == 0 or not (logits_LE.is_cuda or INTERPRET):
         rr = _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
@@ -305,8 +307,8 @@ def _kept_triton(logits_LE, idx_LK, tile: int, rule: str, scoring: str, max_expe
     """The kept (L, E) uint8 mask of round_tokens_fast in 2 to 5 launches and a top-k (routing/triton.py)."""
     from ..launch import launch
     from .index import _next_pow2, dense_tile_size
-    from .triton import (RULE_CODES, SCORING_CODES, rounding_apply_kernel, rounding_bound_kernel,
-                         rounding_keys_kernel, rounding_over_kernel)
+    from .triton import (RULE_CODES, SCORING_CODES, rounding_bound_kernel, rounding_keys_kernel,
+                         rounding_over_kernel, rounding_select_kernel)
 
     (L, E), K, dev = logits_LE.shape, idx_LK.shape[1], logits_LE.device
     tiles = dict(BLOCK_L=dense_tile_size(E), E_PAD=_next_pow2(E))
@@ -319,15 +321,16 @@ def _kept_triton(logits_LE, idx_LK, tile: int, rule: str, scoring: str, max_expe
     n_sel = min(tile - 1, L)
     if n_sel == 0:  # a tile of 1: every count is already a multiple
         return kept
-    sel = keys.view(2 * E, L).topk(n_sel, dim=1).indices  # (2E, n_sel), each row best first
+    sel = torch.empty(2 * E, n_sel, dtype=torch.int32, device=dev)  # each row's selected tokens, first n used
     counts, change = (torch.empty(E, dtype=torch.int32, device=dev) for _ in range(2))
-    sel_pad = _next_pow2(n_sel)
-    launch(rounding_apply_kernel, (E,), sel, tile_counts, kept, counts, change, n_tiles, L, E, n_sel, tile,
-           RULE=RULE_CODES[rule], BLOCK_T=128, SEL_PAD=sel_pad)
-    if max_experts < E and rule != "down":  # experts that added a pair to a token over the bound round down
+    bound = max_experts < E and rule != "down"
+    launch(rounding_select_kernel, (2 * E,), keys, tile_counts, kept, sel, counts, change, n_tiles, L, E, tile,
+           n_sel, RULE=RULE_CODES[rule], BOUND=bound, BLOCK_T=128, BLOCK=1024)
+    if bound:  # experts that added a pair to a token over the bound round down
         over = torch.empty(L, dtype=torch.uint8, device=dev)
         launch(rounding_over_kernel, (n_tiles,), kept, over, L, E, max_experts, **tiles)
-        launch(rounding_bound_kernel, (E,), sel, over, counts, change, kept, E, n_sel, tile, SEL_PAD=sel_pad)
+        launch(rounding_bound_kernel, (E,), sel, over, counts, change, kept, E, n_sel, tile,
+               SEL_PAD=_next_pow2(n_sel))
     return kept
 
 

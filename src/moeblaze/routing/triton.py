@@ -6,7 +6,8 @@ tiles turns them into each tile's first position inside each expert's segment, a
 into the per-expert counts. (3) The placement kernel derives the expert offsets from the counts, scans
 its hit map down the columns and writes each (token, k) pair straight to its final slot. Each slot is written by
 exactly one program, so no atomics are needed and the result is deterministic, with tokens ascending
-inside each expert.
+inside each expert. Below them: the same build for a token-rounded routing's (L, E) mask, and token rounding
+itself (its kept mask and weights).
 """
 import triton
 import triton.language as tl
@@ -162,11 +163,10 @@ def rounded_place_kernel(kept_ptr, tile_base_ptr, counts_kept_ptr, fit_base_ptr,
 # Token rounding itself (routing.rounding.round_to_index), from the router's logits and top-k to the kept (L, E) mask
 # rounded_index reads, with no sort and no host sync: (1) per token tile, the scores, the token-choice mask (the
 # mask's first state), each expert's token-choice count in the tile, and two selection keys per expert column, one
-# that ranks its other tokens best first and one that ranks its token-choice pairs worst first; a column-wise top-k
-# of the keys (torch) then gives each expert the at most tile - 1 tokens it can add or drop; (2) per expert, its
-# target count and the change it applies; with a bound on experts per token, (3) which tokens exceed it and (4) each
-# expert that added a pair to one of them rounds down instead. Then the rounded weights, differentiable in the
-# logits and the top-k weights, in one kernel each way.
+# that ranks its other tokens best first and one that ranks its token-choice pairs worst first; (2) per key row,
+# the expert's target count and a radix select of the tokens it adds or drops, applied to the mask; with a bound
+# on experts per token, (3) which tokens exceed it and (4) each expert that added a pair to one of them rounds down
+# instead. Then the rounded weights, differentiable in the logits and the top-k weights, in one kernel each way.
 
 RULE_CODES = {"nr-f": 0, "up": 1, "down": 2}
 SCORING_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_topk": 2}
@@ -208,12 +208,25 @@ def rounding_keys_kernel(logits_ptr, topk_idx_ptr, keys_ptr, kept_ptr, tile_coun
 
 
 @triton.jit
-def rounding_apply_kernel(sel_ptr, tile_counts_ptr, kept_ptr, counts_ptr, change_ptr, n_tiles, L, E, n_sel, tile,
-                          RULE: tl.constexpr, BLOCK_T: tl.constexpr, SEL_PAD: tl.constexpr):
-    """One program per expert: its token-choice count f, its target (the rule of routing.rounding), and the change
-    applied to its column of kept: the first target - f tokens of its add row, or the first f - target of its drop
-    row (sel: (2E, n_sel) token ids, each row best first)."""
-    ex = tl.program_id(0)
+def _order_key(key):
+    """fp32 keys as int64 in [0, 2^32) in the same order (negative floats' magnitude bits flipped)."""
+    bits = key.to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
+
+
+@triton.jit
+def rounding_select_kernel(keys_ptr, tile_counts_ptr, kept_ptr, sel_ptr, counts_ptr, change_ptr, n_tiles, L, E,
+                           tile, n_sel, RULE: tl.constexpr, BOUND: tl.constexpr, BLOCK_T: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """One program per row of keys (2E): expert e's token-choice count f, its target (the rule of routing.rounding)
+    and change c = target - f; then the n tokens its row ranks first, n = c in its add row (c > 0), f mod tile
+    in its drop row (c < 0, or c > 0 where the bound on experts per token may undo the additions), by a radix
+    select on the keys' bits (8 passes of 4 bits over the row, then one to count and one to write): the selected
+    tokens go to sel[row, :n] in token order, and the change to kept. Ties at the threshold go as the reference's
+    stable sort sends them: the earliest tokens are added first, the latest dropped first."""
+    r = tl.program_id(0)
+    ex = r % E
+    is_drop = r >= E
     f = tl.zeros((BLOCK_T,), dtype=tl.int32)
     for t0 in range(0, n_tiles, BLOCK_T):
         i = t0 + tl.arange(0, BLOCK_T)
@@ -229,13 +242,50 @@ def rounding_apply_kernel(sel_ptr, tile_counts_ptr, kept_ptr, counts_ptr, change
     else:
         target = down
     change = target - f
-    tl.store(counts_ptr + ex, f)
-    tl.store(change_ptr + ex, change)
-    j = tl.arange(0, SEL_PAD)
-    add = tl.load(sel_ptr + ex * n_sel + j, mask=j < change, other=0)
-    tl.store(kept_ptr + add * E + ex, tl.full((SEL_PAD,), 1, tl.uint8), mask=j < change)
-    drop = tl.load(sel_ptr + (E + ex) * n_sel + j, mask=j < -change, other=0)
-    tl.store(kept_ptr + drop * E + ex, tl.zeros((SEL_PAD,), tl.uint8), mask=j < -change)
+    if r < E:
+        tl.store(counts_ptr + ex, f)
+        tl.store(change_ptr + ex, change)
+    if is_drop:
+        n = tl.where((change < 0) | ((change > 0) & BOUND), f - down, 0)
+    else:
+        n = tl.maximum(change, 0)
+    if n > 0:
+        row = keys_ptr + r.to(tl.int64) * L
+        digit = tl.arange(0, 16)
+        prefix = tl.zeros((), tl.int64)  # the n-th largest key, 4 bits a pass from the top
+        for p in tl.static_range(8):
+            cand = prefix + (digit.to(tl.int64) << (28 - 4 * p))
+            cnt = tl.zeros((16,), tl.int32)
+            for t0 in range(0, L, BLOCK):
+                t = t0 + tl.arange(0, BLOCK)
+                v = _order_key(tl.load(row + t, mask=t < L, other=float("-inf")))
+                cnt += tl.sum(((v[:, None] >= cand[None, :]) & (t < L)[:, None]).to(tl.int32), axis=0)
+            prefix += tl.max(tl.where(cnt >= n, digit, 0), axis=0).to(tl.int64) << (28 - 4 * p)
+        n_gt = tl.zeros((), tl.int32)
+        n_eq = tl.zeros((), tl.int32)
+        for t0 in range(0, L, BLOCK):
+            t = t0 + tl.arange(0, BLOCK)
+            v = _order_key(tl.load(row + t, mask=t < L, other=float("-inf")))
+            n_gt += tl.sum(((v > prefix) & (t < L)).to(tl.int32), axis=0)
+            n_eq += tl.sum(((v == prefix) & (t < L)).to(tl.int32), axis=0)
+        ties = n - n_gt  # how many tokens at the threshold are taken: the first ones, or the last in a drop row
+        seen_eq = tl.zeros((), tl.int32)
+        taken = tl.zeros((), tl.int32)
+        write_end = tl.where((~is_drop) | (change < 0), L, 0)  # drop rows of rising experts: sel only
+        for t0 in range(0, L, BLOCK):
+            t = t0 + tl.arange(0, BLOCK)
+            inside = t < L
+            v = _order_key(tl.load(row + t, mask=inside, other=float("-inf")))
+            eq = ((v == prefix) & inside).to(tl.int32)
+            eq_rank = seen_eq + tl.cumsum(eq, axis=0)  # 1-based among the ties so far
+            tie_taken = tl.where(is_drop, eq_rank > n_eq - ties, eq_rank <= ties)
+            take = ((v > prefix) & inside) | ((eq > 0) & tie_taken)
+            pos = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            tl.store(sel_ptr + r.to(tl.int64) * n_sel + pos, t, mask=take)
+            tl.store(kept_ptr + t.to(tl.int64) * E + ex, (~is_drop).to(tl.uint8) + 0 * t.to(tl.uint8),
+                     mask=take & (t < write_end))
+            seen_eq += tl.sum(eq, axis=0)
+            taken += tl.sum(take.to(tl.int32), axis=0)
 
 
 @triton.jit
