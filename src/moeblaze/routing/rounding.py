@@ -321,16 +321,16 @@ def _kept_triton(logits_LE, idx_LK, tile: int, rule: str, scoring: str, max_expe
     n_sel = min(tile - 1, L)
     if n_sel == 0:  # a tile of 1: every count is already a multiple
         return kept
-    sel = torch.empty(2 * E, n_sel, dtype=torch.int32, device=dev)  # each row's selected tokens, first n used
+    sel = torch.empty(E, n_sel, dtype=torch.int32, device=dev)  # each rising expert's added tokens, first c used
     counts, change = (torch.empty(E, dtype=torch.int32, device=dev) for _ in range(2))
-    bound = max_experts < E and rule != "down"
+    select = dict(BLOCK=256, num_warps=8)
     launch(rounding_select_kernel, (2 * E,), keys, tile_counts, kept, sel, counts, change, n_tiles, L, E, tile,
-           n_sel, RULE=RULE_CODES[rule], BOUND=bound, BLOCK_T=128, BLOCK=1024)
-    if bound:  # experts that added a pair to a token over the bound round down
+           n_sel, RULE=RULE_CODES[rule], BLOCK_T=128, **select)
+    if max_experts < E and rule != "down":  # experts that added a pair to a token over the bound round down
         over = torch.empty(L, dtype=torch.uint8, device=dev)
         launch(rounding_over_kernel, (n_tiles,), kept, over, L, E, max_experts, **tiles)
-        launch(rounding_bound_kernel, (E,), sel, over, counts, change, kept, E, n_sel, tile,
-               SEL_PAD=_next_pow2(n_sel))
+        launch(rounding_bound_kernel, (E,), keys, sel, over, counts, change, kept, L, E, n_sel, tile,
+               SEL_PAD=_next_pow2(n_sel), **select)
     return kept
 
 

@@ -215,18 +215,62 @@ def _order_key(key):
 
 
 @triton.jit
+def _radix_select(keys_ptr, row, L, n, kept_ptr, ex, E, sel_ptr, n_sel, IS_DROP: tl.constexpr,
+                  WRITE_SEL: tl.constexpr, BLOCK: tl.constexpr):
+    """The n tokens key row `row` ranks first, by a radix select on the keys' bits (8 passes of 4 bits over the
+    row, counts kept per lane until each pass ends; then one pass to count and one to write): kept[t, ex] set to
+    1 (add row) or 0 (drop row) for each, and, with WRITE_SEL, sel[ex, :n] = the tokens in token order. Ties at
+    the threshold go as the reference's stable sort sends them: the earliest tokens are added first, the latest
+    dropped first."""
+    keys = keys_ptr + row.to(tl.int64) * L
+    digit = tl.arange(0, 16)
+    prefix = tl.zeros((), tl.int64)  # the n-th largest key, 4 bits a pass from the top
+    for p in tl.static_range(8):
+        cand = prefix + (digit.to(tl.int64) << (28 - 4 * p))
+        acc = tl.zeros((BLOCK, 16), tl.int32)
+        for t0 in range(0, L, BLOCK):
+            t = t0 + tl.arange(0, BLOCK)
+            v = _order_key(tl.load(keys + t, mask=t < L, other=float("-inf")))
+            acc += ((v[:, None] >= cand[None, :]) & (t < L)[:, None]).to(tl.int32)
+        cnt = tl.sum(acc, axis=0)
+        prefix += tl.max(tl.where(cnt >= n, digit, 0), axis=0).to(tl.int64) << (28 - 4 * p)
+    gt = tl.zeros((BLOCK,), tl.int32)
+    eq = tl.zeros((BLOCK,), tl.int32)
+    for t0 in range(0, L, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        v = _order_key(tl.load(keys + t, mask=t < L, other=float("-inf")))
+        gt += ((v > prefix) & (t < L)).to(tl.int32)
+        eq += ((v == prefix) & (t < L)).to(tl.int32)
+    n_eq = tl.sum(eq, axis=0)
+    ties = n - tl.sum(gt, axis=0)  # how many tokens at the threshold are taken: the first, or the last if dropping
+    seen_eq = tl.zeros((), tl.int32)
+    taken = tl.zeros((), tl.int32)
+    for t0 in range(0, L, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        inside = t < L
+        v = _order_key(tl.load(keys + t, mask=inside, other=float("-inf")))
+        at = ((v == prefix) & inside).to(tl.int32)
+        rank = seen_eq + tl.cumsum(at, axis=0)  # 1-based among the ties so far
+        if IS_DROP:
+            take = ((v > prefix) & inside) | ((at > 0) & (rank > n_eq - ties))
+        else:
+            take = ((v > prefix) & inside) | ((at > 0) & (rank <= ties))
+        tl.store(kept_ptr + t.to(tl.int64) * E + ex, tl.full((BLOCK,), 0 if IS_DROP else 1, tl.uint8), mask=take)
+        if WRITE_SEL:
+            pos = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
+            tl.store(sel_ptr + ex.to(tl.int64) * n_sel + pos, t, mask=take)
+            taken += tl.sum(take.to(tl.int32), axis=0)
+        seen_eq += tl.sum(at, axis=0)
+
+
+@triton.jit
 def rounding_select_kernel(keys_ptr, tile_counts_ptr, kept_ptr, sel_ptr, counts_ptr, change_ptr, n_tiles, L, E,
-                           tile, n_sel, RULE: tl.constexpr, BOUND: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK: tl.constexpr):
-    """One program per row of keys (2E): expert e's token-choice count f, its target (the rule of routing.rounding)
-    and change c = target - f; then the n tokens its row ranks first, n = c in its add row (c > 0), f mod tile
-    in its drop row (c < 0, or c > 0 where the bound on experts per token may undo the additions), by a radix
-    select on the keys' bits (8 passes of 4 bits over the row, then one to count and one to write): the selected
-    tokens go to sel[row, :n] in token order, and the change to kept. Ties at the threshold go as the reference's
-    stable sort sends them: the earliest tokens are added first, the latest dropped first."""
+                           tile, n_sel, RULE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per key row (2E): expert e's token-choice count f, its target (the rule of routing.rounding)
+    and change c = target - f, then the c tokens its add row ranks first are added (c > 0; recorded in sel[e] for
+    the bound), or the f - target its drop row ranks first are dropped (c < 0)."""
     r = tl.program_id(0)
     ex = r % E
-    is_drop = r >= E
     f = tl.zeros((BLOCK_T,), dtype=tl.int32)
     for t0 in range(0, n_tiles, BLOCK_T):
         i = t0 + tl.arange(0, BLOCK_T)
@@ -245,47 +289,10 @@ def rounding_select_kernel(keys_ptr, tile_counts_ptr, kept_ptr, sel_ptr, counts_
     if r < E:
         tl.store(counts_ptr + ex, f)
         tl.store(change_ptr + ex, change)
-    if is_drop:
-        n = tl.where((change < 0) | ((change > 0) & BOUND), f - down, 0)
-    else:
-        n = tl.maximum(change, 0)
-    if n > 0:
-        row = keys_ptr + r.to(tl.int64) * L
-        digit = tl.arange(0, 16)
-        prefix = tl.zeros((), tl.int64)  # the n-th largest key, 4 bits a pass from the top
-        for p in tl.static_range(8):
-            cand = prefix + (digit.to(tl.int64) << (28 - 4 * p))
-            cnt = tl.zeros((16,), tl.int32)
-            for t0 in range(0, L, BLOCK):
-                t = t0 + tl.arange(0, BLOCK)
-                v = _order_key(tl.load(row + t, mask=t < L, other=float("-inf")))
-                cnt += tl.sum(((v[:, None] >= cand[None, :]) & (t < L)[:, None]).to(tl.int32), axis=0)
-            prefix += tl.max(tl.where(cnt >= n, digit, 0), axis=0).to(tl.int64) << (28 - 4 * p)
-        n_gt = tl.zeros((), tl.int32)
-        n_eq = tl.zeros((), tl.int32)
-        for t0 in range(0, L, BLOCK):
-            t = t0 + tl.arange(0, BLOCK)
-            v = _order_key(tl.load(row + t, mask=t < L, other=float("-inf")))
-            n_gt += tl.sum(((v > prefix) & (t < L)).to(tl.int32), axis=0)
-            n_eq += tl.sum(((v == prefix) & (t < L)).to(tl.int32), axis=0)
-        ties = n - n_gt  # how many tokens at the threshold are taken: the first ones, or the last in a drop row
-        seen_eq = tl.zeros((), tl.int32)
-        taken = tl.zeros((), tl.int32)
-        write_end = tl.where((~is_drop) | (change < 0), L, 0)  # drop rows of rising experts: sel only
-        for t0 in range(0, L, BLOCK):
-            t = t0 + tl.arange(0, BLOCK)
-            inside = t < L
-            v = _order_key(tl.load(row + t, mask=inside, other=float("-inf")))
-            eq = ((v == prefix) & inside).to(tl.int32)
-            eq_rank = seen_eq + tl.cumsum(eq, axis=0)  # 1-based among the ties so far
-            tie_taken = tl.where(is_drop, eq_rank > n_eq - ties, eq_rank <= ties)
-            take = ((v > prefix) & inside) | ((eq > 0) & tie_taken)
-            pos = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
-            tl.store(sel_ptr + r.to(tl.int64) * n_sel + pos, t, mask=take)
-            tl.store(kept_ptr + t.to(tl.int64) * E + ex, (~is_drop).to(tl.uint8) + 0 * t.to(tl.uint8),
-                     mask=take & (t < write_end))
-            seen_eq += tl.sum(eq, axis=0)
-            taken += tl.sum(take.to(tl.int32), axis=0)
+        if change > 0:
+            _radix_select(keys_ptr, r, L, change, kept_ptr, ex, E, sel_ptr, n_sel, False, True, BLOCK)
+    elif change < 0:
+        _radix_select(keys_ptr, r, L, -change, kept_ptr, ex, E, sel_ptr, n_sel, True, False, BLOCK)
 
 
 @triton.jit
@@ -297,8 +304,8 @@ def rounding_over_kernel(kept_ptr, over_ptr, L, E, max_experts, BLOCK_L: tl.cons
 
 
 @triton.jit
-def rounding_bound_kernel(sel_ptr, over_ptr, counts_ptr, change_ptr, kept_ptr, E, n_sel, tile,
-                          SEL_PAD: tl.constexpr):
+def rounding_bound_kernel(keys_ptr, sel_ptr, over_ptr, counts_ptr, change_ptr, kept_ptr, L, E, n_sel, tile,
+                          SEL_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """One program per expert: one that added a pair to a token over the bound undoes its additions and drops its
     f mod tile worst token-choice pairs instead (rounds down)."""
     ex = tl.program_id(0)
@@ -306,11 +313,11 @@ def rounding_bound_kernel(sel_ptr, over_ptr, counts_ptr, change_ptr, kept_ptr, E
     j = tl.arange(0, SEL_PAD)
     add = tl.load(sel_ptr + ex * n_sel + j, mask=j < change, other=0)
     gave = tl.max(tl.load(over_ptr + add, mask=j < change, other=0), axis=0) > 0
-    n_undo = tl.where(gave, change, 0)
-    tl.store(kept_ptr + add * E + ex, tl.zeros((SEL_PAD,), tl.uint8), mask=j < n_undo)
-    n_drop = tl.where(gave, tl.load(counts_ptr + ex) % tile, 0)
-    drop = tl.load(sel_ptr + (E + ex) * n_sel + j, mask=j < n_drop, other=0)
-    tl.store(kept_ptr + drop * E + ex, tl.zeros((SEL_PAD,), tl.uint8), mask=j < n_drop)
+    if gave:
+        tl.store(kept_ptr + add * E + ex, tl.zeros((SEL_PAD,), tl.uint8), mask=j < change)
+        n_drop = tl.load(counts_ptr + ex) % tile
+        if n_drop > 0:
+            _radix_select(keys_ptr, E + ex, L, n_drop, kept_ptr, ex, E, sel_ptr, n_sel, True, False, BLOCK)
 
 
 @triton.jit
