@@ -288,7 +288,7 @@ def round_to_index(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weig
     radix select per expert instead of a sort), rounded_index's kernels place it, and the weights come from one
     kernel each way, differentiable in the logits and the top-k weights: 8 to 10 launches in forward and 1 in
     backward, against about 80 torch ops and their backward for round_tokens_fast then rounded_index (what it
-    does on CPU tensors). Transient: the (2, E, L) fp32 selection keys and the (L, E) uint8 mask, about as much
+    does on CPU tensors). Transient: the (E, L) fp32 selection keys and the (L, E) uint8 mask, about as much
     as the router's (L, E) scores."""
     _check(logits_LE, topk_idx_LK, tile, rule, scoring, max_experts, stacklevel=3)
     if logits_LE.shape[0] == 0 or not (logits_LE.is_cuda or INTERPRET):
@@ -313,7 +313,7 @@ def _kept_triton(logits_LE, idx_LK, tile: int, rule: str, scoring: str, max_expe
     (L, E), K, dev = logits_LE.shape, idx_LK.shape[1], logits_LE.device
     tiles = dict(BLOCK_L=dense_tile_size(E), E_PAD=_next_pow2(E))
     n_tiles = -(-L // tiles["BLOCK_L"])
-    keys = torch.empty(2, E, L, dtype=torch.float32, device=dev)
+    keys = torch.empty(E, L, dtype=torch.float32, device=dev)
     kept = torch.empty(L, E, dtype=torch.uint8, device=dev)
     tile_counts = torch.empty(n_tiles, E, dtype=torch.int32, device=dev)
     launch(rounding_keys_kernel, (n_tiles,), logits_LE, idx_LK, keys, kept, tile_counts, L, E, K=K,
@@ -323,8 +323,8 @@ def _kept_triton(logits_LE, idx_LK, tile: int, rule: str, scoring: str, max_expe
         return kept
     sel = torch.empty(E, n_sel, dtype=torch.int32, device=dev)  # each rising expert's added tokens, first c used
     counts, change = (torch.empty(E, dtype=torch.int32, device=dev) for _ in range(2))
-    select = dict(BLOCK=256, num_warps=8)
-    launch(rounding_select_kernel, (2 * E,), keys, tile_counts, kept, sel, counts, change, n_tiles, L, E, tile,
+    select = dict(BLOCK=1024, num_warps=16)
+    launch(rounding_select_kernel, (E,), keys, tile_counts, kept, sel, counts, change, n_tiles, L, E, tile,
            n_sel, RULE=RULE_CODES[rule], BLOCK_T=128, **select)
     if max_experts < E and rule != "down":  # experts that added a pair to a token over the bound round down
         over = torch.empty(L, dtype=torch.uint8, device=dev)

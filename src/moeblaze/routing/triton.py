@@ -190,8 +190,8 @@ def _row_scores(logits_ptr, t, L, e, E, SCORING: tl.constexpr):
 @triton.jit
 def rounding_keys_kernel(logits_ptr, topk_idx_ptr, keys_ptr, kept_ptr, tile_counts_ptr, L, E,
                          K: tl.constexpr, SCORING: tl.constexpr, BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
-    """keys (2, E, L) fp32: row e ranks expert e's other tokens by score (its token-choice pairs -inf), row E + e
-    its token-choice pairs by the negated score (others -inf); kept (L, E) uint8 = the token-choice mask;
+    """keys (E, L) fp32: row e holds expert e's scores, negated at its token-choice pairs, so that it ranks its
+    other tokens best first, then its token-choice pairs worst first; kept (L, E) uint8 = the token-choice mask;
     tile_counts (n_tiles, E) its column sums per tile."""
     pid = tl.program_id(0)
     t = pid * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -202,9 +202,9 @@ def rounding_keys_kernel(logits_ptr, topk_idx_ptr, keys_ptr, kept_ptr, tile_coun
     chosen = hits > 0
     tl.store(tile_counts_ptr + pid * E + e, tl.sum(hits, axis=0), mask=e < E)
     tl.store(kept_ptr + t.to(tl.int64)[:, None] * E + e[None, :], chosen.to(tl.uint8), mask=mask)
-    col = e.to(tl.int64)[None, :] * L + t[:, None]
-    tl.store(keys_ptr + col, tl.where(chosen, float("-inf"), s), mask=mask)
-    tl.store(keys_ptr + E * L + col, tl.where(chosen, -s, float("-inf")), mask=mask)
+    # transposed in registers, so that each expert's run of tokens is stored contiguously
+    col = e.to(tl.int64)[:, None] * L + t[None, :]
+    tl.store(keys_ptr + col, tl.trans(tl.where(chosen, -s, s)), mask=tl.trans(mask))
 
 
 @triton.jit
@@ -215,16 +215,17 @@ def _order_key(key):
 
 
 @triton.jit
-def _radix_select(keys_ptr, row, L, n, kept_ptr, ex, E, sel_ptr, n_sel, IS_DROP: tl.constexpr,
+def _radix_select(keys_ptr, ex, L, rank, kept_ptr, E, sel_ptr, n_sel, IS_DROP: tl.constexpr,
                   WRITE_SEL: tl.constexpr, BLOCK: tl.constexpr):
-    """The n tokens key row `row` ranks first, by a radix select on the keys' bits (8 passes of 4 bits over the
-    row, counts kept per lane until each pass ends; then one pass to count and one to write): kept[t, ex] set to
-    1 (add row) or 0 (drop row) for each, and, with WRITE_SEL, sel[ex, :n] = the tokens in token order. Ties at
-    the threshold go as the reference's stable sort sends them: the earliest tokens are added first, the latest
+    """The tokens expert ex adds (its `rank` best other tokens) or drops (IS_DROP: rank = its other tokens + the
+    token-choice pairs it drops, its worst ones) by a radix select of rank-th largest key of its row (8 passes of
+    4 bits over the row, counts kept per lane until a pass ends; then one pass to count and one to write): kept[t,
+    ex] set to 1 or 0 for each, and, with WRITE_SEL, sel[ex, :rank] = the added tokens in token order. Ties at the
+    threshold go as the reference's stable sort sends them: the earliest tokens are added first, the latest
     dropped first."""
-    keys = keys_ptr + row.to(tl.int64) * L
+    keys = keys_ptr + ex.to(tl.int64) * L
     digit = tl.arange(0, 16)
-    prefix = tl.zeros((), tl.int64)  # the n-th largest key, 4 bits a pass from the top
+    prefix = tl.zeros((), tl.int64)  # the rank-th largest key, 4 bits a pass from the top
     for p in tl.static_range(8):
         cand = prefix + (digit.to(tl.int64) << (28 - 4 * p))
         acc = tl.zeros((BLOCK, 16), tl.int32)
@@ -233,7 +234,7 @@ def _radix_select(keys_ptr, row, L, n, kept_ptr, ex, E, sel_ptr, n_sel, IS_DROP:
             v = _order_key(tl.load(keys + t, mask=t < L, other=float("-inf")))
             acc += ((v[:, None] >= cand[None, :]) & (t < L)[:, None]).to(tl.int32)
         cnt = tl.sum(acc, axis=0)
-        prefix += tl.max(tl.where(cnt >= n, digit, 0), axis=0).to(tl.int64) << (28 - 4 * p)
+        prefix += tl.max(tl.where(cnt >= rank, digit, 0), axis=0).to(tl.int64) << (28 - 4 * p)
     gt = tl.zeros((BLOCK,), tl.int32)
     eq = tl.zeros((BLOCK,), tl.int32)
     for t0 in range(0, L, BLOCK):
@@ -242,7 +243,7 @@ def _radix_select(keys_ptr, row, L, n, kept_ptr, ex, E, sel_ptr, n_sel, IS_DROP:
         gt += ((v > prefix) & (t < L)).to(tl.int32)
         eq += ((v == prefix) & (t < L)).to(tl.int32)
     n_eq = tl.sum(eq, axis=0)
-    ties = n - tl.sum(gt, axis=0)  # how many tokens at the threshold are taken: the first, or the last if dropping
+    ties = rank - tl.sum(gt, axis=0)  # how many at the threshold are taken: the first, or the last if dropping
     seen_eq = tl.zeros((), tl.int32)
     taken = tl.zeros((), tl.int32)
     for t0 in range(0, L, BLOCK):
@@ -250,11 +251,11 @@ def _radix_select(keys_ptr, row, L, n, kept_ptr, ex, E, sel_ptr, n_sel, IS_DROP:
         inside = t < L
         v = _order_key(tl.load(keys + t, mask=inside, other=float("-inf")))
         at = ((v == prefix) & inside).to(tl.int32)
-        rank = seen_eq + tl.cumsum(at, axis=0)  # 1-based among the ties so far
-        if IS_DROP:
-            take = ((v > prefix) & inside) | ((at > 0) & (rank > n_eq - ties))
+        tie_rank = seen_eq + tl.cumsum(at, axis=0)  # 1-based among the ties so far
+        if IS_DROP:  # token-choice pairs only (negated scores: keys below 2^31)
+            take = (((v > prefix) & inside) | ((at > 0) & (tie_rank > n_eq - ties))) & (v < 2147483648)
         else:
-            take = ((v > prefix) & inside) | ((at > 0) & (rank <= ties))
+            take = ((v > prefix) & inside) | ((at > 0) & (tie_rank <= ties))
         tl.store(kept_ptr + t.to(tl.int64) * E + ex, tl.full((BLOCK,), 0 if IS_DROP else 1, tl.uint8), mask=take)
         if WRITE_SEL:
             pos = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
@@ -266,11 +267,10 @@ def _radix_select(keys_ptr, row, L, n, kept_ptr, ex, E, sel_ptr, n_sel, IS_DROP:
 @triton.jit
 def rounding_select_kernel(keys_ptr, tile_counts_ptr, kept_ptr, sel_ptr, counts_ptr, change_ptr, n_tiles, L, E,
                            tile, n_sel, RULE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per key row (2E): expert e's token-choice count f, its target (the rule of routing.rounding)
-    and change c = target - f, then the c tokens its add row ranks first are added (c > 0; recorded in sel[e] for
-    the bound), or the f - target its drop row ranks first are dropped (c < 0)."""
-    r = tl.program_id(0)
-    ex = r % E
+    """One program per expert: its token-choice count f, its target (the rule of routing.rounding) and change
+    c = target - f, then the c best other tokens added (c > 0; recorded in sel[e] for the bound) or the f - target
+    worst token-choice pairs dropped (c < 0)."""
+    ex = tl.program_id(0)
     f = tl.zeros((BLOCK_T,), dtype=tl.int32)
     for t0 in range(0, n_tiles, BLOCK_T):
         i = t0 + tl.arange(0, BLOCK_T)
@@ -286,13 +286,12 @@ def rounding_select_kernel(keys_ptr, tile_counts_ptr, kept_ptr, sel_ptr, counts_
     else:
         target = down
     change = target - f
-    if r < E:
-        tl.store(counts_ptr + ex, f)
-        tl.store(change_ptr + ex, change)
-        if change > 0:
-            _radix_select(keys_ptr, r, L, change, kept_ptr, ex, E, sel_ptr, n_sel, False, True, BLOCK)
+    tl.store(counts_ptr + ex, f)
+    tl.store(change_ptr + ex, change)
+    if change > 0:
+        _radix_select(keys_ptr, ex, L, change, kept_ptr, E, sel_ptr, n_sel, False, True, BLOCK)
     elif change < 0:
-        _radix_select(keys_ptr, r, L, -change, kept_ptr, ex, E, sel_ptr, n_sel, True, False, BLOCK)
+        _radix_select(keys_ptr, ex, L, L - target, kept_ptr, E, sel_ptr, n_sel, True, False, BLOCK)
 
 
 @triton.jit
@@ -315,9 +314,9 @@ def rounding_bound_kernel(keys_ptr, sel_ptr, over_ptr, counts_ptr, change_ptr, k
     gave = tl.max(tl.load(over_ptr + add, mask=j < change, other=0), axis=0) > 0
     if gave:
         tl.store(kept_ptr + add * E + ex, tl.zeros((SEL_PAD,), tl.uint8), mask=j < change)
-        n_drop = tl.load(counts_ptr + ex) % tile
-        if n_drop > 0:
-            _radix_select(keys_ptr, E + ex, L, n_drop, kept_ptr, ex, E, sel_ptr, n_sel, True, False, BLOCK)
+        f = tl.load(counts_ptr + ex)
+        if f % tile > 0:
+            _radix_select(keys_ptr, ex, L, L - f // tile * tile, kept_ptr, E, sel_ptr, n_sel, True, False, BLOCK)
 
 
 @triton.jit
@@ -426,29 +425,33 @@ def rounded_weights_backward_kernel(logits_ptr, topk_idx_ptr, expert_ptr, slot_p
         match = (ex == ek[:, None]) & valid
         chosen_place = chosen_place | match
         tl.store(dtopk_w_ptr + t * K + k, tl.sum(tl.where(match, dw, 0.0), axis=1), mask=tmask)
-    gw = tl.where(valid & ~chosen_place, dw * w, 0.0)
+    added = valid & ~chosen_place
+    gw = tl.where(added, dw * w, 0.0)
     a = tl.sum(gw, axis=1)
-    if SCORING == 2:
-        le = tl.load(logits_ptr + t.to(tl.int64)[:, None] * E + ex, mask=inside, other=0.0).to(tl.float32)
-        own = gw * (1.0 - tl.sigmoid(le))
-    else:
-        own = gw
-    j = tl.arange(0, M_PAD)
-    dl = tl.zeros((BLOCK_L, E_PAD), tl.float32)
-    for jj in tl.static_range(M):  # each place's own term to its expert's column
-        ex_j = tl.sum(tl.where(j[None, :] == jj, ex, 0), axis=1)
-        own_j = tl.sum(tl.where(j[None, :] == jj, own, 0.0), axis=1)
-        dl += tl.where(e[None, :] == ex_j[:, None], own_j[:, None], 0.0)
     lg, s = _row_scores(logits_ptr, t, L, e, E, SCORING)
     chosen = _tile_hits(topk_idx_ptr, t, L, e, K, BLOCK_L, E_PAD) > 0
     if SCORING == 0:
         if RENORM:
-            dl -= tl.where(chosen, (a / norm)[:, None] * s, 0.0)
+            dl = -tl.where(chosen, (a / norm)[:, None] * s, 0.0)
         else:
-            dl -= a[:, None] * s
+            dl = -a[:, None] * s
     elif SCORING == 1:
-        dl -= tl.where(chosen, (a / norm)[:, None] * tl.exp(lg - m[:, None]), 0.0)
+        dl = -tl.where(chosen, (a / norm)[:, None] * tl.exp(lg - m[:, None]), 0.0)
     elif RENORM:
-        dl -= tl.where(chosen, (a / (norm + 1e-20))[:, None] * (s * (1.0 - s)), 0.0)
+        dl = -tl.where(chosen, (a / (norm + 1e-20))[:, None] * (s * (1.0 - s)), 0.0)
+    else:
+        dl = tl.zeros((BLOCK_L, E_PAD), tl.float32)
     mask = tmask[:, None] & (e < E)[None, :]
     tl.store(dlogits_ptr + t.to(tl.int64)[:, None] * E + e[None, :], dl, mask=mask)
+    # each added pair's own term at its expert's column, stored over the above (the barrier orders the two
+    # stores): its own derivative g·w (times 1 - σ for sigmoid scores), plus what the row term put there (only
+    # softmax scores without renormalization put anything at a column not chosen: -a·s)
+    own = gw
+    if SCORING == 2 or (SCORING == 0 and not RENORM):
+        le = tl.load(logits_ptr + t.to(tl.int64)[:, None] * E + ex, mask=inside, other=0.0).to(tl.float32)
+        if SCORING == 2:
+            own = gw * (1.0 - tl.sigmoid(le))
+        else:
+            own = gw - a[:, None] * _score(le, m[:, None], z[:, None], SCORING)
+    tl.debug_barrier()
+    tl.store(dlogits_ptr + t.to(tl.int64)[:, None] * E + ex, own, mask=added & inside)
