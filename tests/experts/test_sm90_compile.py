@@ -2,7 +2,7 @@
 ptxas), where the interpreter would not tell: the Hopper bf16 weight gradient and the fp8 kernels (every variant the
 launcher can pick compiles, issues its wgmma and spills nothing, or next to it; what they compute is checked on a GPU
 only, tests/gpu/, since the interpreter does not run Gluon), and the tl kernels of the fp8 quantizers, the rounded
-index and the wide combine (the interpreter runs them; this checks that they also lower for the GPU)."""
+index, token rounding and the wide combine (the interpreter runs them; this checks that they also lower for the GPU)."""
 import os
 import re
 import subprocess
@@ -162,6 +162,18 @@ KERNELS = [  # (kernel, pointer types, constexprs, warps)
     (rk.rounded_fit_count_kernel, dict(kept_ptr="*i1"), dict(M=32, BLOCK_L=32, E_PAD=256), 4),
     (rk.rounded_place_kernel, dict(kept_ptr="*i1"), dict(M=32, M_PAD=32, BLOCK_L=32, E_PAD=256), 4),
     (rk.rounded_place_kernel, dict(kept_ptr="*i1"), dict(M=8, M_PAD=8, BLOCK_L=1024, E_PAD=8), 4),
+    (rk.rounding_keys_kernel, dict(logits_ptr="*fp32", keys_ptr="*fp32", kept_ptr="*u8"),
+     dict(K=8, SCORING=0, BLOCK_L=32, E_PAD=128), 4),
+    (rk.rounding_select_kernel, dict(keys_ptr="*fp32", kept_ptr="*u8"), dict(RULE=0, BLOCK_T=128, BLOCK=2048,
+                                                                           DIGIT=2), 16),
+    (rk.rounding_over_kernel, dict(kept_ptr="*u8", over_ptr="*u8"), dict(BLOCK_L=32, E_PAD=128), 4),
+    (rk.rounding_bound_kernel, dict(keys_ptr="*fp32", kept_ptr="*u8", over_ptr="*u8"),
+     dict(SEL_PAD=128, BLOCK=2048, DIGIT=2), 16),
+    (rk.rounded_weights_kernel, dict(logits_ptr="*fp32", topk_w_ptr="*fp32", w_ptr="*fp32", route_scale="fp32"),
+     dict(K=8, M=32, M_PAD=32, SCORING=0, RENORM=True, BLOCK_L=64, E_PAD=128), 4),
+    (rk.rounded_weights_backward_kernel, dict(logits_ptr="*fp32", w_ptr="*fp32", dw_ptr="*fp32",
+                                              dlogits_ptr="*fp32", dtopk_w_ptr="*fp32"),
+     dict(K=8, M=32, M_PAD=32, SCORING=2, RENORM=True, BLOCK_L=64, E_PAD=128), 4),
     (forward._combine_kernel, dict(rows_ptr="*bf16", weights_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16"),
      dict(K=32, WEIGHTED=True, HAS_BIAS=False, WIDE=True, K_POW2=32, BLOCK_T=16, BLOCK_D=256), 4),
     (backward._act_bwd_kernel, DH_PTRS, dict(DH, H_ALIGNED=True, QUANT_DH=True), 4),  # e4m3 H, scales per group
@@ -188,4 +200,4 @@ def test_tl_kernels_of_fp8_rounding_and_the_wide_combine_lower_for_sm90():
     out = subprocess.run([sys.executable, "-c", TL_SNIPPET], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split()
-    assert lines[1::2] == ["True"] * 19 and len(lines) == 38, out.stdout
+    assert lines[1::2] == ["True"] * 25 and len(lines) == 50, out.stdout

@@ -311,7 +311,7 @@ def _kept_triton(logits_LE, idx_LK, tile: int, rule: str, scoring: str, max_expe
                          rounding_over_kernel, rounding_select_kernel)
 
     (L, E), K, dev = logits_LE.shape, idx_LK.shape[1], logits_LE.device
-    tiles = dict(BLOCK_L=dense_tile_size(E), E_PAD=_next_pow2(E))
+    tiles = dict(BLOCK_L=dense_tile_size(E) // 2, E_PAD=_next_pow2(E))  # half the index's tile: no spills
     n_tiles = -(-L // tiles["BLOCK_L"])
     keys = torch.empty(E, L, dtype=torch.float32, device=dev)
     kept = torch.empty(L, E, dtype=torch.uint8, device=dev)
@@ -323,7 +323,7 @@ def _kept_triton(logits_LE, idx_LK, tile: int, rule: str, scoring: str, max_expe
         return kept
     sel = torch.empty(E, n_sel, dtype=torch.int32, device=dev)  # each rising expert's added tokens, first c used
     counts, change = (torch.empty(E, dtype=torch.int32, device=dev) for _ in range(2))
-    select = dict(BLOCK=1024, num_warps=16)
+    select = dict(BLOCK=2048, DIGIT=2, num_warps=16)  # the fastest of a sweep at configs C and D, E 256
     launch(rounding_select_kernel, (E,), keys, tile_counts, kept, sel, counts, change, n_tiles, L, E, tile,
            n_sel, RULE=RULE_CODES[rule], BLOCK_T=128, **select)
     if max_experts < E and rule != "down":  # experts that added a pair to a token over the bound round down

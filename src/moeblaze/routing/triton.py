@@ -209,32 +209,32 @@ def rounding_keys_kernel(logits_ptr, topk_idx_ptr, keys_ptr, kept_ptr, tile_coun
 
 @triton.jit
 def _order_key(key):
-    """fp32 keys as int64 in [0, 2^32) in the same order (negative floats' magnitude bits flipped)."""
+    """fp32 keys as uint32 in the same order (negative floats' magnitude bits flipped, then the sign bit)."""
     bits = key.to(tl.int32, bitcast=True)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
+    return ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) ^ (-2147483648)).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
 def _radix_select(keys_ptr, ex, L, rank, kept_ptr, E, sel_ptr, n_sel, IS_DROP: tl.constexpr,
-                  WRITE_SEL: tl.constexpr, BLOCK: tl.constexpr):
+                  WRITE_SEL: tl.constexpr, BLOCK: tl.constexpr, DIGIT: tl.constexpr):
     """The tokens expert ex adds (its `rank` best other tokens) or drops (IS_DROP: rank = its other tokens + the
-    token-choice pairs it drops, its worst ones) by a radix select of rank-th largest key of its row (8 passes of
-    4 bits over the row, counts kept per lane until a pass ends; then one pass to count and one to write): kept[t,
-    ex] set to 1 or 0 for each, and, with WRITE_SEL, sel[ex, :rank] = the added tokens in token order. Ties at the
-    threshold go as the reference's stable sort sends them: the earliest tokens are added first, the latest
-    dropped first."""
+    token-choice pairs it drops, its worst ones) by a radix select of the rank-th largest key of its row (32 / DIGIT
+    passes of DIGIT bits over the row, counts kept per lane until a pass ends; then one pass to count and one to
+    write): kept[t, ex] set to 1 or 0 for each, and, with WRITE_SEL, sel[ex, :rank] = the added tokens in token
+    order. Ties at the threshold go as the reference's stable sort sends them: the earliest tokens are added first,
+    the latest dropped first."""
     keys = keys_ptr + ex.to(tl.int64) * L
-    digit = tl.arange(0, 16)
-    prefix = tl.zeros((), tl.int64)  # the rank-th largest key, 4 bits a pass from the top
-    for p in tl.static_range(8):
-        cand = prefix + (digit.to(tl.int64) << (28 - 4 * p))
-        acc = tl.zeros((BLOCK, 16), tl.int32)
+    digit = tl.arange(0, 1 << DIGIT)
+    prefix = tl.zeros((), tl.uint32)  # the rank-th largest key, DIGIT bits a pass from the top
+    for p in tl.static_range(32 // DIGIT):
+        cand = prefix + (digit.to(tl.uint32) << (32 - DIGIT * (p + 1)))
+        acc = tl.zeros((BLOCK, 1 << DIGIT), tl.int32)
         for t0 in range(0, L, BLOCK):
             t = t0 + tl.arange(0, BLOCK)
             v = _order_key(tl.load(keys + t, mask=t < L, other=float("-inf")))
             acc += ((v[:, None] >= cand[None, :]) & (t < L)[:, None]).to(tl.int32)
         cnt = tl.sum(acc, axis=0)
-        prefix += tl.max(tl.where(cnt >= rank, digit, 0), axis=0).to(tl.int64) << (28 - 4 * p)
+        prefix += tl.max(tl.where(cnt >= rank, digit, 0), axis=0).to(tl.uint32) << (32 - DIGIT * (p + 1))
     gt = tl.zeros((BLOCK,), tl.int32)
     eq = tl.zeros((BLOCK,), tl.int32)
     for t0 in range(0, L, BLOCK):
@@ -252,8 +252,8 @@ def _radix_select(keys_ptr, ex, L, rank, kept_ptr, E, sel_ptr, n_sel, IS_DROP: t
         v = _order_key(tl.load(keys + t, mask=inside, other=float("-inf")))
         at = ((v == prefix) & inside).to(tl.int32)
         tie_rank = seen_eq + tl.cumsum(at, axis=0)  # 1-based among the ties so far
-        if IS_DROP:  # token-choice pairs only (negated scores: keys below 2^31)
-            take = (((v > prefix) & inside) | ((at > 0) & (tie_rank > n_eq - ties))) & (v < 2147483648)
+        if IS_DROP:  # token-choice pairs only (negated scores: the top bit clear)
+            take = (((v > prefix) & inside) | ((at > 0) & (tie_rank > n_eq - ties))) & ((v >> 31) == 0)
         else:
             take = ((v > prefix) & inside) | ((at > 0) & (tie_rank <= ties))
         tl.store(kept_ptr + t.to(tl.int64) * E + ex, tl.full((BLOCK,), 0 if IS_DROP else 1, tl.uint8), mask=take)
@@ -266,7 +266,8 @@ def _radix_select(keys_ptr, ex, L, rank, kept_ptr, E, sel_ptr, n_sel, IS_DROP: t
 
 @triton.jit
 def rounding_select_kernel(keys_ptr, tile_counts_ptr, kept_ptr, sel_ptr, counts_ptr, change_ptr, n_tiles, L, E,
-                           tile, n_sel, RULE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr):
+                           tile, n_sel, RULE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK: tl.constexpr,
+                           DIGIT: tl.constexpr):
     """One program per expert: its token-choice count f, its target (the rule of routing.rounding) and change
     c = target - f, then the c best other tokens added (c > 0; recorded in sel[e] for the bound) or the f - target
     worst token-choice pairs dropped (c < 0)."""
@@ -289,9 +290,9 @@ def rounding_select_kernel(keys_ptr, tile_counts_ptr, kept_ptr, sel_ptr, counts_
     tl.store(counts_ptr + ex, f)
     tl.store(change_ptr + ex, change)
     if change > 0:
-        _radix_select(keys_ptr, ex, L, change, kept_ptr, E, sel_ptr, n_sel, False, True, BLOCK)
+        _radix_select(keys_ptr, ex, L, change, kept_ptr, E, sel_ptr, n_sel, False, True, BLOCK, DIGIT)
     elif change < 0:
-        _radix_select(keys_ptr, ex, L, L - target, kept_ptr, E, sel_ptr, n_sel, True, False, BLOCK)
+        _radix_select(keys_ptr, ex, L, L - target, kept_ptr, E, sel_ptr, n_sel, True, False, BLOCK, DIGIT)
 
 
 @triton.jit
@@ -304,7 +305,7 @@ def rounding_over_kernel(kept_ptr, over_ptr, L, E, max_experts, BLOCK_L: tl.cons
 
 @triton.jit
 def rounding_bound_kernel(keys_ptr, sel_ptr, over_ptr, counts_ptr, change_ptr, kept_ptr, L, E, n_sel, tile,
-                          SEL_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                          SEL_PAD: tl.constexpr, BLOCK: tl.constexpr, DIGIT: tl.constexpr):
     """One program per expert: one that added a pair to a token over the bound undoes its additions and drops its
     f mod tile worst token-choice pairs instead (rounds down)."""
     ex = tl.program_id(0)
@@ -316,7 +317,8 @@ def rounding_bound_kernel(keys_ptr, sel_ptr, over_ptr, counts_ptr, change_ptr, k
         tl.store(kept_ptr + add * E + ex, tl.zeros((SEL_PAD,), tl.uint8), mask=j < change)
         f = tl.load(counts_ptr + ex)
         if f % tile > 0:
-            _radix_select(keys_ptr, ex, L, L - f // tile * tile, kept_ptr, E, sel_ptr, n_sel, True, False, BLOCK)
+            _radix_select(keys_ptr, ex, L, L - f // tile * tile, kept_ptr, E, sel_ptr, n_sel, True, False, BLOCK,
+                          DIGIT)
 
 
 @triton.jit
