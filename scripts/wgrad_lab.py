@@ -8,7 +8,6 @@ time per tile and SM is fitted as fixed + per_step · steps: what a tile costs b
 
   gluon          the kernel as the experts run it (BLOCK_K 64, 3 stages)
   gluon-k32-s6   BLOCK_K 32 and 6 stages: the same bytes in flight, finer steps
-  gluon-split-s4 4 stages: each tile accumulated and stored as two 128-column halves through a 32 KB tile
   bmm            torch.bmm (E, M, R_e) x (E, R_e, N), aligned rows only
 
     python scripts/wgrad_lab.py [--out DIR] [--rows 128,256,512,1024]   (Hopper; rows in DIR/wgrad_lab.jsonl)
@@ -52,9 +51,7 @@ def impls(p, q, token, offsets, out, gather_p, r_e) -> dict:
     """{impl: step(i)} on one shape (see the module header); bmm where every expert has r_e rows."""
     fns = {"gluon": lambda i: gluon_sm90.weight_grad(p, q, token, offsets, out, gather_p),
            "gluon-k32-s6": lambda i: gluon_sm90.weight_grad(p, q, token, offsets, out, gather_p, block_k=32,
-                                                             stages=6),
-           "gluon-split-s4": lambda i: gluon_sm90.weight_grad(p, q, token, offsets, out, gather_p, stages=4,
-                                                               split_store=True)}
+                                                             stages=6)}
     if r_e is not None:
         E, M, N = out.shape
         pe = (p[token.long()] if gather_p else p).view(E, r_e, M).transpose(1, 2)

@@ -13,8 +13,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
 from ...launch import launch, sm_count
 from .common import (GATHER_WARPS, cp_async, descriptor, gather_layout, mma_layout, mma_steps, stage_barriers,
@@ -123,29 +122,6 @@ def _wgrad_loader(dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, re
 
 
 @gluon.jit
-def _mma_halves(c0, n_k, p_bufs, q_bufs, ready, empty):
-    """mma_steps with the tile's two column halves in two accumulators (each stage's P read once for both), all
-    MMAs finished on return; the last stage is the caller's to hand back."""
-    S: gl.constexpr = p_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = p_bufs.type.shape[2]
-    HALF: gl.constexpr = q_bufs.type.shape[2] // 2
-    layout: gl.constexpr = mma_layout(8, HALF)
-    acc0 = gl.zeros([BLOCK_M, HALF], gl.float32, layout)
-    acc1 = gl.zeros([BLOCK_M, HALF], gl.float32, layout)
-    for k in range(n_k):
-        c = c0 + k
-        s = c % S
-        mbarrier.wait(ready.index(s), (c // S) & 1)
-        fence_async_shared()  # the gathered side comes from cp.async
-        a = p_bufs.index(s).permute((1, 0))
-        acc0 = warpgroup_mma(a, q_bufs.index(s).slice(0, HALF, dim=1), acc0, is_async=True)
-        acc1 = warpgroup_mma(a, q_bufs.index(s).slice(HALF, HALF, dim=1), acc1, is_async=True)
-        acc0, acc1 = warpgroup_mma_wait(2, deps=(acc0, acc1))
-        mbarrier.arrive(empty.index((c + S - 1) % S), pred=k > 0)  # the MMAs of step k-1 have finished
-    return warpgroup_mma_wait(0, deps=(acc0, acc1))
-
-
-@gluon.jit
 def _wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, empty, expert_offsets_ptr, n_tiles, n_tm,
                      n_tn, group, M, N):
     """Each dW tile: Pᵀ (P's stages read transposed) times Q over the expert's rows, then stored by these warps
@@ -154,7 +130,6 @@ def _wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, em
     BLOCK_K: gl.constexpr = p_bufs.type.shape[1]
     BLOCK_M: gl.constexpr = p_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = q_bufs.type.shape[2]
-    SPLIT: gl.constexpr = c_smem.type.shape[1] != BLOCK_N  # the tile stored in two column halves
     acc_layout: gl.constexpr = mma_layout(8, BLOCK_N)
     pid, nprog = gl.program_id(0), gl.num_programs(0)
     n_mine = gl.cdiv(n_tiles - pid, nprog)
@@ -168,19 +143,12 @@ def _wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, em
             e1, tm1, tn1 = _wgrad_tile(gl.minimum(j + 1, n_mine - 1), pid, nprog, n_tm, n_tn, group)
             start1, end1 = gl.load(expert_offsets_ptr + e1), gl.load(expert_offsets_ptr + e1 + 1)
             n_k = gl.cdiv(end - start, BLOCK_K)
-            if SPLIT:
-                acc0, acc1 = _mma_halves(c0, n_k, p_bufs, q_bufs, ready, empty)
-                mbarrier.arrive(empty.index((c0 + n_k + S - 1) % S), pred=n_k > 0)
-                store_tile(acc0, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
-                store_tile(acc1, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M,
-                           tn * BLOCK_N + BLOCK_N // 2, N)
-            else:
-                acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-                acc = mma_steps(acc, c0, n_k, p_bufs, q_bufs, ready, empty, True, A_KM=True)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                mbarrier.arrive(empty.index((c0 + n_k + S - 1) % S), pred=n_k > 0)
-                store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            acc = mma_steps(acc, c0, n_k, p_bufs, q_bufs, ready, empty, True, A_KM=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(empty.index((c0 + n_k + S - 1) % S), pred=n_k > 0)
             c0 += n_k
+            store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
             e, tm, tn, start, end = e1, tm1, tn1, start1, end1
     tma.store_wait(0)
 
@@ -197,7 +165,7 @@ def weight_grad_kernel(dense_desc, src_ptr, stride_src, token_ptr, c_desc, c_ptr
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], dtype))
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
-    c_smem = gl.allocate_shared_memory(dtype, c_desc.block_type.shape, c_desc.layout)  # the tile, or half
+    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
     ready, empty = stage_barriers(STAGES, 32 * GATHER_WARPS + 1)
     n_tm, n_tn = gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N)
     n_tiles = E * n_tm * n_tn
@@ -209,19 +177,18 @@ def weight_grad_kernel(dense_desc, src_ptr, stride_src, token_ptr, c_desc, c_ptr
 
 
 def weight_grad(p, q, token, offsets, out, gather_p: bool, block_k: int = 64, stages: int = 3,
-                worker_regs: int = 56, split_store: bool = False):
+                worker_regs: int = 56):
     """out[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for each expert's contiguous rows (offsets (E+1,) int32), with
     P = p[token[rows]], Q = q[rows] if gather_p, else P = p[rows], Q = q[token[rows]]; token (rows,) int32.
     bf16/fp16, contiguous, out in the operands' dtype; the gathered side's width a multiple of its block
     (WGRAD_BLOCKS: 128 for P, 256 for Q), the dense side's and N multiples of 8 (16-byte TMA rows). The dispatcher
-    (experts.dispatch) checks these; the launcher does not. split_store: each 128 x 256 tile accumulates and is
-    stored as two 128-column halves through a 32 KB tile, which leaves shared memory for a 4th stage."""
+    (experts.dispatch) checks these; the launcher does not."""
     E, M, N = out.shape
     block_m, block_n = WGRAD_BLOCKS
     dense, src = (q, p) if gather_p else (p, q)
     dense_desc = descriptor(dense, [block_k, block_n if gather_p else block_m])
     c2d = out.view(E * M, N)
-    c_desc = descriptor(c2d, [block_m, block_n // 2 if split_store else block_n])
+    c_desc = descriptor(c2d, [block_m, block_n])
     grid = (sm_count(p.device),)
     group = wgrad_group(triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     launch(weight_grad_kernel, grid, dense_desc, src, src.stride(0), token, c_desc, c2d, c2d.stride(0), offsets,
