@@ -174,3 +174,23 @@ def test_round_to_index_compiled_equals_rounding_then_index(poison_alloc, scorin
         g_want = torch.autograd.grad((want[1] * dw).sum(), logits, retain_graph=True)[0]
         g_got = torch.autograd.grad((got[1] * dw).sum(), logits)[0]
         assert float((g_got - g_want).norm()) <= 1e-5 * float(g_want.norm()), rule
+
+
+@pytest.mark.filterwarnings("ignore:token rounding with")
+@pytest.mark.parametrize("rule", ["nr-f", "up"])
+def test_token_rounding_layer_compiles_with_fullgraph(rule):
+    """The rounded layer's step under torch.compile(fullgraph=True) (the rounding kernels and the weights' autograd
+    Function traced, not a graph break): output and gradients equal to eager's (aot_eager: the same ops, so the
+    same routing)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = MoELayer(512, 256, 32, 4, token_rounding=rule).cuda().bfloat16()
+    x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    eager = layer(x)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(compiled.out, eager.out)
+    params = (x, layer.w1, layer.router.weight)
+    g_e = torch.autograd.grad(eager.out.float().square().sum() + eager.aux_loss, params)
+    g_c = torch.autograd.grad(compiled.out.float().square().sum() + compiled.aux_loss, params)
+    for a, b in zip(g_c, g_e):
+        assert _rel(a, b) < 1e-6
