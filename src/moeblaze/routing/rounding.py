@@ -287,9 +287,11 @@ def round_to_index(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weig
     interpreter) without (L, E) torch ops: routing/triton.py's rounding kernels write the kept (L, E) mask (a
     radix select per expert instead of a sort), rounded_index's kernels place it, and the weights come from one
     kernel each way, differentiable in the logits and the top-k weights: 8 to 10 launches in forward and 1 in
-    backward, against about 80 torch ops and their backward for round_tokens_fast then rounded_index (what it
-    does on CPU tensors). Transient: the (E, L) fp32 selection keys and the (L, E) uint8 mask, about as much
-    as the router's (L, E) scores."""
+    backward, against about 80 torch ops and their backward for round_tokens_fast then rounded_index, which is
+    what it runs on CPU tensors (ties there as round_tokens_fast's top-k breaks them). Transient: the (E, L) fp32
+    selection keys and the (L, E) uint8 mask, about as much as the router's (L, E) scores. The kernels' token
+    tiles are a half (keys) and a quarter (weights) of the index's: at the full tile ptxas spills registers (the
+    keys kernel took 240 µs instead of 19 at config C, scripts/rounding_lab.py)."""
     _check(logits_LE, topk_idx_LK, tile, rule, scoring, max_experts, stacklevel=3)
     if logits_LE.shape[0] == 0 or not (logits_LE.is_cuda or INTERPRET):
         rr = _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
@@ -304,14 +306,15 @@ def round_to_index(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weig
 
 
 def _kept_triton(logits_LE, idx_LK, tile: int, rule: str, scoring: str, max_experts: int) -> torch.Tensor:
-    """The kept (L, E) uint8 mask of round_tokens_fast in 2 to 5 launches and a top-k (routing/triton.py)."""
+    """The kept (L, E) uint8 mask of round_tokens (ties included) in 2 launches, 4 where the bound on experts per
+    token can bind (routing/triton.py)."""
     from ..launch import launch
     from .index import _next_pow2, dense_tile_size
     from .triton import (RULE_CODES, SCORING_CODES, rounding_bound_kernel, rounding_keys_kernel,
                          rounding_over_kernel, rounding_select_kernel)
 
     (L, E), K, dev = logits_LE.shape, idx_LK.shape[1], logits_LE.device
-    tiles = dict(BLOCK_L=dense_tile_size(E) // 2, E_PAD=_next_pow2(E))  # half the index's tile: no spills
+    tiles = dict(BLOCK_L=dense_tile_size(E) // 2, E_PAD=_next_pow2(E))
     n_tiles = -(-L // tiles["BLOCK_L"])
     keys = torch.empty(E, L, dtype=torch.float32, device=dev)
     kept = torch.empty(L, E, dtype=torch.uint8, device=dev)
@@ -348,7 +351,7 @@ class _RoundedWeights(torch.autograd.Function):
         (L, E), (K, M) = logits_LE.shape, (idx_LK.shape[1], expert_LM.shape[1])
         logits = logits_LE.detach().contiguous()
         meta = dict(K=K, M=M, M_PAD=_next_pow2(M), SCORING=SCORING_CODES[scoring], RENORM=bool(renormalize),
-                    BLOCK_L=dense_tile_size(max(E, M)), E_PAD=_next_pow2(E))
+                    BLOCK_L=dense_tile_size(max(E, M)) // 4, E_PAD=_next_pow2(E))  # a quarter: no spills
         w = torch.empty(L, M, dtype=torch.float32, device=logits.device)
         launch(rounded_weights_kernel, (-(-L // meta["BLOCK_L"]),), logits, idx_LK,
                topk_weights_LK.detach().float().contiguous(), expert_LM, slot_LM, w, L, E, max_rows,
