@@ -10,6 +10,26 @@ def pytest_configure(config):
     markexpr = config.getoption("-m") or ""
     if "gpu" not in markexpr or "not gpu" in markexpr:
         os.environ["TRITON_INTERPRET"] = "1"
+    import triton.language.core as core  # after the switch above
+
+    _CORE.update(vars(core))
+
+
+# triton.language.core's functions as imported, before any kernel ran under the interpreter
+_CORE: dict = {}
+
+
+@pytest.fixture
+def triton_core_restored():
+    """Triton's interpreter leaves triton.language.core's functions patched once a kernel that calls the library's
+    own jit helpers (cdiv, cumsum, ...) has run in this process; a kernel compiled ahead of time afterwards, in
+    the same process, would be built with the patched ones and fail (unless Triton's cache already holds it).
+    Put the originals back first."""
+    import triton.language.core as core
+
+    for name, value in _CORE.items():
+        if getattr(core, name, None) is not value:
+            setattr(core, name, value)
 
 
 @pytest.fixture(autouse=True)

@@ -14,6 +14,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 
+pytestmark = pytest.mark.usefixtures("triton_core_restored")  # compiled in this process: see the fixture
 gluon_runtime = pytest.importorskip("triton.experimental.gluon._runtime")
 if not hasattr(gluon_runtime, "GluonASTSource"):
     pytest.skip("this triton has no ahead-of-time Gluon source", allow_module_level=True)

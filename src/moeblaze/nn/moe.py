@@ -227,7 +227,7 @@ class MoELayer(nn.Module):
         rows = rounded_rows_bound(L, K, E, M, self.token_rounding)
         index, w, overflow = round_to_index(r.logits, r.topk_idx, r.topk_weights, M, self.token_rounding, rt.scoring,
                                             rt.renormalize, rt.route_scale, max_experts=self.rounding_max_experts,
-                                            max_rows=rows)
+                                            max_rows=rows, check=False)  # the router's own ids and weights
         # the rounding keeps both bounds by construction: an overflow here is a bug, never a silent drop
         fail_if(overflow, f"token rounding: the rounded pairs overflow the index's bounds (rounding_max_experts="
                 f"{self.rounding_max_experts}, rows {rows})", RuntimeError)  # a device-side assert: no host sync

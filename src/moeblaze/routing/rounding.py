@@ -41,6 +41,7 @@ import torch
 
 from ..args import check_choice, check_int
 from ..config import INTERPRET
+from .checks import check_topk_idx, check_topk_weights
 from .router import SCORINGS
 
 RULES = ("nr-f", "up", "down")
@@ -74,12 +75,23 @@ def _scores(logits_LE: torch.Tensor, scoring: str) -> torch.Tensor:
     return logits_LE.sigmoid() if scoring == "sigmoid_topk" else logits_LE.softmax(dim=-1)
 
 
-def _check(logits_LE, topk_idx_LK, tile, rule, scoring, max_experts, stacklevel: int) -> None:
-    """The arguments every rounding checks, and the warning below two tiles of tokens per expert."""
+def _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, max_experts, stacklevel: int,
+           check_values: bool = False) -> None:
+    """The arguments every rounding checks (shapes and types; with check_values, the ids and weights too, as
+    device-side asserts on a GPU), and the warning below two tiles of tokens per expert."""
     check_choice("scoring", scoring, SCORINGS)
     check_choice("rule", rule, RULES)
     check_int("tile", tile)
+    if not isinstance(logits_LE, torch.Tensor) or not logits_LE.is_floating_point():
+        raise TypeError(f"logits must be a float tensor, got {_describe(logits_LE)}")
+    if logits_LE.dim() != 2:
+        raise ValueError(f"logits must have shape (L, E), got shape {tuple(logits_LE.shape)}")
     L, E = logits_LE.shape
+    check_topk_idx(topk_idx_LK, E, check_values)
+    check_topk_weights(topk_weights_LK, topk_idx_LK, check_values)
+    if topk_idx_LK.shape[0] != L or topk_idx_LK.device != logits_LE.device:
+        raise ValueError(f"topk_idx {tuple(topk_idx_LK.shape)} on {topk_idx_LK.device} must route the logits' "
+                         f"{L} tokens on {logits_LE.device}")
     K = topk_idx_LK.shape[1]
     if max_experts is not None and check_int("max_experts", max_experts) < K:
         raise ValueError(f"max_experts must be at least top_k ({K}), got {max_experts}")
@@ -87,6 +99,10 @@ def _check(logits_LE, topk_idx_LK, tile, rule, scoring, max_experts, stacklevel:
         warnings.warn(f"token rounding with {L * K / E:.0f} tokens per expert on average, fewer than 2 tiles of "
                       f"{tile}: rounding moves each expert by up to a tile, which changes the routing a lot here "
                       "(SonicMoE measured worse quality at 1 tile)", stacklevel=stacklevel)
+
+
+def _describe(t) -> str:
+    return f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
@@ -162,7 +178,7 @@ def round_tokens(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weight
     """The token-rounded routing of a token-choice top-k (topk_idx, topk_weights from `logits` by the same
     scoring, renormalize and route_scale; see moeblaze.routing.route_topk); at most max_experts experts per token
     where given (see the module header)."""
-    _check(logits_LE, topk_idx_LK, tile, rule, scoring, max_experts, stacklevel=3)
+    _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, max_experts, stacklevel=3)
     return _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
                   _keep_by_sort, max_experts)
 
@@ -172,7 +188,7 @@ def round_tokens_fast(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w
                       route_scale: float = 1.0, max_experts: int | None = None) -> RoundedRouting:
     """round_tokens's result through two column-wise top-(tile − 1) selections instead of a sort (see the module
     header)."""
-    _check(logits_LE, topk_idx_LK, tile, rule, scoring, max_experts, stacklevel=3)
+    _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, max_experts, stacklevel=3)
     return _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
                   functools.partial(_keep_by_topk, k=tile - 1), max_experts)
 
@@ -280,7 +296,7 @@ def _rounded_place_triton(kept_LE, max_experts: int, max_rows: int):
 
 def round_to_index(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weights_LK: torch.Tensor, tile: int,
                    rule: str = "nr-f", scoring: str = "softmax_topk", renormalize: bool = True,
-                   route_scale: float = 1.0, *, max_experts: int, max_rows: int):
+                   route_scale: float = 1.0, *, max_experts: int, max_rows: int, check: bool = True):
     """Token rounding straight to the kernels' routing index: rounded_index(round_tokens(...)) with the bound
     max_experts and a row buffer of max_rows (rounded_rows_bound), the same (RoutingIndex, weights (L,
     max_experts) fp32, overflow), ties included, the weights to fp32 rounding. On GPUs (and under the
@@ -291,8 +307,12 @@ def round_to_index(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weig
     what it runs on CPU tensors (ties there as round_tokens_fast's top-k breaks them). Transient: the (E, L) fp32
     selection keys and the (L, E) uint8 mask, about as much as the router's (L, E) scores. The kernels' token
     tiles are a half (keys) and a quarter (weights) of the index's: at the full tile ptxas spills registers (the
-    keys kernel took 240 µs instead of 19 at config C, scripts/rounding_lab.py)."""
-    _check(logits_LE, topk_idx_LK, tile, rule, scoring, max_experts, stacklevel=3)
+    keys kernel took 240 µs instead of 19 at config C, scripts/rounding_lab.py). check=False skips the checks
+    of the ids' and weights' values (a router's own output, as MoELayer passes it)."""
+    _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, max_experts, stacklevel=3,
+           check_values=check)
+    check_int("max_experts", max_experts)
+    check_int("max_rows", max_rows)
     if logits_LE.shape[0] == 0 or not (logits_LE.is_cuda or INTERPRET):
         rr = _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
                     functools.partial(_keep_by_topk, k=tile - 1), max_experts)
