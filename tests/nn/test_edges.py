@@ -11,11 +11,14 @@ import torch
 from moeblaze import ModelConfig, MoELayer, MoEModel
 
 
-@pytest.mark.parametrize("chunk_tokens", [None, 4])
+@pytest.mark.filterwarnings("ignore:token rounding with")
+@pytest.mark.parametrize("chunk_tokens,rounding", [(None, None), (4, None), (None, "nr-f")])
 @pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
 @pytest.mark.parametrize("impl", ["reference", "triton"])
-def test_empty_batch_gives_empty_output_zero_gradients_and_zero_losses(poison_alloc, impl, checkpoint, chunk_tokens):
-    layer = MoELayer(16, 8, 4, 2, impl=impl, checkpoint=checkpoint, chunk_tokens=chunk_tokens)
+def test_empty_batch_gives_empty_output_zero_gradients_and_zero_losses(poison_alloc, impl, checkpoint, chunk_tokens,
+                                                                        rounding):
+    layer = MoELayer(16, 8, 4, 2, impl=impl, checkpoint=checkpoint, chunk_tokens=chunk_tokens,
+                     token_rounding=rounding)
     x = torch.randn(2, 0, 16, requires_grad=True)
     out, aux, z = layer(x)
     assert out.shape == x.shape and aux.item() == 0 and z.item() == 0

@@ -312,7 +312,7 @@ def round_to_index(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weig
     _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, max_experts, stacklevel=3,
            check_values=check)
     check_int("max_experts", max_experts)
-    check_int("max_rows", max_rows)
+    check_int("max_rows", max_rows, minimum=0)
     if logits_LE.shape[0] == 0 or not (logits_LE.is_cuda or INTERPRET):
         rr = _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
                     functools.partial(_keep_by_topk, k=tile - 1), max_experts)
