@@ -298,3 +298,19 @@ def test_round_to_index_breaks_ties_as_the_reference():
         for f in ("expert_counts", "expert_token_idx", "token_slot"):
             assert torch.equal(getattr(got[0], f), getattr(want[0], f)), (f, rule)
         torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:token rounding with")
+def test_round_to_index_on_cpu_tensors_is_rounding_then_index(monkeypatch):
+    """Without the interpreter, CPU tensors take the torch ops: exactly rounded_index(round_tokens_fast(...))."""
+    from moeblaze.routing import round_to_index, round_tokens_fast, rounded_index
+    from moeblaze.routing import rounding
+
+    monkeypatch.setattr(rounding, "INTERPRET", False)
+    logits = torch.randn(300, 16) * 2
+    idx, w = route_topk(logits, 4)
+    got = round_to_index(logits, idx, w, 32, "up", max_experts=8, max_rows=300 * 4 + 16 * 32)
+    rr = round_tokens_fast(logits, idx, w, 32, "up", max_experts=8)
+    want = rounded_index(rr.kept_LE, rr.weights_LE, 8, 300 * 4 + 16 * 32)
+    assert all(torch.equal(a, b) for a, b in zip(got[0].tensors(), want[0].tensors()))
+    assert torch.equal(got[1], want[1]) and bool(got[2]) == bool(want[2]) is False
