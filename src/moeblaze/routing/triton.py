@@ -174,17 +174,20 @@ SCORING_CODES = {"softmax_topk": 0, "topk_softmax": 1, "sigmoid_topk": 2}
 
 @triton.jit
 def _row_scores(logits_ptr, t, L, e, E, SCORING: tl.constexpr):
-    """(logits, scores) of a (BLOCK_L, E_PAD) tile in fp32: softmax over the row, or the sigmoid; padding -inf/0."""
+    """(logits, scores, each row's max logit, each row's sum of exp(logit - max)) of a (BLOCK_L, E_PAD) tile in
+    fp32: softmax over the row, or the sigmoid (max 0 and sum 1 there, as past L); padding -inf/0."""
     mask = (t < L)[:, None] & (e < E)[None, :]
     lg = tl.load(logits_ptr + t.to(tl.int64)[:, None] * E + e[None, :], mask=mask, other=float("-inf")).to(tl.float32)
     if SCORING == 2:
         s = tl.where(mask, tl.sigmoid(lg), 0.0)
+        m = tl.zeros((t.shape[0],), tl.float32)
+        z = m + 1.0
     else:
-        m = tl.max(lg, axis=1)
-        p = tl.exp(lg - tl.where(t < L, m, 0.0)[:, None])
-        p = tl.where(mask, p, 0.0)
-        s = p / tl.where(t < L, tl.sum(p, axis=1), 1.0)[:, None]
-    return lg, s
+        m = tl.where(t < L, tl.max(lg, axis=1), 0.0)
+        p = tl.where(mask, tl.exp(lg - m[:, None]), 0.0)
+        z = tl.where(t < L, tl.sum(p, axis=1), 1.0)
+        s = p / z[:, None]
+    return lg, s, m, z
 
 
 @triton.jit
@@ -197,7 +200,7 @@ def rounding_keys_kernel(logits_ptr, topk_idx_ptr, keys_ptr, kept_ptr, tile_coun
     t = pid * BLOCK_L + tl.arange(0, BLOCK_L)
     e = tl.arange(0, E_PAD)
     mask = (t < L)[:, None] & (e < E)[None, :]
-    _, s = _row_scores(logits_ptr, t, L, e, E, SCORING)
+    _, s, _, _ = _row_scores(logits_ptr, t, L, e, E, SCORING)
     hits = _tile_hits(topk_idx_ptr, t, L, e, K, BLOCK_L, E_PAD)
     chosen = hits > 0
     tl.store(tile_counts_ptr + pid * E + e, tl.sum(hits, axis=0), mask=e < E)
@@ -322,34 +325,23 @@ def rounding_bound_kernel(keys_ptr, sel_ptr, over_ptr, counts_ptr, change_ptr, k
 
 
 @triton.jit
-def _chosen_norm(logits_ptr, topk_idx_ptr, t, L, E, K: tl.constexpr, SCORING: tl.constexpr, BLOCK_L: tl.constexpr,
-                 E_PAD: tl.constexpr):
-    """Per token: (the row's max logit, and the normalizer of the chosen pairs' weights): softmax_topk: the softmax
-    row's max and sum, then Σ_k s[t, I_k]; topk_softmax: max_k l[t, I_k] and Σ_k exp(l[t, I_k] - max);
-    sigmoid_topk: (0, Σ_k σ(l[t, I_k]))."""
+def _chosen_norm(logits_ptr, topk_idx_ptr, t, L, E, m, z, K: tl.constexpr, SCORING: tl.constexpr):
+    """Per token, from the row's max logit m and softmax sum z (_row_scores; softmax_topk's only): (the max that
+    _score subtracts, and the normalizer of the chosen pairs' weights): softmax_topk: m, then Σ_k s[t, I_k];
+    topk_softmax: max_k l[t, I_k] and Σ_k exp(l[t, I_k] - max); sigmoid_topk: m (unused) and Σ_k σ(l[t, I_k])."""
     tmask = t < L
     row = t.to(tl.int64) * E
-    if SCORING == 0:
-        e = tl.arange(0, E_PAD)
-        lg, _ = _row_scores(logits_ptr, t, L, e, E, SCORING)
-        m = tl.where(tmask, tl.max(lg, axis=1), 0.0)
-        z = tl.sum(tl.where((e < E)[None, :], tl.exp(lg - m[:, None]), 0.0), axis=1)
-        z = tl.where(tmask, z, 1.0)
-    else:
-        m = tl.full((BLOCK_L,), float("-inf"), tl.float32)
-        if SCORING == 1:
-            for k in tl.static_range(K):
-                ek = tl.load(topk_idx_ptr + t * K + k, mask=tmask, other=0)
-                m = tl.maximum(m, tl.load(logits_ptr + row + ek, mask=tmask, other=0.0).to(tl.float32))
-        else:
-            m = tl.zeros((BLOCK_L,), tl.float32)
-        z = tl.full((BLOCK_L,), 1.0, tl.float32)
-    norm = tl.zeros((BLOCK_L,), tl.float32)
+    if SCORING == 1:
+        m = m * 0.0 + float("-inf")
+        for k in tl.static_range(K):
+            ek = tl.load(topk_idx_ptr + t * K + k, mask=tmask, other=0)
+            m = tl.maximum(m, tl.load(logits_ptr + row + ek, mask=tmask, other=0.0).to(tl.float32))
+    norm = m * 0.0
     for k in tl.static_range(K):
         ek = tl.load(topk_idx_ptr + t * K + k, mask=tmask, other=0)
         lk = tl.load(logits_ptr + row + ek, mask=tmask, other=0.0).to(tl.float32)
         norm += _score(lk, m, z, SCORING)
-    return m, z, norm
+    return m, norm
 
 
 @triton.jit
@@ -395,7 +387,12 @@ def rounded_weights_kernel(logits_ptr, topk_idx_ptr, topk_w_ptr, expert_ptr, slo
     """w (L, M): each place's weight (routing.rounding's convention): a token-choice pair's top-k weight, an added
     pair's route_scale · score / the token's normalizer, 0 where the place holds no pair."""
     t = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    m, z, norm = _chosen_norm(logits_ptr, topk_idx_ptr, t, L, E, K, SCORING, BLOCK_L, E_PAD)
+    if SCORING == 0:  # only softmax scores need the whole row
+        _, _, m, z = _row_scores(logits_ptr, t, L, tl.arange(0, E_PAD), E, SCORING)
+    else:
+        m = tl.zeros((BLOCK_L,), tl.float32)
+        z = m + 1.0
+    m, norm = _chosen_norm(logits_ptr, topk_idx_ptr, t, L, E, m, z, K, SCORING)
     place, inside, ex, valid = _table(expert_ptr, slot_ptr, t, L, max_rows, M, M_PAD)
     le = tl.load(logits_ptr + t.to(tl.int64)[:, None] * E + ex, mask=inside, other=0.0).to(tl.float32)
     w = route_scale * (_score(le, m[:, None], z[:, None], SCORING) / _divisor(norm, SCORING, RENORM)[:, None])
@@ -417,7 +414,8 @@ def rounded_weights_backward_kernel(logits_ptr, topk_idx_ptr, expert_ptr, slot_p
     t = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
     tmask = t < L
     e = tl.arange(0, E_PAD)
-    m, z, norm = _chosen_norm(logits_ptr, topk_idx_ptr, t, L, E, K, SCORING, BLOCK_L, E_PAD)
+    lg, s, m, z = _row_scores(logits_ptr, t, L, e, E, SCORING)
+    m, norm = _chosen_norm(logits_ptr, topk_idx_ptr, t, L, E, m, z, K, SCORING)
     place, inside, ex, valid = _table(expert_ptr, slot_ptr, t, L, max_rows, M, M_PAD)
     dw = tl.load(dw_ptr + place, mask=inside, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + place, mask=inside, other=0.0)
@@ -430,7 +428,6 @@ def rounded_weights_backward_kernel(logits_ptr, topk_idx_ptr, expert_ptr, slot_p
     added = valid & ~chosen_place
     gw = tl.where(added, dw * w, 0.0)
     a = tl.sum(gw, axis=1)
-    lg, s = _row_scores(logits_ptr, t, L, e, E, SCORING)
     chosen = _tile_hits(topk_idx_ptr, t, L, e, K, BLOCK_L, E_PAD) > 0
     if SCORING == 0:
         if RENORM:
