@@ -5,7 +5,8 @@ is compared with the kernel's (equal_to_fp8: they do the same arithmetic).
 
   fp8        the kernel as the experts run it (A in place read by TMA)
   fp8-gather A in place read by the gathering loader through identity tokens (tma_a=False); in-place shapes
-  fp8-s4     4 stages instead of 3 (bf16 C: 224 KB of shared memory)
+  fp8-1buf   one C staging buffer instead of two (each tile's second half waits for the first half's store)
+  fp8-base   an earlier commit's kernel (bash scripts/make_baseline.sh REV; carry .baseline), where present
   bf16       gluon_sm90.gathered_rows_gemm / rows_gemm on the same shape, bf16 operands
 
 With --quantizers, the quantizers instead (experts/tl/quant.py), on the step's tensors, beside a copy of each input
@@ -32,6 +33,12 @@ from moeblaze.experts.stages import RowPlan
 from moeblaze.experts.tl import quant
 from moeblaze.routing import build_routing_index, route_topk
 
+BASELINE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".baseline")
+BASE = None
+if os.path.isdir(os.path.join(BASELINE, "moeblaze_base")):  # scripts/make_baseline.sh
+    sys.path.insert(0, BASELINE)
+    import moeblaze_base as BASE
+
 
 def variants(a, w, plan, R, gathered) -> dict:
     """{impl: step(i)} on one shape (see the module header)."""
@@ -39,7 +46,9 @@ def variants(a, w, plan, R, gathered) -> dict:
     tok = plan.token_R if gathered else None
     args = (*aq, *wq, R, plan.offsets_E1, plan.sched)
     fns = {"fp8": lambda i: gluon_sm90.fp8_rows_gemm(*args, tok, torch.bfloat16),
-           "fp8-s4": lambda i: gluon_sm90.fp8_rows_gemm(*args, tok, torch.bfloat16, stages=4)}
+           "fp8-1buf": lambda i: gluon_sm90.fp8_rows_gemm(*args, tok, torch.bfloat16, store_bufs=1)}
+    if BASE is not None:
+        fns["fp8-base"] = lambda i: BASE.experts.gluon_sm90.fp8_rows_gemm(*args, tok, torch.bfloat16)
     if not gathered:
         fns["fp8-gather"] = lambda i: gluon_sm90.fp8_rows_gemm(*args, None, torch.bfloat16, tma_a=False)
         fns["bf16"] = lambda i: gluon_sm90.rows_gemm(a, w, plan.offsets_E1, plan.sched)
@@ -141,6 +150,8 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     meta = run_env(torch.device("cuda"), shlex.join(["python", "scripts/fp8_kernel_lab.py", *sys.argv[1:]]))
+    if BASE is not None:
+        meta["baseline"] = open(os.path.join(BASELINE, "REV")).read().strip()
     rows = [r for c in args.configs.split(",") for r in (measure_quantizers if args.quantizers else measure)(c, meta)]
     with open(os.path.join(args.out, "fp8_kernel_lab.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -34,14 +34,16 @@ def _mangle(desc) -> str:
     return mangle_type(desc)
 
 
-def _compile(out_dtype: torch.dtype, tma_a: bool = False, worker_regs: int = 56):
+def _compile(out_dtype: torch.dtype, tma_a: bool = False, worker_regs: int = 56, store_bufs: int | None = None):
     fn = fp8.fp8_rows_tma_kernel if tma_a else fp8.fp8_rows_kernel
     w = torch.empty(8 * 256, 512, dtype=torch.float8_e4m3fn)
     c = torch.empty(1024, 256, dtype=out_dtype)
     descs = dict(b_desc=descriptor(w, [fp8.FP8_BLOCK_N, 128]), c_desc=descriptor(c, [128, 128]),
                  a_desc=descriptor(torch.empty(1024, 512, dtype=torch.float8_e4m3fn), [128, 128]))
+    if store_bufs is None:  # the launcher's default
+        store_bufs = 2 if out_dtype == torch.bfloat16 else 1
     consts = dict(BLOCK_M=128, BLOCK_N=fp8.FP8_BLOCK_N, BLOCK_K=128, STAGES=fp8.FP8_STAGES,
-                  WORKER_REGS=worker_regs)
+                  WORKER_REGS=worker_regs, STORE_BUFS=store_bufs)
     ptrs = dict(c_ptr="*bf16" if out_dtype == torch.bfloat16 else "*fp32", x_ptr="*fp8e4nv", sa_ptr="*fp32",
                 sb_ptr="*fp32")
     return _compile_gluon(fn, descs, consts, ptrs)
@@ -68,15 +70,14 @@ def _compile_gluon(fn, descs, consts, ptrs, sizes=SIZES):
 @pytest.mark.parametrize("tma_a", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_fp8_rows_kernel_compiles_for_sm90(out_dtype, tma_a):
-    """Both loaders (gathering; TMA for A in place, tma_a) and both output dtypes: e4m3 wgmma on 128-column
-    halves, within shared memory; no spills for the bf16 gathering kernel (a bf16 layer's up and dA') on any
-    triton, nor for any variant on triton 3.6 (on 3.9 the others spill a little: fp8.py's header)."""
+    """Both loaders (gathering; TMA for A in place, tma_a) and both output dtypes, each with the launcher's
+    staging buffers for C (two for bf16, one for fp32): e4m3 wgmma on 128-column halves, within shared memory; no
+    spills on triton 3.6, at most 8 bytes of stack a thread on 3.9 (fp8.py's header)."""
     ck = _compile(out_dtype, tma_a, fp8.FP8_WORKER_REGS)
     ptx = ck.asm["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
     assert ck.metadata.shared <= 227 * 1024
-    if (out_dtype == torch.bfloat16 and not tma_a) or triton.__version__.startswith("3.6."):
-        assert _stack_bytes(ck) == 0
+    assert _stack_bytes(ck) <= (0 if triton.__version__.startswith("3.6.") else 8)
 
 
 def _stack_bytes(ck) -> int:

@@ -173,6 +173,27 @@ def store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, col0, N):
 
 
 @gluon.jit
+def store_ring(acc, c_bufs, n_st, c_desc, c_ptr, stride_cl, row0, row_end, col0, N):
+    """store_tile through a ring of c_bufs.shape[0] buffers, so that a tile's store does not wait for the one before
+    it: each TMA store takes the next buffer and is waited for only when that buffer comes round again; a partial
+    tile's masked pieces read their buffer at once and take none. n_st: the TMA stores so far; returns it, moved on."""
+    NB: gl.constexpr = c_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = c_bufs.type.shape[1]
+    c_smem = c_bufs.index(n_st % NB)
+    tma.store_wait(NB - 1)  # stores complete in order: all but the NB - 1 newest, so this buffer's last one
+    thread_barrier()
+    c_smem.store(acc.to(c_smem.dtype))
+    fence_async_shared()
+    thread_barrier()
+    if row0 + BLOCK_M <= row_end:
+        tma_store(c_desc, [row0, col0], c_smem)
+        n_st += 1
+    else:
+        store_pieces(c_smem, c_ptr, stride_cl, row0, row_end, col0, N)
+    return n_st
+
+
+@gluon.jit
 def store_pieces(c_smem, c_ptr, stride_cl, row0, row_end, col0, N):
     """c_smem to C[row0:row_end, col0:N] (rows and columns past them masked), in EPI_ROWS x EPI_COLS pieces
     with coalesced 16-byte stores."""

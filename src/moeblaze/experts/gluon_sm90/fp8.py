@@ -18,12 +18,16 @@ s_b[:, t], from both operands as quant.quantize_tiles_t writes them (columns x t
 needs), each read by TMA: the same 8 MMA warps and two 128-column halves, promoting each tile by the outer product
 of its scales, behind a 1-warp TMA loader; dW's tiles expert by expert (wgrad._wgrad_tile's order).
 
-Registers: 64 for the loader leave the MMA warps 232 (setmaxnreg); the bf16 gathering kernel spills nothing on
-triton 3.6 and 3.9, the TMA one and fp32 C nothing on 3.6 and 136-176 bytes a thread on 3.9 (ptxas; no loader
-budget clears every case on both).
+A tile's two halves are stored through two 32 KB staging buffers (bf16 C; fp32 C has room for one), so that the
+second half's store does not wait for the first's, and the next tile's schedule entry and token ids are loaded as
+a tile begins (its first promotion then waits for one load of its A scales, not for the chain schedule -> token
+ids -> scales).
+
+Registers: 64 for the loader leave the MMA warps 232 (setmaxnreg); no variant spills on triton 3.6; on 3.9 the
+bf16 ones keep 8 bytes of stack a thread (ptxas; no loader budget clears every case on both).
 
 Memory contract: nothing beyond C (dW), and the weight gradient's per-expert tile counts (2 · E int32). Shared
-memory: STAGES x (128 + 256) x 128 bytes of operands and one 128 x 128 tile of C in its dtype.
+memory: STAGES x (128 + 256) x 128 bytes of operands and one or two 128 x 128 tiles of C in its dtype.
 """
 import torch
 import triton
@@ -35,8 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from ...launch import launch, sm_count
 from ...reference.fp8 import GROUP
 from ..schedule import BLOCK_M, expert_tiles
-from .common import (GATHER_WARPS, descriptor, mma_layout, my_tiles, stage_barriers, store_tile, tile_of,
-                     tma_load)
+from .common import (GATHER_WARPS, descriptor, mma_layout, my_tiles, stage_barriers, store_ring, store_tile,
+                     tile_of, tma_load)
 from .partitions import gather_loader, tma_loader
 from .wgrad import _wgrad_tile, wgrad_group
 
@@ -47,16 +51,13 @@ SCALE_BLOCK = gl.constexpr(GROUP)  # the columns (and K) of one weight scale
 
 
 @gluon.jit
-def scaled_tile(j, pid, nprog, n_used, n_tn, offs_m, token_ptr, n_rows, sa_ptr, stride_sal, sb_ptr, stride_sbe,
-                stride_sbn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_N: gl.constexpr):
-    """This program's j-th tile (tile_of) with where its scales are: (first row, row end, column tile, its rows'
-    mask, A's scale pointers of its rows (through the token ids), B's of its first weight block); offs_m: the
-    rows' offsets in the accumulator's row layout."""
+def tile_tokens(j, pid, nprog, n_used, n_tn, offs_m, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr,
+                expert_offsets_ptr):
+    """This program's j-th tile (tile_of) and the token ids of its rows, where their A scales are: (expert,
+    first row, row end, column tile, token ids); offs_m: the rows' offsets in the accumulator's row layout."""
     e, row0, row_end, pid_n = tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
     rows = row0 + offs_m
-    src = gl.load(token_ptr + rows, mask=rows < n_rows, other=0)
-    sb_tile = sb_ptr + e.to(gl.int64) * stride_sbe + pid_n * (BLOCK_N // SCALE_BLOCK) * stride_sbn
-    return row0, row_end, pid_n, rows < row_end, sa_ptr + src.to(gl.int64) * stride_sal, sb_tile
+    return e, row0, row_end, pid_n, gl.load(token_ptr + rows, mask=rows < n_rows, other=0)
 
 
 @gluon.jit
@@ -72,12 +73,14 @@ def half_mma(a, b, h: gl.constexpr, acc_layout: gl.constexpr):
 
 
 @gluon.jit
-def fp8_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr,
+def fp8_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr,
                   stride_sbe, stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr,
                   used_tiles_ptr, N, K_DIM):
     """Every tile of this program, as two 128-column halves sharing each stage's A: per stage, a half's MMAs
     from zero, waited for and scaled into its accumulator (acc += part · s_a · s_b), then the other half's; then
-    both halves stored by these warps (store_tile; a second half past N is skipped)."""
+    both halves stored by these warps through the ring c_bufs (store_ring; a second half past N is skipped).
+    The next tile's schedule entry and token ids (where its A scales are) are loaded as a tile begins, so that a
+    tile's first promotion waits for one load of its scales, not for the chain schedule -> tokens -> scales."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -89,32 +92,40 @@ def fp8_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty
     n_k = gl.cdiv(K_DIM, BLOCK_K)
     pid, nprog, n_used, n_mine = my_tiles(used_tiles_ptr, n_tn)
     offs_m = gl.arange(0, BLOCK_M, layout=row_layout)
-    for j in range(n_mine):
-        row0, row_end, pid_n, rmask, sa_ptrs, sb0 = scaled_tile(
-            j, pid, nprog, n_used, n_tn, offs_m, token_ptr, n_rows, sa_ptr, stride_sal, sb_ptr, stride_sbe,
-            stride_sbn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, BLOCK_N)
-        has1 = pid_n * BLOCK_N + HALF < N  # past N, the second half's B rows are the next expert's (or zeros)
-        acc0 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
-        acc1 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
-        for k in range(n_k):
-            c = j * n_k + k
-            s = c % S
-            mbarrier.wait(ready.index(s), (c // S) & 1)
-            fence_async_shared()  # A came by cp.async (generic proxy); wgmma reads through the async proxy
-            a = a_bufs.index(s)
-            b = b_bufs.index(s)
-            part = half_mma(a, b, 0, acc_layout)
-            sa = gl.load(sa_ptrs + k, mask=rmask, other=0.0)  # loaded while the MMAs run
-            s0 = gl.load(sb0 + k)
-            s1 = gl.load(sb0 + stride_sbn + k, mask=has1, other=0.0)
-            part = warpgroup_mma_wait(0, deps=(part, ))
-            acc0 += part * (sa * s0)[:, None]
-            part = warpgroup_mma_wait(0, deps=(half_mma(a, b, 1, acc_layout), ))
-            mbarrier.arrive(empty.index(s))  # both halves have read the stage
-            acc1 += part * (sa * s1)[:, None]
-        store_tile(acc0, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, pid_n * BLOCK_N, N)
-        if has1:
-            store_tile(acc1, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, pid_n * BLOCK_N + HALF, N)
+    if n_mine > 0:
+        walk = (pid, nprog, n_used, n_tn, offs_m, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
+        e1, row1, end1, pid_n1, src1 = tile_tokens(0, *walk)
+        n_st = 0
+        for j in range(n_mine):
+            e, row0, row_end, pid_n, src = e1, row1, end1, pid_n1, src1
+            # the last tile's entry again past the end: loaded, never used
+            e1, row1, end1, pid_n1, src1 = tile_tokens(gl.minimum(j + 1, n_mine - 1), *walk)
+            rmask = row0 + offs_m < row_end
+            sa_ptrs = sa_ptr + src.to(gl.int64) * stride_sal
+            sb0 = sb_ptr + e.to(gl.int64) * stride_sbe + pid_n * (BLOCK_N // SCALE_BLOCK) * stride_sbn
+            has1 = pid_n * BLOCK_N + HALF < N  # past N, the second half's B rows are the next expert's (or zeros)
+            acc0 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
+            acc1 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
+            for k in range(n_k):
+                c = j * n_k + k
+                s = c % S
+                mbarrier.wait(ready.index(s), (c // S) & 1)
+                fence_async_shared()  # A came by cp.async (generic proxy); wgmma reads through the async proxy
+                a = a_bufs.index(s)
+                b = b_bufs.index(s)
+                part = half_mma(a, b, 0, acc_layout)
+                sa = gl.load(sa_ptrs + k, mask=rmask, other=0.0)  # loaded while the MMAs run
+                s0 = gl.load(sb0 + k)
+                s1 = gl.load(sb0 + stride_sbn + k, mask=has1, other=0.0)
+                part = warpgroup_mma_wait(0, deps=(part, ))
+                acc0 += part * (sa * s0)[:, None]
+                part = warpgroup_mma_wait(0, deps=(half_mma(a, b, 1, acc_layout), ))
+                mbarrier.arrive(empty.index(s))  # both halves have read the stage
+                acc1 += part * (sa * s1)[:, None]
+            n_st = store_ring(acc0, c_bufs, n_st, c_desc, c_ptr, stride_cl, row0, row_end, pid_n * BLOCK_N, N)
+            if has1:
+                n_st = store_ring(acc1, c_bufs, n_st, c_desc, c_ptr, stride_cl, row0, row_end,
+                                  pid_n * BLOCK_N + HALF, N)
     tma.store_wait(0)
 
 
@@ -122,15 +133,15 @@ def fp8_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty
 def fp8_rows_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_desc, c_ptr, stride_cl, sa_ptr, stride_sal, sb_ptr,
                     stride_sbe, stride_sbn, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, N, K_DIM,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                    WORKER_REGS: gl.constexpr):
+                    WORKER_REGS: gl.constexpr, STORE_BUFS: gl.constexpr):
     """C[rows] = x[token[rows]] · B[e]ᵀ on e4m3: 8 MMA warps that promote and store, behind a gathering loader of a
     whole warpgroup."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], b_desc.dtype)
     a_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)  # one half
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [STORE_BUFS, BLOCK_M, BLOCK_N // 2], c_desc.layout)
     ready, empty = stage_barriers(STAGES, 32 * GATHER_WARPS + 1)
-    mma_args = (c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr, stride_sbe,
+    mma_args = (c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr, stride_sbe,
                 stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, N,
                 K_DIM)
     loader_args = (x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
@@ -142,14 +153,14 @@ def fp8_rows_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_desc, c_ptr, 
 def fp8_rows_tma_kernel(a_desc, token_ptr, n_rows, b_desc, c_desc, c_ptr, stride_cl, sa_ptr, stride_sal, sb_ptr,
                         stride_sbe, stride_sbn, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, N,
                         K_DIM, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                        STAGES: gl.constexpr, WORKER_REGS: gl.constexpr):
+                        STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, STORE_BUFS: gl.constexpr):
     """C[rows] = A[rows] · B[e]ᵀ on e4m3, A in place: the same 8 MMA warps behind a 1-warp TMA loader (token: the
     identity, through which the MMA warps read A's scales)."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)  # one half
+    c_bufs = gl.allocate_shared_memory(c_desc.dtype, [STORE_BUFS, BLOCK_M, BLOCK_N // 2], c_desc.layout)
     ready, empty = stage_barriers(STAGES, 1)
-    mma_args = (c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr, stride_sbe,
+    mma_args = (c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sal, sb_ptr, stride_sbe,
                 stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, N,
                 K_DIM)
     loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, N,
@@ -158,12 +169,14 @@ def fp8_rows_tma_kernel(a_desc, token_ptr, n_rows, b_desc, c_desc, c_ptr, stride
 
 
 def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=None, out_dtype=None, out=None,
-                  stages: int = FP8_STAGES, worker_regs: int = FP8_WORKER_REGS, tma_a: bool = True):
+                  stages: int = FP8_STAGES, worker_regs: int = FP8_WORKER_REGS, tma_a: bool = True,
+                  store_bufs: int | None = None):
     """experts.tl.fp8.fp8_rows_gemm on Hopper (same arguments and result): a_q (·, K) e4m3 contiguous with
     a_scale (·, ceil(K / 128)) fp32, b_q (E, N, K) e4m3 contiguous with b_scale (E, ceil(N / 128), ceil(K / 128));
     K a multiple of 128, N of 8. A in place (token None) is read by TMA (tma_a), or through the gathering loader
-    with the identity as tokens. The dispatcher
-    (experts.dispatch) checks these; the launcher does not."""
+    with the identity as tokens. store_bufs: C's staging buffers (default 2 for a 16-bit C, whose two 32 KB
+    buffers fit beside the stages; 1 for fp32).
+    The dispatcher (experts.dispatch) checks these; the launcher does not."""
     E, N, K = b_q.shape
     c = a_q.new_empty(num_rows, N, dtype=out_dtype) if out is None else out
     in_place = token is None
@@ -173,8 +186,10 @@ def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=No
     rest = (descriptor(b_q.reshape(E * N, K), [FP8_BLOCK_N, GROUP]), descriptor(c, [BLOCK_M, GROUP]), c,
             c.stride(0), a_scale, a_scale.stride(0), b_scale, b_scale.stride(0), b_scale.stride(1), sched[0],
             sched[1], sched[2], offsets, N, K)
+    if store_bufs is None:
+        store_bufs = 2 if c.element_size() == 2 else 1
     meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages, WORKER_REGS=worker_regs,
-                num_warps=8, maxnreg=168)
+                STORE_BUFS=store_bufs, num_warps=8, maxnreg=168)
     if in_place and tma_a:
         launch(fp8_rows_tma_kernel, (sm_count(a_q.device),), descriptor(a_q, [BLOCK_M, GROUP]), token, num_rows,
                *rest, **meta)
