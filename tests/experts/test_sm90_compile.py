@@ -103,7 +103,7 @@ def test_fp8_weight_grad_kernel_compiles_for_sm90():
     descs = dict(a_desc=descriptor(qa, [128, 128]), b_desc=descriptor(qb, [fp8.FP8_BLOCK_N, 128]),
                  c_desc=descriptor(c, [128, 128]))
     consts = dict(BLOCK_M=128, BLOCK_N=fp8.FP8_BLOCK_N, BLOCK_K=128, STAGES=fp8.FP8_STAGES,
-                  WORKER_REGS=fp8.WGRAD_WORKER_REGS)
+                  WORKER_REGS=fp8.FP8_WORKER_REGS)
     ck = _compile_gluon(fp8.fp8_weight_grad_kernel, descs, consts, dict(c_ptr="*bf16", sa_ptr="*fp32", sb_ptr="*fp32"),
                         sizes=("E", "M", "N", "GROUP_TILES"))
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ck.asm["ptx"]

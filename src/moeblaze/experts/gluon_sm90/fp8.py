@@ -19,12 +19,12 @@ needs), each read by TMA: the same 8 MMA warps and two 128-column halves, promot
 of its scales, behind a 1-warp TMA loader; dW's tiles expert by expert (wgrad._wgrad_tile's order).
 
 A tile's two halves are stored through two 32 KB staging buffers (bf16 C; fp32 C has room for one), so that the
-second half's store does not wait for the first's. The A scales are loaded a stage ahead, and the next tile's
-schedule entry and token ids as a tile begins, so that no promotion waits for a load (before, a tile's first
-waited for the chain schedule -> token ids -> scales).
+second half's store does not wait for the first's, and the next tile's schedule entry and token ids are loaded as
+a tile begins (its first promotion then waits for one load of its A scales, not for the chain schedule -> token
+ids -> scales).
 
-Registers: 56 for the loader (setmaxnreg gives the MMA warps the rest; at 64 they spill); no variant spills on triton
-3.6, on 3.9 each keeps 8 bytes of stack a thread (ptxas).
+Registers: 64 for the loader leave the MMA warps 232 (setmaxnreg); no variant spills on triton 3.6; on 3.9 the
+bf16 ones keep 8 bytes of stack a thread (ptxas; no loader budget clears every case on both).
 
 Memory contract: nothing beyond C (dW), and the weight gradient's per-expert tile counts (2 · E int32). Shared
 memory: STAGES x (128 + 256) x 128 bytes of operands and one or two 128 x 128 tiles of C in its dtype.
@@ -46,8 +46,7 @@ from .wgrad import _wgrad_tile, wgrad_group
 
 FP8_BLOCK_N = 2 * GROUP  # a tile's columns: two weight blocks, each half's weight scale one number a stage
 FP8_STAGES = 3
-FP8_WORKER_REGS = 56  # the loader's registers: at 64 the MMA warps, which carry the next stage's scales, spill
-WGRAD_WORKER_REGS = 64  # the weight gradient's loader: at 56 its MMA warps spill
+FP8_WORKER_REGS = 64  # the loader's registers: the fewest at which the bf16 gathering kernel spills nothing
 SCALE_BLOCK = gl.constexpr(GROUP)  # the columns (and K) of one weight scale
 
 
@@ -59,12 +58,6 @@ def tile_tokens(j, pid, nprog, n_used, n_tn, offs_m, token_ptr, n_rows, tile_exp
     e, row0, row_end, pid_n = tile_of(j, pid, nprog, n_used, n_tn, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
     rows = row0 + offs_m
     return e, row0, row_end, pid_n, gl.load(token_ptr + rows, mask=rows < n_rows, other=0)
-
-
-@gluon.jit
-def row_scales(k, row0, row_end, src, offs_m, sa_ptr, stride_sal):
-    """Stage k's A scales of a tile's rows row0 .. row_end (token ids src): one a row, 0 past the rows."""
-    return gl.load(sa_ptr + src.to(gl.int64) * stride_sal + k, mask=row0 + offs_m < row_end, other=0.0)
 
 
 @gluon.jit
@@ -102,33 +95,28 @@ def fp8_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty
     if n_mine > 0:
         walk = (pid, nprog, n_used, n_tn, offs_m, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr)
         e1, row1, end1, pid_n1, src1 = tile_tokens(0, *walk)
-        sa_next = row_scales(0, row1, end1, src1, offs_m, sa_ptr, stride_sal)
         n_st = 0
         for j in range(n_mine):
             e, row0, row_end, pid_n, src = e1, row1, end1, pid_n1, src1
             # the last tile's entry again past the end: loaded, never used
             e1, row1, end1, pid_n1, src1 = tile_tokens(gl.minimum(j + 1, n_mine - 1), *walk)
-            has1 = pid_n * BLOCK_N + HALF < N  # past N, the second half's B rows are the next expert's (or zeros)
+            rmask = row0 + offs_m < row_end
+            sa_ptrs = sa_ptr + src.to(gl.int64) * stride_sal
             sb0 = sb_ptr + e.to(gl.int64) * stride_sbe + pid_n * (BLOCK_N // SCALE_BLOCK) * stride_sbn
+            has1 = pid_n * BLOCK_N + HALF < N  # past N, the second half's B rows are the next expert's (or zeros)
             acc0 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
             acc1 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
             for k in range(n_k):
                 c = j * n_k + k
                 s = c % S
-                sa = sa_next
                 mbarrier.wait(ready.index(s), (c // S) & 1)
                 fence_async_shared()  # A came by cp.async (generic proxy); wgmma reads through the async proxy
                 a = a_bufs.index(s)
                 b = b_bufs.index(s)
                 part = half_mma(a, b, 0, acc_layout)
-                # loaded while the MMAs run: the weight blocks' scales, and the next stage's A scales (after a
-                # tile's last stage, the next tile's first)
+                sa = gl.load(sa_ptrs + k, mask=rmask, other=0.0)  # loaded while the MMAs run
                 s0 = gl.load(sb0 + k)
                 s1 = gl.load(sb0 + stride_sbn + k, mask=has1, other=0.0)
-                if k + 1 < n_k:
-                    sa_next = row_scales(k + 1, row0, row_end, src, offs_m, sa_ptr, stride_sal)
-                else:
-                    sa_next = row_scales(0, row1, end1, src1, offs_m, sa_ptr, stride_sal)
                 part = warpgroup_mma_wait(0, deps=(part, ))
                 acc0 += part * (sa * s0)[:, None]
                 part = warpgroup_mma_wait(0, deps=(half_mma(a, b, 1, acc_layout), ))
@@ -304,7 +292,7 @@ def fp8_weight_grad_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cl, sa_ptr, str
     gl.warp_specialize([(_fp8_wgrad_mma_store, mma_args), (_fp8_wgrad_loader, loader_args)], [1], [WORKER_REGS])
 
 
-def fp8_weight_grad(a_t, b_t, offsets, out, stages: int = FP8_STAGES, worker_regs: int = WGRAD_WORKER_REGS):
+def fp8_weight_grad(a_t, b_t, offsets, out, stages: int = FP8_STAGES, worker_regs: int = FP8_WORKER_REGS):
     """experts.tl.fp8.fp8_weight_grad on Hopper (same arguments and result): a_t = (q (M, T · 128) e4m3, scales
     (M, T)), b_t = (q (N, T · 128), scales (N, T)) as quant.quantize_tiles_t writes them (scales tile by tile,
     each tile's padded with zeros to a multiple of FP8_BLOCK_N); out (E, M, N) contiguous in bf16/fp16/fp32 with N
