@@ -13,8 +13,9 @@ With --quantizers, the quantizers instead (experts/tl/quant.py), on the step's t
 (torch's clone: what this GPU's memory moves): x and dH by quantize_rows, H by swiglu_quantize (and with H kept),
 W1 and W2 by quantize_blocks (plain, transposed, both layouts). Their GB/s count the bytes read and written once.
 
-    python scripts/fp8_kernel_lab.py [--out DIR] [--configs D] [--quantizers]
+    python scripts/fp8_kernel_lab.py [--out DIR] [--configs D] [--impls fp8,fp8-1buf] [--quantizers]
                                      (Hopper; rows in DIR/fp8_kernel_lab.jsonl)
+    ncu ... python scripts/fp8_kernel_lab.py --once ...   each GEMM variant launched once per shape, untimed
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def variants(a, w, plan, R, gathered) -> dict:
     return fns
 
 
-def measure(config, meta) -> list:
+def measure(config, meta, impls=None, once=False, gemms=None) -> list:
     L, d, h, E, K = CONFIGS[config]
     torch.manual_seed(0)
     idx, _ = route_topk(torch.randn(L, E, device="cuda"), K)
@@ -68,9 +69,18 @@ def measure(config, meta) -> list:
     # (gemm, A's rows, N, K, gathered): C (R, N) = A[token or rows] · W[e]ᵀ, W (E, N, K)
     for gemm, m_src, n, kd, gathered in (("up", L, 2 * h, d, True), ("down", R, d, h, False),
                                          ("dA'", L, h, d, True), ("dX~", R, d, 2 * h, False)):
+        if gemms and gemm not in gemms:
+            continue
         a = torch.randn(m_src, kd, device="cuda").bfloat16()
         w = (torch.randn(E, n, kd, device="cuda") * kd ** -0.5).bfloat16()
         fns = variants(a, w, plan, R, gathered)
+        if impls:
+            fns = {i: f for i, f in fns.items() if i in impls or i == "fp8"}
+        if once:  # for a profiler: each variant launched once, nothing timed
+            for fn in fns.values():
+                fn(0)
+            torch.cuda.synchronize()
+            continue
         want = fns["fp8"](0)
         same = {}  # each fp8 variant's output against the kernel's: the same arithmetic, so equal
         for impl, fn in fns.items():
@@ -147,12 +157,20 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--configs", default="D")
     ap.add_argument("--quantizers", action="store_true", help="time the quantizers instead of the GEMM")
+    ap.add_argument("--impls", default=None, help="the GEMM variants to run, comma-separated (fp8 always)")
+    ap.add_argument("--gemms", default=None, help="the GEMMs to run, comma-separated (default up,down,dA',dX~)")
+    ap.add_argument("--once", action="store_true", help="launch each GEMM variant once, untimed (for ncu)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     meta = run_env(torch.device("cuda"), shlex.join(["python", "scripts/fp8_kernel_lab.py", *sys.argv[1:]]))
     if BASE is not None:
         meta["baseline"] = open(os.path.join(BASELINE, "REV")).read().strip()
-    rows = [r for c in args.configs.split(",") for r in (measure_quantizers if args.quantizers else measure)(c, meta)]
+    if args.quantizers:
+        rows = [r for c in args.configs.split(",") for r in measure_quantizers(c, meta)]
+    else:
+        impls = args.impls.split(",") if args.impls else None
+        gemms = args.gemms.split(",") if args.gemms else None
+        rows = [r for c in args.configs.split(",") for r in measure(c, meta, impls, args.once, gemms)]
     with open(os.path.join(args.out, "fp8_kernel_lab.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
