@@ -34,22 +34,24 @@ def _mangle(desc) -> str:
     return mangle_type(desc)
 
 
-def _compile(out_dtype: torch.dtype, tma_a: bool = False, worker_regs: int = 56, store_bufs: int | None = None):
+def _compile(out_dtype: torch.dtype, tma_a: bool = False, worker_regs: int = 56, store_bufs: int | None = None,
+             split: bool = False, mma_regs: int = fp8.FP8_MMA_REGS):
     fn = fp8.fp8_rows_tma_kernel if tma_a else fp8.fp8_rows_kernel
+    n_wg = 2 if split else 1
     w = torch.empty(8 * 256, 512, dtype=torch.float8_e4m3fn)
     c = torch.empty(1024, 256, dtype=out_dtype)
-    descs = dict(b_desc=descriptor(w, [fp8.FP8_BLOCK_N, 128]), c_desc=descriptor(c, [128, 128]),
+    descs = dict(b_desc=descriptor(w, [fp8.FP8_BLOCK_N, 128]), c_desc=descriptor(c, [128 // n_wg, 128]),
                  a_desc=descriptor(torch.empty(1024, 512, dtype=torch.float8_e4m3fn), [128, 128]))
     if store_bufs is None:  # the launcher's default
         store_bufs = 2 if out_dtype == torch.bfloat16 else 1
     consts = dict(BLOCK_M=128, BLOCK_N=fp8.FP8_BLOCK_N, BLOCK_K=128, STAGES=fp8.FP8_STAGES,
-                  WORKER_REGS=worker_regs, STORE_BUFS=store_bufs)
+                  WORKER_REGS=worker_regs, STORE_BUFS=store_bufs, N_WG=n_wg, MMA_REGS=mma_regs)
     ptrs = dict(c_ptr="*bf16" if out_dtype == torch.bfloat16 else "*fp32", x_ptr="*fp8e4nv", sa_ptr="*fp32",
                 sb_ptr="*fp32")
-    return _compile_gluon(fn, descs, consts, ptrs)
+    return _compile_gluon(fn, descs, consts, ptrs, num_warps=8 // n_wg)
 
 
-def _compile_gluon(fn, descs, consts, ptrs, sizes=SIZES):
+def _compile_gluon(fn, descs, consts, ptrs, sizes=SIZES, num_warps=8):
     """fn for sm_90: descriptors, constexprs and pointer types by parameter name; other pointers *i32, other
     scalars i32 (16-divisible unless named in sizes)."""
     sig, attrs = {}, {}
@@ -64,7 +66,7 @@ def _compile_gluon(fn, descs, consts, ptrs, sizes=SIZES):
             if n not in sizes:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = gluon_runtime.GluonASTSource(fn, sig, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, maxnreg=168))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, maxnreg=168))
 
 
 @pytest.mark.parametrize("tma_a", [False, True])
@@ -76,6 +78,16 @@ def test_fp8_rows_kernel_compiles_for_sm90(out_dtype, tma_a):
     ck = _compile(out_dtype, tma_a, fp8.FP8_WORKER_REGS)
     ptx = ck.asm["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+    assert ck.metadata.shared <= 227 * 1024
+    assert _stack_bytes(ck) <= (0 if triton.__version__.startswith("3.6.") else 8)
+
+
+@pytest.mark.parametrize("tma_a", [False, True])
+def test_fp8_rows_kernel_split_into_warpgroups_compiles_for_sm90(tma_a):
+    """split=True with a bf16 C (the layer's): two MMA partitions of one warpgroup each, their 64-row C stores
+    (two 16 KB buffers each), both loaders; no spills on triton 3.6, at most 8 bytes of stack on 3.9."""
+    ck = _compile(torch.bfloat16, tma_a, fp8.FP8_WORKER_REGS, split=True)
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ck.asm["ptx"]
     assert ck.metadata.shared <= 227 * 1024
     assert _stack_bytes(ck) <= (0 if triton.__version__.startswith("3.6.") else 8)
 

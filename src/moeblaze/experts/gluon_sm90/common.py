@@ -73,13 +73,14 @@ def my_tiles(used_tiles_ptr, n_tn):
 
 
 @gluon.jit
-def stage_barriers(STAGES: gl.constexpr, READY_COUNT: gl.constexpr):
-    """(ready, empty): one pair of barriers per stage; ready counts READY_COUNT arrivals, empty one."""
+def stage_barriers(STAGES: gl.constexpr, READY_COUNT: gl.constexpr, EMPTY_COUNT: gl.constexpr = 1):
+    """(ready, empty): one pair of barriers per stage; ready counts READY_COUNT arrivals, empty EMPTY_COUNT (one
+    per partition that reads the stages)."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=READY_COUNT)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=EMPTY_COUNT)
     return ready, empty
 
 
