@@ -5,8 +5,8 @@ is compared with the kernel's (equal_to_fp8: they do the same arithmetic).
 
   fp8        the kernel as the experts run it (A in place read by TMA)
   fp8-gather A in place read by the gathering loader through identity tokens (tma_a=False); in-place shapes
-  fp8-1buf   one C staging buffer instead of two (each tile's second half waits for the first half's store)
-  fp8-split  the MMA warps as two warpgroups each on its own rows (split=True); fp8-split-1buf with one buffer each
+  fp8-1buf   one C staging buffer per warpgroup instead of two (a tile's second half waits for the first's store)
+  fp8-one    the MMA warps as one 8-warp partition (split=False), both warpgroups in step
   fp8-base   an earlier commit's kernel (bash scripts/make_baseline.sh REV; carry .baseline), where present
   bf16       gluon_sm90.gathered_rows_gemm / rows_gemm on the same shape, bf16 operands
 
@@ -49,8 +49,7 @@ def variants(a, w, plan, R, gathered) -> dict:
     args = (*aq, *wq, R, plan.offsets_E1, plan.sched)
     fns = {"fp8": lambda i: gluon_sm90.fp8_rows_gemm(*args, tok, torch.bfloat16),
            "fp8-1buf": lambda i: gluon_sm90.fp8_rows_gemm(*args, tok, torch.bfloat16, store_bufs=1),
-           "fp8-split": lambda i: gluon_sm90.fp8_rows_gemm(*args, tok, torch.bfloat16, split=True),
-           "fp8-split-1buf": lambda i: gluon_sm90.fp8_rows_gemm(*args, tok, torch.bfloat16, split=True, store_bufs=1)}
+           "fp8-one": lambda i: gluon_sm90.fp8_rows_gemm(*args, tok, torch.bfloat16, split=False)}
     if BASE is not None:
         fns["fp8-base"] = lambda i: BASE.experts.gluon_sm90.fp8_rows_gemm(*args, tok, torch.bfloat16)
     if not gathered:

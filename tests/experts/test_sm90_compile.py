@@ -35,8 +35,11 @@ def _mangle(desc) -> str:
 
 
 def _compile(out_dtype: torch.dtype, tma_a: bool = False, worker_regs: int = 56, store_bufs: int | None = None,
-             split: bool = False, mma_regs: int = fp8.FP8_MMA_REGS):
+             split: bool | None = None, mma_regs: int = fp8.FP8_MMA_REGS):
+    """The fp8 row kernel as fp8_rows_gemm launches it (store_bufs and split: its defaults where None)."""
     fn = fp8.fp8_rows_tma_kernel if tma_a else fp8.fp8_rows_kernel
+    if split is None:
+        split = out_dtype == torch.bfloat16
     n_wg = 2 if split else 1
     w = torch.empty(8 * 256, 512, dtype=torch.float8_e4m3fn)
     c = torch.empty(1024, 256, dtype=out_dtype)
@@ -72,22 +75,13 @@ def _compile_gluon(fn, descs, consts, ptrs, sizes=SIZES, num_warps=8):
 @pytest.mark.parametrize("tma_a", [False, True])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_fp8_rows_kernel_compiles_for_sm90(out_dtype, tma_a):
-    """Both loaders (gathering; TMA for A in place, tma_a) and both output dtypes, each with the launcher's
-    staging buffers for C (two for bf16, one for fp32): e4m3 wgmma on 128-column halves, within shared memory; no
-    spills on triton 3.6, at most 8 bytes of stack a thread on 3.9 (fp8.py's header)."""
+    """Both loaders (gathering; TMA for A in place, tma_a) and both output dtypes as the launcher runs them (bf16:
+    two MMA warpgroups each on its own rows, each with two staging buffers for C; fp32: one 8-warp partition, one
+    buffer): e4m3 wgmma on 128-column halves, within shared memory; no spills on triton 3.6, at most 8 bytes of
+    stack a thread on 3.9 (fp8.py's header)."""
     ck = _compile(out_dtype, tma_a, fp8.FP8_WORKER_REGS)
     ptx = ck.asm["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
-    assert ck.metadata.shared <= 227 * 1024
-    assert _stack_bytes(ck) <= (0 if triton.__version__.startswith("3.6.") else 8)
-
-
-@pytest.mark.parametrize("tma_a", [False, True])
-def test_fp8_rows_kernel_split_into_warpgroups_compiles_for_sm90(tma_a):
-    """split=True with a bf16 C (the layer's): two MMA partitions of one warpgroup each, their 64-row C stores
-    (two 16 KB buffers each), both loaders; no spills on triton 3.6, at most 8 bytes of stack on 3.9."""
-    ck = _compile(torch.bfloat16, tma_a, fp8.FP8_WORKER_REGS, split=True)
-    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ck.asm["ptx"]
     assert ck.metadata.shared <= 227 * 1024
     assert _stack_bytes(ck) <= (0 if triton.__version__.startswith("3.6.") else 8)
 

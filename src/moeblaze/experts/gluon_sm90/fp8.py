@@ -4,30 +4,32 @@ and dy, quantized once per token: their scales follow the gather), A in place re
 than the gathering loader over the identity at B, D and E, which tma_a=False still runs). B is (E·N, K), K-major,
 as fp8 wgmma needs both operands.
 
-Partitions: the gathering loader (a whole warpgroup; or a 1-warp TMA loader) and 8 MMA warps (two warpgroups of 64
-rows) that store their own tiles. A tile is 128 x 256: two 128-column halves (one weight block each) that share
-each stage's A, so a gathered row of A feeds twice the columns of a 128 x 128 tile. Per 128-deep stage, each
-half's MMAs run from zero and their fp32 result is scaled and added to the half's accumulator (the promotion every
-128 of K that Hopper's narrower fp8 accumulation needs), waited for before the next MMAs: two accumulators and
-one partial are what the registers hold, and the other warpgroup's MMAs run through one's promotion. Measured
-against the 128 x 128 tile that kept the next stage's MMAs in flight: 1.2-1.6x on the four expert GEMMs of
-configs B and D (benchmarks/NOTES.md).
+Partitions: the gathering loader (a whole warpgroup; or a 1-warp TMA loader) and the MMA warps, which store their
+own tiles. A tile is 128 x 256: two 128-column halves (one weight block each) that share each stage's A, so a
+gathered row of A feeds twice the columns of a 128 x 128 tile. Per 128-deep stage, each half's MMAs run from zero
+and their fp32 result is scaled and added to the half's accumulator (the promotion every 128 of K that Hopper's
+narrower fp8 accumulation needs), waited for before the next MMAs: two accumulators and one partial are what the
+registers hold. With a 16-bit C the MMA warps are two partitions of one warpgroup, each on its own 64 rows of the
+tile (split): each releases a stage and stores its rows on its own, and the second starts once the first has
+issued its first MMAs, so that one's promotions run beside the other's MMAs. As one 8-warp partition (split=False,
+and fp32 C, which spills split) the two warpgroups issued, waited and promoted in step, and an ncu profile at D
+had the tensor pipe active 48-61% of cycles; split runs the four GEMMs of B, D and E in 0.72-0.87x the time
+(benchmarks/NOTES.md). Each partition stores through two staging buffers, so that a tile's second half does not
+wait for the first half's store, and loads the next tile's schedule entry and token ids as a tile begins (a
+tile's first promotion then waits for one load of its A scales, not for the chain schedule -> token ids ->
+scales).
 
 The weight gradient (fp8_weight_grad, fp8_wgrad): dW[e] = Σ over expert e's 128-row tiles t of A_tᵀ B_t · s_a[:, t] ⊗
 s_b[:, t], from both operands as quant.quantize_tiles_t writes them (columns x tiles · 128, K-major, as the wgmma
 needs), each read by TMA: the same 8 MMA warps and two 128-column halves, promoting each tile by the outer product
 of its scales, behind a 1-warp TMA loader; dW's tiles expert by expert (wgrad._wgrad_tile's order).
 
-A tile's two halves are stored through two 32 KB staging buffers (bf16 C; fp32 C has room for one), so that the
-second half's store does not wait for the first's, and the next tile's schedule entry and token ids are loaded as
-a tile begins (its first promotion then waits for one load of its A scales, not for the chain schedule -> token
-ids -> scales).
-
-Registers: 64 for the loader leave the MMA warps 232 (setmaxnreg); no variant spills on triton 3.6; on 3.9 the
-bf16 ones keep 8 bytes of stack a thread (ptxas; no loader budget clears every case on both).
+Registers: 64 for the loader, 216 for the second MMA warpgroup (setmaxnreg; the first takes the rest); no
+variant spills on triton 3.6; on 3.9 the bf16 ones keep 8 bytes of stack a thread (ptxas).
 
 Memory contract: nothing beyond C (dW), and the weight gradient's per-expert tile counts (2 · E int32). Shared
-memory: STAGES x (128 + 256) x 128 bytes of operands and one or two 128 x 128 tiles of C in its dtype.
+memory: STAGES x (128 + 256) x 128 bytes of operands and 64 KB of C staging (four 64 x 128 bf16 tiles, or one
+128 x 128 fp32 tile).
 """
 import torch
 import triton
@@ -47,7 +49,7 @@ from .wgrad import _wgrad_tile, wgrad_group
 FP8_BLOCK_N = 2 * GROUP  # a tile's columns: two weight blocks, each half's weight scale one number a stage
 FP8_STAGES = 3
 FP8_WORKER_REGS = 64  # the loader's registers: the fewest at which the bf16 gathering kernel spills nothing
-FP8_MMA_REGS = 216  # split: the second MMA warpgroup's registers
+FP8_MMA_REGS = 216  # split: the second MMA warpgroup's registers (at 224 the first spills)
 SCALE_BLOCK = gl.constexpr(GROUP)  # the columns (and K) of one weight scale
 
 
@@ -220,19 +222,22 @@ def fp8_rows_tma_kernel(a_desc, token_ptr, n_rows, b_desc, c_desc, c_ptr, stride
 
 def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=None, out_dtype=None, out=None,
                   stages: int = FP8_STAGES, worker_regs: int = FP8_WORKER_REGS, tma_a: bool = True,
-                  store_bufs: int | None = None, split: bool = False, mma_regs: int = FP8_MMA_REGS):
+                  store_bufs: int | None = None, split: bool | None = None, mma_regs: int = FP8_MMA_REGS):
     """experts.tl.fp8.fp8_rows_gemm on Hopper (same arguments and result): a_q (·, K) e4m3 contiguous with
     a_scale (·, ceil(K / 128)) fp32, b_q (E, N, K) e4m3 contiguous with b_scale (E, ceil(N / 128), ceil(K / 128));
     K a multiple of 128, N of 8. A in place (token None) is read by TMA (tma_a), or through the gathering loader
     with the identity as tokens. store_bufs: C's staging buffers (default 2 for a 16-bit C, whose two 32 KB
-    buffers fit beside the stages; 1 for fp32). split: the MMA warps as two warpgroups each on its own (their
-    registers: mma_regs for the second, the rest for the first).
+    buffers fit beside the stages; 1 for fp32). split: the MMA warps as two warpgroups each on its own (default
+    for a 16-bit C; an fp32 C's accumulators and stores spill that way); mma_regs: the second warpgroup's
+    registers, the first takes the rest.
     The dispatcher (experts.dispatch) checks these; the launcher does not."""
     E, N, K = b_q.shape
     c = a_q.new_empty(num_rows, N, dtype=out_dtype) if out is None else out
     in_place = token is None
     if in_place:
         token = torch.arange(num_rows, dtype=torch.int32, device=a_q.device)
+    if split is None:
+        split = c.element_size() == 2
     n_wg = 2 if split else 1
     # what both kernels take after A: B, C, the scales, the schedule, the sizes
     rest = (descriptor(b_q.reshape(E * N, K), [FP8_BLOCK_N, GROUP]), descriptor(c, [BLOCK_M // n_wg, GROUP]), c,
