@@ -108,8 +108,13 @@ def until_no_overflow(ranks: Ranks | None, fn, log):
         log(f"capacity overflow: a destination needed more than {old} rows; capacity grown to {new}, step rerun")
 
 
-def finish() -> None:
+def finish(done: bool = True) -> None:
+    """The process group torn down. After a run that ended well every rank first meets the others, so that none
+    exits (taking its end of the collectives' connections with it) while another is still saving or talking; after
+    an error it does not wait, since another rank may never come."""
     if dist.is_initialized():
+        if done:
+            dist.barrier()
         dist.destroy_process_group()
 
 

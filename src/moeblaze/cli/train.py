@@ -310,11 +310,14 @@ def run(args) -> dict:
     train, val = split_corpus(builtin_corpus())
     cfg = check_args(args, len(val))
     ranks = parallel.start(args.device, args.ep) if parallel.launched() else None
+    done = False
     try:
-        return _run(args, cfg, train, val, ranks)
+        out = _run(args, cfg, train, val, ranks)
+        done = True
+        return out
     finally:
         if ranks is not None:
-            parallel.finish()
+            parallel.finish(done)
 
 
 def _run(args, cfg, train, val, ranks) -> dict:
