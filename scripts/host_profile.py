@@ -3,7 +3,7 @@ forward (host clock, no synchronization inside the timed loop), then cProfile ov
 with the most time of their own and the most cumulative time; with --pieces, the host µs of each launch of
 the step instead (diagnostic: the host's CPU varies by ±30% between runs).
 
-    python scripts/host_profile.py [--configs A,C] [--top 25] [--pieces]"""
+    python scripts/host_profile.py [--configs A,C] [--top 25] [--pieces] [--precision fp8]"""
 import argparse
 import cProfile
 import os
@@ -32,18 +32,19 @@ def main():
     p.add_argument("--configs", default="A,C")
     p.add_argument("--top", type=int, default=25, help="functions listed per order; 0: no cProfile")
     p.add_argument("--pieces", action="store_true", help="host µs per launch of the step")
+    p.add_argument("--precision", default="native", choices=("native", "fp8"), help="the step's GEMMs (not --pieces)")
     args = p.parse_args()
     for name in args.configs.split(","):
         prob = make_problem(*CONFIGS[name])
         if args.pieces:
             pieces(prob, name)
             continue
-        call = moeblaze_call(prob, "preact")
+        call = moeblaze_call(prob, "preact", precision=args.precision)
         for i in range(20):  # compile, autotune, warm caches
             run_step(call, prob, i, True)
         step_host, step_wall = host_ms(lambda i, c=call, q=prob: run_step(c, q, i, True))
         fwd_host, _ = host_ms(lambda i, c=call, q=prob: run_step(c, q, i, False))
-        print(f"{name} {CONFIGS[name]}: host ms/step {step_host:.3f}, wall ms/step {step_wall:.3f}, "
+        print(f"{name} {CONFIGS[name]} {args.precision}: host ms/step {step_host:.3f}, wall ms/step {step_wall:.3f}, "
               f"forward host ms {fwd_host:.3f}", flush=True)
         if args.top:
             profile(call, prob, name, args.top)
