@@ -56,6 +56,11 @@ def tma_ok(t) -> bool:
             and t.data_ptr() % 16 == 0)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host integers (triton.cdiv is a jit helper: about 2 µs a call from Python)."""
+    return -(-a // b)
+
+
 def sm_count(device: torch.device) -> int:
     """Multiprocessors of a CUDA device (persistent grids launch one program each); 4 elsewhere (the
     interpreter)."""

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..config import INTERPRET
-from ..launch import launch
+from ..launch import cdiv, launch
 
 BLOCK_M = 16 if INTERPRET else 128  # rows per tile of every expert GEMM (the Gluon kernels' too)
 
@@ -52,7 +52,7 @@ def tile_schedule(expert_counts: torch.Tensor, expert_offsets: torch.Tensor, num
     used = torch.empty(1, dtype=torch.int32, device=dev)
     e_pow2 = triton.next_power_of_2(E)
     block_t = max(1, min(128, 8192 // e_pow2))  # a (block_t, e_pow2) comparison per program
-    launch(_tile_schedule_kernel, (triton.cdiv(max_tiles, block_t),), expert_counts, expert_offsets, tile_expert,
+    launch(_tile_schedule_kernel, (cdiv(max_tiles, block_t),), expert_counts, expert_offsets, tile_expert,
            tile_row, used, E, max_tiles, BLOCK_M=block_m, E_POW2=e_pow2, BLOCK_T=block_t, num_warps=4)
     return tile_expert, tile_row, used
 

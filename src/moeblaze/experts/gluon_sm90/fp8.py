@@ -32,13 +32,12 @@ memory: STAGES x (128 + 256) x 128 bytes of operands and 64 KB of C staging (fou
 128 x 128 fp32 tile).
 """
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from ...launch import launch, sm_count
+from ...launch import cdiv, launch, sm_count
 from ...reference.fp8 import GROUP
 from ..schedule import BLOCK_M, expert_tiles
 from .common import (GATHER_WARPS, descriptor, mma_layout, my_tiles, one_barrier, stage_barriers, store_ring,
@@ -360,7 +359,7 @@ def fp8_weight_grad(a_t, b_t, offsets, out, stages: int = FP8_STAGES, worker_reg
         return out.zero_()
     first, tiles = expert_tiles(offsets, GROUP)
     c2d = out.view(E * M, N)
-    group = wgrad_group(triton.cdiv(M, BLOCK_M), triton.cdiv(N, FP8_BLOCK_N))
+    group = wgrad_group(cdiv(M, BLOCK_M), cdiv(N, FP8_BLOCK_N))
     launch(fp8_weight_grad_kernel, (sm_count(qa.device),), descriptor(qa, [BLOCK_M, GROUP]),
            descriptor(qb, [FP8_BLOCK_N, GROUP]), descriptor(c2d, [BLOCK_M, GROUP]), c2d, c2d.stride(0), sa,
            sa.stride(1), sb, sb.stride(1), first, tiles, E, M, N, group, BLOCK_M=BLOCK_M,

@@ -9,13 +9,12 @@ end zero-filled. 8 MMA warps store their own tiles. Experts without rows get zer
 Memory contract: nothing beyond dW. Shared memory: 3 stages of 64 x (128 + 256) operands and one 128 x 256
 tile of the accumulator in the io dtype.
 """
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma_wait
 
-from ...launch import launch, sm_count
+from ...launch import cdiv, launch, sm_count
 from .common import (GATHER_WARPS, cp_async, descriptor, gather_layout, mma_layout, mma_steps, stage_barriers,
                      store_tile, tma_load)
 
@@ -190,7 +189,7 @@ def weight_grad(p, q, token, offsets, out, gather_p: bool, block_k: int = 64, st
     c2d = out.view(E * M, N)
     c_desc = descriptor(c2d, [block_m, block_n])
     grid = (sm_count(p.device),)
-    group = wgrad_group(triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    group = wgrad_group(cdiv(M, block_m), cdiv(N, block_n))
     launch(weight_grad_kernel, grid, dense_desc, src, src.stride(0), token, c_desc, c2d, c2d.stride(0), offsets,
            E, M, N, group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, WORKER_REGS=worker_regs,
            num_warps=8, maxnreg=168)

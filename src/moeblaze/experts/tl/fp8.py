@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ...config import INTERPRET
-from ...launch import launch
+from ...launch import cdiv, launch
 from ..schedule import BLOCK_M, expert_tiles
 from .common import _swizzle, _tile_rows
 
@@ -77,7 +77,7 @@ def fp8_rows_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b
     if num_rows == 0 or num_tiles == 0:
         return c
     block_n = GROUP
-    launch(_fp8_rows_kernel, (num_tiles * triton.cdiv(N, block_n),), a_q, a_scale, b_q, b_scale, c,
+    launch(_fp8_rows_kernel, (num_tiles * cdiv(N, block_n),), a_q, a_scale, b_q, b_scale, c,
            token if token is not None else offsets, sched[0], sched[1], offsets, num_tiles, N, K, a_q.stride(0),
            a_scale.stride(0), b_q.stride(0), b_q.stride(1), b_scale.stride(0), b_scale.stride(1), c.stride(0),
            GATHER=token is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=GROUP, GROUP_M=8,
@@ -126,7 +126,7 @@ def fp8_weight_grad(a_t, b_t, offsets: torch.Tensor, out: torch.Tensor) -> torch
         qa, qb = qa.to(torch.float16), qb.to(torch.float16)
     first, tiles = expert_tiles(offsets, GROUP)
     block_n, block_p = (32, 32) if INTERPRET else (128, 128)
-    launch(_fp8_wgrad_kernel, (E, triton.cdiv(N, block_n), triton.cdiv(P, block_p)), qa, sa, qb, sb, out, first,
+    launch(_fp8_wgrad_kernel, (E, cdiv(N, block_n), cdiv(P, block_p)), qa, sa, qb, sb, out, first,
            tiles, N, P, qa.stride(0), sa.stride(1), qb.stride(0), sb.stride(1), out.stride(0),
            out.stride(1), BLOCK_N=block_n, BLOCK_P=block_p, GROUP=GROUP, num_warps=4 if INTERPRET else 8,
            num_stages=1 if INTERPRET else 3)

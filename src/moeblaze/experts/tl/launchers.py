@@ -14,7 +14,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...config import INTERPRET
-from ...launch import launch, sm_count, tma_ok
+from ...launch import cdiv, launch, sm_count, tma_ok
 from ...reference import is_gated
 from ...routing import in_row_order
 from ..schedule import BLOCK_M
@@ -40,7 +40,7 @@ def _desc(t: torch.Tensor | None):
 def _grid(num_tiles: int, n: int, device: torch.device | None = None):
     """One program per (row tile, column tile); persistent configs: one per multiprocessor."""
     sms = sm_count(device) if device is not None else None
-    return lambda meta: ((sms if meta.get("PERSISTENT") else num_tiles * triton.cdiv(n, meta["BLOCK_N"])),)
+    return lambda meta: ((sms if meta.get("PERSISTENT") else num_tiles * cdiv(n, meta["BLOCK_N"])),)
 
 
 def up(x_LD, w1_EFD, token_R, offsets, sched, activation, store_preact, store_act, b1_EF=None, interleaved=False):
@@ -86,7 +86,7 @@ def combine(rows_RD, token_slot_LK, weights_LK, kept, out_dtype, bias_ED=None, p
     out = torch.empty(L, D, dtype=out_dtype, device=rows_RD.device)
     bt, bd = (16, 32) if INTERPRET else (16, 256)
     bias = bias_ED if bias_ED is not None else rows_RD
-    launch(_combine_kernel, (triton.cdiv(L, bt), triton.cdiv(D, bd)), rows_RD, token_slot_LK,
+    launch(_combine_kernel, (cdiv(L, bt), cdiv(D, bd)), rows_RD, token_slot_LK,
            weights_LK if weights_LK is not None else rows_RD, kept, bias,
            pair_expert_LK if pair_expert_LK is not None else token_slot_LK, out, L, D, rows_RD.stride(0),
            bias.stride(0), bias.stride(1), out.stride(0), K=K, WEIGHTED=weights_LK is not None,
@@ -100,7 +100,7 @@ def weight_grad(p, q, dw, token_R, offsets, gather_p):
     gather_p else Q = q[token]."""
     E, N, P = dw.shape
     desc = _desc(q if gather_p else p)
-    grid = lambda meta: (E * triton.cdiv(N, meta["BLOCK_N"]) * triton.cdiv(P, meta["BLOCK_P"]),)  # noqa: E731
+    grid = lambda meta: (E * cdiv(N, meta["BLOCK_N"]) * cdiv(P, meta["BLOCK_P"]),)  # noqa: E731
     _weight_grad_kernel[grid](
         p, q, desc or p, dw, token_R, offsets, N, P, p.stride(0), p.stride(1), q.stride(0), q.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2), GATHER_P=gather_p, GATHER_Q=not gather_p, DENSE_TMA=desc is not None,
@@ -115,7 +115,7 @@ def down_bwd(dy_LD, w2_EDH, preact, topk_w_LK, token_slot_LK, dpreact, token_R, 
     R, (_, D, H) = token_R.shape[0], w2_EDH.shape
     act_scaled = dy_LD.new_empty(R, H)
     w_sorted = in_row_order(topk_w_LK, token_slot_LK, torch.float32)  # router weights in row order
-    ds_part = torch.empty(triton.cdiv(H, DS_BLOCK), R, dtype=torch.float32, device=dy_LD.device)
+    ds_part = torch.empty(cdiv(H, DS_BLOCK), R, dtype=torch.float32, device=dy_LD.device)
     num_tiles = sched[0].shape[0]
     w2_desc = _desc(w2_EDH.reshape(-1, H) if w2_EDH.is_contiguous() else None)
     _down_bwd_kernel[_grid(num_tiles, H)](
@@ -147,7 +147,7 @@ def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_sca
     K = token_slot_LK.shape[1]  # a token-rounded routing's table is wider (WIDE): read a row's places at once
     # 8x256: 2-4% ahead of 16x256 at B-E (H200); whole 128-column groups either way (QUANT_DH needs them)
     block_r, block_h = (4, 128) if INTERPRET else (8, 256)
-    launch(_act_bwd_kernel, (triton.cdiv(R, block_r),), dact_RH, preact, scale, token_R, token_slot_LK, topk_w_LK,
+    launch(_act_bwd_kernel, (cdiv(R, block_r),), dact_RH, preact, scale, token_R, token_slot_LK, topk_w_LK,
            dpreact, act_scaled, dtopk_w, dq, dqs, R, H, dact_RH.stride(0), preact.stride(0), scale.stride(0),
            act_scaled.stride(0), dq.stride(0), dqs.stride(0), K=K, GATED=is_gated(activation),
            ACT=ACT_CODES[activation], INTERLEAVED=interleaved, FP8_H=fp8, H_ALIGNED=H % 128 == 0,

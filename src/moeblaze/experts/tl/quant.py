@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ...config import INTERPRET
-from ...launch import launch
+from ...launch import cdiv, launch
 from ...reference.fp8 import AMAX_FLOOR, FP8, FP8_MAX, GROUP, INV_FP8_MAX
 
 ROWS = 32  # rows of a program of the row quantizers
@@ -244,7 +244,7 @@ def quantize_tiles_t(a: torch.Tensor, sched, offsets: torch.Tensor, token: torch
 
 
 def _groups(n: int) -> int:
-    return triton.cdiv(n, GROUP)
+    return cdiv(n, GROUP)
 
 
 def _check(t: torch.Tensor, dims: int, name: str) -> None:
@@ -262,7 +262,7 @@ def _rows(t: torch.Tensor, n: int, swiglu: bool, interleaved: bool, keep_h: bool
     if R and n:
         # keep_h at 4 warps: 124-134 registers a thread (12 warps a multiprocessor), 2.2-2.7 TB/s on an H200
         # against 3.3-3.8 without it; at 8 warps, 72-80
-        launch(_rows_kernel, (triton.cdiv(R, ROWS), _groups(n)), t, q, s, qh, sh, R, n, t.stride(0), q.stride(0),
+        launch(_rows_kernel, (cdiv(R, ROWS), _groups(n)), t, q, s, qh, sh, R, n, t.stride(0), q.stride(0),
                s.stride(0), max(qh.stride(0), 1), max(sh.stride(0), 1), SWIGLU=swiglu, INTERLEAVED=interleaved,
                KEEP_H=keep_h, ROWS=ROWS, GROUP=GROUP, AMAX_FLOOR=AMAX_FLOOR, INV_FP8_MAX=INV_FP8_MAX,
                FP8_MAX=FP8_MAX, EMULATE=INTERPRET, num_warps=8 if keep_h else 4)
@@ -296,7 +296,7 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, ou
     R, n = q.shape
     t = torch.empty(R, n, dtype=dtype, device=q.device) if out is None else out
     if R and n:
-        launch(_dequant_rows_kernel, (triton.cdiv(R, ROWS), _groups(n)), q, scale, t, R, n, q.stride(0),
+        launch(_dequant_rows_kernel, (cdiv(R, ROWS), _groups(n)), q, scale, t, R, n, q.stride(0),
                scale.stride(0), t.stride(0), ROWS=ROWS, GROUP=GROUP, num_warps=4)
     return t
 
