@@ -10,11 +10,15 @@ is compared with the kernel's (equal_to_fp8: they do the same arithmetic).
   fp8-base   an earlier commit's kernel (bash scripts/make_baseline.sh REV; carry .baseline), where present
   bf16       gluon_sm90.gathered_rows_gemm / rows_gemm on the same shape, bf16 operands
 
+With --dh, the dH pass of the fp8 step instead (tl.act_bwd with dH quantized as it is stored), on the step's
+tensors, at launch shapes (rows a program x warps; the default 8x4 first), beside the pass without the
+quantization; each variant's outputs compared with the default's.
+
 With --quantizers, the quantizers instead (experts/tl/quant.py), on the step's tensors, beside a copy of each input
 (torch's clone: what this GPU's memory moves): x and dH by quantize_rows, H by swiglu_quantize (and with H kept),
 W1 and W2 by quantize_blocks (plain, transposed, both layouts). Their GB/s count the bytes read and written once.
 
-    python scripts/fp8_kernel_lab.py [--out DIR] [--configs D] [--impls fp8,fp8-1buf] [--quantizers]
+    python scripts/fp8_kernel_lab.py [--out DIR] [--configs D] [--impls fp8,fp8-1buf] [--quantizers | --dh]
                                      (Hopper; rows in DIR/fp8_kernel_lab.jsonl)
     ncu ... python scripts/fp8_kernel_lab.py --once ...   each GEMM variant launched once per shape, untimed
 """
@@ -154,11 +158,64 @@ def measure_quantizers(config, meta) -> list:
     return rows
 
 
+def measure_dh(config, meta) -> list:
+    """The dH pass at launch shapes (see the module header)."""
+    from moeblaze.experts.tl import launchers
+
+    L, d, h, E, K = CONFIGS[config]
+    torch.manual_seed(0)
+    idx, w = route_topk(torch.randn(L, E, device="cuda"), K)
+    plan = RowPlan.build(build_routing_index(idx, E))
+    R = L * K
+    dact = torch.randn(R, h, device="cuda").bfloat16()
+    preact = torch.randn(R, 2 * h, device="cuda").bfloat16()
+    outs = {}
+
+    def variant(block_r, warps, quant_dh=True):
+        sa, dpre = torch.empty_like(dact), torch.empty_like(preact)
+        q = (torch.empty(preact.shape, dtype=torch.float8_e4m3fn, device="cuda"),
+             torch.empty(R, 2 * h // 128, device="cuda")) if quant_dh else None
+        outs[(block_r, warps, quant_dh)] = (sa, dpre, q)
+
+        def fn(i):  # s·A into a buffer of its own (the step writes it over dA': the same traffic)
+            return launchers.act_bwd(dact, preact, plan.token_R, plan.token_slot_LK, w, dpre, sa, "swiglu",
+                                     dpreact_q=q, block_r=block_r, num_warps=warps)
+        return fn
+    shapes = [(8, 4), (8, 8), (16, 4), (16, 8), (4, 4)]
+    fns = {f"dh-q {r}x{n}": variant(r, n) for r, n in shapes}
+    fns["dh 8x4"] = variant(8, 4, quant_dh=False)
+    fns["copy dA'"] = lambda i: dact.clone()
+    for fn in fns.values():
+        fn(0)
+    ref = outs[(8, 4, True)]
+    rows = []
+    moved = {True: 2 * dact.numel() * 2 + preact.numel() * 2 * 2 + preact.numel() * (1 + 4 / 128),
+             False: 2 * dact.numel() * 2 + preact.numel() * 2 * 2}
+    for impl, res in _timed_rounds(fns, torch.device("cuda"), iters=10).items():
+        if isinstance(res, Exception):
+            print(f"{config} {impl}: {res}", flush=True)
+            continue
+        same = None
+        if impl.startswith("dh-q"):
+            r, n = (int(v) for v in impl.split()[1].split("x"))
+            o = outs[(r, n, True)]
+            same = bool(torch.equal(o[0], ref[0]) and torch.equal(o[1], ref[1]) and
+                        torch.equal(o[2][0].view(torch.uint8), ref[2][0].view(torch.uint8)) and
+                        torch.equal(o[2][1], ref[2][1]))
+        nbytes = 2 * dact.numel() * 2 if impl.startswith("copy") else moved[impl.startswith("dh-q")]
+        row = dict(mode="fp8-dh-lab", config=config, op=impl, ms=round(res[0], 4),
+                   gbps=round(nbytes / (res[0] * 1e-3) / 1e9, 1), equal_to_default=same, **meta)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--configs", default="D")
     ap.add_argument("--quantizers", action="store_true", help="time the quantizers instead of the GEMM")
+    ap.add_argument("--dh", action="store_true", help="time the dH pass at launch shapes instead of the GEMM")
     ap.add_argument("--impls", default=None, help="the GEMM variants to run, comma-separated (fp8 always)")
     ap.add_argument("--gemms", default=None, help="the GEMMs to run, comma-separated (default up,down,dA',dX~)")
     ap.add_argument("--once", action="store_true", help="launch each GEMM variant once, untimed (for ncu)")
@@ -167,8 +224,9 @@ def main():
     meta = run_env(torch.device("cuda"), shlex.join(["python", "scripts/fp8_kernel_lab.py", *sys.argv[1:]]))
     if BASE is not None:
         meta["baseline"] = open(os.path.join(BASELINE, "REV")).read().strip()
-    if args.quantizers:
-        rows = [r for c in args.configs.split(",") for r in measure_quantizers(c, meta)]
+    if args.quantizers or args.dh:
+        fn = measure_quantizers if args.quantizers else measure_dh
+        rows = [r for c in args.configs.split(",") for r in fn(c, meta)]
     else:
         impls = args.impls.split(",") if args.impls else None
         gemms = args.gemms.split(",") if args.gemms else None

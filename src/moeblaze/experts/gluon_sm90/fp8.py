@@ -142,6 +142,8 @@ def fp8_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty
     tma.store_wait(0)
 
 
+# gl.warp_specialize passes a partition runtime arguments only: each partition's constexprs (its warpgroup, how
+# many there are) are bound by a function of its own
 @gluon.jit
 def fp8_wg0(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sal, sb_ptr, stride_sbe,
             stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, N,

@@ -128,12 +128,12 @@ def down_bwd(dy_LD, w2_EDH, preact, topk_w_LK, token_slot_LK, dpreact, token_R, 
 
 
 def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_scaled, activation, interleaved=False,
-            preact_scale=None, dpreact_q=None):
+            preact_scale=None, dpreact_q=None, block_r: int | None = None, num_warps: int = 4):
     """From dA' (R, H) and H: dH into dpreact, s·A into act_scaled (either may alias its input); returns dS as
     the router weights' gradient (L, K), in topk_w's dtype. H in e4m3 comes with its 1 x 128 scales
     (preact_scale) and is read back in dpreact's dtype as it is loaded (dpreact is then a buffer of its own).
     dpreact_q: (q (R, F) e4m3, scales (R, ceil(F / 128)) fp32) that receive quant.quantize_rows(dH) as dH is
-    stored (dH_quantizable says where)."""
+    stored (dH_quantizable says where). block_r (rows a program) and num_warps: the launch's shape."""
     R, H = dact_RH.shape
     topk_w_LK = topk_w_LK.contiguous()
     dtopk_w = torch.empty_like(topk_w_LK)
@@ -146,13 +146,13 @@ def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_sca
     dq, dqs = dpreact_q if quant_dh else (dpreact, scale)
     K = token_slot_LK.shape[1]  # a token-rounded routing's table is wider (WIDE): read a row's places at once
     # 8x256: 2-4% ahead of 16x256 at B-E (H200); whole 128-column groups either way (QUANT_DH needs them)
-    block_r, block_h = (4, 128) if INTERPRET else (8, 256)
+    block_r, block_h = (4, 128) if INTERPRET else (block_r or 8, 256)
     launch(_act_bwd_kernel, (cdiv(R, block_r),), dact_RH, preact, scale, token_R, token_slot_LK, topk_w_LK,
            dpreact, act_scaled, dtopk_w, dq, dqs, R, H, dact_RH.stride(0), preact.stride(0), scale.stride(0),
            act_scaled.stride(0), dq.stride(0), dqs.stride(0), K=K, GATED=is_gated(activation),
            ACT=ACT_CODES[activation], INTERLEAVED=interleaved, FP8_H=fp8, H_ALIGNED=H % 128 == 0,
            QUANT_DH=quant_dh, WIDE=K > WIDE_TABLE,
-           K_POW2=triton.next_power_of_2(K), BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
+           K_POW2=triton.next_power_of_2(K), BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps)
     return dtopk_w
 
 
