@@ -128,7 +128,7 @@ def down_bwd(dy_LD, w2_EDH, preact, topk_w_LK, token_slot_LK, dpreact, token_R, 
 
 
 def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_scaled, activation, interleaved=False,
-            preact_scale=None, dpreact_q=None, block_r: int | None = None, num_warps: int = 4):
+            preact_scale=None, dpreact_q=None, block_r: int | None = None, num_warps: int | None = None):
     """From dA' (R, H) and H: dH into dpreact, s·A into act_scaled (either may alias its input); returns dS as
     the router weights' gradient (L, K), in topk_w's dtype. H in e4m3 comes with its 1 x 128 scales
     (preact_scale) and is read back in dpreact's dtype as it is loaded (dpreact is then a buffer of its own).
@@ -145,8 +145,12 @@ def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_sca
                          f"in the pass; quantize it apart")
     dq, dqs = dpreact_q if quant_dh else (dpreact, scale)
     K = token_slot_LK.shape[1]  # a token-rounded routing's table is wider (WIDE): read a row's places at once
-    # 8x256: 2-4% ahead of 16x256 at B-E (H200); whole 128-column groups either way (QUANT_DH needs them)
-    block_r, block_h = (4, 128) if INTERPRET else (block_r or 8, 256)
+    # rows a program x 256 columns (whole 128-column groups, which QUANT_DH needs) and warps, by
+    # `python scripts/fp8_kernel_lab.py --configs D,B,E --dh` (H200): quantizing dH, 2 rows on 2 warps, 0.80-0.85x
+    # the time of 8 rows on 4 at D, B and E; without, 4 rows on 4 warps, 0.96-0.99x (16 rows or 8 warps: no faster)
+    block_r = block_r or (2 if quant_dh else 4)
+    num_warps = num_warps or (2 if quant_dh else 4)
+    block_r, block_h = (4, 128) if INTERPRET else (block_r, 256)
     launch(_act_bwd_kernel, (cdiv(R, block_r),), dact_RH, preact, scale, token_R, token_slot_LK, topk_w_LK,
            dpreact, act_scaled, dtopk_w, dq, dqs, R, H, dact_RH.stride(0), preact.stride(0), scale.stride(0),
            act_scaled.stride(0), dq.stride(0), dqs.stride(0), K=K, GATED=is_gated(activation),
