@@ -11,8 +11,8 @@ is compared with the kernel's (equal_to_fp8: they do the same arithmetic).
   bf16       gluon_sm90.gathered_rows_gemm / rows_gemm on the same shape, bf16 operands
 
 With --dh, the dH pass of the fp8 step instead (tl.act_bwd with dH quantized as it is stored), on the step's
-tensors, at launch shapes (rows a program x warps; 8x4, the default before 2x2 and 4x4, first), beside the pass without the
-quantization; each variant's outputs compared with the default's.
+tensors, at launch shapes (rows a program x warps; 8x4 first, the default before 2x2 and 4x4), beside the pass
+without the quantization; each variant's outputs compared with 8x4's.
 
 With --quantizers, the quantizers instead (experts/tl/quant.py), on the step's tensors, beside a copy of each input
 (torch's clone: what this GPU's memory moves): x and dH by quantize_rows, H by swiglu_quantize (and with H kept),
