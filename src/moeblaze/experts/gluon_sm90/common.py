@@ -156,21 +156,24 @@ def _smem_layout(box: tuple, dtype: torch.dtype):
 
 
 @gluon.jit
-def store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, col0, N):
+def store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, col0, N, PENDING: gl.constexpr = 0):
     """The MMA partition's own store of a finished tile, through c_smem: one TMA store where the tile lies within
     its rows (row0 + BLOCK_M <= row_end), else masked pieces (store_pieces), which hold few registers beside
-    what else is live (the fp8 GEMM's other half). c_smem is written only once the previous tile's store has
-    read it."""
+    what else is live (the fp8 GEMM's other half). c_smem is written only once all but the PENDING newest TMA
+    stores have read their tiles (0: the previous tile's store; store_ring's other buffers may stay in flight).
+    Returns whether the tile went by TMA."""
     BLOCK_M: gl.constexpr = c_smem.type.shape[0]
-    tma.store_wait(0)
-    thread_barrier()  # every thread sees the previous store done before it overwrites c_smem
+    tma.store_wait(PENDING)  # stores complete in order
+    thread_barrier()  # every thread sees those stores done before it overwrites c_smem
     c_smem.store(acc.to(c_smem.dtype))
     fence_async_shared()
     thread_barrier()  # the whole tile is in c_smem before the TMA store (or the pieces) read it
-    if row0 + BLOCK_M <= row_end:
+    whole = row0 + BLOCK_M <= row_end
+    if whole:
         tma_store(c_desc, [row0, col0], c_smem)
     else:
         store_pieces(c_smem, c_ptr, stride_cl, row0, row_end, col0, N)
+    return whole
 
 
 @gluon.jit
@@ -179,18 +182,8 @@ def store_ring(acc, c_bufs, n_st, c_desc, c_ptr, stride_cl, row0, row_end, col0,
     it: each TMA store takes the next buffer and is waited for only when that buffer comes round again; a partial
     tile's masked pieces read their buffer at once and take none. n_st: the TMA stores so far; returns it, moved on."""
     NB: gl.constexpr = c_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = c_bufs.type.shape[1]
-    c_smem = c_bufs.index(n_st % NB)
-    tma.store_wait(NB - 1)  # stores complete in order: all but the NB - 1 newest, so this buffer's last one
-    thread_barrier()
-    c_smem.store(acc.to(c_smem.dtype))
-    fence_async_shared()
-    thread_barrier()
-    if row0 + BLOCK_M <= row_end:
-        tma_store(c_desc, [row0, col0], c_smem)
+    if store_tile(acc, c_bufs.index(n_st % NB), c_desc, c_ptr, stride_cl, row0, row_end, col0, N, NB - 1):
         n_st += 1
-    else:
-        store_pieces(c_smem, c_ptr, stride_cl, row0, row_end, col0, N)
     return n_st
 
 

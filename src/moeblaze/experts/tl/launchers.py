@@ -148,9 +148,8 @@ def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_sca
     # rows a program x 256 columns (whole 128-column groups, which QUANT_DH needs) and warps, by
     # `python scripts/fp8_kernel_lab.py --configs D,B,E --dh` (H200): quantizing dH, 2 rows on 2 warps, 0.80-0.85x
     # the time of 8 rows on 4 at D, B and E; without, 4 rows on 4 warps, 0.96-0.99x (16 rows or 8 warps: no faster)
-    block_r = block_r or (2 if quant_dh else 4)
+    block_r, block_h = (4, 128) if INTERPRET else (block_r or (2 if quant_dh else 4), 256)
     num_warps = num_warps or (2 if quant_dh else 4)
-    block_r, block_h = (4, 128) if INTERPRET else (block_r, 256)
     launch(_act_bwd_kernel, (cdiv(R, block_r),), dact_RH, preact, scale, token_R, token_slot_LK, topk_w_LK,
            dpreact, act_scaled, dtopk_w, dq, dqs, R, H, dact_RH.stride(0), preact.stride(0), scale.stride(0),
            act_scaled.stride(0), dq.stride(0), dqs.stride(0), K=K, GATED=is_gated(activation),
