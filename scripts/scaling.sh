@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Training on one and on N GPUs of one host (N = GPUS, default: every GPU), written under $OUT (default ./out).
-#   usage: [PRESETS="small qwen3-30b-a3b"] bash scripts/scaling.sh [bench] [curves]   (default: both)
+#   usage: [PRESETS="small qwen3-30b-a3b"] bash scripts/scaling.sh [bench] [curves] [graph]   (default: the first two)
 #          [RANKS="2 4 8"] bash scripts/scaling.sh cpu
 # bench:  `moeblaze train --bench-steps` at a fixed per-GPU batch: one GPU without torchrun, then N GPUs under
 #         torchrun with FSDP2 alone (ep 1; for the small model also as one FSDP2 unit, --fsdp-units model) and
@@ -9,6 +9,8 @@
 #         from one profiled step on the N-GPU runs).
 # curves: 50 steps of the small model on the same global batch: one GPU at N x the batch, N GPUs at ep 1 and ep N;
 #         every step's loss in $OUT/curves/*.jsonl (plot: python scripts/plot_curves.py $OUT/curves).
+# graph:  --cuda-graph on the small model beside the eager step (bench rows), and 20 steps' loss logs of each
+#         launch with and without it, compared byte for byte.
 # cpu:    no GPU needed: a tiny model on CPU processes (gloo, the kernels under Triton's interpreter) at each N in
 #         RANKS (default "2 4 8") with FSDP2 alone, ep = N exact and ep = N capacity (a capacity too small, so a
 #         step is rerun), against one process over the same global batch; fails unless every loss equals it
@@ -50,6 +52,33 @@ for s in $steps; do
       CUDA_VISIBLE_DEVICES=0 run $one $C --batch-size $((16 * N)) --loss-log $OUT/curves/gpu1.jsonl --save ""
       run $many $C --batch-size 16 --loss-log $OUT/curves/gpu${N}-ep1.jsonl --save ""
       run $many $C --batch-size 16 --ep $N --loss-log $OUT/curves/gpu${N}-ep${N}.jsonl --save "" ;;
+    graph)
+      # --cuda-graph: the small model's step replayed from a CUDA graph, timed beside the eager step in this run
+      # (one GPU and N GPUs as one FSDP2 unit), then per-block units and ep N (capacity, an overflow an error);
+      # then each launch's 20 steps with and without it: the loss logs (losses, gradient norms, validation
+      # losses) must be equal, byte for byte
+      B="--preset small --bench-steps ${BENCH_STEPS:-10} --bench-warmup 3 --dtype bfloat16 --results $OUT/results"
+      G="--cuda-graph"
+      EPC="--ep $N --ep-dispatch capacity --capacity-factor 2 --on-overflow error"
+      CUDA_VISIBLE_DEVICES=0 run $one $B
+      CUDA_VISIBLE_DEVICES=0 run $one $B $G
+      run $many $B --bench-profile --fsdp-units model
+      run $many $B --bench-profile --fsdp-units model $G
+      run $many $B --bench-profile $G
+      run $many $B --bench-profile $EPC $G
+      mkdir -p "$OUT/graph"
+      C="--steps 20 --eval-every 10 --dtype bfloat16 --seed 0 --save="
+      i=0
+      for launch in "CUDA_VISIBLE_DEVICES=0 $one" "$many --fsdp-units model" "$many" "$many $EPC"; do
+        i=$((i + 1))
+        run env $launch $C --loss-log "$OUT/graph/$i-eager.jsonl"
+        run env $launch $C $G --loss-log "$OUT/graph/$i-graph.jsonl"
+        if cmp -s "$OUT/graph/$i-eager.jsonl" "$OUT/graph/$i-graph.jsonl" && [ -s "$OUT/graph/$i-eager.jsonl" ]; then
+          echo "graphed = eager, bitwise: $launch"
+        else
+          echo "graphed != eager: $launch"; failed="$failed [graph equality: $launch]"
+        fi
+      done ;;
     cpu)
       export TRITON_INTERPRET=1 OMP_NUM_THREADS=1
       T="--seq-len 16 --d-model 32 --n-layers 1 --n-heads 2 --num-experts 8 --d-expert 32 --impl triton

@@ -111,6 +111,11 @@ CASES = [
     ("moeblaze train --ep 2 --checkpoint-policy preact-fp8", SystemExit),
     ("moeblaze train --ep 2 --token-rounding nr-f", SystemExit),
     ("moeblaze train --ep 2 --precision fp8", SystemExit),
+    ("moeblaze train --cuda-graph  # on a CPU", SystemExit),
+    ("moeblaze train --cuda-graph --ep 2", SystemExit),
+    ("moeblaze train --cuda-graph --ep 2 --ep-dispatch capacity", SystemExit),
+    ("moeblaze train --cuda-graph --precision fp8 --fp8-weight-cache", SystemExit),
+    ("moeblaze train --cuda-graph --compile", SystemExit),
 ]
 
 

@@ -108,6 +108,17 @@ def until_no_overflow(ranks: Ranks | None, fn, log):
         log(f"capacity overflow: a destination needed more than {old} rows; capacity grown to {new}, step rerun")
 
 
+def reshard(model) -> None:
+    """Free every FSDP2 unit's gathered parameters. An evaluation's forward leaves the units that keep them gathered
+    after forward (the root) gathered; an eager training step's backward would free them, a CUDA graph's replay
+    does not, and the next evaluation would then run on the parameters of steps ago."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def finish(done: bool = True) -> None:
     """The process group torn down. After a run that ended well every rank first meets the others, so that none
     exits (taking its end of the collectives' connections with it) while another is still saving or talking; after
@@ -191,6 +202,7 @@ def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_p
     row = dict(mode="train", preset=args.preset, model=cfg.to_dict(), world=world, ep=ep, efsdp=world // ep,
                dispatch=args.ep_dispatch if ep > 1 else "-", keep_gathered=bool(ranks and args.fsdp_keep_gathered),
                fsdp_units=args.fsdp_units if ranks else "-", compiled=args.compile,
+               cuda_graph=args.cuda_graph,
                dtype=args.dtype, batch_per_gpu=args.batch_size,
                seq=args.seq_len, tokens_per_gpu=tokens, params_m=round(n_params / 1e6, 1),
                steps=args.bench_steps, warmup=args.bench_warmup, step_ms=round(step_ms, 3),

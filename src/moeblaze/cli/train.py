@@ -13,7 +13,8 @@ parallelism on a 2-D mesh; --batch-size is per process (the global batch is N ti
 would draw, split across the ranks, so that one process at N x the batch sees the same tokens); the losses
 logged and the validation loss are global means; checkpoints are sharded folders (torch.distributed.checkpoint).
 --bench-steps times that many steps after --bench-warmup and writes one results row (tokens/s per GPU, peak memory,
-the step split with --bench-profile) instead of training to --steps.
+the step split with --bench-profile) instead of training to --steps. --cuda-graph replays the step (forward,
+backward, clipping) from a CUDA graph captured at the second step (cli/graph_step.py); the optimizer stays eager.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from . import UsageError, parallel
 from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, probe_writable, probe_writable_folder,
                          save_checkpoint, save_sharded, sharded_checkpoint_path)
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
+from .graph_step import GraphedStep
 
 # Models by name; a flag given on the command line overrides its preset's value. "qwen3-30b-a3b": MoE layers
 # shaped as Qwen3-30B-A3B's (hidden 2048, 128 experts, top-8, expert width 768; 16 heads of 128), 4 of them.
@@ -112,6 +114,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="torch.compile each block (GPU; under torchrun before "
                    "FSDP2 wraps it): fewer launches and less host time per step")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="(GPU) capture the training step (forward, backward, clipping; FSDP2's collectives too) in a "
+                        "CUDA graph at the second step and replay it after: one launch a step plus the optimizer's, "
+                        "for a model whose step is paced by the host. Every step has the same shapes; no host sync "
+                        "may run inside it: --ep > 1 needs --ep-dispatch capacity with --on-overflow drop or error")
     g = p.add_argument_group("several processes (torchrun --nproc-per-node N)")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a divisor of N and of --num-experts; "
                    "default 1: FSDP2 alone)")
@@ -196,6 +203,8 @@ def check_args(args, val_len: int) -> ModelConfig:
         raise UsageError(str(e)) from None
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
+    if args.cuda_graph:
+        check_graphable(args)
     if args.compile and args.device != "cuda":
         raise UsageError("--compile needs --device cuda (the interpreter's kernels do not compile)")
     if args.dtype == "bfloat16" and args.device != "cuda":
@@ -226,6 +235,24 @@ def check_args(args, val_len: int) -> ModelConfig:
         except CheckpointError as e:
             raise UsageError(f"--save: {e}") from None
     return cfg
+
+
+def check_graphable(args) -> None:
+    """UsageError unless --cuda-graph can capture the step these flags make: a GPU, and nothing in the step that
+    reads the device from the host or keeps Python state across steps."""
+    if args.ep > 1 and args.ep_dispatch == "exact":
+        raise UsageError("--cuda-graph: --ep-dispatch exact reads each layer's split sizes on the host every step; "
+                         "use --ep-dispatch capacity (with --on-overflow drop or error)")
+    if args.ep > 1 and args.on_overflow == "rerun":
+        raise UsageError("--cuda-graph: --on-overflow rerun reads the overflow flag on the host every step; "
+                         "use --on-overflow error (a device-side assert) or drop")
+    if args.fp8_weight_cache:
+        raise UsageError("--cuda-graph: --fp8-weight-cache decides on the host, once a step, whether the weights "
+                         "changed; leave it off (the graph quantizes them every step)")
+    if args.compile:
+        raise UsageError("--cuda-graph with --compile is not supported yet: use one of them")
+    if args.device != "cuda":
+        raise UsageError("--cuda-graph needs --device cuda")
 
 
 def _sharded(save: str, dist_run: bool) -> bool:
@@ -384,6 +411,14 @@ def _run(args, cfg, train, val, ranks) -> dict:
         (total / world).backward()  # under FSDP2 every unit sums: the gradient of the global mean (distributed.fsdp)
         return loss, aux, total
 
+    graphed = GraphedStep(lambda x, y: (*train_step(x, y), clip())) if args.cuda_graph else None
+
+    def validate() -> float:
+        v = parallel.until_no_overflow(ranks, lambda: evaluate(model, val, args, device, ctx, ranks), log)
+        if graphed is not None:  # the graph runs no FSDP2 hooks: what evaluation left gathered would go stale
+            parallel.reshard(model)
+        return v
+
     val_loss = float("nan")
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # the first step whose loss was not finite
     bar = tqdm(total=max(last, step), initial=step, desc="bench" if bench else "train", dynamic_ncols=True,
@@ -403,8 +438,11 @@ def _run(args, cfg, train, val, ranks) -> dict:
         x, y = x.to(device), y.to(device)
         if timer is not None and step >= args.bench_warmup:
             timer.start()
-        loss, aux, total = parallel.until_no_overflow(ranks, functools.partial(train_step, x, y), log)
-        grad_norm = clip()
+        if graphed is not None:
+            loss, aux, total, grad_norm = graphed(x, y)
+        else:
+            loss, aux, total = parallel.until_no_overflow(ranks, functools.partial(train_step, x, y), log)
+            grad_norm = clip()
         opt.step()
         if biased:
             update_expert_biases(model)  # the loads summed over every rank under torchrun
@@ -439,7 +477,7 @@ def _run(args, cfg, train, val, ranks) -> dict:
                             tok_s=f"{tokens * world / (now - t_last):,.0f}")
             t_last, tokens = now, 0
         if evaluate_now:
-            val_loss = parallel.until_no_overflow(ranks, lambda: evaluate(model, val, args, device, ctx, ranks), log)
+            val_loss = validate()
             shown = float(ranks.mean(loss.detach())) if ranks else loss.item()
             log(f"step {step}: train loss {shown:.3f}, val loss {val_loss:.3f} nats/byte")
             evals.append((step, val_loss))
@@ -463,14 +501,16 @@ def _run(args, cfg, train, val, ranks) -> dict:
             f.writelines(json.dumps({"step": s, "val_loss": v}) + "\n" for s, v in evals)
     final_loss = float(ranks.mean(loss.detach()) if ranks else loss.detach())
     if bench:
+        batch = (lambda: tuple(t.to(device) for t in _batch(train, args, gen, ranks)))
+        profiled = ((lambda: graphed(*batch()), opt.step) if graphed is not None else
+                    (lambda: train_step(*batch()), lambda: (clip(), opt.step())))
         row = parallel.bench_row(args, cfg, ranks, timer, final_loss, n_params,
-                                 (lambda: train_step(*(t.to(device) for t in _batch(train, args, gen, ranks))),
-                                  lambda: (clip(), opt.step())) if args.bench_profile else None)
+                                 profiled if args.bench_profile else None)
         if main:
             say(parallel.format_row(row))
         return row
     if math.isnan(val_loss):
-        val_loss = parallel.until_no_overflow(ranks, lambda: evaluate(model, val, args, device, ctx, ranks), log)
+        val_loss = validate()
     say(f"final validation loss {val_loss:.5f} nats/byte vs unigram entropy {entropy:.3f} "
         f"({'learned' if val_loss < entropy else 'did NOT beat'} context: {entropy - val_loss:+.3f} nats/byte)")
     return {"val_loss": val_loss, "unigram_entropy": entropy, "step": step, "train_loss": final_loss}

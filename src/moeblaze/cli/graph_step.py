@@ -1,0 +1,64 @@
+"""One training step (forward, loss, backward, gradient clipping) captured in a CUDA graph and replayed.
+
+A small model's step is paced by the host: each of its few hundred launches, FSDP2's hooks and its collectives
+cost the CPU more than the GPU takes to run them. Replayed, the step is one graph launch; the optimizer stays
+eager (its learning rate changes every step) and runs on the gradients the graph writes.
+
+    step = GraphedStep(lambda x, y: train_step(x, y) + (clip(),))
+    loss, aux, total, norm = step(x, y)       # first call: eager (it also warms up); second: capture; then replay
+
+The step must hold still: the same shapes every call, no host syncs and no Python state that changes between
+steps (it would be frozen at its value at capture). The model's parameters must keep their storage (optimizers
+update in place) and nothing but the graph may set their .grad to None after the capture: the gradients the graph
+writes are the ones the capture bound to .grad. Torch's recipe: the step is warmed up and captured on one side
+stream, whose work the caller's stream then waits for.
+
+Memory: the graph's private pool keeps the step's activations, gradients and the inputs' copies for the whole run
+(what the eager step allocates at its peak, held); nothing else.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class GraphedStep:
+    """fn(*inputs) -> tuple of tensors, run eagerly on the first call, captured on the second and replayed after
+    (each call copies its inputs into the captured ones; the returned tensors are fresh copies, safe to keep)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.stream = torch.cuda.Stream()
+        self.inputs: tuple[torch.Tensor, ...] = ()
+        self.outputs: tuple[torch.Tensor, ...] = ()
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self.calls += 1
+        if self.graph is not None:
+            self._check(inputs)
+            for static, new in zip(self.inputs, inputs):
+                static.copy_(new)
+            self.graph.replay()
+            return tuple(t.clone() for t in self.outputs)
+        caller = torch.cuda.current_stream()
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            if self.calls == 1:  # eager: a real step, and the warm-up (autotuning, lazy state, communicators)
+                out = tuple(t.clone() for t in self.fn(*inputs))
+            else:
+                self.inputs = tuple(t.clone() for t in inputs)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
+                    self.outputs = tuple(self.fn(*self.inputs))
+                self.graph.replay()  # the capture ran nothing: this is the step
+                out = tuple(t.clone() for t in self.outputs)
+        caller.wait_stream(self.stream)
+        return out
+
+    def _check(self, inputs) -> None:
+        for i, (static, new) in enumerate(zip(self.inputs, inputs, strict=True)):
+            if static.shape != new.shape or static.dtype != new.dtype:
+                raise ValueError(f"a CUDA-graphed step's input {i} was captured as {tuple(static.shape)} "
+                                 f"{static.dtype}, got {tuple(new.shape)} {new.dtype}: every step must have the "
+                                 "same shapes")

@@ -1,0 +1,50 @@
+"""On a CUDA GPU (`pytest -m gpu`): `moeblaze train --cuda-graph` is the eager run, bitwise. Every step's loss
+and gradient norm and the validation losses (one taken between graph replays, which must see the parameters of
+that step) are compared as the loss log writes them. Several GPUs: `bash scripts/scaling.sh graph`."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from moeblaze.cli import train
+from moeblaze.cli.graph_step import GraphedStep
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _log(tmp_path, name, **over):
+    p = argparse.ArgumentParser()
+    train.add_arguments(p)
+    a = p.parse_args([])
+    log = tmp_path / f"{name}.jsonl"
+    base = dict(steps=12, batch_size=8, eval_every=5, eval_batches=2, save="", device="cuda", dtype="bfloat16",
+                loss_log=str(log))
+    for k, v in {**base, **over}.items():
+        setattr(a, k, v)
+    train.run(a)
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("over", [{}, {"precision": "fp8"}, {"checkpoint_policy": "recompute"},
+                                  {"router": "deepseek-v3", "num_experts": 16}],
+                         ids=["bf16", "fp8", "recompute", "expert-bias"])
+def test_the_graphed_step_is_the_eager_step(tmp_path, over):
+    if over.get("precision") == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs sm_89+")
+    eager = _log(tmp_path, "eager", **over)
+    graphed = _log(tmp_path, "graphed", cuda_graph=True, **over)
+    assert len(eager) == 12 + 3 and sum("val_loss" in r for r in eager) == 3
+    assert graphed == eager
+
+
+def test_a_graphed_step_refuses_other_shapes():
+    step = GraphedStep(lambda x: (x * 2,))
+    x = torch.ones(4, device="cuda")
+    for _ in range(3):
+        (y,) = step(x)
+    assert torch.equal(y, x * 2)
+    (y,) = step(torch.full((4,), 3.0, device="cuda"))
+    assert torch.equal(y, torch.full((4,), 6.0, device="cuda"))
+    with pytest.raises(ValueError, match="same shapes"):
+        step(torch.ones(5, device="cuda"))
