@@ -10,7 +10,13 @@ time per tile and SM is fitted as fixed + per_step · steps: what a tile costs b
   gluon-k32-s6   BLOCK_K 32 and 6 stages: the same bytes in flight, finer steps
   bmm            torch.bmm (E, M, R_e) x (E, R_e, N), aligned rows only
 
+With --fp8 CONFIGS (e.g. B,D,E): at those configs' shapes and a top-k routing, what the fp8 weight gradients
+(fp8_wgrad) cost against the bf16 kernel: bf16 (the bf16 Gluon kernel), fp8-gemm (gluon_sm90.fp8_weight_grad on
+operands quantized beforehand), fp8-quant (quant.quantize_tiles_t of both operands: transposed, per 128 of an
+expert's rows) and fp8 (both, what the step pays); rel_to_gluon is fp8-gemm's error against bf16's result.
+
     python scripts/wgrad_lab.py [--out DIR] [--rows 128,256,512,1024]   (Hopper; rows in DIR/wgrad_lab.jsonl)
+    python scripts/wgrad_lab.py --fp8 B,D,E [--out DIR]
     ncu ... python scripts/wgrad_lab.py --once           each Gluon impl launched once per shape on the top-k
                                                          routing, untimed (for a profiler)
 """
@@ -131,6 +137,59 @@ def measure(rows_per_expert, meta) -> list:
     return out_rows
 
 
+def fp8_measure(configs, meta) -> list:
+    """The --fp8 rows (see the module header)."""
+    from moeblaze.bench.harness import CONFIGS
+    from moeblaze.experts.schedule import tile_schedule
+
+    out_rows = []
+    for config in configs:
+        Lc, d, h, Ec, Kc = CONFIGS[config]
+        torch.manual_seed(0)
+        idx, _ = route_topk(torch.randn(Lc, Ec, device="cuda"), Kc)
+        plan = RowPlan.build(build_routing_index(idx, Ec))
+        offsets = plan.offsets_E1
+        sched = tile_schedule(offsets[1:] - offsets[:-1], offsets, plan.num_rows, 128)
+        for name, M, N, gather_p in (("dW1", 2 * h, d, False), ("dW2", d, h, True)):
+            tag = dict(config=config, gemm=name, E=Ec, M=M, N=N, R=plan.num_rows)
+            out_rows += _fp8_case(Lc, plan, sched, M, N, gather_p, tag, meta)
+            torch.cuda.empty_cache()
+    return out_rows
+
+
+def _fp8_case(Lc, plan, sched, M, N, gather_p, tag, meta) -> list:
+    from moeblaze.experts.tl import quant
+
+    token, offsets, R = plan.token_R, plan.offsets_E1, plan.num_rows
+    g = torch.Generator(device="cuda").manual_seed(1)
+    p = torch.randn(Lc if gather_p else R, M, device="cuda", generator=g).bfloat16()
+    q = torch.randn(R if gather_p else Lc, N, device="cuda", generator=g).bfloat16()
+    out = torch.empty(tag["E"], M, N, device="cuda", dtype=torch.bfloat16)
+    out8 = torch.empty_like(out)
+
+    def quantized():
+        return (quant.quantize_tiles_t(p, sched, offsets, token if gather_p else None),
+                quant.quantize_tiles_t(q, sched, offsets, None if gather_p else token))
+    pt, qt = quantized()
+    fns = {"bf16": lambda i: gluon_sm90.weight_grad(p, q, token, offsets, out, gather_p),
+           "fp8-gemm": lambda i: gluon_sm90.fp8_weight_grad(pt, qt, offsets, out8),
+           "fp8-quant": lambda i: quantized(),
+           "fp8": lambda i: gluon_sm90.fp8_weight_grad(*quantized(), offsets, out8)}
+    want = fns["bf16"](0).float()
+    err = float((fns["fp8-gemm"](0).float() - want).norm() / want.norm())
+    rows = []
+    for impl, res in _timed_rounds(fns, torch.device("cuda"), iters=10).items():
+        if isinstance(res, Exception):
+            print(f"{tag} {impl}: {res}", flush=True)
+            continue
+        ms = res[0]
+        rows.append(dict(mode="wgrad-lab-fp8", **tag, impl=impl, ms=round(ms, 4),
+                         tflops=round(2 * R * M * N / (ms * 1e-3) / 1e12, 1),
+                         rel_to_gluon=err if impl == "fp8-gemm" else None, **meta))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def fit(rows) -> list:
     """Per (gemm, impl): us per tile and SM = fixed + per_step · steps, least squares over the aligned cases."""
     out = []
@@ -155,13 +214,17 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--rows", default="128,256,512,1024", help="rows per expert of the aligned cases")
     ap.add_argument("--once", action="store_true", help="launch each Gluon impl once per shape, untimed")
+    ap.add_argument("--fp8", default="", help="configs (e.g. B,D,E): the fp8 weight gradients against bf16 there")
     args = ap.parse_args()
     if args.once:
         return launch_once()
     os.makedirs(args.out, exist_ok=True)
     meta = run_env(torch.device("cuda"), shlex.join(["python", "scripts/wgrad_lab.py", *sys.argv[1:]]))
-    rows = measure([int(r) for r in args.rows.split(",")], meta)
-    rows += [dict(r, **meta) for r in fit(rows)]
+    if args.fp8:
+        rows = fp8_measure(args.fp8.split(","), meta)
+    else:
+        rows = measure([int(r) for r in args.rows.split(",")], meta)
+        rows += [dict(r, **meta) for r in fit(rows)]
     with open(os.path.join(args.out, "wgrad_lab.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 
