@@ -12,8 +12,10 @@ time per tile and SM is fitted as fixed + per_step · steps: what a tile costs b
 
 With --fp8 CONFIGS (e.g. B,D,E): at those configs' shapes and a top-k routing, what the fp8 weight gradients
 (fp8_wgrad) cost against the bf16 kernel: bf16 (the bf16 Gluon kernel), fp8-gemm (gluon_sm90.fp8_weight_grad on
-operands quantized beforehand), fp8-quant (quant.quantize_tiles_t of both operands: transposed, per 128 of an
-expert's rows) and fp8 (both, what the step pays); rel_to_gluon is fp8-gemm's error against bf16's result.
+operands quantized beforehand), fp8-gemm-one (the same with its MMA warps as one 8-warp partition, split=False;
+equal_to_split: its result is fp8-gemm's, bitwise), fp8-quant (quant.quantize_tiles_t of both operands:
+transposed, per 128 of an expert's rows) and fp8 (both, what the step pays); rel_to_gluon is fp8-gemm's error
+against bf16's result.
 
     python scripts/wgrad_lab.py [--out DIR] [--rows 128,256,512,1024]   (Hopper; rows in DIR/wgrad_lab.jsonl)
     python scripts/wgrad_lab.py --fp8 B,D,E [--out DIR]
@@ -165,7 +167,7 @@ def _fp8_case(Lc, plan, sched, M, N, gather_p, tag, meta) -> list:
     p = torch.randn(Lc if gather_p else R, M, device="cuda", generator=g).bfloat16()
     q = torch.randn(R if gather_p else Lc, N, device="cuda", generator=g).bfloat16()
     out = torch.empty(tag["E"], M, N, device="cuda", dtype=torch.bfloat16)
-    out8 = torch.empty_like(out)
+    out8, out1 = torch.empty_like(out), torch.empty_like(out)
 
     def quantized():
         return (quant.quantize_tiles_t(p, sched, offsets, token if gather_p else None),
@@ -173,10 +175,12 @@ def _fp8_case(Lc, plan, sched, M, N, gather_p, tag, meta) -> list:
     pt, qt = quantized()
     fns = {"bf16": lambda i: gluon_sm90.weight_grad(p, q, token, offsets, out, gather_p),
            "fp8-gemm": lambda i: gluon_sm90.fp8_weight_grad(pt, qt, offsets, out8),
+           "fp8-gemm-one": lambda i: gluon_sm90.fp8_weight_grad(pt, qt, offsets, out1, split=False),
            "fp8-quant": lambda i: quantized(),
            "fp8": lambda i: gluon_sm90.fp8_weight_grad(*quantized(), offsets, out8)}
     want = fns["bf16"](0).float()
     err = float((fns["fp8-gemm"](0).float() - want).norm() / want.norm())
+    same = bool(torch.equal(fns["fp8-gemm-one"](0), out8))  # the same arithmetic, split or not
     rows = []
     for impl, res in _timed_rounds(fns, torch.device("cuda"), iters=10).items():
         if isinstance(res, Exception):
@@ -185,7 +189,8 @@ def _fp8_case(Lc, plan, sched, M, N, gather_p, tag, meta) -> list:
         ms = res[0]
         rows.append(dict(mode="wgrad-lab-fp8", **tag, impl=impl, ms=round(ms, 4),
                          tflops=round(2 * R * M * N / (ms * 1e-3) / 1e12, 1),
-                         rel_to_gluon=err if impl == "fp8-gemm" else None, **meta))
+                         rel_to_gluon=err if impl == "fp8-gemm" else None,
+                         equal_to_split=same if impl == "fp8-gemm-one" else None, **meta))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

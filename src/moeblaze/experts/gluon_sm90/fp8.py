@@ -41,7 +41,7 @@ from ...launch import cdiv, launch, sm_count
 from ...reference.fp8 import GROUP
 from ..schedule import BLOCK_M, expert_tiles
 from .common import (GATHER_WARPS, descriptor, mma_layout, my_tiles, one_barrier, stage_barriers, store_ring,
-                     store_tile, tile_of, tma_load)
+                     tile_of, tma_load)
 from .partitions import gather_loader, tma_loader
 from .wgrad import _wgrad_tile, wgrad_group
 
@@ -282,37 +282,48 @@ def _fp8_wgrad_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, first_ptr, t
 
 
 @gluon.jit
-def _fp8_wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sat, sb_ptr,
-                         stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N):
+def _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat,
+                         sb_ptr, stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, WG: gl.constexpr,
+                         N_WG: gl.constexpr):
     """Each dW tile as two 128-column halves sharing each stage's A: per row tile, a half's MMAs from zero, waited
     for and scaled into its accumulator (acc += part · s_a ⊗ s_b), then the other half's; both halves stored
-    within the expert's M rows (a second half past N skipped). An expert without rows stores zeros. A tile's
-    scales are contiguous (s_a[m, t] at sa_ptr + t · stride_sat + m) and padded to whole tiles of dW, so each
-    thread loads its own from one base address at constant offsets, unmasked: a pointer or a mask per column
-    held across the loop spilled 600 bytes a thread (the padding's zeros scale rows and columns never stored).
-    The partial scaled by s_a, then by s_b (the outer product first held 64 more registers)."""
+    within the expert's M rows through the ring c_bufs (a second half past N skipped). An expert without rows
+    stores zeros. A tile's scales are contiguous (s_a[m, t] at sa_ptr + t · stride_sat + m) and padded to whole
+    tiles of dW, so each thread loads its own from one base address at constant offsets, unmasked: a pointer or a
+    mask per column held across the loop spilled 600 bytes a thread (the padding's zeros scale rows and columns
+    never stored). The partial scaled by s_a, then by s_b (the outer product first held 64 more registers).
+    N_WG partitions share each tile as in fp8_mma_store: WG takes its BLOCK_M / N_WG rows of dW, releases a stage
+    and stores on its own, and warpgroup 1 starts once warpgroup 0 has issued its first MMAs."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     HALF: gl.constexpr = BLOCK_N // 2
-    acc_layout: gl.constexpr = mma_layout(8, HALF, 32)
-    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    ROWS: gl.constexpr = BLOCK_M // N_WG
+    acc_layout: gl.constexpr = mma_layout(gl.num_warps(), HALF, 32)
+    offs_m = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
     offs_n = gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
     pid, nprog = gl.program_id(0), gl.num_programs(0)
     c = 0
+    n_st = 0
+    if WG == 1:
+        mbarrier.wait(go.index(0), 0)
     for j in range(gl.cdiv(n_tiles - pid, nprog)):
         e, tm, tn = _wgrad_tile(j, pid, nprog, n_tm, n_tn, group)
         t0 = gl.load(first_ptr + e)
         rows = tm * BLOCK_M + offs_m
         cols = tn * BLOCK_N + offs_n
-        acc0 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
-        acc1 = gl.zeros([BLOCK_M, HALF], gl.float32, acc_layout)
+        acc0 = gl.zeros([ROWS, HALF], gl.float32, acc_layout)
+        acc1 = gl.zeros([ROWS, HALF], gl.float32, acc_layout)
         for k in range(gl.load(tiles_ptr + e)):
             s = c % S
             mbarrier.wait(ready.index(s), (c // S) & 1)
             a = a_bufs.index(s)
+            if N_WG > 1:
+                a = a.slice(WG * ROWS, ROWS, dim=0)
             b = b_bufs.index(s)
             part = half_mma(a, b, 0, acc_layout)
+            if N_WG > 1 and WG == 0:
+                mbarrier.arrive(go.index(0), pred=c == 0)
             t = (t0 + k).to(gl.int64)
             sa = gl.load(sa_ptr + t * stride_sat + rows)  # loaded while the MMAs run
             sb = gl.load(sb_ptr + t * stride_sbt + cols)
@@ -324,46 +335,85 @@ def _fp8_wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready
             mbarrier.arrive(empty.index(s))  # both halves have read the stage
             acc1 += (part * sa[:, None]) * sb[None, :]
             c += 1
-        store_tile(acc0, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
+        first = e * M + tm * BLOCK_M + WG * ROWS
+        n_st = store_ring(acc0, c_bufs, n_st, c_desc, c_ptr, stride_cl, first, e * M + M, tn * BLOCK_N, N)
         if tn * BLOCK_N + HALF < N:
-            store_tile(acc1, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N + HALF,
-                       N)
+            n_st = store_ring(acc1, c_bufs, n_st, c_desc, c_ptr, stride_cl, first, e * M + M, tn * BLOCK_N + HALF,
+                              N)
+    if N_WG > 1 and WG == 0:
+        mbarrier.arrive(go.index(0), pred=c == 0)  # a program without a stage still lets warpgroup 1 finish
     tma.store_wait(0)
+
+
+@gluon.jit
+def _fp8_wgrad_wg0(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat, sb_ptr,
+                   stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N):
+    _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat,
+                         sb_ptr, stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, 0, 2)
+
+
+@gluon.jit
+def _fp8_wgrad_wg1(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat, sb_ptr,
+                   stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N):
+    _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat,
+                         sb_ptr, stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, 1, 2)
+
+
+@gluon.jit
+def _fp8_wgrad_one(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat, sb_ptr,
+                   stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N):
+    _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat,
+                         sb_ptr, stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, 0, 1)
 
 
 @gluon.jit
 def fp8_weight_grad_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cl, sa_ptr, stride_sat, sb_ptr, stride_sbt, first_ptr,
                            tiles_ptr, E, M, N, GROUP_TILES, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WORKER_REGS: gl.constexpr):
-    """dW[e] (M, N) = Σ over expert e's row tiles of A_tᵀ B_t, scaled per tile: 8 MMA warps that promote and
-    store, behind a 1-warp TMA loader."""
+                           BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WORKER_REGS: gl.constexpr,
+                           STORE_BUFS: gl.constexpr, N_WG: gl.constexpr, MMA_REGS: gl.constexpr):
+    """dW[e] (M, N) = Σ over expert e's row tiles of A_tᵀ B_t, scaled per tile: MMA warps that promote and store
+    (8 warps, or two warpgroups of 4: N_WG), behind a 1-warp TMA loader."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    c_smem = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)  # one half
-    ready, empty = stage_barriers(STAGES, 1)
+    ready, empty = stage_barriers(STAGES, 1, N_WG)
+    go = one_barrier()
     n_tm, n_tn = gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N)
     n_tiles = E * n_tm * n_tn
-    mma_args = (c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, sa_ptr, stride_sat, sb_ptr,
-                stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, GROUP_TILES, M, N)
+    c0 = gl.allocate_shared_memory(c_desc.dtype, [STORE_BUFS, BLOCK_M // N_WG, BLOCK_N // 2], c_desc.layout)
+    rest = (c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat, sb_ptr, stride_sbt,
+            first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, GROUP_TILES, M, N)
     loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn,
                    GROUP_TILES)
-    gl.warp_specialize([(_fp8_wgrad_mma_store, mma_args), (_fp8_wgrad_loader, loader_args)], [1], [WORKER_REGS])
+    if N_WG == 1:
+        gl.warp_specialize([(_fp8_wgrad_one, (c0, ) + rest), (_fp8_wgrad_loader, loader_args)], [1], [WORKER_REGS])
+    else:
+        c1 = gl.allocate_shared_memory(c_desc.dtype, [STORE_BUFS, BLOCK_M // N_WG, BLOCK_N // 2], c_desc.layout)
+        gl.warp_specialize([(_fp8_wgrad_wg0, (c0, ) + rest), (_fp8_wgrad_wg1, (c1, ) + rest),
+                            (_fp8_wgrad_loader, loader_args)], [4, 1], [MMA_REGS, WORKER_REGS])
 
 
-def fp8_weight_grad(a_t, b_t, offsets, out, stages: int = FP8_STAGES, worker_regs: int = FP8_WORKER_REGS):
+def fp8_weight_grad(a_t, b_t, offsets, out, stages: int = FP8_STAGES, worker_regs: int = FP8_WORKER_REGS,
+                    split: bool | None = None, mma_regs: int = FP8_MMA_REGS):
     """experts.tl.fp8.fp8_weight_grad on Hopper (same arguments and result): a_t = (q (M, T · 128) e4m3, scales
     (M, T)), b_t = (q (N, T · 128), scales (N, T)) as quant.quantize_tiles_t writes them (scales tile by tile,
     each tile's padded with zeros to a multiple of FP8_BLOCK_N); out (E, M, N) contiguous in bf16/fp16/fp32 with N
-    a multiple of 8. The dispatcher (experts.dispatch) checks these; the launcher does not."""
+    a multiple of 8. split: the MMA warps as two warpgroups each on its own rows of dW, each with two staging
+    buffers (default for a 16-bit dW; fp32 keeps one 8-warp partition and one buffer), as in fp8_rows_gemm.
+    The dispatcher (experts.dispatch) checks these; the launcher does not."""
     (qa, sa), (qb, sb) = a_t, b_t
     E, M, N = out.shape
     if qa.shape[1] == 0:  # no rows at all: every expert's gradient is zero
         return out.zero_()
+    if split is None:
+        split = out.element_size() == 2
+    n_wg = 2 if split else 1
     first, tiles = expert_tiles(offsets, GROUP)
     c2d = out.view(E * M, N)
     group = wgrad_group(cdiv(M, BLOCK_M), cdiv(N, FP8_BLOCK_N))
     launch(fp8_weight_grad_kernel, (sm_count(qa.device),), descriptor(qa, [BLOCK_M, GROUP]),
-           descriptor(qb, [FP8_BLOCK_N, GROUP]), descriptor(c2d, [BLOCK_M, GROUP]), c2d, c2d.stride(0), sa,
+           descriptor(qb, [FP8_BLOCK_N, GROUP]), descriptor(c2d, [BLOCK_M // n_wg, GROUP]), c2d, c2d.stride(0), sa,
            sa.stride(1), sb, sb.stride(1), first, tiles, E, M, N, group, BLOCK_M=BLOCK_M,
-           BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages, WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+           BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages, WORKER_REGS=worker_regs,
+           STORE_BUFS=2 if out.element_size() == 2 else 1, N_WG=n_wg, MMA_REGS=mma_regs, num_warps=8 // n_wg,
+           maxnreg=168)
     return out
