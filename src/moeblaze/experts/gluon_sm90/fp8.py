@@ -36,6 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ...launch import cdiv, launch, sm_count
 from ...reference.fp8 import GROUP
@@ -258,15 +259,26 @@ def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=No
 
 # ---- the weight gradient on e4m3: dW[e] = Σ_t A_tᵀ B_t · s_a[:, t] ⊗ s_b[:, t] ------------------------------
 
+def scale_descriptor(scales, box: int):
+    """A TMA descriptor of quant.quantize_tiles_t's scales (columns x tiles, a tile's contiguous and padded to a
+    multiple of FP8_BLOCK_N columns) as the (tiles, padded columns) array they are stored in, box one tile's box
+    columns, unswizzled."""
+    n, t = scales.shape
+    padded = scales.as_strided((t, scales.stride(1)), (scales.stride(1), 1))
+    return TensorDescriptor.from_tensor(padded, [1, box], gl.NVMMASharedLayout(0, 32))
+
+
 @gluon.jit
-def _fp8_wgrad_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn,
-                      group):
+def _fp8_wgrad_loader(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, first_ptr,
+                      tiles_ptr, n_tiles, n_tm, n_tn, group):
     """For each dW tile (expert, row tile, column tile), a stage per row tile of the expert: A_t's BLOCK_M columns
-    and B_t's BLOCK_N at the tile's 128 rows (columns past the operand: TMA's zeros)."""
+    and B_t's BLOCK_N at the tile's 128 rows (columns past the operand: TMA's zeros), and their scales."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    NBYTES: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes + sa_desc.block_type.nbytes
+                            + sb_desc.block_type.nbytes)
     pid, nprog = gl.program_id(0), gl.num_programs(0)
     c = 0
     for j in range(gl.cdiv(n_tiles - pid, nprog)):
@@ -275,23 +287,25 @@ def _fp8_wgrad_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, first_ptr, t
         for k in range(gl.load(tiles_ptr + e)):
             s = c % S
             mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
-            mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(s), NBYTES)
             tma_load(a_desc, [tm * BLOCK_M, (t0 + k) * BLOCK_K], ready.index(s), a_bufs.index(s))
             tma_load(b_desc, [tn * BLOCK_N, (t0 + k) * BLOCK_K], ready.index(s), b_bufs.index(s))
+            tma_load(sa_desc, [t0 + k, tm * BLOCK_M], ready.index(s), sa_bufs.index(s))
+            tma_load(sb_desc, [t0 + k, tn * BLOCK_N], ready.index(s), sb_bufs.index(s))
             c += 1
 
 
 @gluon.jit
-def _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat,
-                         sb_ptr, stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, WG: gl.constexpr,
+def _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go,
+                         tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, WG: gl.constexpr,
                          N_WG: gl.constexpr):
     """Each dW tile as two 128-column halves sharing each stage's A: per row tile, a half's MMAs from zero, waited
     for and scaled into its accumulator (acc += part · s_a ⊗ s_b), then the other half's; both halves stored
     within the expert's M rows through the ring c_bufs (a second half past N skipped). An expert without rows
-    stores zeros. A tile's scales are contiguous (s_a[m, t] at sa_ptr + t · stride_sat + m) and padded to whole
-    tiles of dW, so each thread loads its own from one base address at constant offsets, unmasked: a pointer or a
-    mask per column held across the loop spilled 600 bytes a thread (the padding's zeros scale rows and columns
-    never stored). The partial scaled by s_a, then by s_b (the outer product first held 64 more registers).
+    stores zeros. A stage's scales come with it (the loader's TMA, from quantize_tiles_t's padded rows): read from
+    global memory as each half's MMAs ran, their latency outlasted the MMAs (the kernel ran at 0.63-0.88x the
+    bf16 weight gradient's rate). The partial scaled by s_a, then by s_b (the outer product held 64 more
+    registers).
     N_WG partitions share each tile as in fp8_mma_store: WG takes its BLOCK_M / N_WG rows of dW, releases a stage
     and stores on its own, and warpgroup 1 starts once warpgroup 0 has issued its first MMAs."""
     S: gl.constexpr = a_bufs.type.shape[0]
@@ -300,8 +314,6 @@ def _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready
     HALF: gl.constexpr = BLOCK_N // 2
     ROWS: gl.constexpr = BLOCK_M // N_WG
     acc_layout: gl.constexpr = mma_layout(gl.num_warps(), HALF, 32)
-    offs_m = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-    offs_n = gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
     pid, nprog = gl.program_id(0), gl.num_programs(0)
     c = 0
     n_st = 0
@@ -309,12 +321,9 @@ def _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready
         mbarrier.wait(go.index(0), 0)
     for j in range(gl.cdiv(n_tiles - pid, nprog)):
         e, tm, tn = _wgrad_tile(j, pid, nprog, n_tm, n_tn, group)
-        t0 = gl.load(first_ptr + e)
-        rows = tm * BLOCK_M + offs_m
-        cols = tn * BLOCK_N + offs_n
         acc0 = gl.zeros([ROWS, HALF], gl.float32, acc_layout)
         acc1 = gl.zeros([ROWS, HALF], gl.float32, acc_layout)
-        for k in range(gl.load(tiles_ptr + e)):
+        for _ in range(gl.load(tiles_ptr + e)):
             s = c % S
             mbarrier.wait(ready.index(s), (c // S) & 1)
             a = a_bufs.index(s)
@@ -324,15 +333,15 @@ def _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready
             part = half_mma(a, b, 0, acc_layout)
             if N_WG > 1 and WG == 0:
                 mbarrier.arrive(go.index(0), pred=c == 0)
-            t = (t0 + k).to(gl.int64)
-            sa = gl.load(sa_ptr + t * stride_sat + rows)  # loaded while the MMAs run
-            sb = gl.load(sb_ptr + t * stride_sbt + cols)
             part = warpgroup_mma_wait(0, deps=(part, ))
+            sa = sa_bufs.index(s).reshape([BLOCK_M]).slice(WG * ROWS, ROWS).load(gl.SliceLayout(1, acc_layout))
+            sb_s = sb_bufs.index(s).reshape([BLOCK_N])
+            sb = sb_s.slice(0, HALF).load(gl.SliceLayout(0, acc_layout))
             acc0 += (part * sa[:, None]) * sb[None, :]
             part = half_mma(a, b, 1, acc_layout)
-            sb = gl.load(sb_ptr + t * stride_sbt + HALF + cols)
             part = warpgroup_mma_wait(0, deps=(part, ))
-            mbarrier.arrive(empty.index(s))  # both halves have read the stage
+            sb = sb_s.slice(HALF, HALF).load(gl.SliceLayout(0, acc_layout))
+            mbarrier.arrive(empty.index(s))  # both halves (and their scales) have been read from the stage
             acc1 += (part * sa[:, None]) * sb[None, :]
             c += 1
         first = e * M + tm * BLOCK_M + WG * ROWS
@@ -346,44 +355,46 @@ def _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready
 
 
 @gluon.jit
-def _fp8_wgrad_wg0(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat, sb_ptr,
-                   stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N):
-    _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat,
-                         sb_ptr, stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, 0, 2)
+def _fp8_wgrad_wg0(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go, tiles_ptr,
+                   n_tiles, n_tm, n_tn, group, M, N):
+    _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go,
+                         tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, 0, 2)
 
 
 @gluon.jit
-def _fp8_wgrad_wg1(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat, sb_ptr,
-                   stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N):
-    _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat,
-                         sb_ptr, stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, 1, 2)
+def _fp8_wgrad_wg1(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go, tiles_ptr,
+                   n_tiles, n_tm, n_tn, group, M, N):
+    _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go,
+                         tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, 1, 2)
 
 
 @gluon.jit
-def _fp8_wgrad_one(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat, sb_ptr,
-                   stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N):
-    _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat,
-                         sb_ptr, stride_sbt, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, 0, 1)
+def _fp8_wgrad_one(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go, tiles_ptr,
+                   n_tiles, n_tm, n_tn, group, M, N):
+    _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go,
+                         tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, 0, 1)
 
 
 @gluon.jit
-def fp8_weight_grad_kernel(a_desc, b_desc, c_desc, c_ptr, stride_cl, sa_ptr, stride_sat, sb_ptr, stride_sbt, first_ptr,
-                           tiles_ptr, E, M, N, GROUP_TILES, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WORKER_REGS: gl.constexpr,
-                           STORE_BUFS: gl.constexpr, N_WG: gl.constexpr, MMA_REGS: gl.constexpr):
+def fp8_weight_grad_kernel(a_desc, b_desc, sa_desc, sb_desc, c_desc, c_ptr, stride_cl, first_ptr, tiles_ptr, E, M, N,
+                           GROUP_TILES, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                           STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, STORE_BUFS: gl.constexpr,
+                           N_WG: gl.constexpr, MMA_REGS: gl.constexpr):
     """dW[e] (M, N) = Σ over expert e's row tiles of A_tᵀ B_t, scaled per tile: MMA warps that promote and store
-    (8 warps, or two warpgroups of 4: N_WG), behind a 1-warp TMA loader."""
+    (8 warps, or two warpgroups of 4: N_WG), behind a 1-warp TMA loader that brings each stage's scales too."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES, 1, BLOCK_M], sa_desc.layout)
+    sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES, 1, BLOCK_N], sb_desc.layout)
     ready, empty = stage_barriers(STAGES, 1, N_WG)
     go = one_barrier()
     n_tm, n_tn = gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N)
     n_tiles = E * n_tm * n_tn
     c0 = gl.allocate_shared_memory(c_desc.dtype, [STORE_BUFS, BLOCK_M // N_WG, BLOCK_N // 2], c_desc.layout)
-    rest = (c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sat, sb_ptr, stride_sbt,
-            first_ptr, tiles_ptr, n_tiles, n_tm, n_tn, GROUP_TILES, M, N)
-    loader_args = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, first_ptr, tiles_ptr, n_tiles, n_tm, n_tn,
-                   GROUP_TILES)
+    rest = (c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go, tiles_ptr, n_tiles, n_tm,
+            n_tn, GROUP_TILES, M, N)
+    loader_args = (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, first_ptr,
+                   tiles_ptr, n_tiles, n_tm, n_tn, GROUP_TILES)
     if N_WG == 1:
         gl.warp_specialize([(_fp8_wgrad_one, (c0, ) + rest), (_fp8_wgrad_loader, loader_args)], [1], [WORKER_REGS])
     else:
@@ -411,8 +422,8 @@ def fp8_weight_grad(a_t, b_t, offsets, out, stages: int = FP8_STAGES, worker_reg
     c2d = out.view(E * M, N)
     group = wgrad_group(cdiv(M, BLOCK_M), cdiv(N, FP8_BLOCK_N))
     launch(fp8_weight_grad_kernel, (sm_count(qa.device),), descriptor(qa, [BLOCK_M, GROUP]),
-           descriptor(qb, [FP8_BLOCK_N, GROUP]), descriptor(c2d, [BLOCK_M // n_wg, GROUP]), c2d, c2d.stride(0), sa,
-           sa.stride(1), sb, sb.stride(1), first, tiles, E, M, N, group, BLOCK_M=BLOCK_M,
+           descriptor(qb, [FP8_BLOCK_N, GROUP]), scale_descriptor(sa, BLOCK_M), scale_descriptor(sb, FP8_BLOCK_N),
+           descriptor(c2d, [BLOCK_M // n_wg, GROUP]), c2d, c2d.stride(0), first, tiles, E, M, N, group, BLOCK_M=BLOCK_M,
            BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages, WORKER_REGS=worker_regs,
            STORE_BUFS=2 if out.element_size() == 2 else 1, N_WG=n_wg, MMA_REGS=mma_regs, num_warps=8 // n_wg,
            maxnreg=168)
