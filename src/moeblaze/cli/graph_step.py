@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from . import UsageError
+
 
 class GraphedStep:
     """fn(*inputs) -> tuple of tensors, run eagerly on the first call, captured on the second and replayed after
@@ -62,3 +64,21 @@ class GraphedStep:
                 raise ValueError(f"a CUDA-graphed step's input {i} was captured as {tuple(static.shape)} "
                                  f"{static.dtype}, got {tuple(new.shape)} {new.dtype}: every step must have the "
                                  "same shapes")
+
+
+def check_graphable(args) -> None:
+    """UsageError unless --cuda-graph can capture the step these flags make: a GPU, and nothing in the step that
+    reads the device from the host or keeps Python state across steps."""
+    if args.ep > 1 and args.ep_dispatch == "exact":
+        raise UsageError("--cuda-graph: --ep-dispatch exact reads each layer's split sizes on the host every step; "
+                         "use --ep-dispatch capacity (with --on-overflow drop or error)")
+    if args.ep > 1 and args.on_overflow == "rerun":
+        raise UsageError("--cuda-graph: --on-overflow rerun reads the overflow flag on the host every step; "
+                         "use --on-overflow error (a device-side assert) or drop")
+    if args.fp8_weight_cache:
+        raise UsageError("--cuda-graph: --fp8-weight-cache decides on the host, once a step, whether the weights "
+                         "changed; leave it off (the graph quantizes them every step)")
+    if args.compile:
+        raise UsageError("--cuda-graph with --compile is not supported yet: use one of them")
+    if args.device != "cuda":
+        raise UsageError("--cuda-graph needs --device cuda")

@@ -40,7 +40,7 @@ from . import UsageError, parallel
 from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, probe_writable, probe_writable_folder,
                          save_checkpoint, save_sharded, sharded_checkpoint_path)
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
-from .graph_step import GraphedStep
+from .graph_step import GraphedStep, check_graphable
 
 # Models by name; a flag given on the command line overrides its preset's value. "qwen3-30b-a3b": MoE layers
 # shaped as Qwen3-30B-A3B's (hidden 2048, 128 experts, top-8, expert width 768; 16 heads of 128), 4 of them.
@@ -235,24 +235,6 @@ def check_args(args, val_len: int) -> ModelConfig:
         except CheckpointError as e:
             raise UsageError(f"--save: {e}") from None
     return cfg
-
-
-def check_graphable(args) -> None:
-    """UsageError unless --cuda-graph can capture the step these flags make: a GPU, and nothing in the step that
-    reads the device from the host or keeps Python state across steps."""
-    if args.ep > 1 and args.ep_dispatch == "exact":
-        raise UsageError("--cuda-graph: --ep-dispatch exact reads each layer's split sizes on the host every step; "
-                         "use --ep-dispatch capacity (with --on-overflow drop or error)")
-    if args.ep > 1 and args.on_overflow == "rerun":
-        raise UsageError("--cuda-graph: --on-overflow rerun reads the overflow flag on the host every step; "
-                         "use --on-overflow error (a device-side assert) or drop")
-    if args.fp8_weight_cache:
-        raise UsageError("--cuda-graph: --fp8-weight-cache decides on the host, once a step, whether the weights "
-                         "changed; leave it off (the graph quantizes them every step)")
-    if args.compile:
-        raise UsageError("--cuda-graph with --compile is not supported yet: use one of them")
-    if args.device != "cuda":
-        raise UsageError("--cuda-graph needs --device cuda")
 
 
 def _sharded(save: str, dist_run: bool) -> bool:
