@@ -48,13 +48,13 @@ class GraphedStep:
         with torch.cuda.stream(self.stream):
             if self.calls == 1:  # eager: a real step, and the warm-up (autotuning, lazy state, communicators)
                 out = tuple(t.clone() for t in self.fn(*inputs))
-            else:
-                self.inputs = tuple(t.clone() for t in inputs)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
-                    self.outputs = tuple(self.fn(*self.inputs))
-                self.graph.replay()  # the capture ran nothing: this is the step
-                out = tuple(t.clone() for t in self.outputs)
+            else:  # kept only once the capture has succeeded: a failed one raises and leaves nothing to replay
+                static, graph = tuple(t.clone() for t in inputs), torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                    outputs = tuple(self.fn(*static))
+                self.graph, self.inputs, self.outputs = graph, static, outputs
+                graph.replay()  # the capture ran nothing: this is the step
+                out = tuple(t.clone() for t in outputs)
         caller.wait_stream(self.stream)
         return out
 
