@@ -19,7 +19,7 @@ against bf16's result.
 
     python scripts/wgrad_lab.py [--out DIR] [--rows 128,256,512,1024]   (Hopper; rows in DIR/wgrad_lab.jsonl)
     python scripts/wgrad_lab.py --fp8 B,D,E [--out DIR]
-    ncu ... python scripts/wgrad_lab.py --once           each Gluon impl launched once per shape on the top-k
+    ncu ... python scripts/wgrad_lab.py --once [--fp8 D]  each Gluon impl launched once per shape on the top-k
                                                          routing, untimed (for a profiler)
 """
 from __future__ import annotations
@@ -76,8 +76,11 @@ def topk_plan():
     return plan.token_R, plan.offsets_E1
 
 
-def launch_once():
-    """Each Gluon impl once per shape on the top-k routing, after one launch of each to compile."""
+def launch_once(fp8_configs=()):
+    """Each Gluon impl once per shape on the top-k routing, after one launch of each to compile; with fp8_configs,
+    the fp8 weight gradient (split, then one partition) once per shape of those configs instead."""
+    if fp8_configs:
+        return fp8_measure(fp8_configs, None)
     torch.manual_seed(0)
     token, offsets = topk_plan()
     for name, M, N, gather_p in shapes():
@@ -178,6 +181,12 @@ def _fp8_case(Lc, plan, sched, M, N, gather_p, tag, meta) -> list:
            "fp8-gemm-one": lambda i: gluon_sm90.fp8_weight_grad(pt, qt, offsets, out1, split=False),
            "fp8-quant": lambda i: quantized(),
            "fp8": lambda i: gluon_sm90.fp8_weight_grad(*quantized(), offsets, out8)}
+    if meta is None:  # --once: each fp8 GEMM launched once (after a launch to compile), untimed
+        for fn in (fns["fp8-gemm"], fns["fp8-gemm-one"], fns["fp8-gemm"], fns["fp8-gemm-one"]):
+            fn(0)
+        torch.cuda.synchronize()
+        print(tag, "launched: fp8-gemm, fp8-gemm-one (twice each)", flush=True)
+        return []
     want = fns["bf16"](0).float()
     err = float((fns["fp8-gemm"](0).float() - want).norm() / want.norm())
     same = bool(torch.equal(fns["fp8-gemm-one"](0), out8))  # the same arithmetic, split or not
@@ -222,7 +231,7 @@ def main():
     ap.add_argument("--fp8", default="", help="configs (e.g. B,D,E): the fp8 weight gradients against bf16 there")
     args = ap.parse_args()
     if args.once:
-        return launch_once()
+        return launch_once(args.fp8.split(",") if args.fp8 else ())
     os.makedirs(args.out, exist_ok=True)
     meta = run_env(torch.device("cuda"), shlex.join(["python", "scripts/wgrad_lab.py", *sys.argv[1:]]))
     if args.fp8:
