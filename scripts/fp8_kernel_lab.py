@@ -140,10 +140,21 @@ def measure_quantizers(config, meta) -> list:
         "W2 blocks": (w2, lambda: quant.quantize_blocks(w2)),
         "W2 blocks-t": (w2, lambda: quant.quantize_blocks(w2, transpose=True)),
         "W2 blocks-both": (w2, lambda: quant.quantize_blocks(w2, both=True)),
+        "W1 blocks-both-8w": (w1, lambda: quant.quantize_blocks(w1, both=True, warps=8)),
     }
+    if BASE is not None:  # the same quantizers of an earlier commit (scripts/make_baseline.sh REV)
+        bq = BASE.experts.tl.quant
+        cases.update({"W1 blocks (base)": (w1, lambda: bq.quantize_blocks(w1)),
+                      "W1 blocks-t (base)": (w1, lambda: bq.quantize_blocks(w1, transpose=True)),
+                      "W1 blocks-both (base)": (w1, lambda: bq.quantize_blocks(w1, both=True))})
     rows = []
     for name, (t, fn) in cases.items():
         moved = _bytes(t, *_flat(fn()))
+        same = None
+        if name.endswith(" (base)") or name.endswith("-8w"):  # bit for bit what the kernel as launched writes
+            ours = cases[name.removesuffix(" (base)").removesuffix("-8w")][1]
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else
+                       torch.equal(a, b) for a, b in zip(_flat(fn()), _flat(ours()), strict=True))
         copy_name = f"copy {name.split()[0]}"
         fns = {name: lambda i, fn=fn: fn(), copy_name: lambda i, t=t: t.clone()}
         for impl, res in _timed_rounds(fns, torch.device("cuda"), iters=10).items():
@@ -153,6 +164,8 @@ def measure_quantizers(config, meta) -> list:
             nbytes = 2 * _bytes(t) if impl == copy_name else moved
             row = dict(mode="fp8-quant-lab", config=config, op=impl, shape=list(t.shape), ms=round(res[0], 4),
                        gbps=round(nbytes / (res[0] * 1e-3) / 1e9, 1), **meta)
+            if impl == name and same is not None:
+                row["equal_to_kernel"] = same
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows

@@ -166,9 +166,10 @@ KERNELS = [  # (kernel, pointer types, constexprs, warps)
     (quant._rows_kernel, ROWS, dict(SWIGLU=False, INTERLEAVED=True, KEEP_H=False, ROWS=quant.ROWS, **Q), 4),
     (quant._rows_kernel, ROWS, dict(SWIGLU=True, INTERLEAVED=False, KEEP_H=True, ROWS=quant.ROWS, **Q), 8),
     (quant._rows_kernel, ROWS, dict(SWIGLU=True, INTERLEAVED=True, KEEP_H=True, ROWS=quant.ROWS, **Q), 8),
-    (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=True, BOTH=False, **Q), 8),
-    (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=False, BOTH=False, **Q), 8),
-    (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=False, BOTH=True, **Q), 16),
+    (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=True, BOTH=False, WIDE=False, **Q), 8),
+    (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=False, BOTH=False, WIDE=False, **Q), 8),
+    (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=False, BOTH=True, WIDE=False, **Q), 16),
+    (quant._blocks_kernel, BLOCKS, dict(TRANSPOSE=False, BOTH=True, WIDE=True, **Q), 16),
     (quant._tiles_t_kernel, dict(a_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"), dict(GATHER=True, **Q), 8),
     (tl_fp8._fp8_wgrad_kernel, dict(a_ptr="*fp8e4nv", sa_ptr="*fp32", b_ptr="*fp8e4nv", sb_ptr="*fp32",
                                     c_ptr="*bf16"), dict(BLOCK_N=128, BLOCK_P=128, GROUP=128), 8),
@@ -216,4 +217,4 @@ def test_tl_kernels_of_fp8_rounding_and_the_wide_combine_lower_for_sm90():
     out = subprocess.run([sys.executable, "-c", TL_SNIPPET], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split()
-    assert lines[1::2] == ["True"] * 25 and len(lines) == 50, out.stdout
+    assert lines[1::2] == ["True"] * 26 and len(lines) == 52, out.stdout

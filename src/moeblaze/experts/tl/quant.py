@@ -162,30 +162,32 @@ def _dequant_rows_kernel(q_ptr, s_ptr, t_ptr, R, N, stride_q, stride_s, stride_t
 @triton.jit
 def _blocks_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K, stride_we, stride_wn, stride_qe, stride_qr, stride_se,
                    stride_sr, stride_qte, stride_qtr, stride_ste, stride_str, TRANSPOSE: tl.constexpr,
-                   BOTH: tl.constexpr, GROUP: tl.constexpr, AMAX_FLOOR: tl.constexpr, INV_FP8_MAX: tl.constexpr,
-                   FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
-    """One 128 x 128 block of W: q(W) into q (TRANSPOSE: q(W)ᵀ), and with BOTH q(W)ᵀ into qt as well."""
+                   BOTH: tl.constexpr, WIDE: tl.constexpr, GROUP: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+                   INV_FP8_MAX: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
+    """One 128 x 128 block of W: q(W) into q (TRANSPOSE: q(W)ᵀ), and with BOTH q(W)ᵀ into qt as well. Addresses
+    are one 64-bit base per expert and 32-bit offsets within it (WIDE: 64-bit offsets, for an expert's matrix of
+    2^31 elements or more)."""
     e = tl.program_id(2).to(tl.int64)
     bn, bk = tl.program_id(0), tl.program_id(1)
     n = bn * GROUP + tl.arange(0, GROUP)
     k = bk * GROUP + tl.arange(0, GROUP)
+    if WIDE:
+        n = n.to(tl.int64)
+        k = k.to(tl.int64)
     mask = (n < N)[:, None] & (k < K)[None, :]
-    v = tl.load(w_ptr + e * stride_we + n.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=mask,
-                other=0.0).to(tl.float32)
+    v = tl.load(w_ptr + e * stride_we + (n[:, None] * stride_wn + k[None, :]), mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.max(tl.abs(v), axis=1), axis=0), AMAX_FLOOR) * INV_FP8_MAX
     y = tl.minimum(tl.maximum(v * _reciprocal(scale), -FP8_MAX), FP8_MAX)
     if EMULATE:
         y = _round_e4m3(y)
     y = y.to(q_ptr.dtype.element_ty)  # one byte a value from here: BOTH keeps it for two stores, not fp32
     if not TRANSPOSE:
-        q = q_ptr + e * stride_qe + n.to(tl.int64)[:, None] * stride_qr + k[None, :]
-        tl.store(q, y, mask=mask)
+        tl.store(q_ptr + e * stride_qe + (n[:, None] * stride_qr + k[None, :]), y, mask=mask)
         tl.store(s_ptr + e * stride_se + bn * stride_sr + bk, scale)
     if TRANSPOSE or BOTH:  # q(W)ᵀ: row k, column n; the tile transposed in registers, so that the stores run along n
-        tq_ptr = qt_ptr if BOTH else q_ptr
-        q = tq_ptr + e * (stride_qte if BOTH else stride_qe) + k.to(tl.int64)[:, None] * (
-            stride_qtr if BOTH else stride_qr) + n[None, :]
-        tl.store(q, tl.trans(y), mask=(k < K)[:, None] & (n < N)[None, :])
+        base = qt_ptr + e * stride_qte if BOTH else q_ptr + e * stride_qe
+        tl.store(base + (k[:, None] * (stride_qtr if BOTH else stride_qr) + n[None, :]), tl.trans(y),
+                 mask=(k < K)[:, None] & (n < N)[None, :])
         if BOTH:
             tl.store(st_ptr + e * stride_ste + bk * stride_str + bn, scale)
         else:
@@ -301,10 +303,11 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, ou
     return t
 
 
-def quantize_blocks(w: torch.Tensor, transpose: bool = False, both: bool = False):
+def quantize_blocks(w: torch.Tensor, transpose: bool = False, both: bool = False, warps: int | None = None):
     """(q, scales) of w (E, N, K) in 128 x 128 blocks: reference.fp8.quantize_blocks(w) in one pass, or with
     transpose that of w.transpose(1, 2), written K-major from w as it is; with both, the two pairs from one read
-    of w: ((q, scales) of w, (q, scales) of w.transpose(1, 2))."""
+    of w: ((q, scales) of w, (q, scales) of w.transpose(1, 2)). warps: the launch's (default 16 with both, else 8).
+    """
     _check(w, 3, "quantize_blocks")
     if transpose and both:
         raise ValueError("quantize_blocks: transpose and both are exclusive (both returns the transposed pair too)")
@@ -314,11 +317,13 @@ def quantize_blocks(w: torch.Tensor, transpose: bool = False, both: bool = False
     s = torch.empty((E, gk, gn) if transpose else (E, gn, gk), dtype=torch.float32, device=w.device)
     qt, st = (torch.empty(E, K, N, dtype=FP8, device=w.device),
               torch.empty(E, gk, gn, dtype=torch.float32, device=w.device)) if both else (q, s)
-    # both: 2.55 TB/s on an H200 against 4.1-4.25 for either layout alone, at 8 warps (220 registers a thread on
-    # triton 3.6) and at 16 (112): registers are not its limit (benchmarks/NOTES.md)
+    # both: 2.55 TB/s on an H200 against 4.1-4.25 for either layout alone, with 64-bit addresses per element: it
+    # spilled 64 bytes a thread at 16 warps (112 at 8) on triton 3.6; 32-bit offsets within an expert, 8 (none)
+    wide = max(w.stride(1) * N, q.stride(1) * q.shape[1], qt.stride(1) * qt.shape[1]) >= 2 ** 31
     if q.numel():
         launch(_blocks_kernel, (gn, gk, E), w, q, s, qt, st, N, K, w.stride(0), w.stride(1), q.stride(0),
                q.stride(1), s.stride(0), s.stride(1), qt.stride(0), qt.stride(1), st.stride(0), st.stride(1),
-               TRANSPOSE=transpose, BOTH=both, GROUP=GROUP, AMAX_FLOOR=AMAX_FLOOR, INV_FP8_MAX=INV_FP8_MAX,
-               FP8_MAX=FP8_MAX, EMULATE=INTERPRET, num_warps=16 if both else 8)
+               TRANSPOSE=transpose, BOTH=both, WIDE=wide, GROUP=GROUP, AMAX_FLOOR=AMAX_FLOOR,
+               INV_FP8_MAX=INV_FP8_MAX, FP8_MAX=FP8_MAX, EMULATE=INTERPRET,
+               num_warps=warps or (16 if both else 8))
     return ((q, s), (qt, st)) if both else (q, s)
