@@ -140,7 +140,6 @@ def measure_quantizers(config, meta) -> list:
         "W2 blocks": (w2, lambda: quant.quantize_blocks(w2)),
         "W2 blocks-t": (w2, lambda: quant.quantize_blocks(w2, transpose=True)),
         "W2 blocks-both": (w2, lambda: quant.quantize_blocks(w2, both=True)),
-        "W1 blocks-both-8w": (w1, lambda: quant.quantize_blocks(w1, both=True, warps=8)),
     }
     if BASE is not None:  # the same quantizers of an earlier commit (scripts/make_baseline.sh REV)
         bq = BASE.experts.tl.quant
@@ -151,8 +150,8 @@ def measure_quantizers(config, meta) -> list:
     for name, (t, fn) in cases.items():
         moved = _bytes(t, *_flat(fn()))
         same = None
-        if name.endswith(" (base)") or name.endswith("-8w"):  # bit for bit what the kernel as launched writes
-            ours = cases[name.removesuffix(" (base)").removesuffix("-8w")][1]
+        if name.endswith(" (base)"):  # bit for bit what the kernel as launched writes
+            ours = cases[name.removesuffix(" (base)")][1]
             same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else
                        torch.equal(a, b) for a, b in zip(_flat(fn()), _flat(ours()), strict=True))
         copy_name = f"copy {name.split()[0]}"

@@ -143,7 +143,7 @@ IMPLS: dict[str, tuple[Callable[[], bool], tuple, Callable]] = {
     "moeblaze-fp8": (lambda: config.INTERPRET or (torch.cuda.is_available()
                                                    and torch.cuda.get_device_capability() >= (8, 9)),
                      ("preact", "preact-fp8"), lambda p, policy: moeblaze_call(p, policy, precision="fp8")),
-    # the same with fp8_weight_cache: the weights quantized once a step, both layouts from one read
+    # the same with fp8_weight_cache: the weights quantized once a step, both layouts
     "moeblaze-fp8-cached": (lambda: IMPLS["moeblaze-fp8"][0](), ("preact", "preact-fp8"),
                             lambda p, policy: moeblaze_call(p, policy, precision="fp8", weight_cache=True)),
     # the same with the weight gradients on e4m3 too (fp8_wgrad)

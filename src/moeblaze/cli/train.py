@@ -82,8 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default=ModelConfig.precision, choices=PRECISIONS,
                    help="fp8: the routed experts' data GEMMs on e4m3 with 1x128 / 128x128 scales (sm_89+)")
     p.add_argument("--fp8-weight-cache", action="store_true",
-                   help="with --precision fp8: quantize the experts' weights once per optimizer step (both layouts "
-                        "from one read) and keep the e4m3 copies in between, instead of where each GEMM uses them")
+                   help="with --precision fp8: quantize the experts' weights once per optimizer step (both layouts) "
+                        "and keep the e4m3 copies in between, instead of where each GEMM uses them")
     p.add_argument("--shared-experts", type=int, default=None, help="always-on experts per MoE layer (default 0)")
     p.add_argument("--d-shared", type=int, default=None, help="their width (default: --d-expert)")
     p.add_argument("--shared-gate", action="store_const", const=True, default=None,

@@ -25,11 +25,11 @@ back by the dH pass as it loads it, recomputed by the fp8 up GEMM under "recompu
 q(dH) and the weights' e4m3 copies.
 By default the weights are quantized where they are used, forward and backward, never kept between them: under
 FSDP2 the gathered weights are freed after forward, and a copy kept for backward would hold them (in e4m3) through
-the step. With cache_weights (moe_experts(fp8_weight_cache=True)) each weight is quantized once, both layouts from
-one read, and the pair is kept (E·(F·D + D·H) · 2 bytes and their scales, per layer) until the weight changes: its
-version counter moves on with every in-place update (an optimizer step; FSDP2's all-gather into it), so forward
-and backward of a micro-batch, and every micro-batch of an accumulated step, share one quantization, and no copy
-can go stale (weight_pair). Custom ops (what torch.compile traces) and an
+the step. With cache_weights (moe_experts(fp8_weight_cache=True)) each weight is quantized once in both layouts
+(quant.quantize_blocks(both=True)), and the pair is kept (E·(F·D + D·H) · 2 bytes and their scales, per layer)
+until the weight changes: its version counter moves on with every in-place update (an optimizer step; FSDP2's
+all-gather into it), so forward and backward of a micro-batch, and every micro-batch of an accumulated step,
+share one quantization, and no copy can go stale (weight_pair). Custom ops (what torch.compile traces) and an
 autograd.Function over the same bodies (eager), as experts.autograd. Not yet: biases, chunk_tokens, expert
 parallelism; these raise. On CUDA it needs fp8 tensor cores (sm_89 or later).
 """
@@ -88,7 +88,7 @@ def _signature(w: torch.Tensor) -> tuple:
 
 
 def weight_pair(w_ENK: torch.Tensor) -> tuple:
-    """(q(W), q(Wᵀ)), each (q, scales) K-major, for W (E, N, K) in any layout: quantized from one read of W the
+    """(q(W), q(Wᵀ)), each (q, scales) K-major, for W (E, N, K) in any layout: quantized the
     first time, then kept while W is the same tensor at the same version (see the module header)."""
     key = id(w_ENK)
     entry = _PAIRS.get(key)
