@@ -120,6 +120,12 @@ def _flat(out) -> list:
             for t in (_flat(o) if isinstance(o, tuple) else [o])]
 
 
+def _bitwise_equal(a, b) -> bool:
+    """Whether two outputs (tensors or nested tuples of them, e4m3 ones too) are equal bit for bit."""
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) if x.element_size() == 1 else torch.equal(x, y)
+               for x, y in zip(_flat(a), _flat(b), strict=True))
+
+
 def measure_quantizers(config, meta) -> list:
     """Each quantizer against a clone of its input (see the module header)."""
     L, d, h, E, K = CONFIGS[config]
@@ -152,8 +158,7 @@ def measure_quantizers(config, meta) -> list:
         same = None
         if name.endswith(" (base)"):  # bit for bit what the kernel as launched writes
             ours = cases[name.removesuffix(" (base)")][1]
-            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else
-                       torch.equal(a, b) for a, b in zip(_flat(fn()), _flat(ours()), strict=True))
+            same = _bitwise_equal(fn(), ours())
         copy_name = f"copy {name.split()[0]}"
         fns = {name: lambda i, fn=fn: fn(), copy_name: lambda i, t=t: t.clone()}
         for impl, res in _timed_rounds(fns, torch.device("cuda"), iters=10).items():
@@ -210,10 +215,7 @@ def measure_dh(config, meta) -> list:
         same = None
         if impl.startswith("dh-q"):
             r, n = (int(v) for v in impl.split()[1].split("x"))
-            o = outs[(r, n, True)]
-            same = bool(torch.equal(o[0], ref[0]) and torch.equal(o[1], ref[1]) and
-                        torch.equal(o[2][0].view(torch.uint8), ref[2][0].view(torch.uint8)) and
-                        torch.equal(o[2][1], ref[2][1]))
+            same = _bitwise_equal(outs[(r, n, True)], ref)
         nbytes = 2 * dact.numel() * 2 if impl.startswith("copy") else moved[impl.startswith("dh-q")]
         row = dict(mode="fp8-dh-lab", config=config, op=impl, ms=round(res[0], 4),
                    gbps=round(nbytes / (res[0] * 1e-3) / 1e9, 1), equal_to_default=same, **meta)

@@ -21,15 +21,17 @@ scales).
 
 The weight gradient (fp8_weight_grad, fp8_wgrad): dW[e] = Σ over expert e's 128-row tiles t of A_tᵀ B_t · s_a[:, t] ⊗
 s_b[:, t], from both operands as quant.quantize_tiles_t writes them (columns x tiles · 128, K-major, as the wgmma
-needs), each read by TMA: the same 8 MMA warps and two 128-column halves, promoting each tile by the outer product
-of its scales, behind a 1-warp TMA loader; dW's tiles expert by expert (wgrad._wgrad_tile's order).
+needs), each read by TMA with its stage's scale rows: the same MMA warps (split for a 16-bit dW) and two 128-column
+halves, promoting each tile by the outer product of its scales, read from shared memory, behind a 1-warp TMA
+loader; dW's tiles expert by expert (wgrad._wgrad_tile's order).
 
 Registers: 64 for the loader, 216 for the second MMA warpgroup (setmaxnreg; the first takes the rest); no
-variant spills on triton 3.6; on 3.9 the bf16 ones keep 8 bytes of stack a thread (ptxas).
+variant with a 16-bit C spills on triton 3.6 (the weight gradient's fp32 dW, which the layer does not use, keeps
+256 bytes of stack); on 3.9 the bf16 row GEMMs keep 8 bytes of stack a thread (ptxas).
 
 Memory contract: nothing beyond C (dW), and the weight gradient's per-expert tile counts (2 · E int32). Shared
-memory: STAGES x (128 + 256) x 128 bytes of operands and 64 KB of C staging (four 64 x 128 bf16 tiles, or one
-128 x 128 fp32 tile).
+memory: STAGES x (128 + 256) x 128 bytes of operands (the weight gradient's stages also 1.5 KB of scales) and
+64 KB of C staging (four 64 x 128 bf16 tiles, or one 128 x 128 fp32 tile).
 """
 import torch
 from triton.experimental import gluon
