@@ -197,8 +197,8 @@ KERNELS = [  # (kernel, pointer types, constexprs, warps)
     (backward._act_bwd_kernel, DH_PTRS, dict(DH, INTERLEAVED=True, QUANT_DH=True), 4),
     (backward._act_bwd_kernel, dict(DH_PTRS, preact_ptr="*bf16"),  # a wide table
      dict(DH, K=32, K_POW2=32, FP8_H=False, WIDE=True), 4),
-    (backward._act_bwd_tiles_kernel, dict(DH_PTRS, dht_ptr="*fp8e4nv", dhts_ptr="*fp32", sat_ptr="*fp8e4nv",
-                                          sats_ptr="*fp32"),  # fp8_wgrad's, e4m3 H
+    (backward._act_bwd_tiles_kernel, dict(DH_PTRS, ds_part_ptr="*fp32", dht_ptr="*fp8e4nv", dhts_ptr="*fp32",
+                                          sat_ptr="*fp8e4nv", sats_ptr="*fp32"),  # fp8_wgrad's, e4m3 H
      dict(K=8, GATED=True, ACT=0, INTERLEAVED=False, FP8_H=True, H_ALIGNED=True, WIDE=False, K_POW2=8, TILE=128,
           SUB=32, BLOCK_H=128), 8),
 ]

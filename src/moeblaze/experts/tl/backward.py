@@ -254,7 +254,7 @@ def _tile_rows_dh(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, 
                   WIDE: tl.constexpr, K_POW2: tl.constexpr, BLOCK_H: tl.constexpr):
     """For rows x pairs cols of act_bwd_tiles' pass: (dH's gate part, dH's up part, s * A, each rounded to dA''s
     dtype as _act_bwd_kernel stores them and held in fp32, zero off the masks; dS's share of these columns
-    <dA', A>; the rows' pairs; their mask)."""
+    <dA', A>; the mask of the rows)."""
     pair, rmask = _row_pairs(rows, rmask, expert_token_idx_ptr, token_slot_ptr, K, WIDE, K_POW2)
     s = tl.load(topk_w_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
     mask = rmask[:, None] & cmask[None, :]
@@ -267,77 +267,85 @@ def _tile_rows_dh(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, 
     a, dh_g, dh_u = _dh_and_a(da, g, u, s, out_ty, GATED, ACT)
     sa = tl.where(mask, (a * s[:, None]).to(out_ty).to(tl.float32), 0.0)
     return (tl.where(mask, dh_g.to(tl.float32), 0.0), tl.where(mask, dh_u.to(tl.float32), 0.0), sa,
-            tl.sum(da * a, axis=1), pair, rmask)
+            tl.sum(da * a, axis=1), rmask)
 
 
 @triton.jit
 def _act_bwd_tiles_kernel(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr,
-                          tile_expert_ptr, tile_row_ptr, offsets_ptr, used_ptr, dtopk_w_ptr, dq_ptr, dqs_ptr, dht_ptr,
-                          dhts_ptr, sat_ptr, sats_ptr, H, stride_dl, stride_pl, stride_ps, stride_dq, stride_dqs,
+                          tile_expert_ptr, tile_row_ptr, offsets_ptr, used_ptr, ds_part_ptr, dq_ptr, dqs_ptr, dht_ptr,
+                          dhts_ptr, sat_ptr, sats_ptr, H, LK, stride_dl, stride_pl, stride_ps, stride_dq, stride_dqs,
                           stride_dht, stride_dhts, stride_sat, stride_sats, K: tl.constexpr, GATED: tl.constexpr,
                           ACT: tl.constexpr, INTERLEAVED: tl.constexpr, FP8_H: tl.constexpr, H_ALIGNED: tl.constexpr,
                           WIDE: tl.constexpr, K_POW2: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr,
                           BLOCK_H: tl.constexpr):
-    """_act_bwd_kernel with QUANT_DH for fp8 weight gradients, over row tile t of a schedule of TILE (128) rows of
-    one expert: dH and s * A are rounded to dA''s dtype, as that pass stores them, but never stored so; instead
-    dH's 1 x 128 row groups go to dq, dqs (for dX~) and both are quantized per column over the tile and stored
-    transposed (dht, dhts; sat, sats: quant.quantize_tiles_t's layout, the weight gradients' operands), zeros past
-    the expert's end; dS as that pass stores it. A tile's BLOCK_H pairs at a time, in two sweeps of SUB rows at a
-    time (a whole tile's values do not fit in registers): the first stores the row groups and takes each column's
-    amax over the tile, the second computes the same values again (their inputs now in L2) and stores them
-    transposed by those scales."""
+    """_act_bwd_kernel with QUANT_DH for fp8 weight gradients, over row tile t (program_id 0) of a schedule of TILE
+    (128) rows of one expert by BLOCK_H pairs (program_id 1): dH and s * A are rounded to dA''s dtype, as that pass
+    stores them, but never stored so; instead dH's 1 x 128 row groups go to dq, dqs (for dX~) and both are quantized
+    per column over the tile and stored transposed (dht, dhts; sat, sats: quant.quantize_tiles_t's layout, the
+    weight gradients' operands), zeros past the expert's end. dS's share of the pairs, <dA', A>, goes to
+    ds_part[program_id 1, row] (summed by _ds_pairs_kernel). Two sweeps of SUB rows at a time (a tile's values do
+    not fit in registers): the first stores the row groups and takes each column's amax over the tile, the second
+    computes the same values again (their inputs now in L2) and stores them transposed by those scales."""
     t = tl.program_id(0)
     if t >= tl.load(used_ptr):
         return
     e = tl.load(tile_expert_ptr + t)
     row0 = tl.load(tile_row_ptr + t)
     end = tl.load(offsets_ptr + e + 1)
-    NSUB: tl.constexpr = TILE // SUB
-    ds = tl.zeros((NSUB, SUB), dtype=tl.float32)  # sweep i's rows in row i
-    for c0 in range(0, H, BLOCK_H):
-        cols = c0 + tl.arange(0, BLOCK_H)
-        cmask = cols < H
-        amax_g = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        amax_u = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        amax_sa = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for i in range(NSUB):
-            rows = row0 + i * SUB + tl.arange(0, SUB)
-            dh_g, dh_u, sa, ds_c, pair, rmask = _tile_rows_dh(
-                dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr, rows,
-                rows < end, c0, cols, cmask, H, stride_dl, stride_pl, stride_ps, K, GATED, ACT, INTERLEAVED, FP8_H,
-                H_ALIGNED, WIDE, K_POW2, BLOCK_H)
-            ds += tl.where((tl.arange(0, NSUB) == i)[:, None], ds_c[None, :], 0.0)
-            _quantize_dh(dh_g, dh_u, rows, rmask, c0, H, dq_ptr, dqs_ptr, stride_dq, stride_dqs, GATED, INTERLEAVED,
-                         SUB, BLOCK_H)
-            amax_g = tl.maximum(amax_g, tl.max(tl.abs(dh_g), axis=0))
-            amax_u = tl.maximum(amax_u, tl.max(tl.abs(dh_u), axis=0))
-            amax_sa = tl.maximum(amax_sa, tl.max(tl.abs(sa), axis=0))
-        # the scales as quant.quantize_tiles_t's: amax over the tile's rows (zeros past its expert's end)
-        scale_g = tl.maximum(amax_g, Q_AMAX_FLOOR) * Q_INV_MAX
-        scale_u = tl.maximum(amax_u, Q_AMAX_FLOOR) * Q_INV_MAX
-        scale_sa = tl.maximum(amax_sa, Q_AMAX_FLOOR) * Q_INV_MAX
-        pcols, up_off = _pair_cols(cols, H, INTERLEAVED)
-        if not GATED:
-            pcols = cols
-        tl.store(dhts_ptr + t.to(tl.int64) * stride_dhts + pcols, scale_g, mask=cmask)
+    cb = tl.program_id(1)
+    c0 = cb * BLOCK_H
+    cols = c0 + tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    amax_g = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    amax_u = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    amax_sa = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for r0 in range(0, TILE, SUB):
+        rows = row0 + r0 + tl.arange(0, SUB)
+        dh_g, dh_u, sa, ds, rmask = _tile_rows_dh(
+            dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr, rows,
+            rows < end, c0, cols, cmask, H, stride_dl, stride_pl, stride_ps, K, GATED, ACT, INTERLEAVED, FP8_H,
+            H_ALIGNED, WIDE, K_POW2, BLOCK_H)
+        tl.store(ds_part_ptr + cb.to(tl.int64) * LK + rows, ds, mask=rmask)
+        _quantize_dh(dh_g, dh_u, rows, rmask, c0, H, dq_ptr, dqs_ptr, stride_dq, stride_dqs, GATED, INTERLEAVED,
+                     SUB, BLOCK_H)
+        amax_g = tl.maximum(amax_g, tl.max(tl.abs(dh_g), axis=0))
+        amax_u = tl.maximum(amax_u, tl.max(tl.abs(dh_u), axis=0))
+        amax_sa = tl.maximum(amax_sa, tl.max(tl.abs(sa), axis=0))
+    # the scales as quant.quantize_tiles_t's: amax over the tile's rows (zeros past its expert's end)
+    scale_g = tl.maximum(amax_g, Q_AMAX_FLOOR) * Q_INV_MAX
+    scale_u = tl.maximum(amax_u, Q_AMAX_FLOOR) * Q_INV_MAX
+    scale_sa = tl.maximum(amax_sa, Q_AMAX_FLOOR) * Q_INV_MAX
+    pcols, up_off = _pair_cols(cols, H, INTERLEAVED)
+    tl.store(dhts_ptr + t.to(tl.int64) * stride_dhts + pcols, scale_g, mask=cmask)
+    if GATED:
+        tl.store(dhts_ptr + t.to(tl.int64) * stride_dhts + pcols + up_off, scale_u, mask=cmask)
+    tl.store(sats_ptr + t.to(tl.int64) * stride_sats + cols, scale_sa, mask=cmask)
+    inv_g, inv_u, inv_sa = _reciprocal(scale_g), _reciprocal(scale_u), _reciprocal(scale_sa)
+    for r0 in range(0, TILE, SUB):
+        rows = row0 + r0 + tl.arange(0, SUB)
+        dh_g, dh_u, sa, ds, rmask = _tile_rows_dh(
+            dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr, rows,
+            rows < end, c0, cols, cmask, H, stride_dl, stride_pl, stride_ps, K, GATED, ACT, INTERLEAVED, FP8_H,
+            H_ALIGNED, WIDE, K_POW2, BLOCK_H)
+        q0 = t * TILE + r0
+        _store_t(sa, inv_sa, cols, cmask, q0, sat_ptr, stride_sat, Q_MAX, Q_EMULATE)
+        _store_t(dh_g, inv_g, pcols, cmask, q0, dht_ptr, stride_dht, Q_MAX, Q_EMULATE)
         if GATED:
-            tl.store(dhts_ptr + t.to(tl.int64) * stride_dhts + pcols + up_off, scale_u, mask=cmask)
-        tl.store(sats_ptr + t.to(tl.int64) * stride_sats + cols, scale_sa, mask=cmask)
-        inv_g, inv_u, inv_sa = _reciprocal(scale_g), _reciprocal(scale_u), _reciprocal(scale_sa)
-        for i in range(NSUB):
-            rows = row0 + i * SUB + tl.arange(0, SUB)
-            dh_g, dh_u, sa, ds_c, pair, rmask = _tile_rows_dh(
-                dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr, rows,
-                rows < end, c0, cols, cmask, H, stride_dl, stride_pl, stride_ps, K, GATED, ACT, INTERLEAVED, FP8_H,
-                H_ALIGNED, WIDE, K_POW2, BLOCK_H)
-            q0 = t * TILE + i * SUB
-            _store_t(sa, inv_sa, cols, cmask, q0, sat_ptr, stride_sat, Q_MAX, Q_EMULATE)
-            _store_t(dh_g, inv_g, pcols, cmask, q0, dht_ptr, stride_dht, Q_MAX, Q_EMULATE)
-            if GATED:
-                _store_t(dh_u, inv_u, pcols + up_off, cmask, q0, dht_ptr, stride_dht, Q_MAX, Q_EMULATE)
-    rows = row0 + tl.arange(0, TILE)
-    pair, rmask = _row_pairs(rows, rows < end, expert_token_idx_ptr, token_slot_ptr, K, WIDE, K_POW2)
-    tl.store(dtopk_w_ptr + pair, tl.reshape(ds, (TILE,)).to(dtopk_w_ptr.dtype.element_ty), mask=rmask)
+            _store_t(dh_u, inv_u, pcols + up_off, cmask, q0, dht_ptr, stride_dht, Q_MAX, Q_EMULATE)
+
+
+@triton.jit
+def _ds_pairs_kernel(ds_part_ptr, expert_token_idx_ptr, token_slot_ptr, dtopk_w_ptr, LK, NB, K: tl.constexpr,
+                     WIDE: tl.constexpr, K_POW2: tl.constexpr, BLOCK: tl.constexpr):
+    """dS[pair of row r] = the sum of ds_part[:, r] over its NB column blocks, in order (rows no pair names: none)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    pair, rmask = _row_pairs(rows, rows < LK, expert_token_idx_ptr, token_slot_ptr, K, WIDE, K_POW2)
+    ds = tl.zeros((BLOCK,), dtype=tl.float32)
+    part = ds_part_ptr + rows
+    for _ in range(NB):
+        ds += tl.load(part, mask=rmask, other=0.0)
+        part += LK
+    tl.store(dtopk_w_ptr + pair, ds.to(dtopk_w_ptr.dtype.element_ty), mask=rmask)
 
 
 # restore_value: under checkpoint="recompute" the kernel writes dH over the H it reads, so the tuner's
