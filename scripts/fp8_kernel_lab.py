@@ -229,7 +229,7 @@ def measure_dh(config, meta) -> list:
     return rows
 
 
-def measure_dh_tiles(config, meta) -> list:
+def measure_dh_tiles(config, meta, once=False) -> list:
     """The fp8_wgrad step's dH pass against the passes it replaces (see the module header)."""
     from moeblaze.experts import stages, tl
     from moeblaze.experts.schedule import tile_schedule
@@ -260,6 +260,11 @@ def measure_dh_tiles(config, meta) -> list:
     shapes = [(32, 8), (16, 4), (32, 4), (64, 8)]
     fns = {"unfused": unfused, **{f"tiles {s}x{n}": tiles(s, n) for s, n in shapes}, "copy dA'": lambda i: dact.clone()}
     ref = unfused(0)
+    if once:  # for ncu: each variant launched once more, untimed
+        for fn in fns.values():
+            fn(0)
+        torch.cuda.synchronize()
+        return []
 
     def used_part(out):  # the e4m3 outputs a weight gradient reads: the rows' pair, the used tiles of the others
         ds, q, (dq, dqs), (sq, sqs) = out
@@ -288,14 +293,16 @@ def main():
     ap.add_argument("--dh-tiles", action="store_true", help="time the fp8_wgrad dH pass against what it replaces")
     ap.add_argument("--impls", default=None, help="the GEMM variants to run, comma-separated (fp8 always)")
     ap.add_argument("--gemms", default=None, help="the GEMMs to run, comma-separated (default up,down,dA',dX~)")
-    ap.add_argument("--once", action="store_true", help="launch each GEMM variant once, untimed (for ncu)")
+    ap.add_argument("--once", action="store_true", help="launch each GEMM (or --dh-tiles) variant once, untimed (ncu)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     meta = run_env(torch.device("cuda"), shlex.join(["python", "scripts/fp8_kernel_lab.py", *sys.argv[1:]]))
     if BASE is not None:
         meta["baseline"] = open(os.path.join(BASELINE, "REV")).read().strip()
-    if args.quantizers or args.dh or args.dh_tiles:
-        fn = measure_quantizers if args.quantizers else measure_dh if args.dh else measure_dh_tiles
+    if args.dh_tiles:
+        rows = [r for c in args.configs.split(",") for r in measure_dh_tiles(c, meta, args.once)]
+    elif args.quantizers or args.dh:
+        fn = measure_quantizers if args.quantizers else measure_dh
         rows = [r for c in args.configs.split(",") for r in fn(c, meta)]
     else:
         impls = args.impls.split(",") if args.impls else None
