@@ -14,16 +14,11 @@ With --dh, the dH pass of the fp8 step instead (tl.act_bwd with dH quantized as 
 tensors, at launch shapes (rows a program x warps; 8x4 first, the default before 2x2 and 4x4), beside the pass
 without the quantization; each variant's outputs compared with 8x4's.
 
-With --dh-tiles, the dH pass of an fp8_wgrad step (tl.act_bwd_tiles: dH and s·A written only in e4m3, as rows
-and as transposed 128-row tiles) at launch shapes (rows a sweep x warps), beside what it replaces (act_bwd with
-dH quantized, then quantize_tiles_t of dH and of s·A); each variant's e4m3 outputs compared with those.
-
 With --quantizers, the quantizers instead (experts/tl/quant.py), on the step's tensors, beside a copy of each input
 (torch's clone: what this GPU's memory moves): x and dH by quantize_rows, H by swiglu_quantize (and with H kept),
 W1 and W2 by quantize_blocks (plain, transposed, both layouts). Their GB/s count the bytes read and written once.
 
-    python scripts/fp8_kernel_lab.py [--out DIR] [--configs D] [--impls fp8,fp8-1buf] [--quantizers | --dh |
-                                                                                       --dh-tiles]
+    python scripts/fp8_kernel_lab.py [--out DIR] [--configs D] [--impls fp8,fp8-1buf] [--quantizers | --dh]
                                      (Hopper; rows in DIR/fp8_kernel_lab.jsonl)
     ncu ... python scripts/fp8_kernel_lab.py --once ...   each GEMM variant launched once per shape, untimed
 """
@@ -229,79 +224,21 @@ def measure_dh(config, meta) -> list:
     return rows
 
 
-def measure_dh_tiles(config, meta, once=False) -> list:
-    """The fp8_wgrad step's dH pass against the passes it replaces (see the module header)."""
-    from moeblaze.experts import stages, tl
-    from moeblaze.experts.schedule import tile_schedule
-
-    L, d, h, E, K = CONFIGS[config]
-    torch.manual_seed(0)
-    idx, w = route_topk(torch.randn(L, E, device="cuda"), K)
-    index = build_routing_index(idx, E)
-    plan = RowPlan.build(index)
-    R = L * K
-    sched = tile_schedule(index.expert_counts, index.expert_offsets, R, 128)
-    used = int(sched[2])
-    dact = torch.randn(R, h, device="cuda").bfloat16()
-    preact = torch.randn(R, 2 * h, device="cuda").bfloat16()
-
-    def unfused(i):
-        sa, dpre = torch.empty_like(dact), torch.empty_like(preact)
-        q = (torch.empty(preact.shape, dtype=torch.float8_e4m3fn, device="cuda"),
-             torch.empty(R, 2 * h // 128, device="cuda"))
-        ds = stages.act_bwd(plan, dact, preact, w, dpre, sa, "swiglu", dpreact_q=q)
-        return ds, q, quant.quantize_tiles_t(dpre, sched, plan.offsets_E1), quant.quantize_tiles_t(sa, sched,
-                                                                                                  plan.offsets_E1)
-
-    def tiles(sub, warps):
-        return lambda i: tl.act_bwd_tiles(dact, preact, plan.token_R, plan.token_slot_LK, w, sched, plan.offsets_E1,
-                                          "swiglu", sub_rows=sub, num_warps=warps)
-
-    shapes = [(32, 8), (16, 4), (32, 4), (64, 8)]
-    fns = {"unfused": unfused, **{f"tiles {s}x{n}": tiles(s, n) for s, n in shapes}, "copy dA'": lambda i: dact.clone()}
-    ref = unfused(0)
-    if once:  # for ncu: each variant launched once more, untimed
-        for fn in fns.values():
-            fn(0)
-        torch.cuda.synchronize()
-        return []
-
-    def used_part(out):  # the e4m3 outputs a weight gradient reads: the rows' pair, the used tiles of the others
-        ds, q, (dq, dqs), (sq, sqs) = out
-        return q, (dq[:, :used * 128], dqs[:, :used]), (sq[:, :used * 128], sqs[:, :used])
-    rows = []
-    for impl, res in _timed_rounds(fns, torch.device("cuda"), iters=10).items():
-        if isinstance(res, Exception):
-            print(f"{config} {impl}: {res}", flush=True)
-            continue
-        row = dict(mode="fp8-dh-tiles-lab", config=config, op=impl, ms=round(res[0], 4), **meta)
-        if impl.startswith("tiles"):
-            out = fns[impl](0)
-            row["equal_to_unfused"] = _bitwise_equal(used_part(out), used_part(ref))
-            row["ds_max_rel"] = float((out[0] - ref[0]).abs().max() / ref[0].abs().max())
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return rows
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--configs", default="D")
     ap.add_argument("--quantizers", action="store_true", help="time the quantizers instead of the GEMM")
     ap.add_argument("--dh", action="store_true", help="time the dH pass at launch shapes instead of the GEMM")
-    ap.add_argument("--dh-tiles", action="store_true", help="time the fp8_wgrad dH pass against what it replaces")
     ap.add_argument("--impls", default=None, help="the GEMM variants to run, comma-separated (fp8 always)")
     ap.add_argument("--gemms", default=None, help="the GEMMs to run, comma-separated (default up,down,dA',dX~)")
-    ap.add_argument("--once", action="store_true", help="launch each GEMM (or --dh-tiles) variant once, untimed (ncu)")
+    ap.add_argument("--once", action="store_true", help="launch each GEMM variant once, untimed (for ncu)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     meta = run_env(torch.device("cuda"), shlex.join(["python", "scripts/fp8_kernel_lab.py", *sys.argv[1:]]))
     if BASE is not None:
         meta["baseline"] = open(os.path.join(BASELINE, "REV")).read().strip()
-    if args.dh_tiles:
-        rows = [r for c in args.configs.split(",") for r in measure_dh_tiles(c, meta, args.once)]
-    elif args.quantizers or args.dh:
+    if args.quantizers or args.dh:
         fn = measure_quantizers if args.quantizers else measure_dh
         rows = [r for c in args.configs.split(",") for r in fn(c, meta)]
     else:

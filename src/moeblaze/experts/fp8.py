@@ -11,12 +11,10 @@ Forward:   x_q = q(x) by token;  H = x_q[token] · q(W1[e])ᵀ   (fp8_rows_gemm,
            out = combine(w · Y)                                 (stages.combine, fp32 sums)
 Backward:  dA' = q(dy)[token] · q(W2[e]ᵀ)ᵀ                      (fp8_rows_gemm, gathered; q(W2ᵀ) written K-major
                                                                  from W2 in one pass: the same 128 x 128 blocks)
-           dH, s·A, dS from dA' and H; q(dH) as dH is stored     (stages.act_bwd; with fp8_wgrad stages.act_bwd_tiles,
-                                                                 dH and s·A stored only quantized, in both layouts)
+           dH, s·A, dS from dA' and H; q(dH) as dH is stored     (stages.act_bwd)
            dW2 = dy[token]ᵀ (s·A), dW1 = dHᵀ x[token]           (stages.weight_grad, input precision; with
                                                                  fp8_wgrad on e4m3 operands scaled per 128 of an
-                                                                 expert's rows: quant.quantize_tiles_t of dy and x,
-                                                                 then
+                                                                 expert's rows: quant.quantize_tiles_t, then
                                                                  fp8_weight_grad: gluon_sm90.fp8 on Hopper,
                                                                  tl.fp8 elsewhere)
            dX~ = q(dH) · q(W1[e]ᵀ)ᵀ; dx = combine(dX~)           (fp8_rows_gemm, stages.combine)
@@ -197,66 +195,49 @@ def fp8_experts_backward(dy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2
     # dA' = dy[token] W2, e4m3
     dact = _rows(plan, quant.quantize_rows(dy), _weight(w2, cache_weights, transposed=True), dt, backend,
                  token=plan.token_R)
-    if fp8_wgrad and not dropped and tl.dh_quantizable(dact.shape[1], activation, interleaved):
-        # the pass writes dH and s·A only in e4m3: row groups for dX~, transposed 128-row tiles for dW1 and dW2
-        sched = _wgrad_schedule(plan)
-        dtopk_w, dpreact_q, dh_t, sa_t = stages.act_bwd_tiles(plan, sched, dact, preact, topk_w, activation,
-                                                              interleaved=interleaved, preact_scale=preact_scale)
-        del dact, preact
-        dw2 = _fp8_weight_grad(plan, quant.quantize_tiles_t(dy, sched, plan.offsets_E1, plan.token_R), sa_t, w2,
-                               backend)
-        del sa_t
-        dw1 = _fp8_weight_grad(plan, dh_t, quant.quantize_tiles_t(x, sched, plan.offsets_E1, plan.token_R), w1,
-                               backend)
-        del dh_t
+    # s·A over dA' in place (the pass reads each element before it writes it); q(dH) for dX~, written by the dH
+    # pass as it stores dH where it can (not with dropped rows, whose dH is cleared after): the same peak as
+    # dA' and s·A apart with q(dH) made later, one read of dH fewer
+    dpreact, act_scaled = torch.empty(preact.shape, dtype=dt, device=dy.device), dact
+    dpreact_q = None
+    if not dropped and tl.dh_quantizable(dact.shape[1], activation, interleaved):
+        F = preact.shape[1]
+        dpreact_q = (torch.empty(preact.shape, dtype=FP8, device=dy.device),
+                     torch.empty(preact.shape[0], -(-F // GROUP), dtype=torch.float32, device=dy.device))
+    dtopk_w = stages.act_bwd(plan, dact, preact, topk_w, dpreact, act_scaled, activation, interleaved=interleaved,
+                             preact_scale=preact_scale, dpreact_q=dpreact_q)
+    del dact, preact
+    if dropped:
+        dtopk_w = clear_dropped(plan, dtopk_w, act_scaled, dpreact)
+    if fp8_wgrad:
+        dw2, dw1 = _fp8_weight_grads(plan, dy, act_scaled, dpreact, x, w1, w2, backend)
+        del act_scaled
     else:
-        # s·A over dA' in place (the pass reads each element before it writes it); q(dH) for dX~, written by the dH
-        # pass as it stores dH where it can (not with dropped rows, whose dH is cleared after): the same peak as
-        # dA' and s·A apart with q(dH) made later, one read of dH fewer
-        dpreact, act_scaled = torch.empty(preact.shape, dtype=dt, device=dy.device), dact
-        dpreact_q = None
-        if not dropped and tl.dh_quantizable(dact.shape[1], activation, interleaved):
-            F = preact.shape[1]
-            dpreact_q = (torch.empty(preact.shape, dtype=FP8, device=dy.device),
-                         torch.empty(preact.shape[0], -(-F // GROUP), dtype=torch.float32, device=dy.device))
-        dtopk_w = stages.act_bwd(plan, dact, preact, topk_w, dpreact, act_scaled, activation, interleaved=interleaved,
-                                 preact_scale=preact_scale, dpreact_q=dpreact_q)
-        del dact, preact
-        if dropped:
-            dtopk_w = clear_dropped(plan, dtopk_w, act_scaled, dpreact)
-        if fp8_wgrad:  # operands quantized apart
-            sched = _wgrad_schedule(plan)
-            dw2 = _fp8_weight_grad(plan, quant.quantize_tiles_t(dy, sched, plan.offsets_E1, plan.token_R),
-                                   quant.quantize_tiles_t(act_scaled, sched, plan.offsets_E1), w2, backend)
-            del act_scaled
-            dw1 = _fp8_weight_grad(plan, quant.quantize_tiles_t(dpreact, sched, plan.offsets_E1),
-                                   quant.quantize_tiles_t(x, sched, plan.offsets_E1, plan.token_R), w1, backend)
-        else:
-            dw2 = stages.weight_grad(plan, dy, act_scaled, torch.empty_like(w2), True, backend)
-            del act_scaled
-            dw1 = stages.weight_grad(plan, dpreact, x, torch.empty_like(w1), False, backend)
-        dpreact_q = dpreact_q if dpreact_q is not None else quant.quantize_rows(dpreact)
-        del dpreact
+        dw2 = stages.weight_grad(plan, dy, act_scaled, torch.empty_like(w2), True, backend)
+        del act_scaled
+        dw1 = stages.weight_grad(plan, dpreact, x, torch.empty_like(w1), False, backend)
+    dpreact_q = dpreact_q if dpreact_q is not None else quant.quantize_rows(dpreact)
     dx_rows = _rows(plan, dpreact_q, _weight(w1, cache_weights, transposed=True), dt, backend)  # dX~ = dH W1
     return stages.combine(plan, dx_rows, None, dt), dw1, dw2, dtopk_w
 
 
-def _wgrad_schedule(plan: RowPlan):
-    """The 128-row tiles, expert by expert, over which fp8 weight gradients' operands are quantized (one launch)."""
+def _fp8_weight_grads(plan: RowPlan, dy, act_scaled, dpreact, x, w1, w2, backend):
+    """(dW2, dW1) on e4m3 operands (fp8_wgrad): dW2 = q(dy[rows])ᵀ q(s·A), dW1 = q(dH)ᵀ q(x[rows]), each operand
+    quantized per 128 of an expert's rows (reference: moe_experts_reference(fp8_wgrad=True)), in the weights'
+    layouts; on the Hopper kernel where experts.dispatch takes the operands, else on tl."""
     counts = plan.offsets_E1[1:] - plan.offsets_E1[:-1]
-    return tile_schedule(counts, plan.offsets_E1, plan.num_rows, GROUP)
+    sched = tile_schedule(counts, plan.offsets_E1, plan.num_rows, GROUP)
 
-
-def _fp8_weight_grad(plan: RowPlan, pt, qt, w, backend):
-    """dW = Pᵀ Q on e4m3 operands as quant.quantize_tiles_t writes them (the reference:
-    moe_experts_reference(fp8_wgrad=True)), in w's layout; on the Hopper kernel where experts.dispatch takes the
-    operands, else on tl."""
-    dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-    gemm = fp8_weight_grad
-    if dispatch.fp8_weight_grad(backend, pt, qt, dw) == "gluon":
-        gemm = gluon_sm90.fp8_weight_grad
-    dw = gemm(pt, qt, plan.offsets_E1, dw)
-    return dw if dw.stride() == w.stride() else torch.empty_like(w).copy_(dw)
+    def grad(p, q, w, gather_p):
+        pt = quant.quantize_tiles_t(p, sched, plan.offsets_E1, plan.token_R if gather_p else None)
+        qt = quant.quantize_tiles_t(q, sched, plan.offsets_E1, None if gather_p else plan.token_R)
+        dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+        gemm = fp8_weight_grad
+        if dispatch.fp8_weight_grad(backend, pt, qt, dw) == "gluon":
+            gemm = gluon_sm90.fp8_weight_grad
+        dw = gemm(pt, qt, plan.offsets_E1, dw)
+        return dw if dw.stride() == w.stride() else torch.empty_like(w).copy_(dw)
+    return grad(dy, act_scaled, w2, True), grad(dpreact, x, w1, False)
 
 
 fp8_experts_bwd = torch.library.custom_op("moeblaze::fp8_experts_bwd", fp8_experts_backward, mutates_args=())

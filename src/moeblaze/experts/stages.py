@@ -11,7 +11,6 @@ Forward:
 Backward:
   down_bwd     dA' = dy[token] @ W2[e]; from it and preact: dH, s·A and dS (the router weights' gradient)
   act_bwd      the same epilogue as a pass of its own, from a dA' computed apart (Gluon's down_bwd runs it)
-  act_bwd_tiles  act_bwd for fp8 weight gradients: dH and s·A quantized as their GEMMs read them, never in bf16
   weight_grad  dW[e] = P[rows of e]ᵀ Q[rows of e], one side gathered: dW2 = dy[token]ᵀ (s·A), dW1 = dHᵀ x[token]
   bias_grads   the biases' gradients (the weight-gradient kernel against a column) and their share of dS
   dx_rows      dX~ = dH @ W1[e]                                       (R, D), transient
@@ -137,15 +136,6 @@ def act_bwd(plan: RowPlan, dact_RH, preact_RF, topk_w_LK, dpreact_RF, act_scaled
     receives dH quantized in 1 x 128 groups as it is stored (tl.dh_quantizable). One kernel on every backend."""
     return tl.act_bwd(dact_RH, preact_RF, plan.token_R, plan.token_slot_LK, topk_w_LK, dpreact_RF, act_scaled_RH,
                       activation, interleaved, preact_scale, dpreact_q)
-
-
-def act_bwd_tiles(plan: RowPlan, sched, dact_RH, preact_RF, topk_w_LK, activation: str, backend: str = "auto",
-                  interleaved: bool = False, preact_scale=None):
-    """act_bwd for fp8 weight gradients: dH and s·A only quantized, never stored in the io dtype. Returns (dS,
-    quant.quantize_rows(dH), and quant.quantize_tiles_t of dH and of s·A over sched, a schedule of 128-row tiles),
-    each equal to what act_bwd's outputs quantized apart give. One kernel on every backend."""
-    return tl.act_bwd_tiles(dact_RH, preact_RF, plan.token_R, plan.token_slot_LK, topk_w_LK, sched, plan.offsets_E1,
-                            activation, interleaved, preact_scale)
 
 
 def weight_grad(plan: RowPlan, p, q, out, gather_p: bool, backend: str = "auto") -> torch.Tensor:

@@ -1,7 +1,6 @@
 """tl kernels of the backward pass: dA' = dy[token] @ W2[e] with the activation's backward in its epilogue
 (down_bwd), the same epilogue as a pass of its own (act_bwd, after a dA' computed apart; it also reads H kept in
-e4m3, dequantized as it is loaded; act_bwd_tiles, its form for fp8 weight gradients, writes dH and s·A only in
-e4m3, in the layouts their GEMMs read), and the weight gradients, which reduce over each expert's rows and gather one
+e4m3, dequantized as it is loaded), and the weight gradients, which reduce over each expert's rows and gather one
 side through expert_token_idx.
 
 Memory: nothing beyond the outputs, and down_bwd's fp32 router-gradient partials (H / DS_BLOCK per row).
@@ -13,7 +12,7 @@ from ...config import INTERPRET
 from ...reference.fp8 import AMAX_FLOOR, FP8_MAX, GROUP, INV_FP8_MAX
 from .common import _act, _act_grad, _clamped_glu, _pair_cols, _row_ptrs, _rows_dot, _swizzle, _tile_rows
 from .configs import DH_CONFIGS, WGRAD_CONFIGS
-from .quant import _group_amax, _quantize_gate_up, _reciprocal, _spread, _store_scaled, _store_t
+from .quant import _group_amax, _quantize_gate_up, _reciprocal, _spread, _store_scaled
 
 FP8_GROUP: tl.constexpr = tl.constexpr(GROUP)  # the columns of one e4m3 scale
 # the quantizer's constants (experts.tl.quant), for dH quantized where the dH pass writes it
@@ -49,36 +48,35 @@ def _load_h_halves(preact_ptr, rows, rmask, col0, H, stride_pl, GATED: tl.conste
 
 
 @triton.jit
-def _dh_and_a(dact, g, u, s, OUT_TY: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr):
-    """From dA' (fp32) of rows x pairs, H there (g; u too if GATED) and the rows' router weights s: (A in fp32,
-    dH's gate part, dH's up part), dH = d act(s * dA') rounded to OUT_TY (up is gate if not GATED)."""
+def _store_dh_and_sa(dact, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, mask,
+                     GATED: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """From dA' (fp32) of rows x pairs cols, H there (g; u too if GATED) and the rows' router weights s: stores
+    dH = d act(s * dA') into dpreact (gate and up columns as _pair_cols places them) and s * A into act_scaled;
+    returns A (fp32), for dS, and dH's gate and up parts as stored (up is gate if not GATED; unused, they
+    cost nothing). The s * A addresses are formed at their store (held across the dH math, they
+    cost the fused dH kernel ~90 B more of spills per thread, sm_90, triton 3.6)."""
     g = g.to(tl.float32)
     if GATED:
+        pcols, up_off = _pair_cols(cols, H, INTERLEAVED)
+        dp_ptrs = _row_ptrs(dpreact_ptr, rows, stride_pl, pcols)
         u = u.to(tl.float32)
         das = dact * s[:, None]
         if ACT == 4:
             a, dg, du = _clamped_glu(g, u)
-            return a, (das * dg).to(OUT_TY), (das * du).to(OUT_TY)
-        act_g = _act(g, ACT)
-        return act_g * u, (das * u * _act_grad(g, ACT)).to(OUT_TY), (das * act_g).to(OUT_TY)
-    dh = (dact * s[:, None] * _act_grad(g, ACT)).to(OUT_TY)
-    return _act(g, ACT), dh, dh
-
-
-@triton.jit
-def _store_dh_and_sa(dact, g, u, s, rows, cols, dpreact_ptr, act_scaled_ptr, stride_pl, stride_al, H, mask,
-                     GATED: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """_dh_and_a, with dH stored into dpreact (gate and up columns as _pair_cols places them) and s * A into
-    act_scaled; returns A (fp32), for dS, and dH's gate and up parts as stored (unused, they cost nothing). The
-    s * A addresses are formed at their store (held across the dH math, they cost the fused dH kernel ~90 B more
-    of spills per thread, sm_90, triton 3.6)."""
-    a, dh_g, dh_u = _dh_and_a(dact, g, u, s, dpreact_ptr.dtype.element_ty, GATED, ACT)
-    if GATED:
-        pcols, up_off = _pair_cols(cols, H, INTERLEAVED)
-        dp_ptrs = _row_ptrs(dpreact_ptr, rows, stride_pl, pcols)
-        tl.store(dp_ptrs, dh_g, mask=mask)
+            dh_g = (das * dg).to(dpreact_ptr.dtype.element_ty)
+            tl.store(dp_ptrs, dh_g, mask=mask)
+            dh_u = (das * du).to(dpreact_ptr.dtype.element_ty)
+        else:
+            act_g = _act(g, ACT)
+            a = act_g * u
+            dh_g = (das * u * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty)
+            tl.store(dp_ptrs, dh_g, mask=mask)
+            dh_u = (das * act_g).to(dpreact_ptr.dtype.element_ty)
         tl.store(dp_ptrs + up_off, dh_u, mask=mask)
     else:
+        a = _act(g, ACT)
+        dh_g = (dact * s[:, None] * _act_grad(g, ACT)).to(dpreact_ptr.dtype.element_ty)
+        dh_u = dh_g
         tl.store(_row_ptrs(dpreact_ptr, rows, stride_pl, cols), dh_g, mask=mask)
     tl.store(_row_ptrs(act_scaled_ptr, rows, stride_al, cols), (a * s[:, None]).to(act_scaled_ptr.dtype.element_ty),
              mask=mask)
@@ -190,25 +188,6 @@ def _quantize_dh(dh_g, dh_u, rows, rmask, c0, H, dq_ptr, dqs_ptr, stride_dq, str
 
 
 @triton.jit
-def _row_pairs(rows, rmask, expert_token_idx_ptr, token_slot_ptr, K: tl.constexpr, WIDE: tl.constexpr,
-               K_POW2: tl.constexpr):
-    """(pair, rmask): the place (t, k) in the (L, K) tables of each row r, the one with token_slot[t, k] == r, and
-    the mask of rows some pair names (the unused tail of a rounded routing's static row buffer stores no dS).
-    WIDE (a token-rounded routing's table of K places, most empty): a row's token's places are read in one load."""
-    pair0 = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0) * K
-    if WIDE:
-        kk = tl.arange(0, K_POW2)
-        places = pair0[:, None] + kk[None, :]
-        slots = tl.load(token_slot_ptr + places, mask=rmask[:, None] & (kk < K)[None, :], other=-1)
-        pair = tl.max(tl.where(slots == rows[:, None], places, -1), axis=1)
-    else:
-        pair = tl.full(rows.shape, -1, tl.int32)
-        for k in tl.static_range(K):
-            pair = tl.where(tl.load(token_slot_ptr + pair0 + k, mask=rmask, other=-1) == rows, pair0 + k, pair)
-    return tl.maximum(pair, 0), rmask & (pair >= 0)
-
-
-@triton.jit
 def _act_bwd_kernel(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr,
                     dpreact_ptr, act_scaled_ptr, dtopk_w_ptr, dq_ptr, dqs_ptr, LK, H, stride_dl, stride_pl,
                     stride_ps, stride_al, stride_dq, stride_dqs, K: tl.constexpr, GATED: tl.constexpr,
@@ -219,15 +198,29 @@ def _act_bwd_kernel(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr
     apart (the Hopper path): from dA' and H, dH = d act(s * dA'), s * A, and dS[r] = <dA'[r], A[r]>
     whole (no partials), stored straight into the router-weight gradient (L, K) in its dtype. A row r of
     token t is the pair (t, k) with token_slot[t, k] == r: its weight is read from topk_w there and its
-    dS stored there, so no row-order copy of the weights exists (_row_pairs). dpreact may be preact and act_scaled
+    dS stored there, so no row-order copy of the weights exists. dpreact may be preact and act_scaled
     may be dact: each element is read before it is written, by the same thread. FP8_H: H is e4m3 with one fp32
     scale per row and 128 of its columns (preact_scale), read back as it is loaded: no dequantized copy; its scales
     are loaded once per row and group where a group's columns fall within the pass (H_ALIGNED: H a multiple of 128,
     which gate-first H needs; interleaved and plain H always), else once per element. QUANT_DH:
     dH is also quantized as it is stored (dq, dqs: quant.quantize_rows(dH)'s pair), for precision="fp8"'s dX~.
-    WIDE: a token-rounded routing's table (_row_pairs)."""
+    WIDE (a token-rounded routing's table of K places, most empty): each row's token's places are read in one
+    load."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    pair, rmask = _row_pairs(rows, rows < LK, expert_token_idx_ptr, token_slot_ptr, K, WIDE, K_POW2)
+    rmask = rows < LK
+    pair0 = tl.load(expert_token_idx_ptr + rows, mask=rmask, other=0) * K
+    if WIDE:
+        kk = tl.arange(0, K_POW2)
+        places = pair0[:, None] + kk[None, :]
+        slots = tl.load(token_slot_ptr + places, mask=rmask[:, None] & (kk < K)[None, :], other=-1)
+        pair = tl.max(tl.where(slots == rows[:, None], places, -1), axis=1)
+    else:
+        pair = tl.full((BLOCK_R,), -1, tl.int32)
+        for k in tl.static_range(K):
+            pair = tl.where(tl.load(token_slot_ptr + pair0 + k, mask=rmask, other=-1) == rows, pair0 + k, pair)
+    # a row that no pair names (the unused tail of a rounded routing's static row buffer) stores no dS
+    rmask &= pair >= 0
+    pair = tl.maximum(pair, 0)
     s = tl.load(topk_w_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
     ds = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, H, BLOCK_H):
@@ -244,107 +237,6 @@ def _act_bwd_kernel(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr
             _quantize_dh(dh_g.to(tl.float32), dh_u.to(tl.float32), rows, rmask, c0, H, dq_ptr, dqs_ptr, stride_dq,
                          stride_dqs, GATED, INTERLEAVED, BLOCK_R, BLOCK_H)
         ds += tl.sum(da * a, axis=1)
-    tl.store(dtopk_w_ptr + pair, ds.to(dtopk_w_ptr.dtype.element_ty), mask=rmask)
-
-
-@triton.jit
-def _tile_rows_dh(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr, rows,
-                  rmask, c0, cols, cmask, H, stride_dl, stride_pl, stride_ps, K: tl.constexpr, GATED: tl.constexpr,
-                  ACT: tl.constexpr, INTERLEAVED: tl.constexpr, FP8_H: tl.constexpr, H_ALIGNED: tl.constexpr,
-                  WIDE: tl.constexpr, K_POW2: tl.constexpr, BLOCK_H: tl.constexpr):
-    """For rows x pairs cols of act_bwd_tiles' pass: (dH's gate part, dH's up part, s * A, each rounded to dA''s
-    dtype as _act_bwd_kernel stores them and held in fp32, zero off the masks; dS's share of these columns
-    <dA', A>; the mask of the rows)."""
-    pair, rmask = _row_pairs(rows, rmask, expert_token_idx_ptr, token_slot_ptr, K, WIDE, K_POW2)
-    s = tl.load(topk_w_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
-    mask = rmask[:, None] & cmask[None, :]
-    out_ty = dact_ptr.dtype.element_ty
-    da = tl.load(_row_ptrs(dact_ptr, rows, stride_dl, cols), mask=mask, other=0.0).to(tl.float32)
-    g, u = _load_h(preact_ptr, rows, rmask, c0, H, stride_pl, GATED, INTERLEAVED, BLOCK_H)
-    if FP8_H:
-        g, u = _dequant_h(g, u, preact_scale_ptr, rows, rmask, mask, c0, cols, H, stride_ps, out_ty, GATED,
-                          INTERLEAVED, H_ALIGNED, rows.shape[0], BLOCK_H)
-    a, dh_g, dh_u = _dh_and_a(da, g, u, s, out_ty, GATED, ACT)
-    sa = tl.where(mask, (a * s[:, None]).to(out_ty).to(tl.float32), 0.0)
-    return (tl.where(mask, dh_g.to(tl.float32), 0.0), tl.where(mask, dh_u.to(tl.float32), 0.0), sa,
-            tl.sum(da * a, axis=1), rmask)
-
-
-@triton.jit
-def _act_bwd_tiles_kernel(dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr,
-                          tile_expert_ptr, tile_row_ptr, offsets_ptr, used_ptr, ds_part_ptr, dq_ptr, dqs_ptr, dht_ptr,
-                          dhts_ptr, sat_ptr, sats_ptr, H, LK, stride_dl, stride_pl, stride_ps, stride_dq, stride_dqs,
-                          stride_dht, stride_dhts, stride_sat, stride_sats, K: tl.constexpr, GATED: tl.constexpr,
-                          ACT: tl.constexpr, INTERLEAVED: tl.constexpr, FP8_H: tl.constexpr, H_ALIGNED: tl.constexpr,
-                          WIDE: tl.constexpr, K_POW2: tl.constexpr, TILE: tl.constexpr, SUB: tl.constexpr,
-                          BLOCK_H: tl.constexpr):
-    """_act_bwd_kernel with QUANT_DH for fp8 weight gradients, over row tile t (program_id 0) of a schedule of TILE
-    (128) rows of one expert by BLOCK_H pairs (program_id 1): dH and s * A are rounded to dA''s dtype, as that pass
-    stores them, but never stored so; instead dH's 1 x 128 row groups go to dq, dqs (for dX~) and both are quantized
-    per column over the tile and stored transposed (dht, dhts; sat, sats: quant.quantize_tiles_t's layout, the
-    weight gradients' operands), zeros past the expert's end. dS's share of the pairs, <dA', A>, goes to
-    ds_part[program_id 1, row] (summed by _ds_pairs_kernel). Two sweeps of SUB rows at a time (a tile's values do
-    not fit in registers): the first stores the row groups and takes each column's amax over the tile, the second
-    computes the same values again (their inputs now in L2) and stores them transposed by those scales."""
-    t = tl.program_id(0)
-    if t >= tl.load(used_ptr):
-        return
-    e = tl.load(tile_expert_ptr + t)
-    row0 = tl.load(tile_row_ptr + t)
-    end = tl.load(offsets_ptr + e + 1)
-    cb = tl.program_id(1)
-    c0 = cb * BLOCK_H
-    cols = c0 + tl.arange(0, BLOCK_H)
-    cmask = cols < H
-    amax_g = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    amax_u = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    amax_sa = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for r0 in range(0, TILE, SUB):
-        rows = row0 + r0 + tl.arange(0, SUB)
-        dh_g, dh_u, sa, ds, rmask = _tile_rows_dh(
-            dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr, rows,
-            rows < end, c0, cols, cmask, H, stride_dl, stride_pl, stride_ps, K, GATED, ACT, INTERLEAVED, FP8_H,
-            H_ALIGNED, WIDE, K_POW2, BLOCK_H)
-        tl.store(ds_part_ptr + cb.to(tl.int64) * LK + rows, ds, mask=rmask)
-        _quantize_dh(dh_g, dh_u, rows, rmask, c0, H, dq_ptr, dqs_ptr, stride_dq, stride_dqs, GATED, INTERLEAVED,
-                     SUB, BLOCK_H)
-        amax_g = tl.maximum(amax_g, tl.max(tl.abs(dh_g), axis=0))
-        amax_u = tl.maximum(amax_u, tl.max(tl.abs(dh_u), axis=0))
-        amax_sa = tl.maximum(amax_sa, tl.max(tl.abs(sa), axis=0))
-    # the scales as quant.quantize_tiles_t's: amax over the tile's rows (zeros past its expert's end)
-    scale_g = tl.maximum(amax_g, Q_AMAX_FLOOR) * Q_INV_MAX
-    scale_u = tl.maximum(amax_u, Q_AMAX_FLOOR) * Q_INV_MAX
-    scale_sa = tl.maximum(amax_sa, Q_AMAX_FLOOR) * Q_INV_MAX
-    pcols, up_off = _pair_cols(cols, H, INTERLEAVED)
-    tl.store(dhts_ptr + t.to(tl.int64) * stride_dhts + pcols, scale_g, mask=cmask)
-    if GATED:
-        tl.store(dhts_ptr + t.to(tl.int64) * stride_dhts + pcols + up_off, scale_u, mask=cmask)
-    tl.store(sats_ptr + t.to(tl.int64) * stride_sats + cols, scale_sa, mask=cmask)
-    inv_g, inv_u, inv_sa = _reciprocal(scale_g), _reciprocal(scale_u), _reciprocal(scale_sa)
-    for r0 in range(0, TILE, SUB):
-        rows = row0 + r0 + tl.arange(0, SUB)
-        dh_g, dh_u, sa, ds, rmask = _tile_rows_dh(
-            dact_ptr, preact_ptr, preact_scale_ptr, expert_token_idx_ptr, token_slot_ptr, topk_w_ptr, rows,
-            rows < end, c0, cols, cmask, H, stride_dl, stride_pl, stride_ps, K, GATED, ACT, INTERLEAVED, FP8_H,
-            H_ALIGNED, WIDE, K_POW2, BLOCK_H)
-        q0 = t * TILE + r0
-        _store_t(sa, inv_sa, cols, cmask, q0, sat_ptr, stride_sat, Q_MAX, Q_EMULATE)
-        _store_t(dh_g, inv_g, pcols, cmask, q0, dht_ptr, stride_dht, Q_MAX, Q_EMULATE)
-        if GATED:
-            _store_t(dh_u, inv_u, pcols + up_off, cmask, q0, dht_ptr, stride_dht, Q_MAX, Q_EMULATE)
-
-
-@triton.jit
-def _ds_pairs_kernel(ds_part_ptr, expert_token_idx_ptr, token_slot_ptr, dtopk_w_ptr, LK, NB, K: tl.constexpr,
-                     WIDE: tl.constexpr, K_POW2: tl.constexpr, BLOCK: tl.constexpr):
-    """dS[pair of row r] = the sum of ds_part[:, r] over its NB column blocks, in order (rows no pair names: none)."""
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    pair, rmask = _row_pairs(rows, rows < LK, expert_token_idx_ptr, token_slot_ptr, K, WIDE, K_POW2)
-    ds = tl.zeros((BLOCK,), dtype=tl.float32)
-    part = ds_part_ptr + rows
-    for _ in range(NB):
-        ds += tl.load(part, mask=rmask, other=0.0)
-        part += LK
     tl.store(dtopk_w_ptr + pair, ds.to(dtopk_w_ptr.dtype.element_ty), mask=rmask)
 
 

@@ -3,8 +3,7 @@
 Operands that are not gathered go through host tensor descriptors (TMA on Hopper) where they are aligned for
 them (launch.tma_ok), through pointers otherwise; the autotuner's pre-hooks give the descriptors their block
 shapes. Memory: each function allocates its outputs only (down_bwd: also its router weights in row order and
-the fp32 dS partials, 4·L·K·(1 + H / DS_BLOCK) bytes; act_bwd_tiles: dS partials, 4·L·K·H / 128 bytes; both freed
-on return).
+the fp32 dS partials, 4·L·K·(1 + H / DS_BLOCK) bytes, freed on return).
 
 Legend: R = L·K routed rows, D hidden, H expert intermediate, F rows of W1 per expert, E experts, K top-k.
 """
@@ -19,8 +18,7 @@ from ...launch import cdiv, launch, sm_count, tma_ok
 from ...reference import is_gated
 from ...routing import in_row_order
 from ..schedule import BLOCK_M
-from . import quant
-from .backward import _act_bwd_kernel, _act_bwd_tiles_kernel, _down_bwd_kernel, _ds_pairs_kernel, _weight_grad_kernel
+from .backward import _act_bwd_kernel, _down_bwd_kernel, _weight_grad_kernel
 from .common import ACT_CODES
 from .configs import DS_BLOCK, GROUP_M
 from .forward import _combine_kernel, _rows_kernel, _up_kernel
@@ -159,42 +157,6 @@ def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_sca
            QUANT_DH=quant_dh, WIDE=K > WIDE_TABLE,
            K_POW2=triton.next_power_of_2(K), BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps)
     return dtopk_w
-
-
-def act_bwd_tiles(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, sched, offsets, activation,
-                  interleaved=False, preact_scale=None, sub_rows: int = 32, num_warps: int = 8):
-    """act_bwd for fp8 weight gradients: dH and s·A are never stored in dA''s dtype, only quantized. Returns (dS
-    (L, K) in topk_w's dtype, quant.quantize_rows(dH), quantize_tiles_t(dH), quantize_tiles_t(s·A)), each pair
-    equal to what that quantizer gives of dH and s·A as act_bwd stores them. sched: a schedule of 128-row tiles
-    (tile_schedule(counts, offsets, R, 128)), the tiles of the quantize_tiles_t outputs; one program a tile.
-    Needs dh_quantizable. Memory: the outputs (R x F and about R x (F + H) bytes, and their scales), and dS's fp32
-    partials (4 · R · H / 128 bytes, freed on return)."""
-    R, H = dact_RH.shape
-    F = preact.shape[1]
-    if not dh_quantizable(H, activation, interleaved):
-        raise ValueError(f"act_bwd_tiles: dH of {activation} (interleaved={interleaved}) with H = {H} is not "
-                         f"quantized in the pass; use act_bwd and quantize apart")
-    topk_w_LK = topk_w_LK.contiguous()
-    dtopk_w = torch.empty_like(topk_w_LK)
-    dq = torch.empty(R, F, dtype=quant.FP8, device=dact_RH.device)
-    dqs = torch.empty(R, cdiv(F, quant.GROUP), dtype=torch.float32, device=dact_RH.device)
-    T = sched[0].shape[0]
-    (dht, dhts), (sat, sats) = quant.tiles_t_buffers(T, F, dact_RH.device), quant.tiles_t_buffers(T, H, dact_RH.device)
-    scale = preact_scale if preact_scale is not None else preact
-    K = token_slot_LK.shape[1]
-    consts = dict(K=K, WIDE=K > WIDE_TABLE, K_POW2=triton.next_power_of_2(K))
-    # a program: a tile's 128 rows by 128 pairs (whole 128-column groups), sub_rows rows at a time
-    nb = cdiv(H, 128)
-    ds_part = torch.empty(nb, R, dtype=torch.float32, device=dact_RH.device)
-    launch(_act_bwd_tiles_kernel, (T, nb), dact_RH, preact, scale, token_R, token_slot_LK, topk_w_LK, sched[0],
-           sched[1], offsets, sched[2], ds_part, dq, dqs, dht, dhts, sat, sats, H, R, dact_RH.stride(0),
-           preact.stride(0), scale.stride(0), dq.stride(0), dqs.stride(0), dht.stride(0), dhts.stride(0),
-           sat.stride(0), sats.stride(0), GATED=is_gated(activation), ACT=ACT_CODES[activation],
-           INTERLEAVED=interleaved, FP8_H=preact_scale is not None, H_ALIGNED=H % 128 == 0, TILE=quant.GROUP,
-           SUB=sub_rows, BLOCK_H=128, num_warps=num_warps, **consts)
-    launch(_ds_pairs_kernel, (cdiv(R, 256),), ds_part, token_R, token_slot_LK, dtopk_w, R, nb, BLOCK=256,
-           num_warps=4, **consts)
-    return dtopk_w, (dq, dqs), (dht, dhts[:, :F].t()), (sat, sats[:, :H].t())
 
 
 def dh_quantizable(H: int, activation: str, interleaved: bool) -> bool:

@@ -189,19 +189,6 @@ def _blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, s
 
 
 @triton.jit
-def _store_t(v, inv_scale, cols, cmask, q0, q_ptr, stride_qn, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
-    """Rows r of v (ROWS x columns cols, fp32) times their columns' inv_scale, saturated, cast to e4m3 and stored
-    transposed at q[cols, q0 + r] (quantize_tiles_t's layout; q0: the tile's first column there plus the rows'
-    offset in the tile). cols may be any columns (the dH pass's interleaved gate or up ones)."""
-    y = tl.minimum(tl.maximum(v * inv_scale[None, :], -FP8_MAX), FP8_MAX)
-    if EMULATE:
-        y = _round_e4m3(y)
-    r = tl.arange(0, v.shape[0])
-    q = q_ptr + cols.to(tl.int64)[:, None] * stride_qn + (q0 + r)[None, :]
-    tl.store(q, tl.trans(y).to(q_ptr.dtype.element_ty), mask=cmask[:, None])
-
-
-@triton.jit
 def _tiles_t_kernel(a_ptr, token_ptr, q_ptr, s_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr, used_ptr, N,
                     stride_al, stride_qn, stride_st, GATHER: tl.constexpr, GROUP: tl.constexpr,
                     AMAX_FLOOR: tl.constexpr, INV_FP8_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -213,7 +200,8 @@ def _tiles_t_kernel(a_ptr, token_ptr, q_ptr, s_ptr, tile_expert_ptr, tile_row_pt
     if t >= tl.load(used_ptr):
         return
     e = tl.load(tile_expert_ptr + t)
-    rows = tl.load(tile_row_ptr + t) + tl.arange(0, GROUP)
+    r = tl.arange(0, GROUP)
+    rows = tl.load(tile_row_ptr + t) + r
     rmask = rows < tl.load(offsets_ptr + e + 1)
     src = tl.load(token_ptr + rows, mask=rmask, other=0) if GATHER else rows
     cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
@@ -221,17 +209,12 @@ def _tiles_t_kernel(a_ptr, token_ptr, q_ptr, s_ptr, tile_expert_ptr, tile_row_pt
     v = tl.load(a_ptr + src.to(tl.int64)[:, None] * stride_al + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                 other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(v), axis=0), AMAX_FLOOR) * INV_FP8_MAX  # (GROUP,) one per column
-    _store_t(v, _reciprocal(scale), cols, cmask, t * GROUP, q_ptr, stride_qn, FP8_MAX, EMULATE)
+    y = tl.minimum(tl.maximum(v * _reciprocal(scale)[None, :], -FP8_MAX), FP8_MAX)
+    if EMULATE:
+        y = _round_e4m3(y)
+    q = q_ptr + cols.to(tl.int64)[:, None] * stride_qn + (t * GROUP + r)[None, :]
+    tl.store(q, tl.trans(y).to(q_ptr.dtype.element_ty), mask=cmask[:, None])
     tl.store(s_ptr + t.to(tl.int64) * stride_st + cols, scale, mask=cmask)
-
-
-def tiles_t_buffers(T: int, N: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_tiles_t's outputs for T tiles of N columns, unwritten: q (N, T · 128) e4m3 and the padded scales
-    (T, N rounded up to 256), their padding zeroed; `scales[:, :N].t()` is what the weight gradients take."""
-    q = torch.empty(N, T * GROUP, dtype=FP8, device=device)
-    s = torch.empty(T, -(-N // SCALE_PAD) * SCALE_PAD, dtype=torch.float32, device=device)
-    s[:, N:].zero_()
-    return q, s
 
 
 def quantize_tiles_t(a: torch.Tensor, sched, offsets: torch.Tensor, token: torch.Tensor | None = None
@@ -245,7 +228,9 @@ def quantize_tiles_t(a: torch.Tensor, sched, offsets: torch.Tensor, token: torch
     (strides (1, N rounded up)), as the weight-gradient kernels load them."""
     _check(a, 2, "quantize_tiles_t")
     T, N = sched[0].shape[0], a.shape[1]
-    q, s = tiles_t_buffers(T, N, a.device)
+    q = torch.empty(N, T * GROUP, dtype=FP8, device=a.device)
+    s = torch.empty(T, -(-N // SCALE_PAD) * SCALE_PAD, dtype=torch.float32, device=a.device)
+    s[:, N:].zero_()
     if T and N:
         launch(_tiles_t_kernel, (T, _groups(N)), a, token if token is not None else offsets, q, s, sched[0],
                sched[1], offsets, sched[2], N, a.stride(0), q.stride(0), s.stride(0), GATHER=token is not None,
