@@ -10,7 +10,7 @@
 # curves: 50 steps of the small model on the same global batch: one GPU at N x the batch, N GPUs at ep 1 and ep N;
 #         every step's loss in $OUT/curves/*.jsonl (plot: python scripts/plot_curves.py $OUT/curves).
 # graph:  --cuda-graph on the small model beside the eager step (bench rows), and 20 steps' loss logs of each
-#         launch with and without it, compared byte for byte.
+#         launch with and without it, compared byte for byte. With one GPU (GPUS=1) the ep launches are left out.
 # cpu:    no GPU needed: a tiny model on CPU processes (gloo, the kernels under Triton's interpreter) at each N in
 #         RANKS (default "2 4 8") with FSDP2 alone, ep = N exact and ep = N capacity (a capacity too small, so a
 #         step is rerun), against one process over the same global batch; fails unless every loss equals it
@@ -44,8 +44,8 @@ for s in $steps; do
         CUDA_VISIBLE_DEVICES=0 run $one $P ${ONE_ARGS:-}
         run $many $P ${MANY_ARGS:-} --bench-profile
         [ $preset = small ] && run $many $P ${MANY_ARGS:-} --bench-profile --fsdp-units model
-        run $many $P ${MANY_ARGS:-} --bench-profile --ep $N
-        run $many $P ${MANY_ARGS:-} --bench-profile --ep $N --ep-dispatch capacity
+        [ $N -gt 1 ] && run $many $P ${MANY_ARGS:-} --bench-profile --ep $N
+        [ $N -gt 1 ] && run $many $P ${MANY_ARGS:-} --bench-profile --ep $N --ep-dispatch capacity
       done ;;
     curves)
       C="--steps 50 --eval-every 50 --dtype bfloat16 --seed 0"
@@ -65,11 +65,13 @@ for s in $steps; do
       run $many $B --bench-profile --fsdp-units model
       run $many $B --bench-profile --fsdp-units model $G
       run $many $B --bench-profile $G
-      run $many $B --bench-profile $EPC $G
+      [ $N -gt 1 ] && run $many $B --bench-profile $EPC $G
       mkdir -p "$OUT/graph"
       C="--steps 20 --eval-every 10 --dtype bfloat16 --seed 0 --save="
       i=0
-      for launch in "CUDA_VISIBLE_DEVICES=0 $one" "$many --fsdp-units model" "$many" "$many $EPC"; do
+      launches=("CUDA_VISIBLE_DEVICES=0 $one" "$many --fsdp-units model" "$many")
+      [ $N -gt 1 ] && launches+=("$many $EPC")  # expert parallelism needs two ranks or more
+      for launch in "${launches[@]}"; do
         i=$((i + 1))
         run env $launch $C --loss-log "$OUT/graph/$i-eager.jsonl"
         run env $launch $C $G --loss-log "$OUT/graph/$i-graph.jsonl"

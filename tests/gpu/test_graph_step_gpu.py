@@ -38,6 +38,30 @@ def test_the_graphed_step_is_the_eager_step(tmp_path, over):
     assert graphed == eager
 
 
+@pytest.mark.parametrize("units", ["blocks", "model"])
+def test_the_graphed_step_is_the_eager_step_under_fsdp2(tmp_path, monkeypatch, units):
+    """FSDP2 on a one-rank NCCL group, as torchrun would start it for one process of several: the units'
+    all-gathers and reduce-scatters, with their streams and hooks, captured with the step; the graphed run is the
+    eager run, bitwise. Two ranks and more: `bash scripts/scaling.sh graph`."""
+    import socket
+
+    from moeblaze.cli import parallel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(parallel, "launched", lambda: True)
+    wrapped = []
+    real = parallel.parallelize_model
+    monkeypatch.setattr(parallel, "parallelize_model", lambda *a, **k: wrapped.append(a[-1]) or real(*a, **k))
+    eager = _log(tmp_path, "eager", fsdp_units=units)
+    graphed = _log(tmp_path, "graphed", cuda_graph=True, fsdp_units=units)
+    assert wrapped == [units, units]  # both runs under FSDP2
+    assert len(eager) == 12 + 3 and graphed == eager
+
+
 def test_a_graphed_step_refuses_other_shapes():
     step = GraphedStep(lambda x: (x * 2,))
     x = torch.ones(4, device="cuda")
