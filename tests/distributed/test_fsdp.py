@@ -40,7 +40,7 @@ def _step(rank, world, errors, ep, units="blocks"):
     mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
     parallelize(model, mesh, units=units)
     n_units = sum(isinstance(m, FSDPModule) for m in model.modules())
-    want_units = 1 if units == "model" else 1 + len(model.blocks) + (2 if world // ep > 1 else 0)
+    want_units = 1 if units == "model" else 1 + len(model.blocks) + (2 if world // ep > 1 or ep == 1 else 0)
     if n_units != want_units:
         errors.put(f"rank {rank}: {n_units} FSDP2 units, expected {want_units}")
     mine = ids[2 * rank: 2 * rank + 2]
@@ -75,6 +75,12 @@ def test_fsdp2_efsdp2_ep2_step_matches_one_process():
 
 def test_fsdp2_alone_step_matches_one_process():
     _run(2, 1)
+
+
+def test_fsdp2_on_one_rank_gives_every_parameter_a_dtensor():
+    """A one-rank mesh (efsdp 1 x ep 1): the experts are FSDP2 units too, not plain tensors beside the others'
+    DTensors, which one fused optimizer step over both refuses."""
+    _run(1, 1)
 
 
 def test_fsdp2_as_one_unit_matches_one_process():

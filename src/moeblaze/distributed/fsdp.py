@@ -6,7 +6,8 @@
 shard_experts keeps, on each rank, its ep group's slice of every experts module's weights (E / ep experts: DTensors
 sharded on dim 0 over the ep mesh, so that each weight keeps one global name and shape for checkpoints) and routes
 that module through ep_experts. parallelize then makes every experts module an FSDP2 unit on
-the efsdp dimension (when it has more than one rank; else the expert weights stay as they are, outside FSDP) and
+the efsdp dimension (when it has more than one rank, or at ep = 1; else the expert weights stay the ep-sharded
+DTensors they are, outside FSDP: every parameter a DTensor, as one fused optimizer step over them needs) and
 every block a unit on the whole data-parallel group, the root last. FSDP2 composes with the ep sharding as with
 tensor parallelism: an expert weight is then a DTensor on the 2-D mesh, and torch.distributed.checkpoint saves and
 loads it (at another mesh shape too) like any other.
@@ -81,9 +82,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
     for m in _experts_modules(model):
         if whole and mesh["ep"].size() == 1:
             continue  # in the root's unit
-        if efsdp.size() > 1:
+        if efsdp.size() > 1 or mesh["ep"].size() == 1:  # (one rank: a unit still, so every parameter is a DTensor)
             sharded.append(fully_shard(m, mesh=efsdp, mp_policy=mp, reshard_after_forward=reshard_after_forward))
-        else:
+        else:  # ep-sharded DTensors already, on ranks of their own
             ignored |= set(m.parameters())
     for block in [] if whole else getattr(model, "blocks", []):
         sharded.append(fully_shard(block, mesh=dp, mp_policy=mp, ignored_params=ignored & set(block.parameters()),
