@@ -41,25 +41,8 @@ from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, probe_w
                          save_checkpoint, save_sharded, sharded_checkpoint_path)
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
 from .graph_step import GraphedStep, check_graphable
+from .presets import EXTRAS, PRESETS, SHAPE
 
-# Models by name; a flag given on the command line overrides its preset's value. "qwen3-30b-a3b": MoE layers
-# shaped as Qwen3-30B-A3B's (hidden 2048, 128 experts, top-8, expert width 768; 16 heads of 128), 4 of them.
-# "deepseek-v3-small": DeepSeek-V3's routing (sigmoid scores, expert-bias balancing, 8 groups of which 4 are kept,
-# scale 2.5, the sequence loss), a shared expert and a dense first layer, at a small size; "qwen3-next-small":
-# Qwen3-Next's (softmax, renormalized, global-batch loss) with a gated shared expert.
-SHAPE = ("seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k", "d_expert")
-EXTRAS = ("router", "shared_experts", "d_shared", "shared_gate", "dense_layers")
-_d = ModelConfig()
-PRESETS = {
-    "small": dict(seq_len=_d.max_seq_len, d_model=_d.d_model, n_layers=_d.n_layers, n_heads=_d.n_heads,
-                  num_experts=_d.num_experts, top_k=_d.top_k, d_expert=_d.d_expert),
-    "qwen3-30b-a3b": dict(seq_len=4096, d_model=2048, n_layers=4, n_heads=16, num_experts=128, top_k=8,
-                          d_expert=768),
-    "deepseek-v3-small": dict(seq_len=128, d_model=128, n_layers=3, n_heads=4, num_experts=16, top_k=2, d_expert=128,
-                              router="deepseek-v3", shared_experts=1, dense_layers=1),
-    "qwen3-next-small": dict(seq_len=128, d_model=128, n_layers=2, n_heads=4, num_experts=16, top_k=4, d_expert=64,
-                             router="qwen3-next", shared_experts=1, d_shared=128, shared_gate=True),
-}
 OVERFLOW = ("rerun", "drop", "error")
 
 
