@@ -9,8 +9,9 @@ from ..nn import ModelConfig
 # expert-bias balancing, 8 groups of which 4 are kept, scale 2.5, the sequence loss), a shared expert and a dense
 # first layer, at a small size. "qwen3-next-small": Qwen3-Next's routing (softmax, renormalized, global-batch loss)
 # with a gated shared expert. "deepseek-v3-layer": one MoE layer shaped as DeepSeek-V3's (hidden 7168, 256 experts,
-# top-8, expert width 2048, a shared expert; 56 heads of 128) with its routing: 11.5 B parameters, which with bf16
-# parameters, gradients and AdamW's two states take ~92 GB on one GPU (an H200), an eighth of that each on eight.
+# top-8, expert width 2048, a shared expert; 56 heads of 128) with its routing: 11.5 B parameters, whose fp32
+# weights, gradients and AdamW's two states take 185 GB: not one H200 (its forward and backward fit, the optimizer's
+# states do not), a quarter of that each on four under FSDP2, an eighth on eight.
 SHAPE = ("seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k", "d_expert")
 EXTRAS = ("router", "shared_experts", "d_shared", "shared_gate", "dense_layers")
 _d = ModelConfig()
