@@ -5,7 +5,8 @@
 # bench:  `moeblaze train --bench-steps` at a fixed per-GPU batch: one GPU without torchrun, then N GPUs under
 #         torchrun with FSDP2 alone (ep 1; for the small model also as one FSDP2 unit, --fsdp-units model) and
 #         with ep = N in both dispatch modes, for the small model's default
-#         and the Qwen3-30B-A3B-shaped preset; one results row each ($OUT/results/<gpu>.jsonl, with the step split
+#         and the Qwen3-30B-A3B-shaped preset (PRESETS may add deepseek-v3-layer: no one-GPU run, since it fits
+#         none; DSV3_BATCH, default 1); one results row each ($OUT/results/<gpu>.jsonl, with the step split
 #         from one profiled step on the N-GPU runs).
 # curves: 50 steps of the small model on the same global batch: one GPU at N x the batch, N GPUs at ep 1 and ep N;
 #         every step's loss in $OUT/curves/*.jsonl (plot: python scripts/plot_curves.py $OUT/curves).
@@ -41,7 +42,9 @@ for s in $steps; do
       for preset in ${PRESETS:-small qwen3-30b-a3b}; do
         P="--preset $preset $B"
         [ $preset = qwen3-30b-a3b ] && P="$P --batch-size ${QWEN_BATCH:-2}"
-        CUDA_VISIBLE_DEVICES=0 run $one $P ${ONE_ARGS:-}
+        [ $preset = deepseek-v3-layer ] && P="$P --batch-size ${DSV3_BATCH:-1}"
+        # deepseek-v3-layer's fp32 weights and AdamW states (185 GB) fit no single GPU: no one-GPU run
+        [ $preset != deepseek-v3-layer ] && CUDA_VISIBLE_DEVICES=0 run $one $P ${ONE_ARGS:-}
         run $many $P ${MANY_ARGS:-} --bench-profile
         [ $preset = small ] && run $many $P ${MANY_ARGS:-} --bench-profile --fsdp-units model
         [ $N -gt 1 ] && run $many $P ${MANY_ARGS:-} --bench-profile --ep $N
