@@ -47,8 +47,10 @@ for s in $steps; do
         [ $preset != deepseek-v3-layer ] && CUDA_VISIBLE_DEVICES=0 run $one $P ${ONE_ARGS:-}
         run $many $P ${MANY_ARGS:-} --bench-profile
         [ $preset = small ] && run $many $P ${MANY_ARGS:-} --bench-profile --fsdp-units model
-        [ $N -gt 1 ] && run $many $P ${MANY_ARGS:-} --bench-profile --ep $N
-        [ $N -gt 1 ] && run $many $P ${MANY_ARGS:-} --bench-profile --ep $N --ep-dispatch capacity
+        if [ $N -gt 1 ]; then  # expert parallelism needs two ranks or more
+          run $many $P ${MANY_ARGS:-} --bench-profile --ep $N
+          run $many $P ${MANY_ARGS:-} --bench-profile --ep $N --ep-dispatch capacity
+        fi
       done ;;
     curves)
       C="--steps 50 --eval-every 50 --dtype bfloat16 --seed 0"

@@ -53,8 +53,8 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     with the chunk instead of L (for millions of tokens; the weights are read once per chunk, and the outputs and dx
     are concatenated). precision: "native" (the GEMMs in the inputs' dtype) or "fp8" (the four data GEMMs on e4m3
     operands with 1 x 128 / 128 x 128 scales, weight gradients in the inputs' dtype: experts.fp8; on the reference,
-    its emulation). fp8_weight_cache (precision="fp8"): keep each weight's e4m3 copies, both layouts,
-    until the weight changes (its version counter: an optimizer step), instead of quantizing where used:
+    its emulation). fp8_weight_cache (precision="fp8"): keep each weight's e4m3 copies, both layouts, until the
+    weight changes (its version counter: an optimizer step), instead of quantizing where used:
     forward and backward, and every micro-batch of an accumulated step, share one quantization, for the copies'
     bytes (half the weights' in bf16) held between steps (experts.fp8). fp8_wgrad (precision="fp8"): the weight
     gradients on e4m3 operands too, each scaled per 128 of an expert's rows (DeepSeek-V3's 128 x 1 groups; a Gluon
