@@ -11,7 +11,8 @@
 # curves: 50 steps of the small model on the same global batch: one GPU at N x the batch, N GPUs at ep 1 and ep N;
 #         every step's loss in $OUT/curves/*.jsonl (plot: python scripts/plot_curves.py $OUT/curves).
 # graph:  --cuda-graph on the small model beside the eager step (bench rows), and 20 steps' loss logs of each
-#         launch with and without it, compared byte for byte. With one GPU (GPUS=1) the ep launches are left out.
+#         launch with and without it, compared byte for byte. With one GPU (GPUS=1) the ep launches are left out
+#         and torchrun's are FSDP2 on a one-rank group: FSDP2's own cost beside the plain one-GPU step.
 # cpu:    no GPU needed: a tiny model on CPU processes (gloo, the kernels under Triton's interpreter) at each N in
 #         RANKS (default "2 4 8") with FSDP2 alone, ep = N exact and ep = N capacity (a capacity too small, so a
 #         step is rerun), against one process over the same global batch; fails unless every loss equals it

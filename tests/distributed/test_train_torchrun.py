@@ -19,10 +19,10 @@ TINY = ["--seq-len", "16", "--d-model", "32", "--n-layers", "1", "--n-heads", "2
 TOL = 1e-5
 
 
-def _run(tmp_path, world, *flags):
+def _run(tmp_path, world, *flags, torchrun=None):
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                "--standalone", "-m", "moeblaze.cli"] if world > 1 else \
+                "--standalone", "-m", "moeblaze.cli"] if (world > 1 if torchrun is None else torchrun) else \
         [sys.executable, "-m", "moeblaze.cli"]
     p = subprocess.run([*launcher, "train", *TINY, *flags], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=300)
@@ -48,6 +48,18 @@ def test_two_ranks_train_like_one_process(tmp_path):
         assert abs(r["loss"] - one["loss"]) <= TOL * one["loss"], (r, one)
     assert out.count("capacity overflow") == 1, out  # said once (rank 0), then the rerun needed no more
     assert rows[1]["capacity"] > 16
+
+
+def test_one_process_under_torchrun_is_fsdp2_on_one_rank(tmp_path):
+    """torchrun at one process runs what it runs at N (FSDP2, a sharded checkpoint), on a one-rank group, with the
+    plain process's validation loss: one GPU's measure of FSDP2's own cost."""
+    common = ["--batch-size", "2", "--steps", "2", "--eval-every", "2", "--eval-batches", "2"]
+    plain = _run(tmp_path, 1, *common, "--save", "")
+    one_rank = _run(tmp_path, 1, *common, "--save", "ck", torchrun=True)
+    assert "1 processes (efsdp 1 x ep 1)" in one_rank and "processes" not in plain, one_rank[-2000:]
+    assert sorted(os.listdir(tmp_path / "ck")) == [".metadata", "__0_0.distcp", MANIFEST]
+    val = [float(re.search(r"final validation loss ([0-9.]+)", s).group(1)) for s in (plain, one_rank)]
+    assert abs(val[1] - val[0]) <= TOL * val[0], val
 
 
 def test_sharded_checkpoint_resumes_at_another_mesh_and_refuses_damage(tmp_path):

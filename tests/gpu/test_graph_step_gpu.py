@@ -40,9 +40,9 @@ def test_the_graphed_step_is_the_eager_step(tmp_path, over):
 
 @pytest.mark.parametrize("units", ["blocks", "model"])
 def test_the_graphed_step_is_the_eager_step_under_fsdp2(tmp_path, monkeypatch, units):
-    """FSDP2 on a one-rank NCCL group, as torchrun would start it for one process of several: the units'
-    all-gathers and reduce-scatters, with their streams and hooks, captured with the step; the graphed run is the
-    eager run, bitwise. Two ranks and more: `bash scripts/scaling.sh graph`."""
+    """FSDP2 on a one-rank NCCL group, as `torchrun --nproc-per-node 1` starts it: the units' all-gathers and
+    reduce-scatters, with their streams and hooks, captured with the step; the graphed run is the eager run,
+    bitwise. Two ranks and more: `bash scripts/scaling.sh graph`."""
     import socket
 
     from moeblaze.cli import parallel
@@ -50,9 +50,9 @@ def test_the_graphed_step_is_the_eager_step_under_fsdp2(tmp_path, monkeypatch, u
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                     TORCHELASTIC_RUN_ID="test").items():  # what torchrun sets
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(parallel, "launched", lambda: True)
     wrapped = []
     real = parallel.parallelize_model
     monkeypatch.setattr(parallel, "parallelize_model", lambda *a, **k: wrapped.append(a[-1]) or real(*a, **k))

@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 
 def launched() -> bool:
-    """Whether this process is one of several started by torchrun."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """Whether torchrun (or another launcher setting WORLD_SIZE > 1) started this process: then FSDP2 runs on
+    every process, also on one (`torchrun --nproc-per-node 1`: the one-rank step, collectives included)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_torchelastic_launched()
 
 
 @dataclass
