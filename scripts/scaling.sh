@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Training on one and on N GPUs of one host (N = GPUS, default: every GPU), written under $OUT (default ./out).
-#   usage: [PRESETS="small qwen3-30b-a3b"] bash scripts/scaling.sh [bench] [curves] [graph]   (default: the first two)
+# Training on one and on N GPUs of one host (N = GPUS, default: every GPU; GPUS="2 4 8" benches each N, the other
+# steps the largest), written under $OUT (default ./out).
+#   usage: [PRESETS="small qwen3-30b-a3b"] bash scripts/scaling.sh [bench] [curves] [graph] [report]
+#          (default: bench curves report)
 #          [RANKS="2 4 8"] bash scripts/scaling.sh cpu
 # bench:  `moeblaze train --bench-steps` at a fixed per-GPU batch: one GPU without torchrun, then N GPUs under
 #         torchrun with FSDP2 alone (ep 1; for the small model also as one FSDP2 unit, --fsdp-units model) and
 #         with ep = N in both dispatch modes, for the small model's default
 #         and the Qwen3-30B-A3B-shaped preset (PRESETS may add deepseek-v3-layer: no one-GPU run, since it fits
 #         none; DSV3_BATCH, default 1); one results row each ($OUT/results/<gpu>.jsonl, with the step split
-#         from one profiled step on the N-GPU runs).
+#         from one profiled step on the N-GPU runs); REPEATS (default 1) runs of each launch.
 # curves: 50 steps of the small model on the same global batch: one GPU at N x the batch, N GPUs at ep 1 and ep N;
 #         every step's loss in $OUT/curves/*.jsonl (plot: python scripts/plot_curves.py $OUT/curves).
 # graph:  --cuda-graph on the small model beside the eager step (bench rows), and 20 steps' loss logs of each
 #         launch with and without it, compared byte for byte. With one GPU (GPUS=1) the ep launches are left out
 #         and torchrun's are FSDP2 on a one-rank group: FSDP2's own cost beside the plain one-GPU step.
+# report: the table of every results row written under $OUT (medians over repeats; efficiency against the one-GPU
+#         run) in $OUT/scaling.md, and the plot, tokens/s per GPU and efficiency against N, in $OUT/scaling.png.
 # cpu:    no GPU needed: a tiny model on CPU processes (gloo, the kernels under Triton's interpreter) at each N in
 #         RANKS (default "2 4 8") with FSDP2 alone, ep = N exact and ep = N capacity (a capacity too small, so a
 #         step is rerun), against one process over the same global batch; fails unless every loss equals it
@@ -25,16 +29,19 @@ set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT/results" "$OUT/curves"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-steps=${*:-bench curves}
+steps=${*:-bench curves report}
 if [ "$steps" = cpu ]; then N=1; else
-  N=${GPUS:-$(nvidia-smi -L | wc -l)}
+  NS=${GPUS:-$(nvidia-smi -L | wc -l)}
+  N=$(echo $NS | tr ' ' '\n' | sort -n | tail -1)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 one="python3 -m moeblaze.cli train"
-many="torchrun --standalone --nproc-per-node $N -m moeblaze.cli train"
+on() { echo "torchrun --standalone --nproc-per-node $1 -m moeblaze.cli train"; }
+many=$(on $N)
 failed=""
 run() { echo "+ $*"; "$@" 2>&1 | grep -v "it/s\]" | tail -${TAIL:-4}; local rc=${PIPESTATUS[0]}; [ $rc -ne 0 ] && failed="$failed [$*]"; }
+runs() { for _ in $(seq ${REPEATS:-1}); do run "$@"; done; }
 for s in $steps; do
   echo "=== $s"
   case $s in
@@ -45,13 +52,16 @@ for s in $steps; do
         [ $preset = qwen3-30b-a3b ] && P="$P --batch-size ${QWEN_BATCH:-2}"
         [ $preset = deepseek-v3-layer ] && P="$P --batch-size ${DSV3_BATCH:-1}"
         # deepseek-v3-layer's fp32 weights and AdamW states (185 GB) fit no single GPU: no one-GPU run
-        [ $preset != deepseek-v3-layer ] && CUDA_VISIBLE_DEVICES=0 run $one $P ${ONE_ARGS:-}
-        run $many $P ${MANY_ARGS:-} --bench-profile
-        [ $preset = small ] && run $many $P ${MANY_ARGS:-} --bench-profile --fsdp-units model
-        if [ $N -gt 1 ]; then  # expert parallelism needs two ranks or more
-          run $many $P ${MANY_ARGS:-} --bench-profile --ep $N
-          run $many $P ${MANY_ARGS:-} --bench-profile --ep $N --ep-dispatch capacity
-        fi
+        [ $preset != deepseek-v3-layer ] && CUDA_VISIBLE_DEVICES=0 runs $one $P ${ONE_ARGS:-}
+        for n in $NS; do
+          m=$(on $n)
+          runs $m $P ${MANY_ARGS:-} --bench-profile
+          [ $preset = small ] && runs $m $P ${MANY_ARGS:-} --bench-profile --fsdp-units model
+          if [ $n -gt 1 ]; then  # expert parallelism needs two ranks or more
+            runs $m $P ${MANY_ARGS:-} --bench-profile --ep $n
+            runs $m $P ${MANY_ARGS:-} --bench-profile --ep $n --ep-dispatch capacity
+          fi
+        done
       done ;;
     curves)
       C="--steps 50 --eval-every 50 --dtype bfloat16 --seed 0"
@@ -130,6 +140,12 @@ PY
       echo "resume across world sizes: $runs runs, $vals distinct final validation losses"
       [ "$runs" -eq 4 ] && [ "$vals" -eq 1 ] || failed="$failed [resume across world sizes]"
       ;;
+    report)
+      for f in "$OUT"/results/*.jsonl; do
+        [ "$(basename "$f")" = cpu.jsonl ] && continue
+        python3 scripts/scaling_report.py "$f" --png "$OUT/scaling.png" | tee "$OUT/scaling.md" \
+          || failed="$failed [report $f]"
+      done ;;
     *) echo "unknown step $s"; failed="$failed $s" ;;
   esac
 done

@@ -1,0 +1,49 @@
+"""scripts/scaling_report.py: efficiency against the matching one-GPU run, medians over repeats, ep = N joined
+across N, no efficiency without a one-GPU run, and the plot drawn."""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+import scaling_report  # noqa: E402
+
+
+def _row(world, step_ms, ep=1, units="blocks", dispatch="-", graph=False, preset="small", **extra):
+    tokens = 2048
+    return dict(mode="train", status="ok", preset=preset, world=world, ep=ep, efsdp=world // ep, dispatch=dispatch,
+                fsdp_units=units, keep_gathered=False, compiled=False,
+                cuda_graph=graph, dtype="bfloat16", batch_per_gpu=16, seq=128, step_ms=step_ms,
+                tokens_s_per_gpu=tokens / step_ms * 1e3, peak_gb=0.3, loss=3.4, git_sha="abc1234", **extra)
+
+
+def test_entries_take_medians_and_measure_against_the_matching_one_gpu_run(tmp_path, capsys):
+    rows = [_row(1, 10.0, units="-"), _row(1, 12.0, units="-"), _row(1, 14.0, units="-"),  # median 12
+            _row(1, 1.0, units="-", graph=True),
+            _row(2, 13.0), _row(2, 15.0), _row(4, 16.0),
+            _row(2, 24.0, ep=2, dispatch="capacity", capacity_factor=1.25),
+            _row(4, 48.0, ep=4, dispatch="capacity", capacity_factor=1.25),
+            _row(4, 20.0, ep=2, dispatch="exact"),
+            _row(2, 1.25, graph=True, units="model"),
+            _row(8, 30.0, ep=8, dispatch="exact", preset="deepseek-v3-layer"),
+            dict(mode="dispatch", step_ms=1.0)]  # not a training row
+    es = {(e["preset"], e["graph"], e["world"], e["layout"]): e for e in scaling_report.entries(rows)}
+    one = es[("small", False, 1, "-")]
+    assert (one["runs"], one["step_ms"], one["efficiency"]) == (3, 12.0, 1.0)
+    fsdp2 = es[("small", False, 2, "FSDP2 (ep 1)")]
+    assert fsdp2["runs"] == 2 and fsdp2["step_ms"] == 14.0 and abs(fsdp2["efficiency"] - 12 / 14) < 1e-12
+    assert abs(es[("small", False, 4, "FSDP2 (ep 1)")]["efficiency"] - 0.75) < 1e-12
+    assert abs(es[("small", False, 2, "ep N, capacity 1.25")]["efficiency"] - 0.5) < 1e-12
+    assert ("small", False, 4, "ep N, capacity 1.25") in es and ("small", False, 4, "ep 2, exact") in es
+    # the graphed run against the graphed one-GPU run, not the eager one
+    assert abs(es[("small", True, 2, "FSDP2 (ep 1), one unit")]["efficiency"] - 0.8) < 1e-12
+    assert es[("deepseek-v3-layer", False, 8, "ep N, exact")]["efficiency"] is None
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    png = tmp_path / "scaling.png"
+    assert scaling_report.main([str(path), "--png", str(png)]) == 0
+    table = capsys.readouterr().out
+    assert "| small, 16 x 128 | 2 | FSDP2 (ep 1) | 2 | 14.00 | 146,286 | 0.86 |" in table
+    assert "| deepseek-v3-layer, 16 x 128 | 8 | ep N, exact | 1 | 30.00 | 68,267 | - |" in table
+    assert png.stat().st_size > 10_000
+    assert scaling_report.main([str(path), "--sha", "other"]) == 1  # no rows of that commit: said, not an empty table
