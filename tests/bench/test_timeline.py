@@ -2,7 +2,7 @@
 import pytest
 
 from moeblaze.bench.harness import kernel_summary
-from moeblaze.bench.timeline import step_split
+from moeblaze.bench.timeline import idle_gaps, step_split
 
 # two steps; in each, an up GEMM, a small index kernel overlapping it, a wait, then a down GEMM
 KERNELS = [
@@ -36,3 +36,30 @@ def test_step_split_parts_and_exposed_communication():
     assert s["all_to_all_ms"] == 0.0
     assert s["busy_ms"] == pytest.approx(0.16)
     assert s["exposed_comm_ms"] == pytest.approx(0.05)  # 100..150 has no compute under it
+
+
+def _x(cat, name, ts, dur, tid=1, **args):
+    return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, tid=tid, args=args)
+
+
+def test_idle_gaps_say_whether_the_gpu_waited_for_the_host_or_for_a_dependency():
+    events = [
+        # host: a step op; inside it a launch, a synchronization, then two launches under an FSDP2 hook
+        _x("cpu_op", "step", 0, 2000), _x("cuda_runtime", "cudaLaunchKernel", 10, 5, correlation=1),
+        _x("cuda_runtime", "cudaLaunchKernel", 20, 5, correlation=2),
+        _x("cuda_runtime", "cudaDeviceSynchronize", 30, 600),
+        _x("cpu_op", "FSDP::pre_backward", 700, 300), _x("cpu_op", "aten::_chunk_cat", 710, 100),
+        _x("cuda_runtime", "cudaLaunchKernel", 720, 5, correlation=3),
+        _x("cuda_runtime", "cudaLaunchKernel", 730, 5, correlation=4),
+        # GPU: 1 at 100-300; 2 (launched at 20) waits until 500; 3 (launched at 720) at 800-900; 4 right after
+        _x("kernel", "gemm_a", 100, 200, tid=7, correlation=1), _x("kernel", "gemm_b", 500, 100, tid=8, correlation=2),
+        _x("kernel", "chunk_cat", 800, 100, tid=7, correlation=3), _x("gpu_memcpy", "copy", 950, 50, tid=7,
+                                                                       correlation=4),
+    ]
+    gaps = idle_gaps(events, min_us=40)
+    assert [(round(g["ms"], 3), g["next"], g["cause"]) for g in gaps] == [
+        (0.2, "gemm_b", "dependency"), (0.2, "chunk_cat", "host"), (0.05, "copy", "dependency")]
+    host = gaps[1]
+    assert host["host_op"] == "cudaDeviceSynchronize" and host["launched_in"] == [
+        "step", "FSDP::pre_backward", "aten::_chunk_cat"]
+    assert idle_gaps(events, min_us=300) == [] and idle_gaps([], 0) == []

@@ -91,6 +91,7 @@ TINY = ["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--d-model", "16
     (["--n-heads", "3"], "--d-model (16) must be divisible by --n-heads (3)"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--resume", "--save", ""], "--resume needs a checkpoint path"),
+    (["--bench-steps", "2", "--bench-trace", "t.json"], "--bench-trace keeps --bench-profile's trace"),
 ])
 def test_bad_arguments_fail_before_any_work(tmp_path, monkeypatch, capsys, flags, message):
     def no_work(*a, **k):
@@ -101,6 +102,18 @@ def test_bad_arguments_fail_before_any_work(tmp_path, monkeypatch, capsys, flags
     err = capsys.readouterr().err.strip()
     assert err.startswith("moeblaze train: error: ") and message in err and "\n" not in err
     assert os.listdir(tmp_path) == []
+
+
+def test_bench_profile_keeps_its_trace_where_asked(tmp_path, capsys):
+    import json
+
+    trace = tmp_path / "traces" / "step.json"
+    assert main(["train", *TINY, "--save", "", "--bench-steps", "2", "--bench-warmup", "1", "--bench-profile",
+                 "--bench-trace", str(trace), "--results", str(tmp_path / "res")]) == 0
+    (row,) = [json.loads(line) for line in open(tmp_path / "res" / "cpu.jsonl")]
+    assert row["split"]["host_top_ms"]
+    ops = [e["name"] for e in json.load(open(trace))["traceEvents"] if e.get("cat") == "cpu_op"]
+    assert "aten::mm" in ops or "aten::addmm" in ops, ops[:20]
 
 
 def test_bad_save_paths_fail_up_front_and_leave_nothing(tmp_path, monkeypatch, capsys):

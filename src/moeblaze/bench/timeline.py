@@ -78,3 +78,42 @@ def trace_kernels(path: str) -> list[tuple[str, float, float]]:
         events = json.load(f).get("traceEvents", [])
     return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events
             if e.get("ph") == "X" and e.get("cat") == "kernel"]
+
+
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def idle_gaps(events: list[dict], min_us: float = 100.0) -> list[dict]:
+    """The GPU's idle gaps of at least min_us between its first and last activity, longest first: each gap's
+    length (ms), the activity that ends it, and why it waited. "host": that activity was launched after the gap
+    began, so the GPU waited for the host; `host_op` is then the innermost profiled op running on the launching
+    thread when the gap began (what the host was busy with) and `launched_in` the ops the launch sits in,
+    outermost first. "dependency": it was launched before, so it waited on another stream or an event.
+    events: a chrome trace's traceEvents (torch.profiler)."""
+    work = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events
+                  if e.get("ph") == "X" and e.get("cat") in GPU_WORK)
+    launches = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X"
+                and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops: dict = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime"):
+            ops.setdefault(e["tid"], []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]))
+
+    for v in ops.values():
+        v.sort(key=lambda o: (o[0], -o[1]))  # an op before the ops it encloses
+
+    def around(tid, t):  # the ops on thread tid running at time t, outermost first
+        return [name for a, b, name in ops.get(tid, ()) if a <= t < b]
+
+    gaps, end = [], None
+    for a, b, e in work:
+        if end is not None and a - end >= min_us:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            gap = dict(ms=(a - end) / 1e3, next=e["name"][:80], cause="dependency", host_op=None, launched_in=None)
+            if launch is not None and float(launch["ts"]) > end:
+                busy = around(launch["tid"], end)
+                gap.update(cause="host", host_op=busy[-1] if busy else "(no profiled op)",
+                           launched_in=around(launch["tid"], float(launch["ts"]))[:-1])
+            gaps.append(gap)
+        end = b if end is None else max(end, b)
+    return sorted(gaps, key=lambda g: -g["ms"])

@@ -159,9 +159,10 @@ class StepTimer:
         return [(b - a) * 1e3 for a, b in self.marks]
 
 
-def profile_split(step_fn, finish_fn, device: torch.device) -> dict:
+def profile_split(step_fn, finish_fn, device: torch.device, trace: str | None = None) -> dict:
     """One more step under torch.profiler: its GPU time split (bench.timeline), and the host's costliest ops
-    (self time, under the profiler's own overhead)."""
+    (self time, under the profiler's own overhead); trace: where to keep its chrome trace."""
+    import shutil
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -180,6 +181,9 @@ def profile_split(step_fn, finish_fn, device: torch.device) -> dict:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         split = {k: round(v, 3) for k, v in step_split(trace_kernels(path)).items()}
+        if trace:
+            os.makedirs(os.path.dirname(os.path.abspath(trace)), exist_ok=True)
+            shutil.copyfile(path, trace)
     split["host_top_ms"] = [(e.key[:60], round(e.self_cpu_time_total / 1e3, 2), e.count) for e in host[:8]]
     return split
 
@@ -213,7 +217,8 @@ def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_p
         row.update(capacity_factor=args.capacity_factor, on_overflow=args.on_overflow,
                    capacity=ranks.tracker.capacity if ranks.tracker is not None else None)
     if profile_fns is not None:
-        row["split"] = profile_split(*profile_fns, device)
+        trace = args.bench_trace and args.bench_trace + (f".rank{ranks.rank}" if ranks and ranks.rank else "")
+        row["split"] = profile_split(*profile_fns, device, trace)
     launcher = f"torchrun --nproc-per-node {world} -m moeblaze.cli " if ranks else "moeblaze "
     env = run_env(device, launcher + shlex.join(sys.argv[1:]))
     if ranks is None or ranks.main:

@@ -129,6 +129,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b.add_argument("--bench-warmup", type=int, default=3)
     b.add_argument("--bench-profile", action="store_true", help="and one more step under torch.profiler: the step "
                    "split into GEMMs, all-to-all, all-gather + reduce-scatter and exposed communication")
+    b.add_argument("--bench-trace", metavar="FILE", help="with --bench-profile: keep that step's chrome trace in "
+                   "FILE (under torchrun, FILE.rank<i> for rank i > 0)")
     b.add_argument("--results", default="benchmarks/results", help="folder of the results file (one JSON line "
                    "per run in <gpu>.jsonl)")
 
@@ -156,6 +158,8 @@ def check_args(args, val_len: int) -> ModelConfig:
         if args.precision == "fp8" and args.ep > 1:
             raise ValueError("--precision fp8 under --ep is not supported yet")
         check_int("--bench-steps", args.bench_steps, minimum=0)
+        if args.bench_trace and not (args.bench_steps and args.bench_profile):
+            raise ValueError("--bench-trace keeps --bench-profile's trace: add --bench-steps N --bench-profile")
         if args.seq_len > val_len - 2:
             raise ValueError(f"--seq-len must be at most {val_len - 2} (the held-out text's length - 2), "
                              f"got {args.seq_len}")
