@@ -2,9 +2,10 @@
 --bench-trace FILE`): the idle time by cause (waiting for the host: what the host was doing, and in which op it
 launched the work that ended the wait; or waiting on a dependency: another stream, an event), then the longest gaps.
 
-    python scripts/trace_gaps.py TRACE.json [--min-ms 0.05] [--top 15]
+    python scripts/trace_gaps.py TRACE.json[.gz] [--min-ms 0.05] [--top 15]
 """
 import argparse
+import gzip
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ def main(argv=None) -> int:
     p.add_argument("--min-ms", type=float, default=0.05, help="shortest gap counted (default 0.05 ms)")
     p.add_argument("--top", type=int, default=15)
     args = p.parse_args(argv)
-    with open(args.trace) as f:
+    with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "rt") as f:
         events = json.load(f)["traceEvents"]
     work = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_WORK]
     if not work:
