@@ -27,7 +27,8 @@ def layout(r: dict) -> str:
     if units == "-":
         return "-"
     extras = "".join([", one unit" if units == "model" else "",
-                      ", keep gathered" if r.get("keep_gathered") else ""])
+                      ", keep gathered" if r.get("keep_gathered") else "",
+                      ", bf16 reductions" if r.get("reduce_dtype") == "bfloat16" else ""])
     if r["ep"] == 1:
         return "FSDP2 (ep 1)" + extras
     ep = "ep N" if r["ep"] == r["world"] else f"ep {r['ep']}"

@@ -92,6 +92,9 @@ TINY = ["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--d-model", "16
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--resume", "--save", ""], "--resume needs a checkpoint path"),
     (["--bench-steps", "2", "--bench-trace", "t.json"], "--bench-trace keeps --bench-profile's trace"),
+    (["--fsdp-keep-gathered"], "--fsdp-keep-gathered sets FSDP2, which runs under torchrun"),
+    (["--fsdp-units", "model"], "--fsdp-units model sets FSDP2, which runs under torchrun"),
+    (["--fsdp-reduce-dtype", "bfloat16"], "--fsdp-reduce-dtype bfloat16 sets FSDP2, which runs under torchrun"),
 ])
 def test_bad_arguments_fail_before_any_work(tmp_path, monkeypatch, capsys, flags, message):
     def no_work(*a, **k):
@@ -295,3 +298,20 @@ def test_train_compare_report_on_hand_made_logs(tmp_path, capsys):
     assert summary["preact-fp8"]["late_gap"] == 0 and summary["fp8"]["grad_norm"] == 2.0
     assert summary["fp8"]["vs_baseline"] == pytest.approx(0.0, abs=1e-5)
     assert "outside the band" in capsys.readouterr().out
+
+
+def test_fsdp_reduce_dtype_is_the_fsdp2_policy_s(monkeypatch):
+    """--fsdp-reduce-dtype reaches FSDP2's MixedPrecisionPolicy (bf16 parameters either way)."""
+    import moeblaze.distributed
+    from moeblaze.cli import parallel
+
+    seen = []
+    monkeypatch.setattr(moeblaze.distributed, "parallelize",
+                        lambda model, mesh, mp_policy=None, **kw: seen.append(mp_policy) or model)
+    ranks = parallel.Ranks(rank=0, world=1, ep=1, device=torch.device("cpu"), mesh=None)
+    for reduce_bf16 in (False, True):
+        parallel.parallelize_model("model", ranks, "exact", 1.25, "rerun", 16, 2, True, reduce_bf16=reduce_bf16)
+    parallel.parallelize_model("model", ranks, "exact", 1.25, "rerun", 16, 2, False)
+    assert [(p.param_dtype, p.reduce_dtype) for p in seen[:2]] == [(torch.bfloat16, torch.float32),
+                                                                   (torch.bfloat16, torch.bfloat16)]
+    assert seen[2] is None  # float32 parameters: FSDP2's default policy

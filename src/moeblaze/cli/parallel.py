@@ -75,13 +75,16 @@ def initial_capacity(capacity_factor: float, tokens: int, top_k: int, ep: int) -
 
 
 def parallelize_model(model, ranks: Ranks, dispatch: str, capacity_factor: float, on_overflow: str,
-                      tokens: int, top_k: int, bf16: bool, keep_gathered: bool = False, units: str = "blocks"):
-    """FSDP2 (+ ep) on the model, bf16 parameters with fp32 gradient reductions under bf16; the model."""
+                      tokens: int, top_k: int, bf16: bool, keep_gathered: bool = False, units: str = "blocks",
+                      reduce_bf16: bool = False):
+    """FSDP2 (+ ep) on the model, under bf16 with bf16 parameters and fp32 gradient reductions (bf16 ones with
+    reduce_bf16); the model."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from ..distributed import CapacityTracker, parallelize
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    reduce = torch.bfloat16 if reduce_bf16 else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce) if bf16 else None
     ep_kwargs = {}
     if ranks.ep > 1:
         ep_kwargs["dispatch"] = dispatch
@@ -207,6 +210,7 @@ def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_p
     row = dict(mode="train", preset=args.preset, model=cfg.to_dict(), world=world, ep=ep, efsdp=world // ep,
                dispatch=args.ep_dispatch if ep > 1 else "-", keep_gathered=bool(ranks and args.fsdp_keep_gathered),
                fsdp_units=args.fsdp_units if ranks else "-", compiled=args.compile,
+               reduce_dtype=args.fsdp_reduce_dtype if ranks else "-",
                cuda_graph=args.cuda_graph,
                dtype=args.dtype, batch_per_gpu=args.batch_size,
                seq=args.seq_len, tokens_per_gpu=tokens, params_m=round(n_params / 1e6, 1),

@@ -119,6 +119,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp-keep-gathered", action="store_true",
                    help="keep each FSDP2 unit's gathered parameters from forward to backward (one all-gather per "
                         "step instead of two; the memory of the full parameters)")
+    g.add_argument("--fsdp-reduce-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="with --dtype bfloat16: the dtype of FSDP2's gradient reductions (default float32; bfloat16 "
+                        "halves the reduce-scatter's bytes and its copy-in, at bf16's precision of the sums)")
     g.add_argument("--fsdp-units", default="blocks", choices=UNITS,
                    help="FSDP2 units: one per block and experts module (blocks), or the whole model as one "
                         "(model: one all-gather and reduce-scatter per step, for small models whose host time per "
@@ -198,6 +201,13 @@ def check_args(args, val_len: int) -> ModelConfig:
         raise UsageError("--dtype bfloat16 needs --device cuda")
     if args.impl == "triton" and args.device != "cuda" and not INTERPRET:
         raise UsageError("--impl triton needs --device cuda (or TRITON_INTERPRET=1 set before the command starts)")
+    fsdp_flags = [f for f, on in (("--fsdp-keep-gathered", args.fsdp_keep_gathered),
+                                  ("--fsdp-units model", args.fsdp_units != "blocks"),
+                                  ("--fsdp-reduce-dtype bfloat16", args.fsdp_reduce_dtype != "float32")) if on]
+    if fsdp_flags and not dist_run:
+        raise UsageError(f"{fsdp_flags[0]} sets FSDP2, which runs under torchrun (--nproc-per-node 1 or more)")
+    if args.fsdp_reduce_dtype != "float32" and args.dtype != "bfloat16":
+        raise UsageError("--fsdp-reduce-dtype bfloat16 needs --dtype bfloat16 (float32 parameters reduce in float32)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.ep > 1:
         if not dist_run:
@@ -333,7 +343,7 @@ def _run(args, cfg, train, val, ranks) -> dict:
     if ranks is not None:
         parallel.parallelize_model(model, ranks, args.ep_dispatch, args.capacity_factor, args.on_overflow,
                                    args.batch_size * args.seq_len, cfg.top_k, bf16, args.fsdp_keep_gathered,
-                                   args.fsdp_units)
+                                   units=args.fsdp_units, reduce_bf16=args.fsdp_reduce_dtype == "bfloat16")
     biased = ROUTERS[cfg.router].get("expert_bias", False)  # routers to update after each step (no walk otherwise)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")  # one kernel for every parameter (DTensors too)
