@@ -50,7 +50,7 @@ def test_idle_gaps_say_whether_the_gpu_waited_for_the_host_or_for_a_dependency()
         _x("cuda_runtime", "cudaDeviceSynchronize", 30, 600),
         _x("cpu_op", "FSDP::pre_backward", 700, 300), _x("cpu_op", "aten::_chunk_cat", 710, 100),
         _x("cuda_runtime", "cudaLaunchKernel", 720, 5, correlation=3),
-        _x("cuda_runtime", "cudaLaunchKernel", 730, 5, correlation=4),
+        _x("cuda_driver", "cuLaunchKernelEx", 730, 5, correlation=4),  # how Triton launches
         # GPU: 1 at 100-300; 2 (launched at 20) waits until 500; 3 (launched at 720) at 800-900; 4 right after
         _x("kernel", "gemm_a", 100, 200, tid=7, correlation=1), _x("kernel", "gemm_b", 500, 100, tid=8, correlation=2),
         _x("kernel", "chunk_cat", 800, 100, tid=7, correlation=3), _x("gpu_memcpy", "copy", 950, 50, tid=7,
@@ -62,4 +62,9 @@ def test_idle_gaps_say_whether_the_gpu_waited_for_the_host_or_for_a_dependency()
     host = gaps[1]
     assert host["host_op"] == "cudaDeviceSynchronize" and host["launched_in"] == [
         "step", "FSDP::pre_backward", "aten::_chunk_cat"]
+    # a gap ended by the driver-launched copy: in the FSDP2 hook, not in the launch itself
+    late = [e for e in events if e["cat"] != "cuda_driver"] + [
+        _x("cuda_driver", "cuLaunchKernelEx", 905, 5, correlation=4)]
+    copy = [g for g in idle_gaps(late, min_us=40) if g["next"] == "copy"][0]
+    assert copy["cause"] == "host" and copy["launched_in"] == ["step", "FSDP::pre_backward"], copy
     assert idle_gaps(events, min_us=300) == [] and idle_gaps([], 0) == []

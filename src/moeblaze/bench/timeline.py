@@ -96,7 +96,7 @@ def idle_gaps(events: list[dict], min_us: float = 100.0) -> list[dict]:
                 and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops: dict = {}
     for e in events:
-        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime"):
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver"):
             ops.setdefault(e["tid"], []).append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"]))
 
     for v in ops.values():
