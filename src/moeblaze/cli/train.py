@@ -1,8 +1,8 @@
 """`moeblaze train`: train the small MoE language model on the built-in corpus.
 
-Every argument is checked before any work starts (a bad one exits with status 2 and one line, as argparse
-does), including that the checkpoint location is writable. Checkpoints (model, optimizer, step, data-sampler
-state, config) are written atomically with a checksum and verified on --resume (see cli/checkpoint.py).
+Every flag is checked before any work starts (cli/train_flags.py: the flags and their checks). Checkpoints (model,
+optimizer, step, data-sampler state, config) are written atomically with a checksum and verified on --resume (see
+cli/checkpoint.py).
 --resume without a checkpoint at --save says so on one line and starts from step 0. A non-finite training
 loss stops the run with an error naming the step, before anything is saved, so the last checkpoint is never
 overwritten by a diverged state (the check rides on the run's existing host reads, every 10 steps and before
@@ -18,7 +18,6 @@ backward, clipping) from a CUDA graph captured at the second step (cli/graph_ste
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import json
@@ -29,215 +28,16 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..args import check_choice, check_int
-from ..config import INTERPRET
-from ..distributed import DISPATCHES, UNITS
-from ..experts import CHECKPOINTS, PRECISIONS
 from ..nn import ModelConfig, MoELayer, MoEModel
-from ..reference import ACTIVATIONS
-from ..routing import ROUTERS, RULES, update_expert_biases
-from . import UsageError, parallel
-from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, probe_writable, probe_writable_folder,
-                         save_checkpoint, save_sharded, sharded_checkpoint_path)
+from ..routing import ROUTERS, update_expert_biases
+from . import parallel
+from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, save_checkpoint, save_sharded,
+                         sharded_checkpoint_path)
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
-from .graph_step import GraphedStep, check_graphable
-from .presets import EXTRAS, PRESETS, SHAPE
+from .graph_step import GraphedStep
+from .train_flags import add_arguments, check_args, sharded_save
 
-OVERFLOW = ("rerun", "drop", "error")
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = PRESETS["small"]
-    p.add_argument("--preset", default="small", choices=tuple(PRESETS),
-                   help="model shape (default small); the shape flags below override it")
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (per process under torchrun)")
-    p.add_argument("--seq-len", type=int, default=None, help=f"default {d['seq_len']} (small)")
-    p.add_argument("--d-model", type=int, default=None, help=f"default {d['d_model']} (small)")
-    p.add_argument("--n-layers", type=int, default=None, help=f"default {d['n_layers']} (small)")
-    p.add_argument("--n-heads", type=int, default=None, help=f"default {d['n_heads']} (small)")
-    p.add_argument("--num-experts", type=int, default=None, help=f"default {d['num_experts']} (small)")
-    p.add_argument("--top-k", type=int, default=None, help=f"default {d['top_k']} (small)")
-    p.add_argument("--d-expert", type=int, default=None, help=f"default {d['d_expert']} (small)")
-    p.add_argument("--activation", default=ModelConfig.activation, choices=ACTIVATIONS)
-    p.add_argument("--impl", default=ModelConfig.impl, choices=("auto", "triton", "reference"))
-    p.add_argument("--checkpoint-policy", default=ModelConfig.checkpoint, choices=CHECKPOINTS)
-    p.add_argument("--precision", default=ModelConfig.precision, choices=PRECISIONS,
-                   help="fp8: the routed experts' data GEMMs on e4m3 with 1x128 / 128x128 scales (sm_89+)")
-    p.add_argument("--fp8-weight-cache", action="store_true",
-                   help="with --precision fp8: quantize the experts' weights once per optimizer step (both layouts) "
-                        "and keep the e4m3 copies in between, instead of where each GEMM uses them")
-    p.add_argument("--shared-experts", type=int, default=None, help="always-on experts per MoE layer (default 0)")
-    p.add_argument("--d-shared", type=int, default=None, help="their width (default: --d-expert)")
-    p.add_argument("--shared-gate", action="store_const", const=True, default=None,
-                   help="scale the shared experts' output by a learned sigmoid gate of x")
-    p.add_argument("--dense-layers", type=int, default=None, help="dense feed-forward in the first N blocks")
-    p.add_argument("--token-rounding", default="", choices=("",) + RULES,
-                   help="SonicMoE's token rounding while training (nr-f, up, down): every expert's tokens a multiple "
-                        "of the tile; evaluation routes plain top-k")
-    p.add_argument("--rounding-tile", type=int, default=0, help="its tile (default 0: the kernels' row tile, 128)")
-    p.add_argument("--router", default=None, choices=tuple(ROUTERS),
-                   help="a model family's routing (score function, scale, biases, groups, balancing loss; default: "
-                        "softmax top-k, renormalized, switch loss); deepseek-v3's expert bias is updated after every "
-                        "optimizer step")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--aux-loss-coef", type=float, default=1e-2)
-    p.add_argument("--z-loss-coef", type=float, default=1e-3)
-    p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--save", default=None, help="checkpoint path ('' to disable; default checkpoints/moeblaze.pt, "
-                   "or the folder checkpoints/moeblaze-sharded under torchrun)")
-    p.add_argument("--save-every", type=int, default=250)
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the checkpoint at --save (without one, say so and start from step 0)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="compute dtype; bfloat16 runs under CUDA autocast (and FSDP2 keeps bf16 parameters with "
-                        "fp32 gradient reductions under torchrun)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compile", action="store_true", help="torch.compile each block (GPU; under torchrun before "
-                   "FSDP2 wraps it): fewer launches and less host time per step")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="(GPU) capture the training step (forward, backward, clipping; FSDP2's collectives too) in a "
-                        "CUDA graph at the second step and replay it after: one launch a step plus the optimizer's, "
-                        "for a model whose step is paced by the host. Every step has the same shapes; no host sync "
-                        "may run inside it: --ep > 1 needs --ep-dispatch capacity with --on-overflow drop or error")
-    g = p.add_argument_group("several processes (torchrun --nproc-per-node N)")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a divisor of N and of --num-experts; "
-                   "default 1: FSDP2 alone)")
-    g.add_argument("--ep-dispatch", default="exact", choices=DISPATCHES,
-                   help="exact: variable all-to-all splits, one host sync per layer; capacity: fixed splits, none")
-    g.add_argument("--capacity-factor", type=float, default=1.25,
-                   help="capacity dispatch: rows per pair of ranks = factor x tokens x top-k / ep (default 1.25)")
-    g.add_argument("--on-overflow", default="rerun", choices=OVERFLOW,
-                   help="capacity dispatch, when a rank needs more rows than the capacity: rerun the step with a "
-                        "larger capacity (default), drop the rows past it, or stop with an error")
-    p.add_argument("--loss-log", default="", help="write every step's training loss (the global mean under torchrun), "
-                   "the gradient norm before clipping and each MoE layer's max/mean expert load over the step's "
-                   "pairs (all ranks', after token "
-                   "rounding), then every validation loss, to this file as JSON lines at the end of the run")
-    g.add_argument("--fsdp-keep-gathered", action="store_true",
-                   help="keep each FSDP2 unit's gathered parameters from forward to backward (one all-gather per "
-                        "step instead of two; the memory of the full parameters)")
-    g.add_argument("--fsdp-reduce-dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="with --dtype bfloat16: the dtype of FSDP2's gradient reductions (default float32; bfloat16 "
-                        "halves the reduce-scatter's bytes and its copy-in, at bf16's precision of the sums)")
-    g.add_argument("--fsdp-units", default="blocks", choices=UNITS,
-                   help="FSDP2 units: one per block and experts module (blocks), or the whole model as one "
-                        "(model: one all-gather and reduce-scatter per step, for small models whose host time per "
-                        "unit limits them; the experts stay their own units at --ep > 1)")
-    b = p.add_argument_group("benchmark")
-    b.add_argument("--bench-steps", type=int, default=0,
-                   help="time this many steps (after --bench-warmup) and write a results row, instead of training")
-    b.add_argument("--bench-warmup", type=int, default=3)
-    b.add_argument("--bench-profile", action="store_true", help="and one more step under torch.profiler: the step "
-                   "split into GEMMs, all-to-all, all-gather + reduce-scatter and exposed communication")
-    b.add_argument("--bench-trace", metavar="FILE", help="with --bench-profile: keep that step's chrome trace in "
-                   "FILE (under torchrun, FILE.rank<i> for rank i > 0)")
-    b.add_argument("--results", default="benchmarks/results", help="folder of the results file (one JSON line "
-                   "per run in <gpu>.jsonl)")
-
-
-def check_args(args, val_len: int) -> ModelConfig:
-    """The model config of the flags, after every flag is checked (UsageError naming the flag otherwise)."""
-    dist_run = parallel.launched()
-    for name in SHAPE + EXTRAS:
-        if getattr(args, name, None) is None:
-            preset = PRESETS[args.preset]
-            setattr(args, name, preset[name] if name in preset else getattr(ModelConfig, name))
-    if args.save is None:
-        args.save = "checkpoints/moeblaze-sharded" if dist_run else "checkpoints/moeblaze.pt"
-    try:
-        for name in ("steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k",
-                     "d_expert", "eval_every", "eval_batches", "save_every", "ep", "bench_warmup"):
-            check_int("--" + name.replace("_", "-"), getattr(args, name))
-        check_int("--seed", args.seed, minimum=0)
-        for name in ("shared_experts", "d_shared", "dense_layers", "rounding_tile"):
-            check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=0)
-        if args.token_rounding and args.ep > 1:
-            raise ValueError("--token-rounding under --ep is not supported yet")
-        if args.checkpoint_policy == "preact-fp8" and args.ep > 1:
-            raise ValueError("--checkpoint-policy preact-fp8 under --ep is not supported yet")
-        if args.precision == "fp8" and args.ep > 1:
-            raise ValueError("--precision fp8 under --ep is not supported yet")
-        check_int("--bench-steps", args.bench_steps, minimum=0)
-        if args.bench_trace and not (args.bench_steps and args.bench_profile):
-            raise ValueError("--bench-trace keeps --bench-profile's trace: add --bench-steps N --bench-profile")
-        if args.seq_len > val_len - 2:
-            raise ValueError(f"--seq-len must be at most {val_len - 2} (the held-out text's length - 2), "
-                             f"got {args.seq_len}")
-        if not (math.isfinite(args.lr) and args.lr > 0):
-            raise ValueError(f"--lr must be a positive finite number, got {args.lr}")
-        for name in ("aux_loss_coef", "z_loss_coef"):
-            v = getattr(args, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
-        if not (math.isfinite(args.capacity_factor) and args.capacity_factor > 0):
-            raise ValueError(f"--capacity-factor must be a positive finite number, got {args.capacity_factor}")
-        if args.top_k > args.num_experts:
-            raise ValueError(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
-        if args.d_model % args.n_heads:
-            raise ValueError(f"--d-model ({args.d_model}) must be divisible by --n-heads ({args.n_heads})")
-        check_choice("--activation", args.activation, ACTIVATIONS)
-        check_choice("--ep-dispatch", args.ep_dispatch, DISPATCHES)
-        check_choice("--on-overflow", args.on_overflow, OVERFLOW)
-        check_choice("--router", args.router, tuple(ROUTERS))
-        cfg = ModelConfig(max_seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers,
-                          n_heads=args.n_heads, num_experts=args.num_experts, top_k=args.top_k,
-                          d_expert=args.d_expert, activation=args.activation, impl=args.impl,
-                          checkpoint=args.checkpoint_policy, router=args.router, shared_experts=args.shared_experts,
-                          d_shared=args.d_shared, shared_gate=args.shared_gate, dense_layers=args.dense_layers,
-                          token_rounding=args.token_rounding, rounding_tile=args.rounding_tile,
-                          precision=args.precision, fp8_weight_cache=args.fp8_weight_cache)
-    except (TypeError, ValueError) as e:
-        raise UsageError(str(e)) from None
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
-    if args.cuda_graph:
-        check_graphable(args)
-    if args.compile and args.device != "cuda":
-        raise UsageError("--compile needs --device cuda (the interpreter's kernels do not compile)")
-    if args.dtype == "bfloat16" and args.device != "cuda":
-        raise UsageError("--dtype bfloat16 needs --device cuda")
-    if args.impl == "triton" and args.device != "cuda" and not INTERPRET:
-        raise UsageError("--impl triton needs --device cuda (or TRITON_INTERPRET=1 set before the command starts)")
-    fsdp_flags = [f for f, on in (("--fsdp-keep-gathered", args.fsdp_keep_gathered),
-                                  ("--fsdp-units model", args.fsdp_units != "blocks"),
-                                  ("--fsdp-reduce-dtype bfloat16", args.fsdp_reduce_dtype != "float32")) if on]
-    if fsdp_flags and not dist_run:
-        raise UsageError(f"{fsdp_flags[0]} sets FSDP2, which runs under torchrun (--nproc-per-node 1 or more)")
-    if args.fsdp_reduce_dtype != "float32" and args.dtype != "bfloat16":
-        raise UsageError("--fsdp-reduce-dtype bfloat16 needs --dtype bfloat16 (float32 parameters reduce in float32)")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.ep > 1:
-        if not dist_run:
-            raise UsageError(f"--ep {args.ep} needs {args.ep} or more processes: run under torchrun "
-                             "--nproc-per-node N")
-        if world % args.ep:
-            raise UsageError(f"--ep {args.ep} must divide the number of processes ({world})")
-        if args.num_experts % args.ep:
-            raise UsageError(f"--ep {args.ep} must divide --num-experts ({args.num_experts})")
-        if args.impl == "reference" or (args.device != "cuda" and not INTERPRET):
-            raise UsageError("--ep runs the experts on the Triton kernels: --device cuda (or TRITON_INTERPRET=1 set "
-                             "before the command starts), not --impl reference")
-    elif args.ep_dispatch != "exact":
-        raise UsageError("--ep-dispatch capacity needs --ep > 1")
-    if args.resume and not args.save:
-        raise UsageError("--resume needs a checkpoint path (--save)")
-    if args.bench_steps and args.resume:
-        raise UsageError("--bench-steps times fresh steps: it does not --resume")
-    if args.save and not args.bench_steps:
-        try:
-            (probe_writable_folder if _sharded(args.save, dist_run) else probe_writable)(args.save)
-        except CheckpointError as e:
-            raise UsageError(f"--save: {e}") from None
-    return cfg
-
-
-def _sharded(save: str, dist_run: bool) -> bool:
-    """Whether the checkpoint at `save` is (to be) a sharded folder: always under torchrun, and in one process
-    where `save` already is one (a run on several GPUs continued, or evaluated, on one)."""
-    return dist_run or sharded_checkpoint_path(save) is not None
+__all__ = ["add_arguments", "run"]
 
 
 def _batch(data, args, gen, ranks):
@@ -288,7 +88,7 @@ def _same_config(saved: dict, cfg: ModelConfig) -> None:
 
 def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
     """The step of the checkpoint at --save, loaded into model, opt and gen (SystemExit if it can't be)."""
-    if not _sharded(args.save, ranks is not None):
+    if not sharded_save(args.save, ranks is not None):
         try:
             ck = load_checkpoint(args.save, map_location=device)
         except CheckpointError as e:
@@ -351,7 +151,7 @@ def _run(args, cfg, train, val, ranks) -> dict:
     step = saved_step = 0
     bench = args.bench_steps > 0
     save = "" if bench else args.save
-    sharded = bool(save) and _sharded(save, ranks is not None)
+    sharded = bool(save) and sharded_save(save, ranks is not None)
     found = (sharded_checkpoint_path(save) is not None) if sharded else os.path.exists(save)
     if args.resume and not found:
         say(f"--resume: no checkpoint at {save}; starting from step 0")
