@@ -12,7 +12,7 @@ import sys
 from collections import defaultdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from moeblaze.bench.timeline import GPU_WORK, idle_gaps  # noqa: E402
+from moeblaze.bench.timeline import gpu_work, idle_gaps  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "rt") as f:
         events = json.load(f)["traceEvents"]
-    work = [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_WORK]
+    work = gpu_work(events)
     if not work:
         print(f"no GPU activity in {args.trace}", file=sys.stderr)
         return 1

@@ -67,4 +67,7 @@ def test_idle_gaps_say_whether_the_gpu_waited_for_the_host_or_for_a_dependency()
         _x("cuda_driver", "cuLaunchKernelEx", 905, 5, correlation=4)]
     copy = [g for g in idle_gaps(late, min_us=40) if g["next"] == "copy"][0]
     assert copy["cause"] == "host" and copy["launched_in"] == ["step", "FSDP::pre_backward"], copy
+    # two activities with the same start and length (on two streams) are fine
+    twin = events + [_x("kernel", "twin", 100, 200, tid=9, correlation=1)]
+    assert [g["next"] for g in idle_gaps(twin, min_us=40)] == ["gemm_b", "chunk_cat", "copy"]
     assert idle_gaps(events, min_us=300) == [] and idle_gaps([], 0) == []

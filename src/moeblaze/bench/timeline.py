@@ -83,6 +83,11 @@ def trace_kernels(path: str) -> list[tuple[str, float, float]]:
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+def gpu_work(events: list[dict]) -> list[dict]:
+    """The GPU's activity among a chrome trace's events: kernels, copies and memsets."""
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in GPU_WORK]
+
+
 def idle_gaps(events: list[dict], min_us: float = 100.0) -> list[dict]:
     """The GPU's idle gaps of at least min_us between its first and last activity, longest first: each gap's
     length (ms), the activity that ends it, and why it waited. "host": that activity was launched after the gap
@@ -90,8 +95,8 @@ def idle_gaps(events: list[dict], min_us: float = 100.0) -> list[dict]:
     thread when the gap began (what the host was busy with) and `launched_in` the ops the launch sits in,
     outermost first. "dependency": it was launched before, so it waited on another stream or an event.
     events: a chrome trace's traceEvents (torch.profiler)."""
-    work = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in events
-                  if e.get("ph") == "X" and e.get("cat") in GPU_WORK)
+    work = sorted(((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in gpu_work(events)),
+                  key=lambda w: w[:2])  # by time only: two activities at the same times are not ordered further
     launches = {e["args"]["correlation"]: e for e in events if e.get("ph") == "X"
                 and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops: dict = {}
