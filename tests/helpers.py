@@ -65,17 +65,22 @@ def _rank_entry(rank, world, port, body, args, errors):
         dist.destroy_process_group()
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now, for a process group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_ranks(body, world: int, *args) -> None:
     """Run body(rank, world, errors, *args) in `world` spawned CPU processes of one gloo group on 127.0.0.1; body
     puts what it finds wrong on `errors` (a queue), and the caller's test fails listing every rank's findings (an
     exception in a rank fails it too)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     errors = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(_rank_entry, args=(world, port, body, args, errors), nprocs=world, join=True,
                        start_method="spawn")

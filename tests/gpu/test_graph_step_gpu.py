@@ -43,14 +43,11 @@ def test_the_graphed_step_is_the_eager_step_under_fsdp2(tmp_path, monkeypatch, u
     """FSDP2 on a one-rank NCCL group, as `torchrun --nproc-per-node 1` starts it: the units' all-gathers and
     reduce-scatters, with their streams and hooks, captured with the step; the graphed run is the eager run,
     bitwise. Two ranks and more: `bash scripts/scaling.sh graph`."""
-    import socket
+    from helpers import free_port
 
     from moeblaze.cli import parallel
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                      TORCHELASTIC_RUN_ID="test").items():  # what torchrun sets
         monkeypatch.setenv(k, v)
     wrapped = []
