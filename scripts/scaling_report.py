@@ -17,6 +17,7 @@ import json
 import statistics
 import sys
 from collections import defaultdict
+from typing import NamedTuple
 
 SPLIT = ("gemm_ms", "all_to_all_ms", "allgather_reducescatter_ms", "exposed_comm_ms")
 
@@ -36,9 +37,19 @@ def layout(r: dict) -> str:
     return f"{ep}, {r['dispatch']}{cap}" + extras
 
 
-def flags(r: dict) -> tuple:
+class Flags(NamedTuple):
     """What must match between a run and the one-GPU run it is measured against."""
-    return r["preset"], r["batch_per_gpu"], r["seq"], r["dtype"], r.get("compiled", False), r.get("cuda_graph", False)
+    preset: str
+    batch: int
+    seq: int
+    dtype: str
+    compiled: bool
+    graph: bool
+
+
+def flags(r: dict) -> Flags:
+    return Flags(r["preset"], r["batch_per_gpu"], r["seq"], r["dtype"], r.get("compiled", False),
+                 r.get("cuda_graph", False))
 
 
 def entries(rows: list[dict]) -> list[dict]:
@@ -52,10 +63,11 @@ def entries(rows: list[dict]) -> list[dict]:
     out = []
     for (fl, world, lay), g in groups.items():
         ms = step[fl, world, lay]
-        tok = fl[1] * fl[2] / ms * 1e3  # the same tokens per GPU at every N: efficiency is a ratio of steps
+        tok = fl.batch * fl.seq / ms * 1e3  # the same tokens per GPU at every N: efficiency is a ratio of steps
         splits = [x["split"] for x in g if x.get("split")]
         out.append(dict(
-            preset=fl[0], batch=fl[1], seq=fl[2], graph=fl[5], compiled=fl[4], world=world, layout=lay, runs=len(g),
+            preset=fl.preset, batch=fl.batch, seq=fl.seq, graph=fl.graph, compiled=fl.compiled, world=world,
+            layout=lay, runs=len(g),
             step_ms=ms, tokens_s_per_gpu=tok,
             efficiency=base[fl] / ms if fl in base else None, peak_gb=max(x["peak_gb"] for x in g),
             split=[statistics.median(s.get(k, 0.0) for s in splits) for k in SPLIT] if splits else None,
