@@ -1,12 +1,14 @@
 """The current moeblaze against an earlier commit's, in one process on one GPU (bf16): outputs and every
-gradient compared bitwise, then step times taken in turns (harness.time_interleaved), per config and backend.
-Make the baseline first with `bash scripts/make_baseline.sh REV` (it lands in .baseline/moeblaze_base).
+gradient compared bitwise, then step times taken in turns (harness.time_interleaved), per config, backend,
+checkpoint policy and precision. Make the baseline first with `bash scripts/make_baseline.sh REV` (it lands in
+.baseline/moeblaze_base).
 
-    python scripts/ab_compare.py [--configs A,B,C,D,E] [--backends auto,tl] [--policies preact,recompute]
+    python scripts/ab_compare.py [--configs A,B,C,D,E] [--backends tl,gluon] [--policies preact,recompute]
+                                 [--precisions native,fp8]
 
-Backend "tl" pins the current code to the tl kernels and turns the baseline's Gluon switch off (its module
-global of that time), so both run every launch on tl. The tl kernels are autotuned by timing, so two processes
-(or two packages) may pick different configs: "tl" rows may differ in the last bits where they do."""
+The baseline is called in 0.1's form (moe_experts(..., activation, checkpoint, impl="triton", backend=...,
+precision=...)), the current code with an ExpertsConfig. The tl kernels are autotuned by timing, so two packages
+may pick different configs: "tl" rows may differ in the last bits where they do."""
 import argparse
 import os
 import sys
@@ -15,50 +17,59 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".baseline"))
-from moeblaze.bench.harness import CONFIGS, make_problem, moeblaze_call, run_step, time_interleaved  # noqa: E402
+from moeblaze import ExpertsConfig, build_routing_index, moe_experts  # noqa: E402
+from moeblaze.bench.harness import CONFIGS, make_problem, run_step, time_interleaved  # noqa: E402
 
 
-def baseline_call(base, p, checkpoint, backend):
-    gluon_switch = base.ops.experts  # the baseline's module global (main at 7141009 and before)
+def baseline_call(base, p, checkpoint, backend, precision):
+    def call(x, idx, w, w1, w2):
+        r = base.routing.build_routing_index(idx, p.E, check=False)
+        return base.moe_experts(x, r, w, w1, w2, p.activation, checkpoint, impl="triton", check=False,
+                                backend=backend, precision=precision)
+    return call
+
+
+def current_call(p, checkpoint, backend, precision):
+    config = ExpertsConfig(activation=p.activation, checkpoint=checkpoint, backend=backend, precision=precision)
 
     def call(x, idx, w, w1, w2):
-        gluon_switch.GLUON = backend != "tl"
-        r = base.routing.build_routing_index(idx, p.E, check=False)
-        return base.ops.moe_experts(x, r, w, w1, w2, p.activation, checkpoint, impl="triton", check=False)
+        return moe_experts(x, build_routing_index(idx, p.E, check=False), w, w1, w2, config=config, check=False)
     return call
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="A,B,C,D,E")
-    ap.add_argument("--backends", default="auto,tl")
+    ap.add_argument("--backends", default="tl,gluon")
     ap.add_argument("--policies", default="preact,recompute")
+    ap.add_argument("--precisions", default="native,fp8")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
     import moeblaze_base as base
 
     rev = open(os.path.join(os.path.dirname(__file__), "..", ".baseline", "REV")).read().strip()
     print(f"current against baseline {rev}; {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    print("| config | backend | policy | bitwise equal (out, dx, dw1, dw2, dtopk_w) | baseline step ms | current "
-          "step ms | current / baseline |\n|---|---|---|---|---|---|---|", flush=True)
+    print("| config | backend | policy | precision | bitwise equal (out, dx, dw1, dw2, dtopk_w) | baseline step ms | "
+          "current step ms | current / baseline |\n|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.configs.split(","):
         p = make_problem(*CONFIGS[name], dtype=torch.bfloat16, device="cuda")
         for backend in args.backends.split(","):
             for policy in args.policies.split(","):
-                calls = {"baseline": baseline_call(base, p, policy, backend),
-                         "current": moeblaze_call(p, policy, backend)}
-                results = {k: run_step(c, p, 0, True) for k, c in calls.items()}
-                for k in calls:  # warm-up beyond the compiling step
-                    for i in range(3):
-                        run_step(calls[k], p, i, True)
-                (ob, gb), (oc, gc) = results["baseline"], results["current"]
-                equal = [torch.equal(a, b) for a, b in zip((ob,) + gb, (oc,) + gc)]
-                del results, ob, gb, oc, gc
-                times = time_interleaved(calls, p, args.iters)
-                tb, tc = times["baseline"]["step_ms"], times["current"]["step_ms"]
-                print(f"| {name} | {backend} | {policy} | {'yes' if all(equal) else equal} | {tb:.2f} | {tc:.2f} | "
-                      f"{tc / tb:.3f} |", flush=True)
-                torch.cuda.empty_cache()
+                for precision in args.precisions.split(","):
+                    calls = {"baseline": baseline_call(base, p, policy, backend, precision),
+                             "current": current_call(p, policy, backend, precision)}
+                    results = {k: run_step(c, p, 0, True) for k, c in calls.items()}
+                    for k in calls:  # warm-up beyond the compiling step
+                        for i in range(3):
+                            run_step(calls[k], p, i, True)
+                    (ob, gb), (oc, gc) = results["baseline"], results["current"]
+                    equal = [torch.equal(a, b) for a, b in zip((ob,) + gb, (oc,) + gc)]
+                    del results, ob, gb, oc, gc
+                    times = time_interleaved(calls, p, args.iters)
+                    tb, tc = times["baseline"]["step_ms"], times["current"]["step_ms"]
+                    print(f"| {name} | {backend} | {policy} | {precision} | {'yes' if all(equal) else equal} | "
+                          f"{tb:.2f} | {tc:.2f} | {tc / tb:.3f} |", flush=True)
+                    torch.cuda.empty_cache()
         del p
         torch.cuda.empty_cache()
 

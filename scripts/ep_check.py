@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from moeblaze import ExpertsConfig
 from moeblaze.distributed import ep_experts
 from moeblaze.experts import launch_counts, moe_experts
 from moeblaze.experts.tl import TUNED_KERNELS
@@ -70,7 +71,7 @@ def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: st
     E_loc = w1.shape[0] // world
     ins = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
     out_all = moe_experts(ins[0], build_routing_index(idx, w1.shape[0]), ins[1], ins[2], ins[3],
-                          checkpoint=checkpoint, impl="triton", backend=backend)
+                          config=ExpertsConfig(checkpoint=checkpoint, backend=backend))
     g_all = torch.autograd.grad(out_all, ins, dy)
     mine, experts = slice(rank * L, (rank + 1) * L), slice(rank * E_loc, (rank + 1) * E_loc)
     local = [x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_(),

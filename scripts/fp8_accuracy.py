@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from moeblaze import ExpertsConfig
 from moeblaze.cli.bench import run_env
 from moeblaze.reference import fake_quant_blocks, fake_quant_rows, moe_experts_reference
 from moeblaze.routing import route_topk
@@ -58,7 +59,8 @@ def layer_cases(device, L=1024, d=1024, h=512, E=8, K=2):
 
     def run(**kw):
         ins = [t.to(device).requires_grad_() for t in (x, w1, w2, w.float())]
-        out = moe_experts_reference(ins[0], idx.to(device), ins[3], ins[1], ins[2], "swiglu", **kw)
+        out = moe_experts_reference(ins[0], idx.to(device), ins[3], ins[1], ins[2],
+                                    config=ExpertsConfig(activation="swiglu"), **kw)
         return [out, *torch.autograd.grad(out, ins, dy.to(device))]
 
     exact = run()

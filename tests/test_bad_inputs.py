@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import moeblaze.experts
-from moeblaze import ModelConfig, MoELayer, TopKRouter, build_routing_index, moe_experts
+from moeblaze import ExpertsConfig, ModelConfig, MoELayer, TopKRouter, build_routing_index, moe_experts
 from moeblaze.distributed import ep_experts
 from moeblaze.routing import round_to_index
 from moeblaze.cli import main
@@ -53,7 +53,7 @@ CASES = [
     ("ModelConfig(n_heads=3)", ValueError),
     ("ModelConfig(vocab_size=256.0)", TypeError),
     ("ModelConfig(top_k=9)", ValueError),
-    ("ModelConfig(impl='gpu')", ValueError),
+    ("ModelConfig(experts=ExpertsConfig(backend='gpu'))", ValueError),
     ("layer(torch.tensor(1.0))", ValueError),
     ("layer(torch.randn(4, 15))", ValueError),
     ("layer(torch.ones(4, 16, dtype=torch.long))", TypeError),
@@ -165,15 +165,15 @@ def outcome(call: str, tmp: str) -> tuple[type, str]:
                  build_routing_index=build_routing_index, moe_experts=moe_experts, ep_experts=ep_experts,
                  load_checkpoint=load_checkpoint, round_to_index=round_to_index, logits=torch.randn(6, 4),
                  x=x, idx=idx, routing=build_routing_index(idx, 4), w=torch.rand(6, 2), w1=w1, w2=w2,
-                 layer=MoELayer(16, 32, 4, 2), damaged=damaged)
-    interpret = moeblaze.experts.INTERPRET
-    moeblaze.experts.INTERPRET = "TRITON_INTERPRET unset" not in call and interpret
+                 layer=MoELayer(16, 32, 4, 2), damaged=damaged, ExpertsConfig=ExpertsConfig)
+    interpret = moeblaze.config.INTERPRET
+    moeblaze.config.INTERPRET = "TRITON_INTERPRET unset" not in call and interpret
     try:
         eval(call.split("  #")[0], names)
     except Exception as e:
         return type(e), _relative(str(e), tmp)
     finally:
-        moeblaze.experts.INTERPRET = interpret
+        moeblaze.config.INTERPRET = interpret
     raise AssertionError(f"{call} raised nothing")
 
 

@@ -1,13 +1,14 @@
 """Expert parallelism on CPU processes (gloo, 127.0.0.1): the receiver index's order, and the EP layer at 2 and 4
 ranks against one process over all ranks' tokens, bitwise (torch.equal) on the Triton kernels under the
 interpreter (fp32): output, dx, the router weights' gradient and each rank's expert-weight gradients, under both
-checkpoint policies and both dispatch modes, with skewed routing, empty experts, a rank without tokens and a rank
-that receives nothing; capacity dispatch also under torch.compile(fullgraph=True). Capacity overflow: an error by
-default (every rank), dropped pairs equal to one process that drops them, and a tracker's rerun at the capacity it
-asks for equal to one process."""
+checkpoint policies and both dispatch modes (precision="fp8" and checkpoint="preact-fp8" too), with skewed
+routing, empty experts, a rank without tokens and a rank that receives nothing; capacity dispatch also under
+torch.compile(fullgraph=True). Capacity overflow: an error by default (every rank), dropped pairs equal to one
+process that drops them, and a tracker's rerun at the capacity it asks for equal to one process."""
 
 import torch
 
+from moeblaze import ExpertsConfig
 from moeblaze.distributed import CapacityTracker, ep_experts, receiver_index
 from moeblaze.experts import moe_experts
 from moeblaze.routing import build_routing_index
@@ -50,6 +51,12 @@ def _problem(world, case):
     return toks, w1, w2
 
 
+def _config(recipe: str, **kw) -> ExpertsConfig:
+    """A case's recipe: a checkpoint policy, or "fp8-" and one (precision="fp8")."""
+    fp8 = recipe.startswith("fp8-")
+    return ExpertsConfig(checkpoint=recipe.removeprefix("fp8-"), precision="fp8" if fp8 else "native", **kw)
+
+
 def _one_process(toks, w1, w2, checkpoint, dropped=None):
     """out and the gradients (x, w, w1, w2) of one process over all ranks' tokens; `dropped` (pairs) go to no
     expert, as sentinels."""
@@ -59,7 +66,7 @@ def _one_process(toks, w1, w2, checkpoint, dropped=None):
         idx_all = torch.where(dropped, E, idx_all)
     ins = [t.clone().requires_grad_() for t in (x_all, w_all, w1, w2)]
     routing = build_routing_index(idx_all, E, sentinels=dropped is not None)
-    out_all = moe_experts(ins[0], routing, ins[1], ins[2], ins[3], checkpoint=checkpoint, impl="triton")
+    out_all = moe_experts(ins[0], routing, ins[1], ins[2], ins[3], config=_config(checkpoint, backend="triton"))
     dy_all = torch.randn(out_all.shape, generator=torch.Generator().manual_seed(3))
     return out_all, torch.autograd.grad(out_all, ins, dy_all), dy_all
 
@@ -77,9 +84,11 @@ def _ep(rank, world, toks, w1, w2, checkpoint, dy_all, **kw):
     if kw.pop("compiled", False):  # traced whole by torch.compile: the capacity path's custom ops (the index by
         # sort: dynamo can't trace the interpreter's launch of the dense builder; the same index either way)
         torch._dynamo.reset()
-        kw["index_method"] = "sort"
         call = torch.compile(ep_experts, fullgraph=True, backend="aot_eager")
-    out = call(local[0], idx, local[1], local[2], local[3], checkpoint=checkpoint, **kw)
+        config = _config(checkpoint, index_method="sort")
+    else:
+        config = _config(checkpoint)
+    out = call(local[0], idx, local[1], local[2], local[3], config=config, **kw)
     return out, torch.autograd.grad(out, local, dy_all[mine]), mine, experts
 
 
@@ -153,6 +162,14 @@ def test_ep2_equals_one_process_bitwise():
     _run(2, [(case, checkpoint, dispatch) for case in ("uniform", "skewed", "empty_experts", "empty_rank")
              for checkpoint in ("preact", "recompute") for dispatch in ("exact", "capacity")]
          + [("uniform", "preact", "capacity_compiled"), ("empty_rank", "recompute", "capacity_compiled")])
+
+
+def test_ep2_fp8_and_preact_fp8_equal_one_process_bitwise():
+    """precision="fp8" and checkpoint="preact-fp8" under expert parallelism: the same op on the received rows, so
+    equal to one process bit for bit, in both dispatch modes (and capacity traced by torch.compile)."""
+    _run(2, [("uniform", "preact-fp8", "exact"), ("empty_rank", "preact-fp8", "capacity"),
+             ("skewed", "fp8-preact", "exact"), ("empty_experts", "fp8-recompute", "capacity"),
+             ("uniform", "fp8-preact-fp8", "exact"), ("uniform", "fp8-preact", "capacity_compiled")])
 
 
 def test_ep4_equals_one_process_bitwise():

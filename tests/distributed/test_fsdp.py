@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from moeblaze import ExpertsConfig
 from moeblaze import ModelConfig, MoEModel
 from moeblaze.distributed import clip_grad_norm_, data_parallel_size, parallelize
 
@@ -20,7 +21,8 @@ TOL = 1e-5
 def _model():
     torch.manual_seed(0)
     return MoEModel(ModelConfig(vocab_size=32, max_seq_len=8, d_model=16, n_layers=2, n_heads=2, num_experts=4,
-                                top_k=2, d_expert=16, impl="triton"))
+                                top_k=2, d_expert=16,
+                                experts=ExpertsConfig(backend="triton")))
 
 
 def _loss(model, ids):

@@ -7,7 +7,9 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from moeblaze.experts import CHECKPOINTS, moe_experts
+from moeblaze import ExpertsConfig
+from moeblaze.experts import moe_experts
+from moeblaze.recipe import CHECKPOINTS
 from moeblaze.reference import ACTIVATIONS, moe_experts_reference, up_width
 from moeblaze.routing import build_routing_index
 from helpers import rel_err
@@ -44,12 +46,13 @@ def test_triton_experts_match_the_reference(p):
     w = torch.rand(L, K, generator=gen) + 0.1
     dy = torch.randn(L, D, generator=gen)
     ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
-    out = moe_experts(ins[0], build_routing_index(idx, E), ins[3], ins[1], ins[2], act, p["checkpoint"],
-                      impl="triton", chunk_tokens=p["chunk_tokens"])
+    cfg = ExpertsConfig(activation=act, checkpoint=p["checkpoint"], chunk_tokens=p["chunk_tokens"], backend="triton")
+    out = moe_experts(ins[0], build_routing_index(idx, E), ins[3], ins[1], ins[2], config=cfg)
     grads = torch.autograd.grad(out, ins, dy)
     ref_ins = [t.double().requires_grad_() for t in (x, w1, w2, w)]
-    ref = moe_experts_reference(ref_ins[0], idx, ref_ins[3], ref_ins[1], ref_ins[2], act,
-                                preact_fp8=p["checkpoint"] == "preact-fp8")
+    ref = moe_experts_reference(ref_ins[0], idx, ref_ins[3], ref_ins[1], ref_ins[2],
+                                config=cfg.replace(checkpoint="preact-fp8" if p["checkpoint"] == "preact-fp8"
+                                                   else "preact"))
     ref_grads = torch.autograd.grad(ref, ref_ins, dy.double())
     for name, a, b in zip(("out", "dx", "dw1", "dw2", "dtopk_w"), (out, *grads), (ref, *ref_grads)):
         assert a.shape == b.shape, name

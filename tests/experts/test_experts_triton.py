@@ -3,6 +3,7 @@ allocations: output and every gradient (x, w1, w2, router weights)."""
 import pytest
 import torch
 
+from moeblaze import ExpertsConfig
 from moeblaze.experts import moe_experts
 from moeblaze.experts.tl import TUNED_KERNELS
 from moeblaze.experts.tl.configs import pinned
@@ -20,11 +21,13 @@ def run_both(L, D, H, E, K, activation="swiglu", checkpoint="preact", dtype=torc
     x, w1, w2, idx, w = random_problem(L, D, H, E, K, activation, dtype, skew)
     routing = build_routing_index(idx, E)
     ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
-    out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], activation, checkpoint, impl="triton")
+    cfg = ExpertsConfig(activation=activation, checkpoint=checkpoint, backend="triton")
+    out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], config=cfg)
     dy = torch.randn_like(out)
     grads = torch.autograd.grad(out, ins, dy)
     ref_ins = [t.double().requires_grad_() for t in (x, w1, w2, w)]
-    ref = moe_experts_reference(ref_ins[0], idx, ref_ins[3], ref_ins[1], ref_ins[2], activation)
+    ref = moe_experts_reference(ref_ins[0], idx, ref_ins[3], ref_ins[1], ref_ins[2],
+                                config=ExpertsConfig(activation=activation))
     ref_grads = torch.autograd.grad(ref, ref_ins, dy.double())
     names = ("out", "dx", "dw1", "dw2", "dtopk_w")
     return {n: rel_err(a, b) for n, a, b in zip(names, (out,) + grads, (ref,) + ref_grads)}
@@ -64,7 +67,7 @@ def test_all_tokens_to_one_expert_top1(poison_alloc):
     x, w1, w2, _, w = random_problem(33, 16, 16, 4, 1)
     idx = torch.zeros(33, 1, dtype=torch.int32)
     w1.requires_grad_()
-    out = moe_experts(x, build_routing_index(idx, 4), w, w1, w2, impl="triton")
+    out = moe_experts(x, build_routing_index(idx, 4), w, w1, w2, config=ExpertsConfig(backend="triton"))
     out.sum().backward()
     assert rel_err(out, moe_experts_reference(x.double(), idx, w.double(), w1.double(), w2.double())) < 1e-5
     assert torch.count_nonzero(w1.grad[1:]) == 0
@@ -76,7 +79,7 @@ def test_deterministic(poison_alloc):
     runs = []
     for _ in range(2):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
-        out = moe_experts(ins[0], r, ins[3], ins[1], ins[2], impl="triton")
+        out = moe_experts(ins[0], r, ins[3], ins[1], ins[2], config=ExpertsConfig(backend="triton"))
         runs.append((out,) + torch.autograd.grad(out.square().sum(), ins))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
@@ -97,8 +100,8 @@ def test_bad_inputs_are_rejected(mutate, exc, match):
     a = dict(x=x, w1=w1, w2=w2, w=w, activation="swiglu", checkpoint="preact")
     mutate(a)
     with pytest.raises(exc, match=match):
-        moe_experts(a["x"], build_routing_index(idx, 4), a["w"], a["w1"], a["w2"], a["activation"], a["checkpoint"],
-                    impl="triton")
+        moe_experts(a["x"], build_routing_index(idx, 4), a["w"], a["w1"], a["w2"],
+                    config=ExpertsConfig(activation=a["activation"], checkpoint=a["checkpoint"], backend="triton"))
 
 
 @pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
@@ -108,7 +111,8 @@ def test_token_chunks_give_the_same_result(poison_alloc, checkpoint):
     runs = []
     for chunk in (None, 16):  # 16 does not divide 50: the last chunk is short
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
-        out = moe_experts(ins[0], r, ins[3], ins[1], ins[2], "swiglu", checkpoint, impl="triton", chunk_tokens=chunk)
+        cfg = ExpertsConfig(checkpoint=checkpoint, chunk_tokens=chunk, backend="triton")
+        out = moe_experts(ins[0], r, ins[3], ins[1], ins[2], config=cfg)
         runs.append((out,) + torch.autograd.grad(out, ins, torch.ones_like(out)))
     for a, b in zip(*runs):
         assert rel_err(a, b) < 1e-6
@@ -195,9 +199,9 @@ def test_gluon_kernels_import_and_are_never_chosen_off_hopper():
         dispatch.resolve("gluon", cpu)
     x, w1, w2, idx, w = random_problem(8, 16, 8, 4, 2)
     with pytest.raises(ValueError, match="backend must be one of"):
-        moe_experts(x, build_routing_index(idx, 4), w, w1, w2, impl="triton", backend="cuda")
+        moe_experts(x, build_routing_index(idx, 4), w, w1, w2, config=ExpertsConfig(backend="cuda"))
     with pytest.raises(ValueError, match="sm_90"):
-        moe_experts(x, build_routing_index(idx, 4), w, w1, w2, impl="triton", backend="gluon")
+        moe_experts(x, build_routing_index(idx, 4), w, w1, w2, config=ExpertsConfig(backend="gluon"))
 
 
 def test_launch_counts_name_the_backend_of_every_stage():
@@ -206,7 +210,8 @@ def test_launch_counts_name_the_backend_of_every_stage():
 
     x, w1, w2, idx, w = random_problem(16, 16, 8, 4, 2)
     launch_counts.clear()
-    out = moe_experts(x, build_routing_index(idx, 4), w.requires_grad_(), w1.requires_grad_(), w2, impl="triton")
+    out = moe_experts(x, build_routing_index(idx, 4), w.requires_grad_(), w1.requires_grad_(), w2,
+                      config=ExpertsConfig(backend="triton"))
     out.sum().backward()
     assert dict(launch_counts) == {("up", "tl"): 1, ("down", "tl"): 1, ("down_bwd", "tl"): 1,
                                    ("weight_grad", "tl"): 2, ("dx_rows", "tl"): 1}

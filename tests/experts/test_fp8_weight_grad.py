@@ -4,6 +4,7 @@ gradients (fake_quant_rows of each expert's Pᵀ and Qᵀ, the 128 x 1 groups st
 import pytest
 import torch
 
+from moeblaze import ExpertsConfig
 from moeblaze.experts.schedule import tile_schedule
 from moeblaze.experts.stages import RowPlan
 from moeblaze.experts.tl import quant
@@ -85,12 +86,13 @@ def test_precision_fp8_with_fp8_weight_gradients_matches_the_emulation(poison_al
 
     def run(**kw):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
-        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], "swiglu", checkpoint, precision="fp8", **kw)
+        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2],
+                          config=ExpertsConfig(checkpoint=checkpoint, precision="fp8", **kw))
         return [out, *torch.autograd.grad(out, ins, dy)]
 
-    got = run(impl="triton", fp8_wgrad=True)
-    emulated = run(impl="reference", fp8_wgrad=True)
-    plain = run(impl="triton")
+    got = run(backend="triton", fp8_wgrad=True)
+    emulated = run(backend="reference", fp8_wgrad=True)
+    plain = run(backend="triton")
     for name, g, e in zip(("out", "dx", "dw1", "dw2", "dw"), got, emulated):
         assert rel_err(g, e) <= 1e-3, (name, rel_err(g, e))
     for i in (0, 1, 4):  # out, dx, dS: the same arithmetic as without it
@@ -98,7 +100,7 @@ def test_precision_fp8_with_fp8_weight_gradients_matches_the_emulation(poison_al
     for i in (2, 3):
         assert 1e-3 < rel_err(got[i], plain[i]) < 0.1
     with pytest.raises(ValueError, match="fp8_wgrad"):
-        moe_experts(x, routing, w, w1, w2, impl="triton", fp8_wgrad=True)
+        moe_experts(x, routing, w, w1, w2, config=ExpertsConfig(fp8_wgrad=True, backend="triton"))
 
 
 def test_the_hopper_weight_gradient_takes_only_padded_tile_major_scales(monkeypatch):

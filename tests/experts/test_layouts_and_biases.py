@@ -4,6 +4,7 @@ views (gradients written in the same layout), and the clamped SwiGLU with pre-ac
 import pytest
 import torch
 
+from moeblaze import ExpertsConfig
 from moeblaze.experts import moe_experts
 from moeblaze.reference import CLAMP_LIMIT, moe_experts_dense, moe_experts_reference
 from moeblaze.routing import build_routing_index
@@ -33,15 +34,16 @@ def run(L, D, H, E, K, activation="clamped_swiglu", interleaved=True, bias=True,
     ins = [t.detach().requires_grad_() for t in leaves]
     tri = dict(zip(("x", "w1", "w2", "w", "b1", "b2"), ins + [None] * (6 - len(ins))))
     routing = build_routing_index(idx, E, sentinels=bool(sentinels))
-    out = moe_experts(tri["x"], routing, tri["w"], tri["w1"], tri["w2"], activation, checkpoint, impl="triton",
-                      chunk_tokens=chunk_tokens, b1=tri["b1"], b2=tri["b2"], interleaved=interleaved)
+    out = moe_experts(tri["x"], routing, tri["w"], tri["w1"], tri["w2"], tri["b1"], tri["b2"],
+                      config=ExpertsConfig(activation=activation, checkpoint=checkpoint, chunk_tokens=chunk_tokens,
+                                           backend="triton"), interleaved=interleaved)
     dy = torch.randn_like(out)
     grads = torch.autograd.grad(out, ins, dy)
     ref_ins = [t.detach().double().requires_grad_() for t in leaves]
     ref = dict(zip(("x", "w1", "w2", "w", "b1", "b2"), ref_ins + [None] * (6 - len(ins))))
     keep = idx < E
-    ref_out = moe_experts_reference(ref["x"], idx.clamp(max=E - 1), ref["w"] * keep, ref["w1"], ref["w2"], activation,
-                                    ref["b1"], ref["b2"], interleaved)
+    ref_out = moe_experts_reference(ref["x"], idx.clamp(max=E - 1), ref["w"] * keep, ref["w1"], ref["w2"], ref["b1"],
+                                    ref["b2"], config=ExpertsConfig(activation=activation), interleaved=interleaved)
     ref_grads = torch.autograd.grad(ref_out, ref_ins, dy.double())
     names = ["out", "dx", "dw1", "dw2", "dtopk_w", "db1", "db2"][:len(ins) + 1]
     errs = {n: rel_err(a, b) for n, a, b in zip(names, (out,) + grads, (ref_out,) + ref_grads)}
@@ -94,14 +96,16 @@ def test_reference_with_biases_matches_dense(interleaved):
     x, w1, w2, idx, w, b1, b2 = problem(23, 12, 10, 5, 2, "clamped_swiglu", True, True, 4.0)
     args = [t.double() for t in (x, w1, w2, w, b1, b2)]
     x, w1, w2, w, b1, b2 = args
-    assert rel_err(moe_experts_reference(x, idx, w, w1, w2, "clamped_swiglu", b1, b2, interleaved),
-                   moe_experts_dense(x, idx, w, w1, w2, "clamped_swiglu", b1, b2, interleaved)) < 1e-12
+    assert rel_err(moe_experts_reference(x, idx, w, w1, w2, b1, b2, config=ExpertsConfig(activation="clamped_swiglu"),
+                                         interleaved=interleaved),
+                   moe_experts_dense(x, idx, w, w1, w2, b1, b2, config=ExpertsConfig(activation="clamped_swiglu"),
+                                     interleaved=interleaved)) < 1e-12
 
 
 def test_reference_gradcheck_with_biases():
     x, w1, w2, idx, w, b1, b2 = problem(6, 5, 4, 3, 2, "swiglu", True, False)
     args = [t.double().requires_grad_() for t in (x, w1, w2, w, b1, b2)]
-    fn = lambda x, w1, w2, w, b1, b2: moe_experts_reference(x, idx, w, w1, w2, "swiglu", b1, b2, True)  # noqa: E731
+    fn = lambda x, w1, w2, w, b1, b2: moe_experts_reference(x, idx, w, w1, w2, b1, b2, interleaved=True)  # noqa: E731
     assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-6)
 
 
@@ -115,7 +119,7 @@ def test_bad_bias_or_layout_is_refused(bad, message):
     activation = bad.pop("activation", "swiglu")
     x, w1, w2, idx, w = random_problem(9, 32, 16, 5, 2, activation)
     with pytest.raises((ValueError, TypeError), match=message):
-        moe_experts(x, build_routing_index(idx, 5), w, w1, w2, activation, **bad)
+        moe_experts(x, build_routing_index(idx, 5), w, w1, w2, config=ExpertsConfig(activation=activation), **bad)
 
 
 def test_zeroed_tail_covers_every_weight_gradient_row_block():
@@ -123,7 +127,7 @@ def test_zeroed_tail_covers_every_weight_gradient_row_block():
     kernels read at most one row block (BLOCK_K) there, so TAIL_ROWS must cover every config's block."""
     import inspect
 
-    from moeblaze.experts.autograd import TAIL_ROWS
+    from moeblaze.experts.op import TAIL_ROWS
     from moeblaze.experts.gluon_sm90.wgrad import weight_grad
     from moeblaze.experts.tl.configs import WGRAD_CONFIGS
 
@@ -133,7 +137,7 @@ def test_zeroed_tail_covers_every_weight_gradient_row_block():
 
 def test_zeroing_the_tail_leaves_every_kept_row():
     """Rows from `first` on are zeroed (at most TAIL_ROWS of them), none before it, also where no row is past it."""
-    from moeblaze.experts.autograd import TAIL_ROWS, _zero_rows_from
+    from moeblaze.experts.op import TAIL_ROWS, _zero_rows_from
 
     for R, first in ((10, 10), (10, 9), (10, 0), (TAIL_ROWS + 40, 20), (0, 0)):
         t = torch.arange(1, R * 3 + 1, dtype=torch.float32).view(R, 3)

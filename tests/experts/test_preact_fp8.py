@@ -3,6 +3,7 @@ against the reference's arithmetic for it, against plain "preact", and its kept 
 import pytest
 import torch
 
+from moeblaze import ExpertsConfig
 from moeblaze.bench.memory import SavedTensorCounter
 from moeblaze.experts import moe_experts
 from moeblaze.reference import (FP8_MAX, dequantize_blocks, dequantize_rows, fake_quant_rows, moe_experts_reference,
@@ -73,17 +74,18 @@ def test_preact_fp8_kernels_match_the_reference(poison_alloc, activation):
     routing = build_routing_index(idx, 6)
     dy = torch.randn_like(x)
 
-    def run(impl, checkpoint, dtype, **ref):
+    def run(impl, checkpoint, dtype):
         ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w)]
+        cfg = ExpertsConfig(activation=activation, checkpoint=checkpoint, backend=impl)
         if impl == "reference":
-            out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], activation, **ref)
+            out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], config=cfg)
         else:
-            out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], activation, checkpoint, impl=impl)
+            out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], config=cfg)
         return [out, *torch.autograd.grad(out, ins, dy.to(dtype))]
 
     got = run("triton", "preact-fp8", torch.float32)
-    want = run("reference", None, torch.float64, preact_fp8=True)
-    exact = run("reference", None, torch.float64)
+    want = run("reference", "preact-fp8", torch.float64)
+    exact = run("reference", "preact", torch.float64)
     plain = run("triton", "preact", torch.float32)
     assert torch.equal(got[0], plain[0])
     for name, g, r, e in zip(("out", "dx", "dw1", "dw2", "dw"), got, want, exact):
@@ -201,7 +203,8 @@ def test_preact_fp8_keeps_one_byte_per_element_and_a_scale_per_128():
     for checkpoint in ("preact", "preact-fp8"):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
         with SavedTensorCounter(exclude=ins) as c:
-            moe_experts(ins[0], routing, ins[3], ins[1], ins[2], checkpoint=checkpoint, impl="triton")
+            moe_experts(ins[0], routing, ins[3], ins[1], ins[2], config=ExpertsConfig(checkpoint=checkpoint,
+                                                                                      backend="triton"))
         kept[checkpoint] = c.total_bytes
     R, F = 64 * 2, 192
     assert kept["preact"] - kept["preact-fp8"] == R * F * (4 - 1) - R * 2 * 4
@@ -223,8 +226,9 @@ def test_preact_fp8_under_compile_equals_eager(checkpoint, precision):
 
     def layer(x, counts, offsets, eti, slot, w, w1, w2):
         from moeblaze.routing import RoutingIndex
-        return moe_experts(x, RoutingIndex(counts, offsets, eti, slot), w, w1, w2, checkpoint=checkpoint,
-                           impl="triton", check=False, precision=precision)
+        return moe_experts(x, RoutingIndex(counts, offsets, eti, slot), w, w1, w2,
+                           config=ExpertsConfig(checkpoint=checkpoint, precision=precision,
+                                                backend="triton"), check=False)
 
     eager = step(layer)
     compiled = step(torch.compile(layer, fullgraph=True, backend="aot_eager"))
@@ -250,10 +254,12 @@ def test_fp8_gemm_emulation_backward_is_autograd_without_quantization(monkeypatc
     def run(**kw):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w.double()) + ((b1, b2) if biases else ())]
         bb = ins[4:] if biases else (None, None)
-        out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], activation, *bb, **kw)
+        out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], *bb,
+                                    config=ExpertsConfig(activation=activation, **kw))
         return [out, *torch.autograd.grad(out, ins, dy)]
 
-    for a, b in zip(run(fp8_gemms=True, preact_fp8=preact_fp8, fp8_wgrad=fp8_wgrad), run(preact_fp8=False)):
+    for a, b in zip(run(precision="fp8", checkpoint="preact-fp8" if preact_fp8 else "preact", fp8_wgrad=fp8_wgrad),
+                    run()):
         assert rel_err(a, b) <= 1e-12
 
 
@@ -265,20 +271,20 @@ def test_fp8_gemm_emulation_error_is_the_formats():
 
     def run(**kw):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w.double())]
-        out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], **kw)
+        out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], config=ExpertsConfig(**kw))
         return [out, *torch.autograd.grad(out, ins, dy)]
 
-    for name, a, b in zip(("out", "dx", "dw1", "dw2", "dw"), run(fp8_gemms=True), run()):
+    for name, a, b in zip(("out", "dx", "dw1", "dw2", "dw"), run(precision="fp8"), run()):
         assert 1e-4 < rel_err(a, b) < 0.08, (name, rel_err(a, b))
     # fp8 weight gradients: dW1 and dW2 change, within the same few percent; nothing else does
-    data, wgrad, exact = run(fp8_gemms=True), run(fp8_gemms=True, fp8_wgrad=True), run()
+    data, wgrad, exact = run(precision="fp8"), run(precision="fp8", fp8_wgrad=True), run()
     for name, a, b, c in zip(("out", "dx", "dw1", "dw2", "dw"), wgrad, data, exact):
         if name in ("dw1", "dw2"):
             assert not torch.equal(a, b) and 1e-4 < rel_err(a, c) < 0.08, (name, rel_err(a, c))
         else:
             assert torch.equal(a, b), name
-    with pytest.raises(ValueError, match="fp8_gemms"):
-        moe_experts_reference(x, idx, w, w1, w2, fp8_wgrad=True)
+    with pytest.raises(ValueError, match="fp8_wgrad"):
+        moe_experts_reference(x, idx, w, w1, w2, config=ExpertsConfig(fp8_wgrad=True))
 
 
 @pytest.mark.parametrize("gather", [False, True])
@@ -326,13 +332,14 @@ def test_precision_fp8_kernels_match_the_emulation(poison_alloc, activation, che
 
     def run(**kw):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
-        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], activation, checkpoint, interleaved=interleaved,
-                          **kw)
+        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2],
+                          config=ExpertsConfig(activation=activation, checkpoint=checkpoint, **kw),
+                          interleaved=interleaved)
         return [out, *torch.autograd.grad(out, ins, dy)]
 
-    got = run(impl="triton", precision="fp8")
-    emulated = run(impl="reference", precision="fp8")
-    exact = run(impl="reference")
+    got = run(backend="triton", precision="fp8")
+    emulated = run(backend="reference", precision="fp8")
+    exact = run(backend="reference")
     for name, g, e, r in zip(("out", "dx", "dw1", "dw2", "dw"), got, emulated, exact):
         assert rel_err(g, e) <= 1e-3, (name, rel_err(g, e))
         assert 1e-4 < rel_err(g, r) < 0.1, (name, rel_err(g, r))
@@ -355,7 +362,7 @@ def test_precision_fp8_on_a_rounded_routing(poison_alloc):
 
     def run(impl):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, wk)]
-        out = moe_experts(ins[0], index, ins[3], ins[1], ins[2], impl=impl, precision="fp8")
+        out = moe_experts(ins[0], index, ins[3], ins[1], ins[2], config=ExpertsConfig(precision="fp8", backend=impl))
         return [out, *torch.autograd.grad(out, ins, dy)]
 
     for name, g, e in zip(("out", "dx", "dw1", "dw2", "dw"), run("triton"), run("reference")):
@@ -368,10 +375,11 @@ def test_layer_with_fp8_precision(poison_alloc):
     from moeblaze import MoELayer
 
     torch.manual_seed(0)
-    layers = {impl: MoELayer(128, 64, 4, 2, impl=impl, precision="fp8", shared_experts=1) for impl in
+    layers = {impl: MoELayer(128, 64, 4, 2, experts=ExpertsConfig(precision="fp8", backend=impl),
+                             shared_experts=1) for impl in
               ("triton", "reference")}
     layers["reference"].load_state_dict(layers["triton"].state_dict())
-    assert "precision=fp8" in repr(layers["triton"].experts) and "precision" not in repr(layers["triton"].shared)
+    assert "precision='fp8'" in repr(layers["triton"].experts) and "precision" not in repr(layers["triton"].shared)
     x = torch.randn(2, 24, 128)
     res = {}
     for impl, layer in layers.items():

@@ -5,6 +5,7 @@ precision="fp8" in bf16 on both backends within FACTOR x the bf16 reference's er
 import pytest
 import torch
 
+from moeblaze import ExpertsConfig
 from moeblaze.experts import moe_experts
 from moeblaze.reference import fake_quant_blocks, fake_quant_rows, moe_experts_reference, quantize_blocks, quantize_rows
 from moeblaze.routing import build_routing_index, route_topk
@@ -114,13 +115,13 @@ def test_preact_fp8_bf16(backend):
     def run(dtype, **kw):
         ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w)]
         if kw.pop("kernels", False):
-            out = moe_experts(ins[0], build_routing_index(idx, E), ins[3], ins[1], ins[2], **kw)
+            out = moe_experts(ins[0], build_routing_index(idx, E), ins[3], ins[1], ins[2], config=ExpertsConfig(**kw))
         else:
-            out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], **kw)
+            out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], config=ExpertsConfig(**kw))
         return [out, *torch.autograd.grad(out, ins, dy.to(dtype))]
 
-    want = run(torch.float32, preact_fp8=True)
-    ref = run(torch.bfloat16, preact_fp8=True)
+    want = run(torch.float32, checkpoint="preact-fp8")
+    ref = run(torch.bfloat16, checkpoint="preact-fp8")
     got = run(torch.bfloat16, kernels=True, checkpoint="preact-fp8", backend=backend)
     for name, g, r, wt in zip(("out", "dx", "dw1", "dw2", "dw"), got, ref, want):
         assert torch.isfinite(g).all(), name
@@ -140,14 +141,14 @@ def test_precision_fp8_bf16_against_the_emulation(checkpoint, backend):
 
     def run(dtype, **kw):
         ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w)]
-        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], checkpoint=checkpoint, **kw)
+        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], config=ExpertsConfig(checkpoint=checkpoint, **kw))
         return [out, *torch.autograd.grad(out, ins, dy.to(dtype))]
 
-    want = run(torch.float32, impl="reference", precision="fp8")
-    ref = run(torch.bfloat16, impl="reference", precision="fp8")
-    exact = run(torch.float32, impl="reference")
+    want = run(torch.float32, backend="reference", precision="fp8")
+    ref = run(torch.bfloat16, backend="reference", precision="fp8")
+    exact = run(torch.float32, backend="reference")
     dispatch.launch_counts.clear()
-    got = run(torch.bfloat16, impl="triton", precision="fp8", backend=backend)
+    got = run(torch.bfloat16, precision="fp8", backend=backend)
     assert dispatch.launch_counts["fp8_rows", backend] >= 4, dispatch.launch_counts
     for name, g, r, wt, ex in zip(("out", "dx", "dw1", "dw2", "dw"), got, ref, want, exact):
         assert torch.isfinite(g).all(), name
@@ -170,8 +171,8 @@ def test_fp8_weight_cache_and_the_dh_pass_quantizer_on_the_gpu(backend):
 
     def run(cache):
         ins = [t.bfloat16().requires_grad_() for t in (x, w)]
-        out = moe_experts(ins[0], routing, ins[1], w1, w2, impl="triton", precision="fp8", backend=backend,
-                          fp8_weight_cache=cache)
+        cfg = ExpertsConfig(precision="fp8", fp8_weight_cache=cache, backend=backend)
+        out = moe_experts(ins[0], routing, ins[1], w1, w2, config=cfg)
         return [out, *torch.autograd.grad(out, [*ins, w1, w2], dy.bfloat16())]
 
     plain = run(False)
@@ -241,12 +242,13 @@ def test_fp8_weight_gradients_bf16_against_the_emulation(backend):
 
     def run(dtype, **kw):
         ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w)]
-        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], precision="fp8", fp8_wgrad=True, **kw)
+        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2],
+                          config=ExpertsConfig(precision="fp8", fp8_wgrad=True, **kw))
         return [out, *torch.autograd.grad(out, ins, dy.to(dtype))]
 
-    want = run(torch.float32, impl="reference")
-    ref = run(torch.bfloat16, impl="reference")
-    got = run(torch.bfloat16, impl="triton", backend=backend)
+    want = run(torch.float32, backend="reference")
+    ref = run(torch.bfloat16, backend="reference")
+    got = run(torch.bfloat16, backend=backend)
     for name, g, r, wt in zip(("out", "dx", "dw1", "dw2", "dw"), got, ref, want):
         assert torch.isfinite(g).all(), name
         assert _rel(g, wt) <= FACTOR * max(_rel(r, wt), 1e-3), (name, _rel(g, wt), _rel(r, wt))

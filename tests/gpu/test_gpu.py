@@ -7,6 +7,7 @@ reference, times a small factor: our kernels round H, A, Y and dH to bf16 like a
 import pytest
 import torch
 
+from moeblaze import ExpertsConfig
 from moeblaze import MoELayer
 from moeblaze.bench.harness import CONFIGS, make_problem, reference_grads
 from moeblaze.experts import launch_counts, moe_experts
@@ -32,8 +33,9 @@ def _run(p, fn):
 
 
 def _ours(p, checkpoint, backend):
-    return lambda x, idx, w, w1, w2: moe_experts(x, build_routing_index(idx, p.E), w, w1, w2, p.activation,
-                                                 checkpoint, impl="triton", backend=backend)
+    return lambda x, idx, w, w1, w2: moe_experts(x, build_routing_index(idx, p.E), w, w1, w2,
+                                                 config=ExpertsConfig(activation=p.activation, checkpoint=checkpoint,
+                                                                      backend=backend))
 
 
 def ran_on(stages=GEMM_STAGES) -> set:
@@ -46,7 +48,8 @@ def ran_on(stages=GEMM_STAGES) -> set:
 def test_configs_bf16_against_fp32_reference(name, backend):
     p = make_problem(*CONFIGS[name], dtype=torch.bfloat16, device="cuda")
     ref = reference_grads(p)
-    torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2, p.activation))
+    torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2,
+                                                                         config=ExpertsConfig(activation=p.activation)))
     bound = {n: FACTOR * _rel(a, r) + 1e-4 for n, a, r in zip(NAMES, torch_bf16, ref)}
     del torch_bf16
     for checkpoint in ("preact", "recompute"):
@@ -65,7 +68,8 @@ def test_configs_bf16_against_fp32_reference(name, backend):
 def test_other_activations_bf16(activation, backend):
     p = make_problem(4096, 512, 384, 16, 2, activation, torch.bfloat16, "cuda")
     ref = reference_grads(p)
-    torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2, activation))
+    torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2,
+                                                                         config=ExpertsConfig(activation=activation)))
     launch_counts.clear()
     got = _run(p, _ours(p, "preact", backend))
     # the Gluon up-projection is SwiGLU only: the other activations' up runs on tl, the rest on the backend
@@ -81,7 +85,8 @@ def test_gluon_falls_back_to_tl_for_shapes_it_cannot_take():
         pytest.skip("needs sm_90")
     p = make_problem(2048, 200, 256, 8, 2, dtype=torch.bfloat16, device="cuda")
     ref = reference_grads(p)
-    torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2, p.activation))
+    torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2,
+                                                                         config=ExpertsConfig(activation=p.activation)))
     launch_counts.clear()
     got = _run(p, _ours(p, "preact", "gluon"))
     assert ran_on({"up", "down_bwd"}) == {"tl"} and ran_on({"down", "dx_rows"}) == {"gluon"}, dict(launch_counts)
@@ -105,7 +110,7 @@ def test_dense_index_equals_sort_on_gpu():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_compile_fullgraph_matches_eager(backend):
-    layer = MoELayer(512, 256, 16, 2, impl="triton", backend=backend).cuda().to(torch.bfloat16)
+    layer = MoELayer(512, 256, 16, 2, experts=ExpertsConfig(backend=backend)).cuda().to(torch.bfloat16)
     x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     eager = layer(x)
     launch_counts.clear()
@@ -121,7 +126,7 @@ def test_torch_compile_fullgraph_matches_eager(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_training_step_never_syncs_with_host(backend):
-    layer = MoELayer(512, 256, 16, 2, impl="triton", backend=backend).cuda().to(torch.bfloat16)
+    layer = MoELayer(512, 256, 16, 2, experts=ExpertsConfig(backend=backend)).cuda().to(torch.bfloat16)
     x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layer(x).out.float().sum().backward()  # compile the kernels first
     torch.cuda.synchronize()
@@ -142,7 +147,8 @@ def test_every_autotune_config_compiled():
 
     p = make_problem(4096, 512, 384, 16, 2, dtype=torch.bfloat16, device="cuda")
     ref = reference_grads(p)
-    torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2, p.activation))
+    torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2,
+                                                                         config=ExpertsConfig(activation=p.activation)))
     bound = {n: FACTOR * _rel(a, r) + 1e-4 for n, a, r in zip(NAMES, torch_bf16, ref)}
     for name, kernel in TUNED_KERNELS.items():
         configs = kernel.configs
@@ -187,15 +193,15 @@ def test_backward_on_a_fresh_thread(backend):
     backward body on a new thread whose first CUDA work it is, and compare with the calling thread's."""
     import threading
 
-    from moeblaze.experts.autograd import experts_backward, experts_forward
+    from moeblaze.experts.op import Recipe, experts_backward, experts_forward
 
     p = make_problem(1024, 256, 256, 8, 2, dtype=torch.bfloat16, device="cuda")
     x, idx, w, dy = p.sets[0]
     r = build_routing_index(idx, p.E)
     args = (x.detach(), p.w1.detach(), p.w2.detach(), w.detach(), None, None)  # no biases
-    _, preact, _scale, *sched = experts_forward(*args, *r.tensors(), "swiglu", True, backend)
-    bwd_args = (dy, *args, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot, preact, "swiglu", True,
-                backend)
+    recipe = Recipe(backend=backend).key
+    _, preact, scale, *sched = experts_forward(*args, *r.tensors(), recipe)
+    bwd_args = (dy, *args, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot, preact, scale, recipe)
     want = experts_backward(*bwd_args)
     got, errors = [], []
 
@@ -218,7 +224,7 @@ def test_backward_on_a_fresh_thread(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_batch(backend, checkpoint):
     """L = 0 (a rank without tokens): empty output, zero gradients, zero losses, no launch that can't take 0 rows."""
-    layer = MoELayer(512, 256, 16, 2, impl="triton", checkpoint=checkpoint, backend=backend).cuda().bfloat16()
+    layer = MoELayer(512, 256, 16, 2, experts=ExpertsConfig(checkpoint=checkpoint, backend=backend)).cuda().bfloat16()
     x = torch.randn(0, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     out, aux, z = layer(x)
     assert out.shape == (0, 512) and aux.item() == 0 and z.item() == 0

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from moeblaze import ExpertsConfig
 from moeblaze import MoELayer
 from moeblaze.routing import ROUTERS
 
@@ -29,8 +30,8 @@ def _step(layer, x, dy):
                                                 ("gpt-oss", 0, False), ("olmoe", 2, True)])
 def test_routers_and_shared_experts_bf16(router, shared, gate):
     torch.manual_seed(0)
-    make = lambda impl: MoELayer(1024, 512, 64, 4, impl=impl, router=ROUTERS[router], shared_experts=shared,  # noqa
-                                 d_shared=768, shared_gate=gate).cuda()
+    make = lambda impl: MoELayer(1024, 512, 64, 4, experts=ExpertsConfig(backend=impl), router=ROUTERS[router],
+                                 shared_experts=shared, d_shared=768, shared_gate=gate).cuda()
     ours = make("triton")
     with torch.no_grad():
         if gate:
@@ -94,7 +95,8 @@ def test_token_rounding_through_the_kernels_bf16(poison_alloc, backend, rule, ch
         index, wk, overflow = rounded_index(r.kept_LE, r.weights_LE, 4 * K, rounded_rows_bound(L, K, E, BLOCK_M, rule))
         assert not bool(overflow)
         ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2)]
-        out = moe_experts(ins[0], index, wk, ins[1], ins[2], checkpoint=checkpoint, impl=impl, backend=backend)
+        out = moe_experts(ins[0], index, wk, ins[1], ins[2], config=ExpertsConfig(checkpoint=checkpoint,
+                                                                                  backend=backend))
         grads = torch.autograd.grad(out, ins + [lg], dy.to(dtype))
         return [out] + list(grads)
 

@@ -9,6 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 import moeblaze.integrations.transformers as mbt  # noqa: E402
+from moeblaze import ExpertsConfig  # noqa: E402
 from moeblaze.experts import launch_counts  # noqa: E402
 from helpers import rel_err  # noqa: E402
 
@@ -110,14 +111,14 @@ def test_gpt_oss_weights_are_read_through_views_and_reach_the_clamps(monkeypatch
     experts = model.model.layers[0].mlp.experts
     seen = []
     real = mbt.moe_experts
-    monkeypatch.setattr(mbt, "moe_experts", lambda x, r, w, w1, w2, *a, **k: seen.append((x, w1, w2, k)) or
-                        real(x, r, w, w1, w2, *a, **k))
+    monkeypatch.setattr(mbt, "moe_experts", lambda x, r, w, w1, w2, b1, b2, **k: seen.append((x, w1, w2, b1, b2, k))
+                        or real(x, r, w, w1, w2, b1, b2, **k))
     model.set_experts_implementation("moeblaze")
     model(torch.randint(0, 64, (2, 12)))
-    x, w1, w2, k = seen[0]
+    x, w1, w2, b1, b2, k = seen[0]
     assert w1.untyped_storage().data_ptr() == experts.gate_up_proj.untyped_storage().data_ptr()
     assert w2.untyped_storage().data_ptr() == experts.down_proj.untyped_storage().data_ptr()
-    assert k["b1"] is experts.gate_up_proj_bias and k["b2"] is experts.down_proj_bias and k["interleaved"]
+    assert b1 is experts.gate_up_proj_bias and b2 is experts.down_proj_bias and k["interleaved"]
     h = x @ experts.gate_up_proj[0] + experts.gate_up_proj_bias[0]
     assert (h[:, ::2] > 7).any() and (h[:, 1::2].abs() > 7).any()
 
@@ -187,16 +188,17 @@ def test_what_moeblaze_cannot_compute_falls_back_with_one_warning(monkeypatch, c
 def test_settings_are_checked_and_reach_the_call(monkeypatch):
     model = build("olmoe")
     with pytest.raises(ValueError, match="checkpoint"):
-        mbt.configure(model, checkpoint="all")
+        mbt.configure(model, ExpertsConfig(checkpoint="all"))
     with pytest.raises(ValueError, match="chunk_tokens"):
-        mbt.configure(model, chunk_tokens=0)
-    mbt.configure(model, checkpoint="recompute", chunk_tokens=5, backend="tl")
+        mbt.configure(model, ExpertsConfig(chunk_tokens=0))
+    with pytest.raises(TypeError, match="ExpertsConfig"):
+        mbt.configure(model, {"checkpoint": "recompute"})
+    mbt.configure(model, ExpertsConfig(checkpoint="recompute", chunk_tokens=5, backend="tl"))
     seen = []
-    monkeypatch.setattr(mbt, "moe_experts", lambda *a, **k: seen.append((a[6], k["chunk_tokens"], k["backend"])) or
-                        torch.zeros_like(a[0]))
+    monkeypatch.setattr(mbt, "moe_experts", lambda *a, **k: seen.append(k["config"]) or torch.zeros_like(a[0]))
     model.set_experts_implementation("moeblaze")
     model(torch.randint(0, 64, (1, 8)))
-    assert seen and set(seen) == {("recompute", 5, "tl")}
+    assert seen and {(c.checkpoint, c.chunk_tokens, c.backend) for c in seen} == {("recompute", 5, "tl")}
 
 
 def test_registration_paths():

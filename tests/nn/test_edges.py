@@ -8,6 +8,7 @@ import textwrap
 import pytest
 import torch
 
+from moeblaze import ExpertsConfig
 from moeblaze import ModelConfig, MoELayer, MoEModel
 
 
@@ -17,8 +18,8 @@ from moeblaze import ModelConfig, MoELayer, MoEModel
 @pytest.mark.parametrize("impl", ["reference", "triton"])
 def test_empty_batch_gives_empty_output_zero_gradients_and_zero_losses(poison_alloc, impl, checkpoint, chunk_tokens,
                                                                         rounding):
-    layer = MoELayer(16, 8, 4, 2, impl=impl, checkpoint=checkpoint, chunk_tokens=chunk_tokens,
-                     token_rounding=rounding)
+    layer = MoELayer(16, 8, 4, 2, experts=ExpertsConfig(checkpoint=checkpoint, chunk_tokens=chunk_tokens,
+                                                        backend=impl), token_rounding=rounding)
     x = torch.randn(2, 0, 16, requires_grad=True)
     out, aux, z = layer(x)
     assert out.shape == x.shape and aux.item() == 0 and z.item() == 0
@@ -41,7 +42,7 @@ def test_layer_compiles_with_fullgraph_and_matches_eager(impl):
     torch._dynamo.reset()
     # the sort builder: dynamo can't trace Triton's interpreter, which the dense builder runs on here (on a GPU,
     # tests/gpu compiles the dense builder's kernels too)
-    layer = MoELayer(16, 8, 4, 2, impl=impl, index_method="sort")
+    layer = MoELayer(16, 8, 4, 2, experts=ExpertsConfig(index_method="sort", backend=impl))
     x = torch.randn(12, 16, requires_grad=True)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)  # a graph break raises here
     eager = layer(x)
@@ -68,14 +69,15 @@ def test_interpret_set_after_import_changes_nothing():
         import os, torch
         import moeblaze
         os.environ["TRITON_INTERPRET"] = "1"
-        from moeblaze import MoELayer, build_routing_index
+        from moeblaze import ExpertsConfig, MoELayer, build_routing_index
         out = MoELayer(16, 8, 4, 2)(torch.randn(5, 16)).out
         assert out.shape == (5, 16) and torch.isfinite(out).all()
         build_routing_index(torch.tensor([[0, 1], [2, 3]]), 4, method="dense")
         try:
-            MoELayer(16, 8, 4, 2, impl="triton")(torch.randn(5, 16))
+            MoELayer(16, 8, 4, 2, experts=ExpertsConfig(backend="triton"))(torch.randn(5, 16))
         except RuntimeError as e:
             print(e)
     """, env_interpret=False)
     assert r.returncode == 0, r.stderr
-    assert "impl='triton' needs a CUDA GPU (x is on cpu)" in r.stdout and "TRITON_INTERPRET=1" in r.stdout
+    assert "backend='triton' runs the Triton kernels, which need a CUDA GPU (x is on cpu)" in r.stdout
+    assert "TRITON_INTERPRET=1" in r.stdout

@@ -1,12 +1,13 @@
 import pytest
 import torch
 
+from moeblaze import ExpertsConfig
 from moeblaze import ModelConfig, MoELayer, MoEModel
 from moeblaze.reference import moe_experts_reference
 
 
 def test_moe_layer_matches_reference_and_keeps_shape():
-    layer = MoELayer(24, 16, 6, 2, impl="reference")
+    layer = MoELayer(24, 16, 6, 2, experts=ExpertsConfig(backend="reference"))
     x = torch.randn(3, 5, 24)
     out, aux, z = layer(x)
     assert out.shape == x.shape and aux.ndim == 0 and z.ndim == 0
@@ -16,8 +17,8 @@ def test_moe_layer_matches_reference_and_keeps_shape():
 
 
 def test_triton_and_reference_layers_agree():
-    ref = MoELayer(32, 16, 4, 2, impl="reference")
-    tri = MoELayer(32, 16, 4, 2, impl="triton", checkpoint="recompute")
+    ref = MoELayer(32, 16, 4, 2, experts=ExpertsConfig(backend="reference"))
+    tri = MoELayer(32, 16, 4, 2, experts=ExpertsConfig(checkpoint="recompute", backend="triton"))
     tri.load_state_dict(ref.state_dict())
     x = torch.randn(20, 32)
     (a, _, _), (b, _, _) = ref(x), tri(x)
@@ -29,18 +30,21 @@ def test_triton_and_reference_layers_agree():
 
 
 def test_layer_gradients_reach_every_parameter():
-    layer = MoELayer(16, 8, 4, 2, activation="gelu")
+    layer = MoELayer(16, 8, 4, 2, experts=ExpertsConfig(activation="gelu"))
     out, aux, z = layer(torch.randn(30, 16))
     (out.square().mean() + 0.01 * aux + 0.001 * z).backward()
     for n, p in layer.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, n
 
 
-@pytest.mark.parametrize("kwargs,match", [(dict(activation="tanh"), "activation"), (dict(checkpoint="x"), "checkpoint"),
-                                          (dict(impl="cuda"), "impl"), (dict(index_method="radix"), "index_method")])
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(activation="tanh"), "activation"), (dict(checkpoint="x"), "checkpoint"), (dict(backend="cuda"), "backend"),
+    (dict(index_method="radix"), "index_method"), (dict(fp8_wgrad=True), "fp8_wgrad"),
+    (dict(chunk_tokens=0), "chunk_tokens")])
 def test_layer_bad_config(kwargs, match):
+    """Every refused recipe is refused where the config is made, naming the choice."""
     with pytest.raises(ValueError, match=match):
-        MoELayer(16, 8, 4, 2, **kwargs)
+        MoELayer(16, 8, 4, 2, experts=ExpertsConfig(**kwargs))
 
 
 def test_layer_bad_input_shape():

@@ -4,6 +4,7 @@ the layer's output and every gradient (x, gate, shared and routed weights, route
 import pytest
 import torch
 
+from moeblaze import ExpertsConfig
 from moeblaze import MoELayer
 from moeblaze.reference import apply_activation
 
@@ -17,18 +18,19 @@ def _dense_shared(x, shared):
     w1, w2 = shared.w1.double(), shared.w2.double()
     g = torch.sigmoid(x @ shared.gate.double().t()) if shared.gate is not None else torch.ones(x.shape[0], 1,
                                                                                              dtype=x.dtype)
-    return sum(g * (apply_activation(x @ w1[s].t(), shared.activation) @ w2[s].t()) for s in range(w1.shape[0]))
+    return sum(g * (apply_activation(x @ w1[s].t(), shared.config.activation) @ w2[s].t()) for s in range(w1.shape[0]))
 
 
 @pytest.mark.parametrize("impl,checkpoint,gated,count", [
     ("triton", "preact", True, 2), ("triton", "recompute", False, 1), ("reference", "preact", True, 1)])
 def test_shared_experts_match_a_dense_computation(poison_alloc, impl, checkpoint, gated, count):
-    layer = MoELayer(16, 32, 4, 2, impl=impl, checkpoint=checkpoint, shared_experts=count, d_shared=24,
-                     shared_gate=gated)
+    layer = MoELayer(16, 32, 4, 2, experts=ExpertsConfig(checkpoint=checkpoint, backend=impl), shared_experts=count,
+                     d_shared=24, shared_gate=gated)
     with torch.no_grad():
         if gated:
             layer.shared.gate.normal_()
-    ref = MoELayer(16, 32, 4, 2, impl="reference", shared_experts=count, d_shared=24, shared_gate=gated).double()
+    ref = MoELayer(16, 32, 4, 2, experts=ExpertsConfig(backend="reference"), shared_experts=count, d_shared=24,
+                   shared_gate=gated).double()
     ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
     x = torch.randn(2, 5, 16)
     xs = [x.clone().requires_grad_(), x.double().requires_grad_()]
@@ -64,15 +66,17 @@ def test_token_rounding_layer_trains_rounded_and_evaluates_plain():
     from moeblaze.experts import moe_experts
     from moeblaze.routing import round_to_index, round_tokens, rounded_index
 
-    layer = MoELayer(16, 32, 4, 2, impl="triton", token_rounding="up", rounding_tile=16, shared_experts=1)
-    plain = MoELayer(16, 32, 4, 2, impl="triton", shared_experts=1)
+    layer = MoELayer(16, 32, 4, 2, experts=ExpertsConfig(backend="triton"), token_rounding="up", rounding_tile=16,
+                     shared_experts=1)
+    plain = MoELayer(16, 32, 4, 2, experts=ExpertsConfig(backend="triton"), shared_experts=1)
     plain.load_state_dict(layer.state_dict())
     x = torch.randn(3, 30, 16)
     got = layer(x).out
     r = layer.router(x.reshape(-1, 16), seq_len=30)
     index, w, over = round_to_index(r.logits, r.topk_idx, r.topk_weights, 16, "up", max_experts=4,
                                     max_rows=90 * 2 + 4 * 15)  # min(E, 4K) = 4
-    want = moe_experts(x.reshape(-1, 16), index, w, layer.w1, layer.w2, impl="triton") + layer.shared(x.reshape(-1, 16))
+    want = moe_experts(x.reshape(-1, 16), index, w, layer.w1, layer.w2,
+                       config=ExpertsConfig(backend="triton")) + layer.shared(x.reshape(-1, 16))
     assert not over and torch.equal(got.reshape(-1, 16), want)
     rr = round_tokens(r.logits, r.topk_idx, r.topk_weights, 16, "up")
     index_ref, w_ref, _ = rounded_index(rr.kept_LE, rr.weights_LE, 4, 90 * 2 + 4 * 15)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from moeblaze import ExpertsConfig
 from moeblaze.routing import route_topk
 from moeblaze.routing.rounding import round_tokens, rounded_counts
 
@@ -117,7 +118,7 @@ def test_rounded_routing_through_the_kernels(poison_alloc, rule, checkpoint):
     index, wk, overflow = rounded_index(r.kept_LE, r.weights_LE, 2 * K, L * K + E * M)
     assert not overflow and index.expert_token_idx.shape == (L * K + E * M + 1,)
     ins = [t.clone().requires_grad_() for t in (x, w1, w2)]
-    out = moe_experts(ins[0], index, wk, ins[1], ins[2], checkpoint=checkpoint, impl="triton")
+    out = moe_experts(ins[0], index, wk, ins[1], ins[2], config=ExpertsConfig(checkpoint=checkpoint, backend="triton"))
     ref_in = [t.double().requires_grad_() for t in (x, w1, w2)]
     logits64 = logits.detach().double().requires_grad_()
     idx64, w64 = route_topk(logits64, K)

@@ -14,6 +14,7 @@ import torch
 
 from .. import config
 from ..experts import moe_experts
+from ..recipe import ExpertsConfig
 from ..reference import moe_experts_reference, up_width
 from ..routing import build_index_sort, build_routing_index, count_per_expert, route_topk
 from .baselines import torch_gmm_experts
@@ -84,8 +85,10 @@ def moeblaze_call(p: Problem, policy: str, backend: str = "auto", precision: str
             torch.autograd.graph.increment_version(w1)
             torch.autograd.graph.increment_version(w2)
         r = build_routing_index(idx, p.E, check=False)
-        return moe_experts(x, r, w, w1, w2, p.activation, checkpoint, impl="triton", check=False, chunk_tokens=chunk,
-                           backend=backend, precision=precision, fp8_weight_cache=weight_cache, fp8_wgrad=fp8_wgrad)
+        return moe_experts(x, r, w, w1, w2, config=config, check=False)
+    config = ExpertsConfig(activation=p.activation, checkpoint=checkpoint, backend="triton" if backend == "auto"
+                           else backend, precision=precision, fp8_weight_cache=weight_cache, fp8_wgrad=fp8_wgrad,
+                           chunk_tokens=chunk)
     return call
 
 
@@ -94,7 +97,8 @@ def _moeblaze_backend(backend: str):
 
 
 def _reference(p: Problem, policy: str):
-    return lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2, p.activation)
+    return lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2,
+                                                                                config=ExpertsConfig(p.activation))
 
 
 def _torch_gmm(p: Problem, policy: str):
@@ -247,7 +251,8 @@ def reference_grads(p: Problem):
     """fp32 reference output and gradients for rotation set 0."""
     x, idx, w, dy = p.sets[0]
     leaves = [t.detach().float().requires_grad_() for t in (x, p.w1, p.w2, w)]
-    out = moe_experts_reference(leaves[0], idx, leaves[3], leaves[1], leaves[2], p.activation)
+    out = moe_experts_reference(leaves[0], idx, leaves[3], leaves[1], leaves[2],
+                                config=ExpertsConfig(p.activation))
     return (out.detach(),) + tuple(g.detach() for g in torch.autograd.grad(out, leaves, dy.float()))
 
 

@@ -17,7 +17,9 @@ from ..bench.baselines import torch_gmm_experts
 from ..bench.harness import kernel_times
 from ..bench.memory import SavedTensorCounter
 from ..bench.stages import compiled_resources, stage_times
-from ..experts import BACKENDS, CHECKPOINTS, PRECISIONS, moe_experts
+from ..experts import moe_experts
+from ..experts.dispatch import BACKENDS
+from ..recipe import ACTIVATIONS, CHECKPOINTS, PRECISIONS, ExpertsConfig, fold_impl
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import build_routing_index
 
@@ -32,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-expert", type=int, default=None)
     p.add_argument("--num-experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--activation", default="swiglu")
+    p.add_argument("--activation", default="swiglu", choices=ACTIVATIONS)
     p.add_argument("--checkpoint-policy", default="preact", choices=CHECKPOINTS)
     p.add_argument("--impl", default=None, choices=("triton", "reference"),
                    help="default triton where it runs (CUDA, or the CPU with TRITON_INTERPRET=1), else reference")
@@ -123,6 +125,8 @@ def run(args) -> dict:
     cuda = device.type == "cuda"
     if args.impl is None:
         args.impl = "triton" if cuda or os.environ.get("TRITON_INTERPRET") == "1" else "reference"
+    experts = ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy,
+                            backend=fold_impl(args.impl, args.backend), precision=args.precision)
     L = args.tokens or (4096 if cuda else 256)
     d = args.d_model or (1024 if cuda else 64)
     h = args.d_expert or (2048 if cuda else 128)
@@ -131,8 +135,7 @@ def run(args) -> dict:
     if args.target == "model":
         seq = min(L, 256)
         cfg = ModelConfig(max_seq_len=seq, d_model=d, n_layers=2, n_heads=max(1, d // 64), num_experts=args.num_experts,
-                          top_k=args.top_k, d_expert=h, activation=args.activation, impl=args.impl,
-                          checkpoint=args.checkpoint_policy, precision=args.precision)
+                          top_k=args.top_k, d_expert=h, experts=experts)
         model = MoEModel(cfg).to(device, dtype)
         idx = torch.randint(0, 256, (max(1, L // seq), seq), device=device)
 
@@ -146,7 +149,7 @@ def run(args) -> dict:
         _print(f"MoEModel ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters), {idx.numel()} tokens, "
                f"{dtype}, {device}, experts impl={args.impl}, checkpoint={args.checkpoint_policy}", results["moeblaze"])
         return results
-    layer = MoELayer(d, h, args.num_experts, args.top_k, args.activation, args.impl, args.checkpoint_policy)
+    layer = MoELayer(d, h, args.num_experts, args.top_k, experts=experts.replace(precision="native"))
     layer = layer.to(device, dtype)
     x = torch.randn(L, d, device=device, dtype=dtype, requires_grad=True)
     with torch.no_grad():
@@ -156,9 +159,7 @@ def run(args) -> dict:
 
     def ours():
         routing = build_routing_index(r.topk_idx, args.num_experts, check=False)
-        return (moe_experts(x, routing, routing_w, layer.w1, layer.w2, args.activation, args.checkpoint_policy,
-                            args.impl, check=False, backend=args.backend, precision=args.precision).float()
-                * dy).sum()
+        return (moe_experts(x, routing, routing_w, layer.w1, layer.w2, config=experts, check=False).float() * dy).sum()
 
     def conventional():
         return (torch_gmm_experts(x, r.topk_idx, routing_w, layer.w1, layer.w2, args.activation).float() * dy).sum()

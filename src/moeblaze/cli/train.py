@@ -81,7 +81,7 @@ def _train_state(model, opt, step: int, gen, cfg, sharded: bool):
 
 def _same_config(saved: dict, cfg: ModelConfig) -> None:
     """SystemExit unless a checkpoint's config is the flags' (fields added since it was saved: their defaults)."""
-    saved = ModelConfig(**saved).to_dict()
+    saved = ModelConfig.from_dict(saved).to_dict()
     if saved != cfg.to_dict():
         raise SystemExit(f"--resume: checkpoint config {saved} differs from the flags {cfg.to_dict()}")
 

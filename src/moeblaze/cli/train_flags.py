@@ -15,9 +15,8 @@ import torch
 from ..args import check_choice, check_int
 from ..config import INTERPRET
 from ..distributed import DISPATCHES, UNITS
-from ..experts import CHECKPOINTS, PRECISIONS
 from ..nn import ModelConfig
-from ..reference import ACTIVATIONS
+from ..recipe import ACTIVATIONS, BACKENDS, CHECKPOINTS, INDEX_METHODS, PRECISIONS, ExpertsConfig, fold_impl
 from ..routing import ROUTERS, RULES
 from . import UsageError, parallel
 from .checkpoint import CheckpointError, probe_writable, probe_writable_folder, sharded_checkpoint_path
@@ -25,6 +24,40 @@ from .graph_step import check_graphable
 from .presets import EXTRAS, PRESETS, SHAPE
 
 OVERFLOW = ("rerun", "drop", "error")
+
+
+def add_experts_arguments(p: argparse.ArgumentParser) -> None:
+    """The experts' recipe (moeblaze.ExpertsConfig) as flags; experts_config maps them back."""
+    d = ExpertsConfig()
+    p.add_argument("--activation", default=d.activation, choices=ACTIVATIONS,
+                   help=f"the experts' activation (default {d.activation})")
+    p.add_argument("--backend", default=d.backend, choices=BACKENDS,
+                   help="auto (the kernels on CUDA, the PyTorch reference elsewhere), reference, triton (the "
+                        "kernels: Gluon on Hopper, tl elsewhere), tl or gluon (default auto)")
+    p.add_argument("--impl", default=None, choices=("auto", "triton", "reference"),
+                   help="deprecated: --backend (impl triton is --backend triton, reference --backend reference)")
+    p.add_argument("--checkpoint-policy", default=d.checkpoint, choices=CHECKPOINTS,
+                   help="what the experts keep for backward: preact (default), preact-fp8, recompute")
+    p.add_argument("--precision", default=d.precision, choices=PRECISIONS,
+                   help="fp8: the routed experts' data GEMMs on e4m3 with 1x128 / 128x128 scales (sm_89+); "
+                        "default native")
+    p.add_argument("--fp8-weight-cache", action="store_true",
+                   help="with --precision fp8: quantize the experts' weights once per optimizer step (both layouts) "
+                        "and keep the e4m3 copies in between, instead of where each GEMM uses them")
+    p.add_argument("--fp8-wgrad", action="store_true",
+                   help="with --precision fp8: the weight gradients on e4m3 operands too")
+    p.add_argument("--chunk-tokens", type=int, default=None,
+                   help="run the experts on chunks of this many tokens (default: one chunk)")
+    p.add_argument("--index-method", default=d.index_method, choices=INDEX_METHODS,
+                   help="the routing index's build: auto (default), dense (sort-free) or sort")
+
+
+def experts_config(args: argparse.Namespace) -> ExpertsConfig:
+    """The recipe the flags of add_experts_arguments say (ValueError or TypeError naming the choice)."""
+    backend = fold_impl(args.impl, args.backend) if args.impl is not None else args.backend
+    return ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy, backend=backend,
+                         precision=args.precision, fp8_weight_cache=args.fp8_weight_cache, fp8_wgrad=args.fp8_wgrad,
+                         chunk_tokens=args.chunk_tokens, index_method=args.index_method)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,14 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-experts", type=int, default=None, help=f"default {d['num_experts']} (small)")
     p.add_argument("--top-k", type=int, default=None, help=f"default {d['top_k']} (small)")
     p.add_argument("--d-expert", type=int, default=None, help=f"default {d['d_expert']} (small)")
-    p.add_argument("--activation", default=ModelConfig.activation, choices=ACTIVATIONS)
-    p.add_argument("--impl", default=ModelConfig.impl, choices=("auto", "triton", "reference"))
-    p.add_argument("--checkpoint-policy", default=ModelConfig.checkpoint, choices=CHECKPOINTS)
-    p.add_argument("--precision", default=ModelConfig.precision, choices=PRECISIONS,
-                   help="fp8: the routed experts' data GEMMs on e4m3 with 1x128 / 128x128 scales (sm_89+)")
-    p.add_argument("--fp8-weight-cache", action="store_true",
-                   help="with --precision fp8: quantize the experts' weights once per optimizer step (both layouts) "
-                        "and keep the e4m3 copies in between, instead of where each GEMM uses them")
+    add_experts_arguments(p)
     p.add_argument("--shared-experts", type=int, default=None, help="always-on experts per MoE layer (default 0)")
     p.add_argument("--d-shared", type=int, default=None, help="their width (default: --d-expert)")
     p.add_argument("--shared-gate", action="store_const", const=True, default=None,
@@ -137,10 +163,7 @@ def check_args(args, val_len: int) -> ModelConfig:
             check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=0)
         if args.token_rounding and args.ep > 1:
             raise ValueError("--token-rounding under --ep is not supported yet")
-        if args.checkpoint_policy == "preact-fp8" and args.ep > 1:
-            raise ValueError("--checkpoint-policy preact-fp8 under --ep is not supported yet")
-        if args.precision == "fp8" and args.ep > 1:
-            raise ValueError("--precision fp8 under --ep is not supported yet")
+        experts = experts_config(args)
         check_int("--bench-steps", args.bench_steps, minimum=0)
         if args.bench_trace and not (args.bench_steps and args.bench_profile):
             raise ValueError("--bench-trace keeps --bench-profile's trace: add --bench-steps N --bench-profile")
@@ -159,17 +182,15 @@ def check_args(args, val_len: int) -> ModelConfig:
             raise ValueError(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
         if args.d_model % args.n_heads:
             raise ValueError(f"--d-model ({args.d_model}) must be divisible by --n-heads ({args.n_heads})")
-        check_choice("--activation", args.activation, ACTIVATIONS)
         check_choice("--ep-dispatch", args.ep_dispatch, DISPATCHES)
         check_choice("--on-overflow", args.on_overflow, OVERFLOW)
         check_choice("--router", args.router, tuple(ROUTERS))
         cfg = ModelConfig(max_seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers,
                           n_heads=args.n_heads, num_experts=args.num_experts, top_k=args.top_k,
-                          d_expert=args.d_expert, activation=args.activation, impl=args.impl,
-                          checkpoint=args.checkpoint_policy, router=args.router, shared_experts=args.shared_experts,
-                          d_shared=args.d_shared, shared_gate=args.shared_gate, dense_layers=args.dense_layers,
-                          token_rounding=args.token_rounding, rounding_tile=args.rounding_tile,
-                          precision=args.precision, fp8_weight_cache=args.fp8_weight_cache)
+                          d_expert=args.d_expert, experts=experts, router=args.router,
+                          shared_experts=args.shared_experts, d_shared=args.d_shared, shared_gate=args.shared_gate,
+                          dense_layers=args.dense_layers, token_rounding=args.token_rounding,
+                          rounding_tile=args.rounding_tile)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -180,8 +201,9 @@ def check_args(args, val_len: int) -> ModelConfig:
         raise UsageError("--compile needs --device cuda (the interpreter's kernels do not compile)")
     if args.dtype == "bfloat16" and args.device != "cuda":
         raise UsageError("--dtype bfloat16 needs --device cuda")
-    if args.impl == "triton" and args.device != "cuda" and not INTERPRET:
-        raise UsageError("--impl triton needs --device cuda (or TRITON_INTERPRET=1 set before the command starts)")
+    if experts.backend not in ("auto", "reference") and args.device != "cuda" and not INTERPRET:
+        raise UsageError(f"--backend {experts.backend} runs the kernels: it needs --device cuda (or TRITON_INTERPRET=1 "
+                         "set before the command starts)")
     fsdp_flags = [f for f, on in (("--fsdp-keep-gathered", args.fsdp_keep_gathered),
                                   ("--fsdp-units model", args.fsdp_units != "blocks"),
                                   ("--fsdp-reduce-dtype bfloat16", args.fsdp_reduce_dtype != "float32")) if on]
@@ -198,9 +220,9 @@ def check_args(args, val_len: int) -> ModelConfig:
             raise UsageError(f"--ep {args.ep} must divide the number of processes ({world})")
         if args.num_experts % args.ep:
             raise UsageError(f"--ep {args.ep} must divide --num-experts ({args.num_experts})")
-        if args.impl == "reference" or (args.device != "cuda" and not INTERPRET):
+        if experts.backend == "reference" or (args.device != "cuda" and not INTERPRET):
             raise UsageError("--ep runs the experts on the Triton kernels: --device cuda (or TRITON_INTERPRET=1 set "
-                             "before the command starts), not --impl reference")
+                             "before the command starts), not --backend reference")
     elif args.ep_dispatch != "exact":
         raise UsageError("--ep-dispatch capacity needs --ep > 1")
     if args.resume and not args.save:

@@ -38,13 +38,15 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..experts import CHECKPOINTS, check_backend
-from ..experts.autograd import experts_backward, experts_forward
-from ..experts.dispatch import resolve
+from ..experts import experts_backward, experts_forward, recipe_key
+from ..experts.dispatch import choose
+from ..experts.fp8 import check_fp8_supported
+from ..experts.op import parse
 from ..experts.schedule import BLOCK_M
+from ..experts.stages import combine_slots
 from ..launch import ensure_context
-from ..experts.tl import combine as combine_rows
-from ..reference import check_activation
+from ..recipe import ExpertsConfig
+from ..reference.fp8 import FP8
 from ..routing import (RoutingIndex, build_routing_index, check_expert_inputs, check_topk_weights, in_row_order,
                        pair_experts)
 
@@ -186,7 +188,7 @@ class _Plan:
 
     def combine(self, rows: torch.Tensor, weights_LK, out_dtype) -> torch.Tensor:
         """The sender's combine of returned rows: sum_k (w[t, k] ·) rows[slot[t, k]], dropped slots adding 0."""
-        return combine_rows(rows, self.slot_LK, weights_LK, self.kept, out_dtype)
+        return combine_slots(rows, self.slot_LK, weights_LK, self.kept, out_dtype)
 
 
 def _fail_if_any(bad: torch.Tensor, group, message: str) -> None:
@@ -202,31 +204,35 @@ def _fail_if_any(bad: torch.Tensor, group, message: str) -> None:
         raise RuntimeError(message)
 
 
-def _forward(x, topk_w, w1, w2, plan: _Plan, activation: str, save: bool, backend: str):
-    """(out, what backward needs: the received rows (empty under recompute), preact, *the tile schedule)."""
+def _forward(x, topk_w, w1, w2, plan: _Plan, recipe: str):
+    """(out, what backward needs: the received rows (empty under recompute), preact as kept, its scales, *the tile
+    schedule)."""
     r = plan.recv
     recv_x = plan.dispatch(plan.send(x))
     ones = recv_x.new_ones(recv_x.shape[0], 1, dtype=torch.float32)
-    y, preact, _, *sched = experts_forward(recv_x, w1, w2, ones, None, None, *r.tensors(), activation, save, backend,
-                                        r.dropped)
+    y, kept, scale, *sched = experts_forward(recv_x, w1, w2, ones, None, None, *r.tensors(), recipe)
     ret = plan.give_back(y)
     del y
     out = plan.combine(ret, topk_w.float().contiguous(), x.dtype) if x.shape[0] else torch.zeros_like(x)
-    return out, (recv_x if save else x.new_empty(0)), preact, *sched
+    return out, (recv_x if _keeps_rows(recipe) else x.new_empty(0)), kept, scale, *sched
 
 
-def _backward(dout, x, topk_w, w1, w2, plan: _Plan, recv_x, preact, sched, activation: str, save: bool,
-              backend: str):
+def _keeps_rows(recipe: str) -> bool:
+    """Whether the received rows are kept for backward (else sent again): unless the recipe recomputes."""
+    return parse(recipe).checkpoint != "recompute"
+
+
+def _backward(dout, x, topk_w, w1, w2, plan: _Plan, recv_x, kept, scale, sched, recipe: str):
     """(dx, dtopk_w, dw1, dw2)."""
     r = plan.recv
-    if not save:  # "recompute": the rows are sent again
+    if not _keeps_rows(recipe):  # "recompute": the rows are sent again
         recv_x = plan.dispatch(plan.send(x))
     dy_recv = plan.dispatch(plan.send(dout.contiguous()))
     w_rows = in_row_order(topk_w, plan.routing.token_slot, torch.float32)  # router weights in expert order
     w_recv = plan.dispatch(plan.in_send_order(w_rows)).view(-1, 1)
     dx_recv, dw1, dw2, ds_recv, _, _ = experts_backward(
         dy_recv, recv_x, w1, w2, w_recv, None, None, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot,
-        preact, activation, save, backend, r.dropped)
+        kept, scale, recipe)
     del dy_recv, recv_x
     dx_ret = plan.give_back(dx_recv)
     ds_ret = plan.give_back(ds_recv.view(-1))
@@ -242,63 +248,63 @@ class _EPExperts(torch.autograd.Function):
     """Eager mode, both dispatch modes: the plan rides on the context as a Python object."""
 
     @staticmethod
-    def forward(ctx, x, topk_w, w1, w2, plan: _Plan, activation: str, save: bool, backend: str):
-        out, recv_x, preact, *sched = _forward(x, topk_w, w1, w2, plan, activation, save, backend)
-        ctx.plan, ctx.activation, ctx.save, ctx.backend = plan, activation, save, backend
-        ctx.save_for_backward(x, topk_w, w1, w2, recv_x, preact, *sched)
+    def forward(ctx, x, topk_w, w1, w2, plan: _Plan, recipe: str):
+        out, recv_x, kept, scale, *sched = _forward(x, topk_w, w1, w2, plan, recipe)
+        ctx.plan, ctx.recipe = plan, recipe
+        ctx.save_for_backward(x, topk_w, w1, w2, recv_x, kept, scale, *sched)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, topk_w, w1, w2, recv_x, preact, *sched = ctx.saved_tensors
-        return (*_backward(dout, x, topk_w, w1, w2, ctx.plan, recv_x, preact, sched, ctx.activation, ctx.save,
-                           ctx.backend), None, None, None, None)
+        x, topk_w, w1, w2, recv_x, kept, scale, *sched = ctx.saved_tensors
+        return (*_backward(dout, x, topk_w, w1, w2, ctx.plan, recv_x, kept, scale, sched, ctx.recipe), None, None)
 
 
 # Capacity dispatch under torch.compile: the same bodies as custom ops (the communication inside them, on a
 # process group named by string), every plan tensor an output, so that the graph holds no Python object and no
 # host sync; fixed shapes (ep·C rows) let it compile with fullgraph=True and run in a CUDA graph.
 T = torch.Tensor
-_N_FWD_IN = 14
+_N_FWD_IN = 12
 
 
 @torch.library.custom_op("moeblaze::ep_capacity_fwd", mutates_args=())
 def ep_capacity_fwd(x: T, topk_w: T, w1: T, w2: T, counts: T, offsets: T, eti: T, slot: T, group_name: str,
-                    activation: str, save: bool, backend: str, capacity: int, fail_on_overflow: bool
-                    ) -> tuple[T, T, T, T, T, T, T, T, T, T, T, T, T, T]:
+                    recipe: str, capacity: int, fail_on_overflow: bool
+                    ) -> tuple[T, T, T, T, T, T, T, T, T, T, T, T, T, T, T]:
     group = _resolve_group(group_name)
     routing = RoutingIndex(counts, offsets, eti, slot)
     plan = _Plan(routing, dist.get_world_size(group), group, capacity, fail_on_overflow)
-    out, recv_x, preact, *sched = _forward(x, topk_w, w1, w2, plan, activation, save, backend)
-    return (out, plan.needed.to(torch.int64), *plan.saved(), recv_x, preact, *sched)
+    out, recv_x, kept, scale, *sched = _forward(x, topk_w, w1, w2, plan, recipe)
+    return (out, plan.needed.to(torch.int64), *plan.saved(), recv_x, kept, scale, *sched)
 
 
 @ep_capacity_fwd.register_fake
-def _(x, topk_w, w1, w2, counts, offsets, eti, slot, group_name, activation, save, backend, capacity,
-      fail_on_overflow):
+def _(x, topk_w, w1, w2, counts, offsets, eti, slot, group_name, recipe, capacity, fail_on_overflow):
     ep = _resolve_group_size(group_name)
-    E_loc, R, dev = w1.shape[0], ep * capacity, x.device
+    E_loc, R, F, dev = w1.shape[0], ep * capacity, w1.shape[1], x.device
     tiles = R // BLOCK_M + E_loc
     ints = dict(dtype=torch.int32, device=dev)
+    checkpoint = parse(recipe).checkpoint
+    kept = {"preact": x.new_empty(R, F), "preact-fp8": x.new_empty(R, F, dtype=FP8)}.get(checkpoint, x.new_empty(0))
+    scale = x.new_empty((R, -(-F // 128)) if checkpoint == "preact-fp8" else (0,), dtype=torch.float32)
     return (x.new_empty(x.shape), torch.empty((), dtype=torch.int64, device=dev), torch.empty(E_loc, **ints),
             torch.empty(E_loc + 1, **ints), torch.empty(R, **ints), torch.empty(R, 1, **ints),
             torch.empty(R, dtype=torch.int64, device=dev), torch.empty(slot.shape, **ints), torch.empty(1, **ints),
-            x.new_empty(R, x.shape[1]) if save else x.new_empty(0),
-            x.new_empty(R, w1.shape[1]) if save else x.new_empty(0),
+            x.new_empty(R, x.shape[1]) if checkpoint != "recompute" else x.new_empty(0), kept, scale,
             torch.empty(tiles, **ints), torch.empty(tiles, **ints), torch.empty(1, **ints))
 
 
 @torch.library.custom_op("moeblaze::ep_capacity_bwd", mutates_args=())
 def ep_capacity_bwd(dout: T, x: T, topk_w: T, w1: T, w2: T, counts: T, offsets: T, eti: T, slot: T, r_counts: T,
                     r_offsets: T, r_eti: T, r_slot: T, send_pos: T, slot_LK: T, kept: T, recv_x: T, preact: T,
-                    tile_expert: T, tile_row: T, tiles_used: T, group_name: str, activation: str, save: bool,
-                    backend: str) -> tuple[T, T, T, T]:
-    if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.autograd)
+                    scale: T, tile_expert: T, tile_row: T, tiles_used: T, group_name: str, recipe: str
+                    ) -> tuple[T, T, T, T]:
+    if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.op)
         ensure_context(dout.get_device())
     plan = _Plan.restore(RoutingIndex(counts, offsets, eti, slot), _resolve_group(group_name),
                          (r_counts, r_offsets, r_eti, r_slot, send_pos, slot_LK, kept))
-    return _backward(dout, x, topk_w, w1, w2, plan, recv_x, preact, (tile_expert, tile_row, tiles_used), activation,
-                     save, backend)
+    return _backward(dout, x, topk_w, w1, w2, plan, recv_x, preact, scale, (tile_expert, tile_row, tiles_used),
+                     recipe)
 
 
 @ep_capacity_bwd.register_fake
@@ -308,7 +314,7 @@ def _(dout, x, topk_w, w1, w2, *rest):
 
 def _capacity_setup_context(ctx, inputs, output):
     x, topk_w, w1, w2, counts, offsets, eti, slot = inputs[:8]
-    ctx.group_name, ctx.activation, ctx.save, ctx.backend = inputs[8:12]
+    ctx.group_name, ctx.recipe = inputs[8:10]
     ctx.save_for_backward(x, topk_w, w1, w2, counts, offsets, eti, slot, *output[2:])
     ctx.set_materialize_grads(False)
 
@@ -316,8 +322,7 @@ def _capacity_setup_context(ctx, inputs, output):
 def _capacity_backward(ctx, dout, *_saved_outputs):
     if dout is None:
         return (None,) * _N_FWD_IN
-    dx, dtopk_w, dw1, dw2 = ep_capacity_bwd(dout.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.activation,
-                                            ctx.save, ctx.backend)
+    dx, dtopk_w, dw1, dw2 = ep_capacity_bwd(dout.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.recipe)
     return (dx, dtopk_w, dw1, dw2) + (None,) * (_N_FWD_IN - 4)
 
 
@@ -342,36 +347,37 @@ DISPATCHES = ("exact", "capacity")
 OVERFLOW = ("error", "drop")
 
 
+DEFAULT = ExpertsConfig()
+
+
 def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1_local: torch.Tensor,
-               w2_local: torch.Tensor, group=None, activation: str = "swiglu", checkpoint: str = "preact",
-               backend: str = "auto", index_method: str = "auto", dispatch: str = "exact",
+               w2_local: torch.Tensor, *, group=None, config: ExpertsConfig = DEFAULT, dispatch: str = "exact",
                capacity_factor: float = 1.25, capacity: int | None = None, on_overflow: str = "error",
                tracker: CapacityTracker | None = None) -> torch.Tensor:
     """The experts' combined output (L, D) for this rank's tokens x (L, D), routed to global expert ids topk_idx
     (L, K) with weights (L, K), over the experts sharded across `group` (default: the world): this rank holds
     experts [rank · E_loc, (rank + 1) · E_loc) as w1_local (E_loc, F, D) and w2_local (E_loc, D, H). Every rank of
     the group must call it (a rank without tokens passes L = 0). Differentiable in x, topk_weights and the local
-    weights. The Triton kernels run the experts (a GPU, or the interpreter on the CPU).
+    weights. config: the recipe, as for moe_experts (every precision and checkpoint policy; chunk_tokens does not
+    apply: the received rows run as one call); the kernels run the experts (a GPU, or the interpreter on the CPU):
+    backend "auto" is "triton" here, and "reference" is refused.
 
     dispatch="capacity": C rows per (source, destination) pair, the same on every rank: `capacity`, or
     tracker.capacity, or ⌈capacity_factor · L · K / ep⌉ rounded up to 16 (then every rank must have the same L).
     Overflow (a destination needing more than C rows): with a tracker, recorded for the caller's rerun (and
     dropped in this call); otherwise on_overflow "error" (default) or "drop"."""
-    check_activation(activation)
-    if checkpoint not in CHECKPOINTS:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
-    if checkpoint == "preact-fp8":
-        raise NotImplementedError("checkpoint='preact-fp8' under expert parallelism is not built yet: use 'preact' or "
-                                  "'recompute' with ep > 1")
-    check_backend(backend)
+    if not isinstance(config, ExpertsConfig):
+        raise TypeError(f"config must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
+    if config.backend == "reference":
+        raise ValueError("expert parallelism runs the kernels: backend='reference' is not available under it")
     if dispatch not in DISPATCHES:
         raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
     if on_overflow not in OVERFLOW:
         raise ValueError(f"on_overflow must be one of {OVERFLOW}, got {on_overflow!r}")
     ep = dist.get_world_size(group)
     E = w1_local.shape[0] * ep
-    check_expert_inputs(x, w1_local, w2_local, activation)
-    routing = build_routing_index(topk_idx, E, index_method)
+    check_expert_inputs(x, w1_local, w2_local, config.activation)
+    routing = build_routing_index(topk_idx, E, config.index_method)
     check_topk_weights(topk_weights, routing.token_slot)
     C = None
     if dispatch == "capacity":
@@ -382,15 +388,18 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
             C = -(-max(1, math.ceil(capacity_factor * topk_idx.numel() / ep)) // 16) * 16
         if C < 1:
             raise ValueError(f"capacity must be a positive number of rows, got {C}")
-    save, backend = checkpoint == "preact", resolve(backend, x.device)
+    backend = choose("triton" if config.backend == "auto" else config.backend, x.device)
+    if config.fp8:
+        check_fp8_supported(x)
+    recipe = recipe_key(config, backend, C is not None, False)  # the receiver's index has padding rows in capacity mode
     fail = on_overflow == "error" and tracker is None
     if C is not None and torch.compiler.is_compiling():
-        outs = ep_capacity_fwd(x, topk_weights, w1_local, w2_local, *routing.tensors(), _group_name(group), activation,
-                               save, backend, C, fail)
+        outs = ep_capacity_fwd(x, topk_weights, w1_local, w2_local, *routing.tensors(), _group_name(group), recipe, C,
+                               fail)
         out, needed = outs[0], outs[1]
     else:
         plan = _Plan(routing, ep, group, C, fail)
-        out = _EPExperts.apply(x, topk_weights, w1_local, w2_local, plan, activation, save, backend)
+        out = _EPExperts.apply(x, topk_weights, w1_local, w2_local, plan, recipe)
         needed = plan.needed
     if tracker is not None and needed is not None:
         tracker.record(needed)

@@ -22,13 +22,26 @@ from .. import config
 from .gluon_sm90 import GATHER_BLOCK_K, WGRAD_BLOCKS
 from .gluon_sm90.fp8 import FP8_BLOCK_N
 
-BACKENDS = ("auto", "tl", "gluon")
+BACKENDS = ("auto", "tl", "gluon")  # of a launch; ExpertsConfig.backend adds "reference" and "triton" (choose)
 launch_counts: Counter = Counter()
 
 
 def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def choose(backend: str, device: torch.device) -> str:
+    """What a call with ExpertsConfig.backend `backend` runs on `device`: "reference", "tl" or "gluon" (the
+    launches' backend, each launch still falling back to tl where Gluon can't take its operands). RuntimeError
+    for the kernels off CUDA outside Triton's interpreter."""
+    if backend == "reference" or (backend == "auto" and device.type != "cuda"):
+        return "reference"
+    if device.type != "cuda" and not config.INTERPRET:
+        raise RuntimeError(f"backend={backend!r} runs the Triton kernels, which need a CUDA GPU (x is on {device}) "
+                           "or Triton's CPU interpreter: set TRITON_INTERPRET=1 before importing moeblaze (or "
+                           "triton); backend='auto' runs the PyTorch reference off CUDA")
+    return resolve("auto" if backend == "triton" else backend, device)
 
 
 @functools.cache

@@ -16,7 +16,7 @@ Backward:
   dx_rows      dX~ = dH @ W1[e]                                       (R, D), transient
   combine      dx[t] = sum_k dX~[token_slot[t, k]]
 
-Memory contract: each stage allocates its outputs only (see experts.autograd for what a step keeps); no stage
+Memory contract: each stage allocates its outputs only (see experts.op for what a step keeps); no stage
 ever allocates an (R, D) copy of x or dy.
 
 Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert (2H gated, H plain), E experts,
@@ -108,6 +108,12 @@ def combine(plan: RowPlan, rows_RD, weights_LK: torch.Tensor | None, out_dtype: 
     bias (E, D) is given)); a plain sum where weights is None. One kernel on every backend."""
     return tl.combine(rows_RD, plan.token_slot_LK, weights_LK, plan.kept, out_dtype, bias_ED,
                       plan.pair_expert if bias_ED is not None else None)
+
+
+def combine_slots(rows_RD, slot_LK, weights_LK: torch.Tensor | None, kept, out_dtype: torch.dtype) -> torch.Tensor:
+    """combine over explicit slots: out[t] = sum_k (weights[t, k] ·) rows[slot[t, k]], slots >= kept (a (1,) int32
+    tensor) adding 0 (expert parallelism's combine of the rows its experts sent back)."""
+    return tl.combine(rows_RD, slot_LK, weights_LK, kept, out_dtype)
 
 
 def down_bwd(plan: RowPlan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, activation: str,

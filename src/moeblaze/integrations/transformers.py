@@ -3,7 +3,7 @@
     import moeblaze.integrations.transformers as mbt      # registers the backend (mbt.register() does it again)
     model = AutoModelForCausalLM.from_config(cfg, experts_implementation="moeblaze")   # or from_pretrained(...)
     model.set_experts_implementation("moeblaze")          # or switch a model that is already built
-    mbt.configure(model, checkpoint="recompute", chunk_tokens=None)   # optional: policy, chunks, impl, backend
+    mbt.configure(model, ExpertsConfig(checkpoint="recompute"))   # optional: the experts' recipe
 
 Every experts module of a model whose experts class carries transformers' `@use_experts_implementation` then
 calls `experts_forward(module, hidden_states (T, H), top_k_index (T, K), top_k_weights (T, K))`. In the default
@@ -18,32 +18,31 @@ What moeblaze can't compute (any other custom `_apply_gate`, a post-expert norm,
 such as tanh-GELU, interleaved columns under the default gate) runs on transformers' own `grouped_mm`
 implementation, with one warning per experts class and reason: never a different function.
 
-Settings per experts module (configure() sets them on every one; a config attribute of the same name is the
-fallback): moeblaze_checkpoint ("preact", the default, "preact-fp8" or "recompute"), moeblaze_chunk_tokens (None),
-moeblaze_impl ("auto": the Triton kernels on CUDA, the PyTorch reference elsewhere), moeblaze_backend ("auto"),
-moeblaze_index_method (the routing index builder, "auto") and moeblaze_precision ("native", or "fp8": the expert
-GEMMs on e4m3, experts.fp8).
+The recipe per experts module: the moeblaze.ExpertsConfig configure() sets on every one (attribute
+moeblaze_config; the default ExpertsConfig() where none is set): checkpoint policy, backend ("auto": the Triton
+kernels on CUDA, the PyTorch reference elsewhere), precision ("fp8": the expert GEMMs on e4m3, biases and gpt-oss's
+layout included), chunk_tokens, index_method. Its activation is the module's own.
 
 Memory contract: per call, the routing index (O(T·K) int32) and what moe_experts keeps under the policy.
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 
-from ..args import check_choice, check_int
-from ..experts import BACKENDS, CHECKPOINTS, IMPLS, PRECISIONS, moe_experts
+from ..experts import moe_experts
+from ..recipe import ExpertsConfig, from_legacy
 from ..reference import CLAMP_ALPHA, CLAMP_LIMIT
-from ..routing import METHODS, build_routing_index
+from ..routing import build_routing_index
 
 MIN_VERSION = "5.0"
 NAME = "moeblaze"
 # transformers' hidden_act -> moeblaze's activation, with a gate (act(gate) * up) and without
 GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
 PLAIN = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "relu2": "relu2"}
-SETTINGS = {"checkpoint": "preact", "chunk_tokens": None, "impl": "auto", "backend": "auto", "index_method": "auto",
-            "precision": "native"}
+DEFAULT = ExpertsConfig()
 _warned: set = set()
 _moe = None  # transformers.integrations.moe, once found
 _act_types: dict = {}  # hidden_act -> the class transformers builds for it
@@ -73,40 +72,24 @@ def register() -> None:
     _interface().ExpertsInterface.register(NAME, experts_forward)
 
 
-def configure(model: torch.nn.Module, checkpoint: str | None = None, chunk_tokens: int | None = None,
-              impl: str | None = None, backend: str | None = None, index_method: str | None = None,
-              precision: str | None = None) -> int:
-    """Set moeblaze's settings on every experts module of `model` (a None leaves a setting as it is, except
-    chunk_tokens, where None means no chunks); the number of experts modules set."""
-    if checkpoint is not None:
-        check_choice("checkpoint", checkpoint, CHECKPOINTS)
-    if chunk_tokens is not None:
-        check_int("chunk_tokens", chunk_tokens)
-    if impl is not None:
-        check_choice("impl", impl, IMPLS)
-    if backend is not None:
-        check_choice("backend", backend, BACKENDS)
-    if index_method is not None:
-        check_choice("index_method", index_method, METHODS)
-    if precision is not None:
-        check_choice("precision", precision, PRECISIONS)
+def configure(model: torch.nn.Module, config: ExpertsConfig | None = None, **legacy) -> int:
+    """Run every experts module of `model` with the recipe `config` (moeblaze.ExpertsConfig; its activation is
+    ignored: each module's own is read from it, as activation_of says); the number of experts modules set.
+    0.1's keyword options (checkpoint=, impl=, ...) still work, with a DeprecationWarning."""
+    config = from_legacy("configure", config, legacy)
+    if not isinstance(config, ExpertsConfig):
+        raise TypeError(f"config must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
     n = 0
     for m in model.modules():
         if hasattr(m, "has_gate") and hasattr(m, "down_proj"):
-            m.moeblaze_chunk_tokens = chunk_tokens
-            for name, value in (("checkpoint", checkpoint), ("impl", impl), ("backend", backend),
-                                ("index_method", index_method), ("precision", precision)):
-                if value is not None:
-                    setattr(m, "moeblaze_" + name, value)
+            m.moeblaze_config = config
             n += 1
     return n
 
 
-def _setting(module, name: str):
-    key = "moeblaze_" + name
-    if hasattr(module, key):
-        return getattr(module, key)
-    return getattr(getattr(module, "config", None), key, SETTINGS[name])
+@functools.cache
+def _with_activation(config: ExpertsConfig, activation: str) -> ExpertsConfig:
+    return config.replace(activation=activation)
 
 
 def _gpt_oss_gate():
@@ -189,12 +172,9 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
         dtype = torch.get_autocast_dtype(x.device.type)
         x = x.to(dtype)
     w1, w2, b1, b2 = _weights(module, dtype)
-    routing = build_routing_index(top_k_index, module.num_experts, _setting(module, "index_method"), check=False,
-                                  sentinels=True)
-    out = moe_experts(x, routing, top_k_weights, w1, w2, activation, _setting(module, "checkpoint"),
-                      _setting(module, "impl"), check=False, chunk_tokens=_setting(module, "chunk_tokens"),
-                      backend=_setting(module, "backend"), b1=b1, b2=b2, interleaved=interleaved,
-                      precision=_setting(module, "precision"))
+    config = _with_activation(getattr(module, "moeblaze_config", DEFAULT), activation)
+    routing = build_routing_index(top_k_index, module.num_experts, config.index_method, check=False, sentinels=True)
+    out = moe_experts(x, routing, top_k_weights, w1, w2, b1, b2, config=config, interleaved=interleaved, check=False)
     return out.to(hidden_states.dtype)
 
 

@@ -5,15 +5,16 @@ Memory: attention and norms keep what autograd keeps; each MoE FFN keeps what it
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..args import check_bool, check_choice, check_int
-from ..experts import CHECKPOINTS, IMPLS, PRECISIONS
-from ..reference import apply_activation, check_activation, up_width
+from ..recipe import ExpertsConfig, from_legacy
+from ..reference import apply_activation, up_width
 from ..routing import ROUTERS, RULES
 from ..routing.router import check_groups
 from .moe import MoELayer, MoEOutput
@@ -29,9 +30,7 @@ class ModelConfig:
     num_experts: int = 8
     top_k: int = 2
     d_expert: int = 256
-    activation: str = "swiglu"
-    impl: str = "auto"
-    checkpoint: str = "preact"
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)  # the routed experts' recipe (a dict loads)
     router: str = "default"  # a family's routing: moeblaze.routing.ROUTERS
     shared_experts: int = 0  # always-on experts per MoE layer
     d_shared: int = 0  # their width (0: d_expert)
@@ -39,8 +38,6 @@ class ModelConfig:
     dense_layers: int = 0  # the first blocks have a dense feed-forward of width top_k · d_expert (DeepSeek-V3)
     token_rounding: str = ""  # "", or a rule of moeblaze.routing.rounding (training only)
     rounding_tile: int = 0  # its tile (0: the kernels' row tile)
-    precision: str = "native"  # "fp8": the routed experts' GEMMs on e4m3 (moeblaze.experts.fp8)
-    fp8_weight_cache: bool = False  # with "fp8": the experts' e4m3 weights kept until an optimizer step changes them
 
     def __post_init__(self):
         """Every field checked here, so a bad config fails when it is made, naming the field."""
@@ -51,12 +48,10 @@ class ModelConfig:
             raise ValueError(f"top_k must satisfy 1 <= top_k <= num_experts ({self.num_experts}), got {self.top_k}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        check_activation(self.activation)
-        check_choice("impl", self.impl, IMPLS)
-        check_choice("checkpoint", self.checkpoint, CHECKPOINTS)
-        check_choice("precision", self.precision, PRECISIONS)
-        if self.fp8_weight_cache and self.precision != "fp8":
-            raise ValueError(f"fp8_weight_cache needs precision='fp8', got {self.precision!r}")
+        if isinstance(self.experts, dict):  # as to_dict writes it (a checkpoint's config)
+            self.experts = ExpertsConfig(**self.experts)
+        if not isinstance(self.experts, ExpertsConfig):
+            raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(self.experts).__name__}")
         if self.token_rounding:
             check_choice("token_rounding", self.token_rounding, RULES)
         for name in ("shared_experts", "d_shared", "dense_layers", "rounding_tile"):
@@ -69,8 +64,23 @@ class ModelConfig:
         if opts.get("num_groups", 1) > 1:
             check_groups(self.num_experts, self.top_k, opts["num_groups"], opts["topk_groups"])
 
+    @property
+    def activation(self) -> str:
+        return self.experts.activation
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        """The config to_dict wrote, also in 0.1's form (the experts' options as flat fields)."""
+        d = dict(d)
+        flat = {k: d.pop(k) for k in ("activation", "impl", "checkpoint", "precision", "fp8_weight_cache") if k in d}
+        if flat:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                d["experts"] = from_legacy("ModelConfig", None, flat)
+        return cls(**d)
 
 
 class CausalSelfAttention(nn.Module):
@@ -116,11 +126,10 @@ class MoEBlock(nn.Module):
         if dense:
             self.moe = DenseFFN(cfg.d_model, cfg.top_k * cfg.d_expert, cfg.activation)
         else:
-            self.moe = MoELayer(cfg.d_model, cfg.d_expert, cfg.num_experts, cfg.top_k, cfg.activation, cfg.impl,
-                                cfg.checkpoint, router=ROUTERS[cfg.router], shared_experts=cfg.shared_experts,
+            self.moe = MoELayer(cfg.d_model, cfg.d_expert, cfg.num_experts, cfg.top_k, experts=cfg.experts,
+                                router=ROUTERS[cfg.router], shared_experts=cfg.shared_experts,
                                 d_shared=cfg.d_shared or None, shared_gate=cfg.shared_gate,
-                                token_rounding=cfg.token_rounding or None, rounding_tile=cfg.rounding_tile or None,
-                                precision=cfg.precision, fp8_weight_cache=cfg.fp8_weight_cache)
+                                token_rounding=cfg.token_rounding or None, rounding_tile=cfg.rounding_tile or None)
 
     def forward(self, x: torch.Tensor):
         x = x + self.attn(self.norm1(x))

@@ -19,12 +19,22 @@ from torch.distributed.tensor import DTensor
 
 from ..args import check_choice, check_int
 from ..distributed import ep_experts
-from ..experts import CHECKPOINTS, PRECISIONS, check_backend, moe_experts, resolve_impl
-from ..reference import check_activation, up_width
+from ..experts import moe_experts
 from ..experts.schedule import BLOCK_M
-from ..routing import (METHODS, RULES, TopKRouter, build_routing_index, count_per_expert, default_max_experts,
-                       round_to_index, rounded_rows_bound)
+from ..recipe import ExpertsConfig, from_legacy
+from ..reference import up_width
+from ..routing import (RULES, TopKRouter, build_routing_index, count_per_expert, default_max_experts, round_to_index,
+                       rounded_rows_bound)
 from ..routing.checks import fail_if
+
+DEFAULT = ExpertsConfig()
+
+
+def _experts_config(where: str, config: ExpertsConfig, legacy: dict) -> ExpertsConfig:
+    config = from_legacy(where, None if config is DEFAULT else config, legacy)
+    if not isinstance(config, ExpertsConfig):
+        raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
+    return config
 
 
 class MoEOutput(NamedTuple):
@@ -39,19 +49,13 @@ class Experts(nn.Module):
     once moeblaze.distributed.shard_experts has given the module its ep group and its E / ep experts,
     moeblaze.distributed.ep_experts (ep_kwargs: its dispatch settings)."""
 
-    def __init__(self, d_model: int, d_expert: int, num_experts: int, activation: str = "swiglu",
-                 impl: str = "auto", checkpoint: str = "preact", chunk_tokens: int | None = None,
-                 backend: str = "auto", index_method: str = "auto", precision: str = "native", device=None,
-                 dtype=None):
+    def __init__(self, d_model: int, d_expert: int, num_experts: int, *, config: ExpertsConfig = DEFAULT, device=None,
+                 dtype=None, **legacy):
         super().__init__()
-        check_choice("precision", precision, PRECISIONS)
+        self.config = _experts_config(type(self).__name__, config, legacy)
         self.d_model, self.d_expert, self.num_experts = d_model, d_expert, num_experts
-        self.precision = precision
-        self.fp8_weight_cache = False  # precision="fp8": keep the weights' e4m3 copies until they change (MoELayer)
-        self.activation, self.impl, self.checkpoint = activation, impl, checkpoint
-        self.chunk_tokens, self.backend, self.index_method = chunk_tokens, backend, index_method
         self.ep_group, self.ep_kwargs = None, {}
-        F = up_width(activation, d_expert)
+        F = up_width(self.config.activation, d_expert)
         self.w1 = nn.Parameter(torch.empty(num_experts, F, d_model, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, device=device, dtype=dtype))
         self.reset_parameters()
@@ -71,23 +75,19 @@ class Experts(nn.Module):
             dt = torch.get_autocast_dtype(x_LD.device.type)
             x_LD, w1, w2 = x_LD.to(dt), w1.to(dt), w2.to(dt)
         if self.ep_group is not None:
-            if self.precision != "native":
-                raise NotImplementedError("precision='fp8' under expert parallelism is not built yet")
             if routing is not None:
                 raise NotImplementedError("a prebuilt routing index (token rounding) under expert parallelism")
-            return ep_experts(x_LD, topk_idx, topk_weights, w1, w2, self.ep_group, self.activation, self.checkpoint,
-                              self.backend, self.index_method, **self.ep_kwargs)
+            return ep_experts(x_LD, topk_idx, topk_weights, w1, w2, group=self.ep_group, config=self.config,
+                              **self.ep_kwargs)
         if routing is None:
-            routing = build_routing_index(topk_idx, self.num_experts, self.index_method, check=False)
-        return moe_experts(x_LD, routing, topk_weights, w1, w2, self.activation, self.checkpoint, self.impl,
-                           check=False, chunk_tokens=self.chunk_tokens, backend=self.backend, precision=self.precision,
-                           fp8_weight_cache=self.fp8_weight_cache)
+            routing = build_routing_index(topk_idx, self.num_experts, self.config.index_method, check=False)
+        return moe_experts(x_LD, routing, topk_weights, w1, w2, config=self.config, check=False)
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}, "
-                f"activation={self.activation}, impl={self.impl}, checkpoint={self.checkpoint}"
-                + (f", precision={self.precision}" if self.precision != "native" else "")
-                + (", fp8_weight_cache" if self.fp8_weight_cache else ""))
+        changed = ", ".join(f"{k}={getattr(self.config, k)!r}" for k in self.config.__dataclass_fields__
+                            if getattr(self.config, k) != getattr(DEFAULT, k))
+        return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}"
+                + (f", {changed}" if changed else ""))
 
 
 class SharedExperts(Experts):
@@ -100,13 +100,13 @@ class SharedExperts(Experts):
 
     expert_parallel = False
 
-    def __init__(self, d_model: int, d_hidden: int, count: int, activation: str = "swiglu", impl: str = "auto",
-                 checkpoint: str = "preact", gated: bool = False, chunk_tokens: int | None = None,
-                 backend: str = "auto", device=None, dtype=None):
+    def __init__(self, d_model: int, d_hidden: int, count: int, *, config: ExpertsConfig = DEFAULT,
+                 gated: bool = False, device=None, dtype=None):
         check_int("shared_experts", count)
         check_int("d_shared", d_hidden)
-        super().__init__(d_model, d_hidden, count, activation, impl, checkpoint, chunk_tokens, backend, "dense",
-                         device=device, dtype=dtype)
+        # native precision and the dense index: the routed experts' fp8 recipe is theirs alone
+        config = config.replace(index_method="dense", precision="native", fp8_weight_cache=False, fp8_wgrad=False)
+        super().__init__(d_model, d_hidden, count, config=config, device=device, dtype=dtype)
         self.gate = nn.Parameter(torch.zeros(1, d_model, device=device, dtype=dtype)) if gated else None
 
     def forward(self, x_LD: torch.Tensor) -> torch.Tensor:
@@ -128,13 +128,9 @@ class MoELayer(nn.Module):
 
     Weights: experts.w1 (E, F, D) with F = 2·d_expert (gate rows first) for gated activations and d_expert for
     plain ones; experts.w2 (E, D, d_expert) (also reachable as layer.w1, layer.w2; state dicts saved with
-    the earlier top-level keys "w1", "w2" load). impl: "auto" (Triton on CUDA, the PyTorch reference
-    elsewhere), "triton" or "reference". checkpoint: "preact" or "recompute". index_method: "auto", "dense" or
-    "sort". backend: the Triton kernels' backend, "auto", "tl" or "gluon" (see moeblaze.experts.dispatch).
-    chunk_tokens: process the experts in token chunks of this size (see moeblaze.experts.moe_experts).
-    precision: "native" or "fp8" (the routed experts' GEMMs on e4m3: moeblaze.experts.fp8; shared experts stay
-    native). fp8_weight_cache (precision="fp8"): the routed experts' weights quantized once per change (an optimizer
-    step) instead of where used, their e4m3 copies kept in between (moeblaze.experts.moe_experts).
+    the earlier top-level keys "w1", "w2" load). experts: the routed experts' recipe (moeblaze.ExpertsConfig:
+    activation, checkpoint policy, backend, precision, chunking, index method); shared experts follow it in
+    native precision.
     router: more TopKRouter options (score function, scale, biases, groups, balancing loss; a family's set is
     moeblaze.routing.ROUTERS[name]); x of shape (..., T, D) holds sequences of T tokens (the "sequence" loss).
     shared_experts: S always-on experts of width d_shared (default d_expert), gated by σ(x·gᵀ) with shared_gate
@@ -148,32 +144,20 @@ class MoELayer(nn.Module):
     it (moeblaze train --loss-log logs max/mean load per layer and step).
     """
 
-    def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, activation: str = "swiglu",
-                 impl: str = "auto", checkpoint: str = "preact", scoring: str = "softmax_topk",
-                 renormalize: bool = True, index_method: str = "auto", chunk_tokens: int | None = None,
-                 backend: str = "auto", router: dict | None = None, shared_experts: int = 0,
-                 d_shared: int | None = None, shared_gate: bool = False, token_rounding: str | None = None,
-                 rounding_tile: int | None = None, rounding_max_experts: int | None = None, precision: str = "native",
-                 fp8_weight_cache: bool = False, device=None, dtype=None):
+    def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
+                 experts: ExpertsConfig = DEFAULT, scoring: str = "softmax_topk", renormalize: bool = True,
+                 router: dict | None = None, shared_experts: int = 0, d_shared: int | None = None,
+                 shared_gate: bool = False, token_rounding: str | None = None, rounding_tile: int | None = None,
+                 rounding_max_experts: int | None = None, device=None, dtype=None, **legacy):
         super().__init__()
         for name, value in (("d_model", d_model), ("d_expert", d_expert), ("num_experts", num_experts),
                             ("top_k", top_k)):
             check_int(name, value)
-        if chunk_tokens is not None:
-            check_int("chunk_tokens", chunk_tokens)
-        check_activation(activation)
-        check_choice("checkpoint", checkpoint, CHECKPOINTS)
-        check_choice("index_method", index_method, METHODS)
-        resolve_impl(impl, torch.device("cpu"))
-        check_backend(backend)
+        experts = _experts_config("MoELayer", experts, legacy)
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
         self.router = TopKRouter(d_model, num_experts, top_k, **{"scoring": scoring, "renormalize": renormalize,
                                                                  **(router or {})}, device=device)
-        self.experts = Experts(d_model, d_expert, num_experts, activation, impl, checkpoint, chunk_tokens, backend,
-                               index_method, precision, device, dtype)
-        if fp8_weight_cache and precision != "fp8":
-            raise ValueError(f"fp8_weight_cache keeps e4m3 weights for precision='fp8'; precision is {precision!r}")
-        self.experts.fp8_weight_cache = fp8_weight_cache
+        self.experts = Experts(d_model, d_expert, num_experts, config=experts, device=device, dtype=dtype)
         if token_rounding is not None:
             check_choice("token_rounding", token_rounding, RULES)
         self.token_rounding = token_rounding
@@ -183,8 +167,8 @@ class MoELayer(nn.Module):
         check_int("shared_experts", shared_experts, minimum=0)
         self.shared = None
         if shared_experts:
-            self.shared = SharedExperts(d_model, d_shared or d_expert, shared_experts, activation, impl, checkpoint,
-                                        shared_gate, chunk_tokens, backend, device, dtype)
+            self.shared = SharedExperts(d_model, d_shared or d_expert, shared_experts, config=experts,
+                                        gated=shared_gate, device=device, dtype=dtype)
         self.track_load = False
         self.register_buffer("routed_load", torch.zeros(num_experts, dtype=torch.int64, device=device),
                              persistent=False)

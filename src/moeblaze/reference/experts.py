@@ -9,15 +9,19 @@ Loops over experts, gathers each expert's tokens, and accumulates the weighted e
 reference every kernel is checked against, and is slow and memory-hungry by design: it keeps every
 intermediate for backward and synchronizes with the host (one nonzero per expert).
 
-preact_fp8=True is checkpoint="preact-fp8"'s arithmetic: the forward is unchanged, and backward reads the
+Both take the experts' recipe (moeblaze.ExpertsConfig) as the kernels do; the reference follows what changes the
+arithmetic (activation, checkpoint="preact-fp8", precision="fp8", fp8_wgrad) and ignores what does not (backend,
+chunk_tokens, index_method, fp8_weight_cache, checkpoint="preact" against "recompute": it keeps what autograd needs).
+
+checkpoint="preact-fp8": the forward is unchanged, and backward reads the
 pre-activation H = x W1ᵀ + b1 back from e4m3 with 1 x 128 scales (reference.fp8), as the kernels keep it: dH, the
 s·A of dW2 and the router weights' gradient dS = <dy, A W2ᵀ + b2> all come from act(fake_quant_rows(H)).
 
-fp8_gemms=True emulates precision="fp8" (DeepSeek-V3's recipe, reference.fp8's quantizers, fp32 accumulation): the
+precision="fp8" is emulated (DeepSeek-V3's recipe, reference.fp8's quantizers, fp32 accumulation): the
 four data GEMMs read e4m3 operands, x and dy by token (1 x 128 groups along d), A and dH by row (1 x 128 along h and
 F), W1 and W2 by 128 x 128 blocks (one grid serves W and Wᵀ); the weight gradients dW1 = dHᵀ x and dW2 = dyᵀ (s·A)
 and everything else (SwiGLU, dS = <dA', A> + <dy, b2>, the combines) stay in the input precision. It tells the
-format's error from a kernel's. fp8_wgrad=True (with fp8_gemms) takes the weight gradients to e4m3 as well, their
+format's error from a kernel's. fp8_wgrad=True takes the weight gradients to e4m3 as well, their
 operands scaled along the contraction, each column by groups of 128 of an expert's rows (DeepSeek-V3's 128 x 1
 tiles for the weight gradients): dW1 = q(dH)ᵀ q(x[rows]) and dW2 = q(dy[rows])ᵀ q(s·A).
 
@@ -27,33 +31,38 @@ from __future__ import annotations
 
 import torch
 
+from ..recipe import ExpertsConfig, from_legacy
 from .activations import apply_activation
 from .fp8 import fake_quant_blocks, fake_quant_rows
 
+DEFAULT = ExpertsConfig()
 
-def moe_experts_reference(
-    x_LD: torch.Tensor,
-    topk_idx_LK: torch.Tensor,
-    topk_w_LK: torch.Tensor,
-    w1_EFD: torch.Tensor,
-    w2_EDH: torch.Tensor,
-    activation: str = "swiglu",
-    b1_EF: torch.Tensor | None = None,
-    b2_ED: torch.Tensor | None = None,
-    interleaved: bool = False,
-    preact_fp8: bool = False,
-    fp8_gemms: bool = False,
-    fp8_wgrad: bool = False,
-) -> torch.Tensor:
+
+def _config(where: str, b1, config: ExpertsConfig, legacy: dict) -> ExpertsConfig:
+    """The call's config (0.1's keyword options accepted with a DeprecationWarning); TypeError for options passed
+    positionally or a config of another type."""
+    if isinstance(b1, str):
+        raise TypeError(f"{where}(x, topk_idx, topk_weights, w1, w2, b1=None, b2=None, *, config=ExpertsConfig(...)): "
+                        f"the options go in config, not positionally (got {b1!r} for b1)")
+    config = from_legacy(where, None if config is DEFAULT else config, legacy)
+    if not isinstance(config, ExpertsConfig):
+        raise TypeError(f"config must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
+    return config
+
+
+def moe_experts_reference(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_LK: torch.Tensor,
+                          w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, b1_EF: torch.Tensor | None = None,
+                          b2_ED: torch.Tensor | None = None, *, config: ExpertsConfig = DEFAULT,
+                          interleaved: bool = False, **legacy) -> torch.Tensor:
     """Expert outputs combined per token: (L, D) in x's dtype.
 
     w1_EFD: (E, F, D) with F = 2H (gate rows, then up rows; alternating where interleaved) for gated
     activations, F = H otherwise. w2_EDH: (E, D, H). b1_EF, b2_ED: optional biases, in w1's and w2's row
     order. topk_idx_LK: integer expert ids. topk_w_LK: router weights (any float dtype).
     """
-    if fp8_wgrad and not fp8_gemms:
-        raise ValueError("fp8_wgrad=True takes fp8_gemms=True (the weight gradients' e4m3 is a step past the data "
-                         "GEMMs')")
+    config = _config("moe_experts_reference", b1_EF, config, legacy)
+    activation, fp8_gemms, fp8_wgrad = config.activation, config.fp8, config.fp8_wgrad
+    preact_fp8 = config.checkpoint == "preact-fp8"
     L, D = x_LD.shape
     E = w1_EFD.shape[0]
     acc_dtype = torch.float64 if x_LD.dtype == torch.float64 else torch.float32
@@ -158,19 +167,16 @@ def _tail(h, w2, b2, w, activation, interleaved, acc_dtype):
     return y.to(acc_dtype) * w[:, None].to(acc_dtype)
 
 
-def moe_experts_dense(
-    x_LD: torch.Tensor,
-    topk_idx_LK: torch.Tensor,
-    topk_w_LK: torch.Tensor,
-    w1_EFD: torch.Tensor,
-    w2_EDH: torch.Tensor,
-    activation: str = "swiglu",
-    b1_EF: torch.Tensor | None = None,
-    b2_ED: torch.Tensor | None = None,
-    interleaved: bool = False,
-) -> torch.Tensor:
+def moe_experts_dense(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_LK: torch.Tensor, w1_EFD: torch.Tensor,
+                      w2_EDH: torch.Tensor, b1_EF: torch.Tensor | None = None, b2_ED: torch.Tensor | None = None, *,
+                      config: ExpertsConfig = DEFAULT, interleaved: bool = False, **legacy) -> torch.Tensor:
     """The same function computed token by token with every expert's weights gathered per pair: an
-    independent second oracle (O(L·K·F·D) weight memory), for tiny sizes in tests only."""
+    independent second oracle (O(L·K·F·D) weight memory), for tiny sizes in tests only. Native precision only."""
+    config = _config("moe_experts_dense", b1_EF, config, legacy)
+    if config.fp8 or config.checkpoint == "preact-fp8":
+        raise ValueError("moe_experts_dense computes native precision only: use moe_experts_reference for the fp8 "
+                         "emulation")
+    activation = config.activation
     w1 = w1_EFD[topk_idx_LK.long()]  # (L, K, F, D)
     w2 = w2_EDH[topk_idx_LK.long()]  # (L, K, D, H)
     h = torch.einsum("lkfd,ld->lkf", w1, x_LD)

@@ -1,5 +1,9 @@
-"""The fused, zero-buffer expert computation as an autograd op: torch.library custom ops (what torch.compile
-traces) and an autograd.Function over the same bodies (eager mode), built from experts.stages.
+"""The fused, zero-buffer expert computation as one autograd op: a torch.library custom-op pair (what
+torch.compile traces) and an autograd.Function over the same bodies (eager mode). The forward and backward bodies
+are written once over a GEMM strategy (NATIVE: experts.stages in the inputs' dtype; experts.fp8.Fp8Gemms: the
+four data GEMMs on e4m3), chosen by the op's Recipe, with everything else (the tile schedule, the combines, the
+activation's backward, the bias gradients, dropped pairs, the checkpoint policy) shared. Expert parallelism calls
+the same bodies on the rows it receives (distributed.ep).
 
 Forward (3 launches + the tile schedule, one launch, reused by backward):
   up       A = act(x[expert_token_idx] @ W1[e]ᵀ + b1[e])  gather in the load, bias and activation in the epilogue
@@ -36,12 +40,15 @@ the combines read them as zero, and backward (only for such an index) zeroes the
 before the weight gradients reduce over row blocks.
 
 Host side: every launch that is not autotuned goes through experts.launch (the compiled kernel relaunched
-without Triton's per-call dispatch); in eager mode autograd calls the ops' bodies directly (_EagerExperts),
-and torch.compile traces the custom ops.
+without Triton's per-call dispatch); in eager mode autograd calls the op's bodies directly (_EagerExperts),
+and torch.compile traces the custom ops. The recipe travels as a short string (Recipe.key), parsed once per value.
 
 Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert, E experts, K top-k, R = L·K.
 """
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 
@@ -49,50 +56,120 @@ from ..launch import ensure_context
 from ..reference.fp8 import FP8
 from ..routing import RoutingIndex
 from . import stages
+from .fp8 import Fp8Gemms
 from .schedule import BLOCK_M
 from .stages import RowPlan
 from .tl.quant import quantize_rows
 
 
+class Recipe(NamedTuple):
+    """What one call of the op computes, resolved for its device: ExpertsConfig's choices that reach the kernels
+    (backend "tl" or "gluon") and the call's layout (dropped: an index with dropped pairs; interleaved gate/up)."""
+    activation: str = "swiglu"
+    checkpoint: str = "preact"
+    backend: str = "tl"
+    fp8: bool = False
+    fp8_weight_cache: bool = False
+    fp8_wgrad: bool = False
+    dropped: bool = False
+    interleaved: bool = False
+
+    @property
+    def key(self) -> str:
+        """The recipe as the custom ops carry it (parse inverts it)."""
+        return ",".join(v if isinstance(v, str) else str(int(v)) for v in self)
+
+    @property
+    def gemms(self):
+        return Fp8Gemms(self) if self.fp8 else NativeGemms(self)
+
+
+@functools.cache
+def parse(key: str) -> Recipe:
+    a, c, b, *flags = key.split(",")
+    return Recipe(a, c, b, *(f == "1" for f in flags))
+
+
+class NativeGemms:
+    """The GEMMs in the inputs' dtype, each a stage (experts.stages): SwiGLU in the up GEMM's epilogue, the
+    activation's backward in dA''s."""
+
+    def __init__(self, r: Recipe):
+        self.r = r
+
+    def up(self, plan: RowPlan, x_LD, w1_EFD, b1_EF, keep: bool):
+        """(preact (empty unless keep), act, None: no e4m3 copy of preact made on the way)."""
+        r = self.r
+        preact, act = stages.up(plan, x_LD, w1_EFD, r.activation, keep, True, r.backend, b1_EF, r.interleaved)
+        return preact, act, None
+
+    def preact(self, plan: RowPlan, x_LD, w1_EFD, b1_EF):
+        """preact recomputed in backward."""
+        r = self.r
+        return stages.up(plan, x_LD, w1_EFD, r.activation, True, False, r.backend, b1_EF, r.interleaved)[0]
+
+    def down(self, plan: RowPlan, act_RH, w2_EDH, _dtype: torch.dtype):
+        return stages.down(plan, act_RH, w2_EDH, self.r.backend)
+
+    def dact(self, plan: RowPlan, dy_LD, w2_EDH, preact_RF, preact_scale, topk_w_LK, recomputed: bool):
+        """(dH, s·A, dS, None: no e4m3 dH made on the way). A recomputed preact is a fresh buffer that nothing else
+        reads: each dH tile overwrites the preact tile it was computed from (read before written, by the same
+        program): no (R, F) buffer. H kept in e4m3 is read back by the dH pass itself (stages.down_bwd), and dH
+        gets a buffer of its own, the one a read-back copy would take."""
+        r = self.r
+        dpreact = preact_RF if recomputed else torch.empty(preact_RF.shape, dtype=dy_LD.dtype, device=dy_LD.device)
+        act_scaled, dtopk_w = stages.down_bwd(plan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact, r.activation,
+                                              r.backend, r.interleaved, preact_scale)
+        return dpreact, act_scaled, dtopk_w, None
+
+    def dx_rows(self, plan: RowPlan, dpreact_RF, _dpreact_q, w1_EFD):
+        return stages.dx_rows(plan, dpreact_RF, w1_EFD, self.r.backend)
+
+
 def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
                     b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None, expert_counts: torch.Tensor,
                     expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
-                    activation: str, save_preact: bool, backend: str, dropped: bool = False, interleaved: bool = False,
-                    preact_fp8: bool = False
+                    recipe: str
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out (L, D), preact (R, F) if save_preact else an empty tensor, its scales (R, ceil(F / 128)) fp32 where
-    preact_fp8 (then preact is e4m3: reference.fp8.quantize_rows) else an empty tensor, *the tile schedule): the
-    forward body, the schedule built once here and handed to backward."""
+    """(out (L, D), preact as backward keeps it (x's dtype under "preact", e4m3 under "preact-fp8", empty under
+    "recompute"), its 1 x 128 scales (e4m3 only, else empty), *the tile schedule): the forward body, the schedule
+    built once here and handed to backward."""
+    r = parse(recipe)
     plan = RowPlan.build(RoutingIndex(expert_counts, expert_offsets, expert_token_idx, token_slot))
+    keep = r.checkpoint != "recompute"
     if x_LD.shape[0] == 0:  # an empty batch (a rank without tokens): no launch can address 0 rows
-        preact = x_LD.new_zeros(0, w1_EFD.shape[1]) if save_preact else x_LD.new_empty(0)
-        return (x_LD.new_zeros(x_LD.shape), *_kept_preact(preact, save_preact and preact_fp8), *plan.sched)
-    preact, act = stages.up(plan, x_LD, w1_EFD, activation, save_preact, True, backend, b1_EF, interleaved)
-    y_RD = stages.down(plan, act, w2_EDH, backend)
+        preact = x_LD.new_zeros(0, w1_EFD.shape[1])
+        return (x_LD.new_zeros(x_LD.shape), *_kept(preact, None, r), *plan.sched)
+    g = r.gemms
+    preact, act, preact_q = g.up(plan, x_LD, w1_EFD, b1_EF, keep)
+    y_RD = g.down(plan, act, w2_EDH, x_LD.dtype)
     del act
     out = stages.combine(plan, y_RD, topk_w_LK.float().contiguous(), x_LD.dtype, bias_ED=b2_ED)
-    return (out, *_kept_preact(preact, save_preact and preact_fp8), *plan.sched)
+    return (out, *_kept(preact, preact_q, r), *plan.sched)
 
 
-def _kept_preact(preact_RF: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(preact as backward keeps it, its scales): e4m3 with 1 x 128 scales where fp8 (a pass of its own),
-    else itself and an empty tensor."""
-    if not fp8:
-        return preact_RF, preact_RF.new_empty(0, dtype=torch.float32)
-    return quantize_rows(preact_RF)
+def _kept(preact_RF: torch.Tensor, preact_q, r: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """(preact as backward keeps it, its scales): by the checkpoint policy. Under "preact-fp8", the e4m3 copy the
+    up pass made (preact_q) or one made here (a pass of its own)."""
+    none = preact_RF.new_empty(0, dtype=torch.float32)
+    if r.checkpoint == "recompute":
+        return preact_RF.new_empty(0), none
+    if r.checkpoint == "preact-fp8":
+        return preact_q if preact_q is not None else quantize_rows(preact_RF)
+    return preact_RF, none
 
 
 experts_fwd = torch.library.custom_op("moeblaze::experts_fwd", experts_forward, mutates_args=())
 
 
 @experts_fwd.register_fake
-def _(x, w1, w2, topk_w, b1, b2, expert_counts, expert_offsets, expert_token_idx, token_slot, activation, save_preact,
-      backend, dropped=False, interleaved=False, preact_fp8=False):
+def _(x, w1, w2, topk_w, b1, b2, expert_counts, expert_offsets, expert_token_idx, token_slot, recipe):
+    r = parse(recipe)
     R, F = expert_token_idx.shape[0], w1.shape[1]
     tiles = R // BLOCK_M + expert_counts.shape[0]
     ints = dict(dtype=torch.int32, device=x.device)
-    fp8 = save_preact and preact_fp8
-    preact = x.new_empty(R, F, dtype=FP8 if fp8 else x.dtype) if save_preact else x.new_empty(0)
+    fp8 = r.checkpoint == "preact-fp8"
+    preact = x.new_empty(R, F, dtype=FP8 if fp8 else x.dtype) if r.checkpoint != "recompute" else x.new_empty(0)
     scale = x.new_empty((R, -(-F // 128)) if fp8 else (0,), dtype=torch.float32)
     return (x.new_empty(x.shape), preact, scale, torch.empty(tiles, **ints), torch.empty(tiles, **ints),
             torch.empty(1, **ints))
@@ -131,42 +208,40 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
                      topk_w_LK: torch.Tensor, b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None,
                      tile_expert: torch.Tensor, tile_row: torch.Tensor, tiles_used: torch.Tensor,
                      expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
-                     preact_RF: torch.Tensor, activation: str, has_preact: bool, backend: str, dropped: bool = False,
-                     interleaved: bool = False, preact_scale: torch.Tensor | None = None
+                     kept_RF: torch.Tensor, kept_scale: torch.Tensor, recipe: str
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw2, dtopk_w, db1, db2), db1 and db2 empty where their bias is absent: the backward body. The
-    weights' gradients come in the weights' own layouts (strides). An e4m3 preact comes with its 1 x 128 scales
-    (preact_scale) and is read back in x's dtype."""
+    weights' gradients come in the weights' own layouts (strides). kept_RF, kept_scale: preact as the forward
+    kept it (experts_forward)."""
     if dy_LD.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
         ensure_context(dy_LD.get_device())
     if x_LD.shape[0] == 0:  # an empty batch: nothing flows back but zeros
         return (torch.zeros_like(x_LD), torch.zeros_like(w1_EFD), torch.zeros_like(w2_EDH),
                 torch.zeros_like(topk_w_LK), *(x_LD.new_empty(0) if b is None else torch.zeros_like(b)
                                                for b in (b1_EF, b2_ED)))
+    r = parse(recipe)
+    g = r.gemms
     plan = RowPlan(expert_token_idx, expert_offsets, token_slot, tile_expert, tile_row, tiles_used)
-    if not has_preact:
-        preact_RF, _ = stages.up(plan, x_LD, w1_EFD, activation, True, False, backend, b1_EF, interleaved)
-    fp8 = has_preact and preact_RF.dtype == FP8
-    # Where preact is a fresh buffer that nothing else reads (recomputed), each dH tile overwrites the preact tile it
-    # was computed from (read before written, by the same program): no (R, F) buffer. H kept in e4m3 is read back
-    # by the dH pass itself (stages.down_bwd) and dH gets a buffer of its own, the one a read-back copy would take.
-    if fp8:
-        dpreact_RF = torch.empty(preact_RF.shape, dtype=x_LD.dtype, device=x_LD.device)
-    else:
-        dpreact_RF = preact_RF if not has_preact else torch.empty_like(preact_RF)
-    act_scaled_RH, dtopk_w = stages.down_bwd(plan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, activation,
-                                             backend, interleaved, preact_scale if fp8 else None)
-    del preact_RF
-    if dropped:
+    recomputed = r.checkpoint == "recompute"
+    preact_RF = g.preact(plan, x_LD, w1_EFD, b1_EF) if recomputed else kept_RF
+    preact_scale = kept_scale if r.checkpoint == "preact-fp8" else None
+    dpreact_RF, act_scaled_RH, dtopk_w, dpreact_q = g.dact(plan, dy_LD, w2_EDH, preact_RF, preact_scale, topk_w_LK,
+                                                           recomputed)
+    del preact_RF, kept_RF
+    if r.dropped:
         dtopk_w = clear_dropped(plan, dtopk_w, act_scaled_RH, dpreact_RF)
-    dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, torch.empty_like(w2_EDH), True, backend)
-    del act_scaled_RH
-    dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, torch.empty_like(w1_EFD), False, backend)
-    db1, db2, ds_b = stages.bias_grads(plan, dy_LD, dpreact_RF, topk_w_LK, b1_EF, b2_ED, backend)
+    if r.fp8_wgrad:
+        dw2, dw1 = g.weight_grads(plan, dy_LD, act_scaled_RH, dpreact_RF, x_LD, w1_EFD, w2_EDH)
+        del act_scaled_RH
+    else:
+        dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, torch.empty_like(w2_EDH), True, r.backend)
+        del act_scaled_RH
+        dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, torch.empty_like(w1_EFD), False, r.backend)
+    db1, db2, ds_b = stages.bias_grads(plan, dy_LD, dpreact_RF, topk_w_LK, b1_EF, b2_ED, r.backend)
     if ds_b is not None:
         dtopk_w = (dtopk_w.float() + ds_b).to(topk_w_LK.dtype)
-    dx_RD = stages.dx_rows(plan, dpreact_RF, w1_EFD, backend)
-    del dpreact_RF
+    dx_RD = g.dx_rows(plan, dpreact_RF, dpreact_q, w1_EFD)
+    del dpreact_RF, dpreact_q
     dx = stages.combine(plan, dx_RD, None, x_LD.dtype)
     return dx, dw1, dw2, dtopk_w, _grad_or_empty(db1, x_LD), _grad_or_empty(db2, x_LD)
 
@@ -176,20 +251,18 @@ experts_bwd = torch.library.custom_op("moeblaze::experts_bwd", experts_backward,
 
 @experts_bwd.register_fake
 def _(dy, x, w1, w2, topk_w, b1, b2, tile_expert, tile_row, tiles_used, expert_offsets, expert_token_idx, token_slot,
-      preact, activation, has_preact, backend, dropped=False, interleaved=False, preact_scale=None):
+      kept, kept_scale, recipe):
     return (x.new_empty(x.shape), torch.empty_like(w1), torch.empty_like(w2), topk_w.new_empty(topk_w.shape),
             *(x.new_empty(0) if b is None else b.new_empty(b.shape) for b in (b1, b2)))
 
 
-N_INPUTS = 16
+N_INPUTS = 11  # x, w1, w2, topk_w, b1, b2, the index's four tensors, recipe
 
 
 def _setup_context(ctx, inputs, output):
-    x, w1, w2, topk_w, b1, b2, _counts, offsets, eti, slot = inputs[:10]
-    activation, save_preact, backend, dropped, interleaved, _fp8 = inputs[10:]
+    x, w1, w2, topk_w, b1, b2, _counts, offsets, eti, slot, recipe = inputs
     ctx.save_for_backward(x, w1, w2, topk_w, b1, b2, *output[3:], offsets, eti, slot, output[1], output[2])
-    ctx.activation, ctx.has_preact, ctx.backend = activation, save_preact, backend
-    ctx.dropped, ctx.interleaved = dropped, interleaved
+    ctx.recipe = recipe
     # preact is saved state, never used downstream: don't let autograd fill an (R, F) zero gradient for it
     ctx.set_materialize_grads(False)
 
@@ -198,11 +271,8 @@ def _backward_with(experts_bwd_fn):
     def backward(ctx, dout, *_saved_outputs):
         if dout is None:  # the output took no part in the loss
             return (None,) * N_INPUTS
-        (x, w1, w2, topk_w, b1, b2, tile_expert, tile_row, tiles_used, offsets, eti, slot, preact,
-         preact_scale) = ctx.saved_tensors
-        dx, dw1, dw2, dw, db1, db2 = experts_bwd_fn(
-            dout.contiguous(), x, w1, w2, topk_w, b1, b2, tile_expert, tile_row, tiles_used, offsets, eti, slot,
-            preact, ctx.activation, ctx.has_preact, ctx.backend, ctx.dropped, ctx.interleaved, preact_scale)
+        x, w1, w2, topk_w, b1, b2, *rest = ctx.saved_tensors
+        dx, dw1, dw2, dw, db1, db2 = experts_bwd_fn(dout.contiguous(), x, w1, w2, topk_w, b1, b2, *rest, ctx.recipe)
         return ((dx, dw1, dw2, dw, db1 if b1 is not None else None, db2 if b2 is not None else None)
                 + (None,) * (N_INPUTS - 6))
     return backward
@@ -229,15 +299,13 @@ _EagerExperts = eager_function("_EagerExperts", experts_forward, _setup_context,
 
 
 def fused_experts(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
-                  b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None, expert_counts: torch.Tensor,
-                  expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
-                  activation: str, save_preact: bool, backend: str, dropped: bool = False,
-                  interleaved: bool = False, preact_fp8: bool = False) -> torch.Tensor:
+                  b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None, routing: RoutingIndex,
+                  recipe: str) -> torch.Tensor:
     """The experts' combined output (L, D), differentiable in x, w1, w2, topk_w and the biases: the custom op where
-    torch.compile traces, the direct path in eager mode. Overridable through __torch_function__."""
-    args = (x_LD, w1_EFD, w2_EDH, topk_w_LK, b1_EF, b2_ED, expert_counts, expert_offsets, expert_token_idx,
-            token_slot, activation, save_preact, backend, dropped, interleaved, preact_fp8)
+    torch.compile traces, the direct path in eager mode. recipe: a Recipe's key. Overridable through
+    __torch_function__."""
+    args = (x_LD, w1_EFD, w2_EDH, topk_w_LK, b1_EF, b2_ED, *routing.tensors(), recipe)
     dense = tuple(t for t in args[:6] if t is not None)
     if torch.overrides.has_torch_function(dense):  # a __torch_function__ mode (memory profiler) sees it as one op
-        return torch.overrides.handle_torch_function(fused_experts, dense, *args)
+        return torch.overrides.handle_torch_function(fused_experts, dense, *args[:6], routing, recipe)
     return (experts_fwd(*args) if torch.compiler.is_compiling() else _EagerExperts.apply(*args))[0]

@@ -1,0 +1,115 @@
+"""ExpertsConfig: how the experts compute (the recipe), one frozen value checked once, where it is made.
+
+Every surface that runs experts takes one: moe_experts, moe_experts_reference, MoELayer / Experts, ModelConfig,
+the transformers backend's configure, expert parallelism and the command line (one function maps its flags to it).
+A combination it accepts runs everywhere it is accepted; one it refuses is refused here, by name.
+
+    activation        swiglu (default), geglu, clamped_swiglu (gpt-oss), silu, gelu, relu, relu2
+    checkpoint        what the forward keeps for backward: "preact" (the pre-activation H, R·F elements), "preact-fp8"
+                      (H in e4m3 with 1 x 128 scales, about half of preact's bytes), "recompute" (nothing beyond the
+                      routing index: H is recomputed, one more GEMM)
+    backend           which code runs: "auto" (the kernels on CUDA, the PyTorch reference elsewhere), "reference",
+                      "triton" (the kernels, each launch on the best backend the device has: Gluon on Hopper, tl
+                      elsewhere and under Triton's CPU interpreter), "tl" or "gluon" (pinned; experts.dispatch)
+    precision         "native" (the GEMMs in the inputs' dtype) or "fp8" (the four data GEMMs on e4m3 operands with
+                      DeepSeek-V3's 1 x 128 / 128 x 128 scales; experts.fp8)
+    fp8_weight_cache  (fp8) each weight's e4m3 copies kept until the weight changes, instead of made where used
+    fp8_wgrad         (fp8) the weight gradients on e4m3 operands too
+    chunk_tokens      run the experts on chunks of this many tokens, each with its own routing index, so that every
+                      (L·K, ·) transient scales with the chunk (None: one chunk)
+    index_method      how a routing index is built from top-k ids: "auto", "dense" (MoEBlaze's sort-free build)
+                      or "sort"
+
+Memory: none (a frozen dataclass of a few fields).
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+
+from .args import check_bool, check_choice, check_int
+
+GATED = ("swiglu", "geglu", "clamped_swiglu")  # act(gate) · up over [gate | up] (reference.activations)
+PLAIN = ("silu", "gelu", "relu", "relu2")
+ACTIVATIONS = GATED + PLAIN
+CHECKPOINTS = ("preact", "recompute", "preact-fp8")
+BACKENDS = ("auto", "reference", "triton", "tl", "gluon")
+PRECISIONS = ("native", "fp8")
+INDEX_METHODS = ("auto", "dense", "sort")
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    """The experts' recipe (see the module header). Frozen: derive another with `.replace(**changes)`."""
+    activation: str = "swiglu"
+    checkpoint: str = "preact"
+    backend: str = "auto"
+    precision: str = "native"
+    fp8_weight_cache: bool = False
+    fp8_wgrad: bool = False
+    chunk_tokens: int | None = None
+    index_method: str = "auto"
+
+    def __post_init__(self):
+        check_choice("activation", self.activation, ACTIVATIONS)
+        check_choice("checkpoint", self.checkpoint, CHECKPOINTS)
+        check_choice("backend", self.backend, BACKENDS)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_bool("fp8_weight_cache", self.fp8_weight_cache)
+        check_bool("fp8_wgrad", self.fp8_wgrad)
+        for name in ("fp8_weight_cache", "fp8_wgrad"):
+            if getattr(self, name) and self.precision != "fp8":
+                raise ValueError(f"{name}=True needs precision='fp8'; precision is {self.precision!r}")
+        if self.chunk_tokens is not None:
+            check_int("chunk_tokens", self.chunk_tokens)
+        check_choice("index_method", self.index_method, INDEX_METHODS)
+
+    def replace(self, **changes) -> ExpertsConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def fp8(self) -> bool:
+        return self.precision == "fp8"
+
+    @property
+    def kernels(self) -> bool:
+        """Whether the kernels run wherever they can (every backend but "reference"; "auto" off CUDA is the
+        reference too: see resolve)."""
+        return self.backend != "reference"
+
+
+# The keyword arguments of 0.1's call forms, and the ExpertsConfig field each maps to (impl folds into backend).
+LEGACY = ("activation", "checkpoint", "impl", "backend", "precision", "fp8_weight_cache", "fp8_wgrad",
+          "chunk_tokens", "index_method")
+
+
+def fold_impl(impl: str, backend: str) -> str:
+    """0.1's two axes (impl: auto, triton, reference; backend: auto, tl, gluon) as ExpertsConfig's one backend."""
+    check_choice("impl", impl, ("auto", "triton", "reference"))
+    check_choice("backend", backend, ("auto", "tl", "gluon") if impl != "auto" else BACKENDS)
+    if impl == "reference":
+        return "reference"
+    return "triton" if (impl, backend) == ("triton", "auto") else backend
+
+
+def from_legacy(where: str, config: ExpertsConfig | None, legacy: dict) -> ExpertsConfig:
+    """The config of a call in 0.1's form (its options as keyword arguments), with a DeprecationWarning that names
+    the new form; `config` alone where there are none. TypeError for an unknown keyword or both forms at once."""
+    legacy = {k: v for k, v in legacy.items() if v is not None}  # None: unset, as 0.1's forms had it
+    if not legacy:
+        return config if config is not None else ExpertsConfig()
+    unknown = sorted(set(legacy) - set(LEGACY))
+    if unknown:
+        raise TypeError(f"{where}() got unexpected keyword argument(s) {unknown}")
+    if config is not None:
+        raise TypeError(f"{where}(): pass the options in config=ExpertsConfig(...) only, not also as "
+                        f"{sorted(legacy)}")
+    fields = dict(legacy)
+    fields["backend"] = fold_impl(fields.pop("impl", "auto"), fields.pop("backend", "auto"))
+    new = ExpertsConfig(**fields)
+    shown = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(new).items()
+                      if v != getattr(ExpertsConfig, k))
+    warnings.warn(f"{where}({', '.join(sorted(legacy))}=...) is deprecated and goes in 0.3: pass "
+                  f"config=moeblaze.ExpertsConfig({shown})", DeprecationWarning, stacklevel=3)
+    return new
