@@ -79,6 +79,8 @@ class ExpertsConfig:
         return self.backend != "reference"
 
 
+DEFAULT = ExpertsConfig()  # every surface's default recipe: passing it is the same as passing none
+
 # The keyword arguments of 0.1's call forms, and the ExpertsConfig field each maps to (impl folds into backend).
 LEGACY = ("activation", "checkpoint", "impl", "backend", "precision", "fp8_weight_cache", "fp8_wgrad",
           "chunk_tokens", "index_method")
@@ -94,11 +96,16 @@ def fold_impl(impl: str, backend: str) -> str:
 
 
 def from_legacy(where: str, config: ExpertsConfig | None, legacy: dict) -> ExpertsConfig:
-    """The config of a call in 0.1's form (its options as keyword arguments), with a DeprecationWarning that names
-    the new form; `config` alone where there are none. TypeError for an unknown keyword or both forms at once."""
+    """The config of a call: `config` (None or DEFAULT: unset), or 0.1's form (its options as keyword arguments)
+    with a DeprecationWarning that names the new form. TypeError for a config of another type, an unknown keyword or
+    both forms at once."""
+    if config is DEFAULT:
+        config = None
+    if config is not None and not isinstance(config, ExpertsConfig):
+        raise TypeError(f"config must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
     legacy = {k: v for k, v in legacy.items() if v is not None}  # None: unset, as 0.1's forms had it
     if not legacy:
-        return config if config is not None else ExpertsConfig()
+        return config if config is not None else DEFAULT
     unknown = sorted(set(legacy) - set(LEGACY))
     if unknown:
         raise TypeError(f"{where}() got unexpected keyword argument(s) {unknown}")

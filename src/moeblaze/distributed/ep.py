@@ -45,7 +45,7 @@ from ..experts.op import parse
 from ..experts.schedule import BLOCK_M
 from ..experts.stages import combine_slots
 from ..launch import ensure_context
-from ..recipe import ExpertsConfig
+from ..recipe import DEFAULT, ExpertsConfig, from_legacy
 from ..reference.fp8 import FP8
 from ..routing import (RoutingIndex, build_routing_index, check_expert_inputs, check_topk_weights, in_row_order,
                        pair_experts)
@@ -347,9 +347,6 @@ DISPATCHES = ("exact", "capacity")
 OVERFLOW = ("error", "drop")
 
 
-DEFAULT = ExpertsConfig()
-
-
 def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1_local: torch.Tensor,
                w2_local: torch.Tensor, *, group=None, config: ExpertsConfig = DEFAULT, dispatch: str = "exact",
                capacity_factor: float = 1.25, capacity: int | None = None, on_overflow: str = "error",
@@ -366,8 +363,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     tracker.capacity, or ⌈capacity_factor · L · K / ep⌉ rounded up to 16 (then every rank must have the same L).
     Overflow (a destination needing more than C rows): with a tracker, recorded for the caller's rerun (and
     dropped in this call); otherwise on_overflow "error" (default) or "drop"."""
-    if not isinstance(config, ExpertsConfig):
-        raise TypeError(f"config must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
+    config = from_legacy("ep_experts", config, {})
     if config.backend == "reference":
         raise ValueError("expert parallelism runs the kernels: backend='reference' is not available under it")
     if dispatch not in DISPATCHES:

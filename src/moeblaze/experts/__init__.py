@@ -15,15 +15,12 @@ import functools
 
 import torch
 
-from ..recipe import ExpertsConfig, from_legacy
+from ..recipe import DEFAULT, ExpertsConfig, from_legacy
 from ..reference import moe_experts_reference
 from ..routing import RoutingIndex, build_routing_index, check_expert_inputs, check_topk_weights
 from .dispatch import choose, launch_counts
 from .fp8 import check_fp8_supported
 from .op import Recipe, experts_backward, experts_forward, fused_experts
-
-DEFAULT = ExpertsConfig()
-
 
 @functools.cache
 def recipe_key(config: ExpertsConfig, backend: str, dropped: bool, interleaved: bool) -> str:
@@ -51,9 +48,7 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     if isinstance(b1, str):
         raise TypeError("moe_experts(x, routing, topk_weights, w1, w2, b1=None, b2=None, *, config=ExpertsConfig(...)):"
                         f" the options go in config, not positionally (got {b1!r} for b1)")
-    config = from_legacy("moe_experts", None if config is DEFAULT else config, legacy)
-    if not isinstance(config, ExpertsConfig):
-        raise TypeError(f"config must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
+    config = from_legacy("moe_experts", config, legacy)
     check_expert_inputs(x, w1, w2, config.activation, b1, b2, interleaved)
     if routing.num_tokens != x.shape[0] or routing.num_experts != w1.shape[0]:
         raise ValueError(f"routing index is for L={routing.num_tokens}, E={routing.num_experts}; "

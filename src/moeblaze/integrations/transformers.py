@@ -33,7 +33,7 @@ import warnings
 import torch
 
 from ..experts import moe_experts
-from ..recipe import ExpertsConfig, from_legacy
+from ..recipe import DEFAULT, ExpertsConfig, from_legacy
 from ..reference import CLAMP_ALPHA, CLAMP_LIMIT
 from ..routing import build_routing_index
 
@@ -42,7 +42,6 @@ NAME = "moeblaze"
 # transformers' hidden_act -> moeblaze's activation, with a gate (act(gate) * up) and without
 GATED = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
 PLAIN = {"silu": "silu", "swish": "silu", "gelu": "gelu", "relu": "relu", "relu2": "relu2"}
-DEFAULT = ExpertsConfig()
 _warned: set = set()
 _moe = None  # transformers.integrations.moe, once found
 _act_types: dict = {}  # hidden_act -> the class transformers builds for it
@@ -77,8 +76,6 @@ def configure(model: torch.nn.Module, config: ExpertsConfig | None = None, **leg
     ignored: each module's own is read from it, as activation_of says); the number of experts modules set.
     0.1's keyword options (checkpoint=, impl=, ...) still work, with a DeprecationWarning."""
     config = from_legacy("configure", config, legacy)
-    if not isinstance(config, ExpertsConfig):
-        raise TypeError(f"config must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
     n = 0
     for m in model.modules():
         if hasattr(m, "has_gate") and hasattr(m, "down_proj"):

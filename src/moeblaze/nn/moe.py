@@ -21,21 +21,11 @@ from ..args import check_choice, check_int
 from ..distributed import ep_experts
 from ..experts import moe_experts
 from ..experts.schedule import BLOCK_M
-from ..recipe import ExpertsConfig, from_legacy
+from ..recipe import DEFAULT, ExpertsConfig, from_legacy
 from ..reference import up_width
 from ..routing import (RULES, TopKRouter, build_routing_index, count_per_expert, default_max_experts, round_to_index,
                        rounded_rows_bound)
 from ..routing.checks import fail_if
-
-DEFAULT = ExpertsConfig()
-
-
-def _experts_config(where: str, config: ExpertsConfig, legacy: dict) -> ExpertsConfig:
-    config = from_legacy(where, None if config is DEFAULT else config, legacy)
-    if not isinstance(config, ExpertsConfig):
-        raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
-    return config
-
 
 class MoEOutput(NamedTuple):
     out: torch.Tensor  # same shape as the input
@@ -52,7 +42,7 @@ class Experts(nn.Module):
     def __init__(self, d_model: int, d_expert: int, num_experts: int, *, config: ExpertsConfig = DEFAULT, device=None,
                  dtype=None, **legacy):
         super().__init__()
-        self.config = _experts_config(type(self).__name__, config, legacy)
+        self.config = from_legacy(type(self).__name__, config, legacy)
         self.d_model, self.d_expert, self.num_experts = d_model, d_expert, num_experts
         self.ep_group, self.ep_kwargs = None, {}
         F = up_width(self.config.activation, d_expert)
@@ -153,7 +143,7 @@ class MoELayer(nn.Module):
         for name, value in (("d_model", d_model), ("d_expert", d_expert), ("num_experts", num_experts),
                             ("top_k", top_k)):
             check_int(name, value)
-        experts = _experts_config("MoELayer", experts, legacy)
+        experts = from_legacy("MoELayer", experts, legacy)
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
         self.router = TopKRouter(d_model, num_experts, top_k, **{"scoring": scoring, "renormalize": renormalize,
                                                                  **(router or {})}, device=device)

@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import torch
 
-from ..recipe import ExpertsConfig, from_legacy
+from ..recipe import DEFAULT, ExpertsConfig, from_legacy
 from .activations import apply_activation
 from .fp8 import fake_quant_blocks, fake_quant_rows
 
-DEFAULT = ExpertsConfig()
 
 
 def _config(where: str, b1, config: ExpertsConfig, legacy: dict) -> ExpertsConfig:
@@ -44,10 +43,7 @@ def _config(where: str, b1, config: ExpertsConfig, legacy: dict) -> ExpertsConfi
     if isinstance(b1, str):
         raise TypeError(f"{where}(x, topk_idx, topk_weights, w1, w2, b1=None, b2=None, *, config=ExpertsConfig(...)): "
                         f"the options go in config, not positionally (got {b1!r} for b1)")
-    config = from_legacy(where, None if config is DEFAULT else config, legacy)
-    if not isinstance(config, ExpertsConfig):
-        raise TypeError(f"config must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
-    return config
+    return from_legacy(where, config, legacy)
 
 
 def moe_experts_reference(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_LK: torch.Tensor,
