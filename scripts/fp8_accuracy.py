@@ -3,8 +3,8 @@ inputs: what any fp8 kernel's error is measured against. Runs anywhere (CPU by d
 
   gemm   activation rows (1 x 128 scales) times a weight (128 x 128 blocks), K = 1024, 4096, 16384, with clean
          inputs, 100x outliers in 0.1% of the channels (at least one), and 10% zero rows
-  layer  moeblaze.reference.moe_experts_reference(fp8_gemms=True), (preact_fp8=True) and (fp8_gemms=True,
-         fp8_wgrad=True) against the fp32 layer: output and every gradient
+  layer  moeblaze.reference.moe_experts_reference with ExpertsConfig(precision="fp8"), (checkpoint="preact-fp8")
+         and both against the fp32 layer: output and every gradient
 
     python scripts/fp8_accuracy.py [--out DIR] [--device cpu]
 
@@ -60,13 +60,12 @@ def layer_cases(device, L=1024, d=1024, h=512, E=8, K=2):
     def run(**kw):
         ins = [t.to(device).requires_grad_() for t in (x, w1, w2, w.float())]
         out = moe_experts_reference(ins[0], idx.to(device), ins[3], ins[1], ins[2],
-                                    config=ExpertsConfig(activation="swiglu"), **kw)
+                                    config=ExpertsConfig(activation="swiglu", **kw))
         return [out, *torch.autograd.grad(out, ins, dy.to(device))]
 
     exact = run()
-    for mode, kw in (("fp8 GEMMs", dict(fp8_gemms=True)), ("preact-fp8", dict(preact_fp8=True)),
-                     ("fp8 GEMMs + preact-fp8", dict(fp8_gemms=True, preact_fp8=True)),
-                     ("fp8 GEMMs + fp8 weight gradients", dict(fp8_gemms=True, fp8_wgrad=True))):
+    for mode, kw in (("fp8 GEMMs", dict(precision="fp8")), ("preact-fp8", dict(checkpoint="preact-fp8")),
+                     ("fp8 GEMMs + preact-fp8", dict(precision="fp8", checkpoint="preact-fp8"))):
         for name, a, b in zip(names, run(**kw), exact):
             yield dict(part="layer", shape=f"{L},{d},{h},{E},{K}", mode=mode, tensor=name), a, b
 

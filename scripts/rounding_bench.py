@@ -36,8 +36,8 @@ from moeblaze.bench.harness import CONFIGS, _timed_rounds, steady_profile
 from moeblaze.cli.bench import run_env
 from moeblaze.experts import moe_experts
 from moeblaze.routing.router import router_logits
-from moeblaze.routing import (RULES, build_routing_index, default_max_experts, round_tokens_fast, rounded_index,
-                              rounded_rows_bound, route_topk)
+from moeblaze.routing import RULES, build_routing_index, route_topk
+from moeblaze.routing.rounding import default_max_experts, round_tokens_fast, rounded_index, rounded_rows_bound
 from moeblaze.experts.schedule import BLOCK_M
 
 SHAPES = {"C": CONFIGS["C"], "D": CONFIGS["D"], "E256": (16384, 4096, 1024, 256, 4)}

@@ -9,8 +9,8 @@ ALLOWED = {
     "reference": set(),
     "routing": {"reference"},
     "experts": {"reference", "routing"},
-    "distributed": {"reference", "routing", "experts"},
-    "nn": {"reference", "routing", "experts", "distributed"},
+    "nn": {"reference", "routing", "experts"},
+    "distributed": {"reference", "routing", "experts", "nn"},
     "integrations": {"reference", "routing", "experts", "distributed", "nn"},
     "bench": {"reference", "routing", "experts", "distributed", "nn", "integrations"},
     "cli": {"reference", "routing", "experts", "distributed", "nn", "integrations", "bench"},
@@ -49,3 +49,38 @@ def test_layering_and_no_private_imports_across_packages():
 def test_no_module_over_500_lines():
     long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
+
+
+PUBLIC = ["moeblaze", "moeblaze.nn", "moeblaze.experts", "moeblaze.routing", "moeblaze.distributed",
+          "moeblaze.reference"]
+
+
+def test_public_api_takes_at_most_8_positional_parameters():
+    """Past the tensors, every option of the public API is keyword-only: no function or class exported by a public
+    package (nor a public method of such a class) takes more than 8 parameters that may be passed positionally."""
+    import importlib
+    import inspect
+
+    def positional(fn) -> list:
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            return []
+        return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                and p.name not in ("self", "cls")]
+
+    wide, seen = [], 0
+    for name in PUBLIC:
+        module = importlib.import_module(name)
+        for export in module.__all__:
+            obj = getattr(module, export)
+            fns = [(export, obj)] if inspect.isfunction(obj) else []
+            if inspect.isclass(obj):
+                fns = [(f"{export}.{m}", f) for m, f in vars(obj).items()
+                       if inspect.isfunction(f) and (m == "__init__" or not m.startswith("_"))]
+            for label, fn in fns:
+                seen += 1
+                if len(positional(fn)) > 8:
+                    wide.append(f"{name}.{label}: {positional(fn)}")
+    assert seen > 40, seen  # the walk reached the API
+    assert not wide, wide

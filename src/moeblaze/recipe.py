@@ -14,7 +14,6 @@ A combination it accepts runs everywhere it is accepted; one it refuses is refus
     precision         "native" (the GEMMs in the inputs' dtype) or "fp8" (the four data GEMMs on e4m3 operands with
                       DeepSeek-V3's 1 x 128 / 128 x 128 scales; experts.fp8)
     fp8_weight_cache  (fp8) each weight's e4m3 copies kept until the weight changes, instead of made where used
-    fp8_wgrad         (fp8) the weight gradients on e4m3 operands too
     chunk_tokens      run the experts on chunks of this many tokens, each with its own routing index, so that every
                       (L·K, ·) transient scales with the chunk (None: one chunk)
     index_method      how a routing index is built from top-k ids: "auto", "dense" (MoEBlaze's sort-free build)
@@ -47,7 +46,6 @@ class ExpertsConfig:
     backend: str = "auto"
     precision: str = "native"
     fp8_weight_cache: bool = False
-    fp8_wgrad: bool = False
     chunk_tokens: int | None = None
     index_method: str = "auto"
 
@@ -57,10 +55,8 @@ class ExpertsConfig:
         check_choice("backend", self.backend, BACKENDS)
         check_choice("precision", self.precision, PRECISIONS)
         check_bool("fp8_weight_cache", self.fp8_weight_cache)
-        check_bool("fp8_wgrad", self.fp8_wgrad)
-        for name in ("fp8_weight_cache", "fp8_wgrad"):
-            if getattr(self, name) and self.precision != "fp8":
-                raise ValueError(f"{name}=True needs precision='fp8'; precision is {self.precision!r}")
+        if self.fp8_weight_cache and self.precision != "fp8":
+            raise ValueError(f"fp8_weight_cache=True needs precision='fp8'; precision is {self.precision!r}")
         if self.chunk_tokens is not None:
             check_int("chunk_tokens", self.chunk_tokens)
         check_choice("index_method", self.index_method, INDEX_METHODS)
@@ -113,6 +109,9 @@ def from_legacy(where: str, config: ExpertsConfig | None, legacy: dict) -> Exper
         raise TypeError(f"{where}(): pass the options in config=ExpertsConfig(...) only, not also as "
                         f"{sorted(legacy)}")
     fields = dict(legacy)
+    if fields.pop("fp8_wgrad", False):
+        raise ValueError("fp8_wgrad was removed in 0.2: the e4m3 weight gradients made the step slower in every "
+                         "measured configuration; the weight gradients run in the inputs' dtype")
     fields["backend"] = fold_impl(fields.pop("impl", "auto"), fields.pop("backend", "auto"))
     new = ExpertsConfig(**fields)
     shown = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(new).items()

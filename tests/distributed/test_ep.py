@@ -20,7 +20,7 @@ def _cases(rank, world, errors, cases):
     """Every (case, checkpoint, dispatch) in one process group: spawning and importing cost more than the cases."""
     for case, checkpoint, dispatch in cases:
         try:
-            if dispatch.startswith("overflow"):
+            if dispatch.startswith(("overflow", "uneven")):
                 _overflow(rank, world, dispatch)
             else:
                 _compare(rank, world, case, checkpoint, dispatch)
@@ -126,7 +126,20 @@ def _dropped_pairs(toks, E, world, capacity):
 def _overflow(rank, world, mode):
     toks, w1, w2 = _problem(world, "skewed")  # every token to rank 0's experts: rank 0 receives the most
     small = 8
-    if mode == "overflow_error":
+    if mode == "uneven_factor":  # ranks of 9 and 13 tokens: capacity_factor alone sizes 16 and 32 rows
+        x, idx, w = toks[rank]
+        E_loc = w1.shape[0] // world
+        try:
+            ep_experts(x, idx, w, w1[:E_loc], w2[:E_loc], dispatch="capacity", capacity_factor=1.25)
+        except ValueError as e:
+            assert "different capacities" in str(e) and "capacity=" in str(e), str(e)
+        else:
+            raise AssertionError("ranks with different capacities went on")
+        # the same ranks then agree on an explicit capacity, and the group is still usable
+        out_all, g_all, dy_all = _one_process(toks, w1, w2, "preact")
+        out, g, mine, experts = _ep(rank, world, toks, w1, w2, "preact", dy_all, dispatch="capacity", capacity=48)
+        _assert_equal((out, g), (out_all, g_all), mine, experts)
+    elif mode == "overflow_error":
         x, idx, w = toks[rank]
         E_loc = w1.shape[0] // world
         try:
@@ -179,6 +192,12 @@ def test_ep4_equals_one_process_bitwise():
 
 def test_capacity_overflow_is_never_silent():
     _run(2, [(None, None, "overflow_error"), (None, None, "overflow_drop"), (None, None, "overflow_tracker")])
+
+
+def test_capacity_by_factor_on_uneven_ranks_is_an_error_on_every_rank():
+    """Ranks with different token counts size different capacities from capacity_factor: a ValueError naming the
+    fix on every rank before any row is sent (not gloo's abort or NCCL's mismatched collectives)."""
+    _run(2, [(None, None, "uneven_factor")])
 
 
 def test_receiver_index_orders_rows_by_expert_then_source():

@@ -256,7 +256,7 @@ def test_act_bwd_kernel_leaves_rows_no_pair_names(poison_alloc):
     whatever was there: the pass must store no dS from them (it once stored a NaN over token 0's first pair's dS, on
     Hopper only, where this pass runs), and every named row's dS is still right."""
     from moeblaze.experts import stages
-    from moeblaze.routing import rounded_index
+    from moeblaze.routing.rounding import rounded_index
 
     g = torch.Generator().manual_seed(8)
     L, E, H = 12, 4, 16

@@ -12,7 +12,8 @@ from moeblaze import MoELayer
 from moeblaze.bench.harness import CONFIGS, make_problem, reference_grads
 from moeblaze.experts import launch_counts, moe_experts
 from moeblaze.reference import moe_experts_reference
-from moeblaze.routing import build_index_sort, build_routing_index
+from moeblaze.routing import build_routing_index
+from moeblaze.routing.index import build_index_sort
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 FACTOR = 2.0

@@ -76,7 +76,8 @@ def test_token_rounding_through_the_kernels_bf16(poison_alloc, backend, rule, ch
     through the bf16 kernels, three steps in a row: output and every gradient (x, w1, w2, and the logits through the
     weights) finite and within FACTOR x the bf16 reference's error against the fp32 dense sum over the kept pairs."""
     from moeblaze.experts import moe_experts
-    from moeblaze.routing import round_tokens_fast, rounded_index, rounded_rows_bound, route_topk
+    from moeblaze.routing import route_topk
+    from moeblaze.routing.rounding import round_tokens_fast, rounded_index, rounded_rows_bound
     from moeblaze.experts.schedule import BLOCK_M
 
     if backend == "gluon" and torch.cuda.get_device_capability()[0] != 9:
@@ -156,7 +157,8 @@ def test_round_to_index_compiled_equals_rounding_then_index(poison_alloc, scorin
     NaN, every rule: the same index, the weights to fp32 rounding, the logits' gradient through the weights to
     1e-5 (the bound on experts per token binds at cap 5: tokens that score high everywhere)."""
     from moeblaze.experts.schedule import BLOCK_M
-    from moeblaze.routing import round_to_index, round_tokens_fast, rounded_index, rounded_rows_bound, route_topk
+    from moeblaze.routing import round_to_index, route_topk
+    from moeblaze.routing.rounding import round_tokens_fast, rounded_index, rounded_rows_bound
 
     torch.manual_seed(0)
     for rule in ("nr-f", "up", "down"):

@@ -10,6 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 import moeblaze.integrations.transformers as mbt  # noqa: E402
+from moeblaze import ExpertsConfig  # noqa: E402
 from moeblaze.experts import launch_counts  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -80,7 +81,7 @@ def test_real_widths_bf16_against_fp32_eager(name, checkpoint):
     bound = {n: FACTOR * _rel(g, ref_grads[n]) + FLOOR for n, g in eager_grads.items()}
     bound["logits"] = FACTOR * _rel(eager_logits, ref_logits) + FLOOR
     del eager_grads
-    mbt.configure(model, checkpoint=checkpoint, impl="triton")
+    mbt.configure(model, ExpertsConfig(checkpoint=checkpoint, backend="triton"))
     launch_counts.clear()
     logits, grads = _step(model, "moeblaze", ids)
     assert launch_counts, "the moeblaze kernels never ran"
@@ -92,3 +93,35 @@ def test_real_widths_bf16_against_fp32_eager(name, checkpoint):
     assert not bad, bad
     del model, ref_model, grads, ref_grads
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
+def test_gpt_oss_fp8_at_real_widths_against_the_emulation(checkpoint):
+    """gpt-oss-20b's widths with precision="fp8" in bf16 on the kernels, against the reference's emulation of the
+    same recipe in fp32: logits and every gradient within FACTOR times the bf16 emulation's own error."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs sm_89+")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        ref_model = transformers.AutoModelForCausalLM.from_config(real_width_configs()["gpt_oss"],
+                                                                   experts_implementation="eager")
+    ids = torch.randint(0, 1024, (2, 128), device="cuda")
+    fp8 = ExpertsConfig(precision="fp8", checkpoint=checkpoint)
+    mbt.configure(ref_model, fp8.replace(backend="reference"))
+    ref_logits, ref_grads = _step(ref_model, "moeblaze", ids)
+    model = copy.deepcopy(ref_model).to(torch.bfloat16)
+    ref_model.zero_grad(set_to_none=True)
+    emu_logits, emu_grads = _step(model, "moeblaze", ids)
+    bound = {n: FACTOR * _rel(g, ref_grads[n]) + FLOOR for n, g in emu_grads.items()}
+    bound["logits"] = FACTOR * _rel(emu_logits, ref_logits) + FLOOR
+    del emu_grads
+    mbt.configure(model, fp8.replace(backend="triton"))
+    launch_counts.clear()
+    logits, grads = _step(model, "moeblaze", ids)
+    assert launch_counts, "the moeblaze kernels never ran"
+    assert grads.keys() == ref_grads.keys()
+    errs = {n: _rel(g, ref_grads[n]) for n, g in grads.items()}
+    errs["logits"] = _rel(logits, ref_logits)
+    assert all(torch.isfinite(g).all() for g in grads.values())
+    bad = {n: (errs[n], bound[n]) for n in errs if not errs[n] <= bound[n]}
+    assert not bad, bad

@@ -79,7 +79,8 @@ def assert_matches_eager(model, ids):
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "qwen3_next", "gpt_oss"])
 def test_models_match_eager_experts(monkeypatch, name, impl, poison_alloc):
     model = build(name)
-    n = mbt.configure(model, impl=impl, checkpoint="recompute" if name in ("mixtral", "gpt_oss") else None)
+    checkpoint = "recompute" if name in ("mixtral", "gpt_oss") else "preact"
+    n = mbt.configure(model, ExpertsConfig(backend=impl, checkpoint=checkpoint))
     assert n == sum(1 for m in model.modules() if hasattr(m, "gate_up_proj")) > 0
     calls = []
     real = mbt.moe_experts
@@ -90,6 +91,42 @@ def test_models_match_eager_experts(monkeypatch, name, impl, poison_alloc):
         assert_matches_eager(model, torch.randint(0, 64, (2, 12)))
     assert calls, "the moeblaze backend was never called"
     assert (impl == "triton") == bool(launch_counts)
+
+
+@pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
+def test_gpt_oss_trains_in_fp8_matching_the_emulation(checkpoint, poison_alloc):
+    """gpt-oss (biases, interleaved gate/up, transposed weights, the clamped SwiGLU) with precision="fp8" on the
+    kernels (interpreter, fp32): logits and every gradient within 1e-3 of the reference's emulation of the same
+    recipe (an element on an e4m3 rounding boundary may round the other way), and a few steps of SGD lower the
+    loss."""
+    model = build("gpt_oss", hidden_size=128)  # e4m3's 1 x 128 groups at a real group width
+    ids = torch.randint(0, 64, (2, 12))
+    fp8 = ExpertsConfig(precision="fp8", checkpoint=checkpoint)
+    mbt.configure(model, fp8.replace(backend="reference"))
+    logits_e, grads_e = step(model, "moeblaze", ids)
+    mbt.configure(model, fp8.replace(backend="triton"))
+    launch_counts.clear()
+    logits_m, grads_m = step(model, "moeblaze", ids)
+    assert launch_counts, "the kernels never ran"
+    assert rel_err(logits_m, logits_e) <= 1e-3
+    assert grads_m.keys() == grads_e.keys()
+    bad = {n: rel_err(grads_m[n], g) for n, g in grads_e.items() if not rel_err(grads_m[n], g) <= 1e-3}
+    assert not bad, bad
+    experts = model.model.layers[0].mlp.experts
+    assert grads_m["model.layers.0.mlp.experts.gate_up_proj_bias"].abs().sum() > 0
+    assert rel_err(grads_m["model.layers.0.mlp.experts.gate_up_proj"],
+                   step(model, "eager", ids)[1]["model.layers.0.mlp.experts.gate_up_proj"]) > 1e-4  # e4m3 shows
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model.set_experts_implementation("moeblaze")
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    assert experts.gate_up_proj.grad is not None
 
 
 def test_weights_are_used_in_place_never_copied(monkeypatch):
@@ -129,7 +166,7 @@ def test_expert_parallel_sentinels_are_skipped(impl, name, poison_alloc):
     """ids >= num_experts with zero weight (transformers' expert parallelism; a token may hold several): the
     same output and gradients as transformers' grouped_mm, which drops them (biases included)."""
     experts = build(name).model.layers[0].mlp.experts
-    mbt.configure(experts, impl=impl)
+    mbt.configure(experts, ExpertsConfig(backend=impl))
     E, T, K = experts.num_experts, 20, min(4, experts.num_experts)
     gen = torch.Generator().manual_seed(3)
     idx = torch.stack([torch.randperm(E + 3, generator=gen)[:K] for _ in range(T)])
@@ -215,7 +252,7 @@ def test_compiled_model_matches_eager():
     model.set_experts_implementation("moeblaze")
     for impl in ("reference", "triton"):
         # the sort builder: dynamo can't trace Triton's interpreter, which the dense builder runs on here
-        mbt.configure(model, impl=impl, index_method="sort")
+        mbt.configure(model, ExpertsConfig(backend=impl, index_method="sort"))
         ids = torch.randint(0, 64, (2, 12))
         eager = model(ids).logits
         torch._dynamo.reset()

@@ -39,7 +39,7 @@ def test_layer_gradients_reach_every_parameter():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(activation="tanh"), "activation"), (dict(checkpoint="x"), "checkpoint"), (dict(backend="cuda"), "backend"),
-    (dict(index_method="radix"), "index_method"), (dict(fp8_wgrad=True), "fp8_wgrad"),
+    (dict(index_method="radix"), "index_method"), (dict(fp8_weight_cache=True), "fp8_weight_cache"),
     (dict(chunk_tokens=0), "chunk_tokens")])
 def test_layer_bad_config(kwargs, match):
     """Every refused recipe is refused where the config is made, naming the choice."""

@@ -64,7 +64,8 @@ def test_token_rounding_layer_trains_rounded_and_evaluates_plain():
     fp32 rounding: the kernels compute them in their own order); in evaluation, plain top-k (the same layer
     without it)."""
     from moeblaze.experts import moe_experts
-    from moeblaze.routing import round_to_index, round_tokens, rounded_index
+    from moeblaze.routing import round_to_index
+    from moeblaze.routing.rounding import round_tokens, rounded_index
 
     layer = MoELayer(16, 32, 4, 2, experts=ExpertsConfig(backend="triton"), token_rounding="up", rounding_tile=16,
                      shared_experts=1)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from moeblaze.routing import (build_index_dense_torch, build_index_dense_triton, build_index_sort,
-                              build_routing_index)
+from moeblaze.routing import build_routing_index
+from moeblaze.routing.index import build_index_dense_torch, build_index_dense_triton, build_index_sort
 from helpers import check_invariants, random_routing
 
 BUILDERS = {"sort": build_index_sort, "dense_torch": build_index_dense_torch, "dense_triton": build_index_dense_triton}

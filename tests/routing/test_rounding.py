@@ -103,7 +103,7 @@ def test_rounded_routing_through_the_kernels(poison_alloc, rule, checkpoint):
     buffer with a dropped tail; output and every gradient (x, w1, w2, and the logits through the weights) against
     the dense fp64 sum over the kept pairs."""
     from moeblaze.experts import moe_experts
-    from moeblaze.routing import rounded_index
+    from moeblaze.routing.rounding import rounded_index
 
     torch.manual_seed(1)
     L, D, H, E, K, M = 90, 16, 16, 4, 2, 16
@@ -134,7 +134,7 @@ def test_rounded_routing_through_the_kernels(poison_alloc, rule, checkpoint):
 
 
 def test_rounded_index_reports_overflow():
-    from moeblaze.routing import rounded_index
+    from moeblaze.routing.rounding import rounded_index
 
     kept = torch.tensor([[True, True, True], [True, False, False]])
     w = torch.rand(2, 3)
@@ -194,7 +194,7 @@ def test_rounded_index_equals_its_contract_written_as_loops(impl):
 def test_fast_rounding_equals_the_reference(scoring):
     """Two column-wise top-(M - 1) selections give the reference's kept pairs and weights (continuous random scores:
     no ties), for every rule, including a tile larger than the batch."""
-    from moeblaze.routing import round_tokens_fast
+    from moeblaze.routing.rounding import round_tokens_fast
 
     torch.manual_seed(5)
     for L, E, K, M in ((256, 8, 2, 16), (300, 16, 4, 32), (64, 4, 1, 16), (2048, 64, 4, 128), (100, 4, 2, 128)):
@@ -209,7 +209,7 @@ def test_fast_rounding_equals_the_reference(scoring):
 def test_rounded_rows_bound_per_rule():
     """L·K plus each expert's largest rise (under half a tile for nr-f, under a tile for up, none for down), capped
     at L·E."""
-    from moeblaze.routing import rounded_rows_bound
+    from moeblaze.routing.rounding import rounded_rows_bound
 
     assert [rounded_rows_bound(100, 2, 4, 16, r) for r in ("nr-f", "up", "down")] == [232, 260, 200]
     assert rounded_rows_bound(100, 2, 4, 128, "up") == 400  # L·E: no expert can keep more than every token
@@ -222,7 +222,7 @@ def test_max_experts_bounds_experts_per_token(rule):
     addition; with max_experts, each expert that added a pair to a token over the bound rounds down instead:
     no token over it, counts still multiples of the tile, the other experts as without the bound; the fast
     rounding gives the reference's result."""
-    from moeblaze.routing import round_tokens_fast
+    from moeblaze.routing.rounding import round_tokens_fast
 
     torch.manual_seed(7)
     L, E, K, M, cap = 256, 16, 2, 16, 4
@@ -255,7 +255,8 @@ def test_round_to_index_equals_rounding_then_index(poison_alloc, scoring):
     NaN: the same index and overflow, the weights to fp32 rounding, and the logits' gradient through the weights
     (the top-k weights' path included) to 1e-5; every rule, with the bound on experts per token binding (tokens
     that score high everywhere), several token tiles, a tile larger than the batch, and without renormalization."""
-    from moeblaze.routing import round_to_index, round_tokens_fast
+    from moeblaze.routing import round_to_index
+    from moeblaze.routing.rounding import round_tokens_fast
     from moeblaze.routing.rounding import _rounded_index_torch
 
     torch.manual_seed(11)
@@ -287,7 +288,8 @@ def test_round_to_index_breaks_ties_as_the_reference():
     """Scores with many exact ties (sigmoid of integer logits): the kernels' radix select adds the earliest of
     equally scored tokens first and drops the latest first, the reference's stable sort, so their index equals
     the reference's exactly (round_tokens_fast's top-k may break such ties either way)."""
-    from moeblaze.routing import round_to_index, rounded_index
+    from moeblaze.routing import round_to_index
+    from moeblaze.routing.rounding import rounded_index
 
     torch.manual_seed(2)
     for rule, cap in (("nr-f", 8), ("up", 3), ("down", 8)):
@@ -304,7 +306,8 @@ def test_round_to_index_breaks_ties_as_the_reference():
 @pytest.mark.filterwarnings("ignore:token rounding with")
 def test_round_to_index_on_cpu_tensors_is_rounding_then_index(monkeypatch):
     """Without the interpreter, CPU tensors take the torch ops: exactly rounded_index(round_tokens_fast(...))."""
-    from moeblaze.routing import round_to_index, round_tokens_fast, rounded_index
+    from moeblaze.routing import round_to_index
+    from moeblaze.routing.rounding import round_tokens_fast, rounded_index
     from moeblaze.routing import rounding
 
     monkeypatch.setattr(rounding, "INTERPRET", False)

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from moeblaze.routing import TopKRouter, route_topk, router_z_loss, switch_aux_loss
+from moeblaze.routing import TopKRouter, route_topk
+from moeblaze.routing.router import router_z_loss, switch_aux_loss
 
 
 def test_softmax_topk_renormalized():

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from moeblaze.routing import TopKRouter, route_topk, sequence_aux_loss, switch_aux_loss, update_expert_biases
+from moeblaze.routing import TopKRouter, route_topk, update_expert_biases
+from moeblaze.routing.router import sequence_aux_loss, switch_aux_loss
 
 from helpers import run_ranks
 

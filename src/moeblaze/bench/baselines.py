@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import apply_activation
-from ..routing import count_per_expert
+from ..routing.index import count_per_expert
 
 
 def torch_gmm_experts(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_LK: torch.Tensor, w1_EFD: torch.Tensor,

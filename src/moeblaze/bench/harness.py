@@ -16,7 +16,8 @@ from .. import config
 from ..experts import moe_experts
 from ..recipe import ExpertsConfig
 from ..reference import moe_experts_reference, up_width
-from ..routing import build_index_sort, build_routing_index, count_per_expert, route_topk
+from ..routing import build_routing_index, route_topk
+from ..routing.index import build_index_sort, count_per_expert
 from .baselines import torch_gmm_experts
 from .memory import SavedTensorCounter
 from .timeline import _union, trace_kernels
@@ -74,7 +75,7 @@ CHUNK_TOKENS = 262144  # the "-chunked" policies: token chunks for millions of t
 
 
 def moeblaze_call(p: Problem, policy: str, backend: str = "auto", precision: str = "native",
-                  weight_cache: bool = False, fp8_wgrad: bool = False):
+                  weight_cache: bool = False):
     """weight_cache: precision="fp8" with fp8_weight_cache, each step taken as an optimizer step's only micro-batch
     (the weights' version counters moved on before it, as an update would), so it pays one quantization a step."""
     checkpoint = policy.removesuffix("-chunked")
@@ -87,7 +88,7 @@ def moeblaze_call(p: Problem, policy: str, backend: str = "auto", precision: str
         r = build_routing_index(idx, p.E, check=False)
         return moe_experts(x, r, w, w1, w2, config=config, check=False)
     config = ExpertsConfig(activation=p.activation, checkpoint=checkpoint, backend="triton" if backend == "auto"
-                           else backend, precision=precision, fp8_weight_cache=weight_cache, fp8_wgrad=fp8_wgrad,
+                           else backend, precision=precision, fp8_weight_cache=weight_cache,
                            chunk_tokens=chunk)
     return call
 
@@ -150,9 +151,6 @@ IMPLS: dict[str, tuple[Callable[[], bool], tuple, Callable]] = {
     # the same with fp8_weight_cache: the weights quantized once a step, both layouts
     "moeblaze-fp8-cached": (lambda: IMPLS["moeblaze-fp8"][0](), ("preact", "preact-fp8"),
                             lambda p, policy: moeblaze_call(p, policy, precision="fp8", weight_cache=True)),
-    # the same with the weight gradients on e4m3 too (fp8_wgrad)
-    "moeblaze-fp8-wgrad": (lambda: IMPLS["moeblaze-fp8"][0](), ("preact", "preact-fp8"),
-                           lambda p, policy: moeblaze_call(p, policy, precision="fp8", fp8_wgrad=True)),
     "reference": (lambda: True, ("-",), _reference),
     "torch_gmm": (lambda: hasattr(torch, "_grouped_mm"), ("-",), _torch_gmm),
     "sonicmoe": (lambda: torch.cuda.is_available() and _importable("sonicmoe"), ("-",), _sonicmoe),

@@ -38,17 +38,18 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..experts import experts_backward, experts_forward, recipe_key
+from ..experts import recipe_key
 from ..experts.dispatch import choose
 from ..experts.fp8 import check_fp8_supported
-from ..experts.op import parse
+from ..experts.op import experts_backward, experts_forward, parse
 from ..experts.schedule import BLOCK_M
 from ..experts.stages import combine_slots
 from ..launch import ensure_context
 from ..recipe import DEFAULT, ExpertsConfig, from_legacy
 from ..reference.fp8 import FP8
-from ..routing import (RoutingIndex, build_routing_index, check_expert_inputs, check_topk_weights, in_row_order,
-                       pair_experts)
+from ..routing import RoutingIndex, build_routing_index
+from ..routing.checks import check_expert_inputs, check_topk_weights
+from ..routing.index import in_row_order, pair_experts
 
 
 def receiver_index(counts_SE: torch.Tensor) -> RoutingIndex:
@@ -137,8 +138,16 @@ class _Plan:
         # rows past C in a destination's expert order are dropped: clip the per-expert counts there
         cum = send_counts.cumsum(1).clamp(max=capacity)
         kept_counts = torch.diff(cum, dim=1, prepend=torch.zeros_like(cum[:, :1]))
-        recv_counts = torch.empty_like(kept_counts)
-        dist.all_to_all_single(recv_counts, kept_counts.contiguous(), group=group)
+        # each destination gets this rank's capacity with its counts: the row all-to-all's equal splits need the
+        # same C on every rank, which a capacity sized from each rank's own token count breaks on uneven batches
+        sent = torch.cat([kept_counts, kept_counts.new_full((ep, 1), capacity)], 1)
+        got = torch.empty_like(sent)
+        dist.all_to_all_single(got, sent, group=group)
+        _fail_if_any((got[:, E_loc] != capacity).any(), group, "capacity dispatch: the ranks use different "
+                     f"capacities (this rank {capacity} rows per pair): with different token counts per rank, pass "
+                     "the same capacity= on every rank or a CapacityTracker instead of sizing it by capacity_factor",
+                     ValueError)
+        recv_counts = got[:, :E_loc]
         self.in_splits = self.out_splits = None
         first = routing.expert_offsets[:-1].view(ep, E_loc)[:, 0].to(torch.int64)  # each destination's first row
         j = torch.arange(capacity, device=dev)
@@ -191,17 +200,17 @@ class _Plan:
         return combine_slots(rows, self.slot_LK, weights_LK, self.kept, out_dtype)
 
 
-def _fail_if_any(bad: torch.Tensor, group, message: str) -> None:
+def _fail_if_any(bad: torch.Tensor, group, message: str, error: type = RuntimeError) -> None:
     """A device-side assert on GPUs (no host sync; the program stops, and the other ranks with it). On the CPU,
-    where a host read is free, every rank raises together (one all-reduce), so none is left waiting in the next
-    collective."""
+    where a host read is free, every rank raises `error` together (one all-reduce), so none is left waiting in the
+    next collective."""
     if bad.device.type != "cpu":
         torch._assert_async(~bad, message)
         return
     flag = bad.to(torch.int32).reshape(1)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if int(flag):
-        raise RuntimeError(message)
+        raise error(message)
 
 
 def _forward(x, topk_w, w1, w2, plan: _Plan, recipe: str):
@@ -360,7 +369,9 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     backend "auto" is "triton" here, and "reference" is refused.
 
     dispatch="capacity": C rows per (source, destination) pair, the same on every rank: `capacity`, or
-    tracker.capacity, or ⌈capacity_factor · L · K / ep⌉ rounded up to 16 (then every rank must have the same L).
+    tracker.capacity, or ⌈capacity_factor · L · K / ep⌉ rounded up to 16 (then every rank must have the same L:
+    the ranks check that they agree on C with the counts they exchange, and a disagreement is an error on every
+    rank, a ValueError on CPU processes, a device-side assert on GPUs, before any row is sent).
     Overflow (a destination needing more than C rows): with a tracker, recorded for the caller's rerun (and
     dropped in this call); otherwise on_overflow "error" (default) or "drop"."""
     config = from_legacy("ep_experts", config, {})

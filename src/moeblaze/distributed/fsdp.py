@@ -3,9 +3,8 @@
     mesh = init_device_mesh("cuda", (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
     parallelize(model, mesh)      # then: loss / data_parallel_size(mesh), backward, clip_grad_norm_, step
 
-shard_experts keeps, on each rank, its ep group's slice of every experts module's weights (E / ep experts: DTensors
-sharded on dim 0 over the ep mesh, so that each weight keeps one global name and shape for checkpoints) and routes
-that module through ep_experts. parallelize then makes every experts module an FSDP2 unit on
+shard_experts swaps an ExpertParallel (distributed.module) in for every routed experts module: this rank's E / ep
+experts, run through ep_experts. parallelize then makes every experts module an FSDP2 unit on
 the efsdp dimension (when it has more than one rank, or at ep = 1; else the expert weights stay the ep-sharded
 DTensors they are, outside FSDP: every parameter a DTensor, as one fused optimizer step over them needs) and
 every block a unit on the whole data-parallel group, the root last. FSDP2 composes with the ep sharding as with
@@ -27,32 +26,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-
-def _experts_modules(model: nn.Module):
-    """The routed experts modules (shared experts, always on, stay whole on every rank)."""
-    return [m for m in model.modules() if hasattr(m, "ep_group") and hasattr(m, "w1") and hasattr(m, "w2")
-            and getattr(m, "expert_parallel", True)]
-
-
-def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, **ep_kwargs) -> int:
-    """Keep this rank's E / ep experts of every experts module and route them through ep_experts on ep_mesh's
-    group (ep_kwargs: dispatch, capacity_factor, on_overflow, ...); the number of modules sharded."""
-    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    mods = _experts_modules(model)
-    if ep == 1:  # every rank holds every expert: the experts run as on one GPU (FSDP2 shards them)
-        return 0
-    for m in mods:
-        E = m.w1.shape[0]
-        if E % ep:
-            raise ValueError(f"{E} experts do not split over ep = {ep} ranks")
-        lo, hi = rank * (E // ep), (rank + 1) * (E // ep)
-        for name in ("w1", "w2"):
-            local = getattr(m, name).detach()[lo:hi].clone()
-            setattr(m, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
-        m.ep_group, m.ep_kwargs = ep_mesh.get_group(), dict(ep_kwargs)
-    return len(mods)
+from .module import routed_experts, shard_experts
 
 
 def data_parallel_size(mesh: DeviceMesh) -> int:
@@ -79,7 +55,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
     efsdp = mesh["efsdp"]
     whole = units == "model"
     sharded, ignored = [], set()
-    for m in _experts_modules(model):
+    for m in routed_experts(model):
         if whole and mesh["ep"].size() == 1:
             continue  # in the root's unit
         if efsdp.size() > 1 or mesh["ep"].size() == 1:  # (one rank: a unit still, so every parameter is a DTensor)

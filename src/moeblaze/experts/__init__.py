@@ -17,17 +17,18 @@ import torch
 
 from ..recipe import DEFAULT, ExpertsConfig, from_legacy
 from ..reference import moe_experts_reference
-from ..routing import RoutingIndex, build_routing_index, check_expert_inputs, check_topk_weights
+from ..routing import RoutingIndex, build_routing_index
+from ..routing.checks import check_expert_inputs, check_topk_weights
 from .dispatch import choose, launch_counts
 from .fp8 import check_fp8_supported
-from .op import Recipe, experts_backward, experts_forward, fused_experts
+from .op import Recipe, fused_experts
 
 @functools.cache
 def recipe_key(config: ExpertsConfig, backend: str, dropped: bool, interleaved: bool) -> str:
     """The op's recipe (experts.op.Recipe) of a call: config's choices that reach the kernels, on `backend` (the
     launches' backend, dispatch.choose), for an index with dropped pairs or not and W1's gate/up layout."""
-    return Recipe(config.activation, config.checkpoint, backend, config.fp8, config.fp8_weight_cache,
-                  config.fp8_wgrad, dropped, interleaved).key
+    return Recipe(config.activation, config.checkpoint, backend, config.fp8, config.fp8_weight_cache, dropped,
+                  interleaved).key
 
 
 def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tensor, w1: torch.Tensor,
@@ -75,4 +76,4 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     return fused_experts(x, w1, w2, topk_weights, b1, b2, routing, recipe)
 
 
-__all__ = ["ExpertsConfig", "experts_backward", "experts_forward", "launch_counts", "moe_experts", "recipe_key"]
+__all__ = ["ExpertsConfig", "launch_counts", "moe_experts", "recipe_key"]

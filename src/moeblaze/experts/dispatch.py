@@ -20,7 +20,6 @@ import torch
 
 from .. import config
 from .gluon_sm90 import GATHER_BLOCK_K, WGRAD_BLOCKS
-from .gluon_sm90.fp8 import FP8_BLOCK_N
 
 BACKENDS = ("auto", "tl", "gluon")  # of a launch; ExpertsConfig.backend adds "reference" and "triton" (choose)
 launch_counts: Counter = Counter()
@@ -121,12 +120,3 @@ def fp8_rows(backend: str, a_q, w_q, out_dtype) -> str:
                  and _takes(a_q, w_q, dtypes=(torch.float8_e4m3fn,)))
 
 
-def fp8_weight_grad(backend: str, a_t, b_t, out) -> str:
-    """An fp8 weight gradient (fp8_wgrad): Gluon where both operands are e4m3 as quant.quantize_tiles_t writes
-    them (contiguous, scales tile by tile and padded to whole tiles of dW, which the kernel reads unmasked), dW
-    contiguous in bf16/fp16/fp32 with its columns a multiple of 8."""
-    (qa, sa), (qb, sb) = a_t, b_t
-    padded = all(s.stride(0) == 1 and s.stride(1) >= -(-s.shape[0] // FP8_BLOCK_N) * FP8_BLOCK_N for s in (sa, sb))
-    return _pick("fp8_weight_grad", backend, qa.device, lambda: padded and out.is_contiguous()
-                 and out.dtype in (torch.bfloat16, torch.float16, torch.float32) and out.shape[2] % 8 == 0
-                 and _takes(qa, qb, dtypes=(torch.float8_e4m3fn,)) and out.data_ptr() % 16 == 0)

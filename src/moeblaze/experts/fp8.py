@@ -13,11 +13,7 @@ Forward:   x_q = q(x) by token;  H = x_q[token] · q(W1[e])ᵀ (+ b1[e])   (fp8_
 Backward:  dA' = q(dy)[token] · q(W2[e]ᵀ)ᵀ                      (fp8_rows_gemm, gathered; q(W2ᵀ) written K-major
                                                                  from W2 in one pass: the same 128 x 128 blocks)
            dH, s·A, dS from dA' and H; q(dH) as dH is stored     (stages.act_bwd)
-           dW2 = dy[token]ᵀ (s·A), dW1 = dHᵀ x[token]           (stages.weight_grad, input precision; with
-                                                                 fp8_wgrad on e4m3 operands scaled per 128 of an
-                                                                 expert's rows: quant.quantize_tiles_t, then
-                                                                 fp8_weight_grad: gluon_sm90.fp8 on Hopper,
-                                                                 tl.fp8 elsewhere)
+           dW2 = dy[token]ᵀ (s·A), dW1 = dHᵀ x[token]           (stages.weight_grad, input precision)
            dB1, dB2 and dS's bias term                           (stages.bias_grads, input precision)
            dX~ = q(dH) · q(W1[e]ᵀ)ᵀ; dx = combine(dX~)           (fp8_rows_gemm, stages.combine)
 q: quantize_rows for activations and gradients (1 x 128 groups), quantize_blocks for weights (128 x 128).
@@ -43,10 +39,9 @@ import torch
 from ..reference import apply_activation
 from ..reference.fp8 import FP8, GROUP
 from . import dispatch, gluon_sm90, stages, tl
-from .schedule import tile_schedule
 from .stages import RowPlan
 from .tl import quant
-from .tl.fp8 import fp8_rows_gemm, fp8_weight_grad
+from .tl.fp8 import fp8_rows_gemm
 
 
 def check_fp8_supported(x: torch.Tensor) -> None:
@@ -178,31 +173,9 @@ class Fp8Gemms:
                                  interleaved=r.interleaved, preact_scale=preact_scale, dpreact_q=dpreact_q)
         return dpreact, dact, dtopk_w, dpreact_q
 
-    def weight_grads(self, plan: RowPlan, dy_LD, act_scaled_RH, dpreact_RF, x_LD, w1_EFD, w2_EDH):
-        return _fp8_weight_grads(plan, dy_LD, act_scaled_RH, dpreact_RF, x_LD, w1_EFD, w2_EDH, self.r.backend)
-
     def dx_rows(self, plan: RowPlan, dpreact_RF, dpreact_q, w1_EFD):
         """dX~ = q(dH) · q(W1[e]ᵀ)ᵀ."""
         r = self.r
         dpreact_q = dpreact_q if dpreact_q is not None else quant.quantize_rows(dpreact_RF)
         return _rows(plan, dpreact_q, _weight(w1_EFD, r.fp8_weight_cache, transposed=True), dpreact_RF.dtype,
                      r.backend)
-
-
-def _fp8_weight_grads(plan: RowPlan, dy, act_scaled, dpreact, x, w1, w2, backend):
-    """(dW2, dW1) on e4m3 operands (fp8_wgrad): dW2 = q(dy[rows])ᵀ q(s·A), dW1 = q(dH)ᵀ q(x[rows]), each operand
-    quantized per 128 of an expert's rows (reference: moe_experts_reference(fp8_wgrad=True)), in the weights'
-    layouts; on the Hopper kernel where experts.dispatch takes the operands, else on tl."""
-    counts = plan.offsets_E1[1:] - plan.offsets_E1[:-1]
-    sched = tile_schedule(counts, plan.offsets_E1, plan.num_rows, GROUP)
-
-    def grad(p, q, w, gather_p):
-        pt = quant.quantize_tiles_t(p, sched, plan.offsets_E1, plan.token_R if gather_p else None)
-        qt = quant.quantize_tiles_t(q, sched, plan.offsets_E1, None if gather_p else plan.token_R)
-        dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-        gemm = fp8_weight_grad
-        if dispatch.fp8_weight_grad(backend, pt, qt, dw) == "gluon":
-            gemm = gluon_sm90.fp8_weight_grad
-        dw = gemm(pt, qt, plan.offsets_E1, dw)
-        return dw if dw.stride() == w.stride() else torch.empty_like(w).copy_(dw)
-    return grad(dy, act_scaled, w2, True), grad(dpreact, x, w1, False)

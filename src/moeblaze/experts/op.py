@@ -70,7 +70,6 @@ class Recipe(NamedTuple):
     backend: str = "tl"
     fp8: bool = False
     fp8_weight_cache: bool = False
-    fp8_wgrad: bool = False
     dropped: bool = False
     interleaved: bool = False
 
@@ -230,13 +229,9 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
     del preact_RF, kept_RF
     if r.dropped:
         dtopk_w = clear_dropped(plan, dtopk_w, act_scaled_RH, dpreact_RF)
-    if r.fp8_wgrad:
-        dw2, dw1 = g.weight_grads(plan, dy_LD, act_scaled_RH, dpreact_RF, x_LD, w1_EFD, w2_EDH)
-        del act_scaled_RH
-    else:
-        dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, torch.empty_like(w2_EDH), True, r.backend)
-        del act_scaled_RH
-        dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, torch.empty_like(w1_EFD), False, r.backend)
+    dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, torch.empty_like(w2_EDH), True, r.backend)
+    del act_scaled_RH
+    dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, torch.empty_like(w1_EFD), False, r.backend)
     db1, db2, ds_b = stages.bias_grads(plan, dy_LD, dpreact_RF, topk_w_LK, b1_EF, b2_ED, r.backend)
     if ds_b is not None:
         dtopk_w = (dtopk_w.float() + ds_b).to(topk_w_LK.dtype)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..routing import RoutingIndex, in_row_order, pair_experts
+from ..routing import RoutingIndex
+from ..routing.index import in_row_order, pair_experts
 from . import dispatch, gluon_sm90, tl
 from .schedule import BLOCK_M, tile_schedule
 from .tl import quant

@@ -20,7 +20,7 @@ from ..routing.router import check_groups
 from .moe import MoELayer, MoEOutput
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
     vocab_size: int = 256
     max_seq_len: int = 128

@@ -15,16 +15,15 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from ..args import check_choice, check_int
-from ..distributed import ep_experts
 from ..experts import moe_experts
 from ..experts.schedule import BLOCK_M
 from ..recipe import DEFAULT, ExpertsConfig, from_legacy
 from ..reference import up_width
-from ..routing import (RULES, TopKRouter, build_routing_index, count_per_expert, default_max_experts, round_to_index,
-                       rounded_rows_bound)
+from ..routing import RULES, TopKRouter, build_routing_index, round_to_index
+from ..routing.index import count_per_expert
+from ..routing.rounding import default_max_experts, rounded_rows_bound
 from ..routing.checks import fail_if
 
 class MoEOutput(NamedTuple):
@@ -35,16 +34,14 @@ class MoEOutput(NamedTuple):
 
 class Experts(nn.Module):
     """The experts: w1 (E, F, D) with F = 2·d_expert (gate rows first) for gated activations and d_expert for
-    plain ones, w2 (E, D, d_expert), and their computation on a top-k routing: moeblaze.experts.moe_experts, or,
-    once moeblaze.distributed.shard_experts has given the module its ep group and its E / ep experts,
-    moeblaze.distributed.ep_experts (ep_kwargs: its dispatch settings)."""
+    plain ones, w2 (E, D, d_expert), and their computation on a top-k routing (moeblaze.experts.moe_experts).
+    moeblaze.distributed.ExpertParallel takes its place to split the experts over several processes."""
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, *, config: ExpertsConfig = DEFAULT, device=None,
                  dtype=None, **legacy):
         super().__init__()
         self.config = from_legacy(type(self).__name__, config, legacy)
         self.d_model, self.d_expert, self.num_experts = d_model, d_expert, num_experts
-        self.ep_group, self.ep_kwargs = None, {}
         F = up_width(self.config.activation, d_expert)
         self.w1 = nn.Parameter(torch.empty(num_experts, F, d_model, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(num_experts, d_model, d_expert, device=device, dtype=dtype))
@@ -54,21 +51,23 @@ class Experts(nn.Module):
         nn.init.normal_(self.w1, std=1.0 / math.sqrt(self.d_model))
         nn.init.normal_(self.w2, std=1.0 / math.sqrt(self.d_expert))
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w1, w2) as this process computes with them."""
+        return self.w1, self.w2
+
+    def operands(self, x_LD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x, w1, w2) as the kernels take them: in the autocast dtype where autocast is on, like nn.Linear."""
+        w1, w2 = self.weights()
+        if torch.is_autocast_enabled(x_LD.device.type):
+            dt = torch.get_autocast_dtype(x_LD.device.type)
+            x_LD, w1, w2 = x_LD.to(dt), w1.to(dt), w2.to(dt)
+        return x_LD, w1, w2
+
     def forward(self, x_LD: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor,
                 routing=None) -> torch.Tensor:
         """routing: a prebuilt RoutingIndex (token rounding's, with topk_weights in its table's layout) instead of
         one built from topk_idx."""
-        w1, w2 = self.w1, self.w2
-        if isinstance(w1, DTensor):  # sharded over the ep group (moeblaze.distributed): this rank's experts
-            w1, w2 = w1.to_local(), w2.to_local()
-        if torch.is_autocast_enabled(x_LD.device.type):  # the experts run in the autocast dtype, like nn.Linear
-            dt = torch.get_autocast_dtype(x_LD.device.type)
-            x_LD, w1, w2 = x_LD.to(dt), w1.to(dt), w2.to(dt)
-        if self.ep_group is not None:
-            if routing is not None:
-                raise NotImplementedError("a prebuilt routing index (token rounding) under expert parallelism")
-            return ep_experts(x_LD, topk_idx, topk_weights, w1, w2, group=self.ep_group, config=self.config,
-                              **self.ep_kwargs)
+        x_LD, w1, w2 = self.operands(x_LD)
         if routing is None:
             routing = build_routing_index(topk_idx, self.num_experts, self.config.index_method, check=False)
         return moe_experts(x_LD, routing, topk_weights, w1, w2, config=self.config, check=False)
@@ -88,14 +87,13 @@ class SharedExperts(Experts):
     routing target: outside the router's losses, its bias updates and expert parallelism (each rank keeps all S,
     like the dense weights)."""
 
-    expert_parallel = False
 
     def __init__(self, d_model: int, d_hidden: int, count: int, *, config: ExpertsConfig = DEFAULT,
                  gated: bool = False, device=None, dtype=None):
         check_int("shared_experts", count)
         check_int("d_shared", d_hidden)
         # native precision and the dense index: the routed experts' fp8 recipe is theirs alone
-        config = config.replace(index_method="dense", precision="native", fp8_weight_cache=False, fp8_wgrad=False)
+        config = config.replace(index_method="dense", precision="native", fp8_weight_cache=False)
         super().__init__(d_model, d_hidden, count, config=config, device=device, dtype=dtype)
         self.gate = nn.Parameter(torch.zeros(1, d_model, device=device, dtype=dtype)) if gated else None
 

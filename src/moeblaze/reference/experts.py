@@ -10,7 +10,7 @@ reference every kernel is checked against, and is slow and memory-hungry by desi
 intermediate for backward and synchronizes with the host (one nonzero per expert).
 
 Both take the experts' recipe (moeblaze.ExpertsConfig) as the kernels do; the reference follows what changes the
-arithmetic (activation, checkpoint="preact-fp8", precision="fp8", fp8_wgrad) and ignores what does not (backend,
+arithmetic (activation, checkpoint="preact-fp8", precision="fp8") and ignores what does not (backend,
 chunk_tokens, index_method, fp8_weight_cache, checkpoint="preact" against "recompute": it keeps what autograd needs).
 
 checkpoint="preact-fp8": the forward is unchanged, and backward reads the
@@ -21,9 +21,7 @@ precision="fp8" is emulated (DeepSeek-V3's recipe, reference.fp8's quantizers, f
 four data GEMMs read e4m3 operands, x and dy by token (1 x 128 groups along d), A and dH by row (1 x 128 along h and
 F), W1 and W2 by 128 x 128 blocks (one grid serves W and Wᵀ); the weight gradients dW1 = dHᵀ x and dW2 = dyᵀ (s·A)
 and everything else (SwiGLU, dS = <dA', A> + <dy, b2>, the combines) stay in the input precision. It tells the
-format's error from a kernel's. fp8_wgrad=True takes the weight gradients to e4m3 as well, their
-operands scaled along the contraction, each column by groups of 128 of an expert's rows (DeepSeek-V3's 128 x 1
-tiles for the weight gradients): dW1 = q(dH)ᵀ q(x[rows]) and dW2 = q(dy[rows])ᵀ q(s·A).
+format's error from a kernel's.
 
 Legend: L tokens, D hidden, H expert intermediate, E experts, K experts per token.
 """
@@ -57,7 +55,7 @@ def moe_experts_reference(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_
     order. topk_idx_LK: integer expert ids. topk_w_LK: router weights (any float dtype).
     """
     config = _config("moe_experts_reference", b1_EF, config, legacy)
-    activation, fp8_gemms, fp8_wgrad = config.activation, config.fp8, config.fp8_wgrad
+    activation, fp8_gemms = config.activation, config.fp8
     preact_fp8 = config.checkpoint == "preact-fp8"
     L, D = x_LD.shape
     E = w1_EFD.shape[0]
@@ -74,7 +72,7 @@ def moe_experts_reference(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_
             out_LD = out_LD.index_add(0, tok, _Fp8GemmExpert.apply(
                 x_LD[tok], w1_EFD[e], w2_EDH[e], None if b1_EF is None else b1_EF[e],
                 None if b2_ED is None else b2_ED[e], topk_w_LK[tok, slot], activation, interleaved, acc_dtype,
-                preact_fp8, fp8_wgrad))
+                preact_fp8))
             continue
         if preact_fp8:
             out_LD = out_LD.index_add(0, tok, _TailFromFp8Preact.apply(
@@ -116,7 +114,7 @@ class _Fp8GemmExpert(torch.autograd.Function):
     module header) in forward and backward; H kept as is, or through e4m3 where preact_fp8."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, b1, b2, w, activation, interleaved, acc_dtype, preact_fp8, fp8_wgrad):
+    def forward(ctx, x, w1, w2, b1, b2, w, activation, interleaved, acc_dtype, preact_fp8):
         dt = x.dtype
         w1q, w2q = fake_quant_blocks(w1).to(dt), fake_quant_blocks(w2).to(dt)
         h = fake_quant_rows(x).to(dt) @ w1q.t()
@@ -127,7 +125,7 @@ class _Fp8GemmExpert(torch.autograd.Function):
         if b2 is not None:
             y = y + b2
         ctx.activation, ctx.interleaved, ctx.acc_dtype = activation, interleaved, acc_dtype
-        ctx.has_b1, ctx.has_b2, ctx.fp8_wgrad = b1 is not None, b2 is not None, fp8_wgrad
+        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
         kept = fake_quant_rows(h).to(dt) if preact_fp8 else h
         ctx.save_for_backward(x, w1q, w2q, kept, w, *(() if b2 is None else (b2,)))
         return y.to(acc_dtype) * w[:, None].to(acc_dtype)
@@ -145,15 +143,11 @@ class _Fp8GemmExpert(torch.autograd.Function):
         (dh,) = torch.autograd.grad(a, hl, da * w[:, None].to(dt))
         dx = fake_quant_rows(dh).to(dt) @ w1q  # dX~ = dH W1, e4m3 operands
         sa = a.detach() * w[:, None].to(dt)
-        if ctx.fp8_wgrad:  # e4m3 operands, each column scaled by groups of 128 rows (the contraction)
-            dw1 = fake_quant_rows(dh.t()).to(dt) @ fake_quant_rows(x.t()).to(dt).t()
-            dw2 = fake_quant_rows(dy.t()).to(dt) @ fake_quant_rows(sa.t()).to(dt).t()
-        else:  # the weight gradients in the input precision
-            dw1 = dh.t() @ x
-            dw2 = dy.t() @ sa
+        dw1 = dh.t() @ x  # the weight gradients in the input precision
+        dw2 = dy.t() @ sa
         db1 = dh.sum(0) if ctx.has_b1 else None
         db2 = (dy * w[:, None].to(dt)).sum(0) if ctx.has_b2 else None
-        return dx, dw1, dw2, db1, db2, ds.to(w.dtype), None, None, None, None, None
+        return dx, dw1, dw2, db1, db2, ds.to(w.dtype), None, None, None, None
 
 
 def _tail(h, w2, b2, w, activation, interleaved, acc_dtype):

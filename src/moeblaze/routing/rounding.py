@@ -296,9 +296,11 @@ def _rounded_place_triton(kept_LE, max_experts: int, max_rows: int):
 
 def round_to_index(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weights_LK: torch.Tensor, tile: int,
                    rule: str = "nr-f", scoring: str = "softmax_topk", renormalize: bool = True,
-                   route_scale: float = 1.0, *, max_experts: int, max_rows: int, check: bool = True):
+                   route_scale: float = 1.0, *, max_experts: int | None = None, max_rows: int | None = None,
+                   check: bool = True):
     """Token rounding straight to the kernels' routing index: rounded_index(round_tokens(...)) with the bound
-    max_experts and a row buffer of max_rows (rounded_rows_bound), the same (RoutingIndex, weights (L,
+    max_experts (default default_max_experts(E, K)) and a row buffer of max_rows (default rounded_rows_bound, which
+    the rounding never exceeds), the same (RoutingIndex, weights (L,
     max_experts) fp32, overflow), ties included, the weights to fp32 rounding. On GPUs (and under the
     interpreter) without (L, E) torch ops: routing/triton.py's rounding kernels write the kept (L, E) mask (a
     radix select per expert instead of a sort), rounded_index's kernels place it, and the weights come from one

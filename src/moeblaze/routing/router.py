@@ -187,7 +187,7 @@ class TopKRouter(nn.Module):
     """x (L, D) -> RouterOutput (see the module header). weight (E, D); `bias` (E,) with gate_bias; the buffers
     expert_bias and expert_load (E,) with expert_bias."""
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int, scoring: str = "softmax_topk",
+    def __init__(self, d_model: int, num_experts: int, top_k: int, *, scoring: str = "softmax_topk",
                  renormalize: bool = True, route_scale: float = 1.0, gate_bias: bool = False,
                  expert_bias: bool = False, expert_bias_rate: float = 1e-3, num_groups: int = 1, topk_groups: int = 1,
                  aux_loss: str = "switch", aux_group=None, device=None, dtype=None):

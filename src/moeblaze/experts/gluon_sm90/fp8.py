@@ -19,18 +19,10 @@ wait for the first half's store, and loads the next tile's schedule entry and to
 tile's first promotion then waits for one load of its A scales, not for the chain schedule -> token ids ->
 scales).
 
-The weight gradient (fp8_weight_grad, fp8_wgrad): dW[e] = Σ over expert e's 128-row tiles t of A_tᵀ B_t · s_a[:, t] ⊗
-s_b[:, t], from both operands as quant.quantize_tiles_t writes them (columns x tiles · 128, K-major, as the wgmma
-needs), each read by TMA with its stage's scale rows: the same MMA warps (split for a 16-bit dW) and two 128-column
-halves, promoting each tile by the outer product of its scales, read from shared memory, behind a 1-warp TMA
-loader; dW's tiles expert by expert (wgrad._wgrad_tile's order).
-
 Registers: 64 for the loader, 216 for the second MMA warpgroup (setmaxnreg; the first takes the rest); no
-variant with a 16-bit C spills on triton 3.6 (the weight gradient's fp32 dW, which the layer does not use, keeps
-256 bytes of stack); on 3.9 the bf16 row GEMMs keep 8 bytes of stack a thread (ptxas).
+variant with a 16-bit C spills on triton 3.6; on 3.9 the bf16 row GEMMs keep 8 bytes of stack a thread (ptxas).
 
-Memory contract: nothing beyond C (dW), and the weight gradient's per-expert tile counts (2 · E int32). Shared
-memory: STAGES x (128 + 256) x 128 bytes of operands (the weight gradient's stages also 1.5 KB of scales) and
+Memory contract: nothing beyond C. Shared memory: STAGES x (128 + 256) x 128 bytes of operands and
 64 KB of C staging (four 64 x 128 bf16 tiles, or one 128 x 128 fp32 tile).
 """
 import torch
@@ -38,15 +30,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ...launch import cdiv, launch, sm_count
+from ...launch import launch, sm_count
 from ...reference.fp8 import GROUP
-from ..schedule import BLOCK_M, expert_tiles
+from ..schedule import BLOCK_M
 from .common import (GATHER_WARPS, descriptor, mma_layout, my_tiles, one_barrier, stage_barriers, store_ring,
-                     tile_of, tma_load)
+                     tile_of)
 from .partitions import gather_loader, tma_loader
-from .wgrad import _wgrad_tile, wgrad_group
 
 FP8_BLOCK_N = 2 * GROUP  # a tile's columns: two weight blocks, each half's weight scale one number a stage
 FP8_STAGES = 3
@@ -224,33 +214,28 @@ def fp8_rows_tma_kernel(a_desc, token_ptr, n_rows, b_desc, c_desc, c_ptr, stride
                            [4, 1], [MMA_REGS, WORKER_REGS])
 
 
-def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=None, out_dtype=None, out=None,
-                  stages: int = FP8_STAGES, worker_regs: int = FP8_WORKER_REGS, tma_a: bool = True,
-                  store_bufs: int | None = None, split: bool | None = None, mma_regs: int = FP8_MMA_REGS):
+def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=None, out_dtype=None, out=None, *,
+                  tma_a: bool = True):
     """experts.tl.fp8.fp8_rows_gemm on Hopper (same arguments and result): a_q (·, K) e4m3 contiguous with
     a_scale (·, ceil(K / 128)) fp32, b_q (E, N, K) e4m3 contiguous with b_scale (E, ceil(N / 128), ceil(K / 128));
     K a multiple of 128, N of 8. A in place (token None) is read by TMA (tma_a), or through the gathering loader
-    with the identity as tokens. store_bufs: C's staging buffers (default 2 for a 16-bit C, whose two 32 KB
-    buffers fit beside the stages; 1 for fp32). split: the MMA warps as two warpgroups each on its own (default
-    for a 16-bit C; an fp32 C's accumulators and stores spill that way); mma_regs: the second warpgroup's
-    registers, the first takes the rest.
+    with the identity as tokens. C is staged through two buffers for a 16-bit C (whose two 32 KB buffers fit
+    beside the stages), one for fp32; the MMA warps are two warpgroups each on its own for a 16-bit C (an fp32 C's
+    accumulators and stores spill that way), the second with FP8_MMA_REGS registers, the first the rest.
     The dispatcher (experts.dispatch) checks these; the launcher does not."""
     E, N, K = b_q.shape
     c = a_q.new_empty(num_rows, N, dtype=out_dtype) if out is None else out
     in_place = token is None
     if in_place:
         token = torch.arange(num_rows, dtype=torch.int32, device=a_q.device)
-    if split is None:
-        split = c.element_size() == 2
+    split = c.element_size() == 2
     n_wg = 2 if split else 1
     # what both kernels take after A: B, C, the scales, the schedule, the sizes
     rest = (descriptor(b_q.reshape(E * N, K), [FP8_BLOCK_N, GROUP]), descriptor(c, [BLOCK_M // n_wg, GROUP]), c,
             c.stride(0), a_scale, a_scale.stride(0), b_scale, b_scale.stride(0), b_scale.stride(1), sched[0],
             sched[1], sched[2], offsets, N, K)
-    if store_bufs is None:
-        store_bufs = 2 if c.element_size() == 2 else 1
-    meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages, WORKER_REGS=worker_regs,
-                STORE_BUFS=store_bufs, N_WG=n_wg, MMA_REGS=mma_regs, num_warps=8 // n_wg, maxnreg=168)
+    meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=FP8_STAGES, WORKER_REGS=FP8_WORKER_REGS,
+                STORE_BUFS=2 if split else 1, N_WG=n_wg, MMA_REGS=FP8_MMA_REGS, num_warps=8 // n_wg, maxnreg=168)
     if in_place and tma_a:
         launch(fp8_rows_tma_kernel, (sm_count(a_q.device),), descriptor(a_q, [BLOCK_M, GROUP]), token, num_rows,
                *rest, **meta)
@@ -261,172 +246,4 @@ def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=No
 
 # ---- the weight gradient on e4m3: dW[e] = Σ_t A_tᵀ B_t · s_a[:, t] ⊗ s_b[:, t] ------------------------------
 
-def scale_descriptor(scales, box: int):
-    """A TMA descriptor of quant.quantize_tiles_t's scales (columns x tiles, a tile's contiguous and padded to a
-    multiple of FP8_BLOCK_N columns) as the (tiles, padded columns) array they are stored in, box one tile's box
-    columns, unswizzled."""
-    n, t = scales.shape
-    padded = scales.as_strided((t, scales.stride(1)), (scales.stride(1), 1))
-    return TensorDescriptor.from_tensor(padded, [1, box], gl.NVMMASharedLayout(0, 32))
 
-
-@gluon.jit
-def _fp8_wgrad_loader(a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, first_ptr,
-                      tiles_ptr, n_tiles, n_tm, n_tn, group):
-    """For each dW tile (expert, row tile, column tile), a stage per row tile of the expert: A_t's BLOCK_M columns
-    and B_t's BLOCK_N at the tile's 128 rows (columns past the operand: TMA's zeros), and their scales."""
-    S: gl.constexpr = a_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    NBYTES: gl.constexpr = (a_desc.block_type.nbytes + b_desc.block_type.nbytes + sa_desc.block_type.nbytes
-                            + sb_desc.block_type.nbytes)
-    pid, nprog = gl.program_id(0), gl.num_programs(0)
-    c = 0
-    for j in range(gl.cdiv(n_tiles - pid, nprog)):
-        e, tm, tn = _wgrad_tile(j, pid, nprog, n_tm, n_tn, group)
-        t0 = gl.load(first_ptr + e)
-        for k in range(gl.load(tiles_ptr + e)):
-            s = c % S
-            mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
-            mbarrier.expect(ready.index(s), NBYTES)
-            tma_load(a_desc, [tm * BLOCK_M, (t0 + k) * BLOCK_K], ready.index(s), a_bufs.index(s))
-            tma_load(b_desc, [tn * BLOCK_N, (t0 + k) * BLOCK_K], ready.index(s), b_bufs.index(s))
-            tma_load(sa_desc, [t0 + k, tm * BLOCK_M], ready.index(s), sa_bufs.index(s))
-            tma_load(sb_desc, [t0 + k, tn * BLOCK_N], ready.index(s), sb_bufs.index(s))
-            c += 1
-
-
-@gluon.jit
-def _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go,
-                         tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, WG: gl.constexpr,
-                         N_WG: gl.constexpr):
-    """Each dW tile as two 128-column halves sharing each stage's A: per row tile, a half's MMAs from zero, waited
-    for and scaled into its accumulator (acc += part · s_a ⊗ s_b), then the other half's; both halves stored
-    within the expert's M rows through the ring c_bufs (a second half past N skipped). An expert without rows
-    stores zeros. A stage's scales come with it (the loader's TMA, from quantize_tiles_t's padded rows): read from
-    global memory as each half's MMAs ran, their latency outlasted the MMAs (the kernel ran at 0.63-0.88x the
-    bf16 weight gradient's rate). The partial scaled by s_a, then by s_b (the outer product held 64 more
-    registers).
-    N_WG partitions share each tile as in fp8_mma_store: WG takes its BLOCK_M / N_WG rows of dW, releases a stage
-    and stores on its own, and warpgroup 1 starts once warpgroup 0 has issued its first MMAs."""
-    S: gl.constexpr = a_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    HALF: gl.constexpr = BLOCK_N // 2
-    ROWS: gl.constexpr = BLOCK_M // N_WG
-    acc_layout: gl.constexpr = mma_layout(gl.num_warps(), HALF, 32)
-    pid, nprog = gl.program_id(0), gl.num_programs(0)
-    c = 0
-    n_st = 0
-    if WG == 1:
-        mbarrier.wait(go.index(0), 0)
-    for j in range(gl.cdiv(n_tiles - pid, nprog)):
-        e, tm, tn = _wgrad_tile(j, pid, nprog, n_tm, n_tn, group)
-        acc0 = gl.zeros([ROWS, HALF], gl.float32, acc_layout)
-        acc1 = gl.zeros([ROWS, HALF], gl.float32, acc_layout)
-        for _ in range(gl.load(tiles_ptr + e)):
-            s = c % S
-            mbarrier.wait(ready.index(s), (c // S) & 1)
-            a = a_bufs.index(s)
-            if N_WG > 1:
-                a = a.slice(WG * ROWS, ROWS, dim=0)
-            b = b_bufs.index(s)
-            part = half_mma(a, b, 0, acc_layout)
-            if N_WG > 1 and WG == 0:
-                mbarrier.arrive(go.index(0), pred=c == 0)
-            part = warpgroup_mma_wait(0, deps=(part, ))
-            sa = sa_bufs.index(s).reshape([BLOCK_M]).slice(WG * ROWS, ROWS).load(gl.SliceLayout(1, acc_layout))
-            sb_s = sb_bufs.index(s).reshape([BLOCK_N])
-            sb = sb_s.slice(0, HALF).load(gl.SliceLayout(0, acc_layout))
-            acc0 += (part * sa[:, None]) * sb[None, :]
-            part = half_mma(a, b, 1, acc_layout)
-            part = warpgroup_mma_wait(0, deps=(part, ))
-            sb = sb_s.slice(HALF, HALF).load(gl.SliceLayout(0, acc_layout))
-            mbarrier.arrive(empty.index(s))  # both halves (and their scales) have been read from the stage
-            acc1 += (part * sa[:, None]) * sb[None, :]
-            c += 1
-        first = e * M + tm * BLOCK_M + WG * ROWS
-        n_st = store_ring(acc0, c_bufs, n_st, c_desc, c_ptr, stride_cl, first, e * M + M, tn * BLOCK_N, N)
-        if tn * BLOCK_N + HALF < N:
-            n_st = store_ring(acc1, c_bufs, n_st, c_desc, c_ptr, stride_cl, first, e * M + M, tn * BLOCK_N + HALF,
-                              N)
-    if N_WG > 1 and WG == 0:
-        mbarrier.arrive(go.index(0), pred=c == 0)  # a program without a stage still lets warpgroup 1 finish
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _fp8_wgrad_wg0(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go, tiles_ptr,
-                   n_tiles, n_tm, n_tn, group, M, N):
-    _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go,
-                         tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, 0, 2)
-
-
-@gluon.jit
-def _fp8_wgrad_wg1(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go, tiles_ptr,
-                   n_tiles, n_tm, n_tn, group, M, N):
-    _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go,
-                         tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, 1, 2)
-
-
-@gluon.jit
-def _fp8_wgrad_one(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go, tiles_ptr,
-                   n_tiles, n_tm, n_tn, group, M, N):
-    _fp8_wgrad_mma_store(c_bufs, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go,
-                         tiles_ptr, n_tiles, n_tm, n_tn, group, M, N, 0, 1)
-
-
-@gluon.jit
-def fp8_weight_grad_kernel(a_desc, b_desc, sa_desc, sb_desc, c_desc, c_ptr, stride_cl, first_ptr, tiles_ptr, E, M, N,
-                           GROUP_TILES, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                           STAGES: gl.constexpr, WORKER_REGS: gl.constexpr, STORE_BUFS: gl.constexpr,
-                           N_WG: gl.constexpr, MMA_REGS: gl.constexpr):
-    """dW[e] (M, N) = Σ over expert e's row tiles of A_tᵀ B_t, scaled per tile: MMA warps that promote and store
-    (8 warps, or two warpgroups of 4: N_WG), behind a 1-warp TMA loader that brings each stage's scales too."""
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES, 1, BLOCK_M], sa_desc.layout)
-    sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES, 1, BLOCK_N], sb_desc.layout)
-    ready, empty = stage_barriers(STAGES, 1, N_WG)
-    go = one_barrier()
-    n_tm, n_tn = gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N)
-    n_tiles = E * n_tm * n_tn
-    c0 = gl.allocate_shared_memory(c_desc.dtype, [STORE_BUFS, BLOCK_M // N_WG, BLOCK_N // 2], c_desc.layout)
-    rest = (c_desc, c_ptr, stride_cl, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, go, tiles_ptr, n_tiles, n_tm,
-            n_tn, GROUP_TILES, M, N)
-    loader_args = (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, first_ptr,
-                   tiles_ptr, n_tiles, n_tm, n_tn, GROUP_TILES)
-    if N_WG == 1:
-        gl.warp_specialize([(_fp8_wgrad_one, (c0, ) + rest), (_fp8_wgrad_loader, loader_args)], [1], [WORKER_REGS])
-    else:
-        c1 = gl.allocate_shared_memory(c_desc.dtype, [STORE_BUFS, BLOCK_M // N_WG, BLOCK_N // 2], c_desc.layout)
-        gl.warp_specialize([(_fp8_wgrad_wg0, (c0, ) + rest), (_fp8_wgrad_wg1, (c1, ) + rest),
-                            (_fp8_wgrad_loader, loader_args)], [4, 1], [MMA_REGS, WORKER_REGS])
-
-
-def fp8_weight_grad(a_t, b_t, offsets, out, stages: int = FP8_STAGES, worker_regs: int = FP8_WORKER_REGS,
-                    split: bool | None = None, mma_regs: int = FP8_MMA_REGS):
-    """experts.tl.fp8.fp8_weight_grad on Hopper (same arguments and result): a_t = (q (M, T · 128) e4m3, scales
-    (M, T)), b_t = (q (N, T · 128), scales (N, T)) as quant.quantize_tiles_t writes them (scales tile by tile,
-    each tile's padded with zeros to a multiple of FP8_BLOCK_N); out (E, M, N) contiguous in bf16/fp16/fp32 with N
-    a multiple of 8. split: the MMA warps as two warpgroups each on its own rows of dW, each with two staging
-    buffers (default for a 16-bit dW; fp32 keeps one 8-warp partition and one buffer), as in fp8_rows_gemm.
-    The dispatcher (experts.dispatch) checks these; the launcher does not."""
-    (qa, sa), (qb, sb) = a_t, b_t
-    E, M, N = out.shape
-    if qa.shape[1] == 0:  # no rows at all: every expert's gradient is zero
-        return out.zero_()
-    if split is None:
-        split = out.element_size() == 2
-    n_wg = 2 if split else 1
-    first, tiles = expert_tiles(offsets, GROUP)
-    c2d = out.view(E * M, N)
-    group = wgrad_group(cdiv(M, BLOCK_M), cdiv(N, FP8_BLOCK_N))
-    launch(fp8_weight_grad_kernel, (sm_count(qa.device),), descriptor(qa, [BLOCK_M, GROUP]),
-           descriptor(qb, [FP8_BLOCK_N, GROUP]), scale_descriptor(sa, BLOCK_M), scale_descriptor(sb, FP8_BLOCK_N),
-           descriptor(c2d, [BLOCK_M // n_wg, GROUP]), c2d, c2d.stride(0), first, tiles, E, M, N, group, BLOCK_M=BLOCK_M,
-           BLOCK_N=FP8_BLOCK_N, BLOCK_K=GROUP, STAGES=stages, WORKER_REGS=worker_regs,
-           STORE_BUFS=2 if out.element_size() == 2 else 1, N_WG=n_wg, MMA_REGS=mma_regs, num_warps=8 // n_wg,
-           maxnreg=168)
-    return out

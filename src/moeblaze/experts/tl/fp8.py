@@ -3,18 +3,15 @@
   fp8_rows_gemm    C[rows] = A[rows] · B[e]ᵀ for each expert's rows of the tile schedule, A's rows read in place or
                    gathered through the token ids (x and dy are quantized once per token, so their scales follow
                    the gather), one fp32 scale per 1 x 128 group of A's rows and per 128 x 128 block of B
-  fp8_weight_grad  dW[e] = P[rows of e]ᵀ Q[rows of e] (fp8_wgrad) from both operands transposed per 128-row tile
-                   (quant.quantize_tiles_t), one scale per column and tile on each side
 
 Main loops run over 128-deep blocks of the contraction: acc += dot(a, b) · scales, each block's dot from zero in
 fp32, which promotes the accumulation every 128 (the block's partial sum never stays in the tensor cores' narrower
-accumulator). fp8_rows_gemm's BLOCK_N is 128, so a tile's weight scale is one scalar per block; the weight
-gradient's scales are an outer product s_a[n] · s_b[p]. fp8 MMAs need both operands K-major, as both get them.
+accumulator). fp8_rows_gemm's BLOCK_N is 128, so a tile's weight scale is one scalar per block. fp8 MMAs need both operands K-major, as both get them.
 
 Under Triton's CPU interpreter (no fp8 there) the operands may be float16 holding the e4m3 values exactly (every
 e4m3 value is a float16): the same kernel logic, checked against reference.fp8's emulation.
 
-Memory: nothing beyond the outputs, and fp8_weight_grad's per-expert tile counts (2 · E int32).
+Memory: nothing beyond the outputs.
 """
 from __future__ import annotations
 
@@ -24,7 +21,7 @@ import triton.language as tl
 
 from ...config import INTERPRET
 from ...launch import cdiv, launch
-from ..schedule import BLOCK_M, expert_tiles
+from ..schedule import BLOCK_M
 from .common import _swizzle, _tile_rows
 
 GROUP = 128  # the scale groups: 1 x 128 for A, 128 x 128 for B
@@ -85,49 +82,3 @@ def fp8_rows_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b
     return c
 
 
-@triton.jit
-def _fp8_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, first_tile_ptr, tiles_ptr, N, P, stride_an, stride_sat,
-                      stride_bp, stride_sbt, stride_ce, stride_cn, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-                      GROUP: tl.constexpr):
-    """C[e] (N, P) = Σ over expert e's row tiles t of A_t[:, t] · B_t[:, t]ᵀ · s_a[:, t] ⊗ s_b[:, t]: each tile's
-    dot from zero in fp32 (the promotion every 128 rows), scaled by its columns' scales on both sides (a tile's
-    scales contiguous: s_a[n, t] at sa_ptr + t · stride_sat + n)."""
-    e = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    nmask, pmask = n < N, p < P
-    r = tl.arange(0, GROUP)
-    first = tl.load(first_tile_ptr + e)
-    acc = tl.zeros((BLOCK_N, BLOCK_P), dtype=tl.float32)
-    for t in range(first, first + tl.load(tiles_ptr + e)):
-        cols = (t * GROUP + r).to(tl.int64)
-        a = tl.load(a_ptr + n.to(tl.int64)[:, None] * stride_an + cols[None, :], mask=nmask[:, None], other=0.0)
-        b = tl.load(b_ptr + p.to(tl.int64)[None, :] * stride_bp + cols[:, None], mask=pmask[None, :], other=0.0)
-        sa = tl.load(sa_ptr + t * stride_sat + n, mask=nmask, other=0.0)
-        sb = tl.load(sb_ptr + t * stride_sbt + p, mask=pmask, other=0.0)
-        acc += tl.dot(a, b, out_dtype=tl.float32) * (sa[:, None] * sb[None, :])
-    c = c_ptr + e.to(tl.int64) * stride_ce + n.to(tl.int64)[:, None] * stride_cn + p[None, :]
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=nmask[:, None] & pmask[None, :])
-
-
-def fp8_weight_grad(a_t, b_t, offsets: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """dW (E, N, P) into out (its last dimension contiguous): dW[e] = A[rows of e]ᵀ B[rows of e] from the two
-    operands as quant.quantize_tiles_t writes them over the same tile schedule, a_t = (q (N, T · 128), scales
-    (N, T)) and b_t = (q (P, T · 128), scales (P, T)), the scales tile by tile (strides (1, N) and (1, P)); an
-    expert without rows gets zeros. Returns out."""
-    (qa, sa), (qb, sb) = a_t, b_t
-    E, N, P = out.shape
-    if out.stride(2) != 1:
-        raise ValueError(f"fp8_weight_grad: out's last dimension must be contiguous, got strides {out.stride()}")
-    if sa.stride(0) != 1 or sb.stride(0) != 1:
-        raise ValueError(f"fp8_weight_grad: the scales must be stored tile by tile (quantize_tiles_t), got strides "
-                         f"{sa.stride()} and {sb.stride()}")
-    if INTERPRET:  # no fp8 in the interpreter: float16 holds every e4m3 value exactly
-        qa, qb = qa.to(torch.float16), qb.to(torch.float16)
-    first, tiles = expert_tiles(offsets, GROUP)
-    block_n, block_p = (32, 32) if INTERPRET else (128, 128)
-    launch(_fp8_wgrad_kernel, (E, cdiv(N, block_n), cdiv(P, block_p)), qa, sa, qb, sb, out, first,
-           tiles, N, P, qa.stride(0), sa.stride(1), qb.stride(0), sb.stride(1), out.stride(0),
-           out.stride(1), BLOCK_N=block_n, BLOCK_P=block_p, GROUP=GROUP, num_warps=4 if INTERPRET else 8,
-           num_stages=1 if INTERPRET else 3)
-    return out

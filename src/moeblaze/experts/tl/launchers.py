@@ -16,7 +16,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ...config import INTERPRET
 from ...launch import cdiv, launch, sm_count, tma_ok
 from ...reference import is_gated
-from ...routing import in_row_order
+from ...routing.index import in_row_order
 from ..schedule import BLOCK_M
 from .backward import _act_bwd_kernel, _down_bwd_kernel, _weight_grad_kernel
 from .common import ACT_CODES

@@ -7,8 +7,6 @@ its scales, where the torch passes of the reference make six.
                     operand straight from H (gate columns first, or interleaved), A never stored in bf16; and,
                     where asked, quantize_rows(H) from the same read (a kept H under preact-fp8)
   dequantize_rows   (q, scales) -> q · scale in a given dtype (backward's read of a kept H)
-  quantize_tiles_t  A (rows, N) -> q (N, tiles · 128), scales (N, tiles): each 128-row tile of an expert's rows
-                    transposed, each column scaled over the tile (the fp8 weight gradients' operands)
   quantize_blocks   W (E, N, K) -> q (E, N, K), scales (E, ceil(N / 128), ceil(K / 128)): 128 x 128 blocks;
                     transpose=True writes q(W)ᵀ (E, K, N) and its scales (E, ceil(K / 128), ceil(N / 128)),
                     the K-major operand backward's GEMMs need (square blocks: quantize_blocks(Wᵀ) exactly);
@@ -33,7 +31,6 @@ from ...launch import cdiv, launch
 from ...reference.fp8 import AMAX_FLOOR, FP8, FP8_MAX, GROUP, INV_FP8_MAX
 
 ROWS = 32  # rows of a program of the row quantizers
-SCALE_PAD = 256  # quantize_tiles_t's scales: a tile's padded to whole 256-wide tiles of the weight gradient
 
 
 @triton.jit
@@ -186,57 +183,6 @@ def _blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, s
     else:
         tl.store(q_ptr + e * stride_qe + (n[:, None] * stride_qr + k[None, :]), y, mask=mask)
         tl.store(s_ptr + e * stride_se + bn * stride_sr + bk, scale)
-
-
-@triton.jit
-def _tiles_t_kernel(a_ptr, token_ptr, q_ptr, s_ptr, tile_expert_ptr, tile_row_ptr, offsets_ptr, used_ptr, N,
-                    stride_al, stride_qn, stride_st, GATHER: tl.constexpr, GROUP: tl.constexpr,
-                    AMAX_FLOOR: tl.constexpr, INV_FP8_MAX: tl.constexpr, FP8_MAX: tl.constexpr,
-                    EMULATE: tl.constexpr):
-    """Row tile t of the schedule (GROUP rows of one expert) by GROUP columns of A (A[token[r]] where GATHER): each
-    column scaled by its amax over the tile's rows, q written transposed at q[columns, t · GROUP + r] (zeros past
-    the expert's end), the scales at s[t, columns] (a tile's scales contiguous)."""
-    t = tl.program_id(0)
-    if t >= tl.load(used_ptr):
-        return
-    e = tl.load(tile_expert_ptr + t)
-    r = tl.arange(0, GROUP)
-    rows = tl.load(tile_row_ptr + t) + r
-    rmask = rows < tl.load(offsets_ptr + e + 1)
-    src = tl.load(token_ptr + rows, mask=rmask, other=0) if GATHER else rows
-    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    cmask = cols < N
-    v = tl.load(a_ptr + src.to(tl.int64)[:, None] * stride_al + cols[None, :], mask=rmask[:, None] & cmask[None, :],
-                other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(v), axis=0), AMAX_FLOOR) * INV_FP8_MAX  # (GROUP,) one per column
-    y = tl.minimum(tl.maximum(v * _reciprocal(scale)[None, :], -FP8_MAX), FP8_MAX)
-    if EMULATE:
-        y = _round_e4m3(y)
-    q = q_ptr + cols.to(tl.int64)[:, None] * stride_qn + (t * GROUP + r)[None, :]
-    tl.store(q, tl.trans(y).to(q_ptr.dtype.element_ty), mask=cmask[:, None])
-    tl.store(s_ptr + t.to(tl.int64) * stride_st + cols, scale, mask=cmask)
-
-
-def quantize_tiles_t(a: torch.Tensor, sched, offsets: torch.Tensor, token: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q (N, T · 128) e4m3, scales (N, T) fp32) of A's rows (A[token[r]] where token is given) taken tile by tile
-    of a schedule of 128-row tiles (sched = experts.schedule.tile_schedule(counts, offsets, rows, 128), whatever
-    the kernels' own row tile; T its length), transposed: column n of tile t holds A[rows of t, n] · (1 / scale[n, t]),
-    scaled by their amax over the tile's rows (reference.fp8.quantize_rows of each tile's Aᵀ, the weight
-    gradients' 128 x 1 groups), zeros past the tile's expert's end; tiles past the used ones are left unwritten.
-    The scales are stored tile by tile, a tile's contiguous and padded with zeros to a multiple of 256 columns
-    (strides (1, N rounded up)), as the weight-gradient kernels load them."""
-    _check(a, 2, "quantize_tiles_t")
-    T, N = sched[0].shape[0], a.shape[1]
-    q = torch.empty(N, T * GROUP, dtype=FP8, device=a.device)
-    s = torch.empty(T, -(-N // SCALE_PAD) * SCALE_PAD, dtype=torch.float32, device=a.device)
-    s[:, N:].zero_()
-    if T and N:
-        launch(_tiles_t_kernel, (T, _groups(N)), a, token if token is not None else offsets, q, s, sched[0],
-               sched[1], offsets, sched[2], N, a.stride(0), q.stride(0), s.stride(0), GATHER=token is not None,
-               GROUP=GROUP, AMAX_FLOOR=AMAX_FLOOR, INV_FP8_MAX=INV_FP8_MAX, FP8_MAX=FP8_MAX, EMULATE=INTERPRET,
-               num_warps=8)
-    return q, s[:, :N].t()
 
 
 def _groups(n: int) -> int:

@@ -1,0 +1,83 @@
+"""ExpertParallel: an experts module whose E experts are split over the ranks of an ep group, and shard_experts,
+which swaps it in for every routed experts module of a model.
+
+It takes the module's place and its parameters' names (w1, w2: DTensors sharded on dim 0 over the ep mesh, so
+that each keeps one global name and shape for checkpoints), holds this rank's E / ep experts, and runs them through
+ep_experts (distributed.ep: the data flow and the memory contract) with the module's own recipe. Shared experts
+(always on, never routed) stay whole on every rank.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ..nn import Experts, SharedExperts
+from .ep import DISPATCHES, OVERFLOW, CapacityTracker, ep_experts
+
+
+class ExpertParallel(Experts):
+    """`experts`' computation with its experts split over ep_mesh's ranks (this rank keeps its E / ep of them; the
+    weights stay DTensors of the global shape). dispatch, capacity_factor, capacity, on_overflow, tracker: as for
+    moeblaze.distributed.ep_experts. Every rank of the group calls it together; token rounding's prebuilt index is
+    not available here."""
+
+    def __init__(self, experts: Experts, ep_mesh: DeviceMesh, *, dispatch: str = "exact",
+                 capacity_factor: float = 1.25, capacity: int | None = None, on_overflow: str = "error",
+                 tracker: CapacityTracker | None = None):
+        nn.Module.__init__(self)
+        if not isinstance(experts, Experts) or isinstance(experts, (SharedExperts, ExpertParallel)):
+            raise TypeError(f"ExpertParallel wraps a routed moeblaze.nn.Experts module, got {type(experts).__name__}")
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+        if on_overflow not in OVERFLOW:
+            raise ValueError(f"on_overflow must be one of {OVERFLOW}, got {on_overflow!r}")
+        if experts.config.backend == "reference":
+            raise ValueError("expert parallelism runs the kernels: backend='reference' is not available under it")
+        ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        E = experts.num_experts
+        if E % ep:
+            raise ValueError(f"{E} experts do not split over ep = {ep} ranks")
+        self.config, self.d_model, self.d_expert, self.num_experts = (experts.config, experts.d_model,
+                                                                      experts.d_expert, E)
+        lo, hi = rank * (E // ep), (rank + 1) * (E // ep)
+        for name in ("w1", "w2"):
+            local = getattr(experts, name).detach()[lo:hi].clone()
+            setattr(self, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
+        self.group = ep_mesh.get_group()
+        self.options = dict(dispatch=dispatch, capacity_factor=capacity_factor, capacity=capacity,
+                            on_overflow=on_overflow, tracker=tracker)
+
+    def weights(self):
+        w1, w2 = self.w1, self.w2
+        if isinstance(w1, DTensor):  # over the ep mesh (so too while FSDP2 on efsdp has them gathered): this rank's
+            w1, w2 = w1.to_local(), w2.to_local()
+        return w1, w2
+
+    def forward(self, x_LD, topk_idx, topk_weights, routing=None):
+        if routing is not None:
+            raise NotImplementedError("a prebuilt routing index (token rounding) under expert parallelism")
+        x_LD, w1, w2 = self.operands(x_LD)
+        return ep_experts(x_LD, topk_idx, topk_weights, w1, w2, group=self.group, config=self.config, **self.options)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", ep={self.group.size()}, dispatch={self.options['dispatch']}"
+
+
+def routed_experts(model: nn.Module) -> list:
+    """The routed experts modules of a model (plain or expert-parallel; shared experts excluded)."""
+    return [m for m in model.modules() if isinstance(m, Experts) and not isinstance(m, SharedExperts)]
+
+
+def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, **options) -> int:
+    """Swap an ExpertParallel (options: its dispatch settings) in for every routed experts module of `model` on
+    ep_mesh (nothing at ep = 1: every rank then holds every expert); the number of modules swapped."""
+    if ep_mesh.size() == 1:
+        return 0
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Experts) and not isinstance(child, (SharedExperts, ExpertParallel)):
+                setattr(parent, name, ExpertParallel(child, ep_mesh, **options))
+                swapped += 1
+    return swapped
