@@ -1,10 +1,11 @@
 """Expert parallelism on the GPUs of one host: the link, an all-to-all bandwidth sweep, then the EP layer against
-one GPU over all ranks' tokens, bitwise (torch.equal) in bf16, on each kernel backend, checkpoint policy and dispatch
-mode, with uniform and skewed routing and empty experts; the capacity mode's forward and backward run under
+one GPU over all ranks' tokens, bitwise (torch.equal) in bf16, on each kernel backend, checkpoint policy (preact,
+recompute, preact-fp8), precision (native, fp8) and dispatch mode, with uniform and skewed routing and empty experts; the capacity mode's forward and backward run under
 torch.cuda.set_sync_debug_mode("error"): a host sync would raise; then the capacity mode under
 torch.compile(fullgraph=True) and captured in a CUDA graph (replayed on new inputs), against eager. Run with
 
     torchrun --nproc-per-node 2 scripts/ep_check.py [--tokens 4096] [--out DIR]
+    torchrun --nproc-per-node 2 scripts/ep_check.py --uneven   # must stop every rank with the capacity message
 
 The tl kernels are pinned to their first autotune config (each process would otherwise tune on its own and may
 pick another); the Gluon kernels are not autotuned. Rank 0 prints one line per check and writes them to
@@ -64,14 +65,33 @@ def problem(rank: int, world: int, L: int, case: str, device):
     return [t.to(device) for t in (x, idx, w, dy)], w1.to(device, torch.bfloat16), w2.to(device, torch.bfloat16)
 
 
+def recipe_config(recipe: str, backend: str) -> ExpertsConfig:
+    """A checkpoint policy, or "fp8-" and one (precision="fp8")."""
+    fp8 = recipe.startswith("fp8-")
+    return ExpertsConfig(checkpoint=recipe.removeprefix("fp8-"), precision="fp8" if fp8 else "native",
+                         backend=backend)
+
+
+def uneven(rank: int, world: int, L: int, device) -> None:
+    """Capacity dispatch sized by capacity_factor alone on ranks of different token counts (rank r holds (r + 1) · L):
+    the ranks disagree on the capacity, which each must stop on, by name (a device-side assert), never a hang."""
+    (x, idx, w, _), w1, w2 = problem(rank, world, L * world, "uniform", device)
+    n = (rank + 1) * L
+    E_loc = w1.shape[0] // world
+    out = ep_experts(x[:n].bfloat16(), idx[:n], w[:n], w1[:E_loc].contiguous(), w2[:E_loc].contiguous(),
+                     dispatch="capacity", capacity_factor=1.25)
+    torch.cuda.synchronize()
+    print(f"rank {rank}: UNEVEN CAPACITIES WENT ON, sum {float(out.float().sum())}", flush=True)
+
+
 def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: str, device,
           dispatch: str = "exact") -> str:
     (x, idx, w, dy), w1, w2 = problem(rank, world, L, case, device)
     x, dy = x.bfloat16(), dy.bfloat16()
     E_loc = w1.shape[0] // world
     ins = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
-    out_all = moe_experts(ins[0], build_routing_index(idx, w1.shape[0]), ins[1], ins[2], ins[3],
-                          config=ExpertsConfig(checkpoint=checkpoint, backend=backend))
+    config = recipe_config(checkpoint, backend)
+    out_all = moe_experts(ins[0], build_routing_index(idx, w1.shape[0]), ins[1], ins[2], ins[3], config=config)
     g_all = torch.autograd.grad(out_all, ins, dy)
     mine, experts = slice(rank * L, (rank + 1) * L), slice(rank * E_loc, (rank + 1) * E_loc)
     local = [x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_(),
@@ -79,10 +99,10 @@ def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: st
     launch_counts.clear()
     kw = dict(dispatch="capacity", capacity=L * 4) if dispatch == "capacity" else {}  # room for every pair
     if dispatch == "capacity":  # no host sync anywhere in the layer's forward and backward
-        ep_experts(local[0], idx[mine], local[1], local[2], local[3], checkpoint=checkpoint, backend=backend, **kw)
+        ep_experts(local[0], idx[mine], local[1], local[2], local[3], config=config, **kw)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
-    out = ep_experts(local[0], idx[mine], local[1], local[2], local[3], checkpoint=checkpoint, backend=backend, **kw)
+    out = ep_experts(local[0], idx[mine], local[1], local[2], local[3], config=config, **kw)
     g = torch.autograd.grad(out, local, dy[mine])
     torch.cuda.set_sync_debug_mode(0)
     ran = sorted({b for (_, b) in launch_counts})
@@ -108,7 +128,7 @@ def captured(rank: int, world: int, L: int, backend: str, checkpoint: str, devic
         return (x[mine].bfloat16(), idx[mine], w[mine], w1[experts].contiguous(), w2[experts].contiguous(),
                 dy[mine].bfloat16())
 
-    kw = dict(dispatch="capacity", capacity=L * 4, checkpoint=checkpoint, backend=backend)
+    kw = dict(dispatch="capacity", capacity=L * 4, config=recipe_config(checkpoint, backend))
 
     def step(fn, x, idx, w, w1, w2, dy):
         out = fn(x, idx, w, w1, w2, **kw)
@@ -153,6 +173,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     ap.add_argument("--out", default=".")
     ap.add_argument("--only-captured", action="store_true", help="only the torch.compile and CUDA graph checks")
+    ap.add_argument("--uneven", action="store_true",
+                    help="only capacity_factor sizing on ranks of different token counts: every rank must stop")
     args = ap.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -160,6 +182,8 @@ def main():
     torch.cuda.set_device(device)
     for kernel in TUNED_KERNELS.values():  # one config in every process
         kernel.configs = kernel.configs[:1]
+    if args.uneven:
+        return uneven(rank, world, args.tokens, device)
     lines = []
     if rank == 0:
         lines.append(subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout)
@@ -169,7 +193,7 @@ def main():
     for dispatch in () if args.only_captured else ("exact", "capacity"):
         for case in ("uniform", "skewed", "empty_experts"):
             for backend in backends:
-                for checkpoint in ("preact", "recompute"):
+                for checkpoint in ("preact", "recompute", "preact-fp8", "fp8-preact", "fp8-recompute"):
                     lines.append(check(rank, world, args.tokens, case, backend, checkpoint, device, dispatch))
                     if rank == 0:
                         print(lines[-1], flush=True)

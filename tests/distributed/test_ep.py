@@ -127,6 +127,7 @@ def _overflow(rank, world, mode):
     toks, w1, w2 = _problem(world, "skewed")  # every token to rank 0's experts: rank 0 receives the most
     small = 8
     if mode == "uneven_factor":  # ranks of 9 and 13 tokens: capacity_factor alone sizes 16 and 32 rows
+        toks, w1, w2 = _problem(world, "uniform")
         x, idx, w = toks[rank]
         E_loc = w1.shape[0] // world
         try:

@@ -35,13 +35,12 @@ def _skip_unless(backend):
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["tl", "gluon", "gluon-gather", "gluon-one"])
+@pytest.mark.parametrize("backend", ["tl", "gluon", "gluon-gather"])
 @pytest.mark.parametrize("gather", [False, True])
 @pytest.mark.parametrize("N", [1000, 640])
 def test_fp8_rows_gemm_on_e4m3_matches_the_emulation(N, gather, backend, out_dtype):
     """gluon-gather: the Hopper kernel with A in place read by the gathering loader (tma_a=False) instead of TMA;
-    gluon: bf16 C by two MMA warpgroups each on its own rows, fp32 C by one 8-warp partition; gluon-one: one
-    8-warp partition for both (split=False).
+    gluon: bf16 C by two MMA warpgroups each on its own rows, fp32 C by one 8-warp partition.
     N: the last 256-column tile's second half partly past N (1000), or wholly (640: skipped)."""
     import functools
 
@@ -53,8 +52,7 @@ def test_fp8_rows_gemm_on_e4m3_matches_the_emulation(N, gather, backend, out_dty
         pytest.skip("gathered A is read by the gathering loader anyway")
     _skip_unless("gluon" if backend.startswith("gluon") else backend)
     gemm = {"tl": fp8_rows_gemm, "gluon": gluon_sm90.fp8_rows_gemm,
-            "gluon-gather": functools.partial(gluon_sm90.fp8_rows_gemm, tma_a=False),
-            "gluon-one": functools.partial(gluon_sm90.fp8_rows_gemm, split=False)}[backend]
+            "gluon-gather": functools.partial(gluon_sm90.fp8_rows_gemm, tma_a=False)}[backend]
     torch.manual_seed(0)
     L, K, E, Kd = 4096, 4, 16, 1536
     logits = torch.randn(L, E, device="cuda")

@@ -131,10 +131,6 @@ class _Plan:
             self.slot_LK, self.kept = routing.token_slot, routing.expert_offsets[-1:]
             return
         per_dest = send_counts.sum(1)  # (ep,) rows for each destination
-        self.needed = per_dest.max() if P else per_dest.new_zeros(())
-        if fail_on_overflow:
-            _fail_if_any(self.needed > capacity, group, f"capacity dispatch: a destination needs more than {capacity} "
-                         "rows (raise the capacity factor, pass on_overflow='drop', or use a CapacityTracker)")
         # rows past C in a destination's expert order are dropped: clip the per-expert counts there
         cum = send_counts.cumsum(1).clamp(max=capacity)
         kept_counts = torch.diff(cum, dim=1, prepend=torch.zeros_like(cum[:, :1]))
@@ -148,6 +144,10 @@ class _Plan:
                      "the same capacity= on every rank or a CapacityTracker instead of sizing it by capacity_factor",
                      ValueError)
         recv_counts = got[:, :E_loc]
+        self.needed = per_dest.max() if P else per_dest.new_zeros(())
+        if fail_on_overflow:
+            _fail_if_any(self.needed > capacity, group, f"capacity dispatch: a destination needs more than {capacity} "
+                         "rows (raise the capacity factor, pass on_overflow='drop', or use a CapacityTracker)")
         self.in_splits = self.out_splits = None
         first = routing.expert_offsets[:-1].view(ep, E_loc)[:, 0].to(torch.int64)  # each destination's first row
         j = torch.arange(capacity, device=dev)
