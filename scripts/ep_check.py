@@ -1,6 +1,7 @@
 """Expert parallelism on the GPUs of one host: the link, an all-to-all bandwidth sweep, then the EP layer against
-one GPU over all ranks' tokens, bitwise (torch.equal) in bf16, on each kernel backend, checkpoint policy (preact,
-recompute, preact-fp8), precision (native, fp8) and dispatch mode, with uniform and skewed routing and empty experts; the capacity mode's forward and backward run under
+one GPU over all ranks' tokens, bitwise (torch.equal) in bf16, on each kernel backend, checkpoint policy
+(preact, recompute, preact-fp8), precision (native, fp8) and dispatch mode, with uniform and skewed routing and
+empty experts; the capacity mode's forward and backward run under
 torch.cuda.set_sync_debug_mode("error"): a host sync would raise; then the capacity mode under
 torch.compile(fullgraph=True) and captured in a CUDA graph (replayed on new inputs), against eager. Run with
 

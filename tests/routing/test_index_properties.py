@@ -6,7 +6,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from moeblaze.routing import build_routing_index
-from moeblaze.routing.index import DENSE_MAX_EXPERTS, build_index_dense_torch, build_index_dense_triton, build_index_sort
+from moeblaze.routing.index import (DENSE_MAX_EXPERTS, build_index_dense_torch, build_index_dense_triton,
+                                    build_index_sort)
 from helpers import check_invariants
 
 

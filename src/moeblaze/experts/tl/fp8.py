@@ -6,7 +6,8 @@
 
 Main loops run over 128-deep blocks of the contraction: acc += dot(a, b) · scales, each block's dot from zero in
 fp32, which promotes the accumulation every 128 (the block's partial sum never stays in the tensor cores' narrower
-accumulator). fp8_rows_gemm's BLOCK_N is 128, so a tile's weight scale is one scalar per block. fp8 MMAs need both operands K-major, as both get them.
+accumulator). fp8_rows_gemm's BLOCK_N is 128, so a tile's weight scale is one scalar per block. fp8 MMAs need
+both operands K-major, as both get them.
 
 Under Triton's CPU interpreter (no fp8 there) the operands may be float16 holding the e4m3 values exactly (every
 e4m3 value is a float16): the same kernel logic, checked against reference.fp8's emulation.
