@@ -10,7 +10,7 @@ from .nn import ModelConfig, MoEBlock, MoELayer, MoEModel, MoEOutput
 from .reference import moe_experts_reference
 from .routing import RoutingIndex, TopKRouter, build_routing_index
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["ExpertsConfig", "ModelConfig", "MoEBlock",
            "MoELayer", "MoEModel", "MoEOutput", "moe_experts", "moe_experts_reference",
            "RoutingIndex", "TopKRouter", "build_routing_index", "__version__"]

@@ -10,7 +10,7 @@ import torch
 
 from moeblaze.bench import harness
 from moeblaze.cli import main
-from moeblaze.cli.report import START, END, results_markdown, update_readme
+from moeblaze.cli.report import START, END, results_markdown, update_report
 
 ROW_FIELDS = {"impl", "policy", "L", "d", "h", "E", "K", "activation", "dtype", "fwd_ms", "step_ms", "host_ms",
               "kept_mb", "peak_mb", "tflops", "rel_err", "gpu", "torch", "triton", "git_sha", "run_id", "command",
@@ -172,7 +172,7 @@ def test_readme_results_section(tmp_path):
         f.writelines(json.dumps(r) + "\n" for r in rows)
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n{START}\nold\n{END}\ntail\n")
-    update_readme(str(readme), str(tmp_path / "res"))
+    update_report(str(readme), str(tmp_path / "res"))
     text = readme.read_text()
     assert "old" not in text and text.endswith(f"{END}\ntail\n")
     assert "| 64,32,16,4,2 | moeblaze/preact | 1.00 | 2.00 | 0.50 | - | 1.50 |" in text  # 3.0 / 2.0 vs SonicMoE

@@ -1,6 +1,6 @@
 """`moeblaze bench`: one MoE layer's forward and training step, side by side with every implementation
 importable here, in one run; `--scale` (tokens until out of memory), `--dispatch` (routing index
-builders); rows appended as JSON lines to benchmarks/results/<gpu>.jsonl, sharing one run_id."""
+builders); rows appended as JSON lines to <--out>/<gpu>.jsonl, sharing one run_id."""
 from __future__ import annotations
 
 import argparse
@@ -74,10 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="for --hf: one more step per backend under torch.profiler (GPU busy time, top kernels)")
     p.add_argument("--max-batch", type=int, default=0, metavar="LIMIT",
                    help="for --hf: also find each backend's largest batch up to LIMIT sequences (0: skip)")
-    p.add_argument("--out", default="benchmarks/results", help="results folder")
+    p.add_argument("--out", default="bench-results",
+                   help="results folder (default bench-results, in the working directory)")
     p.add_argument("--plot", action="store_true", help="write PNG charts next to the results")
-    p.add_argument("--readme", default=None, metavar="README.md",
-                   help="only regenerate that file's Results section from the results folder, measure nothing")
+    p.add_argument("--report", default=None, metavar="docs/results.md",
+                   help="only regenerate that page's generated results (between its markers) from the --out folder, "
+                        "measure nothing")
 
 
 def run_env(device: torch.device, command: str | None = None) -> dict:
@@ -232,9 +234,9 @@ def _configs(args):
 
 
 def run(args):
-    if args.readme:
-        from .report import update_readme
-        update_readme(args.readme, args.out)
+    if args.report:
+        from .report import update_report
+        update_report(args.report, args.out)
         return
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

@@ -224,8 +224,9 @@ def results_markdown(rows: list[dict]) -> str:
     return "\n".join(out) if out else "No GPU results recorded yet."
 
 
-def update_readme(readme: str, results_dir: str) -> None:
-    """Rewrite the README's Results section, and the charts it shows, from the committed results."""
+def update_report(report: str, results_dir: str) -> None:
+    """Rewrite the generated part of a results page (between its markers), and the charts it shows, from the
+    results folder."""
     rows = load_rows(results_dir)
     for gpu in sorted({r["gpu"] for r in rows if r.get("gpu") != "cpu"}):
         mine = [r for r in rows if r["gpu"] == gpu]
@@ -234,12 +235,12 @@ def update_readme(readme: str, results_dir: str) -> None:
             if sel:
                 path = plot_run(sel, results_dir, name=f"{slug(gpu)}-{mode}")[0]
                 print(f"plot: {path}")
-    text = open(readme).read()
+    text = open(report).read()
     if START not in text or END not in text:
-        raise SystemExit(f"{readme} has no {START} ... {END} section")
+        raise SystemExit(f"{report} has no {START} ... {END} section")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     text = head + START + "\n" + results_markdown(rows) + "\n" + END + tail  # all computed before the write
-    with open(readme, "w") as f:
+    with open(report, "w") as f:
         f.write(text)
-    print(f"updated the Results section of {readme}")
+    print(f"updated the generated results of {report}")

@@ -139,7 +139,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "split into GEMMs, all-to-all, all-gather + reduce-scatter and exposed communication")
     b.add_argument("--bench-trace", metavar="FILE", help="with --bench-profile: keep that step's chrome trace in "
                    "FILE (under torchrun, FILE.rank<i> for rank i > 0)")
-    b.add_argument("--results", default="benchmarks/results", help="folder of the results file (one JSON line "
+    b.add_argument("--results", default="bench-results", help="folder of the results file (one JSON line "
                    "per run in <gpu>.jsonl)")
 
 

@@ -300,8 +300,8 @@ def round_to_index(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weig
                    check: bool = True):
     """Token rounding straight to the kernels' routing index: rounded_index(round_tokens(...)) with the bound
     max_experts (default default_max_experts(E, K)) and a row buffer of max_rows (default rounded_rows_bound, which
-    the rounding never exceeds), the same (RoutingIndex, weights (L,
-    max_experts) fp32, overflow), ties included, the weights to fp32 rounding. On GPUs (and under the
+    the rounding never exceeds), the same (RoutingIndex, weights (L, max_experts) fp32,
+    overflow), ties included, the weights to fp32 rounding. On GPUs (and under the
     interpreter) without (L, E) torch ops: routing/triton.py's rounding kernels write the kept (L, E) mask (a
     radix select per expert instead of a sort), rounded_index's kernels place it, and the weights come from one
     kernel each way, differentiable in the logits and the top-k weights: 8 to 10 launches in forward and 1 in
@@ -313,6 +313,11 @@ def round_to_index(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weig
     of the ids' and weights' values (a router's own output, as MoELayer passes it)."""
     _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, max_experts, stacklevel=3,
            check_values=check)
+    (L, E), K = logits_LE.shape, topk_idx_LK.shape[1]
+    if max_experts is None:
+        max_experts = default_max_experts(E, K)
+    if max_rows is None:
+        max_rows = rounded_rows_bound(L, K, E, tile, rule)
     check_int("max_experts", max_experts)
     check_int("max_rows", max_rows, minimum=0)
     if logits_LE.shape[0] == 0 or not (logits_LE.is_cuda or INTERPRET):
