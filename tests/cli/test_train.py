@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from moeblaze.cli import main, train
+from moeblaze.cli import main, parallel, train
 from moeblaze.cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from moeblaze.cli.data import builtin_corpus, split_corpus, unigram_entropy
 
@@ -125,7 +125,7 @@ def test_bad_save_paths_fail_up_front_and_leave_nothing(tmp_path, monkeypatch, c
     (tmp_path / "dir").mkdir()
     bad = {str(tmp_path / "file" / "ck.pt"): "is a file, not a folder", str(tmp_path / "dir"): "is a directory"}
     if sys.platform == "linux":
-        bad["/proc/moeblaze-no-such-folder/ck.pt"] = "can't write a checkpoint"
+        bad["/proc/moeblaze-no-such-folder/ck.pt"] = "can't write the checkpoint"
     if hasattr(os, "geteuid") and os.geteuid() != 0:  # root writes through any mode bits
         (tmp_path / "ro").mkdir(mode=0o500)
         bad[str(tmp_path / "ro" / "ck.pt")] = "Permission denied"
@@ -135,6 +135,39 @@ def test_bad_save_paths_fail_up_front_and_leave_nothing(tmp_path, monkeypatch, c
         assert "moeblaze train: error: --save" in err and message in err, err
     assert sorted(os.listdir(tmp_path)) == sorted(["file", "dir"] + (["ro"] if (tmp_path / "ro").exists() else []))
     assert os.listdir(tmp_path / "dir") == []
+
+
+def test_every_output_path_fails_up_front(tmp_path, monkeypatch, capsys):
+    """A trailing slash, a file where a folder goes, a folder where a file goes: each output flag is refused before
+    the model is built (each once failed only at its first write, after the training)."""
+    monkeypatch.setattr(train, "MoEModel", lambda *a: pytest.fail("the model was built before the outputs were probed"))
+    (tmp_path / "file").write_text("")
+    cases = [(["--save", str(tmp_path / "ckdir") + "/"], "--save", "is a directory"),
+             (["--save", str(tmp_path / "file") + "/"], "--save", "is a directory"),
+             (["--loss-log", str(tmp_path)], "--loss-log", "is a directory"),
+             (["--loss-log", str(tmp_path / "file" / "l.jsonl")], "--loss-log", "is a file, not a folder"),
+             (["--bench-steps", "1", "--results", str(tmp_path / "file" / "sub")], "--results",
+              "is a file, not a folder")]
+    for flags, flag, message in cases:
+        assert main(["train", *TINY, *flags]) == 2, flags
+        err = capsys.readouterr().err
+        assert f"moeblaze train: error: {flag}" in err and message in err, err
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_a_sharded_folder_without_its_manifest_is_never_overwritten(tmp_path, monkeypatch, capsys):
+    """Under torchrun a checkpoint is a folder with a manifest; a folder that holds files but no manifest (a copy
+    that lost a file, a foreign folder) is refused by name, with or without --resume, and left as it was."""
+    monkeypatch.setattr(train, "MoEModel", lambda *a: pytest.fail("the model was built before --save was probed"))
+    monkeypatch.setattr(parallel, "launched", lambda: True)
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    (folder / "__0_0.distcp").write_bytes(b"shard")
+    for resume in ([], ["--resume"]):
+        assert main(["train", *TINY, "--save", str(folder), *resume]) == 2
+        err = capsys.readouterr().err
+        assert "--save" in err and "no moeblaze-manifest.sha256" in err, err
+    assert os.listdir(folder) == ["__0_0.distcp"] and (folder / "__0_0.distcp").read_bytes() == b"shard"
 
 
 def _trained_checkpoint(tmp_path) -> str:

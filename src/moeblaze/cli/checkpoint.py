@@ -48,10 +48,11 @@ def remove_stale_temporaries(path: str) -> list[str]:
     return removed
 
 
-def probe_writable(path: str) -> None:
-    """Raise CheckpointError unless a checkpoint can be written at `path` (its folder is created if missing)."""
-    if os.path.isdir(path):
-        raise CheckpointError(f"{path} is a directory; give the checkpoint's file path")
+def probe_writable(path: str, what: str = "checkpoint") -> None:
+    """Raise CheckpointError unless a file (a checkpoint, or `what`) can be written at `path` (its folder is
+    created if missing)."""
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
+        raise CheckpointError(f"{path} is a directory; give the {what}'s file path")
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)
@@ -61,9 +62,9 @@ def probe_writable(path: str) -> None:
         blocker = folder
         while not os.path.exists(blocker):
             blocker = os.path.dirname(blocker)
-        raise CheckpointError(f"can't write a checkpoint at {path}: {blocker} is a file, not a folder") from e
+        raise CheckpointError(f"can't write the {what} at {path}: {blocker} is a file, not a folder") from e
     except OSError as e:
-        raise CheckpointError(f"can't write a checkpoint at {path}: {e.strerror or e} ({e.filename or folder})") from e
+        raise CheckpointError(f"can't write the {what} at {path}: {e.strerror or e} ({e.filename or folder})") from e
 
 
 def save_checkpoint(path: str, state: dict) -> None:
@@ -137,8 +138,13 @@ def probe_writable_folder(path: str) -> None:
     """Raise CheckpointError unless a sharded checkpoint (a folder) can be written at `path`: a save writes
     `<path>.tmp` beside it and renames, so the parent folder must take new entries (probed with a file of a unique
     name, so that every rank can probe at once)."""
-    if os.path.isfile(path):
+    if os.path.isfile(path.rstrip("/" + os.sep) or path):
         raise CheckpointError(f"{path} is a file; a sharded checkpoint is a folder (give a folder path)")
+    path = path.rstrip("/" + os.sep) or path
+    for folder in (path, path + ".old"):
+        if os.path.isdir(folder) and os.listdir(folder) and not os.path.isfile(os.path.join(folder, MANIFEST)):
+            raise CheckpointError(f"{folder} holds files but no {MANIFEST}: a damaged or foreign checkpoint, which a "
+                                  "run would overwrite; move it away or give another path")
     probe_writable(os.path.join(os.path.dirname(os.path.abspath(path)), os.path.basename(path) + ".probe"))
 
 

@@ -232,6 +232,16 @@ def check_args(args, val_len: int) -> ModelConfig:
             (probe_writable_folder if sharded_save(args.save, dist_run) else probe_writable)(args.save)
         except CheckpointError as e:
             raise UsageError(f"--save: {e}") from None
+    # every other output, probed now: a path that fails only when first written loses the run's work
+    outputs = [("--loss-log", args.loss_log, "loss log"), ("--bench-trace", args.bench_trace, "trace")]
+    if args.bench_steps:  # a folder: the results file goes in it
+        outputs.append(("--results", args.results and os.path.join(args.results, "results.probe"), "results file"))
+    for flag, path, what in outputs:
+        if path:
+            try:
+                probe_writable(path, what)
+            except CheckpointError as e:
+                raise UsageError(f"{flag}: {e}") from None
     return cfg
 
 

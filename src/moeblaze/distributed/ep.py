@@ -38,7 +38,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..experts import recipe_key
+from ..experts import check_kernel_dtype, recipe_key
 from ..experts.dispatch import choose
 from ..experts.fp8 import check_fp8_supported
 from ..experts.op import experts_backward, experts_forward, parse
@@ -384,6 +384,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     ep = dist.get_world_size(group)
     E = w1_local.shape[0] * ep
     check_expert_inputs(x, w1_local, w2_local, config.activation)
+    check_kernel_dtype(x)
     routing = build_routing_index(topk_idx, E, config.index_method)
     check_topk_weights(topk_weights, routing.token_slot)
     C = None

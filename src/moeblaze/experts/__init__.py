@@ -23,6 +23,16 @@ from .dispatch import choose, launch_counts
 from .fp8 import check_fp8_supported
 from .op import Recipe, fused_experts
 
+def check_kernel_dtype(x: torch.Tensor) -> None:
+    """TypeError unless the kernels compute x's dtype right where x is: float16, bfloat16 or float32, and under
+    Triton's CPU interpreter not bfloat16 (the interpreter's bf16 dot products are wrong by orders of magnitude)."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"the Triton experts take float16, bfloat16 or float32, got {x.dtype}")
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        raise TypeError("bfloat16 on the kernels under Triton's CPU interpreter: the interpreter computes bf16 dot "
+                        "products wrongly; use float32 or float16 on the CPU, or backend='reference'")
+
+
 @functools.cache
 def recipe_key(config: ExpertsConfig, backend: str, dropped: bool, interleaved: bool) -> str:
     """The op's recipe (experts.op.Recipe) of a call: config's choices that reach the kernels, on `backend` (the
@@ -61,8 +71,7 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     if backend == "reference":
         return moe_experts_reference(x, routing.topk_idx(), topk_weights, w1, w2, b1, b2, config=config,
                                      interleaved=interleaved)
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"the Triton experts take float16, bfloat16 or float32, got {x.dtype}")
+    check_kernel_dtype(x)
     if config.fp8:
         check_fp8_supported(x)
     recipe = recipe_key(config, backend, routing.dropped, interleaved)
@@ -76,4 +85,4 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     return fused_experts(x, w1, w2, topk_weights, b1, b2, routing, recipe)
 
 
-__all__ = ["ExpertsConfig", "launch_counts", "moe_experts", "recipe_key"]
+__all__ = ["ExpertsConfig", "check_kernel_dtype", "launch_counts", "moe_experts", "recipe_key"]

@@ -75,12 +75,23 @@ def configure(model: torch.nn.Module, config: ExpertsConfig | None = None, **leg
     """Run every experts module of `model` with the recipe `config` (moeblaze.ExpertsConfig; its activation is
     ignored: each module's own is read from it, as activation_of says); the number of experts modules set.
     0.1's keyword options (checkpoint=, impl=, ...) still work, with a DeprecationWarning."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"configure takes a transformers model or experts module (a torch.nn.Module), got "
+                        f"{type(model).__name__}")
     config = from_legacy("configure", config, legacy)
     n = 0
     for m in model.modules():
         if hasattr(m, "has_gate") and hasattr(m, "down_proj"):
             m.moeblaze_config = config
             n += 1
+    if n == 0:
+        raise ValueError(f"configure: {type(model).__name__} has no experts module of transformers' experts interface "
+                         "(a module with gate_up_proj, down_proj and has_gate): nothing would run on moeblaze")
+    impl = getattr(getattr(model, "config", None), "_experts_implementation", "moeblaze")
+    if impl not in ("moeblaze", None):
+        warnings.warn(f"configure: {type(model).__name__} runs experts_implementation={impl!r}; the recipe applies "
+                      "once it runs 'moeblaze' (model.set_experts_implementation('moeblaze'))", UserWarning,
+                      stacklevel=2)
     return n
 
 
