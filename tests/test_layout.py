@@ -84,3 +84,20 @@ def test_public_api_takes_at_most_8_positional_parameters():
                     wide.append(f"{name}.{label}: {positional(fn)}")
     assert seen > 40, seen  # the walk reached the API
     assert not wide, wide
+
+
+def test_nothing_outside_the_package_imports_its_private_names():
+    """scripts/, tools/ and benchmarks/ use moeblaze as a user does: through public names only."""
+    root = SRC.parents[1]
+    bad, seen = [], 0
+    for folder in ("scripts", "tools", "benchmarks"):
+        for path in (root / folder).rglob("*.py"):
+            seen += 1
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "moeblaze":
+                    bad += [f"{path.relative_to(root)}: {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_")]
+                    bad += [f"{path.relative_to(root)}: {node.module}" for part in node.module.split(".")
+                            if part.startswith("_")]
+    assert seen > 5, seen
+    assert not bad, bad

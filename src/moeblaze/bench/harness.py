@@ -192,7 +192,7 @@ class _Timer:
 MEASURE_S = 1.0  # seconds a GPU timing lasts at least
 
 
-def _timed_rounds(fns: dict, device: torch.device, iters: int, min_s: float | None = None) -> dict:
+def timed_rounds(fns: dict, device: torch.device, iters: int, min_s: float | None = None) -> dict:
     """{name: (median ms of fn(i), median host ms to issue it), or the exception that stopped it}: CUDA
     events on GPUs, the host clock on the CPU; the host ms is the host clock around the call alone (no
     synchronization), so where it is close to the first, the host, not the GPU, sets the pace. The fns
@@ -231,7 +231,7 @@ def _timed_rounds(fns: dict, device: torch.device, iters: int, min_s: float | No
 
 def _median_ms(fn, device: torch.device, iters: int, min_s: float | None = None) -> float:
     """Median time of fn(i), timed in rounds of `iters` calls for at least min_s seconds on GPUs."""
-    ms = _timed_rounds({0: fn}, device, iters, min_s)[0]
+    ms = timed_rounds({0: fn}, device, iters, min_s)[0]
     if isinstance(ms, Exception):
         raise ms
     return ms[0]
@@ -372,14 +372,14 @@ def prepare(call, p: Problem, ref=None, warmup: int = 3, busy: bool = False) -> 
 
 def time_interleaved(calls: dict, p: Problem, iters: int = 10, min_s: float | None = None) -> dict:
     """{name: {"fwd_ms", "step_ms", "host_ms", "tflops"} or the exception that stopped it} for prepared
-    impls on one problem, timed in turns (_timed_rounds): all see the same clocks, so their ratios are
+    impls on one problem, timed in turns (timed_rounds): all see the same clocks, so their ratios are
     not skewed by the GPU's power state drifting between one impl's timing and the next. host_ms is the
     host time to issue one forward+backward step: where it nears step_ms, the step is launch-bound."""
     out = {name: {} for name in calls}
     for key, backward in (("fwd_ms", False), ("step_ms", True)):
         fns = {n: (lambda i, c=c, b=backward: run_step(c, p, i, b))
                for n, c in calls.items() if not isinstance(out[n], Exception)}
-        for name, ms in _timed_rounds(fns, p.device, iters, min_s).items():
+        for name, ms in timed_rounds(fns, p.device, iters, min_s).items():
             if isinstance(ms, Exception):
                 out[name] = ms
             else:

@@ -39,12 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="native", choices=("native", "fp8"),
                    help="fp8: add moeblaze-fp8 (precision=\"fp8\", policies preact and preact-fp8 unless --policies "
                         "names others) to the implementations, beside the peers' bf16")
-    p.add_argument("--activation", default="swiglu")
+    p.add_argument("--activation", default="swiglu", help="the experts' activation")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"),
+                   help="where to run (cuda where a GPU is available)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
+    p.add_argument("--iters", type=int, default=10, help="timed calls per round")
     p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference errors")
     p.add_argument("--stall-s", type=float, default=300,
                    help="print every thread's stack (to stderr) when one implementation's compile and checks "
@@ -53,12 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also record gpu_busy_ms: the kernels' own time in one step (host overhead = step - busy)")
     p.add_argument("--scale", action="store_true", help="tokens from --min-tokens doubling until OOM or --max-tokens")
     p.add_argument("--scale-config", default="E", help="config whose d,h,E,K the scaling sweep uses")
-    p.add_argument("--min-tokens", type=int, default=8192)
-    p.add_argument("--max-tokens", type=int, default=2 ** 21)
+    p.add_argument("--min-tokens", type=int, default=8192, help="--scale: the first token count")
+    p.add_argument("--max-tokens", type=int, default=2 ** 21, help="--scale: the last token count")
     p.add_argument("--dispatch", action="store_true", help="time the routing index builders")
-    p.add_argument("--dispatch-L", default="32768,524288,2097152")
-    p.add_argument("--dispatch-E", default="8,16,64,256")
-    p.add_argument("--dispatch-K", default="1,2,8")
+    p.add_argument("--dispatch-L", default="32768,524288,2097152", help="--dispatch: token counts")
+    p.add_argument("--dispatch-E", default="8,16,64,256", help="--dispatch: expert counts")
+    p.add_argument("--dispatch-K", default="1,2,8", help="--dispatch: top-k values")
     p.add_argument("--hf", default=None, metavar="MODELS",
                    help="end to end: train transformers models (comma list of qwen3-30b-a3b, olmoe-1b-7b, "
                         "mixtral-8x7b, gpt-oss-20b; published configs, random weights, fewer layers) with AdamW in "
@@ -233,11 +234,43 @@ def _configs(args):
     return cfgs
 
 
+def check_args(args) -> None:
+    """UsageError naming the flag, before any work: the device, the configs, the implementations, the counts."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    for name in (args.configs or "").split(","):
+        if name and name not in CONFIGS:
+            raise UsageError(f"--configs: unknown config {name!r}; the named ones are {','.join(CONFIGS)} "
+                             "(--config L,d,h,E,K gives any shape)")
+    for c in args.config + ([args.scale_config] if args.scale_config not in CONFIGS else []):
+        parts = c.split(",")
+        if len(parts) != 5 or not all(v.isdigit() and int(v) > 0 for v in parts) or int(parts[4]) > int(parts[3]):
+            raise UsageError(f"--config: expected L,d,h,E,K (five positive integers, K <= E), got {c!r}")
+    for name in (args.impls or "").split(","):
+        if name and name not in IMPLS:
+            raise UsageError(f"--impls: unknown implementation {name!r}; one of {','.join(IMPLS)}")
+    for flag in ("warmup", "iters", "min_tokens", "max_tokens"):
+        if getattr(args, flag) < (0 if flag == "warmup" else 1):
+            raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    if device_note := _cpu_note(args):
+        print(device_note, flush=True)
+
+
+def _cpu_note(args) -> str:
+    """What runs where the kernels can't: said once, so that a CPU run's rows are not mistaken for the kernels'."""
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return ("moeblaze bench: on the CPU without TRITON_INTERPRET=1 moeblaze's kernels can't run, so only the "
+                "reference and torch rows do; the kernels run on a CUDA GPU (or, slowly, with TRITON_INTERPRET=1 set "
+                "before the command)")
+    return ""
+
+
 def run(args):
     if args.report:
         from .report import update_report
         update_report(args.report, args.out)
         return
+    check_args(args)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     rec = Recorder(args.out, run_env(device))

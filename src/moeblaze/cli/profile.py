@@ -20,6 +20,7 @@ from ..bench.stages import compiled_resources, stage_times
 from ..experts import moe_experts
 from ..experts.dispatch import BACKENDS
 from ..recipe import ACTIVATIONS, CHECKPOINTS, PRECISIONS, ExpertsConfig, fold_impl
+from . import UsageError
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import build_routing_index
 
@@ -27,18 +28,21 @@ MB = 2 ** 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="layer", choices=("layer", "model"))
+    p.add_argument("--target", default="layer", choices=("layer", "model"),
+                   help="one MoE layer, or the small model (train's shape flags)")
     p.add_argument("--tokens", type=int, default=None, help="tokens (layer) or batch*seq (model); default 4096 "
                    "on cuda, 256 on cpu")
-    p.add_argument("--d-model", type=int, default=None)
-    p.add_argument("--d-expert", type=int, default=None)
-    p.add_argument("--num-experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--activation", default="swiglu", choices=ACTIVATIONS)
-    p.add_argument("--checkpoint-policy", default="preact", choices=CHECKPOINTS)
+    p.add_argument("--d-model", type=int, default=None, help="hidden size (default 1024 on cuda, 64 on cpu)")
+    p.add_argument("--d-expert", type=int, default=None, help="expert width (default 2048 on cuda, 128 on cpu)")
+    p.add_argument("--num-experts", type=int, default=8, help="experts")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--activation", default="swiglu", choices=ACTIVATIONS, help="the experts' activation")
+    p.add_argument("--checkpoint-policy", default="preact", choices=CHECKPOINTS,
+                   help="what the experts keep for backward")
     p.add_argument("--impl", default=None, choices=("triton", "reference"),
                    help="default triton where it runs (CUDA, or the CPU with TRITON_INTERPRET=1), else reference")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"),
+                   help="where to run (cuda where a GPU is available)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--no-compare", action="store_true", help="skip the conventional pipeline")
@@ -119,14 +123,37 @@ def _print(title: str, r: dict, top: int = 12) -> None:
     print(f"  step time (first, includes warm-up effects): {r['ms']:.1f} ms")
 
 
+def check_args(args) -> ExpertsConfig:
+    """The experts' recipe of the flags, after every flag is checked (UsageError naming it), before any work; on the
+    CPU, says which path runs."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    for flag in ("tokens", "d_model", "d_expert", "num_experts", "top_k"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {v}")
+    if args.top_k > args.num_experts:
+        raise UsageError(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if args.impl is None:
+        args.impl = "triton" if args.device == "cuda" or interpret else "reference"
+    if args.device == "cpu" and args.impl == "triton" and not interpret:
+        raise UsageError("--impl triton on the CPU needs TRITON_INTERPRET=1 set before the command starts")
+    if args.device == "cpu" and args.impl == "reference":
+        print("moeblaze profile: the PyTorch reference runs here (the CPU); the kernels run on a CUDA GPU, or under "
+              "Triton's interpreter with TRITON_INTERPRET=1 set before the command", flush=True)
+    try:
+        return ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy,
+                             backend=fold_impl(args.impl, args.backend), precision=args.precision)
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+
+
 def run(args) -> dict:
+    experts = check_args(args)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     cuda = device.type == "cuda"
-    if args.impl is None:
-        args.impl = "triton" if cuda or os.environ.get("TRITON_INTERPRET") == "1" else "reference"
-    experts = ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy,
-                            backend=fold_impl(args.impl, args.backend), precision=args.precision)
     L = args.tokens or (4096 if cuda else 256)
     d = args.d_model or (1024 if cuda else 64)
     h = args.d_expert or (2048 if cuda else 128)

@@ -126,12 +126,22 @@ def run(args) -> dict:
             parallel.finish(done)
 
 
+def _experts_path(cfg) -> str:
+    """Which code computes the experts on the CPU, as the recipe resolves there."""
+    from ..config import INTERPRET
+    if cfg.experts.backend in ("reference", "auto"):
+        return "the PyTorch reference (the Triton kernels run with --device cuda)"
+    return "the Triton kernels under the interpreter" if INTERPRET else "the Triton kernels"
+
+
 def _run(args, cfg, train, val, ranks) -> dict:
     from tqdm import tqdm
 
     device = ranks.device if ranks else torch.device(args.device)
     main = ranks is None or ranks.main
     say = print if main else (lambda *a, **k: None)
+    if device.type == "cpu" and (args.threads is not None or "OMP_NUM_THREADS" not in os.environ):
+        torch.set_num_threads(args.threads or 1)
     torch.manual_seed(args.seed)
     entropy = unigram_entropy(torch.cat([train, val]))
     model = MoEModel(cfg).to(device)
@@ -165,7 +175,9 @@ def _run(args, cfg, train, val, ranks) -> dict:
     layout = "" if ranks is None else f", {world} processes (efsdp {world // ranks.ep} x ep {ranks.ep}" + (
         f", {args.ep_dispatch} dispatch)" if ranks.ep > 1 else ")")
     say(f"moeblaze train: {n_params / 1e6:.2f}M parameters, {cfg.n_layers} MoE blocks x {cfg.num_experts} experts "
-        f"(top-{cfg.top_k}, {cfg.activation}), corpus {len(train) + len(val):,} bytes, device {device.type}{layout}")
+        f"(top-{cfg.top_k}, {cfg.activation}), corpus {len(train) + len(val):,} bytes, device {device.type}{layout}"
+        + (f", {torch.get_num_threads()} CPU thread(s), experts on {_experts_path(cfg)}"
+           if device.type == "cpu" else ""))
     say(f"unigram entropy of the corpus: {entropy:.3f} nats/byte (a model that ignores context)")
     last = args.bench_warmup + args.bench_steps if bench else args.steps
 

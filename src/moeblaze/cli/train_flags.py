@@ -77,29 +77,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-gate", action="store_const", const=True, default=None,
                    help="scale the shared experts' output by a learned sigmoid gate of x")
     p.add_argument("--dense-layers", type=int, default=None, help="dense feed-forward in the first N blocks")
-    p.add_argument("--token-rounding", default="", choices=("",) + RULES,
-                   help="SonicMoE's token rounding while training (nr-f, up, down): every expert's tokens a multiple "
-                        "of the tile; evaluation routes plain top-k")
+    p.add_argument("--token-rounding", default="", choices=RULES, metavar="{" + ",".join(RULES) + "}",
+                   help="SonicMoE's token rounding while training: every expert's tokens a multiple of the tile; "
+                        "evaluation routes plain top-k (default: off)")
     p.add_argument("--rounding-tile", type=int, default=0, help="its tile (default 0: the kernels' row tile, 128)")
     p.add_argument("--router", default=None, choices=tuple(ROUTERS),
                    help="a model family's routing (score function, scale, biases, groups, balancing loss; default: "
                         "softmax top-k, renormalized, switch loss); deepseek-v3's expert bias is updated after every "
                         "optimizer step")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--aux-loss-coef", type=float, default=1e-2)
-    p.add_argument("--z-loss-coef", type=float, default=1e-3)
-    p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--aux-loss-coef", type=float, default=1e-2, help="weight of the router's balancing loss")
+    p.add_argument("--z-loss-coef", type=float, default=1e-3, help="weight of the router's z-loss")
+    p.add_argument("--eval-every", type=int, default=250, help="evaluate on held-out text every N steps")
+    p.add_argument("--eval-batches", type=int, default=8, help="batches per evaluation")
     p.add_argument("--save", default=None, help="checkpoint path ('' to disable; default checkpoints/moeblaze.pt, "
                    "or the folder checkpoints/moeblaze-sharded under torchrun)")
-    p.add_argument("--save-every", type=int, default=250)
+    p.add_argument("--save-every", type=int, default=250, help="write the checkpoint every N steps (and at the end)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the checkpoint at --save (without one, say so and start from step 0)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"),
+                   help="where to train (cuda where a GPU is available)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="compute dtype; bfloat16 runs under CUDA autocast (and FSDP2 keeps bf16 parameters with "
                         "fp32 gradient reductions under torchrun)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch on --device cpu (default 1 unless OMP_NUM_THREADS is set: the small "
+                        "model gains little from more, and on a busy machine more threads wait on each other)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (GPU; under torchrun before "
                    "FSDP2 wraps it): fewer launches and less host time per step")
     p.add_argument("--cuda-graph", action="store_true",
@@ -134,7 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench-steps", type=int, default=0,
                    help="time this many steps (after --bench-warmup) and write a results row, instead of training")
-    b.add_argument("--bench-warmup", type=int, default=3)
+    b.add_argument("--bench-warmup", type=int, default=3, help="untimed steps before the timed ones")
     b.add_argument("--bench-profile", action="store_true", help="and one more step under torch.profiler: the step "
                    "split into GEMMs, all-to-all, all-gather + reduce-scatter and exposed communication")
     b.add_argument("--bench-trace", metavar="FILE", help="with --bench-profile: keep that step's chrome trace in "
@@ -157,6 +161,8 @@ def check_args(args, val_len: int) -> ModelConfig:
                      "d_expert", "eval_every", "eval_batches", "save_every", "ep", "bench_warmup"):
             check_int("--" + name.replace("_", "-"), getattr(args, name))
         check_int("--seed", args.seed, minimum=0)
+        if args.threads is not None:
+            check_int("--threads", args.threads)
         for name in ("shared_experts", "d_shared", "dense_layers", "rounding_tile"):
             check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=0)
         if args.token_rounding and args.ep > 1:

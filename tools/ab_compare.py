@@ -1,9 +1,9 @@
 """The current moeblaze against an earlier commit's, in one process on one GPU (bf16): outputs and every
 gradient compared bitwise, then step times taken in turns (harness.time_interleaved), per config, backend,
-checkpoint policy and precision. Make the baseline first with `bash scripts/make_baseline.sh REV` (it lands in
+checkpoint policy and precision. Make the baseline first with `bash tools/make_baseline.sh REV` (it lands in
 .baseline/moeblaze_base).
 
-    python scripts/ab_compare.py [--configs A,B,C,D,E] [--backends tl,gluon] [--policies preact,recompute]
+    python tools/ab_compare.py [--configs A,B,C,D,E] [--backends tl,gluon] [--policies preact,recompute]
                                  [--precisions native,fp8]
 
 The baseline is called in 0.1's form (moe_experts(..., activation, checkpoint, impl="triton", backend=...,

@@ -1,9 +1,9 @@
 """The figures that matter from an Nsight Compute CSV, one line per launch or per hot instruction.
 
-    ncu --csv --page details ... > details.csv;  python scripts/ncu_summary.py details details.csv
+    ncu --csv --page details ... > details.csv;  python tools/ncu_summary.py details details.csv
         each launch: duration, SM clock, tensor-pipe activity, memory, L2 and DRAM throughput, registers
     ncu --csv --page source --print-source sass --section SourceCounters ... > sass.csv
-    python scripts/ncu_summary.py source sass.csv [--top 25]
+    python tools/ncu_summary.py source sass.csv [--top 25]
         the instructions with the most warp-stall samples, and the samples by opcode
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ memory: a config that spills, or does not compile for the target, shows up befor
 spent. Approximate: launch-time specialisations (strides equal to 1, 16-divisible sizes) are not
 applied, so the real kernels may use a few registers fewer.
 
-    python scripts/compile_check.py [--arch 90] [--kernels up,rows,down_bwd,weight_grad]
+    python tools/compile_check.py [--arch 90] [--kernels up,rows,down_bwd,weight_grad]
 """
 import argparse
 import os

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# An earlier commit's moeblaze, importable beside the current one as `moeblaze_base` (for scripts/ab_compare.py):
-#   bash scripts/make_baseline.sh REV      -> .baseline/moeblaze_base (ignored by git; carry it to the GPU)
+# An earlier commit's moeblaze, importable beside the current one as `moeblaze_base` (for tools/ab_compare.py):
+#   bash tools/make_baseline.sh REV      -> .baseline/moeblaze_base (ignored by git; carry it to the GPU)
 # Its custom ops are renamed to the moeblaze_base:: namespace so both packages can register theirs.
 set -euo pipefail
 rev=${1:?usage: make_baseline.sh REV}

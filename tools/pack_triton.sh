@@ -3,9 +3,9 @@
 # the wheel unpacked, libtriton.so stripped of its debug info, and the parts an NVIDIA Hopper run never
 # loads removed (the AMD backend, the Blackwell ptxas, CUPTI and proton's profiler libraries), then xz.
 # triton 3.9.0 for CPython 3.12: 286 MB wheel -> 54 MB.
-#   usage: bash scripts/pack_triton.sh [VERSION] [PYTHON_VERSION]      (default 3.9.0 3.12)
+#   usage: bash tools/pack_triton.sh [VERSION] [PYTHON_VERSION]      (default 3.9.0 3.12)
 #   output: .whl/triton-VERSION-cpXY-stripped.tar.xz
-# To use it there (scripts/gpu.sh does this when TRITON_TARBALL names the file):
+# To use it there (tools/gpu.sh does this when TRITON_TARBALL names the file):
 #   mkdir -p /tmp/triton-pkg && tar xJf FILE -C /tmp/triton-pkg
 #   export PYTHONPATH=/tmp/triton-pkg:$PYTHONPATH TRITON_BACKENDS_IN_TREE=1 \
 #          TRITON_PTXAS_BLACKWELL_PATH=/tmp/triton-pkg/triton/backends/nvidia/bin/ptxas

@@ -1,17 +1,23 @@
-"""Token rounding's kernels timed alone on one GPU (CUDA events, 30 calls after a warm-up), at configs C and D
+"""Lab notebook, 2026-11-24. Question: which token tile, warp count and radix digit width should token rounding's keys
+and select kernels launch with?
+Answer: the keys kernel at half the index's token tile and the weights kernel at a quarter: at the full tile ptxas
+spills registers (the keys kernel took 240 µs instead of 19 at config C); the settings are in
+moeblaze.routing.rounding.
+
+Token rounding's kernels timed alone on one GPU (CUDA events, 30 calls after a warm-up), at configs C and D
 and E 256 (L, E, K): the keys kernel at tile sizes and warp counts, the select kernel at block sizes, warp counts
 and radix digit widths (each call after a copy that restores the token-choice mask, timed alone too), and
 torch.topk of the same keys for scale. A diagnostic for choosing the launch settings in
 moeblaze.routing.rounding; it prints, it writes no result rows.
 
-    python scripts/rounding_lab.py
+    python benchmarks/lab/rounding_lab.py
 """
 import torch
 
 from moeblaze.launch import launch
 from moeblaze.routing import route_topk
 from moeblaze.routing import triton as rt
-from moeblaze.routing.index import _next_pow2, dense_tile_size
+from moeblaze.routing.index import dense_tile_size
 
 TILE = 128
 KEYS = ((1, 4), (1, 8), (2, 4), (2, 8))  # (tile = dense_tile_size(E) // divisor, warps)
@@ -39,7 +45,7 @@ def keys(logits, idx, block_l, warps):
 
     def call():
         launch(rt.rounding_keys_kernel, (n_tiles,), logits, idx, *out, L, E, K=K, SCORING=0, BLOCK_L=block_l,
-               E_PAD=_next_pow2(E), num_warps=warps)
+               E_PAD=1 << max(0, (E - 1).bit_length()), num_warps=warps)
     return (*out, n_tiles), timed_us(call)
 
 

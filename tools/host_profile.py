@@ -3,7 +3,7 @@ forward (host clock, no synchronization inside the timed loop), then cProfile ov
 with the most time of their own and the most cumulative time; with --pieces, the host µs of each launch of
 the step instead (diagnostic: the host's CPU varies by ±30% between runs).
 
-    python scripts/host_profile.py [--configs A,C] [--top 25] [--pieces] [--precision fp8]"""
+    python tools/host_profile.py [--configs A,C] [--top 25] [--pieces] [--precision fp8]"""
 import argparse
 import cProfile
 import os

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One GPU session: the GPU tests, then the benchmark; everything is written under $OUT (default ./out).
-#   usage: bash scripts/gpu.sh [tests] [dispatch] [layer] [scale] [profile] [ab] [rounding] [quality] [fp8train]
-#          [fp8roof] [fp8lab]
+#   usage: bash tools/gpu.sh [tests] [dispatch] [layer] [scale] [profile] [ab] [rounding] [quality] [fp8train]
+#          [fp8roof]
 #   (default: the first five)
 # Exits non-zero when any step fails (each step still runs). STEP_TIMEOUT=SECONDS bounds each step, so the
 # peers' compile cache below is still written back when one runs long.
-# Peers: with .peers/ (bash ../shared/peers/get-peers.sh) beside the code, SonicMoE and Liger join the run.
-# TRITON_TARBALL=.whl/triton-...-stripped.tar.xz (scripts/pack_triton.sh; carry .whl) runs everything on that triton.
-# ab: scripts/ab_compare.py against .baseline/moeblaze_base (bash scripts/make_baseline.sh REV; carry .baseline),
+# Peers: with .peers/ (SonicMoE's and Liger's wheels, and an activate.sh that puts them on the path) beside the
+# code, SonicMoE and Liger join the run.
+# TRITON_TARBALL=.whl/triton-...-stripped.tar.xz (tools/pack_triton.sh; carry .whl) runs everything on that triton.
+# ab: tools/ab_compare.py against .baseline/moeblaze_base (bash tools/make_baseline.sh REV; carry .baseline),
 #     AB_ARGS passed on (e.g. "--configs D,E --backends auto"). profile: PROFILE_CONFIGS (L,d,h,E,K ...) and
 #     PROFILE_ARGS (e.g. "--precision fp8 --no-compare").
 # SonicMoE's compiled kernels: .peers/quack_cache.tar.xz, where present, seeds its cache before the steps, and
@@ -28,7 +29,7 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export LIGER_FUSED_MOE_AUTOTUNE=${LIGER_FUSED_MOE_AUTOTUNE:-0}
 export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}  # SonicMoE compiles its GEMM configs in this many processes (its default: 8)
 [ -f .peers/activate.sh ] && source .peers/activate.sh
-# TRITON_TARBALL: a triton packed by scripts/pack_triton.sh, used instead of the machine's own
+# TRITON_TARBALL: a triton packed by tools/pack_triton.sh, used instead of the machine's own
 if [ -n "${TRITON_TARBALL:-}" ]; then
   mkdir -p /tmp/triton-pkg && tar xJf "$TRITON_TARBALL" -C /tmp/triton-pkg
   export PYTHONPATH=/tmp/triton-pkg:$PYTHONPATH TRITON_BACKENDS_IN_TREE=1 TRITON_DEFAULT_FP_FUSION=1 \
@@ -51,15 +52,14 @@ for s in $steps; do
     dispatch) $limit python3 -m moeblaze.cli bench --dispatch --out "$OUT" ;;
     layer) $limit python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
     scale) $limit python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
-    rounding) $limit python3 scripts/rounding_bench.py --out "$OUT" ${ROUNDING_ARGS:-} ;;
+    rounding) $limit python3 benchmarks/lab/rounding_bench.py --out "$OUT" ${ROUNDING_ARGS:-} ;;
     quality|fp8train)  # scripts/train_compare.py's routing or fp8 study, its logs packed into one archive
              study=$([ $s = quality ] && echo routing || echo fp8)
              $limit python3 scripts/train_compare.py run --study $study --out "$OUT/$study-training" ${QUALITY_ARGS:-}
              r=$?; tar czf "$OUT/$study-training.tar.gz" -C "$OUT" $study-training && rm -rf "$OUT/$study-training"
              (exit $r) ;;
-    fp8roof) $limit python3 scripts/fp8_roofline.py --out "$OUT" ${FP8ROOF_ARGS:-} ;;
-    fp8lab) $limit python3 scripts/fp8_kernel_lab.py --out "$OUT" ${FP8LAB_ARGS:-} ;;
-    ab) $limit python3 scripts/ab_compare.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" ;;
+    fp8roof) $limit python3 benchmarks/lab/fp8_roofline.py --out "$OUT" ${FP8ROOF_ARGS:-} ;;
+    ab) $limit python3 tools/ab_compare.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" ;;
     profile) for c in ${PROFILE_CONFIGS:-8192,1024,4096,16,2}; do IFS=, read L d h E K <<< "$c"; python3 -m moeblaze.cli profile --kernels --tokens $L --d-model $d --d-expert $h --num-experts $E --top-k $K ${PROFILE_ARGS:-} || exit 1; done 2>&1 | tee "$OUT/profile.log" ;;
     *) echo "unknown step $s"; false ;;
   esac

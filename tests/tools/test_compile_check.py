@@ -1,4 +1,4 @@
-"""scripts/compile_check.py compiles a kernel config for sm_90 on a machine without a GPU (in a child
+"""tools/compile_check.py compiles a kernel config for sm_90 on a machine without a GPU (in a child
 process: this test session runs the kernels under the interpreter, which cannot compile them)."""
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 SNIPPET = """
 import sys, triton
-sys.path.insert(0, "scripts")
+sys.path.insert(0, "tools")
 import compile_check as cc
 kernel = cc.TUNED_KERNELS["rows"]
 cfg = triton.Config({"BLOCK_N": 128, "BLOCK_K": 64, "PERSISTENT": 0}, num_warps=8, num_stages=3)
