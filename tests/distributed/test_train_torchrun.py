@@ -87,3 +87,33 @@ def test_sharded_checkpoint_resumes_at_another_mesh_and_refuses_damage(tmp_path)
                         "-m", "moeblaze.cli", "train", *TINY, *common, "--resume", "--steps", "8"],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert p.returncode != 0 and "corrupted" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_rerun_step_leaves_the_state_of_one_that_never_overflowed(tmp_path):
+    """Capacity dispatch with a capacity too small at the first step (rerun once, grown) against one large enough
+    from the start, with DeepSeek-V3's expert-bias balancing: every step's loss and per-layer load, and so the
+    expert biases that steer the next steps' routing, are those of the run that never overflowed (the discarded
+    pass once added its loads to the counters)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    logs, biases = {}, {}
+    for factor in ("0.25", "8"):
+        log, ck = tmp_path / f"loss-{factor}.jsonl", tmp_path / f"ck-{factor}"
+        out = _run(tmp_path, 2, "--batch-size", "2", "--ep", "2", "--ep-dispatch", "capacity", "--capacity-factor",
+                   factor, "--router", "deepseek-v3", "--num-experts", "8", "--steps", "3", "--eval-every", "100",
+                   "--save", str(ck), "--loss-log", str(log))
+        assert out.count("capacity overflow") == (1 if factor == "0.25" else 0), out
+        logs[factor] = [json.loads(line) for line in open(log) if "grad_norm" in line]
+        dcp_to_torch_save(str(ck), str(tmp_path / f"{factor}.pt"))
+        state = torch.load(tmp_path / f"{factor}.pt", weights_only=False)["model"]
+        biases[factor] = {k: v for k, v in state.items() if k.endswith("expert_bias")}
+    rerun, never = logs["0.25"], logs["8"]
+    assert len(rerun) == len(never) == 3
+    for a, b in zip(rerun, never):
+        assert abs(a["loss"] - b["loss"]) <= TOL * b["loss"], (a, b)
+        assert a["load_max_mean"] == b["load_max_mean"], (a, b)
+    assert biases["8"] and biases["0.25"].keys() == biases["8"].keys()
+    for k, v in biases["8"].items():
+        assert torch.equal(biases["0.25"][k], v), (k, biases["0.25"][k], v)
+        assert v.abs().sum() > 0, k  # the biases did move

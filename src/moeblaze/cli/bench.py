@@ -244,8 +244,9 @@ def check_args(args) -> None:
                              "(--config L,d,h,E,K gives any shape)")
     for c in args.config + ([args.scale_config] if args.scale_config not in CONFIGS else []):
         parts = c.split(",")
-        if len(parts) != 5 or not all(v.isdigit() and int(v) > 0 for v in parts) or int(parts[4]) > int(parts[3]):
-            raise UsageError(f"--config: expected L,d,h,E,K (five positive integers, K <= E), got {c!r}")
+        if (len(parts) != 5 or not all(v.isdigit() for v in parts) or not all(int(v) > 0 for v in parts[1:])
+                or int(parts[4]) > int(parts[3])):
+            raise UsageError(f"--config: expected L,d,h,E,K (integers, d, h, E and K positive, K <= E), got {c!r}")
     for name in (args.impls or "").split(","):
         if name and name not in IMPLS:
             raise UsageError(f"--impls: unknown implementation {name!r}; one of {','.join(IMPLS)}")

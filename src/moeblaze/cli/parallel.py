@@ -99,14 +99,20 @@ def parallelize_model(model, ranks: Ranks, dispatch: str, capacity_factor: float
                        **ep_kwargs)
 
 
-def until_no_overflow(ranks: Ranks | None, fn, log):
+def until_no_overflow(ranks: Ranks | None, fn, log, model=None):
     """fn() once, and again after growing the capacity while any layer overflowed it (capacity dispatch with
-    --on-overflow rerun); fn's result."""
+    --on-overflow rerun); fn's result. A rerun starts from the state the first pass found: every buffer of `model`
+    that a forward updates (the router's expert loads behind the expert-bias update, the layers' load counters)
+    is put back first, so that the step equals one that never overflowed."""
+    tracker = ranks.tracker if ranks is not None else None
+    saved = [(b, b.clone()) for b in model.buffers()] if tracker is not None and model is not None else []
     while True:
         out = fn()
-        tracker = ranks.tracker if ranks is not None else None
         if tracker is None or not tracker.overflowed():
             return out
+        with torch.no_grad():
+            for buf, was in saved:
+                buf.copy_(was)
         old = tracker.capacity
         new = tracker.grow()
         log(f"capacity overflow: a destination needed more than {old} rows; capacity grown to {new}, step rerun")

@@ -205,7 +205,7 @@ def _run(args, cfg, train, val, ranks) -> dict:
     graphed = GraphedStep(lambda x, y: (*train_step(x, y), clip())) if args.cuda_graph else None
 
     def validate() -> float:
-        v = parallel.until_no_overflow(ranks, lambda: evaluate(model, val, args, device, ctx, ranks), log)
+        v = parallel.until_no_overflow(ranks, lambda: evaluate(model, val, args, device, ctx, ranks), log, model)
         if graphed is not None:  # the graph runs no FSDP2 hooks: what evaluation left gathered would go stale
             parallel.reshard(model)
         return v
@@ -232,7 +232,7 @@ def _run(args, cfg, train, val, ranks) -> dict:
         if graphed is not None:
             loss, aux, total, grad_norm = graphed(x, y)
         else:
-            loss, aux, total = parallel.until_no_overflow(ranks, functools.partial(train_step, x, y), log)
+            loss, aux, total = parallel.until_no_overflow(ranks, functools.partial(train_step, x, y), log, model)
             grad_norm = clip()
         opt.step()
         if biased:

@@ -237,7 +237,8 @@ def _backward(dout, x, topk_w, w1, w2, plan: _Plan, recv_x, kept, scale, sched, 
     if not _keeps_rows(recipe):  # "recompute": the rows are sent again
         recv_x = plan.dispatch(plan.send(x))
     dy_recv = plan.dispatch(plan.send(dout.contiguous()))
-    w_rows = in_row_order(topk_w, plan.routing.token_slot, torch.float32)  # router weights in expert order
+    w_rows = in_row_order(topk_w, plan.routing.token_slot, plan.routing.expert_token_idx.shape[0],
+                          torch.float32)  # router weights in expert order
     w_recv = plan.dispatch(plan.in_send_order(w_rows)).view(-1, 1)
     dx_recv, dw1, dw2, ds_recv, _, _ = experts_backward(
         dy_recv, recv_x, w1, w2, w_recv, None, None, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot,

@@ -165,7 +165,7 @@ def bias_grads(plan: RowPlan, dy_LD, dpreact_RF, topk_w_LK, b1_EF, b2_ED, backen
         ones = dpreact_RF.new_ones(1, 1).expand(dy_LD.shape[0], 1)
         db1 = weight_grad(plan, dpreact_RF, ones, b1_EF.new_empty(*b1_EF.shape, 1), False, backend)[..., 0]
     if b2_ED is not None:
-        s_R = in_row_order(topk_w_LK, plan.token_slot_LK, dy_LD.dtype).view(-1, 1)
+        s_R = in_row_order(topk_w_LK, plan.token_slot_LK, plan.num_rows, dy_LD.dtype).view(-1, 1)
         db2 = weight_grad(plan, dy_LD, s_R, b2_ED.new_empty(*b2_ED.shape, 1), True, backend)[..., 0]
         E = b2_ED.shape[0]
         e_LK = plan.pair_expert.long()

@@ -76,11 +76,13 @@ def pair_experts(expert_offsets: torch.Tensor, token_slot: torch.Tensor) -> torc
     return torch.searchsorted(expert_offsets[1:].contiguous(), token_slot.contiguous(), right=True, out_int32=True)
 
 
-def in_row_order(values_LK: torch.Tensor, token_slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(L·K,) values of the pairs (router weights) placed at their rows: out[token_slot[t, k]] = values[t, k]."""
-    out = torch.empty(token_slot.numel(), dtype=dtype, device=values_LK.device)
-    out[token_slot.reshape(-1).long()] = values_LK.reshape(-1).to(dtype)
-    return out
+def in_row_order(values_LK: torch.Tensor, token_slot: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """(rows,) values of the pairs (router weights) placed at their rows: out[token_slot[t, k]] = values[t, k], for
+    an index of `rows` rows (L·K for top-k; a rounded or capacity index may have more rows than pairs, or fewer).
+    A dropped pair (slot >= rows) lands nowhere; rows no pair owns hold zeros. No host sync."""
+    out = torch.zeros(rows + 1, dtype=dtype, device=values_LK.device)
+    out[token_slot.reshape(-1).long().clamp(max=rows)] = values_LK.reshape(-1).to(dtype)
+    return out[:rows]
 
 
 def count_per_expert(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:

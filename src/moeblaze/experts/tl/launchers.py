@@ -114,7 +114,7 @@ def down_bwd(dy_LD, w2_EDH, preact, topk_w_LK, token_slot_LK, dpreact, token_R, 
     itself); returns s·A (R, H) and the router weights' gradient (L, K) without any down-projection bias term."""
     R, (_, D, H) = token_R.shape[0], w2_EDH.shape
     act_scaled = dy_LD.new_empty(R, H)
-    w_sorted = in_row_order(topk_w_LK, token_slot_LK, torch.float32)  # router weights in row order
+    w_sorted = in_row_order(topk_w_LK, token_slot_LK, R, torch.float32)  # router weights in row order
     ds_part = torch.empty(cdiv(H, DS_BLOCK), R, dtype=torch.float32, device=dy_LD.device)
     num_tiles = sched[0].shape[0]
     w2_desc = _desc(w2_EDH.reshape(-1, H) if w2_EDH.is_contiguous() else None)
