@@ -176,12 +176,14 @@ def _quantize_dh(dh_g, dh_u, rows, rmask, c0, H, dq_ptr, dqs_ptr, stride_dq, str
         NG: tl.constexpr = BLOCK_H // FP8_GROUP
         groups = c0 // FP8_GROUP + tl.arange(0, NG)
         smask = rmask[:, None] & (groups * FP8_GROUP < H)[None, :]
-        scale = tl.maximum(_group_amax(dh_g, BLOCK_R, NG, FP8_GROUP), Q_AMAX_FLOOR) * Q_INV_MAX
+        scale = tl.maximum(_group_amax(dh_g, BLOCK_R, NG, FP8_GROUP), Q_AMAX_FLOOR,
+                           propagate_nan=tl.PropagateNan.ALL) * Q_INV_MAX
         _store_scaled(dh_g, _spread(_reciprocal(scale), BLOCK_R, NG, FP8_GROUP), mask, q_rows + cols[None, :], Q_MAX,
                       Q_EMULATE)
         tl.store(s_rows + groups[None, :], scale, mask=smask)
         if GATED:  # up: columns H + j, groups H / 128 on
-            scale = tl.maximum(_group_amax(dh_u, BLOCK_R, NG, FP8_GROUP), Q_AMAX_FLOOR) * Q_INV_MAX
+            scale = tl.maximum(_group_amax(dh_u, BLOCK_R, NG, FP8_GROUP), Q_AMAX_FLOOR,
+                               propagate_nan=tl.PropagateNan.ALL) * Q_INV_MAX
             _store_scaled(dh_u, _spread(_reciprocal(scale), BLOCK_R, NG, FP8_GROUP), mask, q_rows + H + cols[None, :],
                           Q_MAX, Q_EMULATE)
             tl.store(s_rows + H // FP8_GROUP + groups[None, :], scale, mask=smask)

@@ -50,7 +50,7 @@ def _quantize(v, mask, q_ptrs, s_ptrs, smask, AMAX_FLOOR: tl.constexpr, INV_FP8_
               FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
     """Stores q and the scale of each row of v (ROWS, GROUP) fp32, one group per row (masked lanes are 0)."""
     v = tl.where(mask, v, 0.0)
-    scale = tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_FLOOR) * INV_FP8_MAX
+    scale = tl.maximum(_nan_max(tl.abs(v), 1), AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL) * INV_FP8_MAX
     _store_scaled(v, _reciprocal(scale)[:, None], mask, q_ptrs, FP8_MAX, EMULATE)
     tl.store(s_ptrs, scale, mask=smask)
 
@@ -98,7 +98,14 @@ def _rows_kernel(t_ptr, q_ptr, s_ptr, qh_ptr, sh_ptr, R, N, stride_t, stride_q, 
 @triton.jit
 def _group_amax(v, ROWS: tl.constexpr, NG: tl.constexpr, PER: tl.constexpr):
     """|v| (ROWS, NG · PER)'s amax over each run of PER columns: (ROWS, NG) fp32."""
-    return tl.max(tl.reshape(tl.abs(v), (ROWS, NG, PER)), axis=2)
+    return _nan_max(tl.reshape(tl.abs(v), (ROWS, NG, PER)), 2)
+
+
+@triton.jit
+def _nan_max(a, axis: tl.constexpr):
+    """a's max over `axis`, NaN where a NaN is among the values (tl.max drops NaN): a group holding NaN gets a NaN
+    scale, so that NaN reaches the GEMM's output as in native precision and in the reference's emulation."""
+    return tl.where(tl.max((a != a).to(tl.int32), axis=axis) > 0, float("nan"), tl.max(a, axis=axis))
 
 
 @triton.jit
@@ -117,8 +124,9 @@ def _quantize_gate_up(gate, up, mask, q_rows, cols, s_rows, g0, rmask, width, RO
     H's columns); q_rows and s_rows point at the rows (ROWS, 1)."""
     gate = tl.where(mask, gate, 0.0)
     up = tl.where(mask, up, 0.0)
-    amax = tl.maximum(_group_amax(gate, ROWS, NG, PER), _group_amax(up, ROWS, NG, PER))
-    scale = tl.maximum(amax, AMAX_FLOOR) * INV_FP8_MAX
+    amax = tl.maximum(_group_amax(gate, ROWS, NG, PER), _group_amax(up, ROWS, NG, PER),
+                      propagate_nan=tl.PropagateNan.ALL)
+    scale = tl.maximum(amax, AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL) * INV_FP8_MAX
     col_inv = _spread(_reciprocal(scale), ROWS, NG, PER)
     _store_scaled(gate, col_inv, mask, q_rows + 2 * cols[None, :], FP8_MAX, EMULATE)
     _store_scaled(up, col_inv, mask, q_rows + 2 * cols[None, :] + 1, FP8_MAX, EMULATE)
@@ -133,9 +141,17 @@ def _reciprocal(scale):
 
 
 @triton.jit
+def _saturate(y, FP8_MAX: tl.constexpr):
+    """y clamped to ±FP8_MAX, NaN kept (Triton's minimum and maximum drop a NaN operand by default)."""
+    return tl.minimum(tl.maximum(y, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX,
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _store_scaled(v, inv_scale, mask, q_ptrs, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
-    """q = v · inv_scale (the scale's reciprocal), saturated and cast to e4m3 (v and inv_scale of one shape)."""
-    y = tl.minimum(tl.maximum(v * inv_scale, -FP8_MAX), FP8_MAX)
+    """q = v · inv_scale (the scale's reciprocal), saturated and cast to e4m3 (v and inv_scale of one shape); a NaN
+    or infinite value stays NaN (e4m3fn has no infinity), so that it reaches the output as in native precision."""
+    y = _saturate(v * inv_scale, FP8_MAX)
     if EMULATE:
         y = _round_e4m3(y)
     tl.store(q_ptrs, y.to(q_ptrs.dtype.element_ty), mask=mask)
@@ -171,8 +187,8 @@ def _blocks_kernel(w_ptr, q_ptr, s_ptr, N, K, stride_we, stride_wn, stride_qe, s
         k = k.to(tl.int64)
     mask = (n < N)[:, None] & (k < K)[None, :]
     v = tl.load(w_ptr + e * stride_we + (n[:, None] * stride_wn + k[None, :]), mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.max(tl.abs(v), axis=1), axis=0), AMAX_FLOOR) * INV_FP8_MAX
-    y = tl.minimum(tl.maximum(v * _reciprocal(scale), -FP8_MAX), FP8_MAX)
+    scale = tl.maximum(_nan_max(_nan_max(tl.abs(v), 1), 0), AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL) * INV_FP8_MAX
+    y = _saturate(v * _reciprocal(scale), FP8_MAX)
     if EMULATE:
         y = _round_e4m3(y)
     y = y.to(q_ptr.dtype.element_ty)
