@@ -190,3 +190,24 @@ def test_fp8_weight_cache_and_the_dh_pass_quantizer_on_the_gpu(backend):
         assert torch.equal(q[1], want[1]) and torch.equal(q[0].view(torch.uint8), want[0].view(torch.uint8))
 
 
+
+
+@pytest.mark.parametrize("backend", ["tl", "gluon"])
+@pytest.mark.parametrize("checkpoint", ["preact", "preact-fp8", "recompute"])
+def test_fp8_nan_and_inf_reach_the_output_as_in_native_precision(backend, checkpoint):
+    """bf16 on real e4m3: a NaN or Inf in x, or NaN in dy, makes the same rows of out and dx non-finite under
+    precision="fp8" as under native precision (the quantizers' max once dropped NaN)."""
+    _skip_unless(backend)
+    x, w1, w2, idx, w, dy = (t.bfloat16() if t.is_floating_point() else t for t in _layer_problem())
+    x[3, 5], x[900, 0], dy[1500, 2] = float("nan"), float("inf"), float("nan")
+    routing = build_routing_index(idx, w1.shape[0])
+
+    def bad_rows(config):
+        xi = x.clone().requires_grad_()
+        out = moe_experts(xi, routing, w, w1, w2, config=config)
+        out.backward(dy)
+        return [(~torch.isfinite(t)).any(1).nonzero().flatten().tolist() for t in (out, xi.grad)]
+
+    native = bad_rows(ExpertsConfig(backend=backend, checkpoint=checkpoint.replace("preact-fp8", "preact")))
+    assert native[0] == [3, 900]
+    assert bad_rows(ExpertsConfig(backend=backend, precision="fp8", checkpoint=checkpoint)) == native

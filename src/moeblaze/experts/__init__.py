@@ -20,7 +20,7 @@ from ..reference import moe_experts_reference
 from ..routing import RoutingIndex, build_routing_index
 from ..routing.checks import check_expert_inputs, check_topk_weights
 from .dispatch import choose, launch_counts
-from .fp8 import check_fp8_supported
+from .fp8 import check_fp8_supported, clear_weight_cache
 from .op import Recipe, fused_experts
 
 def check_kernel_dtype(x: torch.Tensor) -> None:
@@ -85,4 +85,4 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     return fused_experts(x, w1, w2, topk_weights, b1, b2, routing, recipe)
 
 
-__all__ = ["ExpertsConfig", "check_kernel_dtype", "launch_counts", "moe_experts", "recipe_key"]
+__all__ = ["ExpertsConfig", "check_kernel_dtype", "clear_weight_cache", "launch_counts", "moe_experts", "recipe_key"]

@@ -27,7 +27,8 @@ the step. With ExpertsConfig(fp8_weight_cache=True) each weight is quantized onc
 (quant.quantize_blocks(both=True)), and the pair is kept (E·(F·D + D·H) · 2 bytes and their scales, per layer)
 until the weight changes: its version counter moves on with every in-place update (an optimizer step; FSDP2's
 all-gather into it), so forward and backward of a micro-batch, and every micro-batch of an accumulated step,
-share one quantization, and no copy can go stale (weight_pair). On CUDA it needs fp8 tensor cores (sm_89 or
+share one quantization (weight_pair). A write that bypasses the version counter (through `.data`) is not seen:
+clear_weight_cache says which, and forgets the copies. On CUDA it needs fp8 tensor cores (sm_89 or
 later).
 """
 from __future__ import annotations
@@ -72,6 +73,18 @@ def _signature(w: torch.Tensor) -> tuple:
     """What a cached pair must still match: the storage, the view, and the version counter (moved on by every
     in-place write, autograd's own check that a saved tensor is unchanged)."""
     return w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w._version
+
+
+def clear_weight_cache(weight: torch.Tensor | None = None) -> None:
+    """Forget the e4m3 copies of `weight` (default: of every weight), so that the next use quantizes it again. The
+    cache sees every write that moves the weight's version counter: in-place ops on it or on a view of it, an
+    optimizer step, load_state_dict, FSDP2's all-gather. It can't see writes that bypass the counter: through
+    `weight.data` (`param.data.copy_(...)`, as some loaders and EMA code write), `set_`, or a kernel or collective
+    writing the storage outside autograd; after such a write, call this."""
+    if weight is None:
+        _PAIRS.clear()
+    else:
+        _PAIRS.pop(id(weight), None)
 
 
 def weight_pair(w_ENK: torch.Tensor) -> tuple:
