@@ -18,6 +18,7 @@ import moeblaze.experts
 from moeblaze import ExpertsConfig, ModelConfig, MoELayer, TopKRouter, build_routing_index, moe_experts
 from moeblaze.distributed import ep_experts
 from moeblaze.routing import round_to_index
+from moeblaze.routing.rounding import round_tokens
 from moeblaze.cli import main
 from moeblaze.cli.checkpoint import load_checkpoint
 
@@ -84,6 +85,17 @@ CASES = [
     ("moe_experts(x.bfloat16(), routing, w, w1.bfloat16(), w2.bfloat16(), config=ExpertsConfig(backend='triton'))",
      TypeError),
     ("ExpertsConfig(fp8_weight_cache=True)", ValueError),
+    ("MoELayer(16, 32, 4, 2, router='deepseek')", ValueError),
+    ("MoELayer(16, 32, 4, 2, router=['sigmoid_topk'])", TypeError),
+    ("MoELayer(16, 32, 8, 2, scoring='softmax_topk', router='deepseek-v3')", ValueError),
+    ("MoELayer(16, 32, 4, 2, shared_gate=True)", ValueError),
+    ("MoELayer(16, 32, 4, 2, d_shared=8)", ValueError),
+    ("MoELayer(16, 32, 4, 2, shared_experts=1, shared_gate='no')", TypeError),
+    ("ModelConfig(shared_gate=True)", ValueError),
+    ("layer.router(x[:, :8])", ValueError),
+    ("layer.router(x[None])", ValueError),
+    ("layer.router(x, seq_len=0)", ValueError),
+    ("layer.router(x, seq_len=4)  # 6 tokens", ValueError),
     ("MoELayer(16, 32, 4, 2, experts=ExpertsConfig(), activation='gelu')", TypeError),
     ("configure(None)", TypeError),
     ("configure(torch.nn.Linear(4, 4))", ValueError),
@@ -97,6 +109,14 @@ CASES = [
     ("round_to_index(logits, idx, w[:, :1], 16, max_experts=2, max_rows=40)", ValueError),
     ("round_to_index(logits, idx, w, 16, max_experts=1, max_rows=40)", ValueError),
     ("round_to_index(logits, idx + 2, w, 16, max_experts=2, max_rows=40)", ValueError),
+    ("round_to_index(logits, idx, w, 16, route_scale=float('nan'))", ValueError),
+    ("round_to_index(logits, idx, w, 16, route_scale=-1.0)", ValueError),
+    ("round_to_index(logits, idx, w, 16, renormalize='yes')", TypeError),
+    ("round_to_index(logits, idx[:, [0, 0]], w, 16)", ValueError),
+    ("round_to_index(logits, idx, w * float('nan'), 16)", ValueError),
+    ("round_to_index(logits * float('inf'), idx, w, 16)", ValueError),
+    ("round_tokens(logits, idx + 2, w, 16)", ValueError),
+    ("round_tokens(logits, idx[:, [0, 0]], w, 16)", ValueError),
     ("ep_experts(x, idx, w, w1, w2, dispatch='alltoall')", ValueError),
     ("ep_experts(x, idx, w, w1, w2, dispatch='capacity', on_overflow='ignore')", ValueError),
     ("load_checkpoint(damaged)", ValueError),
@@ -189,7 +209,8 @@ def outcome(call: str, tmp: str) -> tuple[type, str]:
         f.write(b"moeblaze-checkpoint 1 " + b"0" * 64 + b"\npayload")
     names = dict(torch=torch, MoELayer=MoELayer, TopKRouter=TopKRouter, ModelConfig=ModelConfig,
                  build_routing_index=build_routing_index, moe_experts=moe_experts, ep_experts=ep_experts,
-                 load_checkpoint=load_checkpoint, round_to_index=round_to_index, logits=torch.randn(6, 4),
+                 load_checkpoint=load_checkpoint, round_to_index=round_to_index, round_tokens=round_tokens,
+                 logits=torch.randn(6, 4),
                  x=x, idx=idx, routing=build_routing_index(idx, 4), w=torch.rand(6, 2), w1=w1, w2=w2,
                  layer=MoELayer(16, 32, 4, 2), damaged=damaged, ExpertsConfig=ExpertsConfig, configure=_configure)
     interpret = moeblaze.config.INTERPRET

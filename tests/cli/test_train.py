@@ -47,10 +47,37 @@ def test_resume_continues_from_the_saved_step(tmp_path, capsys):
     assert "resumed from" in capsys.readouterr().out and res["step"] == 30
 
 
-def test_resume_rejects_a_different_model(tmp_path):
+def test_resume_rejects_a_different_model_naming_what_differs(tmp_path):
     train.run(args_for(tmp_path, steps=15))
-    with pytest.raises(SystemExit, match="differs"):
+    with pytest.raises(SystemExit, match=r"another model: d_model \(checkpoint 32, flags 64\)$"):
         train.run(args_for(tmp_path, steps=30, resume=True, d_model=64))
+
+
+def test_resume_goes_on_under_other_execution_choices(tmp_path, capsys):
+    """The checkpoint policy, the kernels and token rounding say how a run computes, not what its model is: a run
+    resumes under other values of them."""
+    train.run(args_for(tmp_path, steps=10))
+    res = train.run(args_for(tmp_path, steps=14, resume=True, checkpoint_policy="recompute", token_rounding="up",
+                             rounding_tile=8))
+    assert res["step"] == 14 and "resumed from" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda ck: ck["config"].update(no_such_field=1), "config is not one this version reads"),
+    (lambda ck: ck.pop("optimizer"), "lacks optimizer"),
+    (lambda ck: ck.update(step=-3), "step is -3"),
+    (lambda ck: ck["model"].update({"tok_emb.weight": torch.zeros(3, 3)}), "model does not fit"),
+])
+def test_resume_refuses_foreign_content_in_one_line(tmp_path, capsys, change, message):
+    """A checksummed file whose content this version did not write: refused by name, exit 2, nothing trained."""
+    path = str(tmp_path / "ck.pt")
+    assert main(["train", *TINY, "--save", path]) == 0
+    ck = load_checkpoint(path)
+    change(ck)
+    save_checkpoint(path, ck)
+    assert main(["train", *TINY, "--steps", "8", "--save", path, "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and err[-1].startswith("moeblaze train: error: --resume:"), err
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):

@@ -258,3 +258,14 @@ def test_compiled_model_matches_eager():
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)(ids).logits  # no graph break
         assert rel_err(compiled, eager) <= TOL
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_a_negative_expert_id_is_refused_by_name(impl):
+    """An id of -1 reached the kernels as an index error deep inside; transformers' eager experts refuse it too.
+    Now a ValueError that names the ids' range (a device-side assert on a GPU)."""
+    experts = build("qwen3_moe").model.layers[0].mlp.experts
+    mbt.configure(experts, ExpertsConfig(backend=impl))
+    idx = torch.tensor([[0, 1], [2, -1], [3, 4]])
+    with pytest.raises(ValueError, match=r"expert id is negative: the ids must be in \[0, 6\)"):
+        mbt.experts_forward(experts, torch.randn(3, 32), idx, torch.rand(3, 2))

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import ROUTERS, update_expert_biases
-from . import parallel
+from . import UsageError, parallel
 from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, save_checkpoint, save_sharded,
                          sharded_checkpoint_path)
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
@@ -79,11 +79,50 @@ def _train_state(model, opt, step: int, gen, cfg, sharded: bool):
                                                       "config": json.dumps(cfg.to_dict(), sort_keys=True)}}
 
 
-def _same_config(saved: dict, cfg: ModelConfig) -> None:
-    """SystemExit unless a checkpoint's config is the flags' (fields added since it was saved: their defaults)."""
-    saved = ModelConfig.from_dict(saved).to_dict()
-    if saved != cfg.to_dict():
-        raise SystemExit(f"--resume: checkpoint config {saved} differs from the flags {cfg.to_dict()}")
+# How a run computes, not what its model is: a checkpoint resumes under other values of these.
+EXECUTION = {"token_rounding", "rounding_tile"}
+EXECUTION_EXPERTS = {"checkpoint", "backend", "precision", "fp8_weight_cache", "chunk_tokens", "index_method"}
+
+
+def _meaning(d: dict) -> dict:
+    """A config's fields that make the model what it is (its shape, routing and activation)."""
+    out = {k: v for k, v in d.items() if k not in EXECUTION and k != "experts"}
+    out.update({f"experts.{k}": v for k, v in d["experts"].items() if k not in EXECUTION_EXPERTS})
+    return out
+
+
+def _same_config(saved, cfg: ModelConfig) -> None:
+    """UsageError unless the checkpoint's model is the flags' (fields added since it was saved: their defaults;
+    execution choices such as the kernels, the checkpoint policy or token rounding may differ); it names the
+    fields that differ."""
+    try:
+        saved = ModelConfig.from_dict(saved).to_dict()
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise UsageError(f"--resume: the checkpoint's config is not one this version reads ({e})") from None
+    old, new = _meaning(saved), _meaning(cfg.to_dict())
+    differ = [f"{k} (checkpoint {old.get(k)!r}, flags {new.get(k)!r})" for k in sorted(set(old) | set(new))
+              if old.get(k) != new.get(k)]
+    if differ:
+        raise UsageError(f"--resume: the checkpoint is of another model: {'; '.join(differ)}")
+
+
+def _check_single_file(ck) -> None:
+    """UsageError unless a checksummed checkpoint holds what this version writes."""
+    missing = [k for k in ("model", "optimizer", "step", "generator", "config")
+               if not isinstance(ck, dict) or k not in ck]
+    if missing:
+        raise UsageError(f"--resume: the checkpoint lacks {', '.join(missing)}: not a moeblaze train checkpoint")
+    if isinstance(ck["step"], bool) or not isinstance(ck["step"], int) or ck["step"] < 0:
+        raise UsageError(f"--resume: the checkpoint's step is {ck['step']!r}, not a step count")
+
+
+def _load_or_refuse(what: str, load) -> None:
+    """load(), with a state that does not fit the model refused in one line (a tensor of another shape, a missing
+    or extra entry)."""
+    try:
+        load()
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise UsageError(f"--resume: the checkpoint's {what} does not fit: {str(e).splitlines()[0][:300]}") from None
 
 
 def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
@@ -93,21 +132,25 @@ def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
             ck = load_checkpoint(args.save, map_location=device)
         except CheckpointError as e:
             raise SystemExit(f"--resume: {e}") from None
+        _check_single_file(ck)
         _same_config(ck["config"], cfg)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
+        _load_or_refuse("model", lambda: model.load_state_dict(ck["model"]))
+        _load_or_refuse("optimizer state", lambda: opt.load_state_dict(ck["optimizer"]))
         gen.set_state(ck["generator"].cpu())
         return ck["step"]
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _train_state(model, opt, 0, gen, cfg, True)
     state["train"]["config"] = ""
-    try:
-        load_sharded(sharded_checkpoint_path(args.save), state, ranks.rank if ranks else 0)
+    folder, rank = sharded_checkpoint_path(args.save), ranks.rank if ranks else 0
+    try:  # the config first, alone: a checkpoint of another shape is refused by name before any tensor is read
+        load_sharded(folder, {"train": state["train"]}, rank)
+        _same_config(json.loads(state["train"]["config"]), cfg)
+        load_sharded(folder, state, rank)
     except CheckpointError as e:
         raise SystemExit(f"--resume: {e}") from None
-    _same_config(json.loads(state["train"]["config"]), cfg)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    _load_or_refuse("state", lambda: set_state_dict(model, opt, model_state_dict=state["model"],
+                                                    optim_state_dict=state["optimizer"]))
     gen.set_state(state["train"]["generator"].cpu())
     return int(state["train"]["step"])
 

@@ -12,7 +12,8 @@ moe_experts' w1 and w2 as they are; transposed ones (gpt-oss: gate_up_proj (E, H
 read through transposed views; biases are b1 and b2. Never copied (except by autocast's cast). gpt-oss's gate
 (GptOssExperts._apply_gate) is moeblaze's clamped SwiGLU over interleaved gate/up columns. Expert ids >=
 module.num_experts (transformers' expert-parallel sentinels) are dropped pairs of the routing index: skipped,
-whatever their weight.
+whatever their weight; a negative id is an error (a device-side assert on a GPU), as in transformers' eager
+experts.
 
 What moeblaze can't compute (any other custom `_apply_gate`, a post-expert norm, an activation without a kernel
 such as tanh-GELU, interleaved columns under the default gate) runs on transformers' own `grouped_mm`
@@ -36,6 +37,7 @@ from ..experts import moe_experts
 from ..recipe import DEFAULT, ExpertsConfig, from_legacy
 from ..reference import CLAMP_ALPHA, CLAMP_LIMIT
 from ..routing import build_routing_index
+from ..routing.checks import fail_if
 
 MIN_VERSION = "5.0"
 NAME = "moeblaze"
@@ -181,6 +183,9 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
         x = x.to(dtype)
     w1, w2, b1, b2 = _weights(module, dtype)
     config = _with_activation(getattr(module, "moeblaze_config", DEFAULT), activation)
+    # ids >= num_experts are expert parallelism's sentinels (skipped); a negative one is refused, as eager does
+    fail_if((top_k_index < 0).any(), f"an expert id is negative: the ids must be in [0, {module.num_experts}), or "
+            f">= {module.num_experts} for pairs another rank's experts take (skipped)")
     routing = build_routing_index(top_k_index, module.num_experts, config.index_method, check=False, sentinels=True)
     out = moe_experts(x, routing, top_k_weights, w1, w2, b1, b2, config=config, interleaved=interleaved, check=False)
     return out.to(hidden_states.dtype)

@@ -57,6 +57,9 @@ class ModelConfig:
         for name in ("shared_experts", "d_shared", "dense_layers", "rounding_tile"):
             check_int(name, getattr(self, name), minimum=0)
         check_bool("shared_gate", self.shared_gate)
+        if not self.shared_experts and (self.shared_gate or self.d_shared):
+            raise ValueError(f"{'shared_gate' if self.shared_gate else 'd_shared'} configures shared experts, but "
+                             "shared_experts is 0")
         if self.dense_layers > self.n_layers:
             raise ValueError(f"dense_layers must be <= n_layers ({self.n_layers}), got {self.dense_layers}")
         check_choice("router", self.router, tuple(ROUTERS))

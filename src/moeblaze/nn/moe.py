@@ -16,12 +16,12 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from ..args import check_choice, check_int
+from ..args import check_bool, check_choice, check_int
 from ..experts import moe_experts
 from ..experts.schedule import BLOCK_M
 from ..recipe import DEFAULT, ExpertsConfig, from_legacy
 from ..reference import up_width
-from ..routing import RULES, TopKRouter, build_routing_index, round_to_index
+from ..routing import ROUTERS, RULES, TopKRouter, build_routing_index, round_to_index
 from ..routing.index import count_per_expert
 from ..routing.rounding import default_max_experts, rounded_rows_bound
 from ..routing.checks import fail_if
@@ -133,8 +133,8 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
-                 experts: ExpertsConfig = DEFAULT, scoring: str = "softmax_topk", renormalize: bool = True,
-                 router: dict | None = None, shared_experts: int = 0, d_shared: int | None = None,
+                 experts: ExpertsConfig = DEFAULT, scoring: str | None = None, renormalize: bool | None = None,
+                 router: dict | str | None = None, shared_experts: int = 0, d_shared: int | None = None,
                  shared_gate: bool = False, token_rounding: str | None = None, rounding_tile: int | None = None,
                  rounding_max_experts: int | None = None, device=None, dtype=None, **legacy):
         super().__init__()
@@ -143,8 +143,8 @@ class MoELayer(nn.Module):
             check_int(name, value)
         experts = from_legacy("MoELayer", experts, legacy)
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
-        self.router = TopKRouter(d_model, num_experts, top_k, **{"scoring": scoring, "renormalize": renormalize,
-                                                                 **(router or {})}, device=device)
+        self.router = TopKRouter(d_model, num_experts, top_k, **_router_options(router, scoring, renormalize),
+                                 device=device)
         self.experts = Experts(d_model, d_expert, num_experts, config=experts, device=device, dtype=dtype)
         if token_rounding is not None:
             check_choice("token_rounding", token_rounding, RULES)
@@ -153,6 +153,10 @@ class MoELayer(nn.Module):
         self.rounding_max_experts = (check_int("rounding_max_experts", rounding_max_experts, minimum=top_k)
                                      if rounding_max_experts is not None else default_max_experts(num_experts, top_k))
         check_int("shared_experts", shared_experts, minimum=0)
+        check_bool("shared_gate", shared_gate)
+        if not shared_experts and (shared_gate or d_shared is not None):
+            raise ValueError(f"{'shared_gate=True' if shared_gate else f'd_shared={d_shared}'} configures shared "
+                             "experts, but shared_experts is 0")
         self.shared = None
         if shared_experts:
             self.shared = SharedExperts(d_model, d_shared or d_expert, shared_experts, config=experts,
@@ -208,6 +212,25 @@ class MoELayer(nn.Module):
     def extra_repr(self) -> str:
         rounding = f", token_rounding={self.token_rounding} (tile {self.rounding_tile})" if self.token_rounding else ""
         return f"top_k={self.top_k}{rounding}"
+
+
+def _router_options(router: dict | str | None, scoring: str | None, renormalize: bool | None) -> dict:
+    """TopKRouter's options: a family's set by name (moeblaze.routing.ROUTERS) or a dict, with scoring and
+    renormalize given beside it only where the set does not say them otherwise."""
+    if isinstance(router, str):
+        check_choice("router", router, tuple(ROUTERS))
+        router = ROUTERS[router]
+    if router is not None and not isinstance(router, dict):
+        raise TypeError(f"router must be a family's name (moeblaze.routing.ROUTERS) or a dict of TopKRouter options, "
+                        f"got {type(router).__name__}")
+    options = dict(router or {})
+    for name, value in (("scoring", scoring), ("renormalize", renormalize)):
+        if value is None:
+            continue
+        if name in options and options[name] != value:
+            raise ValueError(f"{name}={value!r} contradicts the router's {name}={options[name]!r}: give it once")
+        options[name] = value
+    return options
 
 
 def _earlier_expert_keys(state_dict, prefix, *_args) -> None:

@@ -34,14 +34,15 @@ Memory: (L, E) scores and masks, transient (as the router's own (L, E) logits).
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import NamedTuple
 
 import torch
 
-from ..args import check_choice, check_int
+from ..args import check_bool, check_choice, check_int
 from ..config import INTERPRET
-from .checks import check_topk_idx, check_topk_weights
+from .checks import check_topk_idx, check_topk_weights, fail_if
 from .router import SCORINGS
 
 RULES = ("nr-f", "up", "down")
@@ -75,11 +76,16 @@ def _scores(logits_LE: torch.Tensor, scoring: str) -> torch.Tensor:
     return logits_LE.sigmoid() if scoring == "sigmoid_topk" else logits_LE.softmax(dim=-1)
 
 
-def _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, max_experts, stacklevel: int,
-           check_values: bool = False) -> None:
-    """The arguments every rounding checks (shapes and types; with check_values, the ids and weights too, as
+def _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale, max_experts,
+           stacklevel: int, check_values: bool = True) -> None:
+    """The arguments every rounding entry point checks, one validator for the three (shapes, types and options;
+    with check_values, the ids (in range, no expert twice in a token), the weights and the logits (finite) too, as
     device-side asserts on a GPU), and the warning below two tiles of tokens per expert."""
     check_choice("scoring", scoring, SCORINGS)
+    check_bool("renormalize", renormalize)
+    if isinstance(route_scale, bool) or not isinstance(route_scale, (int, float)) or not math.isfinite(route_scale) \
+            or route_scale <= 0:
+        raise ValueError(f"route_scale must be a positive finite number, got {route_scale!r}")
     check_choice("rule", rule, RULES)
     check_int("tile", tile)
     if not isinstance(logits_LE, torch.Tensor) or not logits_LE.is_floating_point():
@@ -89,6 +95,8 @@ def _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, max_exp
     L, E = logits_LE.shape
     check_topk_idx(topk_idx_LK, E, check_values)
     check_topk_weights(topk_weights_LK, topk_idx_LK, check_values)
+    if check_values and logits_LE.numel():
+        fail_if(~torch.isfinite(logits_LE).all(), "token rounding: the logits hold NaN or Inf")
     if topk_idx_LK.shape[0] != L or topk_idx_LK.device != logits_LE.device:
         raise ValueError(f"topk_idx {tuple(topk_idx_LK.shape)} on {topk_idx_LK.device} must route the logits' "
                          f"{L} tokens on {logits_LE.device}")
@@ -178,7 +186,8 @@ def round_tokens(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weight
     """The token-rounded routing of a token-choice top-k (topk_idx, topk_weights from `logits` by the same
     scoring, renormalize and route_scale; see moeblaze.routing.route_topk); at most max_experts experts per token
     where given (see the module header)."""
-    _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, max_experts, stacklevel=3)
+    _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale, max_experts,
+           stacklevel=3)
     return _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
                   _keep_by_sort, max_experts)
 
@@ -188,7 +197,8 @@ def round_tokens_fast(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w
                       route_scale: float = 1.0, max_experts: int | None = None) -> RoundedRouting:
     """round_tokens's result through two column-wise top-(tile − 1) selections instead of a sort (see the module
     header)."""
-    _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, max_experts, stacklevel=3)
+    _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale, max_experts,
+           stacklevel=3)
     return _round(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale,
                   functools.partial(_keep_by_topk, k=tile - 1), max_experts)
 
@@ -311,8 +321,8 @@ def round_to_index(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weig
     tiles are a half (keys) and a quarter (weights) of the index's: at the full tile ptxas spills registers (the
     keys kernel took 240 µs instead of 19 at config C, benchmarks/lab/rounding_lab.py). check=False skips the checks
     of the ids' and weights' values (a router's own output, as MoELayer passes it)."""
-    _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, max_experts, stacklevel=3,
-           check_values=check)
+    _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale, max_experts,
+           stacklevel=3, check_values=check)
     (L, E), K = logits_LE.shape, topk_idx_LK.shape[1]
     if max_experts is None:
         max_experts = default_max_experts(E, K)

@@ -221,6 +221,14 @@ class TopKRouter(nn.Module):
     def forward(self, x_LD: torch.Tensor, seq_len: int | None = None) -> RouterOutput:
         """seq_len: tokens per sequence (x's rows are whole sequences, one after another); the "sequence" loss
         needs it."""
+        D = self.weight.shape[1]
+        if not isinstance(x_LD, torch.Tensor) or x_LD.dim() != 2 or x_LD.shape[1] != D or not x_LD.is_floating_point():
+            raise ValueError(f"the router takes x of shape (L, {D}), float, got "
+                             f"{tuple(x_LD.shape) if isinstance(x_LD, torch.Tensor) else type(x_LD).__name__}"
+                             + (f" {x_LD.dtype}" if isinstance(x_LD, torch.Tensor) else ""))
+        if seq_len is not None and (x_LD.shape[0] or seq_len):  # an empty batch of any shape: (B, 0, D) too
+            if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1 or x_LD.shape[0] % seq_len:
+                raise ValueError(f"seq_len must be a positive int dividing the {x_LD.shape[0]} tokens, got {seq_len!r}")
         logits_LE = router_logits(x_LD, self.weight)
         if self.bias is not None:
             logits_LE = logits_LE + self.bias.float()
