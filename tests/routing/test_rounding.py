@@ -350,3 +350,20 @@ def test_rounded_layer_backward_where_the_row_bound_passes_the_table(poison_allo
     for g, r, w in zip(got, ref, want):
         assert torch.isfinite(g).all()
         assert rel_err(g, w) <= 2 * rel_err(r, w) + 1e-6, (rel_err(g, w), rel_err(r, w))
+
+
+@pytest.mark.parametrize("L,rule,tile,says", [(12, "up", 16, "every pair is dropped"),
+                                              (16, "nr-f", 64, "most pairs (all, where every expert is below it)"),
+                                              (48, "nr-f", 16, "changes the routing a lot")])
+def test_rounding_on_a_small_batch_says_what_it_drops(L, rule, tile, says):
+    """Fewer than half a tile of pairs per expert (nr-f), or fewer tokens than a tile (up): the rounding drops most
+    or all pairs; the warning says so, and the layer's output is then what was kept (zero where all were dropped)."""
+    from moeblaze import MoELayer
+
+    torch.manual_seed(0)
+    layer = MoELayer(16, 8, 4, 2, token_rounding=rule, rounding_tile=tile)
+    with pytest.warns(UserWarning, match="token rounding with") as caught:
+        out, _, _ = layer(torch.randn(L, 16))
+    assert says in str(caught[0].message)
+    if says == "every pair is dropped":
+        assert not out.any()

@@ -104,9 +104,18 @@ def _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renorma
     if max_experts is not None and check_int("max_experts", max_experts) < K:
         raise ValueError(f"max_experts must be at least top_k ({K}), got {max_experts}")
     if L * K < 2 * tile * E:
-        warnings.warn(f"token rounding with {L * K / E:.0f} tokens per expert on average, fewer than 2 tiles of "
-                      f"{tile}: rounding moves each expert by up to a tile, which changes the routing a lot here "
-                      "(SonicMoE measured worse quality at 1 tile)", stacklevel=stacklevel)
+        avg = L * K / E
+        if rule == "up" and L < tile:  # an expert can't hold a tile of distinct tokens: each rounds down to 0
+            what = (f"with {L} tokens no expert can fill a tile, so every expert rounds down to 0 and every pair is "
+                    "dropped: the layer computes nothing")
+        elif (rule == "nr-f" and avg < tile / 2) or (rule == "down" and avg < tile):
+            what = (f"an expert with fewer than {tile // 2 if rule == 'nr-f' else tile} pairs rounds down to 0, so at "
+                    "this average most pairs (all, where every expert is below it) are dropped")
+        else:
+            what = "rounding moves each expert by up to a tile, which changes the routing a lot here"
+        warnings.warn(f"token rounding with {avg:.0f} tokens per expert on average, fewer than 2 tiles of {tile}: "
+                      f"{what} (SonicMoE measured worse quality at 1 tile; a smaller tile or a larger batch keeps "
+                      "more)", stacklevel=stacklevel)
 
 
 def _describe(t) -> str:
