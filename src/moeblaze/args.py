@@ -3,6 +3,7 @@ argument and the value it got, and raises at construction (never later, deep ins
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 
@@ -19,6 +20,13 @@ def check_choice(name: str, value, choices: tuple) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     return value
+
+
+def check_positive(name: str, value) -> float:
+    """A positive finite real number (bool excluded): ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
 
 
 def check_bool(name: str, value) -> bool:

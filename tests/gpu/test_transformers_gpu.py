@@ -66,22 +66,18 @@ def _step(model, implementation, ids):
     return out.logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
-@pytest.mark.parametrize("name", list(real_width_configs()))
-def test_real_widths_bf16_against_fp32_eager(name, checkpoint):
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        ref_model = transformers.AutoModelForCausalLM.from_config(real_width_configs()[name],
-                                                                   experts_implementation="eager")
-    ids = torch.randint(0, 1024, (2, 128), device="cuda")
-    ref_logits, ref_grads = _step(ref_model, "eager", ids)
+def _kernels_within_bound(ref_model, implementation: str, kernels: ExpertsConfig, ids) -> None:
+    """ref_model (fp32) on `implementation` is the reference; its bf16 copy on `implementation` sets the bound
+    (FACTOR times that copy's error, plus FLOOR); the same bf16 copy on moeblaze's kernels with the recipe `kernels`:
+    logits and every gradient within the bound."""
+    ref_logits, ref_grads = _step(ref_model, implementation, ids)
     model = copy.deepcopy(ref_model).to(torch.bfloat16)
     ref_model.zero_grad(set_to_none=True)
-    eager_logits, eager_grads = _step(model, "eager", ids)
-    bound = {n: FACTOR * _rel(g, ref_grads[n]) + FLOOR for n, g in eager_grads.items()}
-    bound["logits"] = FACTOR * _rel(eager_logits, ref_logits) + FLOOR
-    del eager_grads
-    mbt.configure(model, ExpertsConfig(checkpoint=checkpoint, backend="triton"))
+    base_logits, base_grads = _step(model, implementation, ids)
+    bound = {n: FACTOR * _rel(g, ref_grads[n]) + FLOOR for n, g in base_grads.items()}
+    bound["logits"] = FACTOR * _rel(base_logits, ref_logits) + FLOOR
+    del base_grads
+    mbt.configure(model, kernels)
     launch_counts.clear()
     logits, grads = _step(model, "moeblaze", ids)
     assert launch_counts, "the moeblaze kernels never ran"
@@ -91,7 +87,21 @@ def test_real_widths_bf16_against_fp32_eager(name, checkpoint):
     assert all(torch.isfinite(g).all() for g in grads.values())
     bad = {n: (errs[n], bound[n]) for n in errs if not errs[n] <= bound[n]}
     assert not bad, bad
-    del model, ref_model, grads, ref_grads
+
+
+def _real_width_model(name: str):
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return transformers.AutoModelForCausalLM.from_config(real_width_configs()[name], experts_implementation="eager")
+
+
+@pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
+@pytest.mark.parametrize("name", list(real_width_configs()))
+def test_real_widths_bf16_against_fp32_eager(name, checkpoint):
+    ref_model = _real_width_model(name)
+    ids = torch.randint(0, 1024, (2, 128), device="cuda")
+    _kernels_within_bound(ref_model, "eager", ExpertsConfig(checkpoint=checkpoint, backend="triton"), ids)
+    del ref_model
     torch.cuda.empty_cache()
 
 
@@ -101,27 +111,8 @@ def test_gpt_oss_fp8_at_real_widths_against_the_emulation(checkpoint):
     same recipe in fp32: logits and every gradient within FACTOR times the bf16 emulation's own error."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs sm_89+")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        ref_model = transformers.AutoModelForCausalLM.from_config(real_width_configs()["gpt_oss"],
-                                                                   experts_implementation="eager")
+    ref_model = _real_width_model("gpt_oss")
     ids = torch.randint(0, 1024, (2, 128), device="cuda")
     fp8 = ExpertsConfig(precision="fp8", checkpoint=checkpoint)
     mbt.configure(ref_model, fp8.replace(backend="reference"))
-    ref_logits, ref_grads = _step(ref_model, "moeblaze", ids)
-    model = copy.deepcopy(ref_model).to(torch.bfloat16)
-    ref_model.zero_grad(set_to_none=True)
-    emu_logits, emu_grads = _step(model, "moeblaze", ids)
-    bound = {n: FACTOR * _rel(g, ref_grads[n]) + FLOOR for n, g in emu_grads.items()}
-    bound["logits"] = FACTOR * _rel(emu_logits, ref_logits) + FLOOR
-    del emu_grads
-    mbt.configure(model, fp8.replace(backend="triton"))
-    launch_counts.clear()
-    logits, grads = _step(model, "moeblaze", ids)
-    assert launch_counts, "the moeblaze kernels never ran"
-    assert grads.keys() == ref_grads.keys()
-    errs = {n: _rel(g, ref_grads[n]) for n, g in grads.items()}
-    errs["logits"] = _rel(logits, ref_logits)
-    assert all(torch.isfinite(g).all() for g in grads.values())
-    bad = {n: (errs[n], bound[n]) for n in errs if not errs[n] <= bound[n]}
-    assert not bad, bad
+    _kernels_within_bound(ref_model, "moeblaze", fp8.replace(backend="triton"), ids)

@@ -10,6 +10,14 @@ class UsageError(SystemExit):
     on one line and returns 2, as argparse does."""
 
 
+def check_device(device: str) -> None:
+    """UsageError for --device cuda where no CUDA device is available (every command's first check)."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """Every flag's help ends with its default, unless the help already says it."""
 

@@ -20,7 +20,7 @@ from ..bench.harness import (CONFIGS, IMPLS, available_impls, make_problem, prep
                              time_interleaved)
 from ..bench.hf import BACKENDS as HF_BACKENDS
 from ..experts import launch_counts
-from . import UsageError
+from . import UsageError, check_device
 from .report import slug
 
 
@@ -236,8 +236,7 @@ def _configs(args):
 
 def check_args(args) -> None:
     """UsageError naming the flag, before any work: the device, the configs, the implementations, the counts."""
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
+    check_device(args.device)
     for name in (args.configs or "").split(","):
         if name and name not in CONFIGS:
             raise UsageError(f"--configs: unknown config {name!r}; the named ones are {','.join(CONFIGS)} "

@@ -20,7 +20,7 @@ from ..bench.stages import compiled_resources, stage_times
 from ..experts import moe_experts
 from ..experts.dispatch import BACKENDS
 from ..recipe import ACTIVATIONS, CHECKPOINTS, PRECISIONS, ExpertsConfig, fold_impl
-from . import UsageError
+from . import UsageError, check_device
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import build_routing_index
 
@@ -126,8 +126,7 @@ def _print(title: str, r: dict, top: int = 12) -> None:
 def check_args(args) -> ExpertsConfig:
     """The experts' recipe of the flags, after every flag is checked (UsageError naming it), before any work; on the
     CPU, says which path runs."""
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
+    check_device(args.device)
     for flag in ("tokens", "d_model", "d_expert", "num_experts", "top_k"):
         v = getattr(args, flag)
         if v is not None and v < 1:

@@ -18,7 +18,7 @@ from ..distributed import DISPATCHES, UNITS
 from ..nn import ModelConfig
 from ..recipe import ACTIVATIONS, BACKENDS, CHECKPOINTS, INDEX_METHODS, PRECISIONS, ExpertsConfig, fold_impl
 from ..routing import ROUTERS, RULES
-from . import UsageError, parallel
+from . import UsageError, check_device, parallel
 from .checkpoint import CheckpointError, probe_writable, probe_writable_folder, sharded_checkpoint_path
 from .graph_step import check_graphable
 from .presets import EXTRAS, PRESETS, SHAPE
@@ -197,8 +197,7 @@ def check_args(args, val_len: int) -> ModelConfig:
                           rounding_tile=args.rounding_tile)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
+    check_device(args.device)
     if args.cuda_graph:
         check_graphable(args)
     if args.compile and args.device != "cuda":

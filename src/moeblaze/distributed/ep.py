@@ -38,9 +38,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..experts import check_kernel_dtype, recipe_key
+from ..experts import kernel_recipe
 from ..experts.dispatch import choose
-from ..experts.fp8 import check_fp8_supported
 from ..experts.op import experts_backward, experts_forward, parse
 from ..experts.schedule import BLOCK_M
 from ..experts.stages import combine_slots
@@ -357,6 +356,17 @@ DISPATCHES = ("exact", "capacity")
 OVERFLOW = ("error", "drop")
 
 
+def check_options(config: ExpertsConfig, dispatch: str, on_overflow: str) -> None:
+    """ValueError naming the option unless expert parallelism takes it: its dispatch settings, and a recipe that runs
+    the kernels."""
+    if config.backend == "reference":
+        raise ValueError("expert parallelism runs the kernels: backend='reference' is not available under it")
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+    if on_overflow not in OVERFLOW:
+        raise ValueError(f"on_overflow must be one of {OVERFLOW}, got {on_overflow!r}")
+
+
 def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1_local: torch.Tensor,
                w2_local: torch.Tensor, *, group=None, config: ExpertsConfig = DEFAULT, dispatch: str = "exact",
                capacity_factor: float = 1.25, capacity: int | None = None, on_overflow: str = "error",
@@ -376,16 +386,10 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     Overflow (a destination needing more than C rows): with a tracker, recorded for the caller's rerun (and
     dropped in this call); otherwise on_overflow "error" (default) or "drop"."""
     config = from_legacy("ep_experts", config, {})
-    if config.backend == "reference":
-        raise ValueError("expert parallelism runs the kernels: backend='reference' is not available under it")
-    if dispatch not in DISPATCHES:
-        raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
-    if on_overflow not in OVERFLOW:
-        raise ValueError(f"on_overflow must be one of {OVERFLOW}, got {on_overflow!r}")
+    check_options(config, dispatch, on_overflow)
     ep = dist.get_world_size(group)
     E = w1_local.shape[0] * ep
     check_expert_inputs(x, w1_local, w2_local, config.activation)
-    check_kernel_dtype(x)
     routing = build_routing_index(topk_idx, E, config.index_method)
     check_topk_weights(topk_weights, routing.token_slot)
     C = None
@@ -398,9 +402,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
         if C < 1:
             raise ValueError(f"capacity must be a positive number of rows, got {C}")
     backend = choose("triton" if config.backend == "auto" else config.backend, x.device)
-    if config.fp8:
-        check_fp8_supported(x)
-    recipe = recipe_key(config, backend, C is not None, False)  # the receiver's index has padding rows in capacity mode
+    recipe = kernel_recipe(x, config, backend, C is not None, False)  # the receiver's index has padding rows (capacity)
     fail = on_overflow == "error" and tracker is None
     if C is not None and torch.compiler.is_compiling():
         outs = ep_capacity_fwd(x, topk_weights, w1_local, w2_local, *routing.tensors(), _group_name(group), recipe, C,

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..nn import Experts, SharedExperts
-from .ep import DISPATCHES, OVERFLOW, CapacityTracker, ep_experts
+from .ep import CapacityTracker, check_options, ep_experts
 
 
 class ExpertParallel(Experts):
@@ -28,12 +28,7 @@ class ExpertParallel(Experts):
         nn.Module.__init__(self)
         if not isinstance(experts, Experts) or isinstance(experts, (SharedExperts, ExpertParallel)):
             raise TypeError(f"ExpertParallel wraps a routed moeblaze.nn.Experts module, got {type(experts).__name__}")
-        if dispatch not in DISPATCHES:
-            raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
-        if on_overflow not in OVERFLOW:
-            raise ValueError(f"on_overflow must be one of {OVERFLOW}, got {on_overflow!r}")
-        if experts.config.backend == "reference":
-            raise ValueError("expert parallelism runs the kernels: backend='reference' is not available under it")
+        check_options(experts.config, dispatch, on_overflow)
         ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
         E = experts.num_experts
         if E % ep:

@@ -33,6 +33,15 @@ def check_kernel_dtype(x: torch.Tensor) -> None:
                         "products wrongly; use float32 or float16 on the CPU, or backend='reference'")
 
 
+def kernel_recipe(x: torch.Tensor, config: ExpertsConfig, backend: str, dropped: bool, interleaved: bool) -> str:
+    """The op's recipe for the kernels on x (recipe_key), after the checks they need: x's dtype, and fp8 tensor cores
+    for precision="fp8"."""
+    check_kernel_dtype(x)
+    if config.fp8:
+        check_fp8_supported(x)
+    return recipe_key(config, backend, dropped, interleaved)
+
+
 @functools.cache
 def recipe_key(config: ExpertsConfig, backend: str, dropped: bool, interleaved: bool) -> str:
     """The op's recipe (experts.op.Recipe) of a call: config's choices that reach the kernels, on `backend` (the
@@ -71,10 +80,7 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     if backend == "reference":
         return moe_experts_reference(x, routing.topk_idx(), topk_weights, w1, w2, b1, b2, config=config,
                                      interleaved=interleaved)
-    check_kernel_dtype(x)
-    if config.fp8:
-        check_fp8_supported(x)
-    recipe = recipe_key(config, backend, routing.dropped, interleaved)
+    recipe = kernel_recipe(x, config, backend, routing.dropped, interleaved)
     chunk = config.chunk_tokens
     if chunk is not None and x.shape[0] > chunk:
         idx, E = routing.topk_idx(), w1.shape[0]  # dropped pairs come back as id E: sentinels again
@@ -85,4 +91,5 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     return fused_experts(x, w1, w2, topk_weights, b1, b2, routing, recipe)
 
 
-__all__ = ["ExpertsConfig", "check_kernel_dtype", "clear_weight_cache", "launch_counts", "moe_experts", "recipe_key"]
+__all__ = ["ExpertsConfig", "check_kernel_dtype", "clear_weight_cache", "kernel_recipe", "launch_counts", "moe_experts",
+           "recipe_key"]

@@ -34,13 +34,12 @@ Memory: (L, E) scores and masks, transient (as the router's own (L, E) logits).
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from typing import NamedTuple
 
 import torch
 
-from ..args import check_bool, check_choice, check_int
+from ..args import check_bool, check_choice, check_int, check_positive
 from ..config import INTERPRET
 from .checks import check_topk_idx, check_topk_weights, fail_if
 from .router import SCORINGS
@@ -83,9 +82,7 @@ def _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renorma
     device-side asserts on a GPU), and the warning below two tiles of tokens per expert."""
     check_choice("scoring", scoring, SCORINGS)
     check_bool("renormalize", renormalize)
-    if isinstance(route_scale, bool) or not isinstance(route_scale, (int, float)) or not math.isfinite(route_scale) \
-            or route_scale <= 0:
-        raise ValueError(f"route_scale must be a positive finite number, got {route_scale!r}")
+    check_positive("route_scale", route_scale)
     check_choice("rule", rule, RULES)
     check_int("tile", tile)
     if not isinstance(logits_LE, torch.Tensor) or not logits_LE.is_floating_point():

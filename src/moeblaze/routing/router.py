@@ -28,14 +28,13 @@ fp32 buffers with expert_bias. The logits' backward keeps x itself (no fp32 copy
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..args import check_bool, check_choice, check_int
+from ..args import check_bool, check_choice, check_int, check_positive
 from .index import count_per_expert
 
 SCORINGS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
@@ -202,9 +201,8 @@ class TopKRouter(nn.Module):
         check_choice("aux_loss", aux_loss, AUX_LOSSES)
         if top_k > num_experts:
             raise ValueError(f"top_k must satisfy 1 <= top_k <= num_experts ({num_experts}), got {top_k}")
-        for name, v in (("route_scale", route_scale), ("expert_bias_rate", expert_bias_rate)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+        check_positive("route_scale", route_scale)
+        check_positive("expert_bias_rate", expert_bias_rate)
         check_groups(num_experts, top_k, num_groups, topk_groups)
         self.num_experts, self.top_k, self.scoring, self.renormalize = num_experts, top_k, scoring, renormalize
         self.route_scale, self.expert_bias_rate = float(route_scale), float(expert_bias_rate)
