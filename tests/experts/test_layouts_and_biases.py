@@ -145,3 +145,55 @@ def test_zeroing_the_tail_leaves_every_kept_row():
         want[first:first + TAIL_ROWS] = 0
         _zero_rows_from(t, torch.tensor([first], dtype=torch.int32))
         assert torch.equal(t, want), (R, first)
+
+
+@pytest.mark.parametrize("checkpoint,chunk,backend", [("preact", None, "triton"), ("recompute", None, "triton"),
+                                                      ("preact", 5, "triton"), ("recompute", None, "reference")])
+def test_w1_in_two_parts_equals_w1_whole(poison_alloc, checkpoint, chunk, backend):
+    """torchtitan's layout: W1's gate rows and up rows as two tensors. Output and every gradient equal, bit for bit,
+    to the same W1 given whole, and each part gets its half of dW1."""
+    L, D, H, E, K = 13, 32, 24, 4, 2
+    x, w1, w2, idx, w = random_problem(L, D, H, E, K, "swiglu")
+    config = ExpertsConfig(checkpoint=checkpoint, chunk_tokens=chunk, backend=backend)
+    routing = build_routing_index(idx, E)
+    dy = torch.randn(L, D)
+
+    def grads(parts: bool):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w1[:, :H], w1[:, H:], w2, w)]
+        xl, gate, up, w2l, wl = leaves
+        w1_arg = (gate, up) if parts else torch.cat((gate, up), 1)
+        out = moe_experts(xl, routing, wl, w1_arg, w2l, config=config)
+        return [out, *torch.autograd.grad(out, leaves, dy)]
+
+    for a, b in zip(grads(True), grads(False)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda g, u: (g, u[:, :-1]), "one shape"),
+    (lambda g, u: (g, u, u), "pair of tensors"),
+    (lambda g, u: (g, u.double()), "up part"),
+])
+def test_w1_parts_are_checked(bad, message):
+    x, w1, w2, idx, w = random_problem(6, 16, 8, 4, 2, "swiglu")
+    with pytest.raises((ValueError, TypeError), match=message):
+        moe_experts(x, build_routing_index(idx, 4), w, bad(w1[:, :8], w1[:, 8:]), w2)
+    with pytest.raises(ValueError, match="gated activation"):
+        moe_experts(x, build_routing_index(idx, 4), w, (w1[:, :8], w1[:, 8:]), w2, interleaved=True)
+
+
+def test_w1_in_two_parts_through_torch_compile():
+    """The custom ops (what torch.compile traces) with W1 in two parts: equal to eager, both parts' gradients."""
+    L, D, H, E, K = 12, 16, 8, 4, 2
+    x, w1, w2, idx, w = random_problem(L, D, H, E, K, "swiglu")
+    gate, up = (t.detach().clone().requires_grad_() for t in (w1[:, :H], w1[:, H:]))
+    routing = build_routing_index(idx, E)
+
+    def f(x, gate, up):
+        return moe_experts(x, routing, w, (gate, up), w2, config=ExpertsConfig(backend="triton"), check=False)
+
+    outs = [fn(x, gate, up) for fn in (torch.compile(f, fullgraph=True, backend="aot_eager"), f)]
+    grads = [torch.autograd.grad(o.square().sum(), (gate, up)) for o in outs]
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -31,7 +31,8 @@ def _step(layer, x, dy):
 def test_routers_and_shared_experts_bf16(router, shared, gate):
     torch.manual_seed(0)
     make = lambda impl: MoELayer(1024, 512, 64, 4, experts=ExpertsConfig(backend=impl), router=ROUTERS[router],
-                                 shared_experts=shared, d_shared=768, shared_gate=gate).cuda()
+                                 shared_experts=shared, d_shared=768 if shared else None,
+                                 shared_gate=gate).cuda()
     ours = make("triton")
     with torch.no_grad():
         if gate:

@@ -21,7 +21,7 @@ from ..routing import RoutingIndex, build_routing_index
 from ..routing.checks import check_expert_inputs, check_topk_weights
 from .dispatch import choose, launch_counts
 from .fp8 import check_fp8_supported, clear_weight_cache
-from .op import Recipe, fused_experts
+from .op import Recipe, fused_experts, whole_w1
 
 def check_kernel_dtype(x: torch.Tensor) -> None:
     """TypeError unless the kernels compute x's dtype right where x is: float16, bfloat16 or float32, and under
@@ -50,7 +50,8 @@ def recipe_key(config: ExpertsConfig, backend: str, dropped: bool, interleaved: 
                   interleaved).key
 
 
-def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tensor, w1: torch.Tensor,
+def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tensor,
+                w1: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                 w2: torch.Tensor, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, *,
                 config: ExpertsConfig = DEFAULT, interleaved: bool = False, check: bool = True,
                 **legacy) -> torch.Tensor:
@@ -58,8 +59,10 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
 
     w1: (E, F, D), F = 2H with the gate rows first (or, where `interleaved`, gate and up rows alternating, gate
     first) for gated activations, F = H for plain ones; w2: (E, D, H); any strides (a transposed view is read in
-    place). b1 (E, F), b2 (E, D): optional biases of the two projections, in w1's and w2's row order.
-    Differentiable in x, w1, w2, topk_weights and the biases. config: the recipe (moeblaze.ExpertsConfig:
+    place). b1 (E, F), b2 (E, D): optional biases of the two projections, in w1's and w2's row order. w1 may also
+    come in two parts, (gate rows (E, H, D), up rows (E, H, D)), as torchtitan stores them: they are concatenated
+    per call (a transient of W1's size, in forward and again in backward, never kept) and each gets its gradient.
+    Differentiable in x, w1 (or its parts), w2, topk_weights and the biases. config: the recipe (moeblaze.ExpertsConfig:
     activation, checkpoint policy, backend, precision, chunking); every combination it accepts runs here, on the
     kernels and on the reference (which keeps everything autograd needs, whatever the checkpoint policy, and
     emulates precision="fp8" and "preact-fp8"'s arithmetic). check=False skips the checks that read values
@@ -70,6 +73,7 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
                         f" the options go in config, not positionally (got {b1!r} for b1)")
     config = from_legacy("moe_experts", config, legacy)
     check_expert_inputs(x, w1, w2, config.activation, b1, b2, interleaved)
+    w1, w1_up = (w1, None) if isinstance(w1, torch.Tensor) else w1
     if routing.num_tokens != x.shape[0] or routing.num_experts != w1.shape[0]:
         raise ValueError(f"routing index is for L={routing.num_tokens}, E={routing.num_experts}; "
                          f"x has L={x.shape[0]} and w1 has E={w1.shape[0]}")
@@ -78,17 +82,17 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     check_topk_weights(topk_weights, routing.token_slot, check_values=check)
     backend = choose(config.backend, x.device)
     if backend == "reference":
-        return moe_experts_reference(x, routing.topk_idx(), topk_weights, w1, w2, b1, b2, config=config,
-                                     interleaved=interleaved)
+        return moe_experts_reference(x, routing.topk_idx(), topk_weights, whole_w1(w1, w1_up), w2, b1, b2,
+                                     config=config, interleaved=interleaved)
     recipe = kernel_recipe(x, config, backend, routing.dropped, interleaved)
     chunk = config.chunk_tokens
     if chunk is not None and x.shape[0] > chunk:
         idx, E = routing.topk_idx(), w1.shape[0]  # dropped pairs come back as id E: sentinels again
         outs = [fused_experts(xc, w1, w2, wc, b1, b2,
-                              build_routing_index(ic, E, check=False, sentinels=routing.dropped), recipe)
+                              build_routing_index(ic, E, check=False, sentinels=routing.dropped), recipe, w1_up)
                 for xc, ic, wc in zip(x.split(chunk), idx.split(chunk), topk_weights.split(chunk))]
         return torch.cat(outs)
-    return fused_experts(x, w1, w2, topk_weights, b1, b2, routing, recipe)
+    return fused_experts(x, w1, w2, topk_weights, b1, b2, routing, recipe, w1_up)
 
 
 __all__ = ["ExpertsConfig", "check_kernel_dtype", "clear_weight_cache", "kernel_recipe", "launch_counts", "moe_experts",

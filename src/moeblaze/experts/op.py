@@ -19,6 +19,8 @@ Backward (5 launches, +1 with checkpoint="recompute", +1 on Gluon where down_bwd
   [biases  dB1, dB2 per expert; dS += <dy, b2[e]>     only with biases (stages.bias_grads)]
 Layouts: W1 and W2 by strides (transposed views, as gpt-oss stores them, are read in place, and their gradients
 are written in the same layout); gate/up rows of W1 in halves or interleaved, preact's columns in W1's order.
+W1 in two parts (w1_up: the up rows apart, as torchtitan stores w1 and w3): concatenated per call, in forward and
+again in backward (a transient of W1's size, never kept), and dW1 comes back split.
 
 Memory contract (bytes kept from forward to backward, beyond x, the weights and topk_weights, which exist
 anyway; b = bytes per element of x's dtype):
@@ -128,12 +130,13 @@ class NativeGemms:
 def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
                     b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None, expert_counts: torch.Tensor,
                     expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
-                    recipe: str
+                    recipe: str, w1_up: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out (L, D), preact as backward keeps it (x's dtype under "preact", e4m3 under "preact-fp8", empty under
     "recompute"), its 1 x 128 scales (e4m3 only, else empty), *the tile schedule): the forward body, the schedule
-    built once here and handed to backward."""
+    built once here and handed to backward. w1_up: W1's up rows, where w1 holds only the gate rows."""
     r = parse(recipe)
+    w1_EFD = whole_w1(w1_EFD, w1_up)
     plan = RowPlan.build(RoutingIndex(expert_counts, expert_offsets, expert_token_idx, token_slot))
     keep = r.checkpoint != "recompute"
     if x_LD.shape[0] == 0:  # an empty batch (a rank without tokens): no launch can address 0 rows
@@ -145,6 +148,11 @@ def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tens
     del act
     out = stages.combine(plan, y_RD, topk_w_LK.float().contiguous(), x_LD.dtype, bias_ED=b2_ED)
     return (out, *_kept(preact, preact_q, r), *plan.sched)
+
+
+def whole_w1(w1_EFD: torch.Tensor, w1_up: torch.Tensor | None) -> torch.Tensor:
+    """W1 (E, F, D): w1 itself, or [gate rows | up rows] where the up rows come apart (a transient copy)."""
+    return w1_EFD if w1_up is None else torch.cat((w1_EFD, w1_up), 1)
 
 
 def _kept(preact_RF: torch.Tensor, preact_q, r: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,9 +170,9 @@ experts_fwd = torch.library.custom_op("moeblaze::experts_fwd", experts_forward, 
 
 
 @experts_fwd.register_fake
-def _(x, w1, w2, topk_w, b1, b2, expert_counts, expert_offsets, expert_token_idx, token_slot, recipe):
+def _(x, w1, w2, topk_w, b1, b2, expert_counts, expert_offsets, expert_token_idx, token_slot, recipe, w1_up=None):
     r = parse(recipe)
-    R, F = expert_token_idx.shape[0], w1.shape[1]
+    R, F = expert_token_idx.shape[0], w1.shape[1] + (0 if w1_up is None else w1_up.shape[1])
     tiles = R // BLOCK_M + expert_counts.shape[0]
     ints = dict(dtype=torch.int32, device=x.device)
     fp8 = r.checkpoint == "preact-fp8"
@@ -207,11 +215,12 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
                      topk_w_LK: torch.Tensor, b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None,
                      tile_expert: torch.Tensor, tile_row: torch.Tensor, tiles_used: torch.Tensor,
                      expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
-                     kept_RF: torch.Tensor, kept_scale: torch.Tensor, recipe: str
+                     kept_RF: torch.Tensor, kept_scale: torch.Tensor, recipe: str, w1_up: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw2, dtopk_w, db1, db2), db1 and db2 empty where their bias is absent: the backward body. The
-    weights' gradients come in the weights' own layouts (strides). kept_RF, kept_scale: preact as the forward
-    kept it (experts_forward)."""
+    weights' gradients come in the weights' own layouts (strides); dw1 whole (E, F, D) where w1_up is given.
+    kept_RF, kept_scale: preact as the forward kept it (experts_forward)."""
+    w1_EFD = whole_w1(w1_EFD, w1_up)
     if dy_LD.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
         ensure_context(dy_LD.get_device())
     if x_LD.shape[0] == 0:  # an empty batch: nothing flows back but zeros
@@ -246,17 +255,19 @@ experts_bwd = torch.library.custom_op("moeblaze::experts_bwd", experts_backward,
 
 @experts_bwd.register_fake
 def _(dy, x, w1, w2, topk_w, b1, b2, tile_expert, tile_row, tiles_used, expert_offsets, expert_token_idx, token_slot,
-      kept, kept_scale, recipe):
-    return (x.new_empty(x.shape), torch.empty_like(w1), torch.empty_like(w2), topk_w.new_empty(topk_w.shape),
+      kept, kept_scale, recipe, w1_up=None):
+    dw1 = torch.empty_like(w1) if w1_up is None else w1.new_empty(w1.shape[0], w1.shape[1] + w1_up.shape[1],
+                                                                  w1.shape[2])
+    return (x.new_empty(x.shape), dw1, torch.empty_like(w2), topk_w.new_empty(topk_w.shape),
             *(x.new_empty(0) if b is None else b.new_empty(b.shape) for b in (b1, b2)))
 
 
-N_INPUTS = 11  # x, w1, w2, topk_w, b1, b2, the index's four tensors, recipe
+N_INPUTS = 12  # x, w1, w2, topk_w, b1, b2, the index's four tensors, recipe, w1_up
 
 
 def _setup_context(ctx, inputs, output):
-    x, w1, w2, topk_w, b1, b2, _counts, offsets, eti, slot, recipe = inputs
-    ctx.save_for_backward(x, w1, w2, topk_w, b1, b2, *output[3:], offsets, eti, slot, output[1], output[2])
+    x, w1, w2, topk_w, b1, b2, _counts, offsets, eti, slot, recipe, w1_up = inputs
+    ctx.save_for_backward(x, w1, w2, topk_w, b1, b2, *output[3:], offsets, eti, slot, output[1], output[2], w1_up)
     ctx.recipe = recipe
     # preact is saved state, never used downstream: don't let autograd fill an (R, F) zero gradient for it
     ctx.set_materialize_grads(False)
@@ -266,10 +277,14 @@ def _backward_with(experts_bwd_fn):
     def backward(ctx, dout, *_saved_outputs):
         if dout is None:  # the output took no part in the loss
             return (None,) * N_INPUTS
-        x, w1, w2, topk_w, b1, b2, *rest = ctx.saved_tensors
-        dx, dw1, dw2, dw, db1, db2 = experts_bwd_fn(dout.contiguous(), x, w1, w2, topk_w, b1, b2, *rest, ctx.recipe)
+        x, w1, w2, topk_w, b1, b2, *rest, w1_up = ctx.saved_tensors
+        dx, dw1, dw2, dw, db1, db2 = experts_bwd_fn(dout.contiguous(), x, w1, w2, topk_w, b1, b2, *rest, ctx.recipe,
+                                                    w1_up)
+        dw1_up = None
+        if w1_up is not None:
+            dw1, dw1_up = dw1.split((w1.shape[1], w1_up.shape[1]), 1)
         return ((dx, dw1, dw2, dw, db1 if b1 is not None else None, db2 if b2 is not None else None)
-                + (None,) * (N_INPUTS - 6))
+                + (None,) * (N_INPUTS - 7) + (dw1_up,))
     return backward
 
 
@@ -295,12 +310,12 @@ _EagerExperts = eager_function("_EagerExperts", experts_forward, _setup_context,
 
 def fused_experts(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
                   b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None, routing: RoutingIndex,
-                  recipe: str) -> torch.Tensor:
-    """The experts' combined output (L, D), differentiable in x, w1, w2, topk_w and the biases: the custom op where
-    torch.compile traces, the direct path in eager mode. recipe: a Recipe's key. Overridable through
-    __torch_function__."""
-    args = (x_LD, w1_EFD, w2_EDH, topk_w_LK, b1_EF, b2_ED, *routing.tensors(), recipe)
-    dense = tuple(t for t in args[:6] if t is not None)
+                  recipe: str, w1_up: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts' combined output (L, D), differentiable in x, w1, w2, topk_w, the biases and w1_up (W1's up
+    rows where w1 holds only its gate rows): the custom op where torch.compile traces, the direct path in eager
+    mode. recipe: a Recipe's key. Overridable through __torch_function__."""
+    args = (x_LD, w1_EFD, w2_EDH, topk_w_LK, b1_EF, b2_ED, *routing.tensors(), recipe, w1_up)
+    dense = tuple(t for t in (*args[:6], w1_up) if t is not None)
     if torch.overrides.has_torch_function(dense):  # a __torch_function__ mode (memory profiler) sees it as one op
-        return torch.overrides.handle_torch_function(fused_experts, dense, *args[:6], routing, recipe)
+        return torch.overrides.handle_torch_function(fused_experts, dense, *args[:6], routing, recipe, w1_up)
     return (experts_fwd(*args) if torch.compiler.is_compiling() else _EagerExperts.apply(*args))[0]

@@ -58,14 +58,28 @@ def check_topk_weights(topk_w_LK: torch.Tensor, topk_idx_LK: torch.Tensor, check
 def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, activation: str,
                         b1_EF: torch.Tensor | None = None, b2_ED: torch.Tensor | None = None,
                         interleaved: bool = False) -> None:
-    """Shapes, dtypes and devices of the expert computation's dense inputs (and its optional biases)."""
+    """Shapes, dtypes and devices of the expert computation's dense inputs (and its optional biases). w1 may be
+    a pair (gate rows (E, H, D), up rows (E, H, D)) for a gated activation."""
     from ..reference import is_gated, up_width
 
     if x_LD.dim() != 2:
         raise ValueError(f"x must have shape (L, D), got shape {tuple(x_LD.shape)}")
+    parts = (w1_EFD,) if isinstance(w1_EFD, torch.Tensor) else w1_EFD
+    if (not isinstance(parts, tuple) or len(parts) not in (1, 2)
+            or not all(isinstance(p, torch.Tensor) and p.dim() == 3 for p in parts)):
+        raise ValueError("w1 must be a tensor (E, F, D), or a pair of tensors (gate rows (E, H, D), up rows (E, H, D))")
+    if len(parts) == 2:
+        if parts[0].shape != parts[1].shape:
+            raise ValueError(f"w1's gate and up parts must have one shape (E, H, D), got {tuple(parts[0].shape)} and "
+                             f"{tuple(parts[1].shape)}")
+        if not is_gated(activation) or interleaved:
+            raise ValueError(f"w1 in two parts needs a gated activation with gate/up in halves, got {activation!r}"
+                             + (" and interleaved=True" if interleaved else ""))
+    w1_EFD = parts[0]
     if w1_EFD.dim() != 3 or w2_EDH.dim() != 3:
         raise ValueError(f"w1 must be (E, F, D) and w2 (E, D, H); got {tuple(w1_EFD.shape)} and {tuple(w2_EDH.shape)}")
     E, F, D = w1_EFD.shape
+    F *= len(parts)
     E2, D2, H = w2_EDH.shape
     if D != x_LD.shape[1] or D2 != D:
         raise ValueError(f"hidden size mismatch: x has D={x_LD.shape[1]}, w1 has D={D}, w2 has D={D2}")
@@ -82,7 +96,7 @@ def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.
         if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != shape):
             raise ValueError(f"{name} must be a tensor of shape {shape} (E, {'F' if name == 'b1' else 'D'}), got "
                              f"{tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}")
-    for name, t in (("w1", w1_EFD), ("w2", w2_EDH), ("b1", b1_EF), ("b2", b2_ED)):
+    for name, t in (("w1", w1_EFD), ("w1's up part", parts[-1]), ("w2", w2_EDH), ("b1", b1_EF), ("b2", b2_ED)):
         if t is None:
             continue
         if t.dtype != x_LD.dtype:
