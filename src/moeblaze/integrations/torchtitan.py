@@ -1,0 +1,168 @@
+"""moeblaze as torchtitan's routed experts (torchtitan 0.3): a model converter, torchtitan's own idiom.
+
+    from torchtitan.models import qwen3
+    from moeblaze import ExpertsConfig
+    from moeblaze.integrations.torchtitan import MoeblazeConverter
+
+    spec = qwen3.model_registry("30B-A3B", converters=[
+        MoeblazeConverter.Config(experts=ExpertsConfig(checkpoint="recompute"))])
+
+The converter replaces every RoutedExperts.Config of the model (its token dispatcher and GroupedExperts) by
+moeblaze's: the same submodules, parameters and names (routed_experts.inner_experts.w1_EFD, w2_EDF, w3_EFD), so
+torchtitan's state dicts and DCP checkpoints load in either direction, and torchtitan's router, load balancing (the
+expert-bias update from tokens_per_expert_E), shared experts, initialization and FSDP2 wrapping are untouched.
+
+Without expert parallelism a layer is moeblaze's fused op on the routing index: no (T·K, D) copy of the routed
+tokens, the scores applied in the combine in fp32, SwiGLU in the up GEMM's epilogue, the ExpertsConfig's
+checkpoint policy and precision; w1 (gate) and w3 (up) are W1's two parts (moe_experts). Under torchtitan's
+expert parallelism (an EP mesh), torchtitan's all-to-all dispatcher moves the routed rows and moeblaze's op
+computes the received rows, grouped by expert, in place of grouped_mm.
+
+The experts compute in x's dtype (bf16 under FSDP2's mixed precision), or in autocast's where it is on;
+torchtitan's grouped_mm path casts to bf16 whatever x is.
+
+Refused by name: tensor parallelism (at parallelize), experts other than GroupedExperts (gpt-oss's, ones another
+converter made), dispatchers other than the local and all-to-all ones (DeepEP, HybridEP, the padded one for
+torchao), an activation other than SwiGLU, fp8_weight_cache (FSDP2 gathers the weights anew every step).
+Pipeline parallelism builds stages of whole layers; it is not tested with moeblaze's experts.
+
+Memory contract: per MoE layer call, the routing index (O(T·K) int32), W1 = [w1 | w3] as a transient (E·2F·D
+elements, in forward and again in backward, never kept), and what moe_experts keeps under the checkpoint policy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..experts import moe_experts
+from ..recipe import DEFAULT, ExpertsConfig
+from ..routing import build_routing_index
+
+try:
+    from torch.distributed.tensor import DTensor
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+    from torchtitan.protocols.model import ModelConfigConverter
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError("moeblaze.integrations.torchtitan needs torchtitan >= 0.3 (its model converters and "
+                      "RoutedExperts): pip install 'moeblaze[torchtitan]'") from e
+
+DISPATCHERS = (LocalTokenDispatcher.Config, AllToAllTokenDispatcher.Config)
+
+
+def check_experts_config(config: ExpertsConfig) -> ExpertsConfig:
+    """config, if torchtitan's experts can run on it: SwiGLU, no fp8_weight_cache."""
+    if not isinstance(config, ExpertsConfig):
+        raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
+    if config.activation != "swiglu":
+        raise ValueError(f"torchtitan's GroupedExperts compute SwiGLU; experts=ExpertsConfig(activation="
+                         f"{config.activation!r}) would compute another function")
+    if config.fp8_weight_cache:
+        raise ValueError("fp8_weight_cache=True can't be used in torchtitan: FSDP2 gathers the expert weights anew "
+                         "every step, and w1/w3 are concatenated per call; use precision='fp8' without it")
+    return config
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class MoeblazeGroupedExperts(GroupedExperts):
+    """torchtitan's GroupedExperts (its parameters w1_EFD, w2_EDF, w3_EFD) computed by moeblaze's op."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        experts: ExpertsConfig = DEFAULT
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.moeblaze_config = check_experts_config(config.experts)
+
+    def routed(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor) -> torch.Tensor:
+        """sum_k scores[t, k] · expert_{ids[t, k]}(x[t]): (T, D) in x's dtype."""
+        w1, w2, w3 = _local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD)
+        x = x_TD
+        if torch.is_autocast_enabled(x.device.type):  # the experts run in the autocast dtype, like nn.Linear
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+        config = self.moeblaze_config
+        routing = build_routing_index(expert_ids_TK, w1.shape[0], config.index_method, check=False)
+        out = moe_experts(x, routing, scores_TK.to(torch.float32), (w1, w3), w2, config=config, check=False)
+        return out.to(x_TD.dtype)
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """GroupedExperts' call on rows grouped by expert (what torchtitan's dispatchers hand over): each row
+        through its expert once."""
+        R, E = x_RD.shape[0], num_tokens_per_expert_E.shape[0]
+        ids = torch.repeat_interleave(torch.arange(E, device=x_RD.device), num_tokens_per_expert_E, output_size=R)
+        return self.routed(x_RD, ids[:, None], x_RD.new_ones(R, 1, dtype=torch.float32))
+
+
+class MoeblazeRoutedExperts(RoutedExperts):
+    """torchtitan's RoutedExperts: without an EP mesh, moeblaze's fused op on the routing index (no dispatch,
+    no routed-token copy, no scatter_add); with one, torchtitan's dispatcher around moeblaze's experts."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(RoutedExperts.Config):
+        pass
+
+    def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor, topk_expert_ids_BLK: torch.Tensor,
+                num_local_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        if getattr(self.token_dispatcher, "ep_mesh", None) is not None:
+            return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
+        B, L, D = x_BLD.shape
+        K = topk_expert_ids_BLK.shape[-1]
+        out = self.inner_experts.routed(x_BLD.reshape(B * L, D), topk_expert_ids_BLK.reshape(B * L, K),
+                                        topk_scores_BLK.reshape(B * L, K))
+        return out.view(B, -1, D)
+
+    def parallelize(self, parallel_dims) -> None:
+        if parallel_dims.tp_enabled or getattr(parallel_dims, "etp_enabled", False):
+            raise NotImplementedError("moeblaze's experts in torchtitan don't support tensor parallelism (it shards "
+                                      "the experts' hidden dimension); use FSDP2 and expert parallelism")
+        super().parallelize(parallel_dims)
+
+
+class MoeblazeConverter(ModelConfigConverter):
+    """A torchtitan model converter: every MoE layer's routed experts on moeblaze (see the module header)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(ModelConfigConverter.Config):
+        experts: ExpertsConfig = DEFAULT
+        """moeblaze's recipe for the experts: checkpoint policy, backend, precision, chunk_tokens, index_method."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.experts = check_experts_config(config.experts)
+
+    def convert(self, model_config):
+        n = 0
+        for fqn, config, parent, attr in list(model_config.traverse(RoutedExperts.Config)):
+            if isinstance(config, MoeblazeRoutedExperts.Config):
+                raise ValueError(f"{fqn or 'the model'}: already converted to moeblaze's experts")
+            inner, dispatcher = config.inner_experts, config.token_dispatcher
+            if type(inner) is not GroupedExperts.Config:
+                raise ValueError(f"{fqn}.inner_experts is {type(inner).__qualname__}: moeblaze replaces torchtitan's "
+                                 "GroupedExperts only (SwiGLU, no biases), not experts another converter or model made")
+            if type(dispatcher) not in DISPATCHERS:
+                raise ValueError(f"{fqn}.token_dispatcher is {type(dispatcher).__qualname__}: moeblaze runs with "
+                                 "torchtitan's local and all-to-all dispatchers (moe_comm_backend 'standard')")
+            new = MoeblazeRoutedExperts.Config(
+                **{f.name: getattr(config, f.name) for f in fields(config) if f.name != "inner_experts"},
+                inner_experts=MoeblazeGroupedExperts.Config(
+                    **{f.name: getattr(inner, f.name) for f in fields(inner)}, experts=self.experts))
+            if parent is None:
+                model_config = new
+            elif isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+            n += 1
+        if n == 0:
+            raise ValueError(f"{type(model_config).__qualname__} has no MoE layers (RoutedExperts): nothing would run "
+                             "on moeblaze")
+        return model_config
+
+
+__all__ = ["MoeblazeConverter", "MoeblazeGroupedExperts", "MoeblazeRoutedExperts", "check_experts_config"]
