@@ -5,86 +5,20 @@ every gradient, the losses of a few AdamW steps and the expert-bias state equal 
 fp32 (its grouped_mm casts to bf16, so the default experts get an fp32 GroupedExperts body here; dispatch,
 scores and combine stay torchtitan's). The kernels under Triton's interpreter on narrower models from the same
 builders; the converter's refusals."""
-import dataclasses
 import types
 
 import pytest
 import torch
 
 torchtitan = pytest.importorskip("torchtitan")
-from torchtitan.models import deepseek_v3, llama3, qwen3  # noqa: E402
-from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention  # noqa: E402
-from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
+from torchtitan.models import llama3, qwen3  # noqa: E402
 
 from moeblaze import ExpertsConfig  # noqa: E402
 from moeblaze.integrations.torchtitan import MoeblazeConverter, MoeblazeRoutedExperts  # noqa: E402
 from helpers import rel_err  # noqa: E402
+from titan import build, fp32_default, model_config  # noqa: E402
 
 TOL = 1e-5  # fp32 on both sides: the summation order differs
-
-
-def _sdpa(config):
-    for _fqn, _c, parent, attr in list(config.traverse(FlexAttention.Config)):
-        setattr(parent, attr, ScaledDotProductAttention.Config())
-    return config
-
-
-def model_config(family: str, converters=(), narrow: bool = False):
-    """torchtitan's debug model of the family, 2 layers (DeepSeek-V3: a dense one, then MoE); narrow: the same
-    builder at widths the interpreter runs in seconds."""
-    if family == "qwen3":
-        if narrow:
-            from torchtitan.models.qwen3 import _build_qwen3_moe_layers
-            from torchtitan.models.common.rope import CosSinRoPE
-
-            base = qwen3.model_registry("debugmodel_moe").model
-            dim = 64
-            config = dataclasses.replace(
-                base, dim=dim, norm=dataclasses.replace(base.norm, normalized_shape=dim),
-                tok_embeddings=dataclasses.replace(base.tok_embeddings, embedding_dim=dim),
-                lm_head=dataclasses.replace(base.lm_head, in_features=dim),
-                layers=_build_qwen3_moe_layers(fuse_qkv=True, n_layers=2, dim=dim, n_heads=4, n_kv_heads=2,
-                                               head_dim=16, moe_hidden_dim=32, num_experts=8, top_k=2,
-                                               attn_backend="flex", moe_comm_backend="standard",
-                                               rope=CosSinRoPE.Config(dim=16, max_seq_len=256, theta=1e6)))
-        else:
-            config = qwen3.model_registry("debugmodel_moe").model
-            config.layers = config.layers[:2]
-    else:
-        config = deepseek_v3.model_registry("debugmodel").model
-        config.layers = config.layers[:2]
-    config = _sdpa(config)
-    for c in converters:
-        config = c.build().convert(config)
-    return config
-
-
-def build(config, seed=0):
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        model = config.build()
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    return model
-
-
-def _fp32_grouped_experts(self, x_RD, counts_E):
-    """GroupedExperts.forward in x's dtype (its own casts to bf16 taken out), expert by expert."""
-    outs, start = [], 0
-    for e, n in enumerate(counts_E.tolist()):
-        x = x_RD[start:start + n]
-        h = torch.nn.functional.silu(x @ self.w1_EFD[e].t()) * (x @ self.w3_EFD[e].t())
-        outs.append(h @ self.w2_EDF[e].t())
-        start += n
-    return torch.cat(outs)
-
-
-def fp32_default(model):
-    for m in model.modules():
-        if type(m) is GroupedExperts:
-            m.forward = types.MethodType(_fp32_grouped_experts, m)
-    return model
 
 
 def pair(family, experts: ExpertsConfig, narrow=False):

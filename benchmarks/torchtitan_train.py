@@ -1,0 +1,184 @@
+"""torchtitan's own MoE models trained with torchtitan's default experts and with moeblaze's (MoeblazeConverter),
+side by side in one process on one GPU: tokens/s, peak memory, the loss after N steps, and the largest batch that
+fits.
+
+    python benchmarks/torchtitan_train.py --model qwen3-30b-a3b --layers 2 --seq 4096 --batch 4 --steps 20
+
+The model is torchtitan's flavor (model_registry) cut to --layers layers, built and initialized as torchtitan does
+(meta device, to_empty, init_weights), attention on torch's SDPA (causal; torchtitan 0.3's FlexAttention mask
+builder needs a newer torch than 2.11), fp32 parameters under bf16 autocast (torchtitan's mixed precision without
+FSDP), AdamW (fused), the cross-entropy chunked over the sequence as torchtitan's trainer does, on random tokens
+(the same seed and batches for every variant).
+Each variant runs in this process after the last one's memory is freed; peak memory is torch's allocator peak
+over the timed steps. One JSON line per variant goes to stdout and to --results.
+
+torchtitan 0.3.0's models import two FSDP names that torch 2.11 lacks; tests/titan.py (which builds the models
+here too) stubs them where missing (only torchtitan's FSDP wrapping uses them, not run here), and the rows name
+them ("stubbed").
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import titan  # noqa: E402  (tests/titan.py: torchtitan's models as the tests build them)
+
+FLAVORS = {"qwen3-30b-a3b": ("qwen3", "30B-A3B"), "deepseek-v3-16b": ("deepseek_v3", "16B"),
+           "qwen3-debug": ("qwen3", "debugmodel_moe"), "deepseek-v3-debug": ("deepseek_v3", "debugmodel")}
+VARIANTS = {"default": None, "preact": dict(checkpoint="preact"), "recompute": dict(checkpoint="recompute"),
+            "fp8": dict(checkpoint="recompute", precision="fp8")}
+
+
+def model_config(name: str, layers: int, variant: str):
+    import importlib
+
+    from moeblaze import ExpertsConfig
+    from moeblaze.integrations.torchtitan import MoeblazeConverter
+
+    family, flavor = FLAVORS[name]
+    registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
+    options = VARIANTS[variant]
+    converters = None if options is None else [MoeblazeConverter.Config(experts=ExpertsConfig(**options))]
+    config = registry(flavor, converters=converters).model
+    config.layers = config.layers[:layers]
+    return titan.sdpa(config)
+
+
+def build(config):
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cuda")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cuda"))
+    return model
+
+
+def batches(vocab: int, batch: int, seq: int, n: int):
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    for _ in range(n):
+        t = torch.randint(0, vocab, (batch, seq + 1), device="cuda", generator=g)
+        yield t[:, :-1], t[:, 1:]
+
+
+def chunked_loss_step(model, x, y, chunks: int = 8) -> torch.Tensor:
+    """Forward and backward of the mean cross-entropy with the LM head and loss computed chunk by chunk over the
+    sequence, as torchtitan's trainer does (ChunkedLossWrapper, 8 chunks): the (B, L, vocab) logits never exist
+    whole."""
+    model._skip_lm_head = True
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        h = model(x)
+    h_leaf = h.detach().requires_grad_()
+    total = torch.zeros((), device=x.device)
+    for hc, yc in zip(h_leaf.chunk(chunks, 1), y.chunk(chunks, 1)):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model.lm_head(hc)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), yc.flatten(), reduction="sum")
+        loss = loss / y.numel()
+        loss.backward()
+        total += loss.detach()
+    h.backward(h_leaf.grad)
+    return total
+
+
+def train(model, opt, vocab, batch, seq, steps, warmup):
+    losses, t0 = [], None
+    for i, (x, y) in enumerate(batches(vocab, batch, seq, warmup + steps)):
+        if i == warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+        loss = chunked_loss_step(model, x, y)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return dt, [float(v) for v in losses]
+
+
+def profile(model, opt, vocab, batch, seq, path):
+    """Two steps under torch.profiler after one warm-up: the CUDA kernels by total time, to path."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    train(model, opt, vocab, batch, seq, 1, 0)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train(model, opt, vocab, batch, seq, 2, 0)
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
+
+
+def run(args, variant: str, batch: int, steps: int, warmup: int):
+    config = model_config(args.model, args.layers, variant)
+    model = build(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+    vocab = model.tok_embeddings.num_embeddings
+    try:
+        if args.profile and steps > 2:
+            profile(model, opt, vocab, batch, args.seq, f"{args.profile}-{variant}.txt")
+        dt, losses = train(model, opt, vocab, batch, args.seq, steps, warmup)
+        row = dict(variant=variant, batch=batch, seq=args.seq, steps=steps,
+                   tokens_per_s=round(batch * args.seq * steps / dt), step_ms=round(1000 * dt / steps, 1),
+                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss_first=round(losses[0], 4),
+                   loss_last=round(losses[-1], 4))
+    except torch.OutOfMemoryError:
+        row = dict(variant=variant, batch=batch, seq=args.seq, oom=True)
+    del model, opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=tuple(FLAVORS), default="qwen3-30b-a3b", help="torchtitan's flavor")
+    p.add_argument("--layers", type=int, default=2, help="the flavor's first LAYERS layers")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step of the timed runs")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator)")
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW's learning rate")
+    p.add_argument("--variants", default="default,preact,recompute", help="of " + ",".join(VARIANTS))
+    p.add_argument("--max-batch", default="", help="also find the largest batch that fits among these sizes "
+                                                   "(comma-separated, increasing), per variant")
+    p.add_argument("--results", default=None, help="append the JSON rows to this file")
+    p.add_argument("--profile", default=None, help="before each timed run, profile two steps into PROFILE-VARIANT.txt")
+    args = p.parse_args()
+    from importlib.metadata import version
+
+    head = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, torchtitan=version("torchtitan"),
+                model=args.model, layers=args.layers, stubbed=titan.STUBBED)
+    print(json.dumps(head), flush=True)
+    rows = []
+    for variant in args.variants.split(","):
+        row = {**head, **run(args, variant, args.batch, args.steps, args.warmup)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    for variant in args.variants.split(",") if args.max_batch else ():
+        fits = None
+        for b in (int(s) for s in args.max_batch.split(",")):
+            row = run(args, variant, b, 2, 1)
+            print(json.dumps({**head, "max_batch_probe": True, **row}), flush=True)
+            if row.get("oom"):
+                break
+            fits = row
+        rows.append({**head, "variant": variant, "largest_batch": fits and fits["batch"],
+                     "peak_gib_at_largest": fits and fits["peak_gib"]})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.results:
+        with open(args.results, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

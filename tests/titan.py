@@ -1,0 +1,96 @@
+"""torchtitan's MoE models for the tests: its debug models built from its configs (random init, no download),
+cut to 2 layers, attention on SDPA where FlexAttention can't run (its CPU backward), and torchtitan's own
+experts computed in fp32 (its grouped_mm casts to bf16) as the reference. Also the GPU benchmark's
+(benchmarks/torchtitan_train.py) way to build them.
+
+torchtitan 0.3.0 imports two names that torch 2.11's FSDP lacks (torch.distributed.fsdp.DataParallelMeshDims,
+torch.distributed.fsdp._fully_shard._fsdp_common.ShardPlacementResult), used only by its FSDP wrapping, which
+nothing here runs: where torch lacks them they are stubbed before torchtitan's models are imported (STUBBED
+names them)."""
+import dataclasses
+import importlib
+import types
+
+import torch
+
+
+def _stub_missing_fsdp_names() -> list[str]:
+    stubbed = []
+    for module, name in (("torch.distributed.fsdp", "DataParallelMeshDims"),
+                         ("torch.distributed.fsdp._fully_shard._fsdp_common", "ShardPlacementResult")):
+        m = importlib.import_module(module)
+        if not hasattr(m, name):
+            setattr(m, name, type(name, (), {}))
+            stubbed.append(f"{module}.{name}")
+    return stubbed
+
+
+STUBBED = _stub_missing_fsdp_names()
+from torchtitan.models import deepseek_v3, qwen3  # noqa: E402
+from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention  # noqa: E402
+from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
+
+
+def sdpa(config):
+    """Every FlexAttention of the config on torch's SDPA (causal)."""
+    for _fqn, _c, parent, attr in list(config.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())
+    return config
+
+
+def model_config(family: str, converters=(), narrow: bool = False):
+    """torchtitan's debug model of the family, 2 layers (DeepSeek-V3: a dense one, then MoE); narrow: the same
+    builder at widths the interpreter runs in seconds."""
+    if family == "qwen3":
+        if narrow:
+            from torchtitan.models.qwen3 import _build_qwen3_moe_layers
+            from torchtitan.models.common.rope import CosSinRoPE
+
+            base = qwen3.model_registry("debugmodel_moe").model
+            dim = 64
+            config = dataclasses.replace(
+                base, dim=dim, norm=dataclasses.replace(base.norm, normalized_shape=dim),
+                tok_embeddings=dataclasses.replace(base.tok_embeddings, embedding_dim=dim),
+                lm_head=dataclasses.replace(base.lm_head, in_features=dim),
+                layers=_build_qwen3_moe_layers(fuse_qkv=True, n_layers=2, dim=dim, n_heads=4, n_kv_heads=2,
+                                               head_dim=16, moe_hidden_dim=32, num_experts=8, top_k=2,
+                                               attn_backend="flex", moe_comm_backend="standard",
+                                               rope=CosSinRoPE.Config(dim=16, max_seq_len=256, theta=1e6)))
+        else:
+            config = qwen3.model_registry("debugmodel_moe").model
+            config.layers = config.layers[:2]
+    else:
+        config = deepseek_v3.model_registry("debugmodel").model
+        config.layers = config.layers[:2]
+    config = sdpa(config)
+    for c in converters:
+        config = c.build().convert(config)
+    return config
+
+
+def build(config, seed=0, device="cpu"):
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device(device))
+    return model
+
+
+def _fp32_grouped_experts(self, x_RD, counts_E):
+    """GroupedExperts.forward in x's dtype (its own casts to bf16 taken out), expert by expert."""
+    outs, start = [], 0
+    for e, n in enumerate(counts_E.tolist()):
+        x = x_RD[start:start + n]
+        h = torch.nn.functional.silu(x @ self.w1_EFD[e].t()) * (x @ self.w3_EFD[e].t())
+        outs.append(h @ self.w2_EDF[e].t())
+        start += n
+    return torch.cat(outs)
+
+
+def fp32_default(model):
+    for m in model.modules():
+        if type(m) is GroupedExperts:
+            m.forward = types.MethodType(_fp32_grouped_experts, m)
+    return model
