@@ -80,11 +80,12 @@ def build(config, seed=0, device="cpu"):
 
 def _fp32_grouped_experts(self, x_RD, counts_E):
     """GroupedExperts.forward in x's dtype (its own casts to bf16 taken out), expert by expert."""
-    outs, start = [], 0
+    w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+    outs, start = [x_RD[:0]], 0
     for e, n in enumerate(counts_E.tolist()):
         x = x_RD[start:start + n]
-        h = torch.nn.functional.silu(x @ self.w1_EFD[e].t()) * (x @ self.w3_EFD[e].t())
-        outs.append(h @ self.w2_EDF[e].t())
+        h = torch.nn.functional.silu(x @ w1[e].t()) * (x @ w3[e].t())
+        outs.append(h @ w2[e].t())
         start += n
     return torch.cat(outs)
 
