@@ -17,7 +17,7 @@ import torch
 import moeblaze.experts
 from moeblaze import ExpertsConfig, ModelConfig, MoELayer, TopKRouter, build_routing_index, moe_experts
 from moeblaze.distributed import ep_experts
-from moeblaze.routing import round_to_index
+from moeblaze.routing import round_to_index, route_topk
 from moeblaze.routing.rounding import round_tokens
 from moeblaze.cli import main
 from moeblaze.cli.checkpoint import load_checkpoint
@@ -49,6 +49,10 @@ CASES = [
     ("TopKRouter(16, 8, 2, route_scale=0.0)", ValueError),
     ("TopKRouter(16, 8, 2, aux_loss='z')", ValueError),
     ("TopKRouter(16, 8, 2, aux_loss='sequence')(x)", ValueError),
+    ("route_topk(logits, 2, selection_bias=torch.zeros(3))", ValueError),  # an expert bias of the wrong length
+    ("route_topk(logits, 2, selection_bias=torch.zeros(1))", ValueError),  # would broadcast
+    ("moe_experts(x, routing, w, (w1[:, :32], w1[:, 32:31]), w2)", ValueError),  # W1's two parts differ
+    ("moe_experts(x, routing, w, (w1[:, :32], w1[:, 32:], w1[:, 32:]), w2)", ValueError),
     ("MoELayer(16, 32, 4, 2, shared_experts=-1)", ValueError),
     ("ModelConfig(router='llama')", ValueError),
     ("ModelConfig(dense_layers=3)", ValueError),
@@ -210,6 +214,7 @@ def outcome(call: str, tmp: str) -> tuple[type, str]:
     names = dict(torch=torch, MoELayer=MoELayer, TopKRouter=TopKRouter, ModelConfig=ModelConfig,
                  build_routing_index=build_routing_index, moe_experts=moe_experts, ep_experts=ep_experts,
                  load_checkpoint=load_checkpoint, round_to_index=round_to_index, round_tokens=round_tokens,
+                 route_topk=route_topk,
                  logits=torch.randn(6, 4),
                  x=x, idx=idx, routing=build_routing_index(idx, 4), w=torch.rand(6, 2), w1=w1, w2=w2,
                  layer=MoELayer(16, 32, 4, 2), damaged=damaged, ExpertsConfig=ExpertsConfig, configure=_configure)

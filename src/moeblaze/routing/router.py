@@ -125,6 +125,14 @@ def route_topk(logits_LE: torch.Tensor, top_k: int, scoring: str = "softmax_topk
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k must satisfy 1 <= top_k <= num_experts ({E}), got {top_k}")
     check_groups(E, top_k, num_groups, topk_groups)
+    if selection_bias is not None and (not isinstance(selection_bias, torch.Tensor) or selection_bias.shape != (E,)
+                                       or not selection_bias.is_floating_point()
+                                       or selection_bias.device != logits_LE.device):
+        raise ValueError(f"selection_bias must be a float tensor of shape ({E},) (one per expert) on "
+                         f"{logits_LE.device}, got " + (f"{tuple(selection_bias.shape)} {selection_bias.dtype} on "
+                                                       f"{selection_bias.device}" if isinstance(selection_bias,
+                                                                                                 torch.Tensor)
+                                                       else type(selection_bias).__name__))
     logits_LE = logits_LE.float()
     scores = logits_LE if scoring == "topk_softmax" else (
         logits_LE.softmax(dim=-1) if scoring == "softmax_topk" else logits_LE.sigmoid())
