@@ -153,9 +153,12 @@ def _overflow(rank, world, mode):
         dropped = _dropped_pairs(toks, w1.shape[0], world, small)
         assert dropped.any()
         out_all, g_all, dy_all = _one_process(toks, w1, w2, "preact", dropped)
+        counter = torch.zeros((), dtype=torch.int64)
         out, g, mine, experts = _ep(rank, world, toks, w1, w2, "preact", dy_all, dispatch="capacity",
-                                    capacity=small, on_overflow="drop")
+                                    capacity=small, on_overflow="drop", dropped=counter)
         _assert_equal((out, g), (out_all, g_all), mine, experts)
+        lo = sum(len(t[0]) for t in toks[:rank])  # this rank's pairs dropped, as the count says
+        assert int(counter) == int(dropped[lo:lo + len(toks[rank][0])].sum()), (int(counter), rank)
     else:  # a tracker: the step overflows, grows and reruns to the one-process result
         tracker = CapacityTracker(small)
         out_all, g_all, dy_all = _one_process(toks, w1, w2, "recompute")

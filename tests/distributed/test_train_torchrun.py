@@ -117,3 +117,18 @@ def test_a_rerun_step_leaves_the_state_of_one_that_never_overflowed(tmp_path):
     for k, v in biases["8"].items():
         assert torch.equal(biases["0.25"][k], v), (k, biases["0.25"][k], v)
         assert v.abs().sum() > 0, k  # the biases did move
+
+
+def test_dropped_rows_are_counted_and_said(tmp_path):
+    """--on-overflow drop with a capacity too small: the loss log has each step's dropped rows (all ranks'), and
+    the run ends saying how many it dropped; with a capacity large enough, none."""
+    for factor, some in (("0.25", True), ("8", False)):
+        log = tmp_path / f"loss-{factor}.jsonl"
+        out = _run(tmp_path, 2, "--batch-size", "2", "--ep", "2", "--ep-dispatch", "capacity", "--capacity-factor",
+                   factor, "--on-overflow", "drop", "--steps", "3", "--eval-every", "100", "--loss-log", str(log))
+        rows = [json.loads(line) for line in open(log) if "grad_norm" in line]
+        assert len(rows) == 3 and all(isinstance(r["dropped_rows"], int) for r in rows), rows
+        total = sum(r["dropped_rows"] for r in rows)
+        assert (total > 0) == some, rows
+        said = re.search(r"capacity dispatch dropped ([\d,]+) rows over the run", out)
+        assert said and int(said.group(1).replace(",", "")) == total, out[-2000:]

@@ -265,6 +265,9 @@ def _run(args, cfg, train, val, ranks) -> dict:
     moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)] if args.loss_log else []
     for m in moe_layers:
         m.track_load = True
+    # capacity dispatch under --on-overflow drop: each EP layer's count of the rows this rank dropped
+    droppers = [m for m in model.modules() if getattr(m, "dropped_rows", None) is not None]
+    drops, dropped_total = [], torch.zeros((), dtype=torch.int64, device=device)
     while step < last:
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
@@ -283,6 +286,13 @@ def _run(args, cfg, train, val, ranks) -> dict:
         if timer is not None and step >= args.bench_warmup:
             timer.stop()
         step += 1
+        if droppers:
+            dropped = torch.stack([m.dropped_rows for m in droppers]).sum()
+            for m in droppers:
+                m.dropped_rows.zero_()
+            dropped_total += dropped
+            if args.loss_log:
+                drops.append(ranks.sum(dropped) if ranks else dropped)
         if args.loss_log:  # kept on the device, read once at the end
             losses.append(ranks.mean(loss.detach()) if ranks else loss.detach())
             norms.append(grad_norm.detach().float())  # the global norm: the same on every rank
@@ -328,11 +338,16 @@ def _run(args, cfg, train, val, ranks) -> dict:
             loss_rows = torch.stack(losses).tolist() if losses else []
             norm_rows = torch.stack(norms).tolist() if norms else []
             load_rows = torch.stack(loads).tolist() if loads else [None] * len(loss_rows)
-            for i, (v, gn, ld) in enumerate(zip(loss_rows, norm_rows, load_rows)):
+            drop_rows = torch.stack(drops).tolist() if drops else [None] * len(loss_rows)
+            for i, (v, gn, ld, dr) in enumerate(zip(loss_rows, norm_rows, load_rows, drop_rows)):
                 f.write(json.dumps({"step": first_logged + i, "loss": float(v), "grad_norm": round(float(gn), 5),
-                                    **({"load_max_mean": [round(u, 4) for u in ld]} if ld is not None else {})})
+                                    **({"load_max_mean": [round(u, 4) for u in ld]} if ld is not None else {}),
+                                    **({"dropped_rows": int(dr)} if dr is not None else {})})
                         + "\n")
             f.writelines(json.dumps({"step": s, "val_loss": v}) + "\n" for s, v in evals)
+    if droppers:  # every rank takes part in the sum; the main one says it
+        n = int(ranks.sum(dropped_total) if ranks else dropped_total)
+        log(f"capacity dispatch dropped {n:,} rows over the run (--on-overflow drop; --loss-log has them per step)")
     final_loss = float(ranks.mean(loss.detach()) if ranks else loss.detach())
     if bench:
         batch = (lambda: tuple(t.to(device) for t in _batch(train, args, gen, ranks)))

@@ -120,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="capacity dispatch: rows per pair of ranks = factor x tokens x top-k / ep (default 1.25)")
     g.add_argument("--on-overflow", default="rerun", choices=OVERFLOW,
                    help="capacity dispatch, when a rank needs more rows than the capacity: rerun the step with a "
-                        "larger capacity (default), drop the rows past it, or stop with an error")
+                        "larger capacity (default), drop the rows past it (counted: the run says how many, "
+                        "--loss-log per step), or stop with an error")
     p.add_argument("--loss-log", default="", help="write every step's training loss (the global mean under torchrun), "
                    "the gradient norm before clipping and each MoE layer's max/mean expert load over the step's "
                    "pairs (all ranks', after token "

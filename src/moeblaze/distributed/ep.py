@@ -370,7 +370,7 @@ def check_options(config: ExpertsConfig, dispatch: str, on_overflow: str) -> Non
 def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1_local: torch.Tensor,
                w2_local: torch.Tensor, *, group=None, config: ExpertsConfig = DEFAULT, dispatch: str = "exact",
                capacity_factor: float = 1.25, capacity: int | None = None, on_overflow: str = "error",
-               tracker: CapacityTracker | None = None) -> torch.Tensor:
+               tracker: CapacityTracker | None = None, dropped: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' combined output (L, D) for this rank's tokens x (L, D), routed to global expert ids topk_idx
     (L, K) with weights (L, K), over the experts sharded across `group` (default: the world): this rank holds
     experts [rank · E_loc, (rank + 1) · E_loc) as w1_local (E_loc, F, D) and w2_local (E_loc, D, H). Every rank of
@@ -384,7 +384,8 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     the ranks check that they agree on C with the counts they exchange, and a disagreement is an error on every
     rank, a ValueError on CPU processes, a device-side assert on GPUs, before any row is sent).
     Overflow (a destination needing more than C rows): with a tracker, recorded for the caller's rerun (and
-    dropped in this call); otherwise on_overflow "error" (default) or "drop"."""
+    dropped in this call); otherwise on_overflow "error" (default) or "drop". dropped: a device counter (an int64
+    scalar) that the number of rows this rank drops is added to (no host sync), under on_overflow="drop"."""
     config = from_legacy("ep_experts", config, {})
     check_options(config, dispatch, on_overflow)
     ep = dist.get_world_size(group)
@@ -414,4 +415,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
         needed = plan.needed
     if tracker is not None and needed is not None:
         tracker.record(needed)
+    if dropped is not None and C is not None and on_overflow == "drop" and tracker is None:
+        per_dest = routing.expert_counts.view(ep, -1).sum(1)  # the rows for each destination, C of them sent
+        dropped.add_((per_dest - C).clamp(min=0).sum())
     return out

@@ -8,6 +8,7 @@ ep_experts (distributed.ep: the data flow and the memory contract) with the modu
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -42,6 +43,10 @@ class ExpertParallel(Experts):
         self.group = ep_mesh.get_group()
         self.options = dict(dispatch=dispatch, capacity_factor=capacity_factor, capacity=capacity,
                             on_overflow=on_overflow, tracker=tracker)
+        # under on_overflow="drop": the rows this rank has dropped, a device counter (None otherwise)
+        dropping = dispatch == "capacity" and on_overflow == "drop" and tracker is None
+        self.register_buffer("dropped_rows", torch.zeros((), dtype=torch.int64, device=experts.w1.device)
+                             if dropping else None, persistent=False)
 
     def weights(self):
         w1, w2 = self.w1, self.w2
@@ -53,7 +58,8 @@ class ExpertParallel(Experts):
         if routing is not None:
             raise NotImplementedError("a prebuilt routing index (token rounding) under expert parallelism")
         x_LD, w1, w2 = self.operands(x_LD)
-        return ep_experts(x_LD, topk_idx, topk_weights, w1, w2, group=self.group, config=self.config, **self.options)
+        return ep_experts(x_LD, topk_idx, topk_weights, w1, w2, group=self.group, config=self.config,
+                          dropped=self.dropped_rows, **self.options)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", ep={self.group.size()}, dispatch={self.options['dispatch']}"
