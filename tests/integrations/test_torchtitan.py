@@ -153,3 +153,27 @@ def test_tensor_parallelism_is_refused_by_name():
     experts = next(m for m in ours.modules() if isinstance(m, MoeblazeRoutedExperts))
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
         experts.parallelize(types.SimpleNamespace(tp_enabled=True, etp_enabled=False))
+
+
+def test_torchtitans_block_compile_with_moeblaze_inside():
+    """torchtitan's apply_compile (torch.compile of every transformer block) with moeblaze's experts inside (the
+    custom ops traced; aot_eager, the index built by sort, as dynamo can't trace the interpreter's launch of the
+    dense builder): logits and every gradient equal the eager model's."""
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.compile import apply_compile
+
+    torch._dynamo.reset()
+    experts = ExpertsConfig(backend="triton", index_method="sort")
+    eager = build(model_config("qwen3", [MoeblazeConverter.Config(experts=experts)], narrow=True))
+    compiled = build(model_config("qwen3", [MoeblazeConverter.Config(experts=experts)], narrow=True), seed=3)
+    compiled.load_state_dict(eager.state_dict())
+    apply_compile(compiled, compile_config=CompileConfig(enable=True, backend="aot_eager"),
+                  parallel_dims=types.SimpleNamespace(tp_enabled=False))
+    assert all(block._compiled_call_impl is not None for block in compiled.layers.values())  # fullgraph=True
+    x, _ = tokens(eager.tok_embeddings.num_embeddings)
+    outs = [model(x) for model in (eager, compiled)]
+    for out in outs:
+        out.square().mean().backward()
+    assert rel_err(outs[1], outs[0]) < TOL
+    for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
+        assert rel_err(b.grad, a.grad) < TOL, name
