@@ -375,3 +375,20 @@ def test_fsdp_reduce_dtype_is_the_fsdp2_policy_s(monkeypatch):
     assert [(p.param_dtype, p.reduce_dtype) for p in seen[:2]] == [(torch.bfloat16, torch.float32),
                                                                    (torch.bfloat16, torch.bfloat16)]
     assert seen[2] is None  # float32 parameters: FSDP2's default policy
+
+
+@pytest.mark.filterwarnings("ignore:token rounding with")
+def test_loss_log_says_how_many_pairs_token_rounding_computed(tmp_path):
+    """With token rounding the loss log has, per step and layer, the pairs computed per top-k pair: about 1 where
+    there are enough tokens per expert, and 0 on a batch so small that the rounding drops every pair."""
+    import json
+
+    shares = {}
+    for batch, seq in ((8, 32), (1, 8)):
+        log = tmp_path / f"log-{batch}.jsonl"
+        train.run(args_for(tmp_path, steps=3, eval_every=3, save="", loss_log=str(log), impl="reference",
+                           token_rounding="nr-f", batch_size=batch, seq_len=seq))
+        shares[batch] = [json.loads(line)["pairs_per_topk"] for line in log.read_text().splitlines()
+                         if "grad_norm" in line]
+    assert len(shares[8]) == 3 and all(len(s) == 1 and 0.5 <= s[0] <= 1.5 for s in shares[8]), shares
+    assert shares[1] == [[0.0]] * 3, shares

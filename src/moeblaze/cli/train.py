@@ -261,7 +261,7 @@ def _run(args, cfg, train, val, ranks) -> dict:
     timer = parallel.StepTimer(device) if bench else None
     t_last, tokens = time.perf_counter(), 0
     loss = torch.full((), float("nan"), device=device)  # the last step's training loss (none when nothing trains)
-    losses, norms, loads, evals, first_logged = [], [], [], [], step + 1
+    losses, norms, loads, pair_shares, evals, first_logged = [], [], [], [], [], step + 1
     moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)] if args.loss_log else []
     for m in moe_layers:
         m.track_load = True
@@ -300,6 +300,8 @@ def _run(args, cfg, train, val, ranks) -> dict:
                 load = torch.stack([m.routed_load for m in moe_layers]).float()
                 load = ranks.sum(load) if ranks else load
                 loads.append(load.amax(1) / load.mean(1).clamp(min=1e-9))
+                if cfg.token_rounding:  # the pairs each layer computed, per top-k pair (rounding drops and adds)
+                    pair_shares.append(load.sum(1) / (x.numel() * world * cfg.top_k))
                 for m in moe_layers:
                     m.routed_load.zero_()
         tokens += x.numel()
@@ -339,9 +341,11 @@ def _run(args, cfg, train, val, ranks) -> dict:
             norm_rows = torch.stack(norms).tolist() if norms else []
             load_rows = torch.stack(loads).tolist() if loads else [None] * len(loss_rows)
             drop_rows = torch.stack(drops).tolist() if drops else [None] * len(loss_rows)
-            for i, (v, gn, ld, dr) in enumerate(zip(loss_rows, norm_rows, load_rows, drop_rows)):
+            share_rows = torch.stack(pair_shares).tolist() if pair_shares else [None] * len(loss_rows)
+            for i, (v, gn, ld, dr, sh) in enumerate(zip(loss_rows, norm_rows, load_rows, drop_rows, share_rows)):
                 f.write(json.dumps({"step": first_logged + i, "loss": float(v), "grad_norm": round(float(gn), 5),
                                     **({"load_max_mean": [round(u, 4) for u in ld]} if ld is not None else {}),
+                                    **({"pairs_per_topk": [round(u, 4) for u in sh]} if sh is not None else {}),
                                     **({"dropped_rows": int(dr)} if dr is not None else {})})
                         + "\n")
             f.writelines(json.dumps({"step": s, "val_loss": v}) + "\n" for s, v in evals)

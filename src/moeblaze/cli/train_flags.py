@@ -124,8 +124,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--loss-log per step), or stop with an error")
     p.add_argument("--loss-log", default="", help="write every step's training loss (the global mean under torchrun), "
                    "the gradient norm before clipping and each MoE layer's max/mean expert load over the step's "
-                   "pairs (all ranks', after token "
-                   "rounding), then every validation loss, to this file as JSON lines at the end of the run")
+                   "pairs (all ranks', after token rounding; with rounding, also the pairs each layer computed per "
+                   "top-k pair; under --on-overflow drop, the rows dropped), then every validation loss, to this file "
+                   "as JSON lines at the end of the run")
     g.add_argument("--fsdp-keep-gathered", action="store_true",
                    help="keep each FSDP2 unit's gathered parameters from forward to backward (one all-gather per "
                         "step instead of two; the memory of the full parameters)")
