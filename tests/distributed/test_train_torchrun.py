@@ -3,7 +3,8 @@ ranks with expert parallelism and FSDP2 (both dispatch modes; capacity dispatch 
 the step is rerun with a larger one) end at the training loss of one process over the same global batch (FSDP2
 alone: tests/distributed/test_fsdp.py);
 a sharded checkpoint written at ep = 2 resumes at ep = 1 and in one process with the same weights (and one process
-goes on training and saving it), and a damaged one is refused."""
+goes on training and saving it), and a damaged one is refused; a rank SIGKILLed during sharded saves leaves a
+checkpoint that resumes; --on-overflow drop counts what it drops."""
 import json
 import os
 import re
@@ -132,3 +133,55 @@ def test_dropped_rows_are_counted_and_said(tmp_path):
         assert (total > 0) == some, rows
         said = re.search(r"capacity dispatch dropped ([\d,]+) rows over the run", out)
         assert said and int(said.group(1).replace(",", "")) == total, out[-2000:]
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is pid (from /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+    return kids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks' processes through /proc")
+def test_sigkill_of_one_rank_during_sharded_saves_leaves_a_checkpoint_that_resumes(tmp_path):
+    """Two ranks save a sharded checkpoint every step; one rank is SIGKILLed at varying moments after a save of
+    this run (torchrun then stops the other). Each time the folder verifies and resumes in one process at the step
+    it holds, never earlier than the last round's, and the next round's two ranks resume from it."""
+    import signal
+    import time
+
+    ck = str(tmp_path / "ck")
+    manifest = os.path.join(ck, MANIFEST)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    common = ["--batch-size", "2", "--eval-every", "100000", "--save", ck, "--save-every", "1"]
+    held = [0]
+    for delay in (0.0, 0.6):
+        started = time.time_ns()
+        launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                     "--standalone", "-m", "moeblaze.cli", "train", *TINY, *common, "--steps",
+                                     "100000", *(["--resume"] if held[-1] else [])],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp_path)
+        deadline = time.time() + 240
+        while not (os.path.exists(manifest) and os.stat(manifest).st_mtime_ns > started):
+            assert launcher.poll() is None and time.time() < deadline, "no save came"
+            time.sleep(0.02)
+        time.sleep(delay)
+        workers = [p for agent in _children(launcher.pid) for p in _children(agent) + [agent]
+                   if "moeblaze.cli" in open(f"/proc/{p}/cmdline").read() and "train" in
+                   open(f"/proc/{p}/cmdline").read() and "torch.distributed.run" not in
+                   open(f"/proc/{p}/cmdline").read()]
+        assert workers, "no rank process found"
+        os.kill(workers[-1], signal.SIGKILL)
+        assert launcher.wait(timeout=120) != 0
+        verify_sharded(ck)
+        out = _run(tmp_path, 1, *common, "--resume", "--batch-size", "4", "--steps", "1")
+        step = int(re.search(r"resumed from .* at step (\d+)", out).group(1))
+        assert step >= max(held[-1], 1), (held, step, out[-1500:])
+        held.append(step)
