@@ -11,6 +11,9 @@ FSDP), AdamW (fused), the cross-entropy chunked over the sequence as torchtitan'
 (the same seed and batches for every variant).
 Each variant runs in this process after the last one's memory is freed; peak memory is torch's allocator peak
 over the timed steps. One JSON line per variant goes to stdout and to --results.
+Under torchrun (several GPUs): FSDP2 as torchtitan applies it (each block, then the root; bf16 parameters, fp32
+gradient reduction, no autocast), --batch sequences per GPU, the loss over the whole logits; tokens/s over all
+GPUs, peak memory of rank 0.
 
 torchtitan 0.3.0's models import two FSDP names that torch 2.11 lacks; tests/titan.py (which builds the models
 here too) stubs them where missing (only torchtitan's FSDP wrapping uses them, not run here), and the rows name
@@ -21,11 +24,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import titan  # noqa: E402  (tests/titan.py: torchtitan's models as the tests build them)
@@ -55,6 +60,13 @@ def build(config):
     torch.manual_seed(0)
     with torch.device("meta"):
         model = config.build()
+    if dist.is_initialized():  # FSDP2 as torchtitan applies it: each block, then the root; bf16 params, fp32 grads
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers.values():
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
     model.to_empty(device="cuda")
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cuda"))
@@ -62,7 +74,7 @@ def build(config):
 
 
 def batches(vocab: int, batch: int, seq: int, n: int):
-    g = torch.Generator(device="cuda").manual_seed(1234)
+    g = torch.Generator(device="cuda").manual_seed(1234 + (dist.get_rank() if dist.is_initialized() else 0))
     for _ in range(n):
         t = torch.randint(0, vocab, (batch, seq + 1), device="cuda", generator=g)
         yield t[:, :-1], t[:, 1:]
@@ -71,7 +83,13 @@ def batches(vocab: int, batch: int, seq: int, n: int):
 def chunked_loss_step(model, x, y, chunks: int = 8) -> torch.Tensor:
     """Forward and backward of the mean cross-entropy with the LM head and loss computed chunk by chunk over the
     sequence, as torchtitan's trainer does (ChunkedLossWrapper, 8 chunks): the (B, L, vocab) logits never exist
-    whole."""
+    whole. Under FSDP2 (several GPUs) the whole model's forward, LM head included (its mixed precision, no autocast).
+    """
+    if dist.is_initialized():
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        return loss.detach()
     model._skip_lm_head = True
     with torch.autocast("cuda", dtype=torch.bfloat16):
         h = model(x)
@@ -125,8 +143,9 @@ def run(args, variant: str, batch: int, steps: int, warmup: int):
         if args.profile and steps > 2:
             profile(model, opt, vocab, batch, args.seq, f"{args.profile}-{variant}.txt")
         dt, losses = train(model, opt, vocab, batch, args.seq, steps, warmup)
-        row = dict(variant=variant, batch=batch, seq=args.seq, steps=steps,
-                   tokens_per_s=round(batch * args.seq * steps / dt), step_ms=round(1000 * dt / steps, 1),
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        row = dict(variant=variant, batch=batch, seq=args.seq, steps=steps, world=world,
+                   tokens_per_s=round(world * batch * args.seq * steps / dt), step_ms=round(1000 * dt / steps, 1),
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss_first=round(losses[0], 4),
                    loss_last=round(losses[-1], 4))
     except torch.OutOfMemoryError:
@@ -155,29 +174,36 @@ def main():
     args = p.parse_args()
     from importlib.metadata import version
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: FSDP2 over every GPU, --batch per GPU
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    say = print if not dist.is_initialized() or dist.get_rank() == 0 else (lambda *a, **k: None)
+
     head = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, torchtitan=version("torchtitan"),
                 model=args.model, layers=args.layers, stubbed=titan.STUBBED)
-    print(json.dumps(head), flush=True)
+    say(json.dumps(head), flush=True)
     rows = []
     for variant in args.variants.split(","):
         row = {**head, **run(args, variant, args.batch, args.steps, args.warmup)}
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        say(json.dumps(row), flush=True)
     for variant in args.variants.split(",") if args.max_batch else ():
         fits = None
         for b in (int(s) for s in args.max_batch.split(",")):
             row = run(args, variant, b, 2, 1)
-            print(json.dumps({**head, "max_batch_probe": True, **row}), flush=True)
+            say(json.dumps({**head, "max_batch_probe": True, **row}), flush=True)
             if row.get("oom"):
                 break
             fits = row
         rows.append({**head, "variant": variant, "largest_batch": fits and fits["batch"],
                      "peak_gib_at_largest": fits and fits["peak_gib"]})
-        print(json.dumps(rows[-1]), flush=True)
-    if args.results:
+        say(json.dumps(rows[-1]), flush=True)
+    if args.results and say is print:
         with open(args.results, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
