@@ -12,8 +12,8 @@ FSDP), AdamW (fused), the cross-entropy chunked over the sequence as torchtitan'
 Each variant runs in this process after the last one's memory is freed; peak memory is torch's allocator peak
 over the timed steps. One JSON line per variant goes to stdout and to --results.
 Under torchrun (several GPUs): FSDP2 as torchtitan applies it (each block, then the root; bf16 parameters, fp32
-gradient reduction, no autocast), --batch sequences per GPU, the loss over the whole logits; tokens/s over all
-GPUs, peak memory of rank 0.
+gradient reduction, no autocast; the LM head a unit of its own, gathered once for the loss chunks), --batch
+sequences per GPU; tokens/s over all GPUs, peak memory of rank 0.
 
 torchtitan 0.3.0's models import two FSDP names that torch 2.11 lacks; tests/titan.py (which builds the models
 here too) stubs them where missing (only torchtitan's FSDP wrapping uses them, not run here), and the rows name
@@ -22,6 +22,7 @@ them ("stubbed").
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -66,6 +67,7 @@ def build(config):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.layers.values():
             fully_shard(block, mp_policy=mp)
+        fully_shard(model.lm_head, mp_policy=mp, reshard_after_forward=False)  # gathered once for all loss chunks
         fully_shard(model, mp_policy=mp)
     model.to_empty(device="cuda")
     with torch.no_grad():
@@ -83,20 +85,16 @@ def batches(vocab: int, batch: int, seq: int, n: int):
 def chunked_loss_step(model, x, y, chunks: int = 8) -> torch.Tensor:
     """Forward and backward of the mean cross-entropy with the LM head and loss computed chunk by chunk over the
     sequence, as torchtitan's trainer does (ChunkedLossWrapper, 8 chunks): the (B, L, vocab) logits never exist
-    whole. Under FSDP2 (several GPUs) the whole model's forward, LM head included (its mixed precision, no autocast).
+    whole. Under FSDP2 (several GPUs) its mixed precision instead of autocast, the LM head a unit of its own.
     """
-    if dist.is_initialized():
-        logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
-        return loss.detach()
+    amp = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16, enabled=not dist.is_initialized())
     model._skip_lm_head = True
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with amp():
         h = model(x)
     h_leaf = h.detach().requires_grad_()
     total = torch.zeros((), device=x.device)
     for hc, yc in zip(h_leaf.chunk(chunks, 1), y.chunk(chunks, 1)):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with amp():
             logits = model.lm_head(hc)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), yc.flatten(), reduction="sum")
         loss = loss / y.numel()
