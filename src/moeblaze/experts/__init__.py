@@ -33,6 +33,16 @@ def check_kernel_dtype(x: torch.Tensor) -> None:
                         "products wrongly; use float32 or float16 on the CPU, or backend='reference'")
 
 
+def autocast_operands(*tensors: torch.Tensor | None) -> tuple:
+    """The experts' operands as they compute: in autocast's dtype where autocast is on for the first one's device
+    (like nn.Linear), else as given; None stays None."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
 def kernel_recipe(x: torch.Tensor, config: ExpertsConfig, backend: str, dropped: bool, interleaved: bool) -> str:
     """The op's recipe for the kernels on x (recipe_key), after the checks they need: x's dtype, and fp8 tensor cores
     for precision="fp8"."""
@@ -95,5 +105,5 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     return fused_experts(x, w1, w2, topk_weights, b1, b2, routing, recipe, w1_up)
 
 
-__all__ = ["ExpertsConfig", "check_kernel_dtype", "clear_weight_cache", "kernel_recipe", "launch_counts", "moe_experts",
-           "recipe_key"]
+__all__ = ["ExpertsConfig", "autocast_operands", "check_kernel_dtype", "clear_weight_cache", "kernel_recipe",
+           "launch_counts", "moe_experts", "recipe_key"]

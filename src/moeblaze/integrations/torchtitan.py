@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..experts import moe_experts
+from ..experts import autocast_operands, moe_experts
 from ..recipe import DEFAULT, ExpertsConfig
 from ..routing import build_routing_index
 
@@ -81,11 +81,7 @@ class MoeblazeGroupedExperts(GroupedExperts):
 
     def routed(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor) -> torch.Tensor:
         """sum_k scores[t, k] · expert_{ids[t, k]}(x[t]): (T, D) in x's dtype."""
-        w1, w2, w3 = _local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD)
-        x = x_TD
-        if torch.is_autocast_enabled(x.device.type):  # the experts run in the autocast dtype, like nn.Linear
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+        x, w1, w2, w3 = autocast_operands(x_TD, _local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD))
         config = self.moeblaze_config
         routing = build_routing_index(expert_ids_TK, w1.shape[0], config.index_method, check=False)
         out = moe_experts(x, routing, scores_TK.to(torch.float32), (w1, w3), w2, config=config, check=False)

@@ -33,7 +33,7 @@ import warnings
 
 import torch
 
-from ..experts import moe_experts
+from ..experts import autocast_operands, moe_experts
 from ..recipe import DEFAULT, ExpertsConfig, from_legacy
 from ..reference import CLAMP_ALPHA, CLAMP_LIMIT
 from ..routing import build_routing_index
@@ -155,9 +155,9 @@ def _fallback(module, reason: str, *args):
     return _interface().ExpertsInterface._global_mapping["grouped_mm"](module, *args)
 
 
-def _weights(module, dtype: torch.dtype | None):
+def _weights(module):
     """(w1 (E, F, D), w2 (E, D, H), b1 (E, F) or None, b2 (E, D) or None) of an experts module as views of its
-    parameters (transposed views where the module stores them transposed), cast to dtype where given."""
+    parameters (transposed views where the module stores them transposed)."""
     gated = module.has_gate
     w1, w2 = (module.gate_up_proj if gated else module.up_proj), module.down_proj
     if getattr(module, "is_transposed", False):
@@ -165,8 +165,6 @@ def _weights(module, dtype: torch.dtype | None):
     b1 = b2 = None
     if getattr(module, "has_bias", False):
         b1, b2 = (module.gate_up_proj_bias if gated else module.up_proj_bias), module.down_proj_bias
-    if dtype is not None:
-        w1, w2, b1, b2 = (t if t is None else t.to(dtype) for t in (w1, w2, b1, b2))
     return w1, w2, b1, b2
 
 
@@ -177,11 +175,7 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
     if reason is not None:
         return _fallback(module, reason, hidden_states, top_k_index, top_k_weights)
     activation, interleaved = spec
-    x, dtype = hidden_states, None
-    if torch.is_autocast_enabled(x.device.type):  # the experts run in the autocast dtype, like nn.Linear
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x = x.to(dtype)
-    w1, w2, b1, b2 = _weights(module, dtype)
+    x, w1, w2, b1, b2 = autocast_operands(hidden_states, *_weights(module))
     config = _with_activation(getattr(module, "moeblaze_config", DEFAULT), activation)
     # ids >= num_experts are expert parallelism's sentinels (skipped); a negative one is refused, as eager does
     fail_if((top_k_index < 0).any(), f"an expert id is negative: the ids must be in [0, {module.num_experts}), or "

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..args import check_bool, check_choice, check_int
-from ..experts import moe_experts
+from ..experts import autocast_operands, moe_experts
 from ..experts.schedule import BLOCK_M
 from ..recipe import DEFAULT, ExpertsConfig, from_legacy
 from ..reference import up_width
@@ -57,11 +57,7 @@ class Experts(nn.Module):
 
     def operands(self, x_LD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x, w1, w2) as the kernels take them: in the autocast dtype where autocast is on, like nn.Linear."""
-        w1, w2 = self.weights()
-        if torch.is_autocast_enabled(x_LD.device.type):
-            dt = torch.get_autocast_dtype(x_LD.device.type)
-            x_LD, w1, w2 = x_LD.to(dt), w1.to(dt), w2.to(dt)
-        return x_LD, w1, w2
+        return autocast_operands(x_LD, *self.weights())
 
     def forward(self, x_LD: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor,
                 routing=None) -> torch.Tensor:
