@@ -9,6 +9,8 @@ FSDP2's gradient divide factor is left at its default (gloo has no PREMUL_SUM, w
 needs): every gradient is then the mean over ranks on both sides. Under this parallelization the router gates'
 gradients come out at round-off (~1e-12) for torchtitan's own experts as for moeblaze's; they are checked to be
 so on both sides."""
+import types
+
 import pytest
 import torch
 
@@ -38,8 +40,10 @@ def _parallelized(converters, world, ep, folder):
                                spmd_backend="partial_dtensor")
     dims = parallel_dims.ParallelDims.from_config(config, world)
     dims.build_mesh()
+    spec = model_config("qwen3", converters, narrow=True)
+    spec.update_from_config(config=types.SimpleNamespace(parallelism=config))  # as torchtitan's trainer: EP sharding
     with torch.device("meta"):
-        model = model_config("qwen3", converters, narrow=True).build()
+        model = spec.build()
     model = parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"),
                               parallelism=config, compile_config=CompileConfig(), ac_config=SelectiveAC.Config(),
                               dump_folder=folder)
@@ -50,13 +54,14 @@ def _parallelized(converters, world, ep, folder):
     return model
 
 
-def _body(rank, world, errors, ep, folder):
+def _body(rank, world, errors, ep, folder, ep_dispatch="torchtitan"):
     from moeblaze import ExpertsConfig
     from moeblaze.integrations.torchtitan import MoeblazeConverter, MoeblazeRoutedExperts
     from titan import fp32_default
 
     default = fp32_default(_parallelized([], world, ep, folder))
-    ours = _parallelized([MoeblazeConverter.Config(experts=ExpertsConfig(backend="triton"))], world, ep, folder)
+    ours = _parallelized([MoeblazeConverter.Config(experts=ExpertsConfig(backend="triton"), ep_dispatch=ep_dispatch)],
+                         world, ep, folder)
     routed = [m for m in ours.modules() if isinstance(m, MoeblazeRoutedExperts)]
     if not routed or any((m.token_dispatcher.ep_mesh is not None) != (ep > 1) for m in routed):
         errors.put(f"rank {rank}: {len(routed)} MoeblazeRoutedExperts, EP mesh "
@@ -89,3 +94,10 @@ def _body(rank, world, errors, ep, folder):
 @pytest.mark.parametrize("ep", [1, 2])
 def test_fsdp2_and_expert_parallelism_equal_torchtitans_experts(ep, tmp_path):
     run_ranks(_body, 2, ep, str(tmp_path))
+
+
+@pytest.mark.parametrize("dispatch", ["exact", "capacity"])
+def test_moeblazes_own_expert_parallelism_on_torchtitans_ep_mesh(dispatch, tmp_path):
+    """ep_dispatch="exact"/"capacity": moeblaze's ep_experts over torchtitan's EP mesh in place of its dispatcher
+    (no row dropped at these sizes, capacity 1.25x)."""
+    run_ranks(_body, 2, 2, str(tmp_path), dispatch)

@@ -128,6 +128,10 @@ def test_dcp_checkpoints_interchange(tmp_path):
     (lambda: MoeblazeConverter.Config(experts=ExpertsConfig(precision="fp8", fp8_weight_cache=True)),
      "fp8_weight_cache"),
     (lambda: MoeblazeConverter.Config(experts="recompute"), "ExpertsConfig"),
+    (lambda: MoeblazeConverter.Config(ep_dispatch="deepep"), "ep_dispatch"),
+    (lambda: MoeblazeConverter.Config(ep_dispatch="capacity", on_overflow="grow"), "on_overflow"),
+    (lambda: MoeblazeConverter.Config(ep_dispatch="capacity", capacity_factor=0.0), "capacity_factor"),
+    (lambda: MoeblazeConverter.Config(experts=ExpertsConfig(backend="reference"), ep_dispatch="exact"), "reference"),
 ])
 def test_converter_options_are_checked(make, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -153,6 +157,17 @@ def test_tensor_parallelism_is_refused_by_name():
     experts = next(m for m in ours.modules() if isinstance(m, MoeblazeRoutedExperts))
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
         experts.parallelize(types.SimpleNamespace(tp_enabled=True, etp_enabled=False))
+
+
+def test_moeblaze_ep_refuses_experts_the_ep_mesh_did_not_shard():
+    """ep_dispatch="exact" on an EP mesh of 2 whose rank holds all 8 experts (a model config built without
+    update_from_config(parallelism)): one clear error, not every row sent to rank 0."""
+    ours = build(model_config("qwen3", [MoeblazeConverter.Config(ep_dispatch="exact")]))
+    for m in ours.modules():
+        if isinstance(m, MoeblazeRoutedExperts):
+            m.token_dispatcher.ep_mesh = types.SimpleNamespace(size=lambda: 2, get_group=lambda: None)
+    with pytest.raises(RuntimeError, match="did not shard"):
+        ours(torch.randint(0, 100, (1, 8)))
 
 
 def test_torchtitans_block_compile_with_moeblaze_inside():

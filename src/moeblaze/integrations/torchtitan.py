@@ -16,7 +16,10 @@ Without expert parallelism a layer is moeblaze's fused op on the routing index: 
 tokens, the scores applied in the combine in fp32, SwiGLU in the up GEMM's epilogue, the ExpertsConfig's
 checkpoint policy and precision; w1 (gate) and w3 (up) are W1's two parts (moe_experts). Under torchtitan's
 expert parallelism (an EP mesh), torchtitan's all-to-all dispatcher moves the routed rows and moeblaze's op
-computes the received rows, grouped by expert, in place of grouped_mm.
+computes the received rows, grouped by expert, in place of grouped_mm (ep_dispatch="torchtitan", the default); or
+moeblaze's own expert parallelism (moeblaze.distributed.ep_experts) moves the rows over torchtitan's EP mesh from the
+routing index instead of torchtitan's dispatcher (ep_dispatch="exact" or "capacity", with capacity_factor and
+on_overflow as ep_experts takes them; W1 = [w1 | w3] of the local experts is then a copy kept for backward).
 
 The experts compute in x's dtype (bf16 under FSDP2's mixed precision), or in autocast's where it is on;
 torchtitan's grouped_mm path casts to bf16 whatever x is.
@@ -38,6 +41,8 @@ import torch
 from ..experts import autocast_operands, moe_experts
 from ..recipe import DEFAULT, ExpertsConfig
 from ..routing import build_routing_index
+
+EP_DISPATCH = ("torchtitan", "exact", "capacity")
 
 try:
     from torch.distributed.tensor import DTensor
@@ -101,17 +106,45 @@ class MoeblazeRoutedExperts(RoutedExperts):
 
     @dataclass(kw_only=True, slots=True)
     class Config(RoutedExperts.Config):
-        pass
+        ep_dispatch: str = "torchtitan"
+        capacity_factor: float = 1.25
+        on_overflow: str = "error"
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.ep_dispatch, self.capacity_factor, self.on_overflow = (
+            config.ep_dispatch, config.capacity_factor, config.on_overflow)
 
     def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor, topk_expert_ids_BLK: torch.Tensor,
                 num_local_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        if getattr(self.token_dispatcher, "ep_mesh", None) is not None:
+        mesh = getattr(self.token_dispatcher, "ep_mesh", None)
+        if mesh is not None and self.ep_dispatch == "torchtitan":
             return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
         B, L, D = x_BLD.shape
         K = topk_expert_ids_BLK.shape[-1]
-        out = self.inner_experts.routed(x_BLD.reshape(B * L, D), topk_expert_ids_BLK.reshape(B * L, K),
-                                        topk_scores_BLK.reshape(B * L, K))
+        x_TD, ids_TK, scores_TK = (x_BLD.reshape(B * L, D), topk_expert_ids_BLK.reshape(B * L, K),
+                                   topk_scores_BLK.reshape(B * L, K))
+        if mesh is None:
+            out = self.inner_experts.routed(x_TD, ids_TK, scores_TK)
+        else:
+            out = self._moeblaze_ep(x_TD, ids_TK, scores_TK, mesh)
         return out.view(B, -1, D)
+
+    def _moeblaze_ep(self, x_TD, ids_TK, scores_TK, mesh) -> torch.Tensor:
+        """moeblaze's expert parallelism over torchtitan's EP mesh: this rank's experts are torchtitan's EP shard,
+        experts [r·E_loc, (r + 1)·E_loc) on the mesh's rank r, as ep_experts expects."""
+        from ..distributed import ep_experts
+
+        inner = self.inner_experts
+        x, w1, w2, w3 = autocast_operands(x_TD, _local(inner.w1_EFD), _local(inner.w2_EDF), _local(inner.w3_EFD))
+        if w1.shape[0] * mesh.size() != inner.num_experts:
+            raise RuntimeError(f"this rank holds {w1.shape[0]} of {inner.num_experts} experts over an EP mesh of "
+                               f"{mesh.size()}: torchtitan's expert parallelism did not shard them (was the model "
+                               "config's update_from_config called with the parallelism before building?)")
+        out = ep_experts(x, ids_TK, scores_TK.to(torch.float32), torch.cat((w1, w3), 1), w2, group=mesh.get_group(),
+                         config=inner.moeblaze_config, dispatch=self.ep_dispatch,
+                         capacity_factor=self.capacity_factor, on_overflow=self.on_overflow)
+        return out.to(x_TD.dtype)
 
     def parallelize(self, parallel_dims) -> None:
         if parallel_dims.tp_enabled or getattr(parallel_dims, "etp_enabled", False):
@@ -127,10 +160,25 @@ class MoeblazeConverter(ModelConfigConverter):
     class Config(ModelConfigConverter.Config):
         experts: ExpertsConfig = DEFAULT
         """moeblaze's recipe for the experts: checkpoint policy, backend, precision, chunk_tokens, index_method."""
+        ep_dispatch: str = "torchtitan"
+        """Under expert parallelism: "torchtitan" (its all-to-all dispatcher feeds moeblaze's op the received rows)
+        or moeblaze's own ("exact": every routed row; "capacity": a fixed number of rows per pair of ranks)."""
+        capacity_factor: float = 1.25
+        """ep_dispatch="capacity": rows per pair of ranks, as a multiple of the mean (ep_experts)."""
+        on_overflow: str = "error"
+        """ep_dispatch="capacity": a destination needing more rows, "error" or "drop" (ep_experts)."""
 
     def __init__(self, config: Config):
+        from ..distributed.ep import check_options
+
         self.config = config
         self.experts = check_experts_config(config.experts)
+        if config.ep_dispatch not in EP_DISPATCH:
+            raise ValueError(f"ep_dispatch must be one of {EP_DISPATCH}, got {config.ep_dispatch!r}")
+        if config.ep_dispatch != "torchtitan":
+            check_options(self.experts, config.ep_dispatch, config.on_overflow)
+            if not config.capacity_factor > 0:
+                raise ValueError(f"capacity_factor must be > 0, got {config.capacity_factor}")
 
     def convert(self, model_config):
         n = 0
@@ -146,6 +194,8 @@ class MoeblazeConverter(ModelConfigConverter):
                                  "torchtitan's local and all-to-all dispatchers (moe_comm_backend 'standard')")
             new = MoeblazeRoutedExperts.Config(
                 **{f.name: getattr(config, f.name) for f in fields(config) if f.name != "inner_experts"},
+                ep_dispatch=self.config.ep_dispatch, capacity_factor=self.config.capacity_factor,
+                on_overflow=self.config.on_overflow,
                 inner_experts=MoeblazeGroupedExperts.Config(
                     **{f.name: getattr(inner, f.name) for f in fields(inner)}, experts=self.experts))
             if parent is None:
