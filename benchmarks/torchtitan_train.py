@@ -14,6 +14,14 @@ over the timed steps. One JSON line per variant goes to stdout and to --results.
 Under torchrun (several GPUs): FSDP2 as torchtitan applies it (each block, then the root; bf16 parameters, fp32
 gradient reduction, no autocast; the LM head a unit of its own, gathered once for the loss chunks), --batch
 sequences per GPU; tokens/s over all GPUs, peak memory of rank 0.
+With --ep N: torchtitan's expert parallelism instead, by its own code (the model config's update_from_config with
+the parallelism, then the model's parallelize: the experts sharded over the EP mesh, its all-to-all dispatcher
+wired); FSDP2 is not applied then (torchtitan shards experts and the rest over different meshes per parameter,
+which torch 2.11's FSDP2 can't take): the other parameters are replicated in fp32 under bf16 autocast, as on one
+GPU, their gradients averaged over the ranks after backward, the experts' divided by the number of ranks (each
+rank's experts computed every rank's tokens), which is the gradient of the mean loss over all ranks' tokens.
+A variant NAME+exact or NAME+capacity runs moeblaze's own expert parallelism on that mesh (ep_dispatch).
+On the CPU (no GPU): gloo, fp32 without autocast, no memory figures; a check of the code path, not a benchmark.
 
 torchtitan 0.3.0's models import two FSDP names that torch 2.11 lacks; tests/titan.py (which builds the models
 here too) stubs them where missing (only torchtitan's FSDP wrapping uses them, not run here), and the rows name
@@ -33,6 +41,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import titan  # noqa: E402  (tests/titan.py: torchtitan's models as the tests build them)
 
@@ -50,15 +60,62 @@ def model_config(name: str, layers: int, variant: str):
 
     family, flavor = FLAVORS[name]
     registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
-    options = VARIANTS[variant]
-    converters = None if options is None else [MoeblazeConverter.Config(experts=ExpertsConfig(**options))]
+    base, _, ep_dispatch = variant.partition("+")
+    options = VARIANTS[base]
+    converters = None if options is None else [MoeblazeConverter.Config(experts=ExpertsConfig(**options),
+                                                                        ep_dispatch=ep_dispatch or "torchtitan")]
     config = registry(flavor, converters=converters).model
     config.layers = config.layers[:layers]
     return titan.sdpa(config)
 
 
-def build(config):
+def expert_parallel(config, ep: int):
+    """The model of config under torchtitan's expert parallelism over every rank (its own code; see the header)."""
+    import types
+
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    parallel_dims.device_type = DEVICE
+    set_spmd_backend("partial_dtensor")
+    parallelism = ParallelismConfig(data_parallel_shard_degree=dist.get_world_size(), expert_parallel_degree=ep,
+                                    spmd_backend="partial_dtensor")
+    dims = parallel_dims.ParallelDims.from_config(parallelism, dist.get_world_size())
+    dims.build_mesh()
+    config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+    with torch.device("meta"):
+        model = config.build()
+    model.parallelize(dims)
+    return model
+
+
+def average_gradients(model):
+    """After backward under --ep: the replicated parameters' gradients averaged over the ranks, the experts' (EP
+    shards, which computed every rank's tokens) divided by the number of ranks."""
+    world = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if hasattr(p.grad, "to_local"):
+            p.grad.div_(world)
+        else:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG if DEVICE == "cuda" else dist.ReduceOp.SUM)
+            if DEVICE != "cuda":  # gloo has no AVG
+                p.grad.div_(world)
+
+
+def build(config, ep: int = 1):
     torch.manual_seed(0)
+    if ep > 1:
+        model = expert_parallel(config, ep)
+        model.to_empty(device=DEVICE)
+        with torch.no_grad():
+            model.init_weights(buffer_device=torch.device(DEVICE))
+            for p in model.parameters():  # the replicated parameters start equal on every rank
+                if not hasattr(p, "to_local"):
+                    dist.broadcast(p, 0)
+        return model
     with torch.device("meta"):
         model = config.build()
     if dist.is_initialized():  # FSDP2 as torchtitan applies it: each block, then the root; bf16 params, fp32 grads
@@ -69,25 +126,25 @@ def build(config):
             fully_shard(block, mp_policy=mp)
         fully_shard(model.lm_head, mp_policy=mp, reshard_after_forward=False)  # gathered once for all loss chunks
         fully_shard(model, mp_policy=mp)
-    model.to_empty(device="cuda")
+    model.to_empty(device=DEVICE)
     with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cuda"))
+        model.init_weights(buffer_device=torch.device(DEVICE))
     return model
 
 
 def batches(vocab: int, batch: int, seq: int, n: int):
-    g = torch.Generator(device="cuda").manual_seed(1234 + (dist.get_rank() if dist.is_initialized() else 0))
+    g = torch.Generator(device=DEVICE).manual_seed(1234 + (dist.get_rank() if dist.is_initialized() else 0))
     for _ in range(n):
-        t = torch.randint(0, vocab, (batch, seq + 1), device="cuda", generator=g)
+        t = torch.randint(0, vocab, (batch, seq + 1), device=DEVICE, generator=g)
         yield t[:, :-1], t[:, 1:]
 
 
-def chunked_loss_step(model, x, y, chunks: int = 8) -> torch.Tensor:
+def chunked_loss_step(model, x, y, chunks: int = 8, fsdp: bool = False) -> torch.Tensor:
     """Forward and backward of the mean cross-entropy with the LM head and loss computed chunk by chunk over the
     sequence, as torchtitan's trainer does (ChunkedLossWrapper, 8 chunks): the (B, L, vocab) logits never exist
     whole. Under FSDP2 (several GPUs) its mixed precision instead of autocast, the LM head a unit of its own.
     """
-    amp = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16, enabled=not dist.is_initialized())
+    amp = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16, enabled=DEVICE == "cuda" and not fsdp)
     model._skip_lm_head = True
     with amp():
         h = model(x)
@@ -104,53 +161,69 @@ def chunked_loss_step(model, x, y, chunks: int = 8) -> torch.Tensor:
     return total
 
 
-def train(model, opt, vocab, batch, seq, steps, warmup):
+def synchronize():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def train(model, opt, vocab, batch, seq, steps, warmup, ep: int = 1):
     losses, t0 = [], None
+    fsdp = dist.is_initialized() and ep == 1
     for i, (x, y) in enumerate(batches(vocab, batch, seq, warmup + steps)):
         if i == warmup:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            synchronize()
+            if DEVICE == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-        loss = chunked_loss_step(model, x, y)
+        loss = chunked_loss_step(model, x, y, fsdp=fsdp)
+        if ep > 1:
+            average_gradients(model)
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-    torch.cuda.synchronize()
+    synchronize()
     dt = time.perf_counter() - t0
     return dt, [float(v) for v in losses]
 
 
-def profile(model, opt, vocab, batch, seq, path):
+def profile(model, opt, vocab, batch, seq, path, args):
     """Two steps under torch.profiler after one warm-up: the CUDA kernels by total time, to path."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    train(model, opt, vocab, batch, seq, 1, 0)
+    train(model, opt, vocab, batch, seq, 1, 0, args.ep)
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        train(model, opt, vocab, batch, seq, 2, 0)
+        train(model, opt, vocab, batch, seq, 2, 0, args.ep)
     with open(path, "w") as f:
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
 
 
 def run(args, variant: str, batch: int, steps: int, warmup: int):
     config = model_config(args.model, args.layers, variant)
-    model = build(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
+    model = build(config, args.ep)
+    sharded = [p for p in model.parameters() if hasattr(p, "to_local")]  # the EP shards (DTensors) under --ep
+    plain = [p for p in model.parameters() if not hasattr(p, "to_local")]
+    groups = [{"params": g} for g in (sharded, plain) if g]  # one fused AdamW call per group: no DTensor mixing
+    opt = torch.optim.AdamW(groups, lr=args.lr, fused=DEVICE == "cuda")
     vocab = model.tok_embeddings.num_embeddings
     try:
         if args.profile and steps > 2:
-            profile(model, opt, vocab, batch, args.seq, f"{args.profile}-{variant}.txt")
-        dt, losses = train(model, opt, vocab, batch, args.seq, steps, warmup)
+            profile(model, opt, vocab, batch, args.seq, f"{args.profile}-{variant}.txt", args)
+        dt, losses = train(model, opt, vocab, batch, args.seq, steps, warmup, args.ep)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        row = dict(variant=variant, batch=batch, seq=args.seq, steps=steps, world=world,
+        row = dict(variant=variant, batch=batch, seq=args.seq, steps=steps, world=world, ep=args.ep,
                    tokens_per_s=round(world * batch * args.seq * steps / dt), step_ms=round(1000 * dt / steps, 1),
-                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), loss_first=round(losses[0], 4),
+                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else None,
+                   loss_first=round(losses[0], 4),
                    loss_last=round(losses[-1], 4))
     except torch.OutOfMemoryError:
         row = dict(variant=variant, batch=batch, seq=args.seq, oom=True)
     del model, opt
     gc.collect()
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return row
 
 
@@ -164,7 +237,10 @@ def main():
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator)")
     p.add_argument("--lr", type=float, default=3e-4, help="AdamW's learning rate")
-    p.add_argument("--variants", default="default,preact,recompute", help="of " + ",".join(VARIANTS))
+    p.add_argument("--variants", default="default,preact,recompute",
+                   help="of " + ",".join(VARIANTS) + "; under --ep, NAME+exact or NAME+capacity: moeblaze's own EP")
+    p.add_argument("--ep", type=int, default=1, help="under torchrun: torchtitan's expert parallelism over EP ranks "
+                                                     "(every rank; no FSDP2, see the header)")
     p.add_argument("--max-batch", default="", help="also find the largest batch that fits among these sizes "
                                                    "(comma-separated, increasing), per variant")
     p.add_argument("--results", default=None, help="append the JSON rows to this file")
@@ -173,11 +249,15 @@ def main():
     from importlib.metadata import version
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: FSDP2 over every GPU, --batch per GPU
-        dist.init_process_group("nccl")
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
+        if DEVICE == "cuda":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if args.ep > 1 and not (dist.is_initialized() and dist.get_world_size() == args.ep):
+        p.error(f"--ep {args.ep} runs under torchrun with {args.ep} processes (expert parallelism over every rank)")
     say = print if not dist.is_initialized() or dist.get_rank() == 0 else (lambda *a, **k: None)
 
-    head = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, torchtitan=version("torchtitan"),
+    head = dict(gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
+                torchtitan=version("torchtitan"),
                 model=args.model, layers=args.layers, stubbed=titan.STUBBED)
     say(json.dumps(head), flush=True)
     rows = []

@@ -6,7 +6,8 @@ experts computed in fp32 (its grouped_mm casts to bf16) as the reference. Also t
 torchtitan 0.3.0 imports two names that torch 2.11's FSDP lacks (torch.distributed.fsdp.DataParallelMeshDims,
 torch.distributed.fsdp._fully_shard._fsdp_common.ShardPlacementResult), used only by its FSDP wrapping, which
 nothing here runs: where torch lacks them they are stubbed before torchtitan's models are imported (STUBBED
-names them)."""
+names them); so is torchtitan.trainer's Trainer where HuggingFace datasets is missing (update_from_config imports
+it for an isinstance check only)."""
 import dataclasses
 import importlib
 import types
@@ -25,7 +26,30 @@ def _stub_missing_fsdp_names() -> list[str]:
     return stubbed
 
 
-STUBBED = _stub_missing_fsdp_names()
+def _stub_trainer_without_datasets() -> list[str]:
+    """torchtitan.trainer, which the model configs' update_from_config imports only for an isinstance check,
+    imports HuggingFace `datasets`; where that is missing (the GPU machine), a stand-in with that one name."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("datasets") is not None or "torchtitan.trainer" in sys.modules:
+        return []
+    stub = types.ModuleType("torchtitan.trainer")
+    stub.Trainer = type("Trainer", (), {"Config": type("Config", (), {})})
+    sys.modules["torchtitan.trainer"] = stub
+    return ["torchtitan.trainer.Trainer (no datasets)"]
+
+
+def _stub_non_strict_tracing() -> list[str]:
+    """torchtitan 0.3's token dispatchers ask torch.compiler._is_non_strict_tracing() (torch >= 2.13); on an older
+    torch nothing traces non-strict: False."""
+    if hasattr(torch.compiler, "_is_non_strict_tracing"):
+        return []
+    torch.compiler._is_non_strict_tracing = lambda: False
+    return ["torch.compiler._is_non_strict_tracing"]
+
+
+STUBBED = _stub_missing_fsdp_names() + _stub_trainer_without_datasets() + _stub_non_strict_tracing()
 from torchtitan.models import deepseek_v3, qwen3  # noqa: E402
 from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
