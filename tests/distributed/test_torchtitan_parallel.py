@@ -1,8 +1,9 @@
-"""moeblaze's experts under torchtitan's own parallelization (parallelize_qwen3 on 2 CPU processes, gloo): FSDP2
-over both ranks, and FSDP2 with expert parallelism 2 (torchtitan's all-to-all dispatcher feeding moeblaze's op
-the received rows). Each rank's logits and every parameter's gradient (whole, across the ranks) equal torchtitan's
-own experts under the same parallelization, in fp32 (its experts computed in fp32), on torchtitan's Qwen3 builder
-at interpreter widths; the expert-bias state after an optimizer step too.
+"""moeblaze's experts under torchtitan's own parallelization (parallelize_qwen3 on 2 CPU processes, gloo; and its
+pipeline parallelism, pipeline_llm, last test): FSDP2 over both ranks, and FSDP2 with expert parallelism 2
+(torchtitan's all-to-all dispatcher feeding moeblaze's op the received rows, or moeblaze's own ep_experts).
+Each rank's logits and every parameter's gradient (whole, across the ranks) equal torchtitan's own experts under
+the same parallelization, in fp32 (its experts computed in fp32), on torchtitan's Qwen3 builder at interpreter
+widths; the expert-bias state after an optimizer step too.
 
 Two adaptations to the CPU, the same for both sides: torchtitan's device is set to "cpu" (it assumes CUDA), and
 FSDP2's gradient divide factor is left at its default (gloo has no PREMUL_SUM, which torchtitan's factor of 1
@@ -101,3 +102,88 @@ def test_moeblazes_own_expert_parallelism_on_torchtitans_ep_mesh(dispatch, tmp_p
     """ep_dispatch="exact"/"capacity": moeblaze's ep_experts over torchtitan's EP mesh in place of its dispatcher
     (no row dropped at these sizes, capacity 1.25x)."""
     run_ranks(_body, 2, 2, str(tmp_path), dispatch)
+
+
+def _pipelined(converters, folder):
+    """torchtitan's pipeline_llm over the two ranks (1F1B, one layer per stage, microbatches of 1 sequence), each
+    stage parallelized by parallelize_qwen3, as its trainer does; (schedule, this rank's model part, first, last)."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.qwen3 import parallelize_qwen3
+
+    from titan import model_config
+
+    parallel_dims.device_type = "cpu"
+    set_spmd_backend("partial_dtensor")
+    FSDPModule.set_gradient_divide_factor = lambda self, factor: None
+    config = ParallelismConfig(pipeline_parallel_degree=2, pipeline_parallel_schedule="1F1B",
+                               pipeline_parallel_microbatch_size=1, spmd_backend="partial_dtensor")
+    dims = parallel_dims.ParallelDims.from_config(config, 2)
+    dims.build_mesh()
+    spec = model_config("qwen3", converters, narrow=True)
+    spec.update_from_config(config=types.SimpleNamespace(parallelism=config))
+    with torch.device("meta"):
+        model = spec.build()
+    training = TrainingConfig(local_batch_size=2, seq_len=16, mixed_precision_param="float32")
+
+    def loss_fn(pred, labels):  # torchtitan's loss functions return (loss, the tokens it counted)
+        return torch.nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten()), labels.numel()
+
+    schedule, parts, first, last = pipeline_llm(
+        model, parallel_dims=dims, training=training, parallelism=config, compile_config=CompileConfig(),
+        ac_config=SelectiveAC.Config(), dump_folder=folder, device=torch.device("cpu"), model_config=spec,
+        parallelize_fn=parallelize_qwen3, loss_fn=loss_fn)
+    (part,) = parts
+    part.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        part.init_weights(buffer_device=torch.device("cpu"))
+    return schedule, part, first, last
+
+
+def _pp_body(rank, world, errors, folder):
+    from moeblaze import ExpertsConfig
+    from moeblaze.integrations.torchtitan import MoeblazeConverter, MoeblazeRoutedExperts
+    from titan import fp32_default
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 2048, (2, 16), generator=g), torch.randint(0, 2048, (2, 16), generator=g)
+    runs = []
+    for converters in ([], [MoeblazeConverter.Config(experts=ExpertsConfig(backend="triton"))]):
+        schedule, part, first, last = _pipelined(converters, folder)
+        fp32_default(part)
+        if runs:
+            part.load_state_dict(runs[0][0].state_dict())
+            if not any(isinstance(m, MoeblazeRoutedExperts) for m in part.modules()):
+                errors.put(f"rank {rank}: its stage has no moeblaze experts")
+        losses = []
+        if first:
+            schedule.step(x, target=y if last else None, losses=losses)
+        else:
+            schedule.step(target=y if last else None, losses=losses)
+        runs.append((part, losses, last))
+    (default, losses_a, last), (ours, losses_b, _) = runs
+    if last:
+        err = max(abs(float(a) - float(b)) / abs(float(a)) for a, b in zip(losses_a, losses_b))
+        if not (len(losses_a) == 2 and err <= TOL):
+            errors.put(f"rank {rank}: microbatch losses {losses_a} against {losses_b}")
+    for (name, a), (_, b) in zip(default.named_parameters(), ours.named_parameters()):
+        ga, gb = (g.full_tensor() if hasattr(g, "full_tensor") else g for g in (a.grad, b.grad))
+        if float(ga.norm()) < ZERO:
+            if not float(gb.norm()) < ZERO:
+                errors.put(f"rank {rank}: {name}'s gradient is {float(gb.norm())}, torchtitan's {float(ga.norm())}")
+            continue
+        err = float((gb - ga).norm() / ga.norm())
+        if not err <= TOL:
+            errors.put(f"rank {rank}: {name}'s gradient differs by {err}")
+
+
+def test_pipeline_parallelism_equals_torchtitans_experts(tmp_path):
+    """torchtitan's pipeline parallelism (pipeline_llm, 2 stages of one layer, 1F1B) with moeblaze's experts in the
+    stages: the microbatch losses and every gradient of each stage equal torchtitan's experts under the same
+    schedule."""
+    run_ranks(_pp_body, 2, str(tmp_path))

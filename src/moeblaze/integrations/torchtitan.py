@@ -27,7 +27,8 @@ torchtitan's grouped_mm path casts to bf16 whatever x is.
 Refused by name: tensor parallelism (at parallelize), experts other than GroupedExperts (gpt-oss's, ones another
 converter made), dispatchers other than the local and all-to-all ones (DeepEP, HybridEP, the padded one for
 torchao), an activation other than SwiGLU, fp8_weight_cache (FSDP2 gathers the weights anew every step).
-Pipeline parallelism builds stages of whole layers; it is not tested with moeblaze's experts.
+Pipeline parallelism (torchtitan's pipeline_llm) splits whole layers into stages and runs with moeblaze's experts
+in them unchanged.
 
 Memory contract: per MoE layer call, the routing index (O(T·K) int32), W1 = [w1 | w3] as a transient (E·2F·D
 elements, in forward and again in backward, never kept), and what moe_experts keeps under the checkpoint policy.
