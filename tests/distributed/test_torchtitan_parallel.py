@@ -55,6 +55,19 @@ def _parallelized(converters, world, ep, folder):
     return model
 
 
+def _compare_gradients(rank, errors, default, ours) -> None:
+    """Every parameter's gradient of ours (whole, across the ranks) against torchtitan's experts' (default)."""
+    for (name, a), (_, b) in zip(default.named_parameters(), ours.named_parameters()):
+        ga, gb = (g.full_tensor() if hasattr(g, "full_tensor") else g for g in (a.grad, b.grad))
+        if float(ga.norm()) < ZERO:  # a gradient torchtitan's own experts leave at round-off: ours too
+            if not float(gb.norm()) < ZERO:
+                errors.put(f"rank {rank}: {name}'s gradient is {float(gb.norm())}, torchtitan's {float(ga.norm())}")
+            continue
+        err = float((gb - ga).norm() / ga.norm())
+        if not err <= TOL:
+            errors.put(f"rank {rank}: {name}'s gradient differs by {err}")
+
+
 def _body(rank, world, errors, ep, folder, ep_dispatch="torchtitan"):
     from moeblaze import ExpertsConfig
     from moeblaze.integrations.torchtitan import MoeblazeConverter, MoeblazeRoutedExperts
@@ -77,15 +90,7 @@ def _body(rank, world, errors, ep, folder, ep_dispatch="torchtitan"):
     err = float((logits[1] - logits[0]).norm() / logits[0].norm())
     if not err <= TOL:
         errors.put(f"rank {rank}: logits differ by {err}")
-    for (name, a), (_, b) in zip(default.named_parameters(), ours.named_parameters()):
-        ga, gb = (g.full_tensor() if hasattr(g, "full_tensor") else g for g in (a.grad, b.grad))
-        if float(ga.norm()) < ZERO:  # a gradient torchtitan's own experts leave at round-off: ours too
-            if not float(gb.norm()) < ZERO:
-                errors.put(f"rank {rank}: {name}'s gradient is {float(gb.norm())}, torchtitan's {float(ga.norm())}")
-            continue
-        err = float((gb - ga).norm() / ga.norm())
-        if not err <= TOL:
-            errors.put(f"rank {rank}: {name}'s gradient differs by {err}")
+    _compare_gradients(rank, errors, default, ours)
     counts = [[m.tokens_per_expert_E.clone() for m in model.modules() if type(m).__name__ == "MoE"]
               for model in (default, ours)]
     if not all(torch.equal(a, b) for a, b in zip(*counts)):
@@ -171,15 +176,7 @@ def _pp_body(rank, world, errors, folder):
         err = max(abs(float(a) - float(b)) / abs(float(a)) for a, b in zip(losses_a, losses_b))
         if not (len(losses_a) == 2 and err <= TOL):
             errors.put(f"rank {rank}: microbatch losses {losses_a} against {losses_b}")
-    for (name, a), (_, b) in zip(default.named_parameters(), ours.named_parameters()):
-        ga, gb = (g.full_tensor() if hasattr(g, "full_tensor") else g for g in (a.grad, b.grad))
-        if float(ga.norm()) < ZERO:
-            if not float(gb.norm()) < ZERO:
-                errors.put(f"rank {rank}: {name}'s gradient is {float(gb.norm())}, torchtitan's {float(ga.norm())}")
-            continue
-        err = float((gb - ga).norm() / ga.norm())
-        if not err <= TOL:
-            errors.put(f"rank {rank}: {name}'s gradient differs by {err}")
+    _compare_gradients(rank, errors, default, ours)
 
 
 def test_pipeline_parallelism_equals_torchtitans_experts(tmp_path):
