@@ -71,21 +71,11 @@ def model_config(name: str, layers: int, variant: str):
 
 def expert_parallel(config, ep: int):
     """The model of config under torchtitan's expert parallelism over every rank (its own code; see the header)."""
-    import types
-
-    import torchtitan.distributed.parallel_dims as parallel_dims
     from torchtitan.config import ParallelismConfig
-    from torchtitan.distributed.utils import set_spmd_backend
 
-    parallel_dims.device_type = DEVICE
-    set_spmd_backend("partial_dtensor")
     parallelism = ParallelismConfig(data_parallel_shard_degree=dist.get_world_size(), expert_parallel_degree=ep,
                                     spmd_backend="partial_dtensor")
-    dims = parallel_dims.ParallelDims.from_config(parallelism, dist.get_world_size())
-    dims.build_mesh()
-    config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
-    with torch.device("meta"):
-        model = config.build()
+    model, dims = titan.parallel_build(config, parallelism, dist.get_world_size(), DEVICE)
     model.parallelize(dims)
     return model
 

@@ -92,6 +92,23 @@ def model_config(family: str, converters=(), narrow: bool = False):
     return config
 
 
+def parallel_build(config, parallelism, world: int, device: str):
+    """(the model of config on the meta device, torchtitan's ParallelDims for parallelism over world ranks, its mesh
+    built), set up as torchtitan's trainer does: its device type and SPMD backend, and the config updated with the
+    parallelism first (update_from_config, which is what shards the experts under expert parallelism)."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.distributed.utils import set_spmd_backend
+
+    parallel_dims.device_type = device
+    set_spmd_backend(parallelism.spmd_backend)
+    dims = parallel_dims.ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
+    with torch.device("meta"):
+        model = config.build()
+    return model, dims
+
+
 def build(config, seed=0, device="cpu"):
     torch.manual_seed(seed)
     with torch.device("meta"):

@@ -10,8 +10,6 @@ FSDP2's gradient divide factor is left at its default (gloo has no PREMUL_SUM, w
 needs): every gradient is then the mean over ranks on both sides. Under this parallelization the router gates'
 gradients come out at round-off (~1e-12) for torchtitan's own experts as for moeblaze's; they are checked to be
 so on both sides."""
-import types
-
 import pytest
 import torch
 
@@ -24,27 +22,17 @@ ZERO = 1e-9  # the router gates' gradients come out ~1e-12 here on both sides (3
 
 
 def _parallelized(converters, world, ep, folder):
-    import torchtitan.distributed.parallel_dims as parallel_dims
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.models.qwen3 import parallelize_qwen3
 
-    from titan import model_config
+    from titan import model_config, parallel_build
 
-    from torchtitan.distributed.utils import set_spmd_backend
-
-    parallel_dims.device_type = "cpu"
-    set_spmd_backend("partial_dtensor")
     FSDPModule.set_gradient_divide_factor = lambda self, factor: None
     config = ParallelismConfig(data_parallel_shard_degree=world, expert_parallel_degree=ep,
                                spmd_backend="partial_dtensor")
-    dims = parallel_dims.ParallelDims.from_config(config, world)
-    dims.build_mesh()
-    spec = model_config("qwen3", converters, narrow=True)
-    spec.update_from_config(config=types.SimpleNamespace(parallelism=config))  # as torchtitan's trainer: EP sharding
-    with torch.device("meta"):
-        model = spec.build()
+    model, dims = parallel_build(model_config("qwen3", converters, narrow=True), config, world, "cpu")
     model = parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"),
                               parallelism=config, compile_config=CompileConfig(), ac_config=SelectiveAC.Config(),
                               dump_folder=folder)
@@ -112,27 +100,19 @@ def test_moeblazes_own_expert_parallelism_on_torchtitans_ep_mesh(dispatch, tmp_p
 def _pipelined(converters, folder):
     """torchtitan's pipeline_llm over the two ranks (1F1B, one layer per stage, microbatches of 1 sequence), each
     stage parallelized by parallelize_qwen3, as its trainer does; (schedule, this rank's model part, first, last)."""
-    import torchtitan.distributed.parallel_dims as parallel_dims
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
-    from torchtitan.distributed.utils import set_spmd_backend
     from torchtitan.models.qwen3 import parallelize_qwen3
 
-    from titan import model_config
+    from titan import model_config, parallel_build
 
-    parallel_dims.device_type = "cpu"
-    set_spmd_backend("partial_dtensor")
     FSDPModule.set_gradient_divide_factor = lambda self, factor: None
     config = ParallelismConfig(pipeline_parallel_degree=2, pipeline_parallel_schedule="1F1B",
                                pipeline_parallel_microbatch_size=1, spmd_backend="partial_dtensor")
-    dims = parallel_dims.ParallelDims.from_config(config, 2)
-    dims.build_mesh()
     spec = model_config("qwen3", converters, narrow=True)
-    spec.update_from_config(config=types.SimpleNamespace(parallelism=config))
-    with torch.device("meta"):
-        model = spec.build()
+    model, dims = parallel_build(spec, config, 2, "cpu")
     training = TrainingConfig(local_batch_size=2, seq_len=16, mixed_precision_param="float32")
 
     def loss_fn(pred, labels):  # torchtitan's loss functions return (loss, the tokens it counted)

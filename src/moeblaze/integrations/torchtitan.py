@@ -40,10 +40,11 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..experts import autocast_operands, moe_experts
+from ..distributed.ep import DISPATCHES, check_options
 from ..recipe import DEFAULT, ExpertsConfig
 from ..routing import build_routing_index
 
-EP_DISPATCH = ("torchtitan", "exact", "capacity")
+EP_DISPATCH = ("torchtitan", *DISPATCHES)
 
 try:
     from torch.distributed.tensor import DTensor
@@ -85,9 +86,14 @@ class MoeblazeGroupedExperts(GroupedExperts):
         super().__init__(config)
         self.moeblaze_config = check_experts_config(config.experts)
 
+    def operands(self, x_TD: torch.Tensor) -> tuple:
+        """(x, w1, w2, w3) as the op takes them: this rank's experts (the EP shard's local part), in autocast's
+        dtype where it is on."""
+        return autocast_operands(x_TD, _local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD))
+
     def routed(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor) -> torch.Tensor:
         """sum_k scores[t, k] · expert_{ids[t, k]}(x[t]): (T, D) in x's dtype."""
-        x, w1, w2, w3 = autocast_operands(x_TD, _local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD))
+        x, w1, w2, w3 = self.operands(x_TD)
         config = self.moeblaze_config
         routing = build_routing_index(expert_ids_TK, w1.shape[0], config.index_method, check=False)
         out = moe_experts(x, routing, scores_TK.to(torch.float32), (w1, w3), w2, config=config, check=False)
@@ -137,7 +143,7 @@ class MoeblazeRoutedExperts(RoutedExperts):
         from ..distributed import ep_experts
 
         inner = self.inner_experts
-        x, w1, w2, w3 = autocast_operands(x_TD, _local(inner.w1_EFD), _local(inner.w2_EDF), _local(inner.w3_EFD))
+        x, w1, w2, w3 = inner.operands(x_TD)
         if w1.shape[0] * mesh.size() != inner.num_experts:
             raise RuntimeError(f"this rank holds {w1.shape[0]} of {inner.num_experts} experts over an EP mesh of "
                                f"{mesh.size()}: torchtitan's expert parallelism did not shard them (was the model "
@@ -170,8 +176,6 @@ class MoeblazeConverter(ModelConfigConverter):
         """ep_dispatch="capacity": a destination needing more rows, "error" or "drop" (ep_experts)."""
 
     def __init__(self, config: Config):
-        from ..distributed.ep import check_options
-
         self.config = config
         self.experts = check_experts_config(config.experts)
         if config.ep_dispatch not in EP_DISPATCH:
