@@ -121,7 +121,10 @@ def build(config, seed=0, device="cpu"):
 
 def _fp32_grouped_experts(self, x_RD, counts_E):
     """GroupedExperts.forward in x's dtype (its own casts to bf16 taken out), expert by expert."""
+    # unbind, not w[e]: one backward node stacks the experts' gradients (indexing would zero-fill a whole weight
+    # gradient per expert)
     w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+    w1, w2, w3 = w1.unbind(0), w2.unbind(0), w3.unbind(0)
     outs, start = [x_RD[:0]], 0
     for e, n in enumerate(counts_E.tolist()):
         x = x_RD[start:start + n]

@@ -78,13 +78,15 @@ def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device
         ms = _median_ms(lambda i, fn=fn: fn(), dev, iters)
         # what its last launch used: a tl config, or a Gluon kernel where the stage went there
         config = None if tuner is None else (str(tuner.best_config) if tuner.best_config else "gluon")
-        rows.append((name, ms, _host_us(fn, dev), flops / ms / 1e9 if flops else None, config, trials))
+        host_us = _host_us(fn, dev, 20 if dev.type == "cuda" else iters)
+        rows.append((name, ms, host_us, flops / ms / 1e9 if flops else None, config, trials))
     return rows
 
 
-def _host_us(fn, dev: torch.device, n: int = 20) -> float:
-    """Host time of one call (Python, argument handling, launches), without waiting for the GPU: a
-    step whose summed host time nears its GPU time is launch-bound."""
+def _host_us(fn, dev: torch.device, n: int) -> float:
+    """Host time of one call over n calls (Python, argument handling, launches), without waiting for the GPU: a
+    step whose summed host time nears its GPU time is launch-bound. (On the CPU the host time is the run time:
+    --iters calls measure it.)"""
     if dev.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()

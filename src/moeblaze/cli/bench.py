@@ -26,8 +26,9 @@ from .report import slug
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=None,
-                   help="named configs, from A-E (see README); default all five unless --config, --scale or --dispatch "
-                        "is given")
+                   help="comma list of named configs (L,d,h,E,K): "
+                        + "; ".join(f"{k} {','.join(map(str, v))}" for k, v in CONFIGS.items())
+                        + ". Default all five unless --config, --scale or --dispatch is given")
     p.add_argument("--config", action="append", default=[], metavar="L,d,h,E,K", help="extra config (repeatable)")
     p.add_argument("--impls", default=None,
                    help=f"comma list from {','.join(IMPLS)} (default: all available but the moeblaze-<backend> ones, "

@@ -4,7 +4,7 @@
 
 (the biases b1, b2 are optional).
 
-Loops over experts, gathers each expert's tokens, and accumulates the weighted expert outputs in fp32
+Gathers every expert's tokens at once, loops over experts, and accumulates the weighted expert outputs in fp32
 (or fp64 for fp64 inputs). Differentiable in x, w1, w2 and topk_w through autograd. It is the
 reference every kernel is checked against, and is slow and memory-hungry by design: it keeps every
 intermediate for backward and synchronizes with the host (one nonzero per expert).
@@ -60,29 +60,34 @@ def moe_experts_reference(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_
     L, D = x_LD.shape
     E = w1_EFD.shape[0]
     acc_dtype = torch.float64 if x_LD.dtype == torch.float64 else torch.float32
+    # unbind, not w[e]: one backward node stacks the experts' weight gradients (indexing would zero-fill a whole
+    # gradient per expert). Experts without tokens are not skipped: they add nothing, keep an empty batch in the
+    # autograd graph (zero gradients) and leave no data-dependent branch to break torch.compile's graph.
+    w1s, w2s = w1_EFD.unbind(0), w2_EDH.unbind(0)
+    b1s = (None,) * E if b1_EF is None else b1_EF.unbind(0)
+    b2s = (None,) * E if b2_ED is None else b2_ED.unbind(0)
+    # Each expert's (token, slot) pairs, then one gather of x for all of them (one backward scatter, not E).
+    pairs = [(topk_idx_LK == e).nonzero(as_tuple=True) for e in range(E)]
+    toks = [tok for tok, _ in pairs]
+    xs = x_LD[torch.cat(toks)].split([len(tok) for tok in toks])
     out_LD = x_LD.new_zeros((L, D), dtype=acc_dtype)
-    # Experts without tokens are not skipped: they add nothing, keep an empty batch in the autograd graph (zero
-    # gradients) and leave no data-dependent branch to break torch.compile's graph.
-    for e in range(E):
-        tok, slot = (topk_idx_LK == e).nonzero(as_tuple=True)
-        h = x_LD[tok] @ w1_EFD[e].t()
-        if b1_EF is not None:
-            h = h + b1_EF[e]
+    for e, ((tok_e, slot_e), x_e) in enumerate(zip(pairs, xs)):
+        s_e = topk_w_LK[tok_e, slot_e]
         if fp8_gemms:
-            out_LD = out_LD.index_add(0, tok, _Fp8GemmExpert.apply(
-                x_LD[tok], w1_EFD[e], w2_EDH[e], None if b1_EF is None else b1_EF[e],
-                None if b2_ED is None else b2_ED[e], topk_w_LK[tok, slot], activation, interleaved, acc_dtype,
-                preact_fp8))
+            out_LD.index_add_(0, tok_e, _Fp8GemmExpert.apply(x_e, w1s[e], w2s[e], b1s[e], b2s[e], s_e, activation,
+                                                              interleaved, acc_dtype, preact_fp8))
             continue
+        h = x_e @ w1s[e].t()
+        if b1s[e] is not None:
+            h = h + b1s[e]
         if preact_fp8:
-            out_LD = out_LD.index_add(0, tok, _TailFromFp8Preact.apply(
-                h, w2_EDH[e], None if b2_ED is None else b2_ED[e], topk_w_LK[tok, slot], activation, interleaved,
-                acc_dtype))
+            out_LD.index_add_(0, tok_e, _TailFromFp8Preact.apply(h, w2s[e], b2s[e], s_e, activation, interleaved,
+                                                                  acc_dtype))
             continue
-        y = apply_activation(h, activation, interleaved) @ w2_EDH[e].t()
-        if b2_ED is not None:
-            y = y + b2_ED[e]
-        out_LD = out_LD.index_add(0, tok, y.to(acc_dtype) * topk_w_LK[tok, slot, None].to(acc_dtype))
+        y = apply_activation(h, activation, interleaved) @ w2s[e].t()
+        if b2s[e] is not None:
+            y = y + b2s[e]
+        out_LD.index_add_(0, tok_e, y.to(acc_dtype) * s_e[:, None].to(acc_dtype))
     return out_LD.to(x_LD.dtype)
 
 
