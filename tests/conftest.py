@@ -13,10 +13,9 @@ def pytest_configure(config):
     import triton.language.core as core  # after the switch above
 
     _CORE.update(vars(core))
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        from helpers import patch_builtins_by_name
+    from helpers import patch_builtins_by_name
 
-        patch_builtins_by_name()
+    patch_builtins_by_name()
 
 
 # triton.language.core's functions as imported, before any kernel ran under the interpreter

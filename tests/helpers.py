@@ -56,9 +56,7 @@ def _rank_entry(rank, world, port, body, args, errors):
 
     import torch.distributed as dist
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        patch_builtins_by_name()
-
+    patch_builtins_by_name()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -98,8 +96,12 @@ def patch_builtins_by_name():
     kernel's helpers included, and finds them each time by inspect.getmembers over the whole module: a third of the
     interpreted kernels' time on this suite. The same patching by a list of the builtins' names, made once from the
     untouched modules; which attributes get patched, and how, is unchanged (a name is patched where it still holds a
-    builtin, as inspect.getmembers would have found it)."""
+    builtin, as inspect.getmembers would have found it). Only under the interpreter (TRITON_INTERPRET=1)."""
     import inspect
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
 
     from triton.runtime import interpreter
 
