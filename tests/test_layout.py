@@ -104,13 +104,18 @@ def test_nothing_outside_the_package_imports_its_private_names():
 
 
 def test_import_moeblaze_loads_the_library_only():
-    """`import moeblaze` loads the layers, the op, the routing and the reference: not the benchmark harness, the
-    command line, the integrations or torch.distributed's side (each imports its own, when asked for)."""
+    """`import moeblaze` loads neither torch nor any part of the package (the `moeblaze` command sets OpenMP's
+    options before torch loads); its first name used loads the layers, the op, the routing and the reference: not
+    the benchmark harness, the command line, the integrations or torch.distributed's side (each imports its own,
+    when asked for)."""
     import subprocess
     import sys
 
-    code = "import sys, moeblaze; print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('moeblaze.')}))"
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    code = ("import sys, moeblaze; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'moeblaze')));"
+            "moeblaze.MoELayer; print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('moeblaze.')}))")
+    before, loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                    check=True).stdout.splitlines()
+    assert before == "['moeblaze']", before
     for package in ("bench", "cli", "integrations", "distributed"):
         assert f"'{package}'" not in loaded, loaded
     assert "'experts'" in loaded and "'nn'" in loaded, loaded

@@ -392,3 +392,38 @@ def test_loss_log_says_how_many_pairs_token_rounding_computed(tmp_path):
                          if "grad_norm" in line]
     assert len(shares[8]) == 3 and all(len(s) == 1 and 0.5 <= s[0] <= 1.5 for s in shares[8]), shares
     assert shares[1] == [[0.0]] * 3, shares
+
+
+@pytest.mark.parametrize("busy,env,torch_loaded,policy", [
+    (2.0, {}, False, "passive"),  # other processes keep both cores busy
+    (0.1, {}, False, None),  # idle: OpenMP's default (spin) is faster
+    (2.0, {"OMP_WAIT_POLICY": "active"}, False, "active"),  # the user's choice stands
+    (2.0, {"GOMP_SPINCOUNT": "1000"}, False, None),
+    (2.0, {}, True, None),  # too late: OpenMP has read its environment
+])
+def test_the_command_waits_passively_only_on_a_busy_machine_before_torch_loads(busy, env, torch_loaded, policy):
+    code = textwrap.dedent(f"""
+        import os, sys
+        {"import torch" if torch_loaded else ""}
+        import moeblaze.cli as cli
+        assert ("torch" in sys.modules) is {torch_loaded}  # the command line's module loads no torch
+        cli._busy_cores = lambda: {busy}
+        cli.wait_passively_when_busy()
+        print(os.environ.get("OMP_WAIT_POLICY"))""")
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(policy)], out.stdout
+
+
+def test_busy_cores_sees_other_processes():
+    """Idle cores read near 0 (this suite's other worker may take up to one); one spinning process reads ~1."""
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        from moeblaze.cli import _busy_cores
+
+        assert _busy_cores(1.0) >= 0.7
+    finally:
+        spin.kill()
+        spin.wait()

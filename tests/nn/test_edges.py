@@ -63,13 +63,12 @@ def _python(code: str, env_interpret: bool) -> subprocess.CompletedProcess:
 
 
 def test_interpret_set_after_import_changes_nothing():
-    """TRITON_INTERPRET is read once, at import: setting it later neither breaks the default CPU layer nor
-    half-enables the interpreter."""
+    """TRITON_INTERPRET is read once, when the library loads (`import moeblaze` and its first name used): setting
+    it later neither breaks the default CPU layer nor half-enables the interpreter."""
     r = _python("""
         import os, torch
-        import moeblaze
-        os.environ["TRITON_INTERPRET"] = "1"
         from moeblaze import ExpertsConfig, MoELayer, build_routing_index
+        os.environ["TRITON_INTERPRET"] = "1"
         out = MoELayer(16, 8, 4, 2)(torch.randn(5, 16)).out
         assert out.shape == (5, 16) and torch.isfinite(out).all()
         build_routing_index(torch.tensor([[0, 1], [2, 3]]), 4, method="dense")

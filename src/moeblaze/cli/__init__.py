@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 
 class UsageError(SystemExit):
@@ -41,7 +43,37 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _busy_cores(wait_s: float = 0.25) -> float:
+    """Cores' worth of CPU time that other processes took over wait_s (this one sleeps meanwhile): /proc/stat's
+    busy time where it exists, else the 1-minute load average; 0 where neither does."""
+    def ticks():
+        with open("/proc/stat") as f:
+            t = [int(v) for v in f.readline().split()[1:]]
+        return sum(t), t[3] + t[4]  # all, idle + iowait
+
+    try:
+        (t0, i0), _, (t1, i1) = ticks(), time.sleep(wait_s), ticks()
+        return (os.cpu_count() or 1) * (1 - (i1 - i0) / max(1, t1 - t0))
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
+def wait_passively_when_busy() -> None:
+    """OMP_WAIT_POLICY=passive when other processes keep a core or more busy, set before torch loads OpenMP.
+
+    OpenMP threads spin at every barrier by default: on a busy machine the spinning thread takes the core from
+    the one it waits for (`moeblaze train`'s two threads at 1.5x one thread's time on a 2-core machine that two
+    other processes kept busy), while sleeping threads give it back (0.66-0.88x one thread's time); on an idle
+    machine, sleeping costs a wake-up at every parallel region (1.8x spinning's time). docs/cli.md has the
+    measurements. Left alone where torch is loaded already or OMP_WAIT_POLICY / GOMP_SPINCOUNT is set."""
+    if "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    if _busy_cores() >= 1:
+        os.environ["OMP_WAIT_POLICY"] = "passive"
+
+
 def main(argv=None) -> int:
+    wait_passively_when_busy()
     p = parser()
     args = p.parse_args(argv)
     if args.command is None:

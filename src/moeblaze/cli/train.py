@@ -184,7 +184,7 @@ def _run(args, cfg, train, val, ranks) -> dict:
     main = ranks is None or ranks.main
     say = print if main else (lambda *a, **k: None)
     if device.type == "cpu" and (args.threads is not None or "OMP_NUM_THREADS" not in os.environ):
-        torch.set_num_threads(args.threads or 1)
+        torch.set_num_threads(args.threads or min(2, torch.get_num_threads()))  # torch's default: the usable cores
     torch.manual_seed(args.seed)
     entropy = unigram_entropy(torch.cat([train, val]))
     model = MoEModel(cfg).to(device)
@@ -219,7 +219,9 @@ def _run(args, cfg, train, val, ranks) -> dict:
         f", {args.ep_dispatch} dispatch)" if ranks.ep > 1 else ")")
     say(f"moeblaze train: {n_params / 1e6:.2f}M parameters, {cfg.n_layers} MoE blocks x {cfg.num_experts} experts "
         f"(top-{cfg.top_k}, {cfg.activation}), corpus {len(train) + len(val):,} bytes, device {device.type}{layout}"
-        + (f", {torch.get_num_threads()} CPU thread(s), experts on {_experts_path(cfg)}"
+        + (f", {torch.get_num_threads()} CPU thread(s)"
+           + (f" (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})" if "OMP_WAIT_POLICY" in os.environ else "")
+           + f", experts on {_experts_path(cfg)}"
            if device.type == "cpu" else ""))
     say(f"unigram entropy of the corpus: {entropy:.3f} nats/byte (a model that ignores context)")
     last = args.bench_warmup + args.bench_steps if bench else args.steps

@@ -102,8 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "fp32 gradient reductions under torchrun)")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for torch on --device cpu (default 1 unless OMP_NUM_THREADS is set: the small "
-                        "model gains little from more, and on a busy machine more threads wait on each other)")
+                   help="CPU threads for torch on --device cpu (default 2, or 1 on one core, unless OMP_NUM_THREADS "
+                        "is set; where other processes keep the cores busy, the threads wait passively: docs/cli.md)")
     p.add_argument("--compile", action="store_true", help="torch.compile each block (GPU; under torchrun before "
                    "FSDP2 wraps it): fewer launches and less host time per step")
     p.add_argument("--cuda-graph", action="store_true",
