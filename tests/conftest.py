@@ -7,15 +7,18 @@ import pytest
 def pytest_configure(config):
     # The Triton kernels run under the interpreter on the CPU; it must be set before triton is imported.
     # `pytest -m gpu` (tests/gpu, on a CUDA machine) runs the compiled kernels instead.
+    # One torch thread per test process (pytest -n runs one process per core; more threads would wait on each
+    # other at every barrier): for this process and the commands the tests start.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     markexpr = config.getoption("-m") or ""
     if "gpu" not in markexpr or "not gpu" in markexpr:
         os.environ["TRITON_INTERPRET"] = "1"
     import triton.language.core as core  # after the switch above
 
     _CORE.update(vars(core))
-    from helpers import patch_builtins_by_name
+    from helpers import speed_up_triton_interpreter
 
-    patch_builtins_by_name()
+    speed_up_triton_interpreter()
 
 
 # triton.language.core's functions as imported, before any kernel ran under the interpreter

@@ -51,19 +51,34 @@ def check_invariants(r: RoutingIndex, idx: torch.Tensor) -> None:
         assert torch.all(seg[1:] > seg[:-1])
 
 
-def _rank_entry(rank, world, port, body, args, errors):
+class _Found(list):
+    """What a rank's body finds wrong (its errors.put), sent back with the rank's result."""
+
+    put = list.append
+
+
+def _rank_loop(rank, world, jobs, results):
+    """One rank of a pool: runs each job's body in a fresh gloo group, reports (rank, findings, traceback or None)."""
     import os
+    import traceback
 
     import torch.distributed as dist
 
-    patch_builtins_by_name()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        body(rank, world, errors, *args)
-        dist.barrier()  # every rank's collectives done before any rank tears the group down
-    finally:
-        dist.destroy_process_group()
+    speed_up_triton_interpreter()
+    while (job := jobs.get()) is not None:
+        port, body, args = job
+        found, failure = _Found(), None
+        try:
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+            try:
+                body(rank, world, found, *args)
+                dist.barrier()  # every rank's collectives done before any rank tears the group down
+            finally:
+                dist.destroy_process_group()
+        except BaseException:
+            failure = traceback.format_exc()
+        results.put((rank, list(found), failure))
 
 
 def free_port() -> int:
@@ -75,28 +90,74 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(body, world: int, *args) -> None:
-    """Run body(rank, world, errors, *args) in `world` spawned CPU processes of one gloo group on 127.0.0.1; body
-    puts what it finds wrong on `errors` (a queue), and the caller's test fails listing every rank's findings (an
-    exception in a rank fails it too)."""
-    import torch.multiprocessing as mp
+_POOLS: dict = {}  # world -> (processes, their job queues, the results queue)
 
+
+def _pool(world: int):
+    """This test process's `world` spawned ranks, started at first use and kept: each spawn imports torch and the
+    test's modules (seconds), which a test's steps take less than."""
+    import multiprocessing
+
+    pool = _POOLS.get(world)
+    if pool is None or not all(p.is_alive() for p in pool[0]):
+        if pool is not None:
+            _close(world)
+        ctx = multiprocessing.get_context("spawn")
+        jobs, results = [ctx.SimpleQueue() for _ in range(world)], ctx.Queue()
+        procs = [ctx.Process(target=_rank_loop, args=(r, world, jobs[r], results), daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        pool = _POOLS[world] = (procs, jobs, results)
+    return pool
+
+
+def _close(world: int) -> None:
+    procs, _, _ = _POOLS.pop(world)
+    for p in procs:
+        p.kill()
+        p.join()
+
+
+def run_ranks(body, world: int, *args, timeout_s: float = 600) -> None:
+    """Run body(rank, world, errors, *args) in `world` CPU processes of one gloo group on 127.0.0.1 (a pool of
+    spawned processes that stays for the next call; a fresh group each call); body puts what it finds wrong on
+    `errors`, and the caller's test fails listing every rank's findings. An exception in a rank fails the test
+    with its traceback, and the pool is replaced (the other ranks may wait in a collective)."""
+    import queue
+    import time
+
+    procs, jobs, results = _pool(world)
     port = free_port()
-    errors = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_rank_entry, args=(world, port, body, args, errors), nprocs=world, join=True,
-                       start_method="spawn")
-    bad = []
-    while not errors.empty():
-        bad.append(errors.get())
+    for q in jobs:
+        q.put((port, body, args))
+    bad, done, deadline = [], 0, time.monotonic() + timeout_s
+    while done < world:
+        try:
+            rank, found, failure = results.get(timeout=1)
+        except queue.Empty:
+            alive = all(p.is_alive() for p in procs)
+            if time.monotonic() > deadline or not alive:
+                _close(world)
+                raise AssertionError(f"ranks {'timed out' if alive else 'died'}; found so far: {bad}") from None
+            continue
+        done += 1
+        bad += found
+        if failure is not None:
+            _close(world)
+            raise AssertionError(f"rank {rank} raised:\n{failure}\nfound so far: {bad}")
     assert not bad, bad
 
 
-def patch_builtins_by_name():
-    """Triton's interpreter (3.6 to 3.9) patches triton.language's builtins on every call of a jit function, the
-    kernel's helpers included, and finds them each time by inspect.getmembers over the whole module: a third of the
-    interpreted kernels' time on this suite. The same patching by a list of the builtins' names, made once from the
-    untouched modules; which attributes get patched, and how, is unchanged (a name is patched where it still holds a
-    builtin, as inspect.getmembers would have found it). Only under the interpreter (TRITON_INTERPRET=1)."""
+def speed_up_triton_interpreter():
+    """Two lookups that Triton's interpreter (3.6 to 3.9) redoes at every step, made once; what they find is
+    unchanged. Only under the interpreter (TRITON_INTERPRET=1), and once per process.
+
+    - It patches triton.language's builtins on every call of a jit function, the kernel's helpers included, and
+      finds them each time by inspect.getmembers over the whole module: a third of the interpreted kernels' time on
+      this suite. Here by a list of the builtins' names, made once from the untouched modules (a name is patched
+      where it still holds a builtin, as inspect.getmembers would have found it).
+    - It maps a Triton type to its numpy dtype by building a 19-entry dict at every call (a tenth of what is left):
+      here each element type's answer is kept after its first call."""
     import inspect
     import os
 
@@ -107,8 +168,9 @@ def patch_builtins_by_name():
 
     original = getattr(interpreter, "_patch_builtin", None)
     patch_attr = getattr(interpreter, "_patch_attr", None)
-    if original is None or patch_attr is None or getattr(original, "by_name", False):
-        return  # another Triton (its own patching runs), or done already
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if original is None or patch_attr is None or np_dtype is None or getattr(original, "by_name", False):
+        return  # another Triton (its own lookups run), or done already
     is_builtin, names = interpreter.tl.core.is_builtin, {}
 
     def patch_builtin(pkg, builder, scope):
@@ -121,3 +183,13 @@ def patch_builtins_by_name():
 
     patch_builtin.by_name = True
     interpreter._patch_builtin = patch_builtin
+    block_type, pointer_type, dtypes = interpreter.tl.block_type, interpreter.tl.pointer_type, {}
+
+    def get_np_dtype(tt_dtype):  # the answer depends on the element type only (a block's, or the scalar itself)
+        key = tt_dtype.element_ty if isinstance(tt_dtype, block_type) else tt_dtype
+        key = "pointer" if isinstance(key, pointer_type) else key  # every pointer is a uint64 (and unhashable)
+        if key not in dtypes:
+            dtypes[key] = np_dtype(tt_dtype)
+        return dtypes[key]
+
+    interpreter._get_np_dtype = get_np_dtype

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,13 +19,13 @@ from moeblaze.cli.checkpoint import MANIFEST, CheckpointError, verify_sharded
 TINY = ["--seq-len", "16", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--num-experts", "4",
         "--d-expert", "32", "--impl", "triton", "--aux-loss-coef", "0"]
 TOL = 1e-5
+CLI = str(Path(__file__).parents[1] / "moeblaze_cli.py")  # the command line, kernels interpreted as in this process
 
 
 def _run(tmp_path, world, *flags, torchrun=None):
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                "--standalone", "-m", "moeblaze.cli"] if (world > 1 if torchrun is None else torchrun) else \
-        [sys.executable, "-m", "moeblaze.cli"]
+                "--standalone", CLI] if (world > 1 if torchrun is None else torchrun) else [sys.executable, CLI]
     p = subprocess.run([*launcher, "train", *TINY, *flags], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -85,7 +86,7 @@ def test_sharded_checkpoint_resumes_at_another_mesh_and_refuses_damage(tmp_path)
         verify_sharded(ck)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                        "-m", "moeblaze.cli", "train", *TINY, *common, "--resume", "--steps", "8"],
+                        CLI, "train", *TINY, *common, "--resume", "--steps", "8"],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert p.returncode != 0 and "corrupted" in p.stderr, p.stderr[-2000:]
 
@@ -103,7 +104,7 @@ def test_a_rerun_step_leaves_the_state_of_one_that_never_overflowed(tmp_path):
         log, ck = tmp_path / f"loss-{factor}.jsonl", tmp_path / f"ck-{factor}"
         out = _run(tmp_path, 2, "--batch-size", "2", "--ep", "2", "--ep-dispatch", "capacity", "--capacity-factor",
                    factor, "--router", "deepseek-v3", "--num-experts", "8", "--steps", "3", "--eval-every", "100",
-                   "--save", str(ck), "--loss-log", str(log))
+                   "--eval-batches", "1", "--save", str(ck), "--loss-log", str(log))
         assert out.count("capacity overflow") == (1 if factor == "0.25" else 0), out
         logs[factor] = [json.loads(line) for line in open(log) if "grad_norm" in line]
         dcp_to_torch_save(str(ck), str(tmp_path / f"{factor}.pt"))
@@ -126,7 +127,8 @@ def test_dropped_rows_are_counted_and_said(tmp_path):
     for factor, some in (("0.25", True), ("8", False)):
         log = tmp_path / f"loss-{factor}.jsonl"
         out = _run(tmp_path, 2, "--batch-size", "2", "--ep", "2", "--ep-dispatch", "capacity", "--capacity-factor",
-                   factor, "--on-overflow", "drop", "--steps", "3", "--eval-every", "100", "--loss-log", str(log))
+                   factor, "--on-overflow", "drop", "--steps", "3", "--eval-every", "100", "--eval-batches", "1",
+                   "--loss-log", str(log))
         rows = [json.loads(line) for line in open(log) if "grad_norm" in line]
         assert len(rows) == 3 and all(isinstance(r["dropped_rows"], int) for r in rows), rows
         total = sum(r["dropped_rows"] for r in rows)
@@ -160,12 +162,12 @@ def test_sigkill_of_one_rank_during_sharded_saves_leaves_a_checkpoint_that_resum
     ck = str(tmp_path / "ck")
     manifest = os.path.join(ck, MANIFEST)
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    common = ["--batch-size", "2", "--eval-every", "100000", "--save", ck, "--save-every", "1"]
+    common = ["--batch-size", "2", "--eval-every", "100000", "--eval-batches", "1", "--save", ck, "--save-every", "1"]
     held = [0]
     for delay in (0.0, 0.6):
         started = time.time_ns()
         launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                     "--standalone", "-m", "moeblaze.cli", "train", *TINY, *common, "--steps",
+                                     "--standalone", CLI, "train", *TINY, *common, "--steps",
                                      "100000", *(["--resume"] if held[-1] else [])],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp_path)
         deadline = time.time() + 240
@@ -174,7 +176,7 @@ def test_sigkill_of_one_rank_during_sharded_saves_leaves_a_checkpoint_that_resum
             time.sleep(0.02)
         time.sleep(delay)
         workers = [p for agent in _children(launcher.pid) for p in _children(agent) + [agent]
-                   if "moeblaze.cli" in open(f"/proc/{p}/cmdline").read() and "train" in
+                   if CLI in open(f"/proc/{p}/cmdline").read() and "train" in
                    open(f"/proc/{p}/cmdline").read() and "torch.distributed.run" not in
                    open(f"/proc/{p}/cmdline").read()]
         assert workers, "no rank process found"
