@@ -5,6 +5,8 @@ alone: tests/distributed/test_fsdp.py);
 a sharded checkpoint written at ep = 2 resumes at ep = 1 and in one process with the same weights (and one process
 goes on training and saving it), and a damaged one is refused; a rank SIGKILLed during sharded saves leaves a
 checkpoint that resumes; --on-overflow drop counts what it drops."""
+import contextlib
+import io
 import json
 import os
 import re
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from moeblaze.cli import main
 from moeblaze.cli.checkpoint import MANIFEST, CheckpointError, verify_sharded
 
 TINY = ["--seq-len", "16", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--num-experts", "4",
@@ -23,10 +26,20 @@ CLI = str(Path(__file__).parents[1] / "moeblaze_cli.py")  # the command line, ke
 
 
 def _run(tmp_path, world, *flags, torchrun=None):
+    """The command's output: under torchrun at `world` processes, or (world 1 without torchrun) in this process."""
+    if not (world > 1 if torchrun is None else torchrun):
+        out, cwd = io.StringIO(), os.getcwd()
+        os.chdir(tmp_path)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+                code = main(["train", *TINY, *flags])
+        finally:
+            os.chdir(cwd)
+        assert code == 0, out.getvalue()[-3000:]
+        return out.getvalue()
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                "--standalone", CLI] if (world > 1 if torchrun is None else torchrun) else [sys.executable, CLI]
-    p = subprocess.run([*launcher, "train", *TINY, *flags], capture_output=True, text=True, env=env, cwd=tmp_path,
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--standalone",
+                        CLI, "train", *TINY, *flags], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout + p.stderr
