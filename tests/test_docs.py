@@ -14,6 +14,9 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SKIP_DIRS = {".venv", ".git", ".baseline", ".peers", "node_modules", "build", "dist"}
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+
+
 def snippets():
     for path in DOCS:
         for i, m in enumerate(re.finditer(r"^```python\n(.*?)^```", path.read_text(), re.S | re.M)):
@@ -22,10 +25,9 @@ def snippets():
 
 @pytest.mark.parametrize("code", list(snippets()))
 def test_snippet_runs_as_pasted(code, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="error::DeprecationWarning:moeblaze",
-               # a one-process group for snippets that start one, as torchrun --nproc-per-node 1 would
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1",
-               LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    # as a user pastes it into `python`: nothing of torchrun's (RANK, WORLD_SIZE, MASTER_*) in the environment
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="error::DeprecationWarning:moeblaze")
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

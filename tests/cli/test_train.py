@@ -427,3 +427,29 @@ def test_busy_cores_sees_other_processes():
     finally:
         spin.kill()
         spin.wait()
+
+
+def test_threads_beyond_the_cores_are_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    assert main(["train", *TINY, "--save", "", "--threads", "5"]) == 2
+    assert "--threads must be at most this machine's 4 cores, got 5" in capsys.readouterr().err
+
+
+def test_the_run_says_where_it_saved(tmp_path, capsys):
+    path = _trained_checkpoint(tmp_path)
+    out = capsys.readouterr().out
+    assert f"checkpoint of step 4 saved to {path}" in out, out
+
+
+def test_a_checkpoint_tensor_of_another_shape_is_named_with_both_shapes(tmp_path, capsys):
+    path = _trained_checkpoint(tmp_path)
+    state = load_checkpoint(path)
+    name = next(k for k in state["model"] if k.endswith("w1"))
+    old = tuple(state["model"][name].shape)
+    state["model"][name] = state["model"][name][..., :-1].clone()
+    save_checkpoint(path, state)
+    capsys.readouterr()
+    assert main(["train", *TINY, "--save", path, "--resume"]) == 2
+    err = capsys.readouterr().err
+    new = (*old[:-1], old[-1] - 1)
+    assert f"{name} has shape {new}, the model's {old}" in err, err

@@ -213,3 +213,30 @@ def test_receiver_index_orders_rows_by_expert_then_source():
     assert torch.equal(r.expert_token_idx[r.token_slot[:, 0].long()], torch.arange(7, dtype=torch.int32))
     empty = receiver_index(torch.zeros(2, 3, dtype=torch.int32))
     assert empty.expert_token_idx.numel() == 0 and empty.expert_offsets.tolist() == [0, 0, 0, 0]
+
+
+def _misuse(rank, world, errors):
+    """Each misuse raises the same clear error on every rank, before any collective that could hang."""
+    import pytest
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moeblaze.distributed import ExpertParallel
+    from moeblaze.nn import Experts
+
+    config = ExpertsConfig(backend="triton")
+    mesh2d = init_device_mesh("cpu", (1, world))
+    with pytest.raises(ValueError, match="must be 1-D"):
+        ExpertParallel(Experts(16, 16, 2 * world, config=config), mesh2d)
+    mesh = init_device_mesh("cpu", (world,))
+    with pytest.raises(ValueError, match="same number of experts; the ranks hold"):  # 4 on one rank, 6 on the other
+        ExpertParallel(Experts(16, 16, 4 + 2 * rank, config=config), mesh)
+    # 7 experts split 4 + 3: w1_local of different sizes
+    E_loc = 4 - rank
+    torch.manual_seed(rank)
+    x, idx = torch.randn(5, 16), torch.stack([torch.randperm(6)[:2] for _ in range(5)]).int()
+    with pytest.raises(ValueError, match="same number of local experts"):
+        ep_experts(x, idx, torch.rand(5, 2), torch.randn(E_loc, 32, 16), torch.randn(E_loc, 16, 16), config=config)
+
+
+def test_ep_misuse_is_one_clear_error_on_every_rank():
+    run_ranks(_misuse, 2, timeout_s=300)

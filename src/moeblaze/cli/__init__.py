@@ -31,8 +31,16 @@ class HelpFormatter(argparse.HelpFormatter):
         return text
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but a refused argument is one line (argparse prints its whole usage block first), with
+    where to read the flags; its subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moeblaze", description="Memory-efficient Mixture-of-Experts training")
+    p = Parser(prog="moeblaze", description="Memory-efficient Mixture-of-Experts training")
     sub = p.add_subparsers(dest="command")
     from . import bench, profile, train
 

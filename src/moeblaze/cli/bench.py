@@ -20,7 +20,9 @@ from ..bench.harness import (CONFIGS, IMPLS, available_impls, make_problem, prep
                              time_interleaved)
 from ..bench.hf import BACKENDS as HF_BACKENDS
 from ..experts import launch_counts
+from ..recipe import ACTIVATIONS, CHECKPOINTS
 from . import UsageError, check_device
+from .checkpoint import CheckpointError, probe_writable
 from .report import slug
 
 
@@ -244,15 +246,25 @@ def check_args(args) -> None:
                              "(--config L,d,h,E,K gives any shape)")
     for c in args.config + ([args.scale_config] if args.scale_config not in CONFIGS else []):
         parts = c.split(",")
-        if (len(parts) != 5 or not all(v.isdigit() for v in parts) or not all(int(v) > 0 for v in parts[1:])
+        if (len(parts) != 5 or not all(v.isdigit() for v in parts) or not all(int(v) > 0 for v in parts)
                 or int(parts[4]) > int(parts[3])):
-            raise UsageError(f"--config: expected L,d,h,E,K (integers, d, h, E and K positive, K <= E), got {c!r}")
+            raise UsageError(f"--config: expected L,d,h,E,K (positive integers, K <= E), got {c!r}")
+    if args.activation not in ACTIVATIONS:
+        raise UsageError(f"--activation must be one of {','.join(ACTIVATIONS)}, got {args.activation!r}")
+    policies = CHECKPOINTS + tuple(c + "-chunked" for c in CHECKPOINTS)
+    for name in (args.policies or "").split(","):
+        if name and name not in policies:
+            raise UsageError(f"--policies: unknown policy {name!r}; one of {','.join(policies)}")
     for name in (args.impls or "").split(","):
         if name and name not in IMPLS:
             raise UsageError(f"--impls: unknown implementation {name!r}; one of {','.join(IMPLS)}")
     for flag in ("warmup", "iters", "min_tokens", "max_tokens"):
         if getattr(args, flag) < (0 if flag == "warmup" else 1):
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    try:  # the results folder, probed now: a path that fails only when the first row is written loses the run
+        probe_writable(os.path.join(args.out, "results.probe"), "results file")
+    except CheckpointError as e:
+        raise UsageError(f"--out: {e}") from None
     if device_note := _cpu_note(args):
         print(device_note, flush=True)
 

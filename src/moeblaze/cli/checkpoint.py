@@ -16,6 +16,7 @@ import glob
 import hashlib
 import io
 import os
+import shutil
 import tempfile
 
 import torch
@@ -110,11 +111,15 @@ def load_checkpoint(path: str, map_location=None) -> dict:
 
 # Sharded checkpoints (training under torchrun): one folder written by torch.distributed.checkpoint (DCP), every
 # rank writing its own shards, with a manifest of each file's sha256 that rank 0 writes last. A save goes to
-# `<path>.tmp` and replaces `<path>` only once every rank has written and the manifest is on disk (the earlier
-# folder is kept as `<path>.old` until then, and a load falls back to it if a crash came between the two renames),
-# so a killed save never leaves a half-written checkpoint in place. A load verifies the manifest first (rank 0, one
-# broadcast) and refuses a changed, truncated or missing file. DCP reshards on load: a checkpoint written at one
-# mesh shape loads at another. Assumes, as DCP does, one file system every rank sees.
+# `<path>.tmp`; once every rank has written and the manifest is on disk, rank 0 swaps it in: `<path>` -> `<path>.old`,
+# `<path>.tmp` -> `<path>`, and the earlier folder is deleted by way of a rename to `<path>.trash` (so a kill inside
+# a delete leaves only a folder whose name says it is garbage). Every state a kill can leave holds a complete
+# checkpoint: `<path>.tmp` with its manifest (the newest), else `<path>`, else `<path>.old`; a load takes the newest
+# that verifies (newest_sharded), and the next save first finishes or clears what a killed one left (the only
+# folders it deletes are its own names: `.tmp`, `.trash`, and an `.old` beside a `<path>` with its manifest). A load
+# verifies the manifest first (rank 0, one broadcast) and refuses a changed, truncated or missing file. DCP reshards
+# on load: a checkpoint written at one mesh shape loads at another. Assumes, as DCP does, one file system every rank
+# sees.
 MANIFEST = "moeblaze-manifest.sha256"
 
 
@@ -141,50 +146,99 @@ def probe_writable_folder(path: str) -> None:
     if os.path.isfile(path.rstrip("/" + os.sep) or path):
         raise CheckpointError(f"{path} is a file; a sharded checkpoint is a folder (give a folder path)")
     path = path.rstrip("/" + os.sep) or path
-    for folder in (path, path + ".old"):
+    complete = os.path.isfile(os.path.join(path, MANIFEST))
+    # an .old beside a complete checkpoint is what a save killed inside its last delete leaves: its own, not foreign
+    for folder in (path,) if complete else (path, path + ".old"):
         if os.path.isdir(folder) and os.listdir(folder) and not os.path.isfile(os.path.join(folder, MANIFEST)):
             raise CheckpointError(f"{folder} holds files but no {MANIFEST}: a damaged or foreign checkpoint, which a "
                                   "run would overwrite; move it away or give another path")
     probe_writable(os.path.join(os.path.dirname(os.path.abspath(path)), os.path.basename(path) + ".probe"))
 
 
+def sharded_candidates(path: str) -> list[str]:
+    """The folders a killed save can leave a complete checkpoint in, newest first, those with a manifest."""
+    return [p for p in (path + ".tmp", path, path + ".old") if os.path.isfile(os.path.join(p, MANIFEST))]
+
+
 def sharded_checkpoint_path(path: str) -> str | None:
-    """The folder a sharded load reads: `path`, else `<path>.old` (a save interrupted between its renames)."""
-    for p in (path, path + ".old"):
-        if os.path.isfile(os.path.join(p, MANIFEST)):
-            return p
-    return None
+    """The newest folder with a manifest among `<path>.tmp`, `<path>` and `<path>.old` (None if none has one)."""
+    found = sharded_candidates(path)
+    return found[0] if found else None
+
+
+def newest_sharded(path: str) -> tuple[str | None, list[str]]:
+    """(the newest folder of `path`'s save that verifies, or None; what was wrong with the newer ones)."""
+    problems = []
+    for p in sharded_candidates(path):
+        try:
+            verify_sharded(p)
+            return p, problems
+        except (CheckpointError, OSError) as e:
+            problems.append(str(e))
+    return None, problems
+
+
+def _discard(folder: str, path: str) -> None:
+    """Delete a folder of `path`'s save: renamed to `<path>.trash` first, then removed."""
+    trash = path + ".trash"
+    if os.path.isdir(folder):
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(folder, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _swap_in(path: str) -> None:
+    """`<path>.tmp` (complete, with its manifest) becomes `<path>`; the folder it replaces is discarded."""
+    old = path + ".old"
+    _discard(old, path)
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(path + ".tmp", path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    _discard(old, path)
+
+
+def finish_interrupted_save(path: str) -> None:
+    """Rank 0, before a save: a complete `<path>.tmp` is swapped in (a save killed after its manifest), then a
+    partial `.tmp`, a `.trash` and an `.old` beside a complete `<path>` are removed (a save killed earlier, or inside
+    a delete). Nothing else is touched."""
+    tmp = path + ".tmp"
+    if os.path.isfile(os.path.join(tmp, MANIFEST)):
+        try:
+            verify_sharded(tmp)
+            _swap_in(path)
+        except (CheckpointError, OSError):
+            pass
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(path + ".trash", ignore_errors=True)
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        _discard(path + ".old", path)
+
+
+def _write_manifest(folder: str) -> None:
+    names = sorted(n for n in os.listdir(folder) if n != MANIFEST)
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        f.writelines(f"{_sha256(os.path.join(folder, n))}  {n}\n" for n in names)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(folder)
 
 
 def save_sharded(path: str, state: dict, rank: int) -> None:
     """Every rank calls it with its state dict (DTensors for sharded values); see the section's comment."""
-    import shutil
-
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     together = dist.is_available() and dist.is_initialized()
     barrier = dist.barrier if together else (lambda: None)
-    tmp = path + ".tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finish_interrupted_save(path)
     barrier()
-    dcp.save(state, checkpoint_id=tmp, no_dist=not together)
+    dcp.save(state, checkpoint_id=path + ".tmp", no_dist=not together)
     barrier()  # every rank's files are written
     if rank == 0:
-        names = sorted(n for n in os.listdir(tmp) if n != MANIFEST)
-        with open(os.path.join(tmp, MANIFEST), "w") as f:
-            f.writelines(f"{_sha256(os.path.join(tmp, n))}  {n}\n" for n in names)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        old = path + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
-        shutil.rmtree(old, ignore_errors=True)
+        _write_manifest(path + ".tmp")
+        _swap_in(path)
     barrier()
 
 

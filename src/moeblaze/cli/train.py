@@ -32,7 +32,7 @@ from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import ROUTERS, update_expert_biases
 from . import UsageError, parallel
 from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, save_checkpoint, save_sharded,
-                         sharded_checkpoint_path)
+                         sharded_candidates, sharded_checkpoint_path)
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
 from .graph_step import GraphedStep
 from .train_flags import add_arguments, check_args, sharded_save
@@ -125,6 +125,15 @@ def _load_or_refuse(what: str, load) -> None:
         raise UsageError(f"--resume: the checkpoint's {what} does not fit: {str(e).splitlines()[0][:300]}") from None
 
 
+def _check_shapes(saved: dict, current: dict) -> None:
+    """UsageError naming the first tensor of the checkpoint whose shape is not the model's, with both shapes."""
+    for name, t in current.items():
+        v = saved.get(name) if isinstance(saved, dict) else None
+        if isinstance(v, torch.Tensor) and v.shape != t.shape:
+            raise UsageError(f"--resume: the checkpoint's {name} has shape {tuple(v.shape)}, the model's "
+                             f"{tuple(t.shape)}")
+
+
 def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
     """The step of the checkpoint at --save, loaded into model, opt and gen (SystemExit if it can't be)."""
     if not sharded_save(args.save, ranks is not None):
@@ -134,6 +143,7 @@ def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
             raise SystemExit(f"--resume: {e}") from None
         _check_single_file(ck)
         _same_config(ck["config"], cfg)
+        _check_shapes(ck["model"], model.state_dict())
         _load_or_refuse("model", lambda: model.load_state_dict(ck["model"]))
         _load_or_refuse("optimizer state", lambda: opt.load_state_dict(ck["optimizer"]))
         gen.set_state(ck["generator"].cpu())
@@ -142,9 +152,20 @@ def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
 
     state = _train_state(model, opt, 0, gen, cfg, True)
     state["train"]["config"] = ""
-    folder, rank = sharded_checkpoint_path(args.save), ranks.rank if ranks else 0
-    try:  # the config first, alone: a checkpoint of another shape is refused by name before any tensor is read
-        load_sharded(folder, {"train": state["train"]}, rank)
+    rank = ranks.rank if ranks else 0
+    folders, problems = sharded_candidates(args.save), []
+    for folder in folders:  # the newest that verifies: a killed save may have left a newer or an older one
+        try:  # the config first, alone: a checkpoint of another shape is refused by name before any tensor is read
+            load_sharded(folder, {"train": state["train"]}, rank)
+            break
+        except CheckpointError as e:
+            problems.append(str(e))
+    else:
+        raise SystemExit(f"--resume: no complete checkpoint at {args.save}: {'; '.join(problems)}")
+    if folder != args.save.rstrip("/" + os.sep):
+        if rank == 0:
+            print(f"--resume: reading {folder} (left by a save that was stopped before it finished)")
+    try:
         _same_config(json.loads(state["train"]["config"]), cfg)
         load_sharded(folder, state, rank)
     except CheckpointError as e:
@@ -337,6 +358,8 @@ def _run(args, cfg, train, val, ranks) -> dict:
                 save_checkpoint(save, state)
             saved_step = step
     bar.close()
+    if saved_step:
+        say(f"checkpoint of step {saved_step} saved to {save} (--resume continues from it)")
     if args.loss_log and main:
         with open(args.loss_log, "w") as f:
             loss_rows = torch.stack(losses).tolist() if losses else []

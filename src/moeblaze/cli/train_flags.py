@@ -15,6 +15,8 @@ import torch
 from ..args import check_choice, check_int
 from ..config import INTERPRET
 from ..distributed import DISPATCHES, UNITS
+from ..distributed.ep import check_options
+from ..experts.dispatch import choose
 from ..nn import ModelConfig
 from ..recipe import ACTIVATIONS, BACKENDS, CHECKPOINTS, INDEX_METHODS, PRECISIONS, ExpertsConfig, fold_impl
 from ..routing import ROUTERS, RULES
@@ -165,10 +167,15 @@ def check_args(args, val_len: int) -> ModelConfig:
         check_int("--seed", args.seed, minimum=0)
         if args.threads is not None:
             check_int("--threads", args.threads)
+            cores = os.cpu_count() or 1
+            if args.threads > cores:
+                raise ValueError(f"--threads must be at most this machine's {cores} cores, got {args.threads}")
         for name in ("shared_experts", "d_shared", "dense_layers", "rounding_tile"):
             check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=0)
         if args.token_rounding and args.ep > 1:
             raise ValueError("--token-rounding under --ep is not supported yet")
+        if args.rounding_tile and not args.token_rounding:
+            raise ValueError("--rounding-tile sets token rounding's tile: it needs --token-rounding")
         experts = experts_config(args)
         check_int("--bench-steps", args.bench_steps, minimum=0)
         if args.bench_trace and not (args.bench_steps and args.bench_profile):
@@ -184,6 +191,15 @@ def check_args(args, val_len: int) -> ModelConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
         if not (math.isfinite(args.capacity_factor) and args.capacity_factor > 0):
             raise ValueError(f"--capacity-factor must be a positive finite number, got {args.capacity_factor}")
+        if args.ep_dispatch != "capacity":  # options that only capacity dispatch reads: refused, not ignored
+            for flag, value, default in (("--on-overflow", args.on_overflow, "rerun"),
+                                         ("--capacity-factor", args.capacity_factor, 1.25)):
+                if value != default:
+                    raise ValueError(f"{flag} applies to --ep-dispatch capacity (with --ep > 1), which this run "
+                                     "does not use")
+        if args.ep > 1:  # expert parallelism's own checks (the recipe it runs, its dispatch options)
+            check_options(experts, args.ep_dispatch, "error" if args.on_overflow == "rerun" else args.on_overflow,
+                          args.capacity_factor)
         if args.top_k > args.num_experts:
             raise ValueError(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
         if args.d_model % args.n_heads:
@@ -209,6 +225,10 @@ def check_args(args, val_len: int) -> ModelConfig:
     if experts.backend not in ("auto", "reference") and args.device != "cuda" and not INTERPRET:
         raise UsageError(f"--backend {experts.backend} runs the kernels: it needs --device cuda (or TRITON_INTERPRET=1 "
                          "set before the command starts)")
+    try:  # the backend where the run's tensors will be: what the layer itself would refuse at its first call
+        choose(experts.backend, torch.device(args.device))
+    except (RuntimeError, ValueError) as e:
+        raise UsageError(f"--backend {experts.backend}: {e}") from None
     fsdp_flags = [f for f, on in (("--fsdp-keep-gathered", args.fsdp_keep_gathered),
                                   ("--fsdp-units model", args.fsdp_units != "blocks"),
                                   ("--fsdp-reduce-dtype bfloat16", args.fsdp_reduce_dtype != "float32")) if on]

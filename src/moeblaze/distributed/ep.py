@@ -352,19 +352,66 @@ def _resolve_group_size(name: str) -> int:
     return dist.get_world_size(_resolve_group(name))
 
 
+
 DISPATCHES = ("exact", "capacity")
 OVERFLOW = ("error", "drop")
 
 
-def check_options(config: ExpertsConfig, dispatch: str, on_overflow: str) -> None:
-    """ValueError naming the option unless expert parallelism takes it: its dispatch settings, and a recipe that runs
-    the kernels."""
+def check_options(config: ExpertsConfig, dispatch: str, on_overflow: str, capacity_factor: float = 1.25,
+                  capacity: int | None = None) -> None:
+    """ValueError or TypeError naming the option unless expert parallelism takes it, whatever the dispatch: its
+    dispatch settings, and a recipe that runs the kernels as one call on the received rows."""
+    if not isinstance(config, ExpertsConfig):
+        raise TypeError(f"config must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
     if config.backend == "reference":
         raise ValueError("expert parallelism runs the kernels: backend='reference' is not available under it")
-    if dispatch not in DISPATCHES:
-        raise ValueError(f"dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+    if config.chunk_tokens is not None:
+        raise ValueError(f"chunk_tokens={config.chunk_tokens} does not apply under expert parallelism (the received "
+                         "rows run as one call): leave it None, or bound the rows with dispatch='capacity'")
+    check_dispatch(dispatch, on_overflow, capacity_factor, capacity)
+
+
+def check_dispatch(dispatch: str, on_overflow: str, capacity_factor: float = 1.25, capacity: int | None = None,
+                   dispatches: tuple = DISPATCHES, name: str = "dispatch") -> None:
+    """The dispatch settings of expert parallelism, each checked whatever the dispatch (an unused option is still
+    a user's mistake if it is malformed)."""
+    if dispatch not in dispatches:
+        raise ValueError(f"{name} must be one of {dispatches}, got {dispatch!r}")
     if on_overflow not in OVERFLOW:
         raise ValueError(f"on_overflow must be one of {OVERFLOW}, got {on_overflow!r}")
+    if not isinstance(capacity_factor, (int, float)) or isinstance(capacity_factor, bool):
+        raise TypeError(f"capacity_factor must be a number, got {capacity_factor!r} "
+                        f"({type(capacity_factor).__name__})")
+    if not (0 < capacity_factor < math.inf):
+        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor}")
+    if capacity is not None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool):
+            raise TypeError(f"capacity must be an int or None, got {capacity!r} ({type(capacity).__name__})")
+        if capacity < 1:
+            raise ValueError(f"capacity must be a positive number of rows, got {capacity}")
+
+
+def check_same_on_ranks(value: int, what: str, group) -> None:
+    """ValueError on every rank of `group` unless every rank passes the same value (one collective; every rank
+    of the group calls it together)."""
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    if len(set(values)) > 1:
+        raise ValueError(f"every rank must hold the same {what}; the ranks hold {values}")
+
+
+_AGREED: set = set()  # (group, local experts) pairs whose ranks were checked to agree
+
+
+def _check_local_experts(E_loc: int, group) -> None:
+    """The ranks of `group` hold the same number of local experts: checked once per group and count (a collective),
+    so that a split like 4 + 3 is one clear error on every rank, not an id error on one and a broken collective on
+    the others."""
+    key = (_group_name(group), E_loc)
+    if key in _AGREED or torch.compiler.is_compiling():
+        return
+    check_same_on_ranks(E_loc, "number of local experts (w1_local.shape[0])", group)
+    _AGREED.add(key)
 
 
 def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1_local: torch.Tensor,
@@ -387,18 +434,17 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     dropped in this call); otherwise on_overflow "error" (default) or "drop". dropped: a device counter (an int64
     scalar) that the number of rows this rank drops is added to (no host sync), under on_overflow="drop"."""
     config = from_legacy("ep_experts", config, {})
-    check_options(config, dispatch, on_overflow)
+    check_options(config, dispatch, on_overflow, capacity_factor, capacity)
     ep = dist.get_world_size(group)
-    E = w1_local.shape[0] * ep
     check_expert_inputs(x, w1_local, w2_local, config.activation)
+    _check_local_experts(w1_local.shape[0], group)
+    E = w1_local.shape[0] * ep
     routing = build_routing_index(topk_idx, E, config.index_method)
     check_topk_weights(topk_weights, routing.token_slot)
     C = None
     if dispatch == "capacity":
         C = capacity if capacity is not None else tracker.capacity if tracker is not None else None
         if C is None:
-            if not capacity_factor > 0:
-                raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
             C = -(-max(1, math.ceil(capacity_factor * topk_idx.numel() / ep)) // 16) * 16
         if C < 1:
             raise ValueError(f"capacity must be a positive number of rows, got {C}")

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..nn import Experts, SharedExperts
-from .ep import CapacityTracker, check_options, ep_experts
+from .ep import CapacityTracker, check_options, check_same_on_ranks, ep_experts
 
 
 class ExpertParallel(Experts):
@@ -29,9 +29,16 @@ class ExpertParallel(Experts):
         nn.Module.__init__(self)
         if not isinstance(experts, Experts) or isinstance(experts, (SharedExperts, ExpertParallel)):
             raise TypeError(f"ExpertParallel wraps a routed moeblaze.nn.Experts module, got {type(experts).__name__}")
-        check_options(experts.config, dispatch, on_overflow)
+        check_options(experts.config, dispatch, on_overflow, capacity_factor, capacity)
+        if not isinstance(ep_mesh, DeviceMesh):
+            raise TypeError(f"ep_mesh must be a 1-D torch DeviceMesh (e.g. init_device_mesh(device, (ep,))), got "
+                            f"{type(ep_mesh).__name__}")
+        if ep_mesh.ndim != 1:
+            raise ValueError(f"ep_mesh must be 1-D, got a {ep_mesh.ndim}-D mesh {tuple(ep_mesh.mesh.shape)}: pass its "
+                             "expert-parallel dimension, e.g. mesh['ep']")
         ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
         E = experts.num_experts
+        check_same_on_ranks(E, "number of experts", ep_mesh.get_group())  # before any collective of the forward
         if E % ep:
             raise ValueError(f"{E} experts do not split over ep = {ep} ranks")
         self.config, self.d_model, self.d_expert, self.num_experts = (experts.config, experts.d_model,

@@ -40,7 +40,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..experts import autocast_operands, moe_experts
-from ..distributed.ep import DISPATCHES, check_options
+from ..distributed.ep import DISPATCHES, check_dispatch, check_options
 from ..recipe import DEFAULT, ExpertsConfig
 from ..routing import build_routing_index
 
@@ -178,12 +178,10 @@ class MoeblazeConverter(ModelConfigConverter):
     def __init__(self, config: Config):
         self.config = config
         self.experts = check_experts_config(config.experts)
-        if config.ep_dispatch not in EP_DISPATCH:
-            raise ValueError(f"ep_dispatch must be one of {EP_DISPATCH}, got {config.ep_dispatch!r}")
+        check_dispatch(config.ep_dispatch, config.on_overflow, config.capacity_factor, dispatches=EP_DISPATCH,
+                       name="ep_dispatch")
         if config.ep_dispatch != "torchtitan":
-            check_options(self.experts, config.ep_dispatch, config.on_overflow)
-            if not config.capacity_factor > 0:
-                raise ValueError(f"capacity_factor must be > 0, got {config.capacity_factor}")
+            check_options(self.experts, config.ep_dispatch, config.on_overflow, config.capacity_factor)
 
     def convert(self, model_config):
         n = 0

@@ -74,13 +74,17 @@ def register() -> None:
 
 
 def configure(model: torch.nn.Module, config: ExpertsConfig | None = None, **legacy) -> int:
-    """Run every experts module of `model` with the recipe `config` (moeblaze.ExpertsConfig; its activation is
-    ignored: each module's own is read from it, as activation_of says); the number of experts modules set.
+    """Run every experts module of `model` with the recipe `config` (moeblaze.ExpertsConfig, its activation left
+    unset: each module's own is read from it, as activation_of says, and another is refused); the number of experts
+    modules set.
     0.1's keyword options (checkpoint=, impl=, ...) still work, with a DeprecationWarning."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"configure takes a transformers model or experts module (a torch.nn.Module), got "
                         f"{type(model).__name__}")
     config = from_legacy("configure", config, legacy)
+    if config.activation != DEFAULT.activation:
+        raise ValueError(f"configure: activation={config.activation!r} would be ignored: each experts module's own "
+                         "activation is read from the model (activation_of); leave the config's activation unset")
     n = 0
     for m in model.modules():
         if hasattr(m, "has_gate") and hasattr(m, "down_proj"):

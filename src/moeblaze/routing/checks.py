@@ -8,6 +8,8 @@ the program instead of producing a wrong answer.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 
@@ -20,6 +22,13 @@ def fail_if(bad: torch.Tensor, message: str, error: type[Exception] = ValueError
         torch._assert_async(~bad, message)
 
 
+def check_num_experts(num_experts) -> None:
+    if not isinstance(num_experts, (numbers.Integral, torch.SymInt)) or isinstance(num_experts, bool):
+        raise TypeError(f"num_experts must be an int, got {num_experts!r} ({type(num_experts).__name__})")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+
+
 def check_topk_idx(topk_idx_LK: torch.Tensor, num_experts: int, check_values: bool = True) -> None:
     if not isinstance(topk_idx_LK, torch.Tensor):
         raise TypeError(f"topk_idx must be a tensor, got {type(topk_idx_LK).__name__}")
@@ -27,8 +36,7 @@ def check_topk_idx(topk_idx_LK: torch.Tensor, num_experts: int, check_values: bo
         raise ValueError(f"topk_idx must have shape (L, K), got shape {tuple(topk_idx_LK.shape)}")
     if topk_idx_LK.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx_LK.dtype}")
-    if num_experts < 1:
-        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    check_num_experts(num_experts)
     K = topk_idx_LK.shape[1]
     if K < 1 or K > num_experts:
         raise ValueError(f"top-k must satisfy 1 <= K <= num_experts ({num_experts}), got K={K}")
@@ -65,7 +73,7 @@ def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.
     if x_LD.dim() != 2:
         raise ValueError(f"x must have shape (L, D), got shape {tuple(x_LD.shape)}")
     parts = (w1_EFD,) if isinstance(w1_EFD, torch.Tensor) else w1_EFD
-    if (not isinstance(parts, tuple) or len(parts) not in (1, 2)
+    if (not isinstance(parts, tuple) or len(parts) != (1 if isinstance(w1_EFD, torch.Tensor) else 2)
             or not all(isinstance(p, torch.Tensor) and p.dim() == 3 for p in parts)):
         raise ValueError("w1 must be a tensor (E, F, D), or a pair of tensors (gate rows (E, H, D), up rows (E, H, D))")
     if len(parts) == 2:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import INTERPRET
-from .checks import check_topk_idx
+from .checks import check_num_experts, check_topk_idx
 
 METHODS = ("auto", "dense", "sort")
 # Above this many experts the dense build's O(L·K·E) compare work overtakes a radix sort's O(L·K)
@@ -173,6 +173,7 @@ def build_routing_index(topk_idx_LK: torch.Tensor, num_experts: int, method: str
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if sentinels:
+        check_num_experts(num_experts)
         check_topk_idx(topk_idx_LK, num_experts + topk_idx_LK.shape[-1], check_values=False)
         K = topk_idx_LK.shape[1]
         sink = torch.arange(num_experts, num_experts + K, dtype=topk_idx_LK.dtype, device=topk_idx_LK.device)
