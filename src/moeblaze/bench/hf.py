@@ -21,9 +21,6 @@ import torch
 
 LAYERS = {"qwen3-30b-a3b": 12, "olmoe-1b-7b": 16, "mixtral-8x7b": 2, "gpt-oss-20b": 6}
 BACKENDS = ("eager", "grouped_mm", "batched_mm", "sonicmoe", "moeblaze-preact", "moeblaze-recompute")
-# SonicMoE through its own functional API (the wheel), for where transformers' "sonicmoe" backend can't load (it
-# fetches its kernels from the Hub): not run by default
-ADAPTERS = ("sonicmoe-adapter",)
 
 
 def model_config(name: str, layers: int | None = None):

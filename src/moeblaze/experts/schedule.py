@@ -56,11 +56,3 @@ def tile_schedule(expert_counts: torch.Tensor, expert_offsets: torch.Tensor, num
            tile_row, used, E, max_tiles, BLOCK_M=block_m, E_POW2=e_pow2, BLOCK_T=block_t, num_warps=4)
     return tile_expert, tile_row, used
 
-
-def expert_tiles(expert_offsets: torch.Tensor, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first, count) int32 (E,): each expert's first tile and number of tiles in tile_schedule's order (expert
-    by expert, ceil(rows / block_m) each), from the offsets (E + 1,): what a kernel that walks one expert's tiles
-    (the fp8 weight gradients) takes."""
-    counts = expert_offsets[1:] - expert_offsets[:-1]
-    tiles = (counts + block_m - 1) // block_m
-    return (tiles.cumsum(0) - tiles).to(torch.int32), tiles.to(torch.int32)

@@ -3,7 +3,7 @@ computation are a submodule of their own (Experts), so that FSDP2 shards and gat
 shared experts (SharedExperts: always on, never routed) beside them.
 
 Memory contract: the router's (L, E) fp32 logits (as in every MoE), the routing index (O(L·K) int32)
-and what the expert implementation keeps (see experts/autograd.py: the pre-activation under
+and what the expert implementation keeps (see experts/op.py: the pre-activation under
 checkpoint="preact", nothing more under "recompute"); shared experts keep the same for L·S rows (S shared
 experts: their (L, S) index, and under "preact" their pre-activation L·S·F_s) and, gated, the (L, 1) gate. No
 (L·K, D) routing buffer is ever allocated by the Triton implementation, nor an (L·S, D) one for shared experts.

@@ -243,7 +243,3 @@ def fp8_rows_gemm(a_q, a_scale, b_q, b_scale, num_rows, offsets, sched, token=No
         launch(fp8_rows_kernel, (sm_count(a_q.device),), a_q, a_q.stride(0), token, token.shape[0], *rest, **meta)
     return c
 
-
-# ---- the weight gradient on e4m3: dW[e] = Σ_t A_tᵀ B_t · s_a[:, t] ⊗ s_b[:, t] ------------------------------
-
-

@@ -49,8 +49,7 @@ def wgrad_group(n_tm: int, n_tn: int) -> int:
     tile of Q (256 wide) and a band of P's (128 wide). Otherwise 16 row tiles at a time: with the columns
     fastest a wave would stream through all of Q[e] (64 MB for dW2 at config B), where 16 x ~8 tiles hold
     the least of P and Q for that many tiles. Measured at configs A-E: each choice within 0-1.5% of the
-    other where that one wins, the grouped order 6-8% faster for dW2 at B and 3-4% for dW1 at E
-    (benchmarks/results/nvidia-h200-wgrad-order.log)."""
+    other where that one wins, the grouped order 6-8% faster for dW2 at B and 3-4% for dW1 at E (H200)."""
     return 1 if n_tm >= 2 * n_tn else 16
 
 
