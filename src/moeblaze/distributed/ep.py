@@ -422,9 +422,10 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     (L, K) with weights (L, K), over the experts sharded across `group` (default: the world): this rank holds
     experts [rank · E_loc, (rank + 1) · E_loc) as w1_local (E_loc, F, D) and w2_local (E_loc, D, H). Every rank of
     the group must call it (a rank without tokens passes L = 0). Differentiable in x, topk_weights and the local
-    weights. config: the recipe, as for moe_experts (every precision and checkpoint policy; chunk_tokens does not
-    apply: the received rows run as one call); the kernels run the experts (a GPU, or the interpreter on the CPU):
-    backend "auto" is "triton" here, and "reference" is refused.
+    weights. config: the recipe, as for moe_experts (every precision and checkpoint policy; chunk_tokens is refused:
+    the received rows run as one call, and dispatch="capacity" bounds them); the kernels run the experts (a GPU,
+    or the interpreter on the CPU): backend "auto" is "triton" here, and "reference" is refused. Every rank must
+    hold the same number of local experts (checked once per group and count, one collective).
 
     dispatch="capacity": C rows per (source, destination) pair, the same on every rank: `capacity`, or
     tracker.capacity, or ⌈capacity_factor · L · K / ep⌉ rounded up to 16 (then every rank must have the same L:
