@@ -163,21 +163,24 @@ def stage_ms(row: dict) -> dict:
 
 def measure_roofs() -> dict:
     import torch
-    from moeblaze.bench.harness import _median_ms
+    from moeblaze.bench.harness import timed_rounds
 
     dev = torch.device("cuda")
+
+    def median_ms(fn):
+        return timed_rounds({0: lambda i: fn()}, dev, 10)[0][0]
+
     n = 8192
     a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    mm = _median_ms(lambda i: a @ b, dev, 10)
+    mm = median_ms(lambda: a @ b)
     src = torch.randn(2 ** 30, device=dev, dtype=torch.bfloat16)  # 2 GiB
     dst = torch.empty_like(src)
-    cp = _median_ms(lambda i: dst.copy_(src), dev, 10)
+    cp = median_ms(lambda: dst.copy_(src))
     roofs = {"mma_tflops": 2 * n ** 3 / mm / 1e9, "hbm_gbs": 2 * src.nbytes / cp / 1e6}
     if torch.cuda.get_device_capability() >= (8, 9):
         a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
         one = torch.ones((), device=dev)
-        mm8 = _median_ms(lambda i: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-                         dev, 10)
+        mm8 = median_ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
         roofs["fp8_mma_tflops"] = 2 * n ** 3 / mm8 / 1e9
     return roofs
 

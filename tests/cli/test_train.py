@@ -66,7 +66,8 @@ def test_resume_goes_on_under_other_execution_choices(tmp_path, capsys):
     (lambda ck: ck["config"].update(no_such_field=1), "config is not one this version reads"),
     (lambda ck: ck.pop("optimizer"), "lacks optimizer"),
     (lambda ck: ck.update(step=-3), "step is -3"),
-    (lambda ck: ck["model"].update({"tok_emb.weight": torch.zeros(3, 3)}), "model does not fit"),
+    (lambda ck: ck["model"].update({"tok_emb.weight": torch.zeros(3, 3)}), "tok_emb.weight has shape (3, 3)"),
+    (lambda ck: ck["model"].update({"no_such.weight": torch.zeros(3, 3)}), "model does not fit"),
 ])
 def test_resume_refuses_foreign_content_in_one_line(tmp_path, capsys, change, message):
     """A checksummed file whose content this version did not write: refused by name, exit 2, nothing trained."""

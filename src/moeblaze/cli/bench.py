@@ -244,11 +244,14 @@ def check_args(args) -> None:
         if name and name not in CONFIGS:
             raise UsageError(f"--configs: unknown config {name!r}; the named ones are {','.join(CONFIGS)} "
                              "(--config L,d,h,E,K gives any shape)")
-    for c in args.config + ([args.scale_config] if args.scale_config not in CONFIGS else []):
+    scale = [args.scale_config] if args.scale_config not in CONFIGS else []
+    for c in args.config + scale:
         parts = c.split(",")
-        if (len(parts) != 5 or not all(v.isdigit() for v in parts) or not all(int(v) > 0 for v in parts)
+        sized = parts if c in args.config else parts[1:]  # --scale-config's L is unused: the sweep sets the tokens
+        if (len(parts) != 5 or not all(v.isdigit() for v in parts) or not all(int(v) > 0 for v in sized)
                 or int(parts[4]) > int(parts[3])):
-            raise UsageError(f"--config: expected L,d,h,E,K (positive integers, K <= E), got {c!r}")
+            flag = "--config" if c in args.config else "--scale-config"
+            raise UsageError(f"{flag}: expected L,d,h,E,K (positive integers, K <= E), got {c!r}")
     if args.activation not in ACTIVATIONS:
         raise UsageError(f"--activation must be one of {','.join(ACTIVATIONS)}, got {args.activation!r}")
     policies = CHECKPOINTS + tuple(c + "-chunked" for c in CHECKPOINTS)
