@@ -16,7 +16,7 @@ The limits, both measured in the run: the dense bf16 MMA rate (torch.mm of two 8
 bandwidth (a 2 GiB device copy, bytes read plus written). A stage's floor is max(FLOPs / MMA rate, fewest bytes /
 bandwidth); its share of the limit is floor / measured time. FLOPs per stage (R = L·K rows): up 4·R·d·h, down
 2·R·h·d, down_bwd 2·R·d·h, dW2 2·R·d·h, dW1 4·R·h·d, dX~ 4·R·h·d (18·L·K·d·h in all). Fewest bytes: each input
-read once and each output written once (bf16 operands, fp32 router weights), listed in STAGE_BYTES.
+read once and each output written once (bf16 operands, fp32 router weights), as stage_bytes lists them.
 """
 from __future__ import annotations
 
@@ -27,8 +27,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import threading
 from collections import defaultdict
 
 STAGES = ("index", "up", "down", "combine", "down_bwd", "dW2", "dW1", "dX~", "dx", "quant", "other")
@@ -54,11 +52,8 @@ def stage_bytes(stage: str, L: int, d: int, h: int, E: int, K: int, b: int = 2) 
 
 # ---- labelling: profiler ranges around the functions that issue each stage ----------------------------------
 
-_active = threading.local()
-
-
 def _ranged(fn, label):
-    """fn inside a profiler range named `moeblaze-stage:<label>` (label a string, or a function of fn's args)."""
+    """fn inside a profiler range named `stage:<label>` (label a string, or a function of fn's args)."""
     import torch
 
     @functools.wraps(fn)
@@ -136,20 +131,14 @@ def labelled_kernels(trace_path: str) -> list[tuple[str, str, float, float]]:
 def profile_stages(step, steps: int) -> dict:
     """{stage: [(kernel, GPU ms per step)], longest first}: the kernels of `steps` steps of step(i), summed by
     name within each stage and divided by `steps`."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
+    from moeblaze.bench.harness import profile_trace
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    def run():
         for i in range(steps):
             step(i)
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        ks = labelled_kernels(path)
+
     names = defaultdict(lambda: defaultdict(float))
-    for stage, name, _, dur in ks:
+    for stage, name, _, dur in profile_trace(run, labelled_kernels, cpu=True):
         names[stage][name] += dur / 1e3 / steps
     return {st: sorted(v.items(), key=lambda kv: -kv[1]) for st, v in names.items()}
 

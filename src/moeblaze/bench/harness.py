@@ -280,20 +280,29 @@ def steady_profile(step, steps: int = 10) -> dict:
     end), busy_ms (the union of the kernels' intervals: span minus it is time the GPU waits), kernels [(name,
     calls, ms)] longest first, and gaps [(ms, kernel before, kernel after)] longest first: where it waits.
     Kernel times here are the clocks of sustained work, not those of one step after an idle GPU."""
+    def run():
+        for i in range(steps):
+            step(i)
+
+    # no CPU events: their overhead would pace the host
+    return kernel_summary(profile_trace(run, trace_kernels), steps)
+
+
+def profile_trace(run, parse, cpu: bool = False):
+    """parse(path) of the chrome trace of run() under torch.profiler: GPU kernels, and host events too where `cpu`
+    (what a trace needs to tie each kernel to the host call that launched it). The GPU is idle before and after."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU events: their overhead would pace the host
-        for i in range(steps):
-            step(i)
+    with profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])) as prof:
+        run()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
-        kernels = trace_kernels(path)
-    return kernel_summary(kernels, steps)
+        return parse(path)
 
 
 def kernel_summary(kernels: list[tuple[str, float, float]], steps: int = 1) -> dict:

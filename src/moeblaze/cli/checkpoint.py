@@ -115,7 +115,7 @@ def load_checkpoint(path: str, map_location=None) -> dict:
 # `<path>.tmp` -> `<path>`, and the earlier folder is deleted by way of a rename to `<path>.trash` (so a kill inside
 # a delete leaves only a folder whose name says it is garbage). Every state a kill can leave holds a complete
 # checkpoint: `<path>.tmp` with its manifest (the newest), else `<path>`, else `<path>.old`; a load takes the newest
-# that verifies (newest_sharded), and the next save first finishes or clears what a killed one left (the only
+# that verifies (load_newest_sharded), and the next save first finishes or clears what a killed one left (the only
 # folders it deletes are its own names: `.tmp`, `.trash`, and an `.old` beside a `<path>` with its manifest). A load
 # verifies the manifest first (rank 0, one broadcast) and refuses a changed, truncated or missing file. DCP reshards
 # on load: a checkpoint written at one mesh shape loads at another. Assumes, as DCP does, one file system every rank
@@ -166,16 +166,17 @@ def sharded_checkpoint_path(path: str) -> str | None:
     return found[0] if found else None
 
 
-def newest_sharded(path: str) -> tuple[str | None, list[str]]:
-    """(the newest folder of `path`'s save that verifies, or None; what was wrong with the newer ones)."""
+def load_newest_sharded(path: str, state: dict, rank: int) -> str:
+    """load_sharded from the newest folder of `path`'s save that verifies (a killed save may have left a newer or
+    an older one than `path`); that folder. CheckpointError on every rank, naming what was wrong, if none does."""
     problems = []
-    for p in sharded_candidates(path):
+    for folder in sharded_candidates(path):
         try:
-            verify_sharded(p)
-            return p, problems
-        except (CheckpointError, OSError) as e:
+            load_sharded(folder, state, rank)
+            return folder
+        except CheckpointError as e:
             problems.append(str(e))
-    return None, problems
+    raise CheckpointError(f"no complete checkpoint at {path}: {'; '.join(problems) or 'no manifest'}")
 
 
 def _discard(folder: str, path: str) -> None:

@@ -32,7 +32,7 @@ from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import ROUTERS, update_expert_biases
 from . import UsageError, parallel
 from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, save_checkpoint, save_sharded,
-                         sharded_candidates, sharded_checkpoint_path)
+                         load_newest_sharded, sharded_checkpoint_path)
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
 from .graph_step import GraphedStep
 from .train_flags import add_arguments, check_args, sharded_save
@@ -153,15 +153,10 @@ def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
     state = _train_state(model, opt, 0, gen, cfg, True)
     state["train"]["config"] = ""
     rank = ranks.rank if ranks else 0
-    folders, problems = sharded_candidates(args.save), []
-    for folder in folders:  # the newest that verifies: a killed save may have left a newer or an older one
-        try:  # the config first, alone: a checkpoint of another shape is refused by name before any tensor is read
-            load_sharded(folder, {"train": state["train"]}, rank)
-            break
-        except CheckpointError as e:
-            problems.append(str(e))
-    else:
-        raise SystemExit(f"--resume: no complete checkpoint at {args.save}: {'; '.join(problems)}")
+    try:  # the config first, alone: a checkpoint of another shape is refused by name before any tensor is read
+        folder = load_newest_sharded(args.save, {"train": state["train"]}, rank)
+    except CheckpointError as e:
+        raise SystemExit(f"--resume: {e}") from None
     if folder != args.save.rstrip("/" + os.sep):
         if rank == 0:
             print(f"--resume: reading {folder} (left by a save that was stopped before it finished)")

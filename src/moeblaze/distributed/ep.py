@@ -352,7 +352,6 @@ def _resolve_group_size(name: str) -> int:
     return dist.get_world_size(_resolve_group(name))
 
 
-
 DISPATCHES = ("exact", "capacity")
 OVERFLOW = ("error", "drop")
 
