@@ -180,6 +180,7 @@ def run(args) -> None:
     import torch
     import triton
     from moeblaze.bench import harness
+    from moeblaze.bench.names import CONFIGS
 
     dev_name = torch.cuda.get_device_name()
     slug = "nvidia-h200" if "H200" in dev_name else "nvidia-h100" if "H100" in dev_name else "gpu"
@@ -199,7 +200,7 @@ def run(args) -> None:
     roofs = measure_roofs()
     print(dev_name, roofs, flush=True)
     for cfg in args.configs.split(","):
-        L, d, h, E, K = harness.CONFIGS[cfg]
+        L, d, h, E, K = CONFIGS[cfg]
         p = harness.make_problem(L, d, h, E, K)
         calls, prep = {}, {}
         for impl in impls:

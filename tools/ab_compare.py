@@ -18,7 +18,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".baseline"))
 from moeblaze import ExpertsConfig, build_routing_index, moe_experts  # noqa: E402
-from moeblaze.bench.harness import CONFIGS, make_problem, run_step, time_interleaved  # noqa: E402
+from moeblaze.bench.harness import make_problem, run_step, time_interleaved  # noqa: E402
+from moeblaze.bench.names import CONFIGS  # noqa: E402
 
 
 def baseline_call(base, p, checkpoint, backend, precision):

@@ -14,7 +14,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from moeblaze.bench.harness import CONFIGS, moeblaze_call, run_step, make_problem  # noqa: E402
+from moeblaze.bench.harness import moeblaze_call, run_step, make_problem  # noqa: E402
+from moeblaze.bench.names import CONFIGS  # noqa: E402
 
 
 def host_ms(fn, n=100):

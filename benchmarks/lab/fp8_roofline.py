@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moeblaze.bench.harness import CONFIGS, timed_rounds
+from moeblaze.bench.harness import timed_rounds
+from moeblaze.bench.names import CONFIGS
 from moeblaze.cli.bench import run_env
 from moeblaze.reference.fp8 import FP8, FP8_MAX, quantize_blocks, quantize_rows
 

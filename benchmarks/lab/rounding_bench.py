@@ -37,7 +37,8 @@ import time
 import torch
 
 from moeblaze import MoELayer
-from moeblaze.bench.harness import CONFIGS, timed_rounds, steady_profile
+from moeblaze.bench.harness import steady_profile, timed_rounds
+from moeblaze.bench.names import CONFIGS
 from moeblaze.cli.bench import run_env
 from moeblaze.experts import moe_experts
 from moeblaze.routing.router import router_logits

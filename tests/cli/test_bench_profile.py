@@ -191,10 +191,10 @@ def test_profile_layer_compares_with_conventional(capsys):
 def test_profile_numbers(capsys):
     import argparse
 
-    from moeblaze.cli import profile
+    from moeblaze.cli import profile, profile_flags
 
     p = argparse.ArgumentParser()
-    profile.add_arguments(p)
+    profile_flags.add_arguments(p)
     args = p.parse_args(["--tokens", "64", "--d-model", "32", "--d-expert", "32", "--num-experts", "4",
                          "--impl", "triton"])
     res = profile.run(args)

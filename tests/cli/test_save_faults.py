@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moeblaze.cli import checkpoint as ck
-from moeblaze.cli import main, train, train_flags
+from moeblaze.cli import main, train, train_setup
 
 from helpers import run_ranks
 
@@ -168,7 +168,7 @@ def test_resume_beside_a_half_deleted_old_folder(tmp_path, monkeypatch, capsys):
     """The repro: a complete sharded checkpoint CK and, beside it, CK.old with some of its shards and no manifest
     (an earlier version's save killed inside its last delete): train --resume resumes from CK, and its save
     leaves CK alone."""
-    for mod in (train, train_flags):  # one process writing a sharded checkpoint, as a run on several GPUs does
+    for mod in (train, train_setup):  # one process writing a sharded checkpoint, as a run on several GPUs does
         monkeypatch.setattr(mod, "sharded_save", lambda save, dist_run: True)
     from test_train import TINY
 

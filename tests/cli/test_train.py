@@ -11,14 +11,14 @@ import time
 import pytest
 import torch
 
-from moeblaze.cli import main, parallel, train
+from moeblaze.cli import main, parallel, train, train_flags
 from moeblaze.cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from moeblaze.cli.data import builtin_corpus, split_corpus, unigram_entropy
 
 
 def args_for(tmp_path, **over):
     p = argparse.ArgumentParser()
-    train.add_arguments(p)
+    train_flags.add_arguments(p)
     a = p.parse_args([])
     base = dict(steps=30, batch_size=8, seq_len=32, d_model=32, n_layers=1, n_heads=2, num_experts=4, top_k=2,
                 d_expert=32, eval_every=30, eval_batches=2, save=str(tmp_path / "ck.pt"), save_every=15,

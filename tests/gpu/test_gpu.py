@@ -9,7 +9,8 @@ import torch
 
 from moeblaze import ExpertsConfig
 from moeblaze import MoELayer
-from moeblaze.bench.harness import CONFIGS, make_problem, reference_grads
+from moeblaze.bench.harness import make_problem, reference_grads
+from moeblaze.bench.names import CONFIGS
 from moeblaze.experts import launch_counts, moe_experts
 from moeblaze.reference import moe_experts_reference
 from moeblaze.routing import build_routing_index

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from moeblaze.cli import train
+from moeblaze.cli import train, train_flags
 from moeblaze.cli.graph_step import GraphedStep
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _log(tmp_path, name, **over):
     p = argparse.ArgumentParser()
-    train.add_arguments(p)
+    train_flags.add_arguments(p)
     a = p.parse_args([])
     log = tmp_path / f"{name}.jsonl"
     base = dict(steps=12, batch_size=8, eval_every=5, eval_batches=2, save="", device="cuda", dtype="bfloat16",

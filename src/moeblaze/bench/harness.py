@@ -22,14 +22,6 @@ from .baselines import torch_gmm_experts
 from .memory import SavedTensorCounter
 from .timeline import _union, trace_kernels
 
-# (L tokens, d hidden, h expert intermediate, E experts, K top-k): the anchors' configs
-CONFIGS = {
-    "A": (8192, 1024, 4096, 16, 2),
-    "B": (32768, 2048, 8192, 16, 2),
-    "C": (24576, 1536, 256, 128, 8),
-    "D": (32768, 2048, 768, 128, 8),
-    "E": (32768, 4096, 1024, 64, 4),
-}
 MB = 2 ** 20
 
 

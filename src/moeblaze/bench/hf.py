@@ -20,7 +20,6 @@ import time
 import torch
 
 LAYERS = {"qwen3-30b-a3b": 12, "olmoe-1b-7b": 16, "mixtral-8x7b": 2, "gpt-oss-20b": 6}
-BACKENDS = ("eager", "grouped_mm", "batched_mm", "sonicmoe", "moeblaze-preact", "moeblaze-recompute")
 
 
 def model_config(name: str, layers: int | None = None):

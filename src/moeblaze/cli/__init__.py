@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -39,15 +40,22 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
 
 
+COMMANDS = {"train": "train the small MoE language model on the built-in corpus",
+            "bench": "time and measure MoE layers side by side with peers",
+            "profile": "where a layer's memory goes in one training step"}
+
+
+def _flags(command: str):
+    """The command's flags module (cli/<command>_flags.py): its arguments and the checks that read only them,
+    torch-free, so that --help and a refused flag answer before torch loads."""
+    return importlib.import_module(f"{__name__}.{command}_flags")
+
+
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="moeblaze", description="Memory-efficient Mixture-of-Experts training")
     sub = p.add_subparsers(dest="command")
-    from . import bench, profile, train
-
-    for name, mod, text in (("train", train, "train the small MoE language model on the built-in corpus"),
-                            ("bench", bench, "time and measure MoE layers side by side with peers"),
-                            ("profile", profile, "where a layer's memory goes in one training step")):
-        mod.add_arguments(sub.add_parser(name, help=text, formatter_class=HelpFormatter))
+    for name, text in COMMANDS.items():
+        _flags(name).add_arguments(sub.add_parser(name, help=text, formatter_class=HelpFormatter))
     return p
 
 
@@ -81,16 +89,14 @@ def wait_passively_when_busy() -> None:
 
 
 def main(argv=None) -> int:
-    wait_passively_when_busy()
     p = parser()
     args = p.parse_args(argv)
     if args.command is None:
         args = p.parse_args(["train"] + list(argv if argv is not None else sys.argv[1:]))
-    from . import bench, profile, train
-
-    mod = {"train": train, "bench": bench, "profile": profile}[args.command]
     try:
-        mod.run(args)
+        _flags(args.command).check_flags(args)  # before torch loads; run checks them again with the machine's
+        wait_passively_when_busy()
+        importlib.import_module(f"{__name__}.{args.command}").run(args)
     except UsageError as e:
         print(f"moeblaze {args.command}: error: {e}", file=sys.stderr)
         return 2

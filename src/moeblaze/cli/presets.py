@@ -1,8 +1,6 @@
 """`moeblaze train`'s models by name (--preset); a flag given on the command line overrides its preset's value.
-Memory: none (data)."""
+Torch-free: the command line reads it before torch loads. Memory: none (data)."""
 from __future__ import annotations
-
-from ..nn import ModelConfig
 
 # "small": the default model. "qwen3-30b-a3b": MoE layers shaped as Qwen3-30B-A3B's (hidden 2048, 128 experts,
 # top-8, expert width 768; 16 heads of 128), 4 of them. "deepseek-v3-small": DeepSeek-V3's routing (sigmoid scores,
@@ -14,10 +12,8 @@ from ..nn import ModelConfig
 # states do not), a quarter of that each on four under FSDP2, an eighth on eight.
 SHAPE = ("seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k", "d_expert")
 EXTRAS = ("router", "shared_experts", "d_shared", "shared_gate", "dense_layers")
-_d = ModelConfig()
 PRESETS = {
-    "small": dict(seq_len=_d.max_seq_len, d_model=_d.d_model, n_layers=_d.n_layers, n_heads=_d.n_heads,
-                  num_experts=_d.num_experts, top_k=_d.top_k, d_expert=_d.d_expert),
+    "small": dict(seq_len=128, d_model=128, n_layers=2, n_heads=4, num_experts=8, top_k=2, d_expert=256),  # the model
     "qwen3-30b-a3b": dict(seq_len=4096, d_model=2048, n_layers=4, n_heads=16, num_experts=128, top_k=8,
                           d_expert=768),
     "deepseek-v3-small": dict(seq_len=128, d_model=128, n_layers=3, n_heads=4, num_experts=16, top_k=2, d_expert=128,

@@ -7,7 +7,6 @@ The same input then goes through the conventional pipeline (torch_gmm) for compa
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
@@ -18,39 +17,13 @@ from ..bench.harness import kernel_times
 from ..bench.memory import SavedTensorCounter
 from ..bench.stages import compiled_resources, stage_times
 from ..experts import moe_experts
-from ..experts.dispatch import BACKENDS
-from ..recipe import ACTIVATIONS, CHECKPOINTS, PRECISIONS, ExpertsConfig, fold_impl
+from ..recipe import ExpertsConfig, fold_impl
 from . import UsageError, check_device
+from .profile_flags import check_flags
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import build_routing_index
 
 MB = 2 ** 20
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="layer", choices=("layer", "model"),
-                   help="one MoE layer, or the small model (train's shape flags)")
-    p.add_argument("--tokens", type=int, default=None, help="tokens (layer) or batch*seq (model); default 4096 "
-                   "on cuda, 256 on cpu")
-    p.add_argument("--d-model", type=int, default=None, help="hidden size (default 1024 on cuda, 64 on cpu)")
-    p.add_argument("--d-expert", type=int, default=None, help="expert width (default 2048 on cuda, 128 on cpu)")
-    p.add_argument("--num-experts", type=int, default=8, help="experts")
-    p.add_argument("--top-k", type=int, default=2, help="experts per token")
-    p.add_argument("--activation", default="swiglu", choices=ACTIVATIONS, help="the experts' activation")
-    p.add_argument("--checkpoint-policy", default="preact", choices=CHECKPOINTS,
-                   help="what the experts keep for backward")
-    p.add_argument("--impl", default=None, choices=("triton", "reference"),
-                   help="default triton where it runs (CUDA, or the CPU with TRITON_INTERPRET=1), else reference")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"),
-                   help="where to run (cuda where a GPU is available)")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
-                   help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--no-compare", action="store_true", help="skip the conventional pipeline")
-    p.add_argument("--kernels", action="store_true", help="also list GPU time per kernel (torch.profiler)")
-    p.add_argument("--precision", default="native", choices=PRECISIONS,
-                   help="fp8: the experts' data GEMMs on e4m3 (the kernel table then shows the fp8 step)")
-    p.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="the Triton kernels' backend: auto (Gluon on Hopper, tl elsewhere), tl or gluon")
 
 
 def profile_step(module: torch.nn.Module, make_loss, inputs, device: torch.device) -> dict:
@@ -124,15 +97,13 @@ def _print(title: str, r: dict, top: int = 12) -> None:
 
 
 def check_args(args) -> ExpertsConfig:
-    """The experts' recipe of the flags, after every flag is checked (UsageError naming it), before any work; on the
-    CPU, says which path runs."""
+    """The experts' recipe of the flags, after every flag is checked (UsageError naming it), before any work: the
+    flags' own checks (profile_flags.check_flags), then the device; fills --device and --impl; on the CPU, says
+    which path runs."""
+    check_flags(args)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     check_device(args.device)
-    for flag in ("tokens", "d_model", "d_expert", "num_experts", "top_k"):
-        v = getattr(args, flag)
-        if v is not None and v < 1:
-            raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {v}")
-    if args.top_k > args.num_experts:
-        raise UsageError(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if args.impl is None:
         args.impl = "triton" if args.device == "cuda" or interpret else "reference"

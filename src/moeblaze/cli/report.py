@@ -29,7 +29,7 @@ def _cfg(r: dict) -> str:
 
 def _cfg_order(cfg: str) -> tuple:
     """Named configs A-E first, in their order, then the others."""
-    from ..bench.harness import CONFIGS
+    from ..bench.names import CONFIGS
 
     named = [",".join(map(str, c)) for c in CONFIGS.values()]
     return (named.index(cfg), "") if cfg in named else (len(named), cfg)

@@ -1,6 +1,7 @@
 """`moeblaze train`: train the small MoE language model on the built-in corpus.
 
-Every flag is checked before any work starts (cli/train_flags.py: the flags and their checks). Checkpoints (model,
+Every flag is checked before any work starts (cli/train_flags.py: the flags and their own checks, before torch
+loads; cli/train_setup.py: the device, backend, processes and files). Checkpoints (model,
 optimizer, step, data-sampler state, config) are written atomically with a checksum and verified on --resume (see
 cli/checkpoint.py).
 --resume without a checkpoint at --save says so on one line and starts from step 0. A non-finite training
@@ -35,9 +36,9 @@ from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, save_ch
                          load_newest_sharded, sharded_checkpoint_path)
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
 from .graph_step import GraphedStep
-from .train_flags import add_arguments, check_args, sharded_save
+from .train_setup import check_args, sharded_save
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["run"]
 
 
 def _batch(data, args, gen, ranks):

@@ -1,6 +1,6 @@
-"""The flags of `moeblaze train` and their checks: every one is checked before any work starts (a bad one exits
-with status 2 and one line naming the flag, as argparse does), including that the checkpoint location is writable
-and that flags which set FSDP2 run under torchrun.
+"""The flags of `moeblaze train` and the checks that read only them, torch-free: `moeblaze train` parses and refuses
+a bad flag before torch loads (status 2, one line naming the flag, as argparse does). The checks that ask the
+machine (the device, the backend, the processes, the files) follow in cli/train_setup.py.
 
 Memory: none beyond the parsed arguments.
 """
@@ -10,20 +10,11 @@ import argparse
 import math
 import os
 
-import torch
-
 from ..args import check_choice, check_int
-from ..config import INTERPRET
-from ..distributed import DISPATCHES, UNITS
-from ..distributed.ep import check_options
-from ..experts.dispatch import choose
-from ..nn import ModelConfig
+from ..choices import DISPATCHES, ROUTERS, RULES, UNITS
 from ..recipe import ACTIVATIONS, BACKENDS, CHECKPOINTS, INDEX_METHODS, PRECISIONS, ExpertsConfig, fold_impl
-from ..routing import ROUTERS, RULES
-from . import UsageError, check_device, parallel
-from .checkpoint import CheckpointError, probe_writable, probe_writable_folder, sharded_checkpoint_path
-from .graph_step import check_graphable
-from .presets import EXTRAS, PRESETS, SHAPE
+from . import UsageError
+from .presets import PRESETS, SHAPE
 
 OVERFLOW = ("rerun", "drop", "error")
 
@@ -97,8 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=int, default=250, help="write the checkpoint every N steps (and at the end)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the checkpoint at --save (without one, say so and start from step 0)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"),
-                   help="where to train (cuda where a GPU is available)")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="where to train (default: cuda where a GPU is available, else cpu)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="compute dtype; bfloat16 runs under CUDA autocast (and FSDP2 keeps bf16 parameters with "
                         "fp32 gradient reductions under torchrun)")
@@ -151,15 +142,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "per run in <gpu>.jsonl)")
 
 
-def check_args(args, val_len: int) -> ModelConfig:
-    """The model config of the flags, after every flag is checked (UsageError naming the flag otherwise)."""
-    dist_run = parallel.launched()
-    for name in SHAPE + EXTRAS:
+def check_flags(args) -> ExpertsConfig:
+    """The experts' recipe of the flags, after every check that reads only the flags (UsageError naming the flag
+    otherwise); fills the shape flags left unset from --preset. Torch-free."""
+    for name in SHAPE:
         if getattr(args, name, None) is None:
-            preset = PRESETS[args.preset]
-            setattr(args, name, preset[name] if name in preset else getattr(ModelConfig, name))
-    if args.save is None:
-        args.save = "checkpoints/moeblaze-sharded" if dist_run else "checkpoints/moeblaze.pt"
+            setattr(args, name, PRESETS[args.preset][name])
     try:
         for name in ("steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k",
                      "d_expert", "eval_every", "eval_batches", "save_every", "ep", "bench_warmup"):
@@ -171,7 +159,8 @@ def check_args(args, val_len: int) -> ModelConfig:
             if args.threads > cores:
                 raise ValueError(f"--threads must be at most this machine's {cores} cores, got {args.threads}")
         for name in ("shared_experts", "d_shared", "dense_layers", "rounding_tile"):
-            check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=0)
+            if getattr(args, name) is not None:  # None: the preset's, or the model's default
+                check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=0)
         if args.token_rounding and args.ep > 1:
             raise ValueError("--token-rounding under --ep is not supported yet")
         if args.rounding_tile and not args.token_rounding:
@@ -180,9 +169,6 @@ def check_args(args, val_len: int) -> ModelConfig:
         check_int("--bench-steps", args.bench_steps, minimum=0)
         if args.bench_trace and not (args.bench_steps and args.bench_profile):
             raise ValueError("--bench-trace keeps --bench-profile's trace: add --bench-steps N --bench-profile")
-        if args.seq_len > val_len - 2:
-            raise ValueError(f"--seq-len must be at most {val_len - 2} (the held-out text's length - 2), "
-                             f"got {args.seq_len}")
         if not (math.isfinite(args.lr) and args.lr > 0):
             raise ValueError(f"--lr must be a positive finite number, got {args.lr}")
         for name in ("aux_loss_coef", "z_loss_coef"):
@@ -197,82 +183,21 @@ def check_args(args, val_len: int) -> ModelConfig:
                 if value != default:
                     raise ValueError(f"{flag} applies to --ep-dispatch capacity (with --ep > 1), which this run "
                                      "does not use")
-        if args.ep > 1:  # expert parallelism's own checks (the recipe it runs, its dispatch options)
-            check_options(experts, args.ep_dispatch, "error" if args.on_overflow == "rerun" else args.on_overflow,
-                          args.capacity_factor)
         if args.top_k > args.num_experts:
             raise ValueError(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
         if args.d_model % args.n_heads:
             raise ValueError(f"--d-model ({args.d_model}) must be divisible by --n-heads ({args.n_heads})")
         check_choice("--ep-dispatch", args.ep_dispatch, DISPATCHES)
         check_choice("--on-overflow", args.on_overflow, OVERFLOW)
-        check_choice("--router", args.router, tuple(ROUTERS))
-        cfg = ModelConfig(max_seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers,
-                          n_heads=args.n_heads, num_experts=args.num_experts, top_k=args.top_k,
-                          d_expert=args.d_expert, experts=experts, router=args.router,
-                          shared_experts=args.shared_experts, d_shared=args.d_shared, shared_gate=args.shared_gate,
-                          dense_layers=args.dense_layers, token_rounding=args.token_rounding,
-                          rounding_tile=args.rounding_tile)
+        if args.router is not None:  # None: the preset's, or the default router
+            check_choice("--router", args.router, tuple(ROUTERS))
+        check_choice("--fsdp-units", args.fsdp_units, UNITS)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
-    check_device(args.device)
-    if args.cuda_graph:
-        check_graphable(args)
-    if args.compile and args.device != "cuda":
-        raise UsageError("--compile needs --device cuda (the interpreter's kernels do not compile)")
-    if args.dtype == "bfloat16" and args.device != "cuda":
-        raise UsageError("--dtype bfloat16 needs --device cuda")
-    if experts.backend not in ("auto", "reference") and args.device != "cuda" and not INTERPRET:
-        raise UsageError(f"--backend {experts.backend} runs the kernels: it needs --device cuda (or TRITON_INTERPRET=1 "
-                         "set before the command starts)")
-    try:  # the backend where the run's tensors will be: what the layer itself would refuse at its first call
-        choose(experts.backend, torch.device(args.device))
-    except (RuntimeError, ValueError) as e:
-        raise UsageError(f"--backend {experts.backend}: {e}") from None
-    fsdp_flags = [f for f, on in (("--fsdp-keep-gathered", args.fsdp_keep_gathered),
-                                  ("--fsdp-units model", args.fsdp_units != "blocks"),
-                                  ("--fsdp-reduce-dtype bfloat16", args.fsdp_reduce_dtype != "float32")) if on]
-    if fsdp_flags and not dist_run:
-        raise UsageError(f"{fsdp_flags[0]} sets FSDP2, which runs under torchrun (--nproc-per-node 1 or more)")
-    if args.fsdp_reduce_dtype != "float32" and args.dtype != "bfloat16":
-        raise UsageError("--fsdp-reduce-dtype bfloat16 needs --dtype bfloat16 (float32 parameters reduce in float32)")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.ep > 1:
-        if not dist_run:
-            raise UsageError(f"--ep {args.ep} needs {args.ep} or more processes: run under torchrun "
-                             "--nproc-per-node N")
-        if world % args.ep:
-            raise UsageError(f"--ep {args.ep} must divide the number of processes ({world})")
-        if args.num_experts % args.ep:
-            raise UsageError(f"--ep {args.ep} must divide --num-experts ({args.num_experts})")
-        if experts.backend == "reference" or (args.device != "cuda" and not INTERPRET):
-            raise UsageError("--ep runs the experts on the Triton kernels: --device cuda (or TRITON_INTERPRET=1 set "
-                             "before the command starts), not --backend reference")
-    elif args.ep_dispatch != "exact":
+    if args.ep == 1 and args.ep_dispatch != "exact":
         raise UsageError("--ep-dispatch capacity needs --ep > 1")
-    if args.resume and not args.save:
+    if args.resume and args.save == "":
         raise UsageError("--resume needs a checkpoint path (--save)")
     if args.bench_steps and args.resume:
         raise UsageError("--bench-steps times fresh steps: it does not --resume")
-    if args.save and not args.bench_steps:
-        try:
-            (probe_writable_folder if sharded_save(args.save, dist_run) else probe_writable)(args.save)
-        except CheckpointError as e:
-            raise UsageError(f"--save: {e}") from None
-    # every other output, probed now: a path that fails only when first written loses the run's work
-    outputs = [("--loss-log", args.loss_log, "loss log"), ("--bench-trace", args.bench_trace, "trace")]
-    if args.bench_steps:  # a folder: the results file goes in it
-        outputs.append(("--results", args.results and os.path.join(args.results, "results.probe"), "results file"))
-    for flag, path, what in outputs:
-        if path:
-            try:
-                probe_writable(path, what)
-            except CheckpointError as e:
-                raise UsageError(f"{flag}: {e}") from None
-    return cfg
-
-
-def sharded_save(save: str, dist_run: bool) -> bool:
-    """Whether the checkpoint at `save` is (to be) a sharded folder: always under torchrun, and in one process
-    where `save` already is one (a run on several GPUs continued, or evaluated, on one)."""
-    return dist_run or sharded_checkpoint_path(save) is not None
+    return experts

@@ -38,6 +38,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..choices import DISPATCHES, OVERFLOW
 from ..experts import kernel_recipe
 from ..experts.dispatch import choose
 from ..experts.op import experts_backward, experts_forward, parse
@@ -352,8 +353,6 @@ def _resolve_group_size(name: str) -> int:
     return dist.get_world_size(_resolve_group(name))
 
 
-DISPATCHES = ("exact", "capacity")
-OVERFLOW = ("error", "drop")
 
 
 def check_options(config: ExpertsConfig, dispatch: str, on_overflow: str, capacity_factor: float = 1.25,

@@ -28,14 +28,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from ..choices import UNITS
 from .module import routed_experts, shard_experts
 
 
 def data_parallel_size(mesh: DeviceMesh) -> int:
     return mesh.size()
-
-
-UNITS = ("blocks", "model")
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,

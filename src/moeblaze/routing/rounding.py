@@ -40,12 +40,10 @@ from typing import NamedTuple
 import torch
 
 from ..args import check_bool, check_choice, check_int, check_positive
+from ..choices import RULES
 from ..config import INTERPRET
 from .checks import check_topk_idx, check_topk_weights, fail_if
 from .router import SCORINGS
-
-RULES = ("nr-f", "up", "down")
-
 
 class RoundedRouting(NamedTuple):
     kept_LE: torch.Tensor  # (L, E) bool: the pairs every expert computes

@@ -282,20 +282,6 @@ class TopKRouter(nn.Module):
                 + (f", expert_bias(rate={self.expert_bias_rate})" if self.expert_bias is not None else ""))
 
 
-# Routers of model families by name (TopKRouter's options; see research notes on routing): "default" is the
-# softmax top-k, renormalized, with the switch loss (Mixtral's).
-ROUTERS = {
-    "default": {},
-    "mixtral": dict(scoring="softmax_topk", renormalize=True, aux_loss="switch"),
-    "qwen3-moe": dict(scoring="softmax_topk", renormalize=True, aux_loss="global"),
-    "qwen3-next": dict(scoring="softmax_topk", renormalize=True, aux_loss="global"),
-    "olmoe": dict(scoring="softmax_topk", renormalize=False, aux_loss="switch"),
-    "deepseek-v3": dict(scoring="sigmoid_topk", renormalize=True, route_scale=2.5, expert_bias=True, num_groups=8,
-                        topk_groups=4, aux_loss="sequence"),
-    "gpt-oss": dict(scoring="topk_softmax", gate_bias=True, aux_loss="switch"),
-}
-
-
 def update_expert_biases(model: nn.Module, group=None) -> int:
     """update_expert_bias() on every router of the model that has an expert bias; how many."""
     n = 0

@@ -1,0 +1,102 @@
+"""The flags of `moeblaze bench` and the checks that read only them, torch-free: `moeblaze bench` parses and refuses
+a bad flag before torch loads (status 2, one line naming the flag). The device and the results folder are checked
+next (cli/bench.py), before any work.
+
+Memory: none beyond the parsed arguments.
+"""
+from __future__ import annotations
+
+import argparse
+
+from ..bench.names import CONFIGS, HF_BACKENDS, IMPLS
+from ..recipe import ACTIVATIONS, CHECKPOINTS
+from . import UsageError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--configs", default=None,
+                   help="comma list of named configs (L,d,h,E,K): "
+                        + "; ".join(f"{k} {','.join(map(str, v))}" for k, v in CONFIGS.items())
+                        + ". Default all five unless --config, --scale or --dispatch is given")
+    p.add_argument("--config", action="append", default=[], metavar="L,d,h,E,K", help="extra config (repeatable)")
+    p.add_argument("--impls", default=None,
+                   help=f"comma list from {','.join(IMPLS)} (default: all available but the moeblaze-<backend> ones, "
+                        "which pin moeblaze to one backend)")
+    p.add_argument("--policies", default=None,
+                   help="moeblaze policies: preact, recompute, preact-fp8, and their token-chunked variants "
+                        "preact-chunked, recompute-chunked, preact-fp8-chunked (default: preact,recompute; with "
+                        "--scale also recompute-chunked)")
+    p.add_argument("--precision", default="native", choices=("native", "fp8"),
+                   help="fp8: add moeblaze-fp8 (precision=\"fp8\", policies preact and preact-fp8 unless --policies "
+                        "names others) to the implementations, beside the peers' bf16")
+    p.add_argument("--activation", default="swiglu", help="the experts' activation")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="where to run (default: cuda where a GPU is available, else cpu)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
+    p.add_argument("--iters", type=int, default=10, help="timed calls per round")
+    p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference errors")
+    p.add_argument("--stall-s", type=float, default=300,
+                   help="print every thread's stack (to stderr) when one implementation's compile and checks "
+                        "run longer than this, to show where it hangs; the run goes on (0: off)")
+    p.add_argument("--gpu-busy", action="store_true",
+                   help="also record gpu_busy_ms: the kernels' own time in one step (host overhead = step - busy)")
+    p.add_argument("--scale", action="store_true", help="tokens from --min-tokens doubling until OOM or --max-tokens")
+    p.add_argument("--scale-config", default="E", help="config whose d,h,E,K the scaling sweep uses")
+    p.add_argument("--min-tokens", type=int, default=8192, help="--scale: the first token count")
+    p.add_argument("--max-tokens", type=int, default=2 ** 21, help="--scale: the last token count")
+    p.add_argument("--dispatch", action="store_true", help="time the routing index builders")
+    p.add_argument("--dispatch-L", default="32768,524288,2097152", help="--dispatch: token counts")
+    p.add_argument("--dispatch-E", default="8,16,64,256", help="--dispatch: expert counts")
+    p.add_argument("--dispatch-K", default="1,2,8", help="--dispatch: top-k values")
+    p.add_argument("--hf", default=None, metavar="MODELS",
+                   help="end to end: train transformers models (comma list of qwen3-30b-a3b, olmoe-1b-7b, "
+                        "mixtral-8x7b, gpt-oss-20b; published configs, random weights, fewer layers) with AdamW in "
+                        "bf16 on each experts backend (--hf-backends); see moeblaze.bench.hf")
+    p.add_argument("--hf-backends", default=",".join(HF_BACKENDS),
+                   help="experts backends for --hf; also sonicmoe-adapter (SonicMoE's own API from its wheel, for "
+                        "where transformers' sonicmoe backend can't fetch its kernels)")
+    p.add_argument("--hf-layers", type=int, default=None, help="layers per model for --hf (default: bench.hf.LAYERS)")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length for --hf")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step for --hf")
+    p.add_argument("--hf-steps", type=int, default=10, help="timed steps for --hf (after --warmup)")
+    p.add_argument("--hf-profile", action="store_true",
+                   help="for --hf: one more step per backend under torch.profiler (GPU busy time, top kernels)")
+    p.add_argument("--max-batch", type=int, default=0, metavar="LIMIT",
+                   help="for --hf: also find each backend's largest batch up to LIMIT sequences (0: skip)")
+    p.add_argument("--out", default="bench-results",
+                   help="results folder (default bench-results, in the working directory)")
+    p.add_argument("--plot", action="store_true", help="write PNG charts next to the results")
+    p.add_argument("--report", default=None, metavar="docs/results.md",
+                   help="only regenerate that page's generated results (between its markers) from the --out folder, "
+                        "measure nothing")
+
+
+def check_flags(args) -> None:
+    """UsageError naming the flag unless every flag is well formed: the configs, the implementations, the policies,
+    the counts. Torch-free."""
+    for name in (args.configs or "").split(","):
+        if name and name not in CONFIGS:
+            raise UsageError(f"--configs: unknown config {name!r}; the named ones are {','.join(CONFIGS)} "
+                             "(--config L,d,h,E,K gives any shape)")
+    scale = [args.scale_config] if args.scale_config not in CONFIGS else []
+    for c in args.config + scale:
+        parts = c.split(",")
+        sized = parts if c in args.config else parts[1:]  # --scale-config's L is unused: the sweep sets the tokens
+        if (len(parts) != 5 or not all(v.isdigit() for v in parts) or not all(int(v) > 0 for v in sized)
+                or int(parts[4]) > int(parts[3])):
+            flag = "--config" if c in args.config else "--scale-config"
+            raise UsageError(f"{flag}: expected L,d,h,E,K (positive integers, K <= E), got {c!r}")
+    if args.activation not in ACTIVATIONS:
+        raise UsageError(f"--activation must be one of {','.join(ACTIVATIONS)}, got {args.activation!r}")
+    policies = CHECKPOINTS + tuple(c + "-chunked" for c in CHECKPOINTS)
+    for name in (args.policies or "").split(","):
+        if name and name not in policies:
+            raise UsageError(f"--policies: unknown policy {name!r}; one of {','.join(policies)}")
+    for name in (args.impls or "").split(","):
+        if name and name not in IMPLS:
+            raise UsageError(f"--impls: unknown implementation {name!r}; one of {','.join(IMPLS)}")
+    for flag in ("warmup", "iters", "min_tokens", "max_tokens"):
+        if getattr(args, flag) < (0 if flag == "warmup" else 1):
+            raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")

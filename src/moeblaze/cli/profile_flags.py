@@ -1,0 +1,54 @@
+"""The flags of `moeblaze profile` and the checks that read only them, torch-free: `moeblaze profile` parses and
+refuses a bad flag before torch loads (status 2, one line naming the flag); the device is checked next
+(cli/profile.py), before any work.
+
+Memory: none beyond the parsed arguments.
+"""
+from __future__ import annotations
+
+import argparse
+
+from ..recipe import ACTIVATIONS, CHECKPOINTS, PRECISIONS, ExpertsConfig, fold_impl
+from . import UsageError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="layer", choices=("layer", "model"),
+                   help="one MoE layer, or the small model (train's shape flags)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens (layer) or batch*seq (model); default 4096 "
+                   "on cuda, 256 on cpu")
+    p.add_argument("--d-model", type=int, default=None, help="hidden size (default 1024 on cuda, 64 on cpu)")
+    p.add_argument("--d-expert", type=int, default=None, help="expert width (default 2048 on cuda, 128 on cpu)")
+    p.add_argument("--num-experts", type=int, default=8, help="experts")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--activation", default="swiglu", choices=ACTIVATIONS, help="the experts' activation")
+    p.add_argument("--checkpoint-policy", default="preact", choices=CHECKPOINTS,
+                   help="what the experts keep for backward")
+    p.add_argument("--impl", default=None, choices=("triton", "reference"),
+                   help="default triton where it runs (CUDA, or the CPU with TRITON_INTERPRET=1), else reference")
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="where to run (default: cuda where a GPU is available, else cpu)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--no-compare", action="store_true", help="skip the conventional pipeline")
+    p.add_argument("--kernels", action="store_true", help="also list GPU time per kernel (torch.profiler)")
+    p.add_argument("--precision", default="native", choices=PRECISIONS,
+                   help="fp8: the experts' data GEMMs on e4m3 (the kernel table then shows the fp8 step)")
+    p.add_argument("--backend", default="auto", choices=("auto", "tl", "gluon"),
+                   help="the Triton kernels' backend: auto (Gluon on Hopper, tl elsewhere), tl or gluon")
+
+
+def check_flags(args) -> None:
+    """UsageError naming the flag unless every flag is well formed and the experts' recipe they say is one
+    ExpertsConfig takes. Torch-free."""
+    for flag in ("tokens", "d_model", "d_expert", "num_experts", "top_k"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {v}")
+    if args.top_k > args.num_experts:
+        raise UsageError(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
+    try:
+        ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy,
+                      backend=fold_impl(args.impl or "triton", args.backend), precision=args.precision)
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None

@@ -1,0 +1,118 @@
+"""The checks of `moeblaze train` that ask the machine, after cli/train_flags.py's checks of the flags alone: the
+device, the backend where the run's tensors will be, the processes torchrun started, the files the run will write;
+then the model config. A bad one exits with status 2 and one line naming the flag, before any work starts.
+
+Memory: none beyond the parsed arguments.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..config import INTERPRET
+from ..distributed.ep import check_options
+from ..experts.dispatch import choose
+from ..nn import ModelConfig
+from . import UsageError, check_device, parallel
+from .checkpoint import CheckpointError, probe_writable, probe_writable_folder, sharded_checkpoint_path
+from .graph_step import check_graphable
+from .presets import EXTRAS, PRESETS
+from .train_flags import check_flags
+
+
+def check_args(args, val_len: int) -> ModelConfig:
+    """The model config of the flags, after every flag is checked (UsageError naming the flag otherwise): the
+    flags' own checks (train_flags.check_flags), then the machine's; fills --device, --save and the preset's
+    options left unset."""
+    experts = check_flags(args)
+    dist_run = parallel.launched()
+    for name in EXTRAS:
+        if getattr(args, name, None) is None:
+            preset = PRESETS[args.preset]
+            setattr(args, name, preset[name] if name in preset else getattr(ModelConfig, name))
+    if args.save is None:
+        args.save = "checkpoints/moeblaze-sharded" if dist_run else "checkpoints/moeblaze.pt"
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        if args.seq_len > val_len - 2:
+            raise ValueError(f"--seq-len must be at most {val_len - 2} (the held-out text's length - 2), "
+                             f"got {args.seq_len}")
+        if args.ep > 1:  # expert parallelism's own checks (the recipe it runs, its dispatch options)
+            check_options(experts, args.ep_dispatch, "error" if args.on_overflow == "rerun" else args.on_overflow,
+                          args.capacity_factor)
+        cfg = ModelConfig(max_seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers,
+                          n_heads=args.n_heads, num_experts=args.num_experts, top_k=args.top_k,
+                          d_expert=args.d_expert, experts=experts, router=args.router,
+                          shared_experts=args.shared_experts, d_shared=args.d_shared, shared_gate=args.shared_gate,
+                          dense_layers=args.dense_layers, token_rounding=args.token_rounding,
+                          rounding_tile=args.rounding_tile)
+    except (TypeError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    check_device(args.device)
+    if args.cuda_graph:
+        check_graphable(args)
+    if args.compile and args.device != "cuda":
+        raise UsageError("--compile needs --device cuda (the interpreter's kernels do not compile)")
+    if args.dtype == "bfloat16" and args.device != "cuda":
+        raise UsageError("--dtype bfloat16 needs --device cuda")
+    if experts.backend not in ("auto", "reference") and args.device != "cuda" and not INTERPRET:
+        raise UsageError(f"--backend {experts.backend} runs the kernels: it needs --device cuda (or TRITON_INTERPRET=1 "
+                         "set before the command starts)")
+    try:  # the backend where the run's tensors will be: what the layer itself would refuse at its first call
+        choose(experts.backend, torch.device(args.device))
+    except (RuntimeError, ValueError) as e:
+        raise UsageError(f"--backend {experts.backend}: {e}") from None
+    _check_processes(args, experts, dist_run)
+    _probe_outputs(args, dist_run)
+    return cfg
+
+
+def _check_processes(args, experts, dist_run: bool) -> None:
+    """UsageError unless the processes torchrun started (or not) run what the flags ask: FSDP2's flags under
+    torchrun, --ep dividing the processes and the experts, expert parallelism on the kernels."""
+    fsdp_flags = [f for f, on in (("--fsdp-keep-gathered", args.fsdp_keep_gathered),
+                                  ("--fsdp-units model", args.fsdp_units != "blocks"),
+                                  ("--fsdp-reduce-dtype bfloat16", args.fsdp_reduce_dtype != "float32")) if on]
+    if fsdp_flags and not dist_run:
+        raise UsageError(f"{fsdp_flags[0]} sets FSDP2, which runs under torchrun (--nproc-per-node 1 or more)")
+    if args.fsdp_reduce_dtype != "float32" and args.dtype != "bfloat16":
+        raise UsageError("--fsdp-reduce-dtype bfloat16 needs --dtype bfloat16 (float32 parameters reduce in float32)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.ep > 1:
+        if not dist_run:
+            raise UsageError(f"--ep {args.ep} needs {args.ep} or more processes: run under torchrun "
+                             "--nproc-per-node N")
+        if world % args.ep:
+            raise UsageError(f"--ep {args.ep} must divide the number of processes ({world})")
+        if args.num_experts % args.ep:
+            raise UsageError(f"--ep {args.ep} must divide --num-experts ({args.num_experts})")
+        if experts.backend == "reference" or (args.device != "cuda" and not INTERPRET):
+            raise UsageError("--ep runs the experts on the Triton kernels: --device cuda (or TRITON_INTERPRET=1 set "
+                             "before the command starts), not --backend reference")
+
+
+def _probe_outputs(args, dist_run: bool) -> None:
+    """UsageError unless every file the run will write can be written: the checkpoint, the loss log, the trace,
+    the results file (a path that fails only when first written loses the run's work)."""
+    if args.save and not args.bench_steps:
+        try:
+            (probe_writable_folder if sharded_save(args.save, dist_run) else probe_writable)(args.save)
+        except CheckpointError as e:
+            raise UsageError(f"--save: {e}") from None
+    outputs = [("--loss-log", args.loss_log, "loss log"), ("--bench-trace", args.bench_trace, "trace")]
+    if args.bench_steps:  # a folder: the results file goes in it
+        outputs.append(("--results", args.results and os.path.join(args.results, "results.probe"), "results file"))
+    for flag, path, what in outputs:
+        if path:
+            try:
+                probe_writable(path, what)
+            except CheckpointError as e:
+                raise UsageError(f"{flag}: {e}") from None
+
+
+def sharded_save(save: str, dist_run: bool) -> bool:
+    """Whether the checkpoint at `save` is (to be) a sharded folder: always under torchrun, and in one process
+    where `save` already is one (a run on several GPUs continued, or evaluated, on one)."""
+    return dist_run or sharded_checkpoint_path(save) is not None
