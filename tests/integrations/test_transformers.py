@@ -269,3 +269,18 @@ def test_a_negative_expert_id_is_refused_by_name(impl):
     idx = torch.tensor([[0, 1], [2, -1], [3, 4]])
     with pytest.raises(ValueError, match=r"expert id is negative: the ids must be in \[0, 6\)"):
         mbt.experts_forward(experts, torch.randn(3, 32), idx, torch.rand(3, 2))
+
+
+def test_a_model_without_experts_built_for_moeblaze_warns():
+    """Issue: from_config(a dense Llama, experts_implementation="moeblaze") built with nothing on moeblaze and no
+    warning (transformers refuses "grouped_mm" there, but takes any registered name). Now one warning names the
+    model; an MoE model built the same way warns nothing."""
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    with pytest.warns(UserWarning, match="nothing in it runs on moeblaze") as seen:
+        transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="moeblaze")
+    assert len([w for w in seen if "runs on moeblaze" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        transformers.AutoModelForCausalLM.from_config(configs()["olmoe"], experts_implementation="moeblaze")
+        transformers.AutoModelForCausalLM.from_config(cfg)  # the default implementation: no word from moeblaze

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 
 import torch
 
@@ -69,8 +70,37 @@ def _interface():
 
 
 def register() -> None:
-    """Register experts_forward as transformers' experts implementation "moeblaze" (idempotent)."""
+    """Register experts_forward as transformers' experts implementation "moeblaze" (idempotent), and have a model
+    built with it that has no experts module say so (_warn_when_nothing_runs)."""
     _interface().ExpertsInterface.register(NAME, experts_forward)
+    from transformers import PreTrainedModel
+
+    check = getattr(PreTrainedModel, "get_correct_experts_implementation", None)
+    if check is not None and not getattr(check, "_moeblaze", False):
+        PreTrainedModel.get_correct_experts_implementation = _warn_when_nothing_runs(check)
+
+
+def _warn_when_nothing_runs(check):
+    """transformers' check of a model's experts implementation (run as each model starts to be built, before its
+    modules exist), which refuses "grouped_mm" for a model class that can't set one (its modeling code uses no
+    `@use_experts_implementation`) but takes any registered name: the same check, plus a warning where the name is
+    "moeblaze" and the class can't set it, so that nothing in the model would run on moeblaze."""
+    warned: dict = {}  # id -> weak reference of the configs warned about: a model and the model it wraps share one
+
+    @functools.wraps(check)
+    def checked(self, requested_experts):
+        applicable = check(self, requested_experts)
+        config = getattr(self, "config", None)
+        seen = warned.get(id(config))
+        if applicable == NAME and not self._can_set_experts_implementation() and (seen is None or seen() is not config):
+            warned[id(config)] = weakref.ref(config) if config is not None else (lambda: None)
+            warnings.warn(f"{type(self).__name__} was built with experts_implementation={NAME!r} but has no experts "
+                          "module of transformers' experts interface: nothing in it runs on moeblaze", UserWarning,
+                          stacklevel=2)
+        return applicable
+
+    checked._moeblaze = True
+    return checked
 
 
 def configure(model: torch.nn.Module, config: ExpertsConfig | None = None, **legacy) -> int:
