@@ -6,9 +6,11 @@ checkpoint policy and precision. Make the baseline first with `bash tools/make_b
     python tools/ab_compare.py [--configs A,B,C,D,E] [--backends tl,gluon] [--policies preact,recompute]
                                  [--precisions native,fp8]
 
-The baseline is called in 0.1's form (moe_experts(..., activation, checkpoint, impl="triton", backend=...,
-precision=...)), the current code with an ExpertsConfig. The tl kernels are autotuned by timing, so two packages
-may pick different configs: "tl" rows may differ in the last bits where they do."""
+The baseline is called with its ExpertsConfig (or, before it had one, in 0.1's form: moe_experts(..., activation,
+checkpoint, impl="triton", backend=..., precision=...)), the current code with an ExpertsConfig. The tl kernels
+are autotuned by timing, so two packages may pick different configs: "tl" rows may differ in the last bits where
+they do. Where a row is not bitwise equal, the next line gives both versions' errors against the fp64 reference
+(out, dx, dw1, dw2, dtopk_w)."""
 import argparse
 import os
 import sys
@@ -18,16 +20,26 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".baseline"))
 from moeblaze import ExpertsConfig, build_routing_index, moe_experts  # noqa: E402
-from moeblaze.bench.harness import make_problem, run_step, time_interleaved  # noqa: E402
+from moeblaze.bench.harness import make_problem, reference_grads, run_step, time_interleaved  # noqa: E402
 from moeblaze.bench.names import CONFIGS  # noqa: E402
 
 
 def baseline_call(base, p, checkpoint, backend, precision):
-    def call(x, idx, w, w1, w2):
+    """The baseline's call: with its ExpertsConfig where it has one, else in 0.1's form."""
+    if hasattr(base, "ExpertsConfig"):
+        config = base.ExpertsConfig(activation=p.activation, checkpoint=checkpoint, backend=backend,
+                                    precision=precision)
+
+        def call(x, idx, w, w1, w2):
+            r = base.routing.build_routing_index(idx, p.E, check=False)
+            return base.moe_experts(x, r, w, w1, w2, config=config, check=False)
+        return call
+
+    def call_01(x, idx, w, w1, w2):
         r = base.routing.build_routing_index(idx, p.E, check=False)
         return base.moe_experts(x, r, w, w1, w2, p.activation, checkpoint, impl="triton", check=False,
                                 backend=backend, precision=precision)
-    return call
+    return call_01
 
 
 def current_call(p, checkpoint, backend, precision):
@@ -36,6 +48,10 @@ def current_call(p, checkpoint, backend, precision):
     def call(x, idx, w, w1, w2):
         return moe_experts(x, build_routing_index(idx, p.E, check=False), w, w1, w2, config=config, check=False)
     return call
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
 def main():
@@ -54,6 +70,7 @@ def main():
           "current step ms | current / baseline |\n|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.configs.split(","):
         p = make_problem(*CONFIGS[name], dtype=torch.bfloat16, device="cuda")
+        ref = None
         for backend in args.backends.split(","):
             for policy in args.policies.split(","):
                 for precision in args.precisions.split(","):
@@ -65,13 +82,19 @@ def main():
                             run_step(calls[k], p, i, True)
                     (ob, gb), (oc, gc) = results["baseline"], results["current"]
                     equal = [torch.equal(a, b) for a, b in zip((ob,) + gb, (oc,) + gc)]
+                    if not all(equal):  # both versions' errors against the fp64 reference
+                        ref = ref if ref is not None else reference_grads(p, torch.float64)
+                        errs = {k: " ".join(f"{rel(a, r):.2e}" for a, r in zip((o,) + g, ref))
+                                for k, (o, g) in (("baseline", (ob, gb)), ("current", (oc, gc)))}
+                        print(f"|   error vs fp64 | | | | baseline {errs['baseline']}; current {errs['current']} "
+                              "| | | |", flush=True)
                     del results, ob, gb, oc, gc
                     times = time_interleaved(calls, p, args.iters)
                     tb, tc = times["baseline"]["step_ms"], times["current"]["step_ms"]
                     print(f"| {name} | {backend} | {policy} | {precision} | {'yes' if all(equal) else equal} | "
                           f"{tb:.2f} | {tc:.2f} | {tc / tb:.3f} |", flush=True)
                     torch.cuda.empty_cache()
-        del p
+        del p, ref
         torch.cuda.empty_cache()
 
 

@@ -237,13 +237,14 @@ def run_step(call, p: Problem, i: int, backward: bool):
     return out, None
 
 
-def reference_grads(p: Problem):
-    """fp32 reference output and gradients for rotation set 0."""
+def reference_grads(p: Problem, dtype: torch.dtype = torch.float32):
+    """The reference output and gradients for rotation set 0, in dtype (fp32; fp64 for the error of a kernel
+    that changes the summation order against the old one's)."""
     x, idx, w, dy = p.sets[0]
-    leaves = [t.detach().float().requires_grad_() for t in (x, p.w1, p.w2, w)]
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (x, p.w1, p.w2, w)]
     out = moe_experts_reference(leaves[0], idx, leaves[3], leaves[1], leaves[2],
                                 config=ExpertsConfig(p.activation))
-    return (out.detach(),) + tuple(g.detach() for g in torch.autograd.grad(out, leaves, dy.float()))
+    return (out.detach(),) + tuple(g.detach() for g in torch.autograd.grad(out, leaves, dy.to(dtype)))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
