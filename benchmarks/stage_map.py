@@ -71,7 +71,7 @@ def _wrap(obj, attr, label):
 def label_moeblaze() -> None:
     from moeblaze.bench import harness
     from moeblaze.experts import fp8, op, stages
-    from moeblaze.experts.tl import quant
+    from moeblaze.experts import quant
 
     _wrap(harness, "build_routing_index", "index")
     _wrap(stages.RowPlan, "build", "index")  # the tile schedule

@@ -33,7 +33,8 @@ GATED = ("swiglu", "geglu", "clamped_swiglu")  # act(gate) · up over [gate | up
 PLAIN = ("silu", "gelu", "relu", "relu2")
 ACTIVATIONS = GATED + PLAIN
 CHECKPOINTS = ("preact", "recompute", "preact-fp8")
-BACKENDS = ("auto", "reference", "triton", "tl", "gluon")
+LAUNCH_BACKENDS = ("auto", "tl", "gluon")  # what one kernel launch runs on (experts.dispatch resolves "auto")
+BACKENDS = ("auto", "reference", "triton", *LAUNCH_BACKENDS[1:])  # ExpertsConfig.backend (experts.dispatch.choose)
 PRECISIONS = ("native", "fp8")
 INDEX_METHODS = ("auto", "dense", "sort")
 
@@ -85,7 +86,7 @@ LEGACY = ("activation", "checkpoint", "impl", "backend", "precision", "fp8_weigh
 def fold_impl(impl: str, backend: str) -> str:
     """0.1's two axes (impl: auto, triton, reference; backend: auto, tl, gluon) as ExpertsConfig's one backend."""
     check_choice("impl", impl, ("auto", "triton", "reference"))
-    check_choice("backend", backend, ("auto", "tl", "gluon") if impl != "auto" else BACKENDS)
+    check_choice("backend", backend, LAUNCH_BACKENDS if impl != "auto" else BACKENDS)
     if impl == "reference":
         return "reference"
     return "triton" if (impl, backend) == ("triton", "auto") else backend

@@ -46,7 +46,7 @@ def test_layer_bench_rows_schema_and_plot(tmp_path):
 def test_fp8_bench_with_the_weight_cache_pays_one_quantization_a_step(tmp_path, monkeypatch):
     """moeblaze-fp8-cached: the same errors as moeblaze-fp8 (the same arithmetic), and each timed step quantizes
     both weights once (the bench moves their versions on before each step, as an optimizer step would)."""
-    from moeblaze.experts.tl import quant
+    from moeblaze.experts import quant
 
     calls = []
     real = quant.quantize_blocks

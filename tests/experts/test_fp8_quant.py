@@ -1,9 +1,9 @@
-"""The one-pass fp8 quantizers (experts.tl.quant, interpreter) against reference.fp8 bit for bit: random values,
+"""The one-pass fp8 quantizers (experts.quant, interpreter) against reference.fp8 bit for bit: random values,
 zero rows, outliers, values past 448, ragged last groups, every value e4m3 can round to; SwiGLU fused in."""
 import pytest
 import torch
 
-from moeblaze.experts.tl import quant
+from moeblaze.experts import quant
 from moeblaze.reference import FP8_MAX, apply_activation, dequantize_rows, quantize_blocks, quantize_rows
 
 

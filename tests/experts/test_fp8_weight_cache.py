@@ -9,7 +9,7 @@ import torch
 from moeblaze import ExpertsConfig
 from moeblaze import MoELayer
 from moeblaze.experts import fp8, moe_experts
-from moeblaze.experts.tl import quant
+from moeblaze.experts import quant
 from moeblaze.routing import build_routing_index
 
 from helpers import random_problem

@@ -102,7 +102,7 @@ def test_dh_pass_reads_e4m3_preact_as_its_read_back_copy(poison_alloc, activatio
     loaded per group (interleaved, plain, gate-first with H a multiple of 128) and per element (gate-first 136)."""
     from moeblaze.experts import stages
     from moeblaze.experts.stages import RowPlan
-    from moeblaze.experts.tl import quant
+    from moeblaze.experts import quant
 
     torch.manual_seed(1)
     x, w1, w2, idx, w = random_problem(24, 16, H, 4, 2, activation)

@@ -80,7 +80,7 @@ def test_fp8_rows_gemm_on_e4m3_matches_the_emulation(N, gather, backend, out_dty
 
 
 def test_one_pass_quantizers_on_the_gpu_are_the_references():
-    from moeblaze.experts.tl import quant
+    from moeblaze.experts import quant
     from moeblaze.reference import apply_activation
 
     torch.manual_seed(0)
@@ -160,7 +160,7 @@ def test_fp8_weight_cache_and_the_dh_pass_quantizer_on_the_gpu(backend):
     the dH pass's q(dH) is quantize_rows(dH) bit for bit on the GPU."""
     from moeblaze.experts import stages
     from moeblaze.experts.stages import RowPlan
-    from moeblaze.experts.tl import quant
+    from moeblaze.experts import quant
 
     _skip_unless(backend)
     x, w1, w2, idx, w, dy = _layer_problem()

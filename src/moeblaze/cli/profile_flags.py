@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..recipe import ACTIVATIONS, CHECKPOINTS, PRECISIONS, ExpertsConfig, fold_impl
+from ..recipe import ACTIVATIONS, CHECKPOINTS, LAUNCH_BACKENDS, PRECISIONS, ExpertsConfig, fold_impl
 from . import UsageError
 
 
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", action="store_true", help="also list GPU time per kernel (torch.profiler)")
     p.add_argument("--precision", default="native", choices=PRECISIONS,
                    help="fp8: the experts' data GEMMs on e4m3 (the kernel table then shows the fp8 step)")
-    p.add_argument("--backend", default="auto", choices=("auto", "tl", "gluon"),
+    p.add_argument("--backend", default="auto", choices=LAUNCH_BACKENDS,
                    help="the Triton kernels' backend: auto (Gluon on Hopper, tl elsewhere), tl or gluon")
 
 

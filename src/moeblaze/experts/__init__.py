@@ -1,9 +1,9 @@
 """The experts op: `moe_experts`, the functional MoE expert computation over the reference or the fused kernels.
 
 Package map: op (the custom-op pair and autograd over the bodies, written once over a GEMM strategy), fp8 (the e4m3
-strategy and its weight cache), stages (the documented stage API), dispatch (which backend runs each launch),
-schedule (the device-built tile schedule), tl/ (the portable Triton kernels), gluon_sm90/ (the Hopper
-warp-specialised kernels).
+strategy and its weight cache), quant (the one-pass e4m3 quantizers every backend uses), stages (the documented
+stage API), dispatch (which backend runs each launch), schedule (the device-built tile schedule), tl/ (the portable
+Triton kernels), gluon_sm90/ (the Hopper warp-specialised kernels).
 
 Memory contract: see experts.op (the pre-activation under checkpoint="preact", in e4m3 under "preact-fp8",
 nothing but the routing index and the tile schedule under "recompute"); chunk_tokens bounds every transient by a

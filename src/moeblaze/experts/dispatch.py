@@ -19,15 +19,15 @@ from collections import Counter
 import torch
 
 from .. import config
+from ..recipe import LAUNCH_BACKENDS
 from .gluon_sm90 import GATHER_BLOCK_K, WGRAD_BLOCKS
 
-BACKENDS = ("auto", "tl", "gluon")  # of a launch; ExpertsConfig.backend adds "reference" and "triton" (choose)
 launch_counts: Counter = Counter()
 
 
 def check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in LAUNCH_BACKENDS:
+        raise ValueError(f"backend must be one of {LAUNCH_BACKENDS}, got {backend!r}")
 
 
 def choose(backend: str, device: torch.device) -> str:

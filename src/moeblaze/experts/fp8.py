@@ -1,7 +1,7 @@
 """precision="fp8": the GEMM strategy (Fp8Gemms) of the experts op (experts.op) with its four data GEMMs on e4m3
 operands (DeepSeek-V3's recipe, reference.fp8's quantizers): the arithmetic of the reference's emulation
 (moe_experts_reference with ExpertsConfig(precision="fp8")) on the kernels, every quantization one pass
-(experts.tl.quant).
+(experts.quant).
 Each fp8 GEMM (fp8_rows_gemm below) runs on the Hopper kernel (gluon_sm90.fp8) where experts.dispatch takes
 its operands, on the portable one (tl.fp8) elsewhere.
 
@@ -41,7 +41,7 @@ from ..reference import apply_activation
 from ..reference.fp8 import FP8, GROUP
 from . import dispatch, gluon_sm90, stages, tl
 from .stages import RowPlan
-from .tl import quant
+from . import quant
 from .tl.fp8 import fp8_rows_gemm
 
 

@@ -27,7 +27,7 @@ anyway; b = bytes per element of x's dtype):
   checkpoint="preact"     preact: R·F·b + the routing index's token ids, slots and offsets 4·(2·R + E + 1)
                           + the tile schedule 4·(2·(R // 128 + E) + 1)
   checkpoint="preact-fp8" preact in e4m3, R·F + its 1 x 128 scales 4·R·ceil(F / 128), + the same index and
-                          schedule (quantized in a pass of its own, experts.tl.quant, not yet in the up kernel's
+                          schedule (quantized in a pass of its own, experts.quant, not yet in the up kernel's
                           epilogue; read back by the dH pass as it loads it on Hopper, in a pass into dH's
                           buffer before the tl kernel's fused dH)
   checkpoint="recompute"  the routing index and the tile schedule only; preact is recomputed in backward
@@ -61,7 +61,7 @@ from . import stages
 from .fp8 import Fp8Gemms
 from .schedule import BLOCK_M
 from .stages import RowPlan
-from .tl.quant import quantize_rows
+from .quant import quantize_rows
 
 
 class Recipe(NamedTuple):

@@ -30,9 +30,8 @@ import torch
 
 from ..routing import RoutingIndex
 from ..routing.index import in_row_order, pair_experts
-from . import dispatch, gluon_sm90, tl
+from . import dispatch, gluon_sm90, quant, tl
 from .schedule import BLOCK_M, tile_schedule
-from .tl import quant
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ from ...config import INTERPRET
 from ...reference.fp8 import AMAX_FLOOR, FP8_MAX, GROUP, INV_FP8_MAX
 from .common import _act, _act_grad, _clamped_glu, _pair_cols, _row_ptrs, _rows_dot, _swizzle, _tile_rows
 from .configs import DH_CONFIGS, WGRAD_CONFIGS
-from .quant import _group_amax, _quantize_gate_up, _reciprocal, _spread, _store_scaled
+from ..quant import _group_amax, _quantize_gate_up, _reciprocal, _spread, _store_scaled
 
 FP8_GROUP: tl.constexpr = tl.constexpr(GROUP)  # the columns of one e4m3 scale
-# the quantizer's constants (experts.tl.quant), for dH quantized where the dH pass writes it
+# the quantizer's constants (experts.quant), for dH quantized where the dH pass writes it
 Q_AMAX_FLOOR: tl.constexpr = tl.constexpr(AMAX_FLOOR)
 Q_INV_MAX: tl.constexpr = tl.constexpr(INV_FP8_MAX)
 Q_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
