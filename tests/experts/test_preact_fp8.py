@@ -134,7 +134,8 @@ def test_dh_pass_quantizes_dh_as_quantize_rows(poison_alloc, activation, interle
     gate-first H is not a multiple of 128 it refuses."""
     from moeblaze.experts import stages
     from moeblaze.experts.stages import RowPlan
-    from moeblaze.experts.tl import dh_quantizable, quant
+    from moeblaze.experts import quant
+    from moeblaze.experts.tl import dh_quantizable
 
     torch.manual_seed(H)
     x, w1, w2, idx, w = random_problem(24, 16, H, 4, 2, activation)

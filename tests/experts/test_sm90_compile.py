@@ -124,7 +124,8 @@ TL_SNIPPET = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moeblaze.experts.tl import backward, forward, quant
+from moeblaze.experts import quant
+from moeblaze.experts.tl import backward, forward
 from moeblaze.experts.tl import fp8 as tl_fp8
 from moeblaze.routing import triton as rk
 
