@@ -216,20 +216,7 @@ def run(args):
         return
     pairs = _impl_policies(args)
     if args.dispatch:
-        for L in map(int, args.dispatch_L.split(",")):
-            for E in map(int, args.dispatch_E.split(",")):
-                for K in map(int, args.dispatch_K.split(",")):
-                    if K > E:
-                        continue
-                    try:
-                        ms = time_dispatch(L, E, K, device)
-                        status = "ok"
-                    except Exception as e:
-                        ms, status = {}, ("oom" if _oom(e) else f"error: {type(e).__name__}: {e}")
-                    row = rec.add(dict(mode="dispatch", L=L, E=E, K=K, dispatch_ms=ms, status=status))
-                    sp = ms.get("sort", 0) / ms["dense"] if ms.get("dense") else None
-                    print(f"  dispatch L={L:>8} E={E:>4} K={K}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
-                          + (f" | sort/dense {sp:.2f}x" if sp else "") + f" | {row['status']}", flush=True)
+        _run_dispatch(rec, args, device)
     for name, (L, d, h, E, K) in _configs(args):
         print(f"config {name}: L={L} d={d} h={h} E={E} K={K} {args.activation} {dtype}", flush=True)
         t0 = time.perf_counter()
@@ -239,26 +226,47 @@ def run(args):
         _run_config(rec, pairs, p, ref, args)
         del p, ref
     if args.scale:
-        _, d, h, E, K = CONFIGS.get(args.scale_config) or tuple(int(v) for v in args.scale_config.split(","))
-        pairs = _impl_policies(args, scale=True)
-        alive = dict.fromkeys(pairs, True)
-        L = args.min_tokens
-        while L <= args.max_tokens and any(alive.values()):
-            print(f"scale: L={L} d={d} h={h} E={E} K={K}", flush=True)
-            try:
-                p = make_problem(L, d, h, E, K, args.activation, dtype, device, n_sets=1)
-            except Exception as e:
-                if not _oom(e):
-                    raise
-                print("  inputs do not fit: stop", flush=True)
-                break
-            for pair in pairs:
-                if alive[pair]:
-                    row = _run_config(rec, [pair], p, None, args, "scale")[0]  # each alone, to its own limit
-                    alive[pair] = row["status"] == "ok"
-            del p
-            L *= 2
+        _run_scale(rec, args, device, dtype)
     if args.plot:
         from .report import plot_run
         for path in plot_run(rec.rows, os.path.dirname(rec.path) or "."):
             print(f"plot: {path}")
+
+
+def _run_dispatch(rec, args, device) -> None:
+    """--dispatch: the routing index builders at every (L, E, K) of the flags, a row each."""
+    for L in map(int, args.dispatch_L.split(",")):
+        for E in map(int, args.dispatch_E.split(",")):
+            for K in (k for k in map(int, args.dispatch_K.split(",")) if k <= E):
+                try:
+                    ms = time_dispatch(L, E, K, device)
+                    status = "ok"
+                except Exception as e:
+                    ms, status = {}, ("oom" if _oom(e) else f"error: {type(e).__name__}: {e}")
+                row = rec.add(dict(mode="dispatch", L=L, E=E, K=K, dispatch_ms=ms, status=status))
+                sp = ms.get("sort", 0) / ms["dense"] if ms.get("dense") else None
+                print(f"  dispatch L={L:>8} E={E:>4} K={K}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items())
+                      + (f" | sort/dense {sp:.2f}x" if sp else "") + f" | {row['status']}", flush=True)
+
+
+def _run_scale(rec, args, device, dtype) -> None:
+    """--scale: tokens doubling from --min-tokens, each implementation alone until it runs out of memory."""
+    _, d, h, E, K = CONFIGS.get(args.scale_config) or tuple(int(v) for v in args.scale_config.split(","))
+    pairs = _impl_policies(args, scale=True)
+    alive = dict.fromkeys(pairs, True)
+    L = args.min_tokens
+    while L <= args.max_tokens and any(alive.values()):
+        print(f"scale: L={L} d={d} h={h} E={E} K={K}", flush=True)
+        try:
+            p = make_problem(L, d, h, E, K, args.activation, dtype, device, n_sets=1)
+        except Exception as e:
+            if not _oom(e):
+                raise
+            print("  inputs do not fit: stop", flush=True)
+            break
+        for pair in pairs:
+            if alive[pair]:
+                row = _run_config(rec, [pair], p, None, args, "scale")[0]  # each alone, to its own limit
+                alive[pair] = row["status"] == "ok"
+        del p
+        L *= 2

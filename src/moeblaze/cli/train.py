@@ -25,6 +25,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -195,15 +196,109 @@ def _experts_path(cfg) -> str:
 
 
 def _run(args, cfg, train, val, ranks) -> dict:
-    from tqdm import tqdm
+    """Set-up, the training loop, the end (the loss log, the final validation or the benchmark row)."""
+    run = _set_up(args, cfg, train, val, ranks)
+    graphed = GraphedStep(lambda x, y: (*run.train_step(x, y), run.clip())) if args.cuda_graph else None
+    record = _Record(run)
+    timer = parallel.StepTimer(run.device) if run.bench else None
+    loss, val_loss, evals, saved_step = _loop(run, train, val, graphed, record, timer)
+    if saved_step:
+        run.say(f"checkpoint of step {saved_step} saved to {run.save} (--resume continues from it)")
+    if args.loss_log and run.main:
+        record.write(args.loss_log, evals)
+    record.say_drops(run)
+    final_loss = float(ranks.mean(loss.detach()) if ranks else loss.detach())
+    if run.bench:
+        def batch():
+            return tuple(t.to(run.device) for t in _batch(train, args, run.gen, ranks))
+        profiled = ((lambda: graphed(*batch()), run.opt.step) if graphed is not None else
+                    (lambda: run.train_step(*batch()), lambda: (run.clip(), run.opt.step())))
+        row = parallel.bench_row(args, cfg, ranks, timer, final_loss, run.n_params,
+                                 profiled if args.bench_profile else None)
+        run.say(parallel.format_row(row))
+        return row
+    if math.isnan(val_loss):
+        val_loss = _validate(run, val, graphed, print if run.main else _quiet)
+    run.say(f"final validation loss {val_loss:.5f} nats/byte vs unigram entropy {run.entropy:.3f} "
+            f"({'learned' if val_loss < run.entropy else 'did NOT beat'} context: {run.entropy - val_loss:+.3f} "
+            "nats/byte)")
+    return {"val_loss": val_loss, "unigram_entropy": run.entropy, "step": run.end_step, "train_loss": final_loss}
 
+
+def _quiet(*_args, **_kwargs) -> None:
+    """What a rank other than the main one prints."""
+
+
+@dataclass
+class _Run:
+    """What set-up makes for the loop and the end: the run's model, optimizer, data generator and schedule."""
+    args: object
+    cfg: ModelConfig
+    ranks: object  # parallel.Ranks under torchrun, else None
+    device: torch.device
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    gen: torch.Generator
+    ctx: object  # the compute context: CUDA autocast to bf16, or none
+    save: str  # the checkpoint path ("" for none: --save "", or a benchmark run)
+    sharded: bool
+    n_params: int
+    entropy: float
+    step: int = 0  # the first step to train (the checkpoint's under --resume)
+    end_step: int = 0  # the step the loop reached
+
+    @property
+    def bench(self) -> bool:
+        return self.args.bench_steps > 0
+
+    @property
+    def last(self) -> int:
+        return self.args.bench_warmup + self.args.bench_steps if self.bench else self.args.steps
+
+    @property
+    def world(self) -> int:
+        return self.ranks.world if self.ranks else 1
+
+    @property
+    def main(self) -> bool:
+        return self.ranks is None or self.ranks.main
+
+    def say(self, text: str) -> None:
+        if self.main:
+            print(text)
+
+    def lr_at(self, s: int) -> float:
+        """Linear warm-up over a 20th of the run, then cosine to 0."""
+        last, lr = self.last, self.args.lr
+        warm = max(1, last // 20)
+        if s < warm:
+            return lr * (s + 1) / warm
+        return lr * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, last - warm)))
+
+    def clip(self):
+        if self.ranks is None:
+            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        from ..distributed import clip_grad_norm_
+        return clip_grad_norm_(self.model.parameters(), 1.0)
+
+    def train_step(self, x, y):
+        """(loss, aux, total) of forward and backward on this process's batch."""
+        with self.ctx():
+            logits, aux, z = self.model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        total = loss + self.args.aux_loss_coef * aux + self.args.z_loss_coef * z
+        self.opt.zero_grad(set_to_none=True)
+        (total / self.world).backward()  # under FSDP2 every unit sums: the gradient of the global mean
+        return loss, aux, total
+
+
+def _set_up(args, cfg, train, val, ranks) -> _Run:
+    """The model (compiled, parallelized under torchrun), its optimizer, the data generator, the state of --resume,
+    and the run's first lines."""
     device = ranks.device if ranks else torch.device(args.device)
-    main = ranks is None or ranks.main
-    say = print if main else (lambda *a, **k: None)
     if device.type == "cpu" and (args.threads is not None or "OMP_NUM_THREADS" not in os.environ):
         torch.set_num_threads(args.threads or min(2, torch.get_num_threads()))  # torch's default: the usable cores
     torch.manual_seed(args.seed)
-    entropy = unigram_entropy(torch.cat([train, val]))
     model = MoEModel(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     bf16 = args.dtype == "bfloat16"
@@ -214,177 +309,178 @@ def _run(args, cfg, train, val, ranks) -> dict:
         parallel.parallelize_model(model, ranks, args.ep_dispatch, args.capacity_factor, args.on_overflow,
                                    args.batch_size * args.seq_len, cfg.top_k, bf16, args.fsdp_keep_gathered,
                                    units=args.fsdp_units, reduce_bf16=args.fsdp_reduce_dtype == "bfloat16")
-    biased = ROUTERS[cfg.router].get("expert_bias", False)  # routers to update after each step (no walk otherwise)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=True)  # one kernel for every parameter (DTensors too; on the CPU 6x the loop's speed)
-    gen = torch.Generator().manual_seed(args.seed)
-    step = saved_step = 0
-    bench = args.bench_steps > 0
-    save = "" if bench else args.save
-    sharded = bool(save) and sharded_save(save, ranks is not None)
-    found = (sharded_checkpoint_path(save) is not None) if sharded else os.path.exists(save)
+    save = "" if args.bench_steps > 0 else args.save
+    run = _Run(args, cfg, ranks, device, model, opt, torch.Generator().manual_seed(args.seed),
+               functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext,
+               save, bool(save) and sharded_save(save, ranks is not None), n_params,
+               unigram_entropy(torch.cat([train, val])))
+    found = (sharded_checkpoint_path(save) is not None) if run.sharded else os.path.exists(save)
     if args.resume and not found:
-        say(f"--resume: no checkpoint at {save}; starting from step 0")
+        run.say(f"--resume: no checkpoint at {save}; starting from step 0")
     elif args.resume:
-        step = saved_step = _resume(args, model, opt, gen, cfg, device, ranks)
-        say(f"resumed from {save} at step {step}")
-        if step >= args.steps:
-            say(f"--resume: the checkpoint is at step {step}, not before --steps {args.steps}: nothing to train")
-    ctx = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext
-    world = ranks.world if ranks else 1
-    layout = "" if ranks is None else f", {world} processes (efsdp {world // ranks.ep} x ep {ranks.ep}" + (
+        run.step = _resume(args, model, opt, run.gen, cfg, device, ranks)
+        run.say(f"resumed from {save} at step {run.step}")
+        if run.step >= args.steps:
+            run.say(f"--resume: the checkpoint is at step {run.step}, not before --steps {args.steps}: nothing to "
+                    "train")
+    layout = "" if ranks is None else f", {run.world} processes (efsdp {run.world // ranks.ep} x ep {ranks.ep}" + (
         f", {args.ep_dispatch} dispatch)" if ranks.ep > 1 else ")")
-    say(f"moeblaze train: {n_params / 1e6:.2f}M parameters, {cfg.n_layers} MoE blocks x {cfg.num_experts} experts "
-        f"(top-{cfg.top_k}, {cfg.activation}), corpus {len(train) + len(val):,} bytes, device {device.type}{layout}"
-        + (f", {torch.get_num_threads()} CPU thread(s)"
-           + (f" (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})" if "OMP_WAIT_POLICY" in os.environ else "")
-           + f", experts on {_experts_path(cfg)}"
-           if device.type == "cpu" else ""))
-    say(f"unigram entropy of the corpus: {entropy:.3f} nats/byte (a model that ignores context)")
-    last = args.bench_warmup + args.bench_steps if bench else args.steps
+    run.say(f"moeblaze train: {n_params / 1e6:.2f}M parameters, {cfg.n_layers} MoE blocks x {cfg.num_experts} "
+            f"experts (top-{cfg.top_k}, {cfg.activation}), corpus {len(train) + len(val):,} bytes, device "
+            f"{device.type}{layout}"
+            + (f", {torch.get_num_threads()} CPU thread(s)"
+               + (f" (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})" if "OMP_WAIT_POLICY" in os.environ else "")
+               + f", experts on {_experts_path(cfg)}"
+               if device.type == "cpu" else ""))
+    run.say(f"unigram entropy of the corpus: {run.entropy:.3f} nats/byte (a model that ignores context)")
+    return run
 
-    def lr_at(s: int) -> float:
-        warm = max(1, last // 20)
-        if s < warm:
-            return args.lr * (s + 1) / warm
-        return args.lr * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, last - warm)))
 
-    def clip():
-        if ranks is None:
-            return torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        from ..distributed import clip_grad_norm_
-        return clip_grad_norm_(model.parameters(), 1.0)
+def _validate(run: _Run, val, graphed, log) -> float:
+    v = parallel.until_no_overflow(run.ranks, lambda: evaluate(run.model, val, run.args, run.device, run.ctx,
+                                                               run.ranks), log, run.model)
+    if graphed is not None:  # the graph runs no FSDP2 hooks: what evaluation left gathered would go stale
+        parallel.reshard(run.model)
+    return v
 
-    def train_step(x, y):
-        with ctx():
-            logits, aux, z = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        total = loss + args.aux_loss_coef * aux + args.z_loss_coef * z
-        opt.zero_grad(set_to_none=True)
-        (total / world).backward()  # under FSDP2 every unit sums: the gradient of the global mean (distributed.fsdp)
-        return loss, aux, total
 
-    graphed = GraphedStep(lambda x, y: (*train_step(x, y), clip())) if args.cuda_graph else None
+def _loop(run: _Run, train, val, graphed, record, timer):
+    """The training steps from run.step to run.last, with evaluation, checkpoints and a check of the loss at every
+    host read: (the last step's loss, the last validation loss (NaN if none), the evaluations, the step of the last
+    checkpoint (the resumed one's until this run writes one; 0: none))."""
+    from tqdm import tqdm
 
-    def validate() -> float:
-        v = parallel.until_no_overflow(ranks, lambda: evaluate(model, val, args, device, ctx, ranks), log, model)
-        if graphed is not None:  # the graph runs no FSDP2 hooks: what evaluation left gathered would go stale
-            parallel.reshard(model)
-        return v
-
-    val_loss = float("nan")
+    args, ranks, device, step = run.args, run.ranks, run.device, run.step
+    biased = ROUTERS[run.cfg.router].get("expert_bias", False)  # routers to update after each step (no walk else)
+    val_loss, evals, saved_step = float("nan"), [], step
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # the first step whose loss was not finite
-    bar = tqdm(total=max(last, step), initial=step, desc="bench" if bench else "train", dynamic_ncols=True,
-               disable=not main)
-    log = bar.write if main else (lambda *a, **k: None)
-    timer = parallel.StepTimer(device) if bench else None
+    bar = tqdm(total=max(run.last, step), initial=step, desc="bench" if run.bench else "train", dynamic_ncols=True,
+               disable=not run.main)
+    log = bar.write if run.main else _quiet
     t_last, tokens = time.perf_counter(), 0
     loss = torch.full((), float("nan"), device=device)  # the last step's training loss (none when nothing trains)
-    losses, norms, loads, pair_shares, evals, first_logged = [], [], [], [], [], step + 1
-    moe_layers = [m for m in model.modules() if isinstance(m, MoELayer)] if args.loss_log else []
-    for m in moe_layers:
-        m.track_load = True
-    # capacity dispatch under --on-overflow drop: each EP layer's count of the rows this rank dropped
-    droppers = [m for m in model.modules() if getattr(m, "dropped_rows", None) is not None]
-    drops, dropped_total = [], torch.zeros((), dtype=torch.int64, device=device)
-    while step < last:
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        x, y = _batch(train, args, gen, ranks)
-        x, y = x.to(device), y.to(device)
-        if timer is not None and step >= args.bench_warmup:
+    while step < run.last:
+        for g in run.opt.param_groups:
+            g["lr"] = run.lr_at(step)
+        x, y = (t.to(device) for t in _batch(train, args, run.gen, ranks))
+        timed = timer is not None and step >= args.bench_warmup
+        if timed:
             timer.start()
         if graphed is not None:
             loss, aux, total, grad_norm = graphed(x, y)
         else:
-            loss, aux, total = parallel.until_no_overflow(ranks, functools.partial(train_step, x, y), log, model)
-            grad_norm = clip()
-        opt.step()
+            loss, aux, total = parallel.until_no_overflow(ranks, functools.partial(run.train_step, x, y), log,
+                                                          run.model)
+            grad_norm = run.clip()
+        run.opt.step()
         if biased:
-            update_expert_biases(model)  # the loads summed over every rank under torchrun
-        if timer is not None and step >= args.bench_warmup:
+            update_expert_biases(run.model)  # the loads summed over every rank under torchrun
+        if timed:
             timer.stop()
         step += 1
-        if droppers:
-            dropped = torch.stack([m.dropped_rows for m in droppers]).sum()
-            for m in droppers:
-                m.dropped_rows.zero_()
-            dropped_total += dropped
-            if args.loss_log:
-                drops.append(ranks.sum(dropped) if ranks else dropped)
-        if args.loss_log:  # kept on the device, read once at the end
-            losses.append(ranks.mean(loss.detach()) if ranks else loss.detach())
-            norms.append(grad_norm.detach().float())  # the global norm: the same on every rank
-            if moe_layers:  # each MoE layer's max / mean expert load over this step's pairs (all ranks')
-                load = torch.stack([m.routed_load for m in moe_layers]).float()
-                load = ranks.sum(load) if ranks else load
-                loads.append(load.amax(1) / load.mean(1).clamp(min=1e-9))
-                if cfg.token_rounding:  # the pairs each layer computed, per top-k pair (rounding drops and adds)
-                    pair_shares.append(load.sum(1) / (x.numel() * world * cfg.top_k))
-                for m in moe_layers:
-                    m.routed_load.zero_()
+        record.step(loss, grad_norm, x)
         tokens += x.numel()
         bar.update(1)
         first_bad = torch.where((first_bad < 0) & ~torch.isfinite(total.detach()), step, first_bad)
-        evaluate_now = not bench and (step % args.eval_every == 0 or step == last)
-        save_now = bool(save) and (step % args.save_every == 0 or step == last)
-        if step % 10 == 0 or evaluate_now or save_now or step == last:  # a host read: check before anything is kept
-            bad = int(ranks.max(first_bad) if ranks else first_bad)
-            if bad >= 0:
-                bar.close()
-                kept = f"the checkpoint at {save} (step {saved_step}) is left as it was" if saved_step else \
-                    "no checkpoint was written"
-                raise SystemExit(f"non-finite training loss at step {bad}: stopped at step {step}; {kept}")
-        if step % 10 == 0 or step == last:
+        evaluate_now = not run.bench and (step % args.eval_every == 0 or step == run.last)
+        save_now = bool(run.save) and (step % args.save_every == 0 or step == run.last)
+        if step % 10 == 0 or evaluate_now or save_now or step == run.last:  # a host read: check before keeping
+            _stop_if_diverged(run, first_bad, step, saved_step, bar)
+        if step % 10 == 0 or step == run.last:
             shown = ranks.mean(torch.stack([loss.detach(), aux.detach()])) if ranks else torch.stack([loss, aux])
             now = time.perf_counter()
-            bar.set_postfix(loss=f"{shown[0].item():.3f}", aux=f"{shown[1].item() / cfg.n_layers:.3f}",
-                            tok_s=f"{tokens * world / (now - t_last):,.0f}")
+            bar.set_postfix(loss=f"{shown[0].item():.3f}", aux=f"{shown[1].item() / run.cfg.n_layers:.3f}",
+                            tok_s=f"{tokens * run.world / (now - t_last):,.0f}")
             t_last, tokens = now, 0
         if evaluate_now:
-            val_loss = validate()
+            val_loss = _validate(run, val, graphed, log)
             shown = float(ranks.mean(loss.detach())) if ranks else loss.item()
             log(f"step {step}: train loss {shown:.3f}, val loss {val_loss:.3f} nats/byte")
             evals.append((step, val_loss))
         if save_now:
-            state = _train_state(model, opt, step, gen, cfg, sharded)
-            if sharded:
-                save_sharded(save, state, ranks.rank if ranks else 0)
-            else:
-                save_checkpoint(save, state)
+            _save(run, step)
             saved_step = step
     bar.close()
-    if saved_step:
-        say(f"checkpoint of step {saved_step} saved to {save} (--resume continues from it)")
-    if args.loss_log and main:
-        with open(args.loss_log, "w") as f:
-            loss_rows = torch.stack(losses).tolist() if losses else []
-            norm_rows = torch.stack(norms).tolist() if norms else []
-            load_rows = torch.stack(loads).tolist() if loads else [None] * len(loss_rows)
-            drop_rows = torch.stack(drops).tolist() if drops else [None] * len(loss_rows)
-            share_rows = torch.stack(pair_shares).tolist() if pair_shares else [None] * len(loss_rows)
-            for i, (v, gn, ld, dr, sh) in enumerate(zip(loss_rows, norm_rows, load_rows, drop_rows, share_rows)):
-                f.write(json.dumps({"step": first_logged + i, "loss": float(v), "grad_norm": round(float(gn), 5),
+    run.end_step = step
+    return loss, val_loss, evals, saved_step
+
+
+def _stop_if_diverged(run: _Run, first_bad, step: int, saved_step: int, bar) -> None:
+    """SystemExit naming the first step whose training loss was not finite, if any (a host read)."""
+    bad = int(run.ranks.max(first_bad) if run.ranks else first_bad)
+    if bad >= 0:
+        bar.close()
+        kept = (f"the checkpoint at {run.save} (step {saved_step}) is left as it was" if saved_step else
+                "no checkpoint was written")
+        raise SystemExit(f"non-finite training loss at step {bad}: stopped at step {step}; {kept}")
+
+
+def _save(run: _Run, step: int) -> None:
+    state = _train_state(run.model, run.opt, step, run.gen, run.cfg, run.sharded)
+    if run.sharded:
+        save_sharded(run.save, state, run.ranks.rank if run.ranks else 0)
+    else:
+        save_checkpoint(run.save, state)
+
+
+class _Record:
+    """What the run records every step, kept on the device and read once at the end: --loss-log's rows (the
+    training loss, the global gradient norm, each MoE layer's max / mean expert load, with token rounding the pairs
+    computed per top-k pair) and the rows capacity dispatch dropped (--on-overflow drop)."""
+
+    def __init__(self, run: _Run):
+        self.run, self.first = run, run.step + 1
+        self.losses, self.norms, self.loads, self.shares, self.drops = [], [], [], [], []
+        self.moe_layers = [m for m in run.model.modules() if isinstance(m, MoELayer)] if run.args.loss_log else []
+        for m in self.moe_layers:
+            m.track_load = True
+        self.droppers = [m for m in run.model.modules() if getattr(m, "dropped_rows", None) is not None]
+        self.dropped = torch.zeros((), dtype=torch.int64, device=run.device)
+
+    def step(self, loss, grad_norm, x) -> None:
+        ranks, log = self.run.ranks, bool(self.run.args.loss_log)
+        if self.droppers:
+            dropped = torch.stack([m.dropped_rows for m in self.droppers]).sum()
+            for m in self.droppers:
+                m.dropped_rows.zero_()
+            self.dropped += dropped
+            if log:
+                self.drops.append(ranks.sum(dropped) if ranks else dropped)
+        if not log:
+            return
+        self.losses.append(ranks.mean(loss.detach()) if ranks else loss.detach())
+        self.norms.append(grad_norm.detach().float())  # the global norm: the same on every rank
+        if self.moe_layers:  # each MoE layer's max / mean expert load over this step's pairs (all ranks')
+            load = torch.stack([m.routed_load for m in self.moe_layers]).float()
+            load = ranks.sum(load) if ranks else load
+            self.loads.append(load.amax(1) / load.mean(1).clamp(min=1e-9))
+            if self.run.cfg.token_rounding:  # the pairs each layer computed, per top-k pair
+                self.shares.append(load.sum(1) / (x.numel() * self.run.world * self.run.cfg.top_k))
+            for m in self.moe_layers:
+                m.routed_load.zero_()
+
+    def write(self, path: str, evals) -> None:
+        """Every step's row, then every validation loss, as JSON lines."""
+        def rows(kept, n):
+            return torch.stack(kept).tolist() if kept else [None] * n
+        loss_rows = rows(self.losses, 0)
+        norm_rows = rows(self.norms, 0)
+        n = len(loss_rows)
+        with open(path, "w") as f:
+            for i, (v, gn, ld, dr, sh) in enumerate(zip(loss_rows, norm_rows, rows(self.loads, n),
+                                                         rows(self.drops, n), rows(self.shares, n))):
+                f.write(json.dumps({"step": self.first + i, "loss": float(v), "grad_norm": round(float(gn), 5),
                                     **({"load_max_mean": [round(u, 4) for u in ld]} if ld is not None else {}),
                                     **({"pairs_per_topk": [round(u, 4) for u in sh]} if sh is not None else {}),
                                     **({"dropped_rows": int(dr)} if dr is not None else {})})
                         + "\n")
             f.writelines(json.dumps({"step": s, "val_loss": v}) + "\n" for s, v in evals)
-    if droppers:  # every rank takes part in the sum; the main one says it
-        n = int(ranks.sum(dropped_total) if ranks else dropped_total)
-        log(f"capacity dispatch dropped {n:,} rows over the run (--on-overflow drop; --loss-log has them per step)")
-    final_loss = float(ranks.mean(loss.detach()) if ranks else loss.detach())
-    if bench:
-        batch = (lambda: tuple(t.to(device) for t in _batch(train, args, gen, ranks)))
-        profiled = ((lambda: graphed(*batch()), opt.step) if graphed is not None else
-                    (lambda: train_step(*batch()), lambda: (clip(), opt.step())))
-        row = parallel.bench_row(args, cfg, ranks, timer, final_loss, n_params,
-                                 profiled if args.bench_profile else None)
-        if main:
-            say(parallel.format_row(row))
-        return row
-    if math.isnan(val_loss):
-        val_loss = validate()
-    say(f"final validation loss {val_loss:.5f} nats/byte vs unigram entropy {entropy:.3f} "
-        f"({'learned' if val_loss < entropy else 'did NOT beat'} context: {entropy - val_loss:+.3f} nats/byte)")
-    return {"val_loss": val_loss, "unigram_entropy": entropy, "step": step, "train_loss": final_loss}
+
+    def say_drops(self, run: _Run) -> None:
+        if self.droppers:  # every rank takes part in the sum; the main one says it
+            n = int(run.ranks.sum(self.dropped) if run.ranks else self.dropped)
+            if run.main:
+                print(f"capacity dispatch dropped {n:,} rows over the run (--on-overflow drop; --loss-log has them "
+                      "per step)")

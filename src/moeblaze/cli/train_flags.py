@@ -104,6 +104,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "CUDA graph at the second step and replay it after: one launch a step plus the optimizer's, "
                         "for a model whose step is paced by the host. Every step has the same shapes; no host sync "
                         "may run inside it: --ep > 1 needs --ep-dispatch capacity with --on-overflow drop or error")
+    p.add_argument("--loss-log", default="", help="write every step's training loss (the global mean under torchrun), "
+                   "the gradient norm before clipping and each MoE layer's max/mean expert load over the step's "
+                   "pairs (all ranks', after token rounding; with rounding, also the pairs each layer computed per "
+                   "top-k pair; under --on-overflow drop, the rows dropped), then every validation loss, to this file "
+                   "as JSON lines at the end of the run")
+    _add_parallel_arguments(p)
+    _add_bench_arguments(p)
+
+
+def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    """Expert parallelism and FSDP2 under torchrun."""
     g = p.add_argument_group("several processes (torchrun --nproc-per-node N)")
     g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a divisor of N and of --num-experts; "
                    "default 1: FSDP2 alone)")
@@ -115,11 +126,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="capacity dispatch, when a rank needs more rows than the capacity: rerun the step with a "
                         "larger capacity (default), drop the rows past it (counted: the run says how many, "
                         "--loss-log per step), or stop with an error")
-    p.add_argument("--loss-log", default="", help="write every step's training loss (the global mean under torchrun), "
-                   "the gradient norm before clipping and each MoE layer's max/mean expert load over the step's "
-                   "pairs (all ranks', after token rounding; with rounding, also the pairs each layer computed per "
-                   "top-k pair; under --on-overflow drop, the rows dropped), then every validation loss, to this file "
-                   "as JSON lines at the end of the run")
     g.add_argument("--fsdp-keep-gathered", action="store_true",
                    help="keep each FSDP2 unit's gathered parameters from forward to backward (one all-gather per "
                         "step instead of two; the memory of the full parameters)")
@@ -130,6 +136,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="FSDP2 units: one per block and experts module (blocks), or the whole model as one "
                         "(model: one all-gather and reduce-scatter per step, for small models whose host time per "
                         "unit limits them; the experts stay their own units at --ep > 1)")
+
+
+def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """--bench-steps: time steps and write a results row instead of training."""
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench-steps", type=int, default=0,
                    help="time this many steps (after --bench-warmup) and write a results row, instead of training")
@@ -149,55 +159,70 @@ def check_flags(args) -> ExpertsConfig:
         if getattr(args, name, None) is None:
             setattr(args, name, PRESETS[args.preset][name])
     try:
-        for name in ("steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k",
-                     "d_expert", "eval_every", "eval_batches", "save_every", "ep", "bench_warmup"):
-            check_int("--" + name.replace("_", "-"), getattr(args, name))
-        check_int("--seed", args.seed, minimum=0)
-        if args.threads is not None:
-            check_int("--threads", args.threads)
-            cores = os.cpu_count() or 1
-            if args.threads > cores:
-                raise ValueError(f"--threads must be at most this machine's {cores} cores, got {args.threads}")
-        for name in ("shared_experts", "d_shared", "dense_layers", "rounding_tile"):
-            if getattr(args, name) is not None:  # None: the preset's, or the model's default
-                check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=0)
-        if args.token_rounding and args.ep > 1:
-            raise ValueError("--token-rounding under --ep is not supported yet")
-        if args.rounding_tile and not args.token_rounding:
-            raise ValueError("--rounding-tile sets token rounding's tile: it needs --token-rounding")
+        _check_counts(args)
         experts = experts_config(args)
-        check_int("--bench-steps", args.bench_steps, minimum=0)
-        if args.bench_trace and not (args.bench_steps and args.bench_profile):
-            raise ValueError("--bench-trace keeps --bench-profile's trace: add --bench-steps N --bench-profile")
-        if not (math.isfinite(args.lr) and args.lr > 0):
-            raise ValueError(f"--lr must be a positive finite number, got {args.lr}")
-        for name in ("aux_loss_coef", "z_loss_coef"):
-            v = getattr(args, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
-        if not (math.isfinite(args.capacity_factor) and args.capacity_factor > 0):
-            raise ValueError(f"--capacity-factor must be a positive finite number, got {args.capacity_factor}")
-        if args.ep_dispatch != "capacity":  # options that only capacity dispatch reads: refused, not ignored
-            for flag, value, default in (("--on-overflow", args.on_overflow, "rerun"),
-                                         ("--capacity-factor", args.capacity_factor, 1.25)):
-                if value != default:
-                    raise ValueError(f"{flag} applies to --ep-dispatch capacity (with --ep > 1), which this run "
-                                     "does not use")
-        if args.top_k > args.num_experts:
-            raise ValueError(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
-        if args.d_model % args.n_heads:
-            raise ValueError(f"--d-model ({args.d_model}) must be divisible by --n-heads ({args.n_heads})")
-        check_choice("--ep-dispatch", args.ep_dispatch, DISPATCHES)
-        check_choice("--on-overflow", args.on_overflow, OVERFLOW)
-        if args.router is not None:  # None: the preset's, or the default router
-            check_choice("--router", args.router, tuple(ROUTERS))
-        check_choice("--fsdp-units", args.fsdp_units, UNITS)
+        _check_numbers(args)
+        _check_combinations(args)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
-    if args.ep == 1 and args.ep_dispatch != "exact":
-        raise UsageError("--ep-dispatch capacity needs --ep > 1")
-    if args.resume and args.save == "":
-        raise UsageError("--resume needs a checkpoint path (--save)")
-    if args.bench_steps and args.resume:
-        raise UsageError("--bench-steps times fresh steps: it does not --resume")
     return experts
+
+
+def _check_counts(args) -> None:
+    """The integer flags: positive counts, the seed, the threads (at most the cores), the optional counts."""
+    for name in ("steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k",
+                 "d_expert", "eval_every", "eval_batches", "save_every", "ep", "bench_warmup"):
+        check_int("--" + name.replace("_", "-"), getattr(args, name))
+    check_int("--seed", args.seed, minimum=0)
+    check_int("--bench-steps", args.bench_steps, minimum=0)
+    if args.threads is not None:
+        check_int("--threads", args.threads)
+        cores = os.cpu_count() or 1
+        if args.threads > cores:
+            raise ValueError(f"--threads must be at most this machine's {cores} cores, got {args.threads}")
+    for name in ("shared_experts", "d_shared", "dense_layers", "rounding_tile"):
+        if getattr(args, name) is not None:  # None: the preset's, or the model's default
+            check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=0)
+
+
+def _check_numbers(args) -> None:
+    """The real-valued flags: the learning rate, the losses' weights, the capacity factor."""
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a positive finite number, got {args.lr}")
+    for name in ("aux_loss_coef", "z_loss_coef"):
+        v = getattr(args, name)
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
+    if not (math.isfinite(args.capacity_factor) and args.capacity_factor > 0):
+        raise ValueError(f"--capacity-factor must be a positive finite number, got {args.capacity_factor}")
+
+
+def _check_combinations(args) -> None:
+    """Flags that need others, or that another makes unread (refused, not ignored), and the shape's rules."""
+    if args.token_rounding and args.ep > 1:
+        raise ValueError("--token-rounding under --ep is not supported yet")
+    if args.rounding_tile and not args.token_rounding:
+        raise ValueError("--rounding-tile sets token rounding's tile: it needs --token-rounding")
+    if args.bench_trace and not (args.bench_steps and args.bench_profile):
+        raise ValueError("--bench-trace keeps --bench-profile's trace: add --bench-steps N --bench-profile")
+    if args.ep_dispatch != "capacity":  # options that only capacity dispatch reads
+        for flag, value, default in (("--on-overflow", args.on_overflow, "rerun"),
+                                     ("--capacity-factor", args.capacity_factor, 1.25)):
+            if value != default:
+                raise ValueError(f"{flag} applies to --ep-dispatch capacity (with --ep > 1), which this run "
+                                 "does not use")
+    if args.top_k > args.num_experts:
+        raise ValueError(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
+    if args.d_model % args.n_heads:
+        raise ValueError(f"--d-model ({args.d_model}) must be divisible by --n-heads ({args.n_heads})")
+    check_choice("--ep-dispatch", args.ep_dispatch, DISPATCHES)
+    check_choice("--on-overflow", args.on_overflow, OVERFLOW)
+    if args.router is not None:  # None: the preset's, or the default router
+        check_choice("--router", args.router, tuple(ROUTERS))
+    check_choice("--fsdp-units", args.fsdp_units, UNITS)
+    if args.ep == 1 and args.ep_dispatch != "exact":
+        raise ValueError("--ep-dispatch capacity needs --ep > 1")
+    if args.resume and args.save == "":
+        raise ValueError("--resume needs a checkpoint path (--save)")
+    if args.bench_steps and args.resume:
+        raise ValueError("--bench-steps times fresh steps: it does not --resume")

@@ -63,17 +63,13 @@ def check_topk_weights(topk_w_LK: torch.Tensor, topk_idx_LK: torch.Tensor, check
         fail_if(~torch.isfinite(topk_w_LK).all(), "topk_weights holds NaN or Inf")
 
 
-def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, activation: str,
-                        b1_EF: torch.Tensor | None = None, b2_ED: torch.Tensor | None = None,
-                        interleaved: bool = False) -> None:
-    """Shapes, dtypes and devices of the expert computation's dense inputs (and its optional biases). w1 may be
-    a pair (gate rows (E, H, D), up rows (E, H, D)) for a gated activation."""
-    from ..reference import is_gated, up_width
+def _w1_parts(w1, activation: str, interleaved) -> tuple:
+    """W1 as its parts: (w1,) for one tensor (E, F, D), (gate rows, up rows) for a pair of one shape (E, H, D),
+    which a gated activation with gate/up in halves takes; ValueError otherwise."""
+    from ..reference import is_gated
 
-    if x_LD.dim() != 2:
-        raise ValueError(f"x must have shape (L, D), got shape {tuple(x_LD.shape)}")
-    parts = (w1_EFD,) if isinstance(w1_EFD, torch.Tensor) else w1_EFD
-    if (not isinstance(parts, tuple) or len(parts) != (1 if isinstance(w1_EFD, torch.Tensor) else 2)
+    parts = (w1,) if isinstance(w1, torch.Tensor) else w1
+    if (not isinstance(parts, tuple) or len(parts) != (1 if isinstance(w1, torch.Tensor) else 2)
             or not all(isinstance(p, torch.Tensor) and p.dim() == 3 for p in parts)):
         raise ValueError("w1 must be a tensor (E, F, D), or a pair of tensors (gate rows (E, H, D), up rows (E, H, D))")
     if len(parts) == 2:
@@ -83,6 +79,19 @@ def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.
         if not is_gated(activation) or interleaved:
             raise ValueError(f"w1 in two parts needs a gated activation with gate/up in halves, got {activation!r}"
                              + (" and interleaved=True" if interleaved else ""))
+    return parts
+
+
+def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, activation: str,
+                        b1_EF: torch.Tensor | None = None, b2_ED: torch.Tensor | None = None,
+                        interleaved: bool = False) -> None:
+    """Shapes, dtypes and devices of the expert computation's dense inputs (and its optional biases). w1 may be
+    a pair (gate rows (E, H, D), up rows (E, H, D)) for a gated activation."""
+    from ..reference import is_gated, up_width
+
+    if x_LD.dim() != 2:
+        raise ValueError(f"x must have shape (L, D), got shape {tuple(x_LD.shape)}")
+    parts = _w1_parts(w1_EFD, activation, interleaved)
     w1_EFD = parts[0]
     if w1_EFD.dim() != 3 or w2_EDH.dim() != 3:
         raise ValueError(f"w1 must be (E, F, D) and w2 (E, D, H); got {tuple(w1_EFD.shape)} and {tuple(w2_EDH.shape)}")
