@@ -41,7 +41,20 @@ INDEX_METHODS = ("auto", "dense", "sort")
 
 @dataclass(frozen=True)
 class ExpertsConfig:
-    """The experts' recipe (see the module header). Frozen: derive another with `.replace(**changes)`."""
+    """The experts' recipe (see the module header). Frozen: derive another with `.replace(**changes)`.
+
+    Args:
+        activation: "swiglu" (default), "geglu", "clamped_swiglu", "silu", "gelu", "relu" or "relu2".
+        checkpoint: what forward keeps for backward: "preact" (default), "preact-fp8" or "recompute".
+        backend: "auto" (default), "reference", "triton", "tl" or "gluon".
+        precision: "native" (default) or "fp8".
+        fp8_weight_cache: with precision="fp8", keep each weight's e4m3 copies until the weight changes.
+        chunk_tokens: run the experts on chunks of this many tokens (None: one chunk).
+        index_method: the routing index's build: "auto" (default), "dense" or "sort".
+
+    Returns:
+        A frozen value; ValueError or TypeError naming the field for a choice it refuses.
+    """
     activation: str = "swiglu"
     checkpoint: str = "preact"
     backend: str = "auto"

@@ -77,6 +77,20 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     kernels and on the reference (which keeps everything autograd needs, whatever the checkpoint policy, and
     emulates precision="fp8" and "preact-fp8"'s arithmetic). check=False skips the checks that read values
     (a host sync). 0.1's keyword options (activation=, impl=, ...) still work, with a DeprecationWarning.
+
+    Args:
+        x: (L, D) tokens, float16, bfloat16 or float32 (float32 or float16 under Triton's CPU interpreter).
+        routing: the RoutingIndex of the top-k expert ids (moeblaze.build_routing_index(topk_idx, E)).
+        topk_weights: (L, K) router weights, any float dtype.
+        w1: (E, F, D) in x's dtype, or the pair (gate rows (E, H, D), up rows (E, H, D)).
+        w2: (E, D, H) in x's dtype.
+        b1, b2: optional biases of the up-projection (E, F) and of the down-projection (E, D), in x's dtype.
+        config: a moeblaze.ExpertsConfig (keyword only).
+        interleaved: gate and up rows of w1 alternate (gpt-oss's layout).
+        check: validate the routing and the weights' values (a host sync).
+
+    Returns:
+        (L, D) in x's dtype: sum over k of topk_weights[t, k] · expert(topk_idx[t, k])(x[t]).
     """
     if isinstance(b1, str):
         raise TypeError("moe_experts(x, routing, topk_weights, w1, w2, b1=None, b2=None, *, config=ExpertsConfig(...)):"

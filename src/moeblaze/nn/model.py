@@ -22,6 +22,24 @@ from .moe import MoELayer, MoEOutput
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    """The small MoE language model's shape and recipe (MoEModel), checked when made.
+
+    Args:
+        vocab_size, max_seq_len: tokens (bytes: 256) and the longest sequence.
+        d_model, n_layers, n_heads: the hidden size, the blocks, the attention heads (d_model % n_heads == 0).
+        num_experts, top_k, d_expert: each MoE layer's experts, experts per token, expert width.
+        experts: the routed experts' moeblaze.ExpertsConfig (a dict loads, as to_dict writes it).
+        router: a model family's routing by name (moeblaze.routing.ROUTERS).
+        shared_experts, d_shared, shared_gate: always-on experts per layer, their width (0: d_expert), a sigmoid
+            gate on their output.
+        dense_layers: the first blocks have a dense feed-forward instead of the MoE layer.
+        token_rounding, rounding_tile: a rule of moeblaze.routing.rounding ("" for none) and its tile (0: the
+            kernels' row tile), while training.
+
+    Returns:
+        The config; ValueError or TypeError naming the field for one it refuses.
+    """
+
     vocab_size: int = 256
     max_seq_len: int = 128
     d_model: int = 128
@@ -119,7 +137,15 @@ class DenseFFN(nn.Module):
 
 class MoEBlock(nn.Module):
     """x + attn(norm(x)), then + moe(norm(x)); returns the new x and the block's router losses. `dense`: a
-    DenseFFN in place of the MoE layer."""
+    DenseFFN in place of the MoE layer.
+
+    Args:
+        cfg: the model's ModelConfig.
+        dense: a dense feed-forward of width top_k · d_expert instead of the MoE layer.
+
+    Returns:
+        forward(x (B, T, d_model)) -> (x (B, T, d_model), aux_loss, z_loss), the losses fp32 scalars.
+    """
 
     def __init__(self, cfg: ModelConfig, dense: bool = False):
         super().__init__()
@@ -141,6 +167,17 @@ class MoEBlock(nn.Module):
 
 
 class MoEModel(nn.Module):
+    """A small decoder-only MoE language model (the module header): embeddings, cfg.n_layers MoEBlocks, RMSNorm,
+    the output head tied to the token embedding.
+
+    Args:
+        cfg: the ModelConfig.
+
+    Returns:
+        forward(idx (B, T) int64 token ids, T <= max_seq_len) -> (logits (B, T, vocab_size), aux_loss, z_loss),
+        the router losses fp32 scalars summed over the blocks.
+    """
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg

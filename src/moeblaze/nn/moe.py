@@ -27,6 +27,13 @@ from ..routing.rounding import default_max_experts, rounded_rows_bound
 from ..routing.checks import fail_if
 
 class MoEOutput(NamedTuple):
+    """What MoELayer.forward returns.
+
+    Args:
+        out: the layer's output, x's shape and dtype.
+        aux_loss: the router's load-balancing loss, an fp32 scalar (unscaled).
+        z_loss: the router's z-loss, an fp32 scalar (unscaled).
+    """
     out: torch.Tensor  # same shape as the input
     aux_loss: torch.Tensor  # switch load-balancing loss (unscaled)
     z_loss: torch.Tensor  # router z-loss (unscaled)
@@ -126,6 +133,18 @@ class MoELayer(nn.Module):
     track_load (attribute, default False): while training, add each expert's computed pairs (after rounding, this
     rank's tokens) to the int64 buffer `routed_load` (E,), on the device (no host sync); the caller reads and zeroes
     it (moeblaze train --loss-log logs max/mean load per layer and step).
+
+    Args:
+        d_model, d_expert, num_experts, top_k: D, the expert width H, E, K.
+        experts: the routed experts' moeblaze.ExpertsConfig.
+        scoring, renormalize: override the router's score function and renormalization.
+        router: a family's name (moeblaze.routing.ROUTERS) or a dict of TopKRouter options.
+        shared_experts, d_shared, shared_gate: S always-on experts, their width (None: d_expert), their gate.
+        token_rounding, rounding_tile, rounding_max_experts: token rounding's rule, tile and experts per token.
+        device, dtype: of the parameters.
+
+    Returns:
+        forward(x (..., D)) -> MoEOutput: out of x's shape and dtype, aux_loss and z_loss fp32 scalars.
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,

@@ -48,11 +48,21 @@ def moe_experts_reference(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_
                           w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, b1_EF: torch.Tensor | None = None,
                           b2_ED: torch.Tensor | None = None, *, config: ExpertsConfig = DEFAULT,
                           interleaved: bool = False, **legacy) -> torch.Tensor:
-    """Expert outputs combined per token: (L, D) in x's dtype.
+    """Expert outputs combined per token, in plain PyTorch: what moe_experts computes, for checks and the CPU.
 
-    w1_EFD: (E, F, D) with F = 2H (gate rows, then up rows; alternating where interleaved) for gated
-    activations, F = H otherwise. w2_EDH: (E, D, H). b1_EF, b2_ED: optional biases, in w1's and w2's row
-    order. topk_idx_LK: integer expert ids. topk_w_LK: router weights (any float dtype).
+    Args:
+        x_LD: (L, D) tokens, any float dtype.
+        topk_idx_LK: (L, K) integer expert ids.
+        topk_w_LK: (L, K) router weights, any float dtype.
+        w1_EFD: (E, F, D), F = 2H (gate rows, then up rows; alternating where interleaved) for gated
+            activations, F = H otherwise.
+        w2_EDH: (E, D, H).
+        b1_EF, b2_ED: optional biases, in w1's and w2's row order.
+        config: a moeblaze.ExpertsConfig (its activation; precision="fp8" and "preact-fp8" are emulated).
+        interleaved: gate and up rows of w1 alternate.
+
+    Returns:
+        (L, D) in x's dtype, differentiable in x, the weights, topk_w and the biases.
     """
     config = _config("moe_experts_reference", b1_EF, config, legacy)
     activation, fp8_gemms = config.activation, config.fp8

@@ -42,6 +42,15 @@ DENSE_MAX_EXPERTS = 128
 
 @dataclass
 class RoutingIndex:
+    """The O(L·K) routing index: the (token, expert) pairs in expert order, no token copied.
+
+    Args:
+        expert_counts: (E,) int32 pairs routed to each expert.
+        expert_offsets: (E + 1,) int32 first row of each expert (expert_offsets[E] = the rows kept).
+        expert_token_idx: (R,) int32 the token of each row, experts' rows contiguous.
+        token_slot: (L, K) int32 the row of pair (t, k).
+        dropped: built with sentinels: rows past expert_offsets[E] may be dropped pairs.
+    """
     expert_counts: torch.Tensor
     expert_offsets: torch.Tensor
     expert_token_idx: torch.Tensor
@@ -169,7 +178,18 @@ def build_routing_index(topk_idx_LK: torch.Tensor, num_experts: int, method: str
     """Build the RoutingIndex of a top-k routing. `check` validates ids (range, duplicates) without a
     host sync on accelerators (see routing/checks.py). sentinels=True accepts ids >= num_experts (any number of
     them per token) as dropped pairs (see the module header): pair (t, k) with such an id goes to a sink expert
-    E + k of an index over E + K experts, whose counts and offsets are then cut back to E."""
+    E + k of an index over E + K experts, whose counts and offsets are then cut back to E.
+
+    Args:
+        topk_idx_LK: (L, K) integer expert ids, distinct per token.
+        num_experts: E.
+        method: "auto" (default), "dense" (sort-free) or "sort".
+        check: validate the ids.
+        sentinels: ids >= E are dropped pairs.
+
+    Returns:
+        The RoutingIndex (O(L·K) int32), on topk_idx's device.
+    """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if sentinels:

@@ -192,7 +192,24 @@ def router_z_loss(logits_LE: torch.Tensor) -> torch.Tensor:
 
 class TopKRouter(nn.Module):
     """x (L, D) -> RouterOutput (see the module header). weight (E, D); `bias` (E,) with gate_bias; the buffers
-    expert_bias and expert_load (E,) with expert_bias."""
+    expert_bias and expert_load (E,) with expert_bias.
+
+    Args:
+        d_model, num_experts, top_k: the input width, the experts, the experts per token.
+        scoring: "softmax_topk", "sigmoid_topk" or "topk_softmax".
+        renormalize: the k weights of a token sum to 1.
+        route_scale: a factor on the weights.
+        gate_bias: a learned bias on the logits.
+        expert_bias, expert_bias_rate: DeepSeek-V3's balancing bias (it steers the selection only) and its step.
+        num_groups, topk_groups: group-limited routing (the experts in num_groups groups, topk_groups kept).
+        aux_loss: the balancing loss's kind ("switch", "global", "sequence", ...).
+        aux_group: the process group the "global" loss sums over.
+        device, dtype: of the parameters.
+
+    Returns:
+        forward(x (L, D), seq_len=None) -> RouterOutput: topk_idx (L, K) int32, topk_weights (L, K) fp32,
+        aux_loss and z_loss fp32 scalars, logits (L, E) fp32.
+    """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, scoring: str = "softmax_topk",
                  renormalize: bool = True, route_scale: float = 1.0, gate_bias: bool = False,
