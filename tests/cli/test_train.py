@@ -231,6 +231,7 @@ def test_resume_says_when_there_is_no_checkpoint_or_nothing_to_train(tmp_path, c
     assert main(["train", *TINY, "--steps", "2", "--save", path, "--resume"]) == 0
     out = capsys.readouterr().out
     assert "the checkpoint is at step 4, not before --steps 2: nothing to train" in out
+    assert "saved to" not in out, out  # nothing was written: it says so only of a checkpoint it wrote
     assert load_checkpoint(path)["step"] == 4
 
 

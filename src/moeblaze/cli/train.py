@@ -348,13 +348,13 @@ def _validate(run: _Run, val, graphed, log) -> float:
 
 def _loop(run: _Run, train, val, graphed, record, timer):
     """The training steps from run.step to run.last, with evaluation, checkpoints and a check of the loss at every
-    host read: (the last step's loss, the last validation loss (NaN if none), the evaluations, the step of the last
-    checkpoint (the resumed one's until this run writes one; 0: none))."""
+    host read: (the last step's loss, the last validation loss (NaN if none), the evaluations, the step of the
+    checkpoint this run wrote last (0: none))."""
     from tqdm import tqdm
 
     args, ranks, device, step = run.args, run.ranks, run.device, run.step
     biased = ROUTERS[run.cfg.router].get("expert_bias", False)  # routers to update after each step (no walk else)
-    val_loss, evals, saved_step = float("nan"), [], step
+    val_loss, evals, saved_step, wrote = float("nan"), [], step, False  # saved_step: the resumed one's at first
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # the first step whose loss was not finite
     bar = tqdm(total=max(run.last, step), initial=step, desc="bench" if run.bench else "train", dynamic_ncols=True,
                disable=not run.main)
@@ -401,10 +401,10 @@ def _loop(run: _Run, train, val, graphed, record, timer):
             evals.append((step, val_loss))
         if save_now:
             _save(run, step)
-            saved_step = step
+            saved_step, wrote = step, True
     bar.close()
     run.end_step = step
-    return loss, val_loss, evals, saved_step
+    return loss, val_loss, evals, saved_step if wrote else 0
 
 
 def _stop_if_diverged(run: _Run, first_bad, step: int, saved_step: int, bar) -> None:
