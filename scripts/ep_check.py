@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from moeblaze import ExpertsConfig
+from moeblaze import EPConfig, ExpertsConfig
 from moeblaze.distributed import ep_experts
 from moeblaze.experts import launch_counts, moe_experts
 from moeblaze.experts.tl import TUNED_KERNELS
@@ -80,7 +80,7 @@ def uneven(rank: int, world: int, L: int, device) -> None:
     n = (rank + 1) * L
     E_loc = w1.shape[0] // world
     out = ep_experts(x[:n].bfloat16(), idx[:n], w[:n], w1[:E_loc].contiguous(), w2[:E_loc].contiguous(),
-                     dispatch="capacity", capacity_factor=1.25)
+                     ep_config=EPConfig("capacity", capacity_factor=1.25))
     torch.cuda.synchronize()
     print(f"rank {rank}: UNEVEN CAPACITIES WENT ON, sum {float(out.float().sum())}", flush=True)
 
@@ -98,7 +98,7 @@ def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: st
     local = [x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_(),
              w1[experts].clone().requires_grad_(), w2[experts].clone().requires_grad_()]
     launch_counts.clear()
-    kw = dict(dispatch="capacity", capacity=L * 4) if dispatch == "capacity" else {}  # room for every pair
+    kw = dict(ep_config=EPConfig("capacity", capacity=L * 4)) if dispatch == "capacity" else {}  # room for all
     if dispatch == "capacity":  # no host sync anywhere in the layer's forward and backward
         ep_experts(local[0], idx[mine], local[1], local[2], local[3], config=config, **kw)
         torch.cuda.synchronize()
@@ -129,7 +129,7 @@ def captured(rank: int, world: int, L: int, backend: str, checkpoint: str, devic
         return (x[mine].bfloat16(), idx[mine], w[mine], w1[experts].contiguous(), w2[experts].contiguous(),
                 dy[mine].bfloat16())
 
-    kw = dict(dispatch="capacity", capacity=L * 4, config=recipe_config(checkpoint, backend))
+    kw = dict(ep_config=EPConfig("capacity", capacity=L * 4), config=recipe_config(checkpoint, backend))
 
     def step(fn, x, idx, w, w1, w2, dy):
         out = fn(x, idx, w, w1, w2, **kw)

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import moeblaze.experts
-from moeblaze import ExpertsConfig, ModelConfig, MoELayer, TopKRouter, build_routing_index, moe_experts
+from moeblaze import (EPConfig, ExpertsConfig, ModelConfig, MoELayer, RoundingConfig, RouterConfig, SharedConfig,
+                      TopKRouter, build_routing_index, moe_experts)
 from moeblaze.distributed import ExpertParallel, ep_experts
 from moeblaze.routing import round_to_index, route_topk
 from moeblaze.routing.rounding import round_tokens
@@ -32,7 +33,9 @@ CASES = [
     ("MoELayer(16, 0, 4, 2)", ValueError),
     ("MoELayer(0, 32, 4, 2)", ValueError),
     ("MoELayer(16, 32, 4.0, 2)", TypeError),
-    ("MoELayer(16, 32, 4, 2, token_rounding=\"nr-f\", rounding_max_experts=1)", ValueError),  # below top_k
+    ("MoELayer(16, 32, 4, 2, rounding=RoundingConfig(max_experts=1))", ValueError),  # below top_k
+    ("RoundingConfig('sr-f')", ValueError),
+    ("RoundingConfig(tile=0)", ValueError),
     ("MoELayer(16, 32, 4, 5)", ValueError),
     ("MoELayer(16, 32, 4, True)", TypeError),
     ("MoELayer(16, 32, 4, 2, chunk_tokens=0)", ValueError),
@@ -41,20 +44,23 @@ CASES = [
     ("MoELayer(16, 32, 4, 2, impl='cuda')", ValueError),
     ("MoELayer(16, 32, 4, 2, backend='cutlass')", ValueError),
     ("MoELayer(16, 32, 4, 2, index_method='radix')", ValueError),
-    ("MoELayer(16, 32, 4, 2, scoring='sigmoid')", ValueError),
-    ("MoELayer(16, 32, 4, 2, renormalize='yes')", TypeError),
+    ("RouterConfig(scoring='sigmoid')", ValueError),
+    ("RouterConfig(renormalize='yes')", TypeError),
     ("TopKRouter(16, 0, 1)", ValueError),
-    ("TopKRouter(16, 8, 2, num_groups=3)", ValueError),
-    ("TopKRouter(16, 8, 4, num_groups=4, topk_groups=1)", ValueError),
-    ("TopKRouter(16, 8, 2, route_scale=0.0)", ValueError),
-    ("TopKRouter(16, 8, 2, aux_loss='z')", ValueError),
-    ("TopKRouter(16, 8, 2, aux_loss='sequence')(x)", ValueError),
+    ("TopKRouter(16, 8, 2, config=RouterConfig(num_groups=3))", ValueError),
+    ("TopKRouter(16, 8, 4, config=RouterConfig(num_groups=4, topk_groups=1))", ValueError),
+    ("RouterConfig(num_groups=2, topk_groups=3)", ValueError),
+    ("RouterConfig(route_scale=0.0)", ValueError),
+    ("RouterConfig(route_scale='2')", TypeError),
+    ("RouterConfig(aux_loss='z')", ValueError),
+    ("TopKRouter(16, 8, 2, config=RouterConfig(aux_loss='sequence'))(x)", ValueError),
+    ("TopKRouter(16, 8, 2, config='deepseek-v3')", TypeError),
     ("route_topk(logits, 2, selection_bias=torch.zeros(3))", ValueError),  # an expert bias of the wrong length
     ("route_topk(logits, 2, selection_bias=torch.zeros(1))", ValueError),  # would broadcast
     ("moe_experts(x, routing, w, (w1[:, :32], w1[:, 32:31]), w2)", ValueError),  # W1's two parts differ
     ("moe_experts(x, routing, w, (w1[:, :32], w1[:, 32:], w1[:, 32:]), w2)", ValueError),
-    ("MoELayer(16, 32, 4, 2, shared_experts=-1)", ValueError),
-    ("ModelConfig(router='llama')", ValueError),
+    ("MoELayer(16, 32, 4, 2, shared=SharedConfig(count=0))", ValueError),
+    ("RouterConfig.family('llama')", ValueError),
     ("ModelConfig(dense_layers=3)", ValueError),
     ("ModelConfig(n_layers=0)", ValueError),
     ("ModelConfig(n_heads=3)", ValueError),
@@ -91,11 +97,13 @@ CASES = [
     ("ExpertsConfig(fp8_weight_cache=True)", ValueError),
     ("MoELayer(16, 32, 4, 2, router='deepseek')", ValueError),
     ("MoELayer(16, 32, 4, 2, router=['sigmoid_topk'])", TypeError),
-    ("MoELayer(16, 32, 8, 2, scoring='softmax_topk', router='deepseek-v3')", ValueError),
-    ("MoELayer(16, 32, 4, 2, shared_gate=True)", ValueError),
-    ("MoELayer(16, 32, 4, 2, d_shared=8)", ValueError),
-    ("MoELayer(16, 32, 4, 2, shared_experts=1, shared_gate='no')", TypeError),
-    ("ModelConfig(shared_gate=True)", ValueError),
+    ("MoELayer(16, 32, 8, 2, scoring='softmax_topk', router='deepseek-v3')", ValueError),  # 0.2's form
+    ("MoELayer(16, 32, 4, 2, shared_gate=True)", ValueError),  # 0.2's form
+    ("MoELayer(16, 32, 4, 2, shared=SharedConfig(gated='no'))", TypeError),
+    ("MoELayer(16, 32, 4, 2, shared=SharedConfig(), shared_experts=2)", TypeError),  # both forms
+    ("MoELayer(16, 32, 4, 2, rounding='up')", TypeError),
+    ("ModelConfig(shared=SharedConfig(d_hidden=0))", ValueError),
+    ("ModelConfig(num_experts=16, router=RouterConfig.family('deepseek-v3'), top_k=9)", ValueError),
     ("layer.router(x[:, :8])", ValueError),
     ("layer.router(x[None])", ValueError),
     ("layer.router(x, seq_len=0)", ValueError),
@@ -124,17 +132,22 @@ CASES = [
     ("moe_experts(x, routing, w, (w1,), w2)", ValueError),  # W1 in one part, as a 1-tuple
     ("build_routing_index(idx, 4.0)", TypeError),
     ("configure(torch.nn.Linear(4, 4), ExpertsConfig(activation='gelu'))", ValueError),  # read from the model
-    ("converter(on_overflow='bogus')", ValueError),  # unused with the default dispatch, still checked
+    ("converter(on_overflow='bogus')", ValueError),  # the default dispatch reads no capacity option
     ("converter(capacity_factor=-1.0)", ValueError),
     ("converter(ep_dispatch='capacity', capacity_factor=float('inf'))", ValueError),
     ("converter(ep_dispatch='capacity', capacity_factor='2')", TypeError),
+    ("converter(ep_dispatch='deepep')", ValueError),
     ("ExpertParallel(layer.experts, None)", TypeError),
-    ("ExpertParallel(layer.experts, None, capacity_factor=float('inf'))", ValueError),
-    ("ep_experts(x, idx, w, w1, w2, dispatch='alltoall')", ValueError),
-    ("ep_experts(x, idx, w, w1, w2, dispatch='capacity', capacity_factor=float('inf'))", ValueError),
-    ("ep_experts(x, idx, w, w1, w2, dispatch='capacity', capacity='64')", TypeError),
+    ("ExpertParallel(layer.experts, None, ep_config='capacity')", TypeError),
+    ("ExpertParallel(layer.experts, None, capacity_factor=float('inf'))", ValueError),  # 0.2's form
+    ("EPConfig('alltoall')", ValueError),
+    ("EPConfig('capacity', capacity_factor=float('inf'))", ValueError),
+    ("EPConfig('capacity', capacity='64')", TypeError),
+    ("EPConfig('capacity', capacity=64, capacity_factor=2.0)", ValueError),
+    ("EPConfig('capacity', on_overflow='ignore')", ValueError),
+    ("EPConfig(capacity_factor=2.0)", ValueError),  # exact dispatch reads no capacity option
     ("ep_experts(x, idx, w, w1, w2, config=ExpertsConfig(chunk_tokens=4))", ValueError),
-    ("ep_experts(x, idx, w, w1, w2, dispatch='capacity', on_overflow='ignore')", ValueError),
+    ("ep_experts(x, idx, w, w1, w2, dispatch='alltoall')", ValueError),  # 0.2's form
     ("load_checkpoint(damaged)", ValueError),
     ("moeblaze train --steps -5", SystemExit),
     ("moeblaze train --batch-size 0", SystemExit),
@@ -251,15 +264,16 @@ def outcome(call: str, tmp: str) -> tuple[type, str]:
                  logits=torch.randn(6, 4),
                  x=x, idx=idx, routing=build_routing_index(idx, 4), w=torch.rand(6, 2), w1=w1, w2=w2,
                  layer=MoELayer(16, 32, 4, 2), damaged=damaged, ExpertsConfig=ExpertsConfig, configure=_configure,
-                 converter=_converter, ExpertParallel=ExpertParallel)
-    interpret = moeblaze.config.INTERPRET
-    moeblaze.config.INTERPRET = "TRITON_INTERPRET unset" not in call and interpret
+                 converter=_converter, ExpertParallel=ExpertParallel, RouterConfig=RouterConfig,
+                 SharedConfig=SharedConfig, RoundingConfig=RoundingConfig, EPConfig=EPConfig)
+    interpret = moeblaze.env.INTERPRET
+    moeblaze.env.INTERPRET = "TRITON_INTERPRET unset" not in call and interpret
     try:
         eval(call.split("  #")[0], names)
     except Exception as e:
         return type(e), _relative(str(e), tmp)
     finally:
-        moeblaze.config.INTERPRET = interpret
+        moeblaze.env.INTERPRET = interpret
     raise AssertionError(f"{call} raised nothing")
 
 

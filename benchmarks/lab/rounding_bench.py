@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from moeblaze import MoELayer
+from moeblaze import MoELayer, RoundingConfig
 from moeblaze.bench.harness import steady_profile, timed_rounds
 from moeblaze.bench.names import CONFIGS
 from moeblaze.cli.bench import run_env
@@ -207,7 +207,7 @@ def main():
         layers = {}
         for r in ("top-k",) + rules:
             torch.manual_seed(0)
-            layers[r] = MoELayer(d, h, E, K, token_rounding=None if r == "top-k" else r).cuda().bfloat16()
+            layers[r] = MoELayer(d, h, E, K, rounding=None if r == "top-k" else RoundingConfig(r)).cuda().bfloat16()
             fns[("layer", "moeblaze", r)] = layer_fn(layers[r], x, dy)
         for way, fn in router_fns(x, layers["top-k"].router.weight).items():
             fns[("router", "moeblaze", way)] = fn

@@ -1,7 +1,8 @@
 """moeblaze: memory-efficient Mixture-of-Experts training layers (PyTorch + Triton).
 
-    from moeblaze import MoELayer
-    layer = MoELayer(1024, 4096, num_experts=16, top_k=2, experts=ExpertsConfig(checkpoint="recompute"))
+    from moeblaze import ExpertsConfig, MoELayer, RouterConfig
+    layer = MoELayer(1024, 4096, num_experts=16, top_k=2, experts=ExpertsConfig(checkpoint="recompute"),
+                     router=RouterConfig.family("qwen3-moe"))
     out, aux_loss, z_loss = layer(x)
 
 The names below load (with torch and Triton) when first used, so that the `moeblaze` command can set the
@@ -13,15 +14,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 __version__ = "0.2.0"
-_HOME = {"moe_experts": "experts", "ExpertsConfig": "recipe", "ModelConfig": "nn", "MoEBlock": "nn", "MoELayer": "nn",
-         "MoEModel": "nn", "MoEOutput": "nn", "moe_experts_reference": "reference", "RoutingIndex": "routing",
-         "TopKRouter": "routing", "build_routing_index": "routing"}
+_HOME = {"moe_experts": "experts", "ExpertsConfig": "configs", "RouterConfig": "configs", "SharedConfig": "configs",
+         "RoundingConfig": "configs", "EPConfig": "configs", "ModelConfig": "configs", "MoEBlock": "nn",
+         "MoELayer": "nn", "MoEModel": "nn", "MoEOutput": "nn", "moe_experts_reference": "reference",
+         "RoutingIndex": "routing", "TopKRouter": "routing", "build_routing_index": "routing"}
 __all__ = [*_HOME, "__version__"]
 
 if TYPE_CHECKING:  # the names as type checkers and editors see them
     from .experts import moe_experts  # noqa: F401
-    from .nn import ModelConfig, MoEBlock, MoELayer, MoEModel, MoEOutput  # noqa: F401
-    from .recipe import ExpertsConfig  # noqa: F401
+    from .configs import EPConfig, ExpertsConfig, ModelConfig, RoundingConfig, RouterConfig, SharedConfig  # noqa: F401
+    from .nn import MoEBlock, MoELayer, MoEModel, MoEOutput  # noqa: F401
     from .reference import moe_experts_reference  # noqa: F401
     from .routing import RoutingIndex, TopKRouter, build_routing_index  # noqa: F401
 

@@ -23,8 +23,10 @@ def check_choice(name: str, value, choices: tuple) -> str:
 
 
 def check_positive(name: str, value) -> float:
-    """A positive finite real number (bool excluded): ValueError otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+    """A positive finite real number: TypeError for another type (bool too), ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
 

@@ -27,7 +27,7 @@ import threading
 import torch
 from triton import knobs
 
-from .config import INTERPRET
+from .env import INTERPRET
 
 MAX_KEYS = 4096
 _CACHE: dict = {}

@@ -7,10 +7,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import asdict
 
 import pytest
 import torch
 
+from moeblaze import RouterConfig
 from moeblaze.cli import main, parallel, train, train_flags
 from moeblaze.cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from moeblaze.cli.data import builtin_corpus, split_corpus, unigram_entropy
@@ -115,8 +117,8 @@ TINY = ["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--d-model", "16
     (["--seq-len", "10000000"], "--seq-len must be at most"),
     (["--lr", "nan"], "--lr must be a positive finite number"),
     (["--aux-loss-coef", "-1"], "--aux-loss-coef must be a finite number >= 0"),
-    (["--top-k", "5"], "--top-k must be <= --num-experts (4), got 5"),
-    (["--n-heads", "3"], "--d-model (16) must be divisible by --n-heads (3)"),
+    (["--top-k", "5"], "top_k must satisfy 1 <= top_k <= num_experts (4), got 5"),
+    (["--n-heads", "3"], "d_model (16) must be divisible by n_heads (3)"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--resume", "--save", ""], "--resume needs a checkpoint path"),
     (["--bench-steps", "2", "--bench-trace", "t.json"], "--bench-trace keeps --bench-profile's trace"),
@@ -307,7 +309,7 @@ def test_presets_of_today_s_routing_train(tmp_path):
     res = train.run(args_for(tmp_path, steps=6, eval_every=6, save_every=6, preset="deepseek-v3-small", **shape))
     assert math.isfinite(res["val_loss"])
     ck = load_checkpoint(str(tmp_path / "ck.pt"))
-    assert ck["config"]["router"] == "deepseek-v3" and ck["config"]["dense_layers"] == 1
+    assert ck["config"]["router"] == asdict(RouterConfig.family("deepseek-v3")) and ck["config"]["dense_layers"] == 1
     state = ck["model"]
     assert "blocks.0.moe.up.weight" in state and "blocks.1.moe.shared.w1" in state
     bias = state["blocks.1.moe.router.expert_bias"]
@@ -372,8 +374,8 @@ def test_fsdp_reduce_dtype_is_the_fsdp2_policy_s(monkeypatch):
                         lambda model, mesh, mp_policy=None, **kw: seen.append(mp_policy) or model)
     ranks = parallel.Ranks(rank=0, world=1, ep=1, device=torch.device("cpu"), mesh=None)
     for reduce_bf16 in (False, True):
-        parallel.parallelize_model("model", ranks, "exact", 1.25, "rerun", 16, 2, True, reduce_bf16=reduce_bf16)
-    parallel.parallelize_model("model", ranks, "exact", 1.25, "rerun", 16, 2, False)
+        parallel.parallelize_model("model", ranks, None, True, 16, 2, True, reduce_bf16=reduce_bf16)
+    parallel.parallelize_model("model", ranks, None, True, 16, 2, False)
     assert [(p.param_dtype, p.reduce_dtype) for p in seen[:2]] == [(torch.bfloat16, torch.float32),
                                                                    (torch.bfloat16, torch.bfloat16)]
     assert seen[2] is None  # float32 parameters: FSDP2's default policy

@@ -8,7 +8,7 @@ process that drops them, and a tracker's rerun at the capacity it asks for equal
 
 import torch
 
-from moeblaze import ExpertsConfig
+from moeblaze import EPConfig, ExpertsConfig
 from moeblaze.distributed import CapacityTracker, ep_experts, receiver_index
 from moeblaze.experts import moe_experts
 from moeblaze.routing import build_routing_index
@@ -106,7 +106,7 @@ def _compare(rank, world, case, checkpoint, dispatch):
     out_all, g_all, dy_all = _one_process(toks, w1, w2, checkpoint)
     kw = {}
     if dispatch.startswith("capacity"):  # 48: more than any rank sends
-        kw = dict(dispatch="capacity", capacity=48, compiled=dispatch == "capacity_compiled")
+        kw = dict(ep_config=EPConfig("capacity", capacity=48), compiled=dispatch == "capacity_compiled")
     out, g, mine, experts = _ep(rank, world, toks, w1, w2, checkpoint, dy_all, **kw)
     _assert_equal((out, g), (out_all, g_all), mine, experts)
 
@@ -131,20 +131,21 @@ def _overflow(rank, world, mode):
         x, idx, w = toks[rank]
         E_loc = w1.shape[0] // world
         try:
-            ep_experts(x, idx, w, w1[:E_loc], w2[:E_loc], dispatch="capacity", capacity_factor=1.25)
+            ep_experts(x, idx, w, w1[:E_loc], w2[:E_loc], ep_config=EPConfig("capacity", capacity_factor=1.25))
         except ValueError as e:
             assert "different capacities" in str(e) and "capacity=" in str(e), str(e)
         else:
             raise AssertionError("ranks with different capacities went on")
         # the same ranks then agree on an explicit capacity, and the group is still usable
         out_all, g_all, dy_all = _one_process(toks, w1, w2, "preact")
-        out, g, mine, experts = _ep(rank, world, toks, w1, w2, "preact", dy_all, dispatch="capacity", capacity=48)
+        out, g, mine, experts = _ep(rank, world, toks, w1, w2, "preact", dy_all,
+                                    ep_config=EPConfig("capacity", capacity=48))
         _assert_equal((out, g), (out_all, g_all), mine, experts)
     elif mode == "overflow_error":
         x, idx, w = toks[rank]
         E_loc = w1.shape[0] // world
         try:
-            ep_experts(x, idx, w, w1[:E_loc], w2[:E_loc], dispatch="capacity", capacity=small)
+            ep_experts(x, idx, w, w1[:E_loc], w2[:E_loc], ep_config=EPConfig("capacity", capacity=small))
         except RuntimeError as e:
             assert "needs more than 8 rows" in str(e), str(e)
         else:
@@ -154,19 +155,20 @@ def _overflow(rank, world, mode):
         assert dropped.any()
         out_all, g_all, dy_all = _one_process(toks, w1, w2, "preact", dropped)
         counter = torch.zeros((), dtype=torch.int64)
-        out, g, mine, experts = _ep(rank, world, toks, w1, w2, "preact", dy_all, dispatch="capacity",
-                                    capacity=small, on_overflow="drop", dropped=counter)
+        out, g, mine, experts = _ep(rank, world, toks, w1, w2, "preact", dy_all,
+                                    ep_config=EPConfig("capacity", capacity=small, on_overflow="drop"),
+                                    dropped=counter)
         _assert_equal((out, g), (out_all, g_all), mine, experts)
         lo = sum(len(t[0]) for t in toks[:rank])  # this rank's pairs dropped, as the count says
         assert int(counter) == int(dropped[lo:lo + len(toks[rank][0])].sum()), (int(counter), rank)
     else:  # a tracker: the step overflows, grows and reruns to the one-process result
         tracker = CapacityTracker(small)
         out_all, g_all, dy_all = _one_process(toks, w1, w2, "recompute")
-        _ep(rank, world, toks, w1, w2, "recompute", dy_all, dispatch="capacity", tracker=tracker)
+        _ep(rank, world, toks, w1, w2, "recompute", dy_all, ep_config=EPConfig("capacity"), tracker=tracker)
         assert tracker.overflowed(), "the tracker missed the overflow"
         assert tracker.grow() >= max(len(t[0]) for t in toks) * 2 and tracker.capacity % 16 == 0
-        out, g, mine, experts = _ep(rank, world, toks, w1, w2, "recompute", dy_all, dispatch="capacity",
-                                    tracker=tracker)
+        out, g, mine, experts = _ep(rank, world, toks, w1, w2, "recompute", dy_all,
+                                    ep_config=EPConfig("capacity"), tracker=tracker)
         assert not tracker.overflowed()
         _assert_equal((out, g), (out_all, g_all), mine, experts)
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from moeblaze import ExpertsConfig
 from moeblaze.experts import moe_experts
-from moeblaze.recipe import CHECKPOINTS
+from moeblaze.configs import CHECKPOINTS
 from moeblaze.reference import ACTIVATIONS, moe_experts_reference, up_width
 from moeblaze.routing import build_routing_index
 from helpers import rel_err

@@ -363,11 +363,11 @@ def test_precision_fp8_on_a_rounded_routing(poison_alloc):
 def test_layer_with_fp8_precision(poison_alloc):
     """MoELayer(precision="fp8") runs its routed experts through precision="fp8" (interpreter) and matches the same
     layer on the reference's emulation; shared experts stay native; extra_repr says so."""
-    from moeblaze import MoELayer
+    from moeblaze import MoELayer, SharedConfig
 
     torch.manual_seed(0)
     layers = {impl: MoELayer(128, 64, 4, 2, experts=ExpertsConfig(precision="fp8", backend=impl),
-                             shared_experts=1) for impl in
+                             shared=SharedConfig()) for impl in
               ("triton", "reference")}
     layers["reference"].load_state_dict(layers["triton"].state_dict())
     assert "precision='fp8'" in repr(layers["triton"].experts) and "precision" not in repr(layers["triton"].shared)

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from moeblaze import ExpertsConfig
+from moeblaze import ExpertsConfig, RoundingConfig, SharedConfig
 from moeblaze import MoELayer
 from moeblaze.routing import ROUTERS
 
@@ -31,8 +31,7 @@ def _step(layer, x, dy):
 def test_routers_and_shared_experts_bf16(router, shared, gate):
     torch.manual_seed(0)
     make = lambda impl: MoELayer(1024, 512, 64, 4, experts=ExpertsConfig(backend=impl), router=ROUTERS[router],
-                                 shared_experts=shared, d_shared=768 if shared else None,
-                                 shared_gate=gate).cuda()
+                                 shared=SharedConfig(shared, 768, gate) if shared else None).cuda()
     ours = make("triton")
     with torch.no_grad():
         if gate:
@@ -54,7 +53,7 @@ def test_routers_and_shared_experts_bf16(router, shared, gate):
 
 def test_router_step_never_syncs_with_host():
     torch.manual_seed(0)
-    layer = MoELayer(512, 256, 32, 4, router=ROUTERS["deepseek-v3"], shared_experts=1, shared_gate=True).cuda()
+    layer = MoELayer(512, 256, 32, 4, router=ROUTERS["deepseek-v3"], shared=SharedConfig(gated=True)).cuda()
     layer = layer.bfloat16()
     x = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layer(x).out.sum().backward()  # compile and warm up
@@ -138,7 +137,7 @@ def test_bf16_router_logits_on_gpu_within_the_bound_of_their_fp32_sums():
 @pytest.mark.parametrize("rule", ["nr-f", "up", "down"])
 def test_token_rounding_step_never_syncs_with_host(rule):
     torch.manual_seed(0)
-    layer = MoELayer(512, 256, 32, 4, token_rounding=rule).cuda().bfloat16()
+    layer = MoELayer(512, 256, 32, 4, rounding=RoundingConfig(rule)).cuda().bfloat16()
     x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layer(x).out.float().sum().backward()  # compile and warm up
     torch.cuda.synchronize()
@@ -189,7 +188,7 @@ def test_token_rounding_layer_compiles_with_fullgraph(rule):
     same routing)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    layer = MoELayer(512, 256, 32, 4, token_rounding=rule).cuda().bfloat16()
+    layer = MoELayer(512, 256, 32, 4, rounding=RoundingConfig(rule)).cuda().bfloat16()
     x = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     eager = layer(x)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from moeblaze import ExpertsConfig
+from moeblaze import ExpertsConfig, RoundingConfig
 from moeblaze import ModelConfig, MoELayer, MoEModel
 
 
@@ -19,7 +19,8 @@ from moeblaze import ModelConfig, MoELayer, MoEModel
 def test_empty_batch_gives_empty_output_zero_gradients_and_zero_losses(poison_alloc, impl, checkpoint, chunk_tokens,
                                                                         rounding):
     layer = MoELayer(16, 8, 4, 2, experts=ExpertsConfig(checkpoint=checkpoint, chunk_tokens=chunk_tokens,
-                                                        backend=impl), token_rounding=rounding)
+                                                        backend=impl),
+                     rounding=RoundingConfig(rounding) if rounding else None)
     x = torch.randn(2, 0, 16, requires_grad=True)
     out, aux, z = layer(x)
     assert out.shape == x.shape and aux.item() == 0 and z.item() == 0

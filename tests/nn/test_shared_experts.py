@@ -4,7 +4,7 @@ the layer's output and every gradient (x, gate, shared and routed weights, route
 import pytest
 import torch
 
-from moeblaze import ExpertsConfig
+from moeblaze import ExpertsConfig, RoundingConfig, SharedConfig
 from moeblaze import MoELayer
 from moeblaze.reference import apply_activation
 
@@ -24,13 +24,12 @@ def _dense_shared(x, shared):
 @pytest.mark.parametrize("impl,checkpoint,gated,count", [
     ("triton", "preact", True, 2), ("triton", "recompute", False, 1), ("reference", "preact", True, 1)])
 def test_shared_experts_match_a_dense_computation(poison_alloc, impl, checkpoint, gated, count):
-    layer = MoELayer(16, 32, 4, 2, experts=ExpertsConfig(checkpoint=checkpoint, backend=impl), shared_experts=count,
-                     d_shared=24, shared_gate=gated)
+    shared = SharedConfig(count, d_hidden=24, gated=gated)
+    layer = MoELayer(16, 32, 4, 2, experts=ExpertsConfig(checkpoint=checkpoint, backend=impl), shared=shared)
     with torch.no_grad():
         if gated:
             layer.shared.gate.normal_()
-    ref = MoELayer(16, 32, 4, 2, experts=ExpertsConfig(backend="reference"), shared_experts=count, d_shared=24,
-                   shared_gate=gated).double()
+    ref = MoELayer(16, 32, 4, 2, experts=ExpertsConfig(backend="reference"), shared=shared).double()
     ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
     x = torch.randn(2, 5, 16)
     xs = [x.clone().requires_grad_(), x.double().requires_grad_()]
@@ -51,25 +50,25 @@ def test_shared_experts_match_a_dense_computation(poison_alloc, impl, checkpoint
 
 
 def test_shared_experts_stay_out_of_routing():
-    layer = MoELayer(16, 32, 4, 2, shared_experts=1)
+    layer = MoELayer(16, 32, 4, 2, shared=SharedConfig())
     assert layer.router.num_experts == 4 and layer.shared.num_experts == 1
-    with pytest.raises(ValueError, match="shared_experts must be >= 0"):
-        MoELayer(16, 32, 4, 2, shared_experts=-1)
+    with pytest.raises(ValueError, match="count must be >= 1"):
+        MoELayer(16, 32, 4, 2, shared=SharedConfig(count=0))
 
 
 @pytest.mark.filterwarnings("ignore:token rounding with")
 def test_token_rounding_layer_trains_rounded_and_evaluates_plain():
-    """MoELayer(token_rounding="up"): in training the experts compute the rounded routing (the manual composition
-    of round_to_index and moe_experts, whose index is the reference rounding's, its weights the reference's to
-    fp32 rounding: the kernels compute them in their own order); in evaluation, plain top-k (the same layer
-    without it)."""
+    """MoELayer(rounding=RoundingConfig("up")): in training the experts compute the rounded routing (the manual
+    composition of round_to_index and moe_experts, whose index is the reference rounding's, its weights the
+    reference's to fp32 rounding: the kernels compute them in their own order); in evaluation, plain top-k (the
+    same layer without it)."""
     from moeblaze.experts import moe_experts
     from moeblaze.routing import round_to_index
     from moeblaze.routing.rounding import round_tokens, rounded_index
 
-    layer = MoELayer(16, 32, 4, 2, experts=ExpertsConfig(backend="triton"), token_rounding="up", rounding_tile=16,
-                     shared_experts=1)
-    plain = MoELayer(16, 32, 4, 2, experts=ExpertsConfig(backend="triton"), shared_experts=1)
+    layer = MoELayer(16, 32, 4, 2, experts=ExpertsConfig(backend="triton"), rounding=RoundingConfig("up", tile=16),
+                     shared=SharedConfig())
+    plain = MoELayer(16, 32, 4, 2, experts=ExpertsConfig(backend="triton"), shared=SharedConfig())
     plain.load_state_dict(layer.state_dict())
     x = torch.randn(3, 30, 16)
     got = layer(x).out
@@ -88,5 +87,5 @@ def test_token_rounding_layer_trains_rounded_and_evaluates_plain():
     layer.eval()
     plain.eval()
     assert torch.equal(layer(x).out, plain(x).out)
-    with pytest.raises(ValueError, match="token_rounding"):
-        MoELayer(16, 32, 4, 2, token_rounding="sr-f")
+    with pytest.raises(ValueError, match="rule must be one of"):
+        RoundingConfig("sr-f")

@@ -52,7 +52,7 @@ def test_nbytes_is_linear_in_pairs():
     (torch.tensor([[0, 1], [2, 8]], dtype=torch.int32), 8, "outside"),
     (torch.tensor([[0, 1], [-1, 2]], dtype=torch.int32), 8, "outside"),
     (torch.tensor([[3, 3], [0, 1]], dtype=torch.int32), 8, "twice"),
-    (torch.tensor([[0, 1, 2]], dtype=torch.int32), 2, "K"),
+    (torch.tensor([[0, 1, 2]], dtype=torch.int32), 2, "top_k"),
     (torch.tensor([0, 1], dtype=torch.int32), 4, "shape"),
     (torch.tensor([[0.0, 1.0]]), 4, "int32 or int64"),
 ])

@@ -328,12 +328,12 @@ def test_rounded_layer_backward_where_the_row_bound_passes_the_table(poison_allo
     reference on the same rounded index."""
     import warnings
 
-    from moeblaze import ExpertsConfig, MoELayer
+    from moeblaze import ExpertsConfig, MoELayer, RoundingConfig
 
     def run(backend, dtype=torch.float32):
         torch.manual_seed(3)
-        layer = MoELayer(16, 8, E, K, experts=ExpertsConfig(backend=backend), token_rounding=rule, rounding_tile=tile,
-                         rounding_max_experts=K).to(dtype)
+        layer = MoELayer(16, 8, E, K, experts=ExpertsConfig(backend=backend),
+                         rounding=RoundingConfig(rule, tile=tile, max_experts=K)).to(dtype)
         x = torch.randn(L, 16).to(dtype).requires_grad_()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # fewer than 2 tiles of tokens per expert: said, and meant here
@@ -358,10 +358,10 @@ def test_rounded_layer_backward_where_the_row_bound_passes_the_table(poison_allo
 def test_rounding_on_a_small_batch_says_what_it_drops(L, rule, tile, says):
     """Fewer than half a tile of pairs per expert (nr-f), or fewer tokens than a tile (up): the rounding drops most
     or all pairs; the warning says so, and the layer's output is then what was kept (zero where all were dropped)."""
-    from moeblaze import MoELayer
+    from moeblaze import MoELayer, RoundingConfig
 
     torch.manual_seed(0)
-    layer = MoELayer(16, 8, 4, 2, token_rounding=rule, rounding_tile=tile)
+    layer = MoELayer(16, 8, 4, 2, rounding=RoundingConfig(rule, tile=tile))
     with pytest.warns(UserWarning, match="token rounding with") as caught:
         out, _, _ = layer(torch.randn(L, 16))
     assert says in str(caught[0].message)

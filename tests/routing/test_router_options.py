@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from moeblaze import RouterConfig
 from moeblaze.routing import TopKRouter, route_topk, update_expert_biases
 from moeblaze.routing.router import sequence_aux_loss, switch_aux_loss
 
@@ -50,7 +51,7 @@ def test_group_limited_selection():
 
 
 def test_gate_bias_and_softmax_over_the_chosen_logits():
-    r = TopKRouter(2, 4, 2, scoring="topk_softmax", gate_bias=True)
+    r = TopKRouter(2, 4, 2, config=RouterConfig(scoring="topk_softmax", gate_bias=True))
     with torch.no_grad():
         r.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]]))
         r.bias.copy_(torch.tensor([0.0, 0.0, -3.0, 2.5]))
@@ -63,7 +64,7 @@ def test_gate_bias_and_softmax_over_the_chosen_logits():
 
 
 def test_expert_bias_sign_rule():
-    r = TopKRouter(4, 4, 1, scoring="sigmoid_topk", expert_bias=True, expert_bias_rate=0.01)
+    r = TopKRouter(4, 4, 1, config=RouterConfig(scoring="sigmoid_topk", expert_bias=True, expert_bias_rate=0.01))
     with torch.no_grad():
         r.weight.copy_(torch.eye(4))
     x = torch.tensor([[5.0, 0, 0, 0]] * 4 + [[0, 0, 5.0, 0]] * 2 + [[0, 0, 0, 5.0]] * 2)  # loads 4, 0, 2, 2
@@ -92,14 +93,14 @@ def test_sequence_loss_hand_computed():
     assert torch.allclose(switch_aux_loss(logits, idx), torch.tensor(1.0))
     with pytest.raises(ValueError, match="whole sequences"):
         sequence_aux_loss(logits, idx, 3)
-    r = TopKRouter(2, 2, 1, aux_loss="sequence")
+    r = TopKRouter(2, 2, 1, config=RouterConfig(aux_loss="sequence"))
     with pytest.raises(ValueError, match="seq_len"):
         r(torch.randn(4, 2))
 
 
 def _global(rank, world, errors):
     torch.manual_seed(0)
-    r = TopKRouter(8, 6, 2, aux_loss="global")
+    r = TopKRouter(8, 6, 2, config=RouterConfig(aux_loss="global"))
     x_all = torch.randn(10 * world, 8, generator=torch.Generator().manual_seed(1))
     want = switch_aux_loss(x_all @ r.weight.t(), route_topk(x_all @ r.weight.t(), 2)[0])
     mine = r(x_all[10 * rank: 10 * (rank + 1)]).aux_loss
@@ -107,10 +108,10 @@ def _global(rank, world, errors):
     torch.distributed.all_reduce(total)
     if not torch.allclose(total / world, want, rtol=1e-6):
         errors.put(f"rank {rank}: mean global loss {float(total / world)} vs one process {float(want)}")
-    e = TopKRouter(8, 6, 2, expert_bias=True)
+    e = TopKRouter(8, 6, 2, config=RouterConfig(expert_bias=True))
     e(x_all[10 * rank: 10 * (rank + 1)])
     load = e.update_expert_bias()
-    one = TopKRouter(8, 6, 2, expert_bias=True)
+    one = TopKRouter(8, 6, 2, config=RouterConfig(expert_bias=True))
     one.load_state_dict(e.state_dict() | {"expert_bias": torch.zeros(6), "expert_load": torch.zeros(6)})
     one(x_all)
     if not torch.equal(load, one.expert_load):

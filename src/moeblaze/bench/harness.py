@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch
 
-from .. import config
+from .. import env
 from ..experts import moe_experts
-from ..recipe import ExpertsConfig
+from ..configs import ExpertsConfig
 from ..reference import moe_experts_reference, up_width
 from ..routing import build_routing_index, route_topk
 from ..routing.index import build_index_sort, count_per_expert
@@ -129,15 +129,15 @@ def _importable(name: str) -> bool:
 
 
 IMPLS: dict[str, tuple[Callable[[], bool], tuple, Callable]] = {
-    "moeblaze": (lambda: torch.cuda.is_available() or config.INTERPRET,
+    "moeblaze": (lambda: torch.cuda.is_available() or env.INTERPRET,
                  ("preact", "recompute"), moeblaze_call),
     # moeblaze on one backend (experts.dispatch): "tl" runs everywhere, "gluon" on Hopper
-    "moeblaze-tl": (lambda: torch.cuda.is_available() or config.INTERPRET, ("preact", "recompute"),
+    "moeblaze-tl": (lambda: torch.cuda.is_available() or env.INTERPRET, ("preact", "recompute"),
                     _moeblaze_backend("tl")),
     "moeblaze-gluon": (lambda: torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9,
                        ("preact", "recompute"), _moeblaze_backend("gluon")),
     # moeblaze with precision="fp8" (experts.fp8): e4m3 data GEMMs, on GPUs with fp8 tensor cores
-    "moeblaze-fp8": (lambda: config.INTERPRET or (torch.cuda.is_available()
+    "moeblaze-fp8": (lambda: env.INTERPRET or (torch.cuda.is_available()
                                                    and torch.cuda.get_device_capability() >= (8, 9)),
                      ("preact", "preact-fp8"), lambda p, policy: moeblaze_call(p, policy, precision="fp8")),
     # the same with fp8_weight_cache: the weights quantized once a step, both layouts

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from ..bench.names import CONFIGS, HF_BACKENDS, IMPLS
-from ..recipe import ACTIVATIONS, CHECKPOINTS
+from ..configs import ACTIVATIONS, CHECKPOINTS
 from . import UsageError
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .train_flags import ep_config
+
 
 def launched() -> bool:
     """Whether torchrun (or another launcher setting WORLD_SIZE > 1) started this process: then FSDP2 runs on
@@ -74,11 +76,10 @@ def initial_capacity(capacity_factor: float, tokens: int, top_k: int, ep: int) -
     return -(-max(1, math.ceil(capacity_factor * tokens * top_k / ep)) // 16) * 16
 
 
-def parallelize_model(model, ranks: Ranks, dispatch: str, capacity_factor: float, on_overflow: str,
-                      tokens: int, top_k: int, bf16: bool, keep_gathered: bool = False, units: str = "blocks",
-                      reduce_bf16: bool = False):
-    """FSDP2 (+ ep) on the model, under bf16 with bf16 parameters and fp32 gradient reductions (bf16 ones with
-    reduce_bf16); the model."""
+def parallelize_model(model, ranks: Ranks, ep_config, rerun: bool, tokens: int, top_k: int, bf16: bool,
+                      keep_gathered: bool = False, units: str = "blocks", reduce_bf16: bool = False):
+    """FSDP2 (+ ep on ep_config, an EPConfig; rerun: --on-overflow rerun's CapacityTracker) on the model, under bf16
+    with bf16 parameters and fp32 gradient reductions (bf16 ones with reduce_bf16); the model."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from ..distributed import CapacityTracker, parallelize
@@ -87,14 +88,10 @@ def parallelize_model(model, ranks: Ranks, dispatch: str, capacity_factor: float
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce) if bf16 else None
     ep_kwargs = {}
     if ranks.ep > 1:
-        ep_kwargs["dispatch"] = dispatch
-        if dispatch == "capacity":
-            ep_kwargs["capacity_factor"] = capacity_factor
-            if on_overflow == "rerun":
-                ranks.tracker = CapacityTracker(initial_capacity(capacity_factor, tokens, top_k, ranks.ep))
-                ep_kwargs["tracker"] = ranks.tracker
-            else:
-                ep_kwargs["on_overflow"] = on_overflow
+        ep_kwargs["ep_config"] = ep_config
+        if ep_config.dispatch == "capacity" and rerun:
+            ranks.tracker = CapacityTracker(initial_capacity(ep_config.factor, tokens, top_k, ranks.ep))
+            ep_kwargs["tracker"] = ranks.tracker
     return parallelize(model, ranks.mesh, mp_policy=mp, reshard_after_forward=not keep_gathered, units=units,
                        **ep_kwargs)
 
@@ -224,7 +221,7 @@ def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_p
                tokens_s_per_gpu=round(tokens / step_ms * 1e3, 1), peak_gb=round(peak, 3), loss=loss,
                status="ok")
     if ep > 1 and args.ep_dispatch == "capacity":
-        row.update(capacity_factor=args.capacity_factor, on_overflow=args.on_overflow,
+        row.update(capacity_factor=ep_config(args).factor, on_overflow=args.on_overflow,
                    capacity=ranks.tracker.capacity if ranks.tracker is not None else None)
     if profile_fns is not None:
         trace = args.bench_trace and args.bench_trace + (f".rank{ranks.rank}" if ranks and ranks.rank else "")

@@ -17,7 +17,7 @@ from ..bench.harness import kernel_times
 from ..bench.memory import SavedTensorCounter
 from ..bench.stages import compiled_resources, stage_times
 from ..experts import moe_experts
-from ..recipe import ExpertsConfig, fold_impl
+from ..configs import ExpertsConfig, fold_impl
 from . import UsageError, check_device
 from .profile_flags import check_flags
 from ..nn import ModelConfig, MoELayer, MoEModel

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..recipe import ACTIVATIONS, CHECKPOINTS, LAUNCH_BACKENDS, PRECISIONS, ExpertsConfig, fold_impl
+from ..configs import ACTIVATIONS, CHECKPOINTS, LAUNCH_BACKENDS, PRECISIONS, ExpertsConfig, check_layer, fold_impl
 from . import UsageError
 
 
@@ -45,9 +45,8 @@ def check_flags(args) -> None:
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {v}")
-    if args.top_k > args.num_experts:
-        raise UsageError(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
     try:
+        check_layer(args.num_experts, args.top_k)
         ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy,
                       backend=fold_impl(args.impl or "triton", args.backend), precision=args.precision)
     except (TypeError, ValueError) as e:

@@ -31,12 +31,13 @@ import torch
 import torch.nn.functional as F
 
 from ..nn import ModelConfig, MoELayer, MoEModel
-from ..routing import ROUTERS, update_expert_biases
+from ..routing import update_expert_biases
 from . import UsageError, parallel
 from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, save_checkpoint, save_sharded,
                          load_newest_sharded, sharded_checkpoint_path)
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
 from .graph_step import GraphedStep
+from .train_flags import ep_config
 from .train_setup import check_args, sharded_save
 
 __all__ = ["run"]
@@ -82,14 +83,21 @@ def _train_state(model, opt, step: int, gen, cfg, sharded: bool):
 
 
 # How a run computes, not what its model is: a checkpoint resumes under other values of these.
-EXECUTION = {"token_rounding", "rounding_tile"}
+EXECUTION = {"rounding"}
 EXECUTION_EXPERTS = {"checkpoint", "backend", "precision", "fp8_weight_cache", "chunk_tokens", "index_method"}
 
 
 def _meaning(d: dict) -> dict:
-    """A config's fields that make the model what it is (its shape, routing and activation)."""
-    out = {k: v for k, v in d.items() if k not in EXECUTION and k != "experts"}
-    out.update({f"experts.{k}": v for k, v in d["experts"].items() if k not in EXECUTION_EXPERTS})
+    """A config's fields that make the model what it is (its shape, routing and activation), the configs' fields
+    as "router.scoring" and so on."""
+    out = {}
+    for k, v in d.items():
+        if k in EXECUTION:
+            continue
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items() if not (k == "experts" and kk in EXECUTION_EXPERTS)})
+        else:
+            out[k] = v
     return out
 
 
@@ -189,7 +197,7 @@ def run(args) -> dict:
 
 def _experts_path(cfg) -> str:
     """Which code computes the experts on the CPU, as the recipe resolves there."""
-    from ..config import INTERPRET
+    from ..env import INTERPRET
     if cfg.experts.backend in ("reference", "auto"):
         return "the PyTorch reference (the Triton kernels run with --device cuda)"
     return "the Triton kernels under the interpreter" if INTERPRET else "the Triton kernels"
@@ -306,7 +314,7 @@ def _set_up(args, cfg, train, val, ranks) -> _Run:
         for block in model.blocks:
             block.compile()
     if ranks is not None:
-        parallel.parallelize_model(model, ranks, args.ep_dispatch, args.capacity_factor, args.on_overflow,
+        parallel.parallelize_model(model, ranks, ep_config(args), args.on_overflow == "rerun",
                                    args.batch_size * args.seq_len, cfg.top_k, bf16, args.fsdp_keep_gathered,
                                    units=args.fsdp_units, reduce_bf16=args.fsdp_reduce_dtype == "bfloat16")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
@@ -353,7 +361,7 @@ def _loop(run: _Run, train, val, graphed, record, timer):
     from tqdm import tqdm
 
     args, ranks, device, step = run.args, run.ranks, run.device, run.step
-    biased = ROUTERS[run.cfg.router].get("expert_bias", False)  # routers to update after each step (no walk else)
+    biased = run.cfg.router.expert_bias  # routers to update after each step (no walk else)
     val_loss, evals, saved_step, wrote = float("nan"), [], step, False  # saved_step: the resumed one's at first
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # the first step whose loss was not finite
     bar = tqdm(total=max(run.last, step), initial=step, desc="bench" if run.bench else "train", dynamic_ncols=True,
@@ -456,7 +464,7 @@ class _Record:
             load = torch.stack([m.routed_load for m in self.moe_layers]).float()
             load = ranks.sum(load) if ranks else load
             self.loads.append(load.amax(1) / load.mean(1).clamp(min=1e-9))
-            if self.run.cfg.token_rounding:  # the pairs each layer computed, per top-k pair
+            if self.run.cfg.rounding is not None:  # the pairs each layer computed, per top-k pair
                 self.shares.append(load.sum(1) / (x.numel() * self.run.world * self.run.cfg.top_k))
             for m in self.moe_layers:
                 m.routed_load.zero_()

@@ -11,12 +11,13 @@ import math
 import os
 
 from ..args import check_choice, check_int
-from ..choices import DISPATCHES, ROUTERS, RULES, UNITS
-from ..recipe import ACTIVATIONS, BACKENDS, CHECKPOINTS, INDEX_METHODS, PRECISIONS, ExpertsConfig, fold_impl
+from ..configs import (ACTIVATIONS, BACKENDS, CHECKPOINTS, DISPATCHES, INDEX_METHODS, OVERFLOW, PRECISIONS, ROUTERS,
+                       RULES, UNITS, EPConfig, ExpertsConfig, ModelConfig, RouterConfig, flat_rounding, flat_shared,
+                       fold_impl)
 from . import UsageError
-from .presets import PRESETS, SHAPE
+from .presets import EXTRAS, PRESETS, SHAPE
 
-OVERFLOW = ("rerun", "drop", "error")
+ON_OVERFLOW = ("rerun", *OVERFLOW)  # --on-overflow: EPConfig's, or rerun the step with a larger capacity
 
 
 def add_experts_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,10 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-gate", action="store_const", const=True, default=None,
                    help="scale the shared experts' output by a learned sigmoid gate of x")
     p.add_argument("--dense-layers", type=int, default=None, help="dense feed-forward in the first N blocks")
-    p.add_argument("--token-rounding", default="", choices=RULES, metavar="{" + ",".join(RULES) + "}",
+    p.add_argument("--token-rounding", default=None, choices=RULES, metavar="{" + ",".join(RULES) + "}",
                    help="SonicMoE's token rounding while training: every expert's tokens a multiple of the tile; "
                         "evaluation routes plain top-k (default: off)")
-    p.add_argument("--rounding-tile", type=int, default=0, help="its tile (default 0: the kernels' row tile, 128)")
+    p.add_argument("--rounding-tile", type=int, default=None, help="its tile (default: the kernels' row tile, 128)")
     p.add_argument("--router", default=None, choices=tuple(ROUTERS),
                    help="a model family's routing (score function, scale, biases, groups, balancing loss; default: "
                         "softmax top-k, renormalized, switch loss); deepseek-v3's expert bias is updated after every "
@@ -120,9 +121,9 @@ def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                    "default 1: FSDP2 alone)")
     g.add_argument("--ep-dispatch", default="exact", choices=DISPATCHES,
                    help="exact: variable all-to-all splits, one host sync per layer; capacity: fixed splits, none")
-    g.add_argument("--capacity-factor", type=float, default=1.25,
+    g.add_argument("--capacity-factor", type=float, default=None,
                    help="capacity dispatch: rows per pair of ranks = factor x tokens x top-k / ep (default 1.25)")
-    g.add_argument("--on-overflow", default="rerun", choices=OVERFLOW,
+    g.add_argument("--on-overflow", default="rerun", choices=ON_OVERFLOW,
                    help="capacity dispatch, when a rank needs more rows than the capacity: rerun the step with a "
                         "larger capacity (default), drop the rows past it (counted: the run says how many, "
                         "--loss-log per step), or stop with an error")
@@ -152,20 +153,50 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    "per run in <gpu>.jsonl)")
 
 
-def check_flags(args) -> ExpertsConfig:
-    """The experts' recipe of the flags, after every check that reads only the flags (UsageError naming the flag
-    otherwise); fills the shape flags left unset from --preset. Torch-free."""
+def check_flags(args) -> ModelConfig:
+    """The model config of the flags, after every check that reads only the flags (UsageError naming the flag or the
+    config's field otherwise); fills the flags left unset from --preset. Torch-free."""
+    preset = PRESETS[args.preset]
     for name in SHAPE:
         if getattr(args, name, None) is None:
-            setattr(args, name, PRESETS[args.preset][name])
+            setattr(args, name, preset[name])
+    for name in EXTRAS:  # None: the preset's, or the model's default
+        if getattr(args, name, None) is None and name in preset:
+            setattr(args, name, preset[name])
     try:
         _check_counts(args)
-        experts = experts_config(args)
         _check_numbers(args)
         _check_combinations(args)
+        cfg = model_config(args)
+        ep_config(args)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
-    return experts
+    return cfg
+
+
+def model_config(args) -> ModelConfig:
+    """The flags' model: its shape, the experts' recipe, the router, the shared experts, token rounding."""
+    return ModelConfig(max_seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+                       num_experts=args.num_experts, top_k=args.top_k, d_expert=args.d_expert,
+                       experts=experts_config(args), router=RouterConfig.family(args.router or "default"),
+                       shared=flat_shared(args.shared_experts, args.d_shared, args.shared_gate),
+                       rounding=flat_rounding(args.token_rounding, args.rounding_tile),
+                       dense_layers=args.dense_layers or 0)
+
+
+def ep_config(args) -> EPConfig | None:
+    """The flags' expert parallelism (None at --ep 1): --on-overflow rerun is the command's own (a CapacityTracker
+    and a rerun of the step), EPConfig's overflow unset then."""
+    if args.on_overflow != "rerun" and args.ep_dispatch != "capacity":
+        raise ValueError(f"--on-overflow {args.on_overflow} applies to --ep-dispatch capacity, which this run does not "
+                         "use")
+    config = EPConfig(args.ep_dispatch, args.capacity_factor,
+                      on_overflow=None if args.on_overflow == "rerun" else args.on_overflow)
+    if args.ep == 1:
+        if args.ep_dispatch != "exact":
+            raise ValueError("--ep-dispatch capacity needs --ep > 1")
+        return None
+    return config
 
 
 def _check_counts(args) -> None:
@@ -186,42 +217,23 @@ def _check_counts(args) -> None:
 
 
 def _check_numbers(args) -> None:
-    """The real-valued flags: the learning rate, the losses' weights, the capacity factor."""
+    """The real-valued flags: the learning rate, the losses' weights."""
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise ValueError(f"--lr must be a positive finite number, got {args.lr}")
     for name in ("aux_loss_coef", "z_loss_coef"):
         v = getattr(args, name)
         if not (math.isfinite(v) and v >= 0):
             raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
-    if not (math.isfinite(args.capacity_factor) and args.capacity_factor > 0):
-        raise ValueError(f"--capacity-factor must be a positive finite number, got {args.capacity_factor}")
 
 
 def _check_combinations(args) -> None:
-    """Flags that need others, or that another makes unread (refused, not ignored), and the shape's rules."""
+    """Flags that need others, or that another makes unread (refused, not ignored)."""
     if args.token_rounding and args.ep > 1:
         raise ValueError("--token-rounding under --ep is not supported yet")
-    if args.rounding_tile and not args.token_rounding:
-        raise ValueError("--rounding-tile sets token rounding's tile: it needs --token-rounding")
     if args.bench_trace and not (args.bench_steps and args.bench_profile):
         raise ValueError("--bench-trace keeps --bench-profile's trace: add --bench-steps N --bench-profile")
-    if args.ep_dispatch != "capacity":  # options that only capacity dispatch reads
-        for flag, value, default in (("--on-overflow", args.on_overflow, "rerun"),
-                                     ("--capacity-factor", args.capacity_factor, 1.25)):
-            if value != default:
-                raise ValueError(f"{flag} applies to --ep-dispatch capacity (with --ep > 1), which this run "
-                                 "does not use")
-    if args.top_k > args.num_experts:
-        raise ValueError(f"--top-k must be <= --num-experts ({args.num_experts}), got {args.top_k}")
-    if args.d_model % args.n_heads:
-        raise ValueError(f"--d-model ({args.d_model}) must be divisible by --n-heads ({args.n_heads})")
-    check_choice("--ep-dispatch", args.ep_dispatch, DISPATCHES)
-    check_choice("--on-overflow", args.on_overflow, OVERFLOW)
-    if args.router is not None:  # None: the preset's, or the default router
-        check_choice("--router", args.router, tuple(ROUTERS))
+    check_choice("--on-overflow", args.on_overflow, ON_OVERFLOW)
     check_choice("--fsdp-units", args.fsdp_units, UNITS)
-    if args.ep == 1 and args.ep_dispatch != "exact":
-        raise ValueError("--ep-dispatch capacity needs --ep > 1")
     if args.resume and args.save == "":
         raise ValueError("--resume needs a checkpoint path (--save)")
     if args.bench_steps and args.resume:

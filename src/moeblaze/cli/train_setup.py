@@ -10,14 +10,13 @@ import os
 
 import torch
 
-from ..config import INTERPRET
+from ..env import INTERPRET
 from ..distributed.ep import check_options
 from ..experts.dispatch import choose
 from ..nn import ModelConfig
 from . import UsageError, check_device, parallel
 from .checkpoint import CheckpointError, probe_writable, probe_writable_folder, sharded_checkpoint_path
 from .graph_step import check_graphable
-from .presets import EXTRAS, PRESETS
 from .train_flags import check_flags
 
 
@@ -25,12 +24,8 @@ def check_args(args, val_len: int) -> ModelConfig:
     """The model config of the flags, after every flag is checked (UsageError naming the flag otherwise): the
     flags' own checks (train_flags.check_flags), then the machine's; fills --device, --save and the preset's
     options left unset."""
-    experts = check_flags(args)
+    cfg = check_flags(args)
     dist_run = parallel.launched()
-    for name in EXTRAS:
-        if getattr(args, name, None) is None:
-            preset = PRESETS[args.preset]
-            setattr(args, name, preset[name] if name in preset else getattr(ModelConfig, name))
     if args.save is None:
         args.save = "checkpoints/moeblaze-sharded" if dist_run else "checkpoints/moeblaze.pt"
     if args.device is None:
@@ -39,17 +34,11 @@ def check_args(args, val_len: int) -> ModelConfig:
         if args.seq_len > val_len - 2:
             raise ValueError(f"--seq-len must be at most {val_len - 2} (the held-out text's length - 2), "
                              f"got {args.seq_len}")
-        if args.ep > 1:  # expert parallelism's own checks (the recipe it runs, its dispatch options)
-            check_options(experts, args.ep_dispatch, "error" if args.on_overflow == "rerun" else args.on_overflow,
-                          args.capacity_factor)
-        cfg = ModelConfig(max_seq_len=args.seq_len, d_model=args.d_model, n_layers=args.n_layers,
-                          n_heads=args.n_heads, num_experts=args.num_experts, top_k=args.top_k,
-                          d_expert=args.d_expert, experts=experts, router=args.router,
-                          shared_experts=args.shared_experts, d_shared=args.d_shared, shared_gate=args.shared_gate,
-                          dense_layers=args.dense_layers, token_rounding=args.token_rounding,
-                          rounding_tile=args.rounding_tile)
+        if args.ep > 1:  # the recipe expert parallelism runs
+            check_options(cfg.experts)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
+    experts = cfg.experts
     check_device(args.device)
     if args.cuda_graph:
         check_graphable(args)

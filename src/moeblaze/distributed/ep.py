@@ -38,14 +38,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..choices import DISPATCHES, OVERFLOW
 from ..experts import kernel_recipe
 from ..experts.dispatch import choose
 from ..experts.op import experts_backward, experts_forward, parse
 from ..experts.schedule import BLOCK_M
 from ..experts.stages import combine_slots
 from ..launch import ensure_context
-from ..recipe import DEFAULT, ExpertsConfig, from_legacy
+from ..configs import DEFAULT, EPConfig, ExpertsConfig, ep_from_legacy, from_legacy
 from ..reference.fp8 import FP8
 from ..routing import RoutingIndex, build_routing_index
 from ..routing.checks import check_expert_inputs, check_topk_weights
@@ -355,10 +354,9 @@ def _resolve_group_size(name: str) -> int:
 
 
 
-def check_options(config: ExpertsConfig, dispatch: str, on_overflow: str, capacity_factor: float = 1.25,
-                  capacity: int | None = None) -> None:
-    """ValueError or TypeError naming the option unless expert parallelism takes it, whatever the dispatch: its
-    dispatch settings, and a recipe that runs the kernels as one call on the received rows."""
+def check_options(config: ExpertsConfig) -> None:
+    """ValueError or TypeError naming the option unless expert parallelism runs this recipe: the kernels, as one
+    call on the received rows (the dispatch's own options are EPConfig's to check)."""
     if not isinstance(config, ExpertsConfig):
         raise TypeError(f"config must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
     if config.backend == "reference":
@@ -366,27 +364,6 @@ def check_options(config: ExpertsConfig, dispatch: str, on_overflow: str, capaci
     if config.chunk_tokens is not None:
         raise ValueError(f"chunk_tokens={config.chunk_tokens} does not apply under expert parallelism (the received "
                          "rows run as one call): leave it None, or bound the rows with dispatch='capacity'")
-    check_dispatch(dispatch, on_overflow, capacity_factor, capacity)
-
-
-def check_dispatch(dispatch: str, on_overflow: str, capacity_factor: float = 1.25, capacity: int | None = None,
-                   dispatches: tuple = DISPATCHES, name: str = "dispatch") -> None:
-    """The dispatch settings of expert parallelism, each checked whatever the dispatch (an unused option is still
-    a user's mistake if it is malformed)."""
-    if dispatch not in dispatches:
-        raise ValueError(f"{name} must be one of {dispatches}, got {dispatch!r}")
-    if on_overflow not in OVERFLOW:
-        raise ValueError(f"on_overflow must be one of {OVERFLOW}, got {on_overflow!r}")
-    if not isinstance(capacity_factor, (int, float)) or isinstance(capacity_factor, bool):
-        raise TypeError(f"capacity_factor must be a number, got {capacity_factor!r} "
-                        f"({type(capacity_factor).__name__})")
-    if not (0 < capacity_factor < math.inf):
-        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor}")
-    if capacity is not None:
-        if not isinstance(capacity, int) or isinstance(capacity, bool):
-            raise TypeError(f"capacity must be an int or None, got {capacity!r} ({type(capacity).__name__})")
-        if capacity < 1:
-            raise ValueError(f"capacity must be a positive number of rows, got {capacity}")
 
 
 def check_same_on_ranks(value: int, what: str, group) -> None:
@@ -413,9 +390,9 @@ def _check_local_experts(E_loc: int, group) -> None:
 
 
 def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1_local: torch.Tensor,
-               w2_local: torch.Tensor, *, group=None, config: ExpertsConfig = DEFAULT, dispatch: str = "exact",
-               capacity_factor: float = 1.25, capacity: int | None = None, on_overflow: str = "error",
-               tracker: CapacityTracker | None = None, dropped: torch.Tensor | None = None) -> torch.Tensor:
+               w2_local: torch.Tensor, *, group=None, config: ExpertsConfig = DEFAULT,
+               ep_config: EPConfig | None = None, tracker: CapacityTracker | None = None,
+               dropped: torch.Tensor | None = None, **legacy) -> torch.Tensor:
     """The experts' combined output (L, D) for this rank's tokens x (L, D), routed to global expert ids topk_idx
     (L, K) with weights (L, K), over the experts sharded across `group` (default: the world): this rank holds
     experts [rank · E_loc, (rank + 1) · E_loc) as w1_local (E_loc, F, D) and w2_local (E_loc, D, H). Every rank of
@@ -425,6 +402,8 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     or the interpreter on the CPU): backend "auto" is "triton" here, and "reference" is refused. Every rank must
     hold the same number of local experts (checked once per group and count, one collective).
 
+    ep_config: the dispatch (moeblaze.EPConfig; None: exact). 0.2's form, its fields as keyword arguments, works with
+    a DeprecationWarning.
     dispatch="capacity": C rows per (source, destination) pair, the same on every rank: `capacity`, or
     tracker.capacity, or ⌈capacity_factor · L · K / ep⌉ rounded up to 16 (then every rank must have the same L:
     the ranks check that they agree on C with the counts they exchange, and a disagreement is an error on every
@@ -433,7 +412,10 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     dropped in this call); otherwise on_overflow "error" (default) or "drop". dropped: a device counter (an int64
     scalar) that the number of rows this rank drops is added to (no host sync), under on_overflow="drop"."""
     config = from_legacy("ep_experts", config, {})
-    check_options(config, dispatch, on_overflow, capacity_factor, capacity)
+    check_options(config)
+    ep_config = ep_from_legacy("ep_experts", ep_config, legacy)
+    if tracker is not None and ep_config.dispatch != "capacity":
+        raise ValueError("a CapacityTracker sizes capacity dispatch: it needs ep_config=EPConfig(dispatch='capacity')")
     ep = dist.get_world_size(group)
     check_expert_inputs(x, w1_local, w2_local, config.activation)
     _check_local_experts(w1_local.shape[0], group)
@@ -441,15 +423,13 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     routing = build_routing_index(topk_idx, E, config.index_method)
     check_topk_weights(topk_weights, routing.token_slot)
     C = None
-    if dispatch == "capacity":
-        C = capacity if capacity is not None else tracker.capacity if tracker is not None else None
+    if ep_config.dispatch == "capacity":
+        C = ep_config.capacity if ep_config.capacity is not None else tracker.capacity if tracker is not None else None
         if C is None:
-            C = -(-max(1, math.ceil(capacity_factor * topk_idx.numel() / ep)) // 16) * 16
-        if C < 1:
-            raise ValueError(f"capacity must be a positive number of rows, got {C}")
+            C = -(-max(1, math.ceil(ep_config.factor * topk_idx.numel() / ep)) // 16) * 16
     backend = choose("triton" if config.backend == "auto" else config.backend, x.device)
     recipe = kernel_recipe(x, config, backend, C is not None, False)  # the receiver's index has padding rows (capacity)
-    fail = on_overflow == "error" and tracker is None
+    fail = ep_config.overflow == "error" and tracker is None
     if C is not None and torch.compiler.is_compiling():
         outs = ep_capacity_fwd(x, topk_weights, w1_local, w2_local, *routing.tensors(), _group_name(group), recipe, C,
                                fail)
@@ -460,7 +440,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
         needed = plan.needed
     if tracker is not None and needed is not None:
         tracker.record(needed)
-    if dropped is not None and C is not None and on_overflow == "drop" and tracker is None:
+    if dropped is not None and C is not None and ep_config.overflow == "drop" and tracker is None:
         per_dest = routing.expert_counts.view(ep, -1).sum(1)  # the rows for each destination, C of them sent
         dropped.add_((per_dest - C).clamp(min=0).sum())
     return out

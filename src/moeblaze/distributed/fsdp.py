@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ..choices import UNITS
+from ..configs import UNITS
 from .module import routed_experts, shard_experts
 
 

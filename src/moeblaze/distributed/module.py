@@ -13,23 +13,28 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ..configs import EPConfig, ep_from_legacy
 from ..nn import Experts, SharedExperts
 from .ep import CapacityTracker, check_options, check_same_on_ranks, ep_experts
 
 
 class ExpertParallel(Experts):
     """`experts`' computation with its experts split over ep_mesh's ranks (this rank keeps its E / ep of them; the
-    weights stay DTensors of the global shape). dispatch, capacity_factor, capacity, on_overflow, tracker: as for
-    moeblaze.distributed.ep_experts. Every rank of the group calls it together; token rounding's prebuilt index is
-    not available here."""
+    weights stay DTensors of the global shape). ep_config (a moeblaze.EPConfig; None: exact dispatch) and tracker:
+    as for moeblaze.distributed.ep_experts (0.2's dispatch options as keyword arguments work with a
+    DeprecationWarning). Every rank of the group calls it together; token rounding's prebuilt index is not available
+    here."""
 
-    def __init__(self, experts: Experts, ep_mesh: DeviceMesh, *, dispatch: str = "exact",
-                 capacity_factor: float = 1.25, capacity: int | None = None, on_overflow: str = "error",
-                 tracker: CapacityTracker | None = None):
+    def __init__(self, experts: Experts, ep_mesh: DeviceMesh, *, ep_config: EPConfig | None = None,
+                 tracker: CapacityTracker | None = None, **legacy):
         nn.Module.__init__(self)
         if not isinstance(experts, Experts) or isinstance(experts, (SharedExperts, ExpertParallel)):
             raise TypeError(f"ExpertParallel wraps a routed moeblaze.nn.Experts module, got {type(experts).__name__}")
-        check_options(experts.config, dispatch, on_overflow, capacity_factor, capacity)
+        check_options(experts.config)
+        ep_config = ep_from_legacy("ExpertParallel", ep_config, legacy)
+        if tracker is not None and ep_config.dispatch != "capacity":
+            raise ValueError("a CapacityTracker sizes capacity dispatch: it needs ep_config=EPConfig(dispatch="
+                             "'capacity')")
         if not isinstance(ep_mesh, DeviceMesh):
             raise TypeError(f"ep_mesh must be a 1-D torch DeviceMesh (e.g. init_device_mesh(device, (ep,))), got "
                             f"{type(ep_mesh).__name__}")
@@ -48,10 +53,9 @@ class ExpertParallel(Experts):
             local = getattr(experts, name).detach()[lo:hi].clone()
             setattr(self, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
         self.group = ep_mesh.get_group()
-        self.options = dict(dispatch=dispatch, capacity_factor=capacity_factor, capacity=capacity,
-                            on_overflow=on_overflow, tracker=tracker)
+        self.ep_config, self.tracker = ep_config, tracker
         # under on_overflow="drop": the rows this rank has dropped, a device counter (None otherwise)
-        dropping = dispatch == "capacity" and on_overflow == "drop" and tracker is None
+        dropping = ep_config.dispatch == "capacity" and ep_config.overflow == "drop" and tracker is None
         self.register_buffer("dropped_rows", torch.zeros((), dtype=torch.int64, device=experts.w1.device)
                              if dropping else None, persistent=False)
 
@@ -66,10 +70,10 @@ class ExpertParallel(Experts):
             raise NotImplementedError("a prebuilt routing index (token rounding) under expert parallelism")
         x_LD, w1, w2 = self.operands(x_LD)
         return ep_experts(x_LD, topk_idx, topk_weights, w1, w2, group=self.group, config=self.config,
-                          dropped=self.dropped_rows, **self.options)
+                          ep_config=self.ep_config, tracker=self.tracker, dropped=self.dropped_rows)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", ep={self.group.size()}, dispatch={self.options['dispatch']}"
+        return super().extra_repr() + f", ep={self.group.size()}, dispatch={self.ep_config.dispatch}"
 
 
 def routed_experts(model: nn.Module) -> list:
@@ -78,7 +82,7 @@ def routed_experts(model: nn.Module) -> list:
 
 
 def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, **options) -> int:
-    """Swap an ExpertParallel (options: its dispatch settings) in for every routed experts module of `model` on
+    """Swap an ExpertParallel (options: its ep_config and tracker) in for every routed experts module of `model` on
     ep_mesh (nothing at ep = 1: every rank then holds every expert); the number of modules swapped."""
     if ep_mesh.size() == 1:
         return 0

@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from ..recipe import DEFAULT, ExpertsConfig, from_legacy
+from ..configs import DEFAULT, ExpertsConfig, from_legacy
 from ..reference import moe_experts_reference
 from ..routing import RoutingIndex, build_routing_index
 from ..routing.checks import check_expert_inputs, check_topk_weights

@@ -18,8 +18,8 @@ from collections import Counter
 
 import torch
 
-from .. import config
-from ..recipe import LAUNCH_BACKENDS
+from .. import env
+from ..configs import LAUNCH_BACKENDS
 from .gluon_sm90 import GATHER_BLOCK_K, WGRAD_BLOCKS
 
 launch_counts: Counter = Counter()
@@ -36,7 +36,7 @@ def choose(backend: str, device: torch.device) -> str:
     for the kernels off CUDA outside Triton's interpreter."""
     if backend == "reference" or (backend == "auto" and device.type != "cuda"):
         return "reference"
-    if device.type != "cuda" and not config.INTERPRET:
+    if device.type != "cuda" and not env.INTERPRET:
         raise RuntimeError(f"backend={backend!r} runs the Triton kernels, which need a CUDA GPU (x is on {device}) "
                            "or Triton's CPU interpreter: set TRITON_INTERPRET=1 before importing moeblaze (or "
                            "triton); backend='auto' runs the PyTorch reference off CUDA")
@@ -50,7 +50,7 @@ def _capability(index: int) -> tuple[int, int]:
 
 def gluon_device(device: torch.device) -> bool:
     """Whether the Gluon kernels can run on this device: an sm_90 (Hopper) GPU, outside the interpreter."""
-    if device.type != "cuda" or config.INTERPRET:
+    if device.type != "cuda" or env.INTERPRET:
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
 
@@ -64,7 +64,7 @@ def resolve(backend: str, device: torch.device) -> str:
                              f"operands are on {device}. Use backend='tl' or 'auto'.")
         return "gluon"
     if backend == "auto":
-        return "gluon" if config.GLUON_BY_DEFAULT and gluon_device(device) else "tl"
+        return "gluon" if env.GLUON_BY_DEFAULT and gluon_device(device) else "tl"
     return "tl"
 
 

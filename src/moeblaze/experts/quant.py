@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import INTERPRET
+from ..env import INTERPRET
 from ..launch import cdiv, launch
 from ..reference.fp8 import AMAX_FLOOR, FP8, FP8_MAX, GROUP, INV_FP8_MAX
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import INTERPRET
+from ..env import INTERPRET
 from ..launch import cdiv, launch
 
 BLOCK_M = 16 if INTERPRET else 128  # rows per tile of every expert GEMM (the Gluon kernels' too)

@@ -39,9 +39,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..args import check_choice
+from ..configs import DEFAULT, DISPATCHES, EPConfig, ExpertsConfig
+from ..distributed.ep import check_options
 from ..experts import autocast_operands, moe_experts
-from ..distributed.ep import DISPATCHES, check_dispatch, check_options
-from ..recipe import DEFAULT, ExpertsConfig
 from ..routing import build_routing_index
 
 EP_DISPATCH = ("torchtitan", *DISPATCHES)
@@ -69,6 +70,18 @@ def check_experts_config(config: ExpertsConfig) -> ExpertsConfig:
         raise ValueError("fp8_weight_cache=True can't be used in torchtitan: FSDP2 gathers the expert weights anew "
                          "every step, and w1/w3 are concatenated per call; use precision='fp8' without it")
     return config
+
+
+def ep_config(ep_dispatch: str, capacity_factor: float | None, on_overflow: str | None) -> EPConfig | None:
+    """The converter's expert-parallel options as moeblaze's EPConfig (None: torchtitan's dispatcher); ValueError or
+    TypeError naming the option, also for one the dispatch would not read."""
+    check_choice("ep_dispatch", ep_dispatch, EP_DISPATCH)
+    if ep_dispatch == "torchtitan":
+        if capacity_factor is not None or on_overflow is not None:
+            raise ValueError("capacity_factor and on_overflow apply to ep_dispatch='capacity'; ep_dispatch is "
+                             "'torchtitan'")
+        return None
+    return EPConfig(dispatch=ep_dispatch, capacity_factor=capacity_factor, on_overflow=on_overflow)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -113,19 +126,16 @@ class MoeblazeRoutedExperts(RoutedExperts):
 
     @dataclass(kw_only=True, slots=True)
     class Config(RoutedExperts.Config):
-        ep_dispatch: str = "torchtitan"
-        capacity_factor: float = 1.25
-        on_overflow: str = "error"
+        ep: EPConfig | None = None  # moeblaze's expert parallelism (None: torchtitan's dispatcher)
 
     def __init__(self, config: Config):
         super().__init__(config)
-        self.ep_dispatch, self.capacity_factor, self.on_overflow = (
-            config.ep_dispatch, config.capacity_factor, config.on_overflow)
+        self.ep = config.ep
 
     def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor, topk_expert_ids_BLK: torch.Tensor,
                 num_local_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         mesh = getattr(self.token_dispatcher, "ep_mesh", None)
-        if mesh is not None and self.ep_dispatch == "torchtitan":
+        if mesh is not None and self.ep is None:
             return super().forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
         B, L, D = x_BLD.shape
         K = topk_expert_ids_BLK.shape[-1]
@@ -149,8 +159,7 @@ class MoeblazeRoutedExperts(RoutedExperts):
                                f"{mesh.size()}: torchtitan's expert parallelism did not shard them (was the model "
                                "config's update_from_config called with the parallelism before building?)")
         out = ep_experts(x, ids_TK, scores_TK.to(torch.float32), torch.cat((w1, w3), 1), w2, group=mesh.get_group(),
-                         config=inner.moeblaze_config, dispatch=self.ep_dispatch,
-                         capacity_factor=self.capacity_factor, on_overflow=self.on_overflow)
+                         config=inner.moeblaze_config, ep_config=self.ep)
         return out.to(x_TD.dtype)
 
     def parallelize(self, parallel_dims) -> None:
@@ -170,18 +179,17 @@ class MoeblazeConverter(ModelConfigConverter):
         ep_dispatch: str = "torchtitan"
         """Under expert parallelism: "torchtitan" (its all-to-all dispatcher feeds moeblaze's op the received rows)
         or moeblaze's own ("exact": every routed row; "capacity": a fixed number of rows per pair of ranks)."""
-        capacity_factor: float = 1.25
-        """ep_dispatch="capacity": rows per pair of ranks, as a multiple of the mean (ep_experts)."""
-        on_overflow: str = "error"
-        """ep_dispatch="capacity": a destination needing more rows, "error" or "drop" (ep_experts)."""
+        capacity_factor: float | None = None
+        """ep_dispatch="capacity": rows per pair of ranks, as a multiple of the mean (None: 1.25; EPConfig)."""
+        on_overflow: str | None = None
+        """ep_dispatch="capacity": a destination needing more rows, "error" (None) or "drop" (EPConfig)."""
 
     def __init__(self, config: Config):
         self.config = config
         self.experts = check_experts_config(config.experts)
-        check_dispatch(config.ep_dispatch, config.on_overflow, config.capacity_factor, dispatches=EP_DISPATCH,
-                       name="ep_dispatch")
-        if config.ep_dispatch != "torchtitan":
-            check_options(self.experts, config.ep_dispatch, config.on_overflow, config.capacity_factor)
+        self.ep = ep_config(config.ep_dispatch, config.capacity_factor, config.on_overflow)
+        if self.ep is not None:
+            check_options(self.experts)
 
     def convert(self, model_config):
         n = 0
@@ -197,8 +205,7 @@ class MoeblazeConverter(ModelConfigConverter):
                                  "torchtitan's local and all-to-all dispatchers (moe_comm_backend 'standard')")
             new = MoeblazeRoutedExperts.Config(
                 **{f.name: getattr(config, f.name) for f in fields(config) if f.name != "inner_experts"},
-                ep_dispatch=self.config.ep_dispatch, capacity_factor=self.config.capacity_factor,
-                on_overflow=self.config.on_overflow,
+                ep=self.ep,
                 inner_experts=MoeblazeGroupedExperts.Config(
                     **{f.name: getattr(inner, f.name) for f in fields(inner)}, experts=self.experts))
             if parent is None:
@@ -214,4 +221,5 @@ class MoeblazeConverter(ModelConfigConverter):
         return model_config
 
 
-__all__ = ["MoeblazeConverter", "MoeblazeGroupedExperts", "MoeblazeRoutedExperts", "check_experts_config"]
+__all__ = ["MoeblazeConverter", "MoeblazeGroupedExperts", "MoeblazeRoutedExperts", "check_experts_config",
+           "ep_config"]

@@ -35,7 +35,7 @@ import weakref
 import torch
 
 from ..experts import autocast_operands, moe_experts
-from ..recipe import DEFAULT, ExpertsConfig, from_legacy
+from ..configs import DEFAULT, ExpertsConfig, from_legacy
 from ..reference import CLAMP_ALPHA, CLAMP_LIMIT
 from ..routing import build_routing_index
 from ..routing.checks import fail_if

@@ -16,12 +16,13 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from ..args import check_bool, check_choice, check_int
+from ..args import check_int
+from ..configs import (DEFAULT, LEGACY_LAYER, ExpertsConfig, RoundingConfig, RouterConfig, SharedConfig, check_layer,
+                       from_legacy, layer_from_legacy)
 from ..experts import autocast_operands, moe_experts
 from ..experts.schedule import BLOCK_M
-from ..recipe import DEFAULT, ExpertsConfig, from_legacy
 from ..reference import up_width
-from ..routing import ROUTERS, RULES, TopKRouter, build_routing_index, round_to_index
+from ..routing import TopKRouter, build_routing_index, round_to_index
 from ..routing.index import count_per_expert
 from ..routing.rounding import default_max_experts, rounded_rows_bound
 from ..routing.checks import fail_if
@@ -115,67 +116,54 @@ class SharedExperts(Experts):
 
 
 class MoELayer(nn.Module):
-    """Token-choice top-k MoE feed-forward layer, dropless: a router (`router`) and the experts (`experts`).
+    """Token-choice top-k MoE feed-forward layer, dropless: a router (`router`), the routed experts (`experts`) and
+    optional shared experts (`shared`), each configured by one moeblaze config.
 
     Weights: experts.w1 (E, F, D) with F = 2·d_expert (gate rows first) for gated activations and d_expert for
     plain ones; experts.w2 (E, D, d_expert) (also reachable as layer.w1, layer.w2; state dicts saved with
-    the earlier top-level keys "w1", "w2" load). experts: the routed experts' recipe (moeblaze.ExpertsConfig:
-    activation, checkpoint policy, backend, precision, chunking, index method); shared experts follow it in
-    native precision.
-    router: more TopKRouter options (score function, scale, biases, groups, balancing loss; a family's set is
-    moeblaze.routing.ROUTERS[name]); x of shape (..., T, D) holds sequences of T tokens (the "sequence" loss).
-    shared_experts: S always-on experts of width d_shared (default d_expert), gated by σ(x·gᵀ) with shared_gate
-    (the submodule `shared`, a SharedExperts).
-    token_rounding: "nr-f", "up" or "down" (moeblaze.routing.rounding): while training, every expert's tokens are
-    rounded to a multiple of rounding_tile (default: the kernels' row tile); a token then has at most
-    rounding_max_experts experts (default min(E, 4K), at least K): an expert whose rounding up would give a token
-    more rounds down instead (moeblaze.routing.rounding). Evaluation routes plain top-k.
-    track_load (attribute, default False): while training, add each expert's computed pairs (after rounding, this
-    rank's tokens) to the int64 buffer `routed_load` (E,), on the device (no host sync); the caller reads and zeroes
-    it (moeblaze train --loss-log logs max/mean load per layer and step).
+    the earlier top-level keys "w1", "w2" load). x of shape (..., T, D) holds sequences of T tokens (the
+    "sequence" loss). Token rounding (moeblaze.routing.rounding) applies while training; evaluation routes plain
+    top-k. track_load (attribute, default False): while training, add each expert's computed pairs (after
+    rounding, this rank's tokens) to the int64 buffer `routed_load` (E,), on the device (no host sync); the caller
+    reads and zeroes it (moeblaze train --loss-log logs max/mean load per layer and step).
 
     Args:
         d_model, d_expert, num_experts, top_k: D, the expert width H, E, K.
-        experts: the routed experts' moeblaze.ExpertsConfig.
-        scoring, renormalize: override the router's score function and renormalization.
-        router: a family's name (moeblaze.routing.ROUTERS) or a dict of TopKRouter options.
-        shared_experts, d_shared, shared_gate: S always-on experts, their width (None: d_expert), their gate.
-        token_rounding, rounding_tile, rounding_max_experts: token rounding's rule, tile and experts per token.
+        experts: the routed experts' moeblaze.ExpertsConfig (shared experts follow it in native precision).
+        router: the moeblaze.RouterConfig (None: the default; a family's: RouterConfig.family(name)).
+        shared: a moeblaze.SharedConfig for always-on shared experts (None: none).
+        rounding: a moeblaze.RoundingConfig for token rounding while training (None: plain top-k); its tile and
+            max_experts left None become the kernels' row tile and min(E, 4K) (layer.rounding has them).
         device, dtype: of the parameters.
+        (0.2's forms, the router as a name or dict and the other options as keyword arguments, work with a
+        DeprecationWarning that names the new form.)
 
     Returns:
         forward(x (..., D)) -> MoEOutput: out of x's shape and dtype, aux_loss and z_loss fp32 scalars.
     """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, top_k: int, *,
-                 experts: ExpertsConfig = DEFAULT, scoring: str | None = None, renormalize: bool | None = None,
-                 router: dict | str | None = None, shared_experts: int = 0, d_shared: int | None = None,
-                 shared_gate: bool = False, token_rounding: str | None = None, rounding_tile: int | None = None,
-                 rounding_max_experts: int | None = None, device=None, dtype=None, **legacy):
+                 experts: ExpertsConfig = DEFAULT, router: RouterConfig | None = None,
+                 shared: SharedConfig | None = None, rounding: RoundingConfig | None = None, device=None, dtype=None,
+                 **legacy):
         super().__init__()
-        for name, value in (("d_model", d_model), ("d_expert", d_expert), ("num_experts", num_experts),
-                            ("top_k", top_k)):
-            check_int(name, value)
+        check_int("d_model", d_model)
+        check_int("d_expert", d_expert)
+        layer_legacy = {k: legacy.pop(k) for k in list(legacy) if k in LEGACY_LAYER}
         experts = from_legacy("MoELayer", experts, legacy)
+        router, shared, rounding = layer_from_legacy("MoELayer", router, shared, rounding, layer_legacy)
+        check_layer(num_experts, top_k, router, rounding)
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
-        self.router = TopKRouter(d_model, num_experts, top_k, **_router_options(router, scoring, renormalize),
-                                 device=device)
+        self.router = TopKRouter(d_model, num_experts, top_k, config=router, device=device)
         self.experts = Experts(d_model, d_expert, num_experts, config=experts, device=device, dtype=dtype)
-        if token_rounding is not None:
-            check_choice("token_rounding", token_rounding, RULES)
-        self.token_rounding = token_rounding
-        self.rounding_tile = check_int("rounding_tile", rounding_tile) if rounding_tile is not None else BLOCK_M
-        self.rounding_max_experts = (check_int("rounding_max_experts", rounding_max_experts, minimum=top_k)
-                                     if rounding_max_experts is not None else default_max_experts(num_experts, top_k))
-        check_int("shared_experts", shared_experts, minimum=0)
-        check_bool("shared_gate", shared_gate)
-        if not shared_experts and (shared_gate or d_shared is not None):
-            raise ValueError(f"{'shared_gate=True' if shared_gate else f'd_shared={d_shared}'} configures shared "
-                             "experts, but shared_experts is 0")
+        if rounding is not None:
+            rounding = rounding.replace(tile=rounding.tile or BLOCK_M,
+                                        max_experts=rounding.max_experts or default_max_experts(num_experts, top_k))
+        self.rounding = rounding
         self.shared = None
-        if shared_experts:
-            self.shared = SharedExperts(d_model, d_shared or d_expert, shared_experts, config=experts,
-                                        gated=shared_gate, device=device, dtype=dtype)
+        if shared is not None:
+            self.shared = SharedExperts(d_model, shared.d_hidden or d_expert, shared.count, config=experts,
+                                        gated=shared.gated, device=device, dtype=dtype)
         self.track_load = False
         self.register_buffer("routed_load", torch.zeros(num_experts, dtype=torch.int64, device=device),
                              persistent=False)
@@ -198,7 +186,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"expected last dimension {self.d_model}, got input of shape {tuple(x.shape)}")
         x_LD = x.reshape(-1, self.d_model)
         r = self.router(x_LD, seq_len=x.shape[-2] if x.dim() >= 3 else None)
-        if self.token_rounding is not None and self.training:
+        if self.rounding is not None and self.training:
             w, index = self._rounded(r)
             out = self.experts(x_LD, None, w, index)
             counts = index.expert_counts
@@ -213,39 +201,20 @@ class MoELayer(nn.Module):
 
     def _rounded(self, r):
         """(weights in the rounded index's table, the index) of token rounding (moeblaze.routing.rounding)."""
-        L, K, E, M = r.topk_idx.shape[0], self.top_k, self.num_experts, self.rounding_tile
-        rt = self.router
-        rows = rounded_rows_bound(L, K, E, M, self.token_rounding)
-        index, w, overflow = round_to_index(r.logits, r.topk_idx, r.topk_weights, M, self.token_rounding, rt.scoring,
-                                            rt.renormalize, rt.route_scale, max_experts=self.rounding_max_experts,
+        L, K, E, cfg = r.topk_idx.shape[0], self.top_k, self.num_experts, self.rounding
+        rt = self.router.config
+        rows = rounded_rows_bound(L, K, E, cfg.tile, cfg.rule)
+        index, w, overflow = round_to_index(r.logits, r.topk_idx, r.topk_weights, cfg.tile, cfg.rule, rt.scoring,
+                                            rt.renormalize, rt.route_scale, max_experts=cfg.max_experts,
                                             max_rows=rows, check=False)  # the router's own ids and weights
         # the rounding keeps both bounds by construction: an overflow here is a bug, never a silent drop
-        fail_if(overflow, f"token rounding: the rounded pairs overflow the index's bounds (rounding_max_experts="
-                f"{self.rounding_max_experts}, rows {rows})", RuntimeError)  # a device-side assert: no host sync
+        fail_if(overflow, f"token rounding: the rounded pairs overflow the index's bounds (max_experts="
+                f"{cfg.max_experts}, rows {rows})", RuntimeError)  # a device-side assert: no host sync
         return w, index
 
     def extra_repr(self) -> str:
-        rounding = f", token_rounding={self.token_rounding} (tile {self.rounding_tile})" if self.token_rounding else ""
+        rounding = f", rounding={self.rounding}" if self.rounding is not None else ""
         return f"top_k={self.top_k}{rounding}"
-
-
-def _router_options(router: dict | str | None, scoring: str | None, renormalize: bool | None) -> dict:
-    """TopKRouter's options: a family's set by name (moeblaze.routing.ROUTERS) or a dict, with scoring and
-    renormalize given beside it only where the set does not say them otherwise."""
-    if isinstance(router, str):
-        check_choice("router", router, tuple(ROUTERS))
-        router = ROUTERS[router]
-    if router is not None and not isinstance(router, dict):
-        raise TypeError(f"router must be a family's name (moeblaze.routing.ROUTERS) or a dict of TopKRouter options, "
-                        f"got {type(router).__name__}")
-    options = dict(router or {})
-    for name, value in (("scoring", scoring), ("renormalize", renormalize)):
-        if value is None:
-            continue
-        if name in options and options[name] != value:
-            raise ValueError(f"{name}={value!r} contradicts the router's {name}={options[name]!r}: give it once")
-        options[name] = value
-    return options
 
 
 def _earlier_expert_keys(state_dict, prefix, *_args) -> None:

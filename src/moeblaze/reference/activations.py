@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..recipe import ACTIVATIONS, GATED, PLAIN  # noqa: F401  (re-exported by reference)
+from ..configs import ACTIVATIONS, GATED, PLAIN  # noqa: F401  (re-exported by reference)
 
 CLAMP_LIMIT = 7.0  # clamped_swiglu: gate <= limit, -limit <= up <= limit (gpt-oss)
 CLAMP_ALPHA = 1.702  # clamped_swiglu: g · σ(alpha · g)

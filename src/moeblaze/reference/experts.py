@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..recipe import DEFAULT, ExpertsConfig, from_legacy
+from ..configs import DEFAULT, ExpertsConfig, from_legacy
 from .activations import apply_activation
 from .fp8 import fake_quant_blocks, fake_quant_rows
 

@@ -12,6 +12,8 @@ import numbers
 
 import torch
 
+from ..configs import check_layer
+
 
 def fail_if(bad: torch.Tensor, message: str, error: type[Exception] = ValueError) -> None:
     """Raise `error` (CPU, eager) or assert on the device (accelerators, compile) when `bad` holds True."""
@@ -38,8 +40,9 @@ def check_topk_idx(topk_idx_LK: torch.Tensor, num_experts: int, check_values: bo
         raise TypeError(f"topk_idx must be int32 or int64, got {topk_idx_LK.dtype}")
     check_num_experts(num_experts)
     K = topk_idx_LK.shape[1]
-    if K < 1 or K > num_experts:
-        raise ValueError(f"top-k must satisfy 1 <= K <= num_experts ({num_experts}), got K={K}")
+    if K < 1:
+        raise ValueError(f"topk_idx must hold at least one expert per token, got shape {tuple(topk_idx_LK.shape)}")
+    check_layer(num_experts, K)
     if not check_values or topk_idx_LK.numel() == 0:
         return
     fail_if(((topk_idx_LK < 0) | (topk_idx_LK >= num_experts)).any(),

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import INTERPRET
+from ..env import INTERPRET
 from .checks import check_num_experts, check_topk_idx
 
 METHODS = ("auto", "dense", "sort")

@@ -39,11 +39,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..args import check_bool, check_choice, check_int, check_positive
-from ..choices import RULES
-from ..config import INTERPRET
+from ..args import check_int
+from ..configs import RULES, RoundingConfig, RouterConfig  # noqa: F401  (RULES re-exported by routing)
+from ..env import INTERPRET
 from .checks import check_topk_idx, check_topk_weights, fail_if
-from .router import SCORINGS
 
 class RoundedRouting(NamedTuple):
     kept_LE: torch.Tensor  # (L, E) bool: the pairs every expert computes
@@ -54,8 +53,7 @@ class RoundedRouting(NamedTuple):
 def rounded_counts(counts_E: torch.Tensor, tile: int, rule: str = "nr-f", num_tokens: int | None = None
                    ) -> torch.Tensor:
     """Each expert's target count f'_e (see the module header)."""
-    check_choice("rule", rule, RULES)
-    check_int("tile", tile)
+    RoundingConfig(rule, tile)
     f = counts_E.to(torch.int64)
     down = f // tile * tile
     up = -(-f // tile) * tile
@@ -78,11 +76,8 @@ def _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renorma
     """The arguments every rounding entry point checks, one validator for the three (shapes, types and options;
     with check_values, the ids (in range, no expert twice in a token), the weights and the logits (finite) too, as
     device-side asserts on a GPU), and the warning below two tiles of tokens per expert."""
-    check_choice("scoring", scoring, SCORINGS)
-    check_bool("renormalize", renormalize)
-    check_positive("route_scale", route_scale)
-    check_choice("rule", rule, RULES)
-    check_int("tile", tile)
+    RouterConfig(scoring=scoring, renormalize=renormalize, route_scale=route_scale)
+    RoundingConfig(rule, tile)
     if not isinstance(logits_LE, torch.Tensor) or not logits_LE.is_floating_point():
         raise TypeError(f"logits must be a float tensor, got {_describe(logits_LE)}")
     if logits_LE.dim() != 2:

@@ -28,17 +28,17 @@ fp32 buffers with expert_bias. The logits' backward keeps x itself (no fp32 copy
 """
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..args import check_bool, check_choice, check_int, check_positive
+from ..args import check_int
+from ..configs import AUX_LOSSES, SCORINGS, RouterConfig, check_layer, shown  # noqa: F401
 from .index import count_per_expert
-
-SCORINGS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
-AUX_LOSSES = ("switch", "sequence", "global", "none")
 
 
 @dataclass
@@ -48,18 +48,6 @@ class RouterOutput:
     aux_loss: torch.Tensor  # scalar fp32, the load-balancing loss (the router's aux_loss kind)
     z_loss: torch.Tensor  # scalar fp32
     logits: torch.Tensor | None = None  # (L, E) fp32, the gate bias included (token rounding reads them)
-
-
-def check_groups(num_experts: int, top_k: int, num_groups: int, topk_groups: int) -> None:
-    check_int("num_groups", num_groups)
-    check_int("topk_groups", topk_groups)
-    if num_experts % num_groups:
-        raise ValueError(f"num_groups ({num_groups}) must divide num_experts ({num_experts})")
-    if topk_groups > num_groups:
-        raise ValueError(f"topk_groups must be <= num_groups ({num_groups}), got {topk_groups}")
-    if top_k > topk_groups * (num_experts // num_groups):
-        raise ValueError(f"top_k ({top_k}) must be <= topk_groups x experts per group "
-                         f"({topk_groups} x {num_experts // num_groups})")
 
 
 def _group_mask(sel_LE: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
@@ -117,14 +105,12 @@ def router_logits(x_LD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
 def route_topk(logits_LE: torch.Tensor, top_k: int, scoring: str = "softmax_topk", renormalize: bool = True,
                route_scale: float = 1.0, selection_bias: torch.Tensor | None = None, num_groups: int = 1,
                topk_groups: int = 1):
-    """(topk_idx int32 (L, K), topk_weights fp32 (L, K)) from logits (see the module header); selection_bias (E,)
-    shifts the choice only."""
-    if scoring not in SCORINGS:
-        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    """(topk_idx int32 (L, K), topk_weights fp32 (L, K)) from logits (L, E) (see the module header; the options
+    as RouterConfig's); selection_bias (E,) shifts the choice only."""
+    config = RouterConfig(scoring=scoring, renormalize=renormalize, route_scale=route_scale, num_groups=num_groups,
+                          topk_groups=topk_groups)
     E = logits_LE.shape[-1]
-    if not 1 <= top_k <= E:
-        raise ValueError(f"top_k must satisfy 1 <= top_k <= num_experts ({E}), got {top_k}")
-    check_groups(E, top_k, num_groups, topk_groups)
+    check_layer(E, top_k, config)
     if selection_bias is not None and (not isinstance(selection_bias, torch.Tensor) or selection_bias.shape != (E,)
                                        or not selection_bias.is_floating_point()
                                        or selection_bias.device != logits_LE.device):
@@ -133,20 +119,26 @@ def route_topk(logits_LE: torch.Tensor, top_k: int, scoring: str = "softmax_topk
                                                        f"{selection_bias.device}" if isinstance(selection_bias,
                                                                                                  torch.Tensor)
                                                        else type(selection_bias).__name__))
+    return _select(logits_LE, top_k, config, selection_bias)
+
+
+def _select(logits_LE: torch.Tensor, top_k: int, config: RouterConfig, selection_bias: torch.Tensor | None):
+    """route_topk after its checks."""
+    scoring = config.scoring
     logits_LE = logits_LE.float()
     scores = logits_LE if scoring == "topk_softmax" else (
         logits_LE.softmax(dim=-1) if scoring == "softmax_topk" else logits_LE.sigmoid())
     sel = scores if selection_bias is None else scores + selection_bias.float()
-    if num_groups > 1:
-        sel = _group_mask(sel, num_groups, topk_groups)
+    if config.num_groups > 1:
+        sel = _group_mask(sel, config.num_groups, config.topk_groups)
     idx = sel.topk(top_k, dim=-1).indices
     w = scores.gather(1, idx)
     if scoring == "topk_softmax":
         w = w.softmax(dim=-1)
-    elif renormalize:
+    elif config.renormalize:
         w = w / (w.sum(dim=-1, keepdim=True) + (1e-20 if scoring == "sigmoid_topk" else 0.0))
-    if route_scale != 1.0:
-        w = w * route_scale
+    if config.route_scale != 1.0:
+        w = w * config.route_scale
     return idx.to(torch.int32), w
 
 
@@ -196,13 +188,8 @@ class TopKRouter(nn.Module):
 
     Args:
         d_model, num_experts, top_k: the input width, the experts, the experts per token.
-        scoring: "softmax_topk", "sigmoid_topk" or "topk_softmax".
-        renormalize: the k weights of a token sum to 1.
-        route_scale: a factor on the weights.
-        gate_bias: a learned bias on the logits.
-        expert_bias, expert_bias_rate: DeepSeek-V3's balancing bias (it steers the selection only) and its step.
-        num_groups, topk_groups: group-limited routing (the experts in num_groups groups, topk_groups kept).
-        aux_loss: the balancing loss's kind ("switch", "global", "sequence", ...).
+        config: the moeblaze.RouterConfig (scoring, renormalization, scale, biases, groups, balancing loss; None:
+            the default). 0.2's form, its fields as keyword arguments, works with a DeprecationWarning.
         aux_group: the process group the "global" loss sums over.
         device, dtype: of the parameters.
 
@@ -211,31 +198,28 @@ class TopKRouter(nn.Module):
         aux_loss and z_loss fp32 scalars, logits (L, E) fp32.
     """
 
-    def __init__(self, d_model: int, num_experts: int, top_k: int, *, scoring: str = "softmax_topk",
-                 renormalize: bool = True, route_scale: float = 1.0, gate_bias: bool = False,
-                 expert_bias: bool = False, expert_bias_rate: float = 1e-3, num_groups: int = 1, topk_groups: int = 1,
-                 aux_loss: str = "switch", aux_group=None, device=None, dtype=None):
+    def __init__(self, d_model: int, num_experts: int, top_k: int, *, config: RouterConfig | None = None,
+                 aux_group=None, device=None, dtype=None, **legacy):
         super().__init__()
         check_int("d_model", d_model)
-        check_int("num_experts", num_experts)
-        check_int("top_k", top_k)
-        check_choice("scoring", scoring, SCORINGS)
-        check_bool("renormalize", renormalize)
-        check_bool("gate_bias", gate_bias)
-        check_bool("expert_bias", expert_bias)
-        check_choice("aux_loss", aux_loss, AUX_LOSSES)
-        if top_k > num_experts:
-            raise ValueError(f"top_k must satisfy 1 <= top_k <= num_experts ({num_experts}), got {top_k}")
-        check_positive("route_scale", route_scale)
-        check_positive("expert_bias_rate", expert_bias_rate)
-        check_groups(num_experts, top_k, num_groups, topk_groups)
-        self.num_experts, self.top_k, self.scoring, self.renormalize = num_experts, top_k, scoring, renormalize
-        self.route_scale, self.expert_bias_rate = float(route_scale), float(expert_bias_rate)
-        self.num_groups, self.topk_groups, self.aux_loss, self.aux_group = num_groups, topk_groups, aux_loss, aux_group
+        if legacy:
+            unknown = sorted(set(legacy) - {f.name for f in dataclasses.fields(RouterConfig)})
+            if unknown:
+                raise TypeError(f"TopKRouter() got unexpected keyword argument(s) {unknown}")
+            if config is not None:
+                raise TypeError(f"TopKRouter(): pass config=RouterConfig(...) only, not also {sorted(legacy)}")
+            config = RouterConfig(**legacy)
+            warnings.warn(f"TopKRouter({', '.join(sorted(legacy))}=...) is deprecated and goes in 0.3: pass "
+                          f"config={shown(config)}", DeprecationWarning, stacklevel=2)
+        config = RouterConfig() if config is None else config
+        if not isinstance(config, RouterConfig):
+            raise TypeError(f"config must be a moeblaze.RouterConfig or None, got {type(config).__name__}")
+        check_layer(num_experts, top_k, config)
+        self.config, self.num_experts, self.top_k, self.aux_group = config, num_experts, top_k, aux_group
         self.weight = nn.Parameter(torch.empty(num_experts, d_model, device=device, dtype=dtype))
         nn.init.normal_(self.weight, std=d_model ** -0.5)
-        self.bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype)) if gate_bias else None
-        if expert_bias:
+        self.bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype)) if config.gate_bias else None
+        if config.expert_bias:
             self.register_buffer("expert_bias", torch.zeros(num_experts, device=device))
             self.register_buffer("expert_load", torch.zeros(num_experts, device=device))
         else:
@@ -255,25 +239,24 @@ class TopKRouter(nn.Module):
         logits_LE = router_logits(x_LD, self.weight)
         if self.bias is not None:
             logits_LE = logits_LE + self.bias.float()
-        idx, w = route_topk(logits_LE, self.top_k, self.scoring, self.renormalize, self.route_scale,
-                            self.expert_bias, self.num_groups, self.topk_groups)
+        idx, w = _select(logits_LE, self.top_k, self.config, self.expert_bias)
         if self.expert_load is not None and self.training:
             self.expert_load += count_per_expert(idx, self.num_experts).float()
         return RouterOutput(idx, w, self._aux(logits_LE, idx, seq_len), router_z_loss(logits_LE), logits_LE)
 
     def _aux(self, logits_LE, idx, seq_len):
-        if self.aux_loss == "none":
+        if self.config.aux_loss == "none":
             return logits_LE.sum() * 0.0
-        if self.aux_loss == "sequence":
+        if self.config.aux_loss == "sequence":
             if seq_len is None:
                 raise ValueError('aux_loss="sequence" needs forward(x, seq_len=...) (the layer passes it)')
-            return sequence_aux_loss(logits_LE, idx, seq_len, self.scoring)
-        if self.aux_loss == "global" and dist.is_available() and dist.is_initialized():
+            return sequence_aux_loss(logits_LE, idx, seq_len, self.config.scoring)
+        if self.config.aux_loss == "global" and dist.is_available() and dist.is_initialized():
             both = torch.cat([count_per_expert(idx, self.num_experts).float(),
                               torch.tensor([float(idx.numel())], device=idx.device)])
             dist.all_reduce(both, group=self.aux_group)
-            return switch_aux_loss(logits_LE, idx, self.scoring, both[:-1], both[-1])
-        return switch_aux_loss(logits_LE, idx, self.scoring)
+            return switch_aux_loss(logits_LE, idx, self.config.scoring, both[:-1], both[-1])
+        return switch_aux_loss(logits_LE, idx, self.config.scoring)
 
     @torch.no_grad()
     def update_expert_bias(self, group=None) -> torch.Tensor | None:
@@ -285,18 +268,19 @@ class TopKRouter(nn.Module):
         load = self.expert_load.clone()
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(load, group=group)
-        delta = self.expert_bias_rate * torch.sign(load.mean() - load)
+        delta = self.config.expert_bias_rate * torch.sign(load.mean() - load)
         self.expert_bias += delta - delta.mean()
         self.expert_load.zero_()
         return load
 
     def extra_repr(self) -> str:
-        extra = "".join(f", {k}={v}" for k, v in (("route_scale", self.route_scale), ("num_groups", self.num_groups),
-                                                  ("topk_groups", self.topk_groups)) if v != 1)
+        c = self.config
+        extra = "".join(f", {k}={v}" for k, v in (("route_scale", c.route_scale), ("num_groups", c.num_groups),
+                                                  ("topk_groups", c.topk_groups)) if v != 1)
         return (f"d_model={self.weight.shape[1]}, num_experts={self.num_experts}, top_k={self.top_k}, "
-                f"scoring={self.scoring}, aux_loss={self.aux_loss}{extra}"
+                f"scoring={self.config.scoring}, aux_loss={self.config.aux_loss}{extra}"
                 + (", gate_bias" if self.bias is not None else "")
-                + (f", expert_bias(rate={self.expert_bias_rate})" if self.expert_bias is not None else ""))
+                + (f", expert_bias(rate={self.config.expert_bias_rate})" if self.expert_bias is not None else ""))
 
 
 def update_expert_biases(model: nn.Module, group=None) -> int:

@@ -8,7 +8,7 @@ Memory: nothing beyond the outputs, and down_bwd's fp32 router-gradient partials
 import triton
 import triton.language as tl
 
-from ...config import INTERPRET
+from ...env import INTERPRET
 from ...reference.fp8 import AMAX_FLOOR, FP8_MAX, GROUP, INV_FP8_MAX
 from .common import _act, _act_grad, _clamped_glu, _pair_cols, _row_ptrs, _rows_dot, _swizzle, _tile_rows
 from .configs import DH_CONFIGS, WGRAD_CONFIGS

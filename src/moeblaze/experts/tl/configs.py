@@ -6,7 +6,7 @@ is autotuned per shape on GPUs. Under the CPU interpreter one small config per k
 """
 import triton
 
-from ...config import INTERPRET
+from ...env import INTERPRET
 
 # The dH kernel (down_bwd) writes one router-gradient partial per DS_BLOCK columns (its BLOCK_N is a multiple).
 DS_BLOCK = 16 if INTERPRET else 64

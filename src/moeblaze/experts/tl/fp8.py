@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...config import INTERPRET
+from ...env import INTERPRET
 from ...launch import cdiv, launch
 from ..schedule import BLOCK_M
 from .common import _swizzle, _tile_rows

@@ -13,7 +13,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...config import INTERPRET
+from ...env import INTERPRET
 from ...launch import cdiv, launch, sm_count, tma_ok
 from ...reference import is_gated
 from ...routing.index import in_row_order

@@ -1,8 +1,7 @@
-"""ExpertsConfig: how the experts compute (the recipe), one frozen value checked once, where it is made.
-
-Every surface that runs experts takes one: moe_experts, moe_experts_reference, MoELayer / Experts, ModelConfig,
-the transformers backend's configure, expert parallelism and the command line (one function maps its flags to it).
-A combination it accepts runs everywhere it is accepted; one it refuses is refused here, by name.
+"""ExpertsConfig, the experts' recipe: every surface that runs experts takes one: moe_experts, moe_experts_reference,
+MoELayer / Experts, ModelConfig, the transformers backend's configure, expert parallelism and the command line (one
+function maps its flags to it). A combination it accepts runs everywhere it is accepted; one it refuses is refused
+here, by name.
 
     activation        swiglu (default), geglu, clamped_swiglu (gpt-oss), silu, gelu, relu, relu2
     checkpoint        what the forward keeps for backward: "preact" (the pre-activation H, R·F elements), "preact-fp8"
@@ -19,7 +18,7 @@ A combination it accepts runs everywhere it is accepted; one it refuses is refus
     index_method      how a routing index is built from top-k ids: "auto", "dense" (MoEBlaze's sort-free build)
                       or "sort"
 
-Memory: none (a frozen dataclass of a few fields).
+Memory: none (frozen dataclasses of a few fields).
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ import dataclasses
 import warnings
 from dataclasses import dataclass
 
-from .args import check_bool, check_choice, check_int
+from ..args import check_bool, check_choice, check_int
 
 GATED = ("swiglu", "geglu", "clamped_swiglu")  # act(gate) · up over [gate | up] (reference.activations)
 PLAIN = ("silu", "gelu", "relu", "relu2")
@@ -37,7 +36,6 @@ LAUNCH_BACKENDS = ("auto", "tl", "gluon")  # what one kernel launch runs on (exp
 BACKENDS = ("auto", "reference", "triton", *LAUNCH_BACKENDS[1:])  # ExpertsConfig.backend (experts.dispatch.choose)
 PRECISIONS = ("native", "fp8")
 INDEX_METHODS = ("auto", "dense", "sort")
-
 
 @dataclass(frozen=True)
 class ExpertsConfig:

@@ -1,0 +1,27 @@
+"""moeblaze's configuration: one frozen value per concern, each checked once, where it is made, naming the field.
+Torch-free: the command line builds and checks them before torch loads.
+
+    ExpertsConfig   how the experts compute (the recipe; configs/experts.py has its fields)
+    RouterConfig    how tokens choose experts: scoring, renormalization, scale, biases, groups, balancing loss
+                    (moeblaze.routing.router); ROUTERS names the sets of model families
+    RoundingConfig  token rounding (moeblaze.routing.rounding): its rule, tile and experts per token
+    SharedConfig    always-on shared experts: how many, their width, their gate
+    EPConfig        expert parallelism's dispatch (moeblaze.distributed.ep): exact or capacity, overflow
+    ModelConfig     the small language model (moeblaze.nn.MoEModel): its shape and the configs above
+A rule between a config and the layer's shape (top_k <= num_experts, the router's groups, rounding's experts per
+token) is checked by check_layer, once, where a layer or a model config is made. "Unset" is None everywhere.
+
+Memory: none (frozen dataclasses of a few fields).
+"""
+from .experts import (ACTIVATIONS, BACKENDS, CHECKPOINTS, DEFAULT, GATED, INDEX_METHODS, LAUNCH_BACKENDS, LEGACY, PLAIN,
+                      PRECISIONS, ExpertsConfig, fold_impl, from_legacy)
+from .layer import (AUX_LOSSES, DEFAULT_CAPACITY_FACTOR, DISPATCHES, OVERFLOW, ROUTERS, RULES, SCORINGS, UNITS,
+                    EPConfig, RoundingConfig, RouterConfig, SharedConfig, check_heads, check_layer)
+from .legacy import LEGACY_LAYER, ep_from_legacy, flat_rounding, flat_shared, layer_from_legacy, shown
+from .model import ModelConfig
+
+__all__ = ["ACTIVATIONS", "AUX_LOSSES", "BACKENDS", "CHECKPOINTS", "DEFAULT", "DEFAULT_CAPACITY_FACTOR", "DISPATCHES",
+           "GATED", "INDEX_METHODS", "LAUNCH_BACKENDS", "LEGACY", "LEGACY_LAYER", "OVERFLOW", "PLAIN", "PRECISIONS",
+           "ROUTERS", "RULES", "SCORINGS", "UNITS", "EPConfig", "ExpertsConfig", "ModelConfig", "RoundingConfig",
+           "RouterConfig", "SharedConfig", "check_heads", "check_layer", "ep_from_legacy", "flat_rounding",
+           "flat_shared", "fold_impl", "from_legacy", "layer_from_legacy", "shown"]

@@ -1,0 +1,120 @@
+"""The layer's configs: one frozen value per concern, each rule checked in one place, torch-free; 0.2's keyword forms
+build the same layers with a DeprecationWarning that names the new form; ModelConfig round-trips and reads the
+earlier checkpoint forms."""
+import pathlib
+import re
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from moeblaze import EPConfig, ExpertsConfig, ModelConfig, MoELayer, RoundingConfig, RouterConfig, SharedConfig
+from moeblaze.configs import ROUTERS, ep_from_legacy
+from moeblaze.experts.schedule import BLOCK_M
+from moeblaze.routing import TopKRouter
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "moeblaze"
+
+# each rule of the layer's options and the text of its one check (the error's wording, or the check's call)
+RULES = {
+    "top_k <= num_experts": r"top.k must (satisfy 1 <=|be <=) (top.k|--num-experts|num.experts)",
+    "d_model % n_heads": r"must be divisible by n_heads",
+    "groups divide the experts": r"must divide num_experts",
+    "groups hold top_k": r"must be <= topk_groups x experts per group",
+    "capacity_factor": r"check_positive\(\"capacity_factor\"",
+    "capacity options need capacity dispatch": r"applies to dispatch='capacity' only",
+    "shared experts' options need shared experts": r"configures shared experts",
+    "rounding's options need a rule": r"configures token rounding",
+    "rounding's rule": r"check_choice\(\"rule\"",
+    "rounding's max_experts >= top_k": r"max_experts must be >= top_k",
+    "the router's scoring": r"check_choice\(\"scoring\"",
+    "the router's family": r"check_choice\(\"router\"",
+}
+
+
+def test_every_rule_is_checked_in_one_place():
+    text = {p: p.read_text() for p in SRC.rglob("*.py")}
+    for rule, pattern in RULES.items():
+        where = [f"{p.relative_to(SRC)}" for p, t in text.items() for _ in re.finditer(pattern, t)]
+        assert len(where) == 1, (rule, where)
+
+
+def test_the_configs_load_without_torch():
+    code = ("import sys, moeblaze.configs as c; c.ModelConfig(router=c.RouterConfig.family('deepseek-v3'), "
+            "num_experts=16, shared=c.SharedConfig(), rounding=c.RoundingConfig('up')); c.EPConfig('capacity'); "
+            "print(sorted(m for m in ('torch', 'triton', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_configs_are_frozen_and_unset_is_none():
+    with pytest.raises(AttributeError):
+        RouterConfig().scoring = "sigmoid_topk"
+    assert (EPConfig().capacity_factor, EPConfig().on_overflow, RoundingConfig().tile, SharedConfig().d_hidden) == (
+        None, None, None, None)
+    assert (EPConfig("capacity").factor, EPConfig("capacity").overflow) == (1.25, "error")
+    assert RouterConfig.family("deepseek-v3") is ROUTERS["deepseek-v3"]
+    layer = MoELayer(16, 32, 8, 2, rounding=RoundingConfig("up"))
+    assert layer.rounding == RoundingConfig("up", tile=BLOCK_M, max_experts=8)  # resolved where the layer is made
+
+
+def _state(layer):
+    return {k: v.clone() for k, v in layer.state_dict().items()}
+
+
+@pytest.mark.parametrize("old,new", [
+    (dict(router="deepseek-v3", shared_experts=1, shared_gate=True),
+     dict(router=RouterConfig.family("deepseek-v3"), shared=SharedConfig(gated=True))),
+    (dict(router={"scoring": "sigmoid_topk"}, renormalize=False, d_shared=24, shared_experts=2),
+     dict(router=RouterConfig(scoring="sigmoid_topk", renormalize=False), shared=SharedConfig(2, d_hidden=24))),
+    (dict(scoring="topk_softmax", token_rounding="up", rounding_tile=16, rounding_max_experts=4),
+     dict(router=RouterConfig(scoring="topk_softmax"), rounding=RoundingConfig("up", tile=16, max_experts=4))),
+])
+def test_the_old_layer_forms_warn_and_build_the_same_layer(old, new):
+    torch.manual_seed(0)
+    with pytest.warns(DeprecationWarning, match="deprecated and goes in 0.3: pass") as caught:
+        a = MoELayer(16, 32, 8, 2, experts=ExpertsConfig(backend="reference"), **old)
+    said = str(caught[0].message)
+    for name in new:
+        assert f"{name}=" in said, said
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = MoELayer(16, 32, 8, 2, experts=ExpertsConfig(backend="reference"), **new)
+    assert (a.router.config, a.rounding, a.shared is None) == (b.router.config, b.rounding, b.shared is None)
+    sa, sb = _state(a), _state(b)
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    x = torch.randn(4, 16, 16)  # sequences of 16 tokens: DeepSeek-V3's sequence loss
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # token rounding on a small batch says what it drops
+        assert torch.equal(a(x).out, b(x).out)
+
+
+def test_the_old_router_and_ep_forms_warn_and_mean_the_same():
+    with pytest.warns(DeprecationWarning, match=r"config=moeblaze.RouterConfig\(scoring='sigmoid_topk'\)"):
+        r = TopKRouter(16, 8, 2, scoring="sigmoid_topk")
+    assert r.config == RouterConfig(scoring="sigmoid_topk")
+    with pytest.warns(DeprecationWarning, match=r"ep_config=moeblaze.EPConfig\(dispatch='capacity', on_overflow="):
+        ep = ep_from_legacy("ep_experts", None, dict(dispatch="capacity", capacity_factor=1.25, on_overflow="drop"))
+    assert ep == EPConfig("capacity", on_overflow="drop")
+    with pytest.warns(DeprecationWarning):  # 0.2's defaults, passed with exact dispatch, are unset
+        old = ep_from_legacy("x", None, dict(dispatch="exact", capacity_factor=1.25, on_overflow="error"))
+    assert old == EPConfig()
+
+
+def test_model_config_round_trips_and_reads_the_earlier_forms():
+    cfg = ModelConfig(num_experts=16, router=RouterConfig.family("deepseek-v3"), shared=SharedConfig(d_hidden=64),
+                      rounding=RoundingConfig("nr-f", tile=16), experts=ExpertsConfig(checkpoint="recompute"))
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    earlier = dict(num_experts=16, router="deepseek-v3", shared_experts=1, d_shared=64, shared_gate=False,
+                   token_rounding="nr-f", rounding_tile=16, checkpoint="recompute")  # 0.1's and 0.2's flat fields
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a checkpoint's config loads quietly
+        assert ModelConfig.from_dict(earlier) == cfg
+    unset = dict(num_experts=16, router="default", shared_experts=0, d_shared=0, shared_gate=False,
+                 token_rounding="", rounding_tile=0)  # how 0.2 wrote "none"
+    assert ModelConfig.from_dict(unset) == ModelConfig(num_experts=16)
+    with pytest.warns(DeprecationWarning, match=r"router=moeblaze.RouterConfig.family\('olmoe'\)"):
+        assert ModelConfig(router="olmoe").router == ROUTERS["olmoe"]
