@@ -5,6 +5,7 @@ checkpoint policy and precision. Make the baseline first with `bash tools/make_b
 
     python tools/ab_compare.py [--configs A,B,C,D,E] [--backends tl,gluon] [--policies preact,recompute]
                                  [--precisions native,fp8]
+    python tools/ab_compare.py --layers     # whole MoELayers (router families, shared experts, token rounding)
 
 The baseline is called with its ExpertsConfig (or, before it had one, in 0.1's form: moe_experts(..., activation,
 checkpoint, impl="triton", backend=..., precision=...)), the current code with an ExpertsConfig. The tl kernels
@@ -14,6 +15,7 @@ they do. Where a row is not bitwise equal, the next line gives both versions' er
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -61,11 +63,14 @@ def main():
     ap.add_argument("--policies", default="preact,recompute")
     ap.add_argument("--precisions", default="native,fp8")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--layers", action="store_true", help="compare whole MoELayers instead of the op")
     args = ap.parse_args()
     import moeblaze_base as base
 
     rev = open(os.path.join(os.path.dirname(__file__), "..", ".baseline", "REV")).read().strip()
     print(f"current against baseline {rev}; {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    if args.layers:
+        return compare_layers(base, args.iters)
     print("| config | backend | policy | precision | bitwise equal (out, dx, dw1, dw2, dtopk_w) | baseline step ms | "
           "current step ms | current / baseline |\n|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.configs.split(","):
@@ -95,6 +100,79 @@ def main():
                           f"{tb:.2f} | {tc:.2f} | {tc / tb:.3f} |", flush=True)
                     torch.cuda.empty_cache()
         del p, ref
+        torch.cuda.empty_cache()
+
+
+# (name, the baseline's MoELayer options in 0.2's keyword form, the current configs): the same layer both ways
+LAYERS = [
+    ("default", {}, {}),
+    ("deepseek-v3 + shared", dict(router="deepseek-v3", shared_experts=1),
+     dict(router="deepseek-v3", shared=dict())),
+    ("qwen3-next + gated shared", dict(router="qwen3-next", shared_experts=1, d_shared=768, shared_gate=True),
+     dict(router="qwen3-next", shared=dict(d_hidden=768, gated=True))),
+    ("gpt-oss", dict(router="gpt-oss"), dict(router="gpt-oss")),
+    ("olmoe + rounding nr-f", dict(router="olmoe", token_rounding="nr-f"),
+     dict(router="olmoe", rounding=dict(rule="nr-f"))),
+]
+
+
+def compare_layers(base, iters: int, dims=(1024, 512, 64, 4, 2048), device="cuda", dtype=torch.bfloat16) -> None:
+    """MoELayer of the baseline (0.2's keyword options) against the current one (its configs), by default bf16 on
+    the GPU, d 1024, h 512, 64 experts, top-4, 4 sequences of 2048 tokens: the state after the same seed, the
+    output, both losses and every gradient, bitwise; the step time in turns."""
+    import moeblaze as cur
+
+    D, H, E, K, T = dims
+
+    def current(opts):
+        kw = {}
+        if "router" in opts:
+            kw["router"] = cur.RouterConfig.family(opts["router"])
+        if "shared" in opts:
+            kw["shared"] = cur.SharedConfig(**opts["shared"])
+        if "rounding" in opts:
+            kw["rounding"] = cur.RoundingConfig(**opts["rounding"])
+        return cur.MoELayer(D, H, E, K, **kw)
+
+    def old(opts):
+        if "router" in opts:
+            opts = dict(opts, router=base.routing.ROUTERS[opts["router"]])
+        return base.MoELayer(D, H, E, K, **opts)
+
+    print("| layer | state equal | bitwise equal (out, aux, z, dx, every parameter's gradient) | baseline step ms | "
+          "current step ms | current / baseline |\n|---|---|---|---|---|---|", flush=True)
+    x = torch.randn(4, T, D, device=device, dtype=dtype)
+    dy = torch.randn_like(x)
+    for name, old_opts, new_opts in LAYERS:
+        layers = {}
+        for k, make, opts in (("baseline", old, old_opts), ("current", current, new_opts)):
+            torch.manual_seed(0)
+            layers[k] = make(opts).to(device, dtype)
+        sa, sc = layers["baseline"].state_dict(), layers["current"].state_dict()
+        same_state = sa.keys() == sc.keys() and all(torch.equal(sa[k], sc[k]) for k in sa)
+
+        def step(layer):
+            xi = x.clone().requires_grad_()
+            layer.zero_grad(set_to_none=True)
+            out, aux, z = layer(xi)
+            torch.autograd.backward((out, aux, z), (dy, torch.ones_like(aux), torch.ones_like(z)))
+            return [out, aux, z, xi.grad] + [p.grad for _, p in sorted(layer.named_parameters())]
+
+        got = {k: step(m) for k, m in layers.items()}
+        equal = [a is b or (a is not None and b is not None and torch.equal(a, b))
+                 for a, b in zip(got["baseline"], got["current"])]
+        times = {k: [] for k in layers}
+        for _ in range(iters):
+            for k, m in layers.items():
+                torch.cuda.synchronize(device) if device == "cuda" else None
+                t0 = time.perf_counter()
+                step(m)
+                torch.cuda.synchronize(device) if device == "cuda" else None
+                times[k].append((time.perf_counter() - t0) * 1e3)
+        tb, tc = (sorted(times[k])[len(times[k]) // 2] for k in ("baseline", "current"))
+        print(f"| {name} | {'yes' if same_state else 'NO'} | {'yes' if all(equal) else equal} | {tb:.2f} | "
+              f"{tc:.2f} | {tc / tb:.3f} |", flush=True)
+        del layers, got
         torch.cuda.empty_cache()
 
 
