@@ -121,36 +121,38 @@ def test_import_moeblaze_loads_the_library_only():
     assert "'experts'" in loaded and "'nn'" in loaded, loaded
 
 
-def test_the_top_level_api_states_its_arguments_and_what_it_returns():
-    """Every function and class of `moeblaze`'s namespace documents each of its parameters under "Args:" (by name:
-    none missing, none that is not a parameter), and the functions and modules what they return ("Returns:")."""
+def test_the_public_api_states_its_arguments_and_what_it_returns():
+    """Every function and class that a public package exports (its __all__) documents each of its parameters under
+    "Args:" (by name: none missing, none that is not a parameter), and the functions and modules what they return
+    ("Returns:")."""
+    import importlib
     import inspect
     import re
 
     import torch
 
-    import moeblaze
-
-    problems, seen = [], 0
-    for export in moeblaze.__all__:
-        obj = getattr(moeblaze, export)
-        if not (inspect.isfunction(obj) or inspect.isclass(obj)):
-            continue
-        seen += 1
-        doc = inspect.getdoc(obj) or ""
-        if "Args:" not in doc:
-            problems.append(f"{export}: no Args:")
-            continue
-        block = doc.split("Args:", 1)[1].split("Returns:", 1)[0]
-        named = {n for line in block.splitlines() if (m := re.match(r"^    (\w+(?:, \w+)*):", line))
-                 for n in m.group(1).split(", ")}
-        params = {p.name for p in inspect.signature(obj).parameters.values()
-                  if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
-        if params - named:
-            problems.append(f"{export}: Args: misses {sorted(params - named)}")
-        if named - params:
-            problems.append(f"{export}: Args: names {sorted(named - params)}, not parameters")
-        if (inspect.isfunction(obj) or issubclass(obj, torch.nn.Module)) and "Returns:" not in doc:
-            problems.append(f"{export}: no Returns:")
-    assert seen >= 10, seen
+    problems, seen = [], set()
+    for name in PUBLIC + ["moeblaze.configs"]:
+        module = importlib.import_module(name)
+        for export in module.__all__:
+            obj = getattr(module, export)
+            if not (inspect.isfunction(obj) or inspect.isclass(obj)) or id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            doc = inspect.getdoc(obj) or ""
+            if "Args:" not in doc:
+                problems.append(f"{name}.{export}: no Args:")
+                continue
+            block = doc.split("Args:", 1)[1].split("Returns:", 1)[0]
+            named = {n for line in block.splitlines() if (m := re.match(r"^    (\w+(?:, \w+)*):", line))
+                     for n in m.group(1).split(", ")}
+            params = {p.name for p in inspect.signature(obj).parameters.values()
+                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+            if params - named:
+                problems.append(f"{name}.{export}: Args: misses {sorted(params - named)}")
+            if named - params:
+                problems.append(f"{name}.{export}: Args: names {sorted(named - params)}, not parameters")
+            if (inspect.isfunction(obj) or issubclass(obj, torch.nn.Module)) and "Returns:" not in doc:
+                problems.append(f"{name}.{export}: no Returns:")
+    assert len(seen) >= 30, len(seen)
     assert not problems, problems

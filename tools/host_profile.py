@@ -85,11 +85,11 @@ def piece_us(fn, n=20, rounds=15):
 def pieces(p, name):
     """Host µs of each launch of a preact step (through experts.stages, on the default backend) and of the step."""
     from moeblaze.experts import dispatch, stages
-    from moeblaze.experts.op import Recipe, experts_backward, experts_forward
+    from moeblaze.experts.op import OpKey, experts_backward, experts_forward
     from moeblaze.experts.stages import RowPlan
     from moeblaze.routing import build_routing_index
 
-    recipe = Recipe(backend=dispatch.resolve("auto", torch.device("cuda"))).key
+    key = OpKey(backend=dispatch.resolve("auto", torch.device("cuda"))).text
     scale = torch.empty(0, dtype=torch.float32, device="cuda")  # preact's scales: none in bf16
 
     x, idx, w, dy = p.sets[0]
@@ -111,9 +111,9 @@ def pieces(p, name):
         "dW2": lambda: stages.weight_grad(plan, dy, sa, torch.empty_like(w2), True),
         "dW1": lambda: stages.weight_grad(plan, dpre, x, torch.empty_like(w1), False),
         "dX~": lambda: stages.dx_rows(plan, dpre, w1),
-        "forward body": lambda: experts_forward(x, w1, w2, w, None, None, *r.tensors(), recipe),
+        "forward body": lambda: experts_forward(x, w1, w2, w, None, None, *r.tensors(), key),
         "backward body": lambda: experts_backward(dy, x, w1, w2, w, None, None, *plan.sched, r.expert_offsets,
-                                                  r.expert_token_idx, r.token_slot, preact, scale, recipe),
+                                                  r.expert_token_idx, r.token_slot, preact, scale, key),
         "step forward": lambda: run_step(call, p, 0, False),
         "step forward+backward": lambda: run_step(call, p, 0, True),
     }

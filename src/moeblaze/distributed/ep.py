@@ -38,7 +38,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..experts import kernel_recipe
+from ..experts import kernel_op_key
 from ..experts.dispatch import choose
 from ..experts.op import experts_backward, experts_forward, parse
 from ..experts.schedule import BLOCK_M
@@ -83,7 +83,13 @@ class CapacityTracker:
     """The capacity of capacity-mode dispatch and what the layer calls needed: pass one tracker to every layer's
     ep_experts call of a step, then, after the step, `overflowed()` (one all-reduce and one host read for the
     whole step) says whether any destination needed more rows than `capacity`; `grow()` sets the capacity to
-    what was needed (rounded up to `multiple`) for the rerun."""
+    what was needed (rounded up to `multiple`) for the rerun.
+
+    Args:
+        capacity: the first capacity, rows per (source, destination) pair.
+        group: the process group the overflow check reduces over (None: the world).
+        multiple: grow() rounds the capacity up to a multiple of it.
+    """
 
     def __init__(self, capacity: int, group=None, multiple: int = 16):
         if capacity < 1:
@@ -212,28 +218,28 @@ def _fail_if_any(bad: torch.Tensor, group, message: str, error: type = RuntimeEr
         raise error(message)
 
 
-def _forward(x, topk_w, w1, w2, plan: _Plan, recipe: str):
+def _forward(x, topk_w, w1, w2, plan: _Plan, key: str):
     """(out, what backward needs: the received rows (empty under recompute), preact as kept, its scales, *the tile
     schedule)."""
     r = plan.recv
     recv_x = plan.dispatch(plan.send(x))
     ones = recv_x.new_ones(recv_x.shape[0], 1, dtype=torch.float32)
-    y, kept, scale, *sched = experts_forward(recv_x, w1, w2, ones, None, None, *r.tensors(), recipe)
+    y, kept, scale, *sched = experts_forward(recv_x, w1, w2, ones, None, None, *r.tensors(), key)
     ret = plan.give_back(y)
     del y
     out = plan.combine(ret, topk_w.float().contiguous(), x.dtype) if x.shape[0] else torch.zeros_like(x)
-    return out, (recv_x if _keeps_rows(recipe) else x.new_empty(0)), kept, scale, *sched
+    return out, (recv_x if _keeps_rows(key) else x.new_empty(0)), kept, scale, *sched
 
 
-def _keeps_rows(recipe: str) -> bool:
+def _keeps_rows(key: str) -> bool:
     """Whether the received rows are kept for backward (else sent again): unless the recipe recomputes."""
-    return parse(recipe).checkpoint != "recompute"
+    return parse(key).checkpoint != "recompute"
 
 
-def _backward(dout, x, topk_w, w1, w2, plan: _Plan, recv_x, kept, scale, sched, recipe: str):
+def _backward(dout, x, topk_w, w1, w2, plan: _Plan, recv_x, kept, scale, sched, key: str):
     """(dx, dtopk_w, dw1, dw2)."""
     r = plan.recv
-    if not _keeps_rows(recipe):  # "recompute": the rows are sent again
+    if not _keeps_rows(key):  # "recompute": the rows are sent again
         recv_x = plan.dispatch(plan.send(x))
     dy_recv = plan.dispatch(plan.send(dout.contiguous()))
     w_rows = in_row_order(topk_w, plan.routing.token_slot, plan.routing.expert_token_idx.shape[0],
@@ -241,7 +247,7 @@ def _backward(dout, x, topk_w, w1, w2, plan: _Plan, recv_x, kept, scale, sched, 
     w_recv = plan.dispatch(plan.in_send_order(w_rows)).view(-1, 1)
     dx_recv, dw1, dw2, ds_recv, _, _ = experts_backward(
         dy_recv, recv_x, w1, w2, w_recv, None, None, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot,
-        kept, scale, recipe)
+        kept, scale, key)
     del dy_recv, recv_x
     dx_ret = plan.give_back(dx_recv)
     ds_ret = plan.give_back(ds_recv.view(-1))
@@ -257,16 +263,16 @@ class _EPExperts(torch.autograd.Function):
     """Eager mode, both dispatch modes: the plan rides on the context as a Python object."""
 
     @staticmethod
-    def forward(ctx, x, topk_w, w1, w2, plan: _Plan, recipe: str):
-        out, recv_x, kept, scale, *sched = _forward(x, topk_w, w1, w2, plan, recipe)
-        ctx.plan, ctx.recipe = plan, recipe
+    def forward(ctx, x, topk_w, w1, w2, plan: _Plan, key: str):
+        out, recv_x, kept, scale, *sched = _forward(x, topk_w, w1, w2, plan, key)
+        ctx.plan, ctx.key = plan, key
         ctx.save_for_backward(x, topk_w, w1, w2, recv_x, kept, scale, *sched)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         x, topk_w, w1, w2, recv_x, kept, scale, *sched = ctx.saved_tensors
-        return (*_backward(dout, x, topk_w, w1, w2, ctx.plan, recv_x, kept, scale, sched, ctx.recipe), None, None)
+        return (*_backward(dout, x, topk_w, w1, w2, ctx.plan, recv_x, kept, scale, sched, ctx.key), None, None)
 
 
 # Capacity dispatch under torch.compile: the same bodies as custom ops (the communication inside them, on a
@@ -278,22 +284,22 @@ _N_FWD_IN = 12
 
 @torch.library.custom_op("moeblaze::ep_capacity_fwd", mutates_args=())
 def ep_capacity_fwd(x: T, topk_w: T, w1: T, w2: T, counts: T, offsets: T, eti: T, slot: T, group_name: str,
-                    recipe: str, capacity: int, fail_on_overflow: bool
+                    key: str, capacity: int, fail_on_overflow: bool
                     ) -> tuple[T, T, T, T, T, T, T, T, T, T, T, T, T, T, T]:
     group = _resolve_group(group_name)
     routing = RoutingIndex(counts, offsets, eti, slot)
     plan = _Plan(routing, dist.get_world_size(group), group, capacity, fail_on_overflow)
-    out, recv_x, kept, scale, *sched = _forward(x, topk_w, w1, w2, plan, recipe)
+    out, recv_x, kept, scale, *sched = _forward(x, topk_w, w1, w2, plan, key)
     return (out, plan.needed.to(torch.int64), *plan.saved(), recv_x, kept, scale, *sched)
 
 
 @ep_capacity_fwd.register_fake
-def _(x, topk_w, w1, w2, counts, offsets, eti, slot, group_name, recipe, capacity, fail_on_overflow):
+def _(x, topk_w, w1, w2, counts, offsets, eti, slot, group_name, key, capacity, fail_on_overflow):
     ep = _resolve_group_size(group_name)
     E_loc, R, F, dev = w1.shape[0], ep * capacity, w1.shape[1], x.device
     tiles = R // BLOCK_M + E_loc
     ints = dict(dtype=torch.int32, device=dev)
-    checkpoint = parse(recipe).checkpoint
+    checkpoint = parse(key).checkpoint
     kept = {"preact": x.new_empty(R, F), "preact-fp8": x.new_empty(R, F, dtype=FP8)}.get(checkpoint, x.new_empty(0))
     scale = x.new_empty((R, -(-F // 128)) if checkpoint == "preact-fp8" else (0,), dtype=torch.float32)
     return (x.new_empty(x.shape), torch.empty((), dtype=torch.int64, device=dev), torch.empty(E_loc, **ints),
@@ -306,14 +312,14 @@ def _(x, topk_w, w1, w2, counts, offsets, eti, slot, group_name, recipe, capacit
 @torch.library.custom_op("moeblaze::ep_capacity_bwd", mutates_args=())
 def ep_capacity_bwd(dout: T, x: T, topk_w: T, w1: T, w2: T, counts: T, offsets: T, eti: T, slot: T, r_counts: T,
                     r_offsets: T, r_eti: T, r_slot: T, send_pos: T, slot_LK: T, kept: T, recv_x: T, preact: T,
-                    scale: T, tile_expert: T, tile_row: T, tiles_used: T, group_name: str, recipe: str
+                    scale: T, tile_expert: T, tile_row: T, tiles_used: T, group_name: str, key: str
                     ) -> tuple[T, T, T, T]:
     if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.op)
         ensure_context(dout.get_device())
     plan = _Plan.restore(RoutingIndex(counts, offsets, eti, slot), _resolve_group(group_name),
                          (r_counts, r_offsets, r_eti, r_slot, send_pos, slot_LK, kept))
     return _backward(dout, x, topk_w, w1, w2, plan, recv_x, preact, scale, (tile_expert, tile_row, tiles_used),
-                     recipe)
+                     key)
 
 
 @ep_capacity_bwd.register_fake
@@ -323,7 +329,7 @@ def _(dout, x, topk_w, w1, w2, *rest):
 
 def _capacity_setup_context(ctx, inputs, output):
     x, topk_w, w1, w2, counts, offsets, eti, slot = inputs[:8]
-    ctx.group_name, ctx.recipe = inputs[8:10]
+    ctx.group_name, ctx.key = inputs[8:10]
     ctx.save_for_backward(x, topk_w, w1, w2, counts, offsets, eti, slot, *output[2:])
     ctx.set_materialize_grads(False)
 
@@ -331,7 +337,7 @@ def _capacity_setup_context(ctx, inputs, output):
 def _capacity_backward(ctx, dout, *_saved_outputs):
     if dout is None:
         return (None,) * _N_FWD_IN
-    dx, dtopk_w, dw1, dw2 = ep_capacity_bwd(dout.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.recipe)
+    dx, dtopk_w, dw1, dw2 = ep_capacity_bwd(dout.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.key)
     return (dx, dtopk_w, dw1, dw2) + (None,) * (_N_FWD_IN - 4)
 
 
@@ -410,7 +416,21 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     rank, a ValueError on CPU processes, a device-side assert on GPUs, before any row is sent).
     Overflow (a destination needing more than C rows): with a tracker, recorded for the caller's rerun (and
     dropped in this call); otherwise on_overflow "error" (default) or "drop". dropped: a device counter (an int64
-    scalar) that the number of rows this rank drops is added to (no host sync), under on_overflow="drop"."""
+    scalar) that the number of rows this rank drops is added to (no host sync), under on_overflow="drop".
+
+    Args:
+        x: (L, D) this rank's tokens, float.
+        topk_idx, topk_weights: (L, K) global expert ids (int) and their weights (float).
+        w1_local, w2_local: (E_loc, F, D) and (E_loc, D, H), this rank's experts.
+        group: the expert-parallel process group (None: the world).
+        config: the experts' moeblaze.ExpertsConfig.
+        ep_config: the dispatch, a moeblaze.EPConfig (None: exact).
+        tracker: a CapacityTracker sizing capacity dispatch, or None.
+        dropped: an int64 scalar tensor counting the rows this rank drops (on_overflow="drop"), or None.
+
+    Returns:
+        (L, D) in x's dtype: this rank's tokens' combined expert outputs.
+    """
     config = from_legacy("ep_experts", config, {})
     check_options(config)
     ep_config = ep_from_legacy("ep_experts", ep_config, legacy)
@@ -428,15 +448,15 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
         if C is None:
             C = -(-max(1, math.ceil(ep_config.factor * topk_idx.numel() / ep)) // 16) * 16
     backend = choose("triton" if config.backend == "auto" else config.backend, x.device)
-    recipe = kernel_recipe(x, config, backend, C is not None, False)  # the receiver's index has padding rows (capacity)
+    key = kernel_op_key(x, config, backend, C is not None, False)  # the receiver's index has padding rows (capacity)
     fail = ep_config.overflow == "error" and tracker is None
     if C is not None and torch.compiler.is_compiling():
-        outs = ep_capacity_fwd(x, topk_weights, w1_local, w2_local, *routing.tensors(), _group_name(group), recipe, C,
+        outs = ep_capacity_fwd(x, topk_weights, w1_local, w2_local, *routing.tensors(), _group_name(group), key, C,
                                fail)
         out, needed = outs[0], outs[1]
     else:
         plan = _Plan(routing, ep, group, C, fail)
-        out = _EPExperts.apply(x, topk_weights, w1_local, w2_local, plan, recipe)
+        out = _EPExperts.apply(x, topk_weights, w1_local, w2_local, plan, key)
         needed = plan.needed
     if tracker is not None and needed is not None:
         tracker.record(needed)

@@ -33,6 +33,14 @@ from .module import routed_experts, shard_experts
 
 
 def data_parallel_size(mesh: DeviceMesh) -> int:
+    """How many ranks hold a different batch: every rank of the 2-D mesh (efsdp x ep); divide the loss by it.
+
+    Args:
+        mesh: the (efsdp, ep) DeviceMesh parallelize takes.
+
+    Returns:
+        The mesh's size, an int.
+    """
     return mesh.size()
 
 
@@ -44,7 +52,19 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
     units="model" makes the whole model one FSDP2 unit (the expert modules too where ep = 1; at ep > 1 they stay
     their own units on efsdp, another mesh): one all-gather and one reduce-scatter per step instead of one per block
     and experts module, for a model whose host time per unit, not its memory, is what limits it (the small model:
-    about 1 ms of kernels per step), at the memory of every parameter gathered at once."""
+    about 1 ms of kernels per step), at the memory of every parameter gathered at once.
+
+    Args:
+        model: the model (its routed experts modules are swapped for ExpertParallel ones at ep > 1).
+        mesh: a 2-D DeviceMesh with dims ("efsdp", "ep").
+        mp_policy: FSDP2's MixedPrecisionPolicy (None: its default).
+        reshard_after_forward: free each unit's gathered parameters after its forward.
+        units: "blocks" (one FSDP2 unit per block and experts module) or "model".
+        (ep_config=EPConfig(...) and tracker=: ExpertParallel's options)
+
+    Returns:
+        The model, parallelized in place.
+    """
     if units not in UNITS:
         raise ValueError(f"units must be one of {UNITS}, got {units!r}")
     mp = mp_policy or MixedPrecisionPolicy()
@@ -75,7 +95,16 @@ def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
     """Scale every gradient so that their global L2 norm over all ranks of `group` (default: the world) is at most
     max_norm; returns the norm before clipping. Under parallelize every gradient element lives on exactly one
     rank (FSDP2's shards and each ep rank's own experts, all DTensors), so
-    the squares are summed once over the ranks: one all-reduce, no host sync; a few kernels per dtype."""
+    the squares are summed once over the ranks: one all-reduce, no host sync; a few kernels per dtype.
+
+    Args:
+        parameters: an iterable of parameters (DTensors or tensors) whose gradients are clipped in place.
+        max_norm: the largest global L2 norm kept.
+        group: the process group the squares are summed over (None: the world).
+
+    Returns:
+        The global norm before clipping, an fp32 scalar tensor.
+    """
     grads = [p.grad for p in parameters if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     device = local[0].device if local else torch.device("cpu")

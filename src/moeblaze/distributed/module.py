@@ -23,7 +23,17 @@ class ExpertParallel(Experts):
     weights stay DTensors of the global shape). ep_config (a moeblaze.EPConfig; None: exact dispatch) and tracker:
     as for moeblaze.distributed.ep_experts (0.2's dispatch options as keyword arguments work with a
     DeprecationWarning). Every rank of the group calls it together; token rounding's prebuilt index is not available
-    here."""
+    here.
+
+    Args:
+        experts: the routed moeblaze.nn.Experts module it replaces (its weights are split, each rank keeping its own).
+        ep_mesh: a 1-D DeviceMesh over the expert-parallel ranks.
+        ep_config: the dispatch, a moeblaze.EPConfig (None: exact).
+        tracker: a CapacityTracker for capacity dispatch's reruns, or None.
+
+    Returns:
+        forward(x (L, D), topk_idx (L, K), topk_weights (L, K)) -> (L, D), as Experts.forward.
+    """
 
     def __init__(self, experts: Experts, ep_mesh: DeviceMesh, *, ep_config: EPConfig | None = None,
                  tracker: CapacityTracker | None = None, **legacy):
@@ -83,7 +93,16 @@ def routed_experts(model: nn.Module) -> list:
 
 def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, **options) -> int:
     """Swap an ExpertParallel (options: its ep_config and tracker) in for every routed experts module of `model` on
-    ep_mesh (nothing at ep = 1: every rank then holds every expert); the number of modules swapped."""
+    ep_mesh (nothing at ep = 1: every rank then holds every expert); the number of modules swapped.
+
+    Args:
+        model: the model whose routed experts modules are swapped in place.
+        ep_mesh: a 1-D DeviceMesh over the expert-parallel ranks.
+        (ep_config=EPConfig(...), tracker=: ExpertParallel's options)
+
+    Returns:
+        The number of modules swapped (0 at ep = 1).
+    """
     if ep_mesh.size() == 1:
         return 0
     swapped = 0

@@ -21,7 +21,7 @@ from ..routing import RoutingIndex, build_routing_index
 from ..routing.checks import check_expert_inputs, check_topk_weights
 from .dispatch import choose, launch_counts
 from .fp8 import check_fp8_supported, clear_weight_cache
-from .op import Recipe, fused_experts, whole_w1
+from .op import OpKey, fused_experts, whole_w1
 
 def check_kernel_dtype(x: torch.Tensor) -> None:
     """TypeError unless the kernels compute x's dtype right where x is: float16, bfloat16 or float32, and under
@@ -43,21 +43,21 @@ def autocast_operands(*tensors: torch.Tensor | None) -> tuple:
     return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
-def kernel_recipe(x: torch.Tensor, config: ExpertsConfig, backend: str, dropped: bool, interleaved: bool) -> str:
-    """The op's recipe for the kernels on x (recipe_key), after the checks they need: x's dtype, and fp8 tensor cores
+def kernel_op_key(x: torch.Tensor, config: ExpertsConfig, backend: str, dropped: bool, interleaved: bool) -> str:
+    """The op's key for the kernels on x (op_key), after the checks they need: x's dtype, and fp8 tensor cores
     for precision="fp8"."""
     check_kernel_dtype(x)
     if config.fp8:
         check_fp8_supported(x)
-    return recipe_key(config, backend, dropped, interleaved)
+    return op_key(config, backend, dropped, interleaved)
 
 
 @functools.cache
-def recipe_key(config: ExpertsConfig, backend: str, dropped: bool, interleaved: bool) -> str:
-    """The op's recipe (experts.op.Recipe) of a call: config's choices that reach the kernels, on `backend` (the
+def op_key(config: ExpertsConfig, backend: str, dropped: bool, interleaved: bool) -> str:
+    """The op's key (experts.op.OpKey) of a call: config's choices that reach the kernels, on `backend` (the
     launches' backend, dispatch.choose), for an index with dropped pairs or not and W1's gate/up layout."""
-    return Recipe(config.activation, config.checkpoint, backend, config.fp8, config.fp8_weight_cache, dropped,
-                  interleaved).key
+    return OpKey(config.activation, config.checkpoint, backend, config.fp8, config.fp8_weight_cache, dropped,
+                  interleaved).text
 
 
 def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tensor,
@@ -108,16 +108,15 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     if backend == "reference":
         return moe_experts_reference(x, routing.topk_idx(), topk_weights, whole_w1(w1, w1_up), w2, b1, b2,
                                      config=config, interleaved=interleaved)
-    recipe = kernel_recipe(x, config, backend, routing.dropped, interleaved)
+    key = kernel_op_key(x, config, backend, routing.dropped, interleaved)
     chunk = config.chunk_tokens
     if chunk is not None and x.shape[0] > chunk:
         idx, E = routing.topk_idx(), w1.shape[0]  # dropped pairs come back as id E: sentinels again
         outs = [fused_experts(xc, w1, w2, wc, b1, b2,
-                              build_routing_index(ic, E, check=False, sentinels=routing.dropped), recipe, w1_up)
+                              build_routing_index(ic, E, check=False, sentinels=routing.dropped), key, w1_up)
                 for xc, ic, wc in zip(x.split(chunk), idx.split(chunk), topk_weights.split(chunk))]
         return torch.cat(outs)
-    return fused_experts(x, w1, w2, topk_weights, b1, b2, routing, recipe, w1_up)
+    return fused_experts(x, w1, w2, topk_weights, b1, b2, routing, key, w1_up)
 
 
-__all__ = ["ExpertsConfig", "autocast_operands", "check_kernel_dtype", "clear_weight_cache", "kernel_recipe",
-           "launch_counts", "moe_experts", "recipe_key"]
+__all__ = ["ExpertsConfig", "clear_weight_cache", "launch_counts", "moe_experts"]

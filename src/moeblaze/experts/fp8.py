@@ -80,7 +80,14 @@ def clear_weight_cache(weight: torch.Tensor | None = None) -> None:
     cache sees every write that moves the weight's version counter: in-place ops on it or on a view of it, an
     optimizer step, load_state_dict, FSDP2's all-gather. It can't see writes that bypass the counter: through
     `weight.data` (`param.data.copy_(...)`, as some loaders and EMA code write), `set_`, or a kernel or collective
-    writing the storage outside autograd; after such a write, call this."""
+    writing the storage outside autograd; after such a write, call this.
+
+    Args:
+        weight: a weight tensor (None: every cached weight).
+
+    Returns:
+        None.
+    """
     if weight is None:
         _PAIRS.clear()
     else:

@@ -1,7 +1,7 @@
 """The fused, zero-buffer expert computation as one autograd op: a torch.library custom-op pair (what
 torch.compile traces) and an autograd.Function over the same bodies (eager mode). The forward and backward bodies
 are written once over a GEMM strategy (NATIVE: experts.stages in the inputs' dtype; experts.fp8.Fp8Gemms: the
-four data GEMMs on e4m3), chosen by the op's Recipe, with everything else (the tile schedule, the combines, the
+four data GEMMs on e4m3), chosen by the op's OpKey, with everything else (the tile schedule, the combines, the
 activation's backward, the bias gradients, dropped pairs, the checkpoint policy) shared. Expert parallelism calls
 the same bodies on the rows it receives (distributed.ep).
 
@@ -43,7 +43,7 @@ before the weight gradients reduce over row blocks.
 
 Host side: every launch that is not autotuned goes through experts.launch (the compiled kernel relaunched
 without Triton's per-call dispatch); in eager mode autograd calls the op's bodies directly (_EagerExperts),
-and torch.compile traces the custom ops. The recipe travels as a short string (Recipe.key), parsed once per value.
+and torch.compile traces the custom ops. The call's OpKey travels as a short string (OpKey.text), parsed once per value.
 
 Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert, E experts, K top-k, R = L·K.
 """
@@ -64,7 +64,7 @@ from .stages import RowPlan
 from .quant import quantize_rows
 
 
-class Recipe(NamedTuple):
+class OpKey(NamedTuple):
     """What one call of the op computes, resolved for its device: ExpertsConfig's choices that reach the kernels
     (backend "tl" or "gluon") and the call's layout (dropped: an index with dropped pairs; interleaved gate/up)."""
     activation: str = "swiglu"
@@ -76,8 +76,8 @@ class Recipe(NamedTuple):
     interleaved: bool = False
 
     @property
-    def key(self) -> str:
-        """The recipe as the custom ops carry it (parse inverts it)."""
+    def text(self) -> str:
+        """The key as the custom ops carry it, a short string (parse inverts it)."""
         return ",".join(v if isinstance(v, str) else str(int(v)) for v in self)
 
     @property
@@ -86,16 +86,16 @@ class Recipe(NamedTuple):
 
 
 @functools.cache
-def parse(key: str) -> Recipe:
+def parse(key: str) -> OpKey:
     a, c, b, *flags = key.split(",")
-    return Recipe(a, c, b, *(f == "1" for f in flags))
+    return OpKey(a, c, b, *(f == "1" for f in flags))
 
 
 class NativeGemms:
     """The GEMMs in the inputs' dtype, each a stage (experts.stages): SwiGLU in the up GEMM's epilogue, the
     activation's backward in dA''s."""
 
-    def __init__(self, r: Recipe):
+    def __init__(self, r: OpKey):
         self.r = r
 
     def up(self, plan: RowPlan, x_LD, w1_EFD, b1_EF, keep: bool):
@@ -130,12 +130,12 @@ class NativeGemms:
 def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
                     b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None, expert_counts: torch.Tensor,
                     expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
-                    recipe: str, w1_up: torch.Tensor | None = None
+                    key: str, w1_up: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out (L, D), preact as backward keeps it (x's dtype under "preact", e4m3 under "preact-fp8", empty under
     "recompute"), its 1 x 128 scales (e4m3 only, else empty), *the tile schedule): the forward body, the schedule
     built once here and handed to backward. w1_up: W1's up rows, where w1 holds only the gate rows."""
-    r = parse(recipe)
+    r = parse(key)
     w1_EFD = whole_w1(w1_EFD, w1_up)
     plan = RowPlan.build(RoutingIndex(expert_counts, expert_offsets, expert_token_idx, token_slot))
     keep = r.checkpoint != "recompute"
@@ -155,7 +155,7 @@ def whole_w1(w1_EFD: torch.Tensor, w1_up: torch.Tensor | None) -> torch.Tensor:
     return w1_EFD if w1_up is None else torch.cat((w1_EFD, w1_up), 1)
 
 
-def _kept(preact_RF: torch.Tensor, preact_q, r: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+def _kept(preact_RF: torch.Tensor, preact_q, r: OpKey) -> tuple[torch.Tensor, torch.Tensor]:
     """(preact as backward keeps it, its scales): by the checkpoint policy. Under "preact-fp8", the e4m3 copy the
     up pass made (preact_q) or one made here (a pass of its own)."""
     none = preact_RF.new_empty(0, dtype=torch.float32)
@@ -170,8 +170,8 @@ experts_fwd = torch.library.custom_op("moeblaze::experts_fwd", experts_forward, 
 
 
 @experts_fwd.register_fake
-def _(x, w1, w2, topk_w, b1, b2, expert_counts, expert_offsets, expert_token_idx, token_slot, recipe, w1_up=None):
-    r = parse(recipe)
+def _(x, w1, w2, topk_w, b1, b2, expert_counts, expert_offsets, expert_token_idx, token_slot, key, w1_up=None):
+    r = parse(key)
     R, F = expert_token_idx.shape[0], w1.shape[1] + (0 if w1_up is None else w1_up.shape[1])
     tiles = R // BLOCK_M + expert_counts.shape[0]
     ints = dict(dtype=torch.int32, device=x.device)
@@ -215,7 +215,7 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
                      topk_w_LK: torch.Tensor, b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None,
                      tile_expert: torch.Tensor, tile_row: torch.Tensor, tiles_used: torch.Tensor,
                      expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
-                     kept_RF: torch.Tensor, kept_scale: torch.Tensor, recipe: str, w1_up: torch.Tensor | None = None
+                     kept_RF: torch.Tensor, kept_scale: torch.Tensor, key: str, w1_up: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dw1, dw2, dtopk_w, db1, db2), db1 and db2 empty where their bias is absent: the backward body. The
     weights' gradients come in the weights' own layouts (strides); dw1 whole (E, F, D) where w1_up is given.
@@ -227,7 +227,7 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
         return (torch.zeros_like(x_LD), torch.zeros_like(w1_EFD), torch.zeros_like(w2_EDH),
                 torch.zeros_like(topk_w_LK), *(x_LD.new_empty(0) if b is None else torch.zeros_like(b)
                                                for b in (b1_EF, b2_ED)))
-    r = parse(recipe)
+    r = parse(key)
     g = r.gemms
     plan = RowPlan(expert_token_idx, expert_offsets, token_slot, tile_expert, tile_row, tiles_used)
     recomputed = r.checkpoint == "recompute"
@@ -255,20 +255,20 @@ experts_bwd = torch.library.custom_op("moeblaze::experts_bwd", experts_backward,
 
 @experts_bwd.register_fake
 def _(dy, x, w1, w2, topk_w, b1, b2, tile_expert, tile_row, tiles_used, expert_offsets, expert_token_idx, token_slot,
-      kept, kept_scale, recipe, w1_up=None):
+      kept, kept_scale, key, w1_up=None):
     dw1 = torch.empty_like(w1) if w1_up is None else w1.new_empty(w1.shape[0], w1.shape[1] + w1_up.shape[1],
                                                                   w1.shape[2])
     return (x.new_empty(x.shape), dw1, torch.empty_like(w2), topk_w.new_empty(topk_w.shape),
             *(x.new_empty(0) if b is None else b.new_empty(b.shape) for b in (b1, b2)))
 
 
-N_INPUTS = 12  # x, w1, w2, topk_w, b1, b2, the index's four tensors, recipe, w1_up
+N_INPUTS = 12  # x, w1, w2, topk_w, b1, b2, the index's four tensors, key, w1_up
 
 
 def _setup_context(ctx, inputs, output):
-    x, w1, w2, topk_w, b1, b2, _counts, offsets, eti, slot, recipe, w1_up = inputs
+    x, w1, w2, topk_w, b1, b2, _counts, offsets, eti, slot, key, w1_up = inputs
     ctx.save_for_backward(x, w1, w2, topk_w, b1, b2, *output[3:], offsets, eti, slot, output[1], output[2], w1_up)
-    ctx.recipe = recipe
+    ctx.key = key
     # preact is saved state, never used downstream: don't let autograd fill an (R, F) zero gradient for it
     ctx.set_materialize_grads(False)
 
@@ -278,7 +278,7 @@ def _backward_with(experts_bwd_fn):
         if dout is None:  # the output took no part in the loss
             return (None,) * N_INPUTS
         x, w1, w2, topk_w, b1, b2, *rest, w1_up = ctx.saved_tensors
-        dx, dw1, dw2, dw, db1, db2 = experts_bwd_fn(dout.contiguous(), x, w1, w2, topk_w, b1, b2, *rest, ctx.recipe,
+        dx, dw1, dw2, dw, db1, db2 = experts_bwd_fn(dout.contiguous(), x, w1, w2, topk_w, b1, b2, *rest, ctx.key,
                                                     w1_up)
         dw1_up = None
         if w1_up is not None:
@@ -310,12 +310,12 @@ _EagerExperts = eager_function("_EagerExperts", experts_forward, _setup_context,
 
 def fused_experts(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
                   b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None, routing: RoutingIndex,
-                  recipe: str, w1_up: torch.Tensor | None = None) -> torch.Tensor:
+                  key: str, w1_up: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' combined output (L, D), differentiable in x, w1, w2, topk_w, the biases and w1_up (W1's up
     rows where w1 holds only its gate rows): the custom op where torch.compile traces, the direct path in eager
-    mode. recipe: a Recipe's key. Overridable through __torch_function__."""
-    args = (x_LD, w1_EFD, w2_EDH, topk_w_LK, b1_EF, b2_ED, *routing.tensors(), recipe, w1_up)
+    mode. key: an OpKey's text. Overridable through __torch_function__."""
+    args = (x_LD, w1_EFD, w2_EDH, topk_w_LK, b1_EF, b2_ED, *routing.tensors(), key, w1_up)
     dense = tuple(t for t in (*args[:6], w1_up) if t is not None)
     if torch.overrides.has_torch_function(dense):  # a __torch_function__ mode (memory profiler) sees it as one op
-        return torch.overrides.handle_torch_function(fused_experts, dense, *args[:6], routing, recipe, w1_up)
+        return torch.overrides.handle_torch_function(fused_experts, dense, *args[:6], routing, key, w1_up)
     return (experts_fwd(*args) if torch.compiler.is_compiling() else _EagerExperts.apply(*args))[0]

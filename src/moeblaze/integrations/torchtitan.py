@@ -221,5 +221,4 @@ class MoeblazeConverter(ModelConfigConverter):
         return model_config
 
 
-__all__ = ["MoeblazeConverter", "MoeblazeGroupedExperts", "MoeblazeRoutedExperts", "check_experts_config",
-           "ep_config"]
+__all__ = ["MoeblazeConverter", "MoeblazeGroupedExperts", "MoeblazeRoutedExperts"]

@@ -15,6 +15,15 @@ from .moe import MoELayer, MoEOutput
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal multi-head self-attention (scaled_dot_product_attention) with one qkv and one output projection.
+
+    Args:
+        d_model, n_heads: the width D and the heads (n_heads divides d_model).
+
+    Returns:
+        forward(x (B, T, D)) -> (B, T, D).
+    """
+
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
         check_heads(d_model, n_heads)

@@ -43,7 +43,17 @@ class MoEOutput(NamedTuple):
 class Experts(nn.Module):
     """The experts: w1 (E, F, D) with F = 2·d_expert (gate rows first) for gated activations and d_expert for
     plain ones, w2 (E, D, d_expert), and their computation on a top-k routing (moeblaze.experts.moe_experts).
-    moeblaze.distributed.ExpertParallel takes its place to split the experts over several processes."""
+    moeblaze.distributed.ExpertParallel takes its place to split the experts over several processes.
+
+    Args:
+        d_model, d_expert, num_experts: D, the expert width H, E.
+        config: the experts' moeblaze.ExpertsConfig (0.1's keyword form works with a DeprecationWarning).
+        device, dtype: of the parameters.
+
+    Returns:
+        forward(x (L, D), topk_idx (L, K) int or None, topk_weights (L, K) float, routing=None) -> (L, D) in x's
+        dtype (autocast's where it is on).
+    """
 
     def __init__(self, d_model: int, d_expert: int, num_experts: int, *, config: ExpertsConfig = DEFAULT, device=None,
                  dtype=None, **legacy):
@@ -89,7 +99,17 @@ class SharedExperts(Experts):
     compute them through an index that sends every token to each shared expert in token order (rows read in
     place: no gathered copy), in a launch of their own, since their weights are tensors of their own. Never a
     routing target: outside the router's losses, its bias updates and expert parallelism (each rank keeps all S,
-    like the dense weights)."""
+    like the dense weights).
+
+    Args:
+        d_model, d_hidden, count: D, their width, S.
+        config: the routed experts' moeblaze.ExpertsConfig (run here in native precision with the dense index).
+        gated: a learned gate g (1, D) scales their output by σ(x·gᵀ).
+        device, dtype: of the parameters.
+
+    Returns:
+        forward(x (L, D)) -> (L, D) in x's dtype: the sum of the S experts' outputs, gated where `gated`.
+    """
 
 
     def __init__(self, d_model: int, d_hidden: int, count: int, *, config: ExpertsConfig = DEFAULT,

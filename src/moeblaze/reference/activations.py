@@ -35,7 +35,15 @@ def is_gated(activation: str) -> bool:
 
 
 def up_width(activation: str, h: int) -> int:
-    """Rows of w1 per expert: 2h for gated activations (gate and up rows), h for plain ones."""
+    """Rows of w1 per expert: 2h for gated activations (gate and up rows), h for plain ones.
+
+    Args:
+        activation: a name of ACTIVATIONS.
+        h: the expert width.
+
+    Returns:
+        F, an int.
+    """
     return 2 * h if is_gated(activation) else h
 
 
@@ -47,7 +55,17 @@ def split_gate_up(preact: torch.Tensor, interleaved: bool = False) -> tuple[torc
 
 
 def apply_activation(preact: torch.Tensor, activation: str, interleaved: bool = False) -> torch.Tensor:
-    """act(H): (.., 2h) -> (.., h) for gated activations, (.., h) -> (.., h) for plain ones."""
+    """act(H): (.., 2h) -> (.., h) for gated activations, (.., h) -> (.., h) for plain ones.
+
+    Args:
+        preact: (..., F) pre-activation, F = 2h for gated activations ([gate | up], or alternating where
+            interleaved), h for plain ones.
+        activation: a name of ACTIVATIONS.
+        interleaved: gate and up rows alternate.
+
+    Returns:
+        (..., h) in preact's dtype.
+    """
     if not is_gated(activation):
         return _ELEMENTWISE[activation](preact)
     gate, up = split_gate_up(preact, interleaved)

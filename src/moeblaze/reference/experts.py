@@ -176,7 +176,16 @@ def moe_experts_dense(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_LK: 
                       w2_EDH: torch.Tensor, b1_EF: torch.Tensor | None = None, b2_ED: torch.Tensor | None = None, *,
                       config: ExpertsConfig = DEFAULT, interleaved: bool = False, **legacy) -> torch.Tensor:
     """The same function computed token by token with every expert's weights gathered per pair: an
-    independent second oracle (O(L·K·F·D) weight memory), for tiny sizes in tests only. Native precision only."""
+    independent second oracle (O(L·K·F·D) weight memory), for tiny sizes in tests only. Native precision only.
+
+    Args:
+        x_LD, topk_idx_LK, topk_w_LK, w1_EFD, w2_EDH, b1_EF, b2_ED: as moe_experts_reference takes them.
+        config: the moeblaze.ExpertsConfig (native precision).
+        interleaved: W1's gate and up rows alternate.
+
+    Returns:
+        (L, D) in x's dtype.
+    """
     config = _config("moe_experts_dense", b1_EF, config, legacy)
     if config.fp8 or config.checkpoint == "preact-fp8":
         raise ValueError("moe_experts_dense computes native precision only: use moe_experts_reference for the fp8 "

@@ -319,7 +319,21 @@ def round_to_index(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weig
     selection keys and the (L, E) uint8 mask, about as much as the router's (L, E) scores. The kernels' token
     tiles are a half (keys) and a quarter (weights) of the index's: at the full tile ptxas spills registers (the
     keys kernel took 240 µs instead of 19 at config C, benchmarks/lab/rounding_lab.py). check=False skips the checks
-    of the ids' and weights' values (a router's own output, as MoELayer passes it)."""
+    of the ids' and weights' values (a router's own output, as MoELayer passes it).
+
+    Args:
+        logits_LE: (L, E) float logits of the router that chose topk_idx.
+        topk_idx_LK, topk_weights_LK: (L, K) int ids and float weights of that router.
+        tile: every expert's count is rounded to a multiple of it.
+        rule: "nr-f", "up" or "down".
+        scoring, renormalize, route_scale: the router's (moeblaze.RouterConfig's fields), for added pairs' weights.
+        max_experts: at most this many experts per token, >= K (None: min(E, 4K)).
+        max_rows: the index's row buffer (None: the bound the rounding never exceeds).
+        check: check the ids' and weights' values.
+
+    Returns:
+        (RoutingIndex, weights (L, max_experts) fp32 in the index's table layout, overflow: a bool tensor).
+    """
     _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale, max_experts,
            stacklevel=3, check_values=check)
     (L, E), K = logits_LE.shape, topk_idx_LK.shape[1]

@@ -43,6 +43,15 @@ from .index import count_per_expert
 
 @dataclass
 class RouterOutput:
+    """What TopKRouter.forward returns.
+
+    Args:
+        topk_idx: (L, K) int32 expert ids.
+        topk_weights: (L, K) fp32 weights, differentiable.
+        aux_loss: the balancing loss of the router's kind, an fp32 scalar.
+        z_loss: the router z-loss, an fp32 scalar.
+        logits: (L, E) fp32 logits, the gate bias included (token rounding reads them).
+    """
     topk_idx: torch.Tensor  # (L, K) int32 expert ids
     topk_weights: torch.Tensor  # (L, K) fp32, differentiable
     aux_loss: torch.Tensor  # scalar fp32, the load-balancing loss (the router's aux_loss kind)
@@ -106,7 +115,17 @@ def route_topk(logits_LE: torch.Tensor, top_k: int, scoring: str = "softmax_topk
                route_scale: float = 1.0, selection_bias: torch.Tensor | None = None, num_groups: int = 1,
                topk_groups: int = 1):
     """(topk_idx int32 (L, K), topk_weights fp32 (L, K)) from logits (L, E) (see the module header; the options
-    as RouterConfig's); selection_bias (E,) shifts the choice only."""
+    as RouterConfig's); selection_bias (E,) shifts the choice only.
+
+    Args:
+        logits_LE: (L, E) float logits.
+        top_k: K, 1 <= K <= E.
+        scoring, renormalize, route_scale, num_groups, topk_groups: as moeblaze.RouterConfig's fields.
+        selection_bias: (E,) float, added to the scores for the choice only (DeepSeek-V3's expert bias), or None.
+
+    Returns:
+        (topk_idx (L, K) int32, topk_weights (L, K) fp32, differentiable in the logits).
+    """
     config = RouterConfig(scoring=scoring, renormalize=renormalize, route_scale=route_scale, num_groups=num_groups,
                           topk_groups=topk_groups)
     E = logits_LE.shape[-1]
@@ -284,7 +303,15 @@ class TopKRouter(nn.Module):
 
 
 def update_expert_biases(model: nn.Module, group=None) -> int:
-    """update_expert_bias() on every router of the model that has an expert bias; how many."""
+    """update_expert_bias() on every router of the model that has an expert bias; how many.
+
+    Args:
+        model: any nn.Module; its TopKRouters with an expert bias are updated.
+        group: the process group their loads are summed over (None: the world, where distributed).
+
+    Returns:
+        The number of routers updated.
+    """
     n = 0
     for m in model.modules():
         if isinstance(m, TopKRouter) and m.expert_bias is not None:
