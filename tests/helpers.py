@@ -1,4 +1,6 @@
 """Random MoE problems for tests (fresh random inputs, never zeros) and the routing index's invariants."""
+import contextlib
+
 import torch
 
 from moeblaze.reference import up_width
@@ -157,7 +159,12 @@ def speed_up_triton_interpreter():
       this suite. Here by a list of the builtins' names, made once from the untouched modules (a name is patched
       where it still holds a builtin, as inspect.getmembers would have found it).
     - It maps a Triton type to its numpy dtype by building a 19-entry dict at every call (a tenth of what is left):
-      here each element type's answer is kept after its first call."""
+      here each element type's answer is kept after its first call.
+    And one computation that checked nothing is set aside: the integer-overflow sanitizer recomputes every int32
+    add, sub and mul in int64 and compares it with the bounds (about half of what was left), then hands the result
+    to device_assert, which without debug=True returns at once: no assertion ever ran. tests/experts/
+    test_overflow_sanitizer.py runs every kernel with the sanitizer and debug=True (interpreter_overflow_checks),
+    where its assertions do run."""
     import inspect
     import os
 
@@ -193,3 +200,29 @@ def speed_up_triton_interpreter():
         return dtypes[key]
 
     interpreter._get_np_dtype = get_np_dtype
+    _set_overflow_checks(False)
+
+
+def _set_overflow_checks(on: bool, debug: bool | None = None):
+    """The interpreter's integer-overflow sanitizer on or off (and device asserts with debug); the options before."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    was = builder.options
+    builder.options = dataclasses.replace(was, sanitize_overflow=on, debug=was.debug if debug is None else debug)
+    return was
+
+
+@contextlib.contextmanager
+def interpreter_overflow_checks():
+    """Triton's interpreter with its integer-overflow sanitizer on and debug=True, so that its assertions (and the
+    kernels' own device asserts) run: an int32 overflow raises."""
+    from triton.runtime import interpreter
+
+    was = _set_overflow_checks(True, debug=True)
+    try:
+        yield
+    finally:
+        interpreter.interpreter_builder.options = was
