@@ -162,12 +162,13 @@ def compare_layers(base, iters: int, dims=(1024, 512, 64, 4, 2048), device="cuda
         equal = [a is b or (a is not None and b is not None and torch.equal(a, b))
                  for a, b in zip(got["baseline"], got["current"])]
         times = {k: [] for k in layers}
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         for _ in range(iters):
             for k, m in layers.items():
-                torch.cuda.synchronize(device) if device == "cuda" else None
+                sync()
                 t0 = time.perf_counter()
                 step(m)
-                torch.cuda.synchronize(device) if device == "cuda" else None
+                sync()
                 times[k].append((time.perf_counter() - t0) * 1e3)
         tb, tc = (sorted(times[k])[len(times[k]) // 2] for k in ("baseline", "current"))
         print(f"| {name} | {'yes' if same_state else 'NO'} | {'yes' if all(equal) else equal} | {tb:.2f} | "

@@ -32,14 +32,12 @@ def layer_from_legacy(where: str, router, shared, rounding, legacy: dict, stackl
     if isinstance(router, str):
         router = RouterConfig.family(router)
     elif isinstance(router, dict):  # a dict of options: the ones beside it add to it, and never contradict it
-        for k in ("scoring", "renormalize"):
-            if k in given and k in router and router[k] != given[k]:
-                raise ValueError(f"{k}={given[k]!r} contradicts the router's {k}={router[k]!r}: give it once")
-        router = RouterConfig(**{**router, **{k: given.pop(k) for k in ("scoring", "renormalize") if k in given}})
-    router = _one_form(where, "router", router, RouterConfig, given, ("scoring", "renormalize"))
-    shared = _one_form(where, "shared", shared, SharedConfig, given, ("shared_experts", "d_shared", "shared_gate"))
-    rounding = _one_form(where, "rounding", rounding, RoundingConfig, given,
-                         ("token_rounding", "rounding_tile", "rounding_max_experts"))
+        flat = {k: given.pop(k) for k in _keys("router") if k in given}
+        _same(flat, router)
+        router = RouterConfig(**{**router, **flat})
+    router = _one_form(where, "router", router, RouterConfig, given)
+    shared = _one_form(where, "shared", shared, SharedConfig, given)
+    rounding = _one_form(where, "rounding", rounding, RoundingConfig, given)
     if old:
         new = [f"router=moeblaze.RouterConfig.family({family!r})" if family and router == ROUTERS[family] else
                f"router={shown(router)}" if router not in (None, RouterConfig()) else ""]
@@ -50,24 +48,33 @@ def layer_from_legacy(where: str, router, shared, rounding, legacy: dict, stackl
     return router or RouterConfig(), shared, rounding
 
 
-def ep_from_legacy(where: str, ep_config, legacy: dict, stacklevel: int = 3):
-    """The EPConfig of a call: `ep_config` (None: the default, exact dispatch), or 0.2's form (dispatch,
-    capacity_factor, capacity, on_overflow as keyword arguments; their defaults 1.25 and "error" unset) with a
+def config_from_legacy(where: str, name: str, value, kind: type, legacy: dict, unset: dict | None = None,
+                       stacklevel: int = 3):
+    """The `kind` config a call passes as `name`: `value` (None: unset, returned as None), or 0.2's form, its fields
+    as keyword arguments `legacy` (None, and a value equal to the one `unset` gives it, unset), with a
     DeprecationWarning that names the new form. TypeError for an unknown keyword, another type or both forms."""
-    unknown = sorted(set(legacy) - {"dispatch", "capacity_factor", "capacity", "on_overflow"})
+    unknown = sorted(set(legacy) - {f.name for f in dataclasses.fields(kind)})
     if unknown:
         raise TypeError(f"{where}() got unexpected keyword argument(s) {unknown}")
-    if ep_config is not None and not isinstance(ep_config, EPConfig):
-        raise TypeError(f"ep_config must be a moeblaze.EPConfig or None, got {type(ep_config).__name__}")
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{name} must be a moeblaze.{kind.__name__} or None, got {type(value).__name__}")
     if not legacy:
-        return ep_config or EPConfig()
-    if ep_config is not None:
-        raise TypeError(f"{where}(): pass ep_config=EPConfig(...) only, not also {sorted(legacy)}")
-    old = {"dispatch": "exact", "capacity_factor": DEFAULT_CAPACITY_FACTOR, "on_overflow": "error"}
-    new = EPConfig(**{k: v for k, v in legacy.items() if v is not None and (k not in old or v != old[k])})
+        return value
+    if value is not None:
+        raise TypeError(f"{where}(): pass {name}={kind.__name__}(...) only, not also {sorted(legacy)}")
+    unset = unset or {}
+    new = kind(**{k: v for k, v in legacy.items() if v is not None and (k not in unset or v != unset[k])})
     warnings.warn(f"{where}({', '.join(sorted(legacy))}=...) is deprecated and goes in 0.3: pass "
-                  f"ep_config={shown(new)}", DeprecationWarning, stacklevel=stacklevel)
+                  f"{name}={shown(new)}", DeprecationWarning, stacklevel=stacklevel + 1)
     return new
+
+
+def ep_from_legacy(where: str, ep_config, legacy: dict, stacklevel: int = 3):
+    """The EPConfig of a call: `ep_config` (None: the default, exact dispatch), or 0.2's form (dispatch,
+    capacity_factor, capacity, on_overflow as keyword arguments; their defaults 1.25 and "error" unset)."""
+    old = {"dispatch": "exact", "capacity_factor": DEFAULT_CAPACITY_FACTOR, "on_overflow": "error"}
+    return (config_from_legacy(where, "ep_config", ep_config, EPConfig, legacy, old, stacklevel)
+            or EPConfig())
 
 
 def shown(config) -> str:
@@ -78,17 +85,28 @@ def shown(config) -> str:
     return f"moeblaze.{type(config).__name__}({changed})"
 
 
-def _one_form(where: str, name: str, value, kind: type, given: dict, keys: tuple):
-    """The `name` config of a call from `value` or from its 0.2 keyword arguments `keys` in `given`."""
+def _keys(name: str) -> tuple:
+    """0.2's keyword arguments that the `name` config now holds."""
+    return tuple(k for k, config in LEGACY_LAYER.items() if config == name)
+
+
+def _same(flat: dict, options: dict) -> None:
+    """ValueError where a router option given beside a router contradicts the router's own."""
+    for k, v in flat.items():
+        if k in options and options[k] != v:
+            raise ValueError(f"{k}={v!r} contradicts the router's {k}={options[k]!r}: give it once")
+
+
+def _one_form(where: str, name: str, value, kind: type, given: dict):
+    """The `name` config of a call from `value` or from its 0.2 keyword arguments in `given`."""
     if value is not None and not isinstance(value, kind):
         raise TypeError(f"{name} must be a moeblaze.{kind.__name__} or None, got {type(value).__name__}")
-    flat = {k: given[k] for k in keys if k in given}
+    flat = {k: given[k] for k in _keys(name) if k in given}
     if not flat:
         return value
     if kind is RouterConfig:  # options beside a router: they add to the default set, and never contradict one given
-        for k, v in flat.items():
-            if value is not None and getattr(value, k) != v:
-                raise ValueError(f"{k}={v!r} contradicts the router's {k}={getattr(value, k)!r}: give it once")
+        if value is not None:
+            _same(flat, dataclasses.asdict(value))
         return (value or RouterConfig()).replace(**flat)
     if value is not None:
         raise TypeError(f"{where}(): pass {name}={kind.__name__}(...) only, not also {sorted(flat)}")
@@ -105,7 +123,7 @@ def flat_shared(shared_experts: int | None, d_shared: int | None, shared_gate: b
             k, v = ("shared_gate", shared_gate) if shared_gate else ("d_shared", d_shared)
             raise ValueError(f"{k}={v!r} configures shared experts, but shared_experts is {shared_experts or 0}")
         return None
-    return SharedConfig(shared_experts, d_shared or None, bool(shared_gate) if shared_gate is not None else False)
+    return SharedConfig(shared_experts, d_shared or None, bool(shared_gate))
 
 
 def flat_rounding(token_rounding: str | None, rounding_tile: int | None,

@@ -28,8 +28,6 @@ fp32 buffers with expert_bias. The logits' backward keeps x itself (no fp32 copy
 """
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,7 +35,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..args import check_int
-from ..configs import AUX_LOSSES, SCORINGS, RouterConfig, check_layer, shown  # noqa: F401
+from ..configs import AUX_LOSSES, SCORINGS, RouterConfig, check_layer  # noqa: F401
+from ..configs.legacy import config_from_legacy
 from .index import count_per_expert
 
 
@@ -221,18 +220,8 @@ class TopKRouter(nn.Module):
                  aux_group=None, device=None, dtype=None, **legacy):
         super().__init__()
         check_int("d_model", d_model)
-        if legacy:
-            unknown = sorted(set(legacy) - {f.name for f in dataclasses.fields(RouterConfig)})
-            if unknown:
-                raise TypeError(f"TopKRouter() got unexpected keyword argument(s) {unknown}")
-            if config is not None:
-                raise TypeError(f"TopKRouter(): pass config=RouterConfig(...) only, not also {sorted(legacy)}")
-            config = RouterConfig(**legacy)
-            warnings.warn(f"TopKRouter({', '.join(sorted(legacy))}=...) is deprecated and goes in 0.3: pass "
-                          f"config={shown(config)}", DeprecationWarning, stacklevel=2)
-        config = RouterConfig() if config is None else config
-        if not isinstance(config, RouterConfig):
-            raise TypeError(f"config must be a moeblaze.RouterConfig or None, got {type(config).__name__}")
+        config = config_from_legacy("TopKRouter", "config", config, RouterConfig, legacy, stacklevel=2)
+        config = config or RouterConfig()
         check_layer(num_experts, top_k, config)
         self.config, self.num_experts, self.top_k, self.aux_group = config, num_experts, top_k, aux_group
         self.weight = nn.Parameter(torch.empty(num_experts, d_model, device=device, dtype=dtype))
