@@ -53,13 +53,13 @@ def config_from_legacy(where: str, name: str, value, kind: type, legacy: dict, u
     """The `kind` config a call passes as `name`: `value` (None: unset, returned as None), or 0.2's form, its fields
     as keyword arguments `legacy` (None, and a value equal to the one `unset` gives it, unset), with a
     DeprecationWarning that names the new form. TypeError for an unknown keyword, another type or both forms."""
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{name} must be a moeblaze.{kind.__name__} or None, got {type(value).__name__}")
+    if not legacy:  # the common call, traced by torch.compile under expert parallelism: nothing more to look at
+        return value
     unknown = sorted(set(legacy) - {f.name for f in dataclasses.fields(kind)})
     if unknown:
         raise TypeError(f"{where}() got unexpected keyword argument(s) {unknown}")
-    if value is not None and not isinstance(value, kind):
-        raise TypeError(f"{name} must be a moeblaze.{kind.__name__} or None, got {type(value).__name__}")
-    if not legacy:
-        return value
     if value is not None:
         raise TypeError(f"{where}(): pass {name}={kind.__name__}(...) only, not also {sorted(legacy)}")
     unset = unset or {}
