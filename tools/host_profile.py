@@ -85,7 +85,7 @@ def piece_us(fn, n=20, rounds=15):
 def pieces(p, name):
     """Host µs of each launch of a preact step (through experts.stages, on the default backend) and of the step."""
     from moeblaze.experts import dispatch, stages
-    from moeblaze.experts.op import OpKey, experts_backward, experts_forward
+    from moeblaze.experts.op import Kept, OpInputs, OpKey, experts_backward, experts_forward
     from moeblaze.experts.stages import RowPlan
     from moeblaze.routing import build_routing_index
 
@@ -96,6 +96,7 @@ def pieces(p, name):
     x, w, w1, w2 = x.detach(), w.detach(), p.w1.detach(), p.w2.detach()
     r = build_routing_index(idx, p.E, check=False)
     plan = RowPlan.build(r)
+    inputs = OpInputs.of(x, w1, w2, w, r)
     preact, act = stages.up(plan, x, w1, "swiglu")
     y = stages.down(plan, act, w2)
     dpre = torch.empty_like(preact)
@@ -111,9 +112,8 @@ def pieces(p, name):
         "dW2": lambda: stages.weight_grad(plan, dy, sa, torch.empty_like(w2), True),
         "dW1": lambda: stages.weight_grad(plan, dpre, x, torch.empty_like(w1), False),
         "dX~": lambda: stages.dx_rows(plan, dpre, w1),
-        "forward body": lambda: experts_forward(x, w1, w2, w, None, None, *r.tensors(), key),
-        "backward body": lambda: experts_backward(dy, x, w1, w2, w, None, None, *plan.sched, r.expert_offsets,
-                                                  r.expert_token_idx, r.token_slot, preact, scale, key),
+        "forward body": lambda: experts_forward(inputs, key),
+        "backward body": lambda: experts_backward(dy, inputs, Kept(preact, scale, *plan.sched), key),
         "step forward": lambda: run_step(call, p, 0, False),
         "step forward+backward": lambda: run_step(call, p, 0, True),
     }

@@ -195,15 +195,14 @@ def test_backward_on_a_fresh_thread(backend):
     backward body on a new thread whose first CUDA work it is, and compare with the calling thread's."""
     import threading
 
-    from moeblaze.experts.op import OpKey, experts_backward, experts_forward
+    from moeblaze.experts.op import OpInputs, OpKey, experts_backward, experts_forward
 
     p = make_problem(1024, 256, 256, 8, 2, dtype=torch.bfloat16, device="cuda")
     x, idx, w, dy = p.sets[0]
-    r = build_routing_index(idx, p.E)
-    args = (x.detach(), p.w1.detach(), p.w2.detach(), w.detach(), None, None)  # no biases
+    inputs = OpInputs.of(x.detach(), p.w1.detach(), p.w2.detach(), w.detach(), build_routing_index(idx, p.E))
     key = OpKey(backend=backend).text
-    _, preact, scale, *sched = experts_forward(*args, *r.tensors(), key)
-    bwd_args = (dy, *args, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot, preact, scale, key)
+    _, kept = experts_forward(inputs, key)
+    bwd_args = (dy, inputs, kept, key)
     want = experts_backward(*bwd_args)
     got, errors = [], []
 

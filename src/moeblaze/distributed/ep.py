@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ..experts import kernel_op_key
 from ..experts.dispatch import choose
-from ..experts.op import experts_backward, experts_forward, parse
+from ..experts.op import Kept, OpInputs, experts_backward, experts_forward, kept_like, parse
 from ..experts.schedule import BLOCK_M
 from ..experts.stages import combine_slots
 from ..launch import ensure_context
@@ -224,7 +224,7 @@ def _forward(x, topk_w, w1, w2, plan: _Plan, key: str):
     r = plan.recv
     recv_x = plan.dispatch(plan.send(x))
     ones = recv_x.new_ones(recv_x.shape[0], 1, dtype=torch.float32)
-    y, kept, scale, *sched = experts_forward(recv_x, w1, w2, ones, None, None, *r.tensors(), key)
+    y, (kept, scale, *sched) = experts_forward(OpInputs.of(recv_x, w1, w2, ones, r), key)
     ret = plan.give_back(y)
     del y
     out = plan.combine(ret, topk_w.float().contiguous(), x.dtype) if x.shape[0] else torch.zeros_like(x)
@@ -245,9 +245,8 @@ def _backward(dout, x, topk_w, w1, w2, plan: _Plan, recv_x, kept, scale, sched, 
     w_rows = in_row_order(topk_w, plan.routing.token_slot, plan.routing.expert_token_idx.shape[0],
                           torch.float32)  # router weights in expert order
     w_recv = plan.dispatch(plan.in_send_order(w_rows)).view(-1, 1)
-    dx_recv, dw1, dw2, ds_recv, _, _ = experts_backward(
-        dy_recv, recv_x, w1, w2, w_recv, None, None, *sched, r.expert_offsets, r.expert_token_idx, r.token_slot,
-        kept, scale, key)
+    dx_recv, dw1, dw2, ds_recv, *_ = experts_backward(dy_recv, OpInputs.of(recv_x, w1, w2, w_recv, r),
+                                                      Kept(kept, scale, *sched), key)
     del dy_recv, recv_x
     dx_ret = plan.give_back(dx_recv)
     ds_ret = plan.give_back(ds_recv.view(-1))

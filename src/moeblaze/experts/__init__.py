@@ -21,7 +21,7 @@ from ..routing import RoutingIndex, build_routing_index
 from ..routing.checks import check_expert_inputs, check_topk_weights
 from .dispatch import choose, launch_counts
 from .fp8 import check_fp8_supported, clear_weight_cache
-from .op import OpKey, fused_experts, whole_w1
+from .op import OpInputs, OpKey, fused_experts, whole_w1
 
 def check_kernel_dtype(x: torch.Tensor) -> None:
     """TypeError unless the kernels compute x's dtype right where x is: float16, bfloat16 or float32, and under
@@ -112,11 +112,11 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     chunk = config.chunk_tokens
     if chunk is not None and x.shape[0] > chunk:
         idx, E = routing.topk_idx(), w1.shape[0]  # dropped pairs come back as id E: sentinels again
-        outs = [fused_experts(xc, w1, w2, wc, b1, b2,
-                              build_routing_index(ic, E, check=False, sentinels=routing.dropped), key, w1_up)
-                for xc, ic, wc in zip(x.split(chunk), idx.split(chunk), topk_weights.split(chunk))]
-        return torch.cat(outs)
-    return fused_experts(x, w1, w2, topk_weights, b1, b2, routing, key, w1_up)
+        chunks = (OpInputs.of(xc, w1, w2, wc, build_routing_index(ic, E, check=False, sentinels=routing.dropped),
+                              b1=b1, b2=b2, w1_up=w1_up)
+                  for xc, ic, wc in zip(x.split(chunk), idx.split(chunk), topk_weights.split(chunk)))
+        return torch.cat([fused_experts(c, key) for c in chunks])
+    return fused_experts(OpInputs.of(x, w1, w2, topk_weights, routing, b1=b1, b2=b2, w1_up=w1_up), key)
 
 
 __all__ = ["ExpertsConfig", "clear_weight_cache", "launch_counts", "moe_experts"]

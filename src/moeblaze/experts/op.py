@@ -127,27 +127,96 @@ class NativeGemms:
         return stages.dx_rows(plan, dpreact_RF, w1_EFD, self.r.backend)
 
 
-def experts_forward(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
-                    b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None, expert_counts: torch.Tensor,
-                    expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
-                    key: str, w1_up: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out (L, D), preact as backward keeps it (x's dtype under "preact", e4m3 under "preact-fp8", empty under
-    "recompute"), its 1 x 128 scales (e4m3 only, else empty), *the tile schedule): the forward body, the schedule
-    built once here and handed to backward. w1_up: W1's up rows, where w1 holds only the gate rows."""
+class OpInputs(NamedTuple):
+    """The op's tensor inputs, in the custom ops' order: the one definition that the ops' schemas, their fakes, the
+    autograd wiring and expert parallelism derive from (a new input is one more field). Optional parts are None.
+
+    x (L, D); w1 (E, F, D), only the gate rows where w1_up is given; w2 (E, D, H); topk_w (L, K); the routing index's
+    four arrays (routing.RoutingIndex); b1 (E, F) and b2 (E, D), the biases; w1_up: W1's up rows apart."""
+    x: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    topk_w: torch.Tensor
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+    expert_token_idx: torch.Tensor
+    token_slot: torch.Tensor
+    b1: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+    w1_up: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, x, w1, w2, topk_w, routing: RoutingIndex, **optional) -> OpInputs:
+        return cls(x, w1, w2, topk_w, *routing.tensors(), **optional)
+
+    @property
+    def routing(self) -> RoutingIndex:
+        return RoutingIndex(self.expert_counts, self.expert_offsets, self.expert_token_idx, self.token_slot)
+
+    @property
+    def whole_w1(self) -> torch.Tensor:
+        return whole_w1(self.w1, self.w1_up)
+
+    @property
+    def w1_rows(self) -> int:
+        """F: W1's rows per expert, both parts."""
+        return self.w1.shape[1] + (0 if self.w1_up is None else self.w1_up.shape[1])
+
+    def grads(self, grads: tuple) -> tuple:
+        """The gradient of each field (None where it takes none, or is absent) from the backward body's outputs (one
+        per DIFFERENTIABLE field, dw1 whole: split here where w1_up came apart)."""
+        g = dict(zip(DIFFERENTIABLE, grads))
+        if self.w1_up is not None:
+            g["w1"], g["w1_up"] = g["w1"].split((self.w1.shape[1], self.w1_up.shape[1]), 1)
+        return tuple(g[f] if f in g and v is not None else None for f, v in zip(self._fields, self))
+
+
+DIFFERENTIABLE = ("x", "w1", "w2", "topk_w", "b1", "b2", "w1_up")  # the backward body's outputs, in this order
+
+
+class Kept(NamedTuple):
+    """What forward hands backward beyond its inputs: preact as the checkpoint policy keeps it (x's dtype under
+    "preact", e4m3 under "preact-fp8", empty under "recompute"), its 1 x 128 scales (e4m3 only, else empty), and
+    the tile schedule (experts.schedule)."""
+    preact: torch.Tensor
+    preact_scale: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_row: torch.Tensor
+    tiles_used: torch.Tensor
+
+    def plan(self, inputs: OpInputs) -> RowPlan:
+        return RowPlan(inputs.expert_token_idx, inputs.expert_offsets, inputs.token_slot, self.tile_expert,
+                       self.tile_row, self.tiles_used)
+
+
+def _schema(*groups: type | str, returns: int) -> str:
+    """A custom op's schema from NamedTuple groups of tensor fields (a field defaulting to None is optional) and
+    plain tensor arguments (str: their names), the OpKey's text last."""
+    args = []
+    for g in groups:
+        if isinstance(g, str):
+            args.append(f"Tensor {g}")
+            continue
+        args += [("Tensor? " if g._field_defaults.get(f, 0) is None else "Tensor ") + f for f in g._fields]
+    return f"({', '.join(args)}, str key) -> ({', '.join(['Tensor'] * returns)})"
+
+
+def experts_forward(inputs: OpInputs, key: str) -> tuple[torch.Tensor, Kept]:
+    """(out (L, D), what backward keeps): the forward body, the tile schedule built once here and handed to
+    backward."""
     r = parse(key)
-    w1_EFD = whole_w1(w1_EFD, w1_up)
-    plan = RowPlan.build(RoutingIndex(expert_counts, expert_offsets, expert_token_idx, token_slot))
+    x_LD, w1_EFD = inputs.x, inputs.whole_w1
+    plan = RowPlan.build(inputs.routing)
     keep = r.checkpoint != "recompute"
     if x_LD.shape[0] == 0:  # an empty batch (a rank without tokens): no launch can address 0 rows
         preact = x_LD.new_zeros(0, w1_EFD.shape[1])
-        return (x_LD.new_zeros(x_LD.shape), *_kept(preact, None, r), *plan.sched)
+        return x_LD.new_zeros(x_LD.shape), Kept(*_kept(preact, None, r), *plan.sched)
     g = r.gemms
-    preact, act, preact_q = g.up(plan, x_LD, w1_EFD, b1_EF, keep)
-    y_RD = g.down(plan, act, w2_EDH, x_LD.dtype)
+    preact, act, preact_q = g.up(plan, x_LD, w1_EFD, inputs.b1, keep)
+    y_RD = g.down(plan, act, inputs.w2, x_LD.dtype)
     del act
-    out = stages.combine(plan, y_RD, topk_w_LK.float().contiguous(), x_LD.dtype, bias_ED=b2_ED)
-    return (out, *_kept(preact, preact_q, r), *plan.sched)
+    out = stages.combine(plan, y_RD, inputs.topk_w.float().contiguous(), x_LD.dtype, bias_ED=inputs.b2)
+    return out, Kept(*_kept(preact, preact_q, r), *plan.sched)
 
 
 def whole_w1(w1_EFD: torch.Tensor, w1_up: torch.Tensor | None) -> torch.Tensor:
@@ -166,20 +235,31 @@ def _kept(preact_RF: torch.Tensor, preact_q, r: OpKey) -> tuple[torch.Tensor, to
     return preact_RF, none
 
 
-experts_fwd = torch.library.custom_op("moeblaze::experts_fwd", experts_forward, mutates_args=())
+def _forward_op(*args):
+    out, kept = experts_forward(OpInputs(*args[:-1]), args[-1])
+    return (out, *kept)
 
 
-@experts_fwd.register_fake
-def _(x, w1, w2, topk_w, b1, b2, expert_counts, expert_offsets, expert_token_idx, token_slot, key, w1_up=None):
-    r = parse(key)
-    R, F = expert_token_idx.shape[0], w1.shape[1] + (0 if w1_up is None else w1_up.shape[1])
-    tiles = R // BLOCK_M + expert_counts.shape[0]
+experts_fwd = torch.library.custom_op("moeblaze::experts_fwd", _forward_op, mutates_args=(),
+                                      schema=_schema(OpInputs, returns=1 + len(Kept._fields)))
+
+
+def kept_like(inputs: OpInputs, key: str) -> Kept:
+    """Kept's shapes for these inputs (no data): the fakes' rule, here and in expert parallelism."""
+    r, x = parse(key), inputs.x
+    R, F = inputs.expert_token_idx.shape[0], inputs.w1_rows
+    tiles = R // BLOCK_M + inputs.expert_counts.shape[0]
     ints = dict(dtype=torch.int32, device=x.device)
     fp8 = r.checkpoint == "preact-fp8"
     preact = x.new_empty(R, F, dtype=FP8 if fp8 else x.dtype) if r.checkpoint != "recompute" else x.new_empty(0)
     scale = x.new_empty((R, -(-F // 128)) if fp8 else (0,), dtype=torch.float32)
-    return (x.new_empty(x.shape), preact, scale, torch.empty(tiles, **ints), torch.empty(tiles, **ints),
-            torch.empty(1, **ints))
+    return Kept(preact, scale, torch.empty(tiles, **ints), torch.empty(tiles, **ints), torch.empty(1, **ints))
+
+
+@experts_fwd.register_fake
+def _(*args):
+    inputs = OpInputs(*args[:-1])
+    return (inputs.x.new_empty(inputs.x.shape), *kept_like(inputs, args[-1]))
 
 
 TAIL_ROWS = 256  # >= the row block (BLOCK_K) of every weight-gradient kernel (experts.tl.configs, gluon_sm90)
@@ -211,31 +291,28 @@ def _grad_or_empty(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return g if g is not None else like.new_empty(0)
 
 
-def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor,
-                     topk_w_LK: torch.Tensor, b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None,
-                     tile_expert: torch.Tensor, tile_row: torch.Tensor, tiles_used: torch.Tensor,
-                     expert_offsets: torch.Tensor, expert_token_idx: torch.Tensor, token_slot: torch.Tensor,
-                     kept_RF: torch.Tensor, kept_scale: torch.Tensor, key: str, w1_up: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dw1, dw2, dtopk_w, db1, db2), db1 and db2 empty where their bias is absent: the backward body. The
-    weights' gradients come in the weights' own layouts (strides); dw1 whole (E, F, D) where w1_up is given.
-    kept_RF, kept_scale: preact as the forward kept it (experts_forward)."""
-    w1_EFD = whole_w1(w1_EFD, w1_up)
+def experts_backward(dy_LD: torch.Tensor, inputs: OpInputs, kept: Kept, key: str) -> tuple[torch.Tensor, ...]:
+    """The gradients of the DIFFERENTIABLE fields, in that order (dx, dw1, dw2, dtopk_w, db1, db2, dw1_up), each
+    empty where its input is absent: the backward body. The weights' gradients come in the weights' own layouts
+    (strides); dw1 whole (E, F, D) where w1_up is given (OpInputs.grads splits it), dw1_up then empty."""
+    x_LD, w1_EFD, w2_EDH, topk_w_LK, b1_EF, b2_ED = (inputs.x, inputs.whole_w1, inputs.w2, inputs.topk_w,
+                                                     inputs.b1, inputs.b2)
     if dy_LD.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
         ensure_context(dy_LD.get_device())
+    none = x_LD.new_empty(0)
     if x_LD.shape[0] == 0:  # an empty batch: nothing flows back but zeros
         return (torch.zeros_like(x_LD), torch.zeros_like(w1_EFD), torch.zeros_like(w2_EDH),
-                torch.zeros_like(topk_w_LK), *(x_LD.new_empty(0) if b is None else torch.zeros_like(b)
-                                               for b in (b1_EF, b2_ED)))
+                torch.zeros_like(topk_w_LK), *(none if b is None else torch.zeros_like(b) for b in (b1_EF, b2_ED)),
+                none)
     r = parse(key)
     g = r.gemms
-    plan = RowPlan(expert_token_idx, expert_offsets, token_slot, tile_expert, tile_row, tiles_used)
+    plan = kept.plan(inputs)
     recomputed = r.checkpoint == "recompute"
-    preact_RF = g.preact(plan, x_LD, w1_EFD, b1_EF) if recomputed else kept_RF
-    preact_scale = kept_scale if r.checkpoint == "preact-fp8" else None
+    preact_RF = g.preact(plan, x_LD, w1_EFD, b1_EF) if recomputed else kept.preact
+    preact_scale = kept.preact_scale if r.checkpoint == "preact-fp8" else None
     dpreact_RF, act_scaled_RH, dtopk_w, dpreact_q = g.dact(plan, dy_LD, w2_EDH, preact_RF, preact_scale, topk_w_LK,
                                                            recomputed)
-    del preact_RF, kept_RF
+    del preact_RF, kept
     if r.dropped:
         dtopk_w = clear_dropped(plan, dtopk_w, act_scaled_RH, dpreact_RF)
     dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, torch.empty_like(w2_EDH), True, r.backend)
@@ -247,44 +324,46 @@ def experts_backward(dy_LD: torch.Tensor, x_LD: torch.Tensor, w1_EFD: torch.Tens
     dx_RD = g.dx_rows(plan, dpreact_RF, dpreact_q, w1_EFD)
     del dpreact_RF, dpreact_q
     dx = stages.combine(plan, dx_RD, None, x_LD.dtype)
-    return dx, dw1, dw2, dtopk_w, _grad_or_empty(db1, x_LD), _grad_or_empty(db2, x_LD)
+    return dx, dw1, dw2, dtopk_w, _grad_or_empty(db1, x_LD), _grad_or_empty(db2, x_LD), none
 
 
-experts_bwd = torch.library.custom_op("moeblaze::experts_bwd", experts_backward, mutates_args=())
+_N_IN = len(OpInputs._fields)
+
+
+def _backward_op(dy, *args):
+    return experts_backward(dy, OpInputs(*args[:_N_IN]), Kept(*args[_N_IN:-1]), args[-1])
+
+
+experts_bwd = torch.library.custom_op("moeblaze::experts_bwd", _backward_op, mutates_args=(),
+                                      schema=_schema("dy", OpInputs, Kept, returns=len(DIFFERENTIABLE)))
 
 
 @experts_bwd.register_fake
-def _(dy, x, w1, w2, topk_w, b1, b2, tile_expert, tile_row, tiles_used, expert_offsets, expert_token_idx, token_slot,
-      kept, kept_scale, key, w1_up=None):
-    dw1 = torch.empty_like(w1) if w1_up is None else w1.new_empty(w1.shape[0], w1.shape[1] + w1_up.shape[1],
-                                                                  w1.shape[2])
-    return (x.new_empty(x.shape), dw1, torch.empty_like(w2), topk_w.new_empty(topk_w.shape),
-            *(x.new_empty(0) if b is None else b.new_empty(b.shape) for b in (b1, b2)))
-
-
-N_INPUTS = 12  # x, w1, w2, topk_w, b1, b2, the index's four tensors, key, w1_up
+def _(dy, *args):
+    inputs = OpInputs(*args[:_N_IN])
+    w1, none = inputs.w1, inputs.x.new_empty(0)
+    dw1 = torch.empty_like(w1) if inputs.w1_up is None else w1.new_empty(w1.shape[0], inputs.w1_rows, w1.shape[2])
+    return (inputs.x.new_empty(inputs.x.shape), dw1, torch.empty_like(inputs.w2),
+            inputs.topk_w.new_empty(inputs.topk_w.shape), *(none if b is None else b.new_empty(b.shape)
+                                                             for b in (inputs.b1, inputs.b2)), none)
 
 
 def _setup_context(ctx, inputs, output):
-    x, w1, w2, topk_w, b1, b2, _counts, offsets, eti, slot, key, w1_up = inputs
-    ctx.save_for_backward(x, w1, w2, topk_w, b1, b2, *output[3:], offsets, eti, slot, output[1], output[2], w1_up)
-    ctx.key = key
+    # backward needs no counts (the tile schedule holds them): an empty tensor in their place
+    saved = OpInputs(*inputs[:-1])
+    ctx.save_for_backward(*saved._replace(expert_counts=saved.expert_counts.new_empty(0)), *output[1:])
+    ctx.key = inputs[-1]
     # preact is saved state, never used downstream: don't let autograd fill an (R, F) zero gradient for it
     ctx.set_materialize_grads(False)
 
 
-def _backward_with(experts_bwd_fn):
-    def backward(ctx, dout, *_saved_outputs):
+def _backward_with(backward_op):
+    def backward(ctx, dout, *_kept_outputs):
         if dout is None:  # the output took no part in the loss
-            return (None,) * N_INPUTS
-        x, w1, w2, topk_w, b1, b2, *rest, w1_up = ctx.saved_tensors
-        dx, dw1, dw2, dw, db1, db2 = experts_bwd_fn(dout.contiguous(), x, w1, w2, topk_w, b1, b2, *rest, ctx.key,
-                                                    w1_up)
-        dw1_up = None
-        if w1_up is not None:
-            dw1, dw1_up = dw1.split((w1.shape[1], w1_up.shape[1]), 1)
-        return ((dx, dw1, dw2, dw, db1 if b1 is not None else None, db2 if b2 is not None else None)
-                + (None,) * (N_INPUTS - 7) + (dw1_up,))
+            return (None,) * (_N_IN + 1)
+        saved = ctx.saved_tensors
+        inputs = OpInputs(*saved[:_N_IN])
+        return (*inputs.grads(backward_op(dout.contiguous(), *saved, ctx.key)), None)
     return backward
 
 
@@ -305,17 +384,14 @@ def eager_function(name: str, forward_body, setup_context, backward) -> type:
     return type(name, (torch.autograd.Function,), dict(forward=staticmethod(forward), backward=staticmethod(backward)))
 
 
-_EagerExperts = eager_function("_EagerExperts", experts_forward, _setup_context, _backward_with(experts_backward))
+_EagerExperts = eager_function("_EagerExperts", _forward_op, _setup_context, _backward_with(_backward_op))
 
 
-def fused_experts(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, topk_w_LK: torch.Tensor,
-                  b1_EF: torch.Tensor | None, b2_ED: torch.Tensor | None, routing: RoutingIndex,
-                  key: str, w1_up: torch.Tensor | None = None) -> torch.Tensor:
-    """The experts' combined output (L, D), differentiable in x, w1, w2, topk_w, the biases and w1_up (W1's up
-    rows where w1 holds only its gate rows): the custom op where torch.compile traces, the direct path in eager
-    mode. key: an OpKey's text. Overridable through __torch_function__."""
-    args = (x_LD, w1_EFD, w2_EDH, topk_w_LK, b1_EF, b2_ED, *routing.tensors(), key, w1_up)
-    dense = tuple(t for t in (*args[:6], w1_up) if t is not None)
-    if torch.overrides.has_torch_function(dense):  # a __torch_function__ mode (memory profiler) sees it as one op
-        return torch.overrides.handle_torch_function(fused_experts, dense, *args[:6], routing, key, w1_up)
-    return (experts_fwd(*args) if torch.compiler.is_compiling() else _EagerExperts.apply(*args))[0]
+def fused_experts(inputs: OpInputs, key: str) -> torch.Tensor:
+    """The experts' combined output (L, D), differentiable in every DIFFERENTIABLE field of `inputs` that is given:
+    the custom op where torch.compile traces, the direct path in eager mode. key: an OpKey's text. Overridable
+    through __torch_function__ (a mode, such as the memory profiler, sees it as one op)."""
+    dense = tuple(t for t in inputs if t is not None)
+    if torch.overrides.has_torch_function(dense):
+        return torch.overrides.handle_torch_function(fused_experts, dense, inputs, key)
+    return (experts_fwd(*inputs, key) if torch.compiler.is_compiling() else _EagerExperts.apply(*inputs, key))[0]
