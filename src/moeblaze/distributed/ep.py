@@ -23,6 +23,12 @@ Dispatch modes:
             records the rows each destination needed so that the caller can grow C and rerun the step. The
             receiver's padding rows are dropped pairs of its index (routing.index's sentinels): never computed.
             R = ep·C.
+Autograd: one custom-op pair, ep_fwd / ep_bwd, for both modes, its schemas and fakes derived from EPInputs, EPKept
+and the op's Kept (experts.op); its bodies are the collectives around the op's own forward and backward bodies on
+the received rows. torch.compile traces it under capacity dispatch; eager mode calls its bodies directly, as the
+op does (experts.op.eager_function). The op's router-weight factor stays inside the op's backward (the sender
+combines with the weights in forward, the receiver applies them in dA''s epilogue), which is what makes each rank
+bitwise equal to one GPU.
 Memory kept per layer, beyond the routing indexes (O(L·K + R) int32) and the tile schedule: under
 checkpoint="preact" the received rows R·D and the pre-activation R·F; under "recompute" nothing more: the rows are
 sent again in backward and the pre-activation recomputed. Transient: the send and return buffers (L·K·D each in
@@ -34,201 +40,66 @@ received, D hidden, F rows of W1 per expert.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ..experts import kernel_op_key
 from ..experts.dispatch import choose
-from ..experts.op import Kept, OpInputs, experts_backward, experts_forward, kept_like, parse
-from ..experts.schedule import BLOCK_M
-from ..experts.stages import combine_slots
+from ..experts.op import (Kept, OpInputs, eager_function, experts_backward, experts_forward, kept_like, op_schema,
+                          parse)
 from ..launch import ensure_context
 from ..configs import DEFAULT, EPConfig, ExpertsConfig, ep_from_legacy, from_legacy
-from ..reference.fp8 import FP8
 from ..routing import RoutingIndex, build_routing_index
 from ..routing.checks import check_expert_inputs, check_topk_weights
-from ..routing.index import in_row_order, pair_experts
+from ..routing.index import in_row_order
+from .plan import CapacityTracker, Plan
 
 
-def receiver_index(counts_SE: torch.Tensor) -> RoutingIndex:
-    """The K = 1 routing index of rows received grouped by source rank, then local expert (counts_SE (ep, E_loc):
-    rows from source s for local expert e), over the E_loc local experts: expert-major, then source, then
-    arrival order. One pass of O(R) index arithmetic, no sort; R is read on the host (repeat_interleave's size)."""
-    S, E = counts_SE.shape
-    c = counts_SE.to(torch.int64)
-    start_SE = (c.flatten().cumsum(0) - c.flatten()).view(S, E)  # first received row of each (source, expert)
-    size_ES = c.t().flatten()  # the same blocks in expert-major order
-    R = int(size_ES.sum())
-    block = torch.repeat_interleave(torch.arange(S * E, device=c.device), size_ES, output_size=R)
-    first = size_ES.cumsum(0) - size_ES  # each block's first position in expert-major order
-    rows = start_SE.t().flatten()[block] + torch.arange(R, device=c.device) - first[block]
-    slot = torch.empty(R, dtype=torch.int32, device=c.device)
-    slot[rows] = torch.arange(R, dtype=torch.int32, device=c.device)
-    counts_E = c.sum(0)
-    offsets = torch.zeros(E + 1, dtype=torch.int32, device=c.device)
-    offsets[1:] = counts_E.cumsum(0)
-    return RoutingIndex(counts_E.int(), offsets, rows.int(), slot.view(R, 1))
+class EPInputs(NamedTuple):
+    """The expert-parallel op's tensor inputs, the sender's side: x (L, D), the router weights (L, K), this rank's
+    experts w1 (E_loc, F, D) and w2 (E_loc, D, H), and the routing index over all E experts."""
+    x: torch.Tensor
+    topk_w: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+    expert_token_idx: torch.Tensor
+    token_slot: torch.Tensor
+
+    @property
+    def routing(self) -> RoutingIndex:
+        return RoutingIndex(self.expert_counts, self.expert_offsets, self.expert_token_idx, self.token_slot)
 
 
-def _all_to_all(t: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group) -> torch.Tensor:
-    """t's rows split by in_splits (equal splits where None) to the ranks of group; the rows received."""
-    rows = sum(out_splits) if out_splits is not None else t.shape[0]
-    out = t.new_empty((rows,) + tuple(t.shape[1:]))
-    dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
-    return out
+class EPKept(NamedTuple):
+    """What the forward hands the backward: the plan (the receiver's index, the send positions (empty: every row),
+    each pair's slot in the return buffer, the rows kept there, the exact splits (2, ep) on the host (empty:
+    capacity)), the received rows (empty under "recompute": sent again) and the op's own Kept."""
+    recv_counts: torch.Tensor
+    recv_offsets: torch.Tensor
+    recv_token_idx: torch.Tensor
+    recv_slot: torch.Tensor
+    send_pos: torch.Tensor
+    slot_LK: torch.Tensor
+    kept_rows: torch.Tensor
+    splits: torch.Tensor
+    recv_x: torch.Tensor
+    preact: torch.Tensor
+    preact_scale: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_row: torch.Tensor
+    tiles_used: torch.Tensor
+
+    @property
+    def op_kept(self) -> Kept:
+        return Kept(*self[-len(Kept._fields):])
 
 
-class CapacityTracker:
-    """The capacity of capacity-mode dispatch and what the layer calls needed: pass one tracker to every layer's
-    ep_experts call of a step, then, after the step, `overflowed()` (one all-reduce and one host read for the
-    whole step) says whether any destination needed more rows than `capacity`; `grow()` sets the capacity to
-    what was needed (rounded up to `multiple`) for the rerun.
-
-    Args:
-        capacity: the first capacity, rows per (source, destination) pair.
-        group: the process group the overflow check reduces over (None: the world).
-        multiple: grow() rounds the capacity up to a multiple of it.
-    """
-
-    def __init__(self, capacity: int, group=None, multiple: int = 16):
-        if capacity < 1:
-            raise ValueError(f"capacity must be a positive number of rows, got {capacity}")
-        self.capacity, self.group, self.multiple = capacity, group, multiple
-        self.needed: torch.Tensor | None = None
-
-    def record(self, needed: torch.Tensor) -> None:
-        self.needed = needed if self.needed is None else torch.maximum(self.needed, needed)
-
-    def overflowed(self) -> bool:
-        if self.needed is None:
-            return False
-        need = self.needed.clone()
-        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
-        self.needed = need
-        return int(need) > self.capacity
-
-    def grow(self) -> int:
-        need = int(self.needed) if self.needed is not None else self.capacity
-        self.capacity = max(self.capacity, -(-need // self.multiple) * self.multiple)
-        self.needed = None
-        return self.capacity
-
-
-class _Plan:
-    """One EP layer call's routing on both sides. send_pos: the positions, in the sender's expert order, of the
-    rows it sends (one per send-buffer row; padding repeats a valid one); slot_LK and kept: where each pair's
-    returned row lands in the return buffer (slots >= kept: dropped); recv: the receiver's index; needed (capacity
-    mode): the most rows any destination needed from this rank."""
-
-    def __init__(self, routing: RoutingIndex, ep: int, group, capacity: int | None, fail_on_overflow: bool):
-        self.routing, self.group = routing, group
-        E = routing.num_experts
-        E_loc, P, dev = E // ep, routing.expert_token_idx.shape[0], routing.token_slot.device
-        send_counts = routing.expert_counts.view(ep, E_loc)
-        if capacity is None:  # exact
-            recv_counts = torch.empty_like(send_counts)
-            dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
-            both = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).cpu()  # the one host sync
-            self.in_splits, self.out_splits = both[0].tolist(), both[1].tolist()
-            self.recv = receiver_index(recv_counts)
-            self.send_pos = self.needed = None  # every row, in expert order
-            self.slot_LK, self.kept = routing.token_slot, routing.expert_offsets[-1:]
-            return
-        per_dest = send_counts.sum(1)  # (ep,) rows for each destination
-        # rows past C in a destination's expert order are dropped: clip the per-expert counts there
-        cum = send_counts.cumsum(1).clamp(max=capacity)
-        kept_counts = torch.diff(cum, dim=1, prepend=torch.zeros_like(cum[:, :1]))
-        # each destination gets this rank's capacity with its counts: the row all-to-all's equal splits need the
-        # same C on every rank, which a capacity sized from each rank's own token count breaks on uneven batches
-        sent = torch.cat([kept_counts, kept_counts.new_full((ep, 1), capacity)], 1)
-        got = torch.empty_like(sent)
-        dist.all_to_all_single(got, sent, group=group)
-        _fail_if_any((got[:, E_loc] != capacity).any(), group, "capacity dispatch: the ranks use different "
-                     f"capacities (this rank {capacity} rows per pair): with different token counts per rank, pass "
-                     "the same capacity= on every rank or a CapacityTracker instead of sizing it by capacity_factor",
-                     ValueError)
-        recv_counts = got[:, :E_loc]
-        self.needed = per_dest.max() if P else per_dest.new_zeros(())
-        if fail_on_overflow:
-            _fail_if_any(self.needed > capacity, group, f"capacity dispatch: a destination needs more than {capacity} "
-                         "rows (raise the capacity factor, pass on_overflow='drop', or use a CapacityTracker)")
-        self.in_splits = self.out_splits = None
-        first = routing.expert_offsets[:-1].view(ep, E_loc)[:, 0].to(torch.int64)  # each destination's first row
-        j = torch.arange(capacity, device=dev)
-        self.send_pos = (first[:, None] + j).clamp(max=max(P - 1, 0)).flatten()
-        # the receiver's rows: source s's block of C, its first rows by local expert, then padding (id E_loc)
-        ids = torch.searchsorted(recv_counts.cumsum(1).to(torch.int64).contiguous(), j.expand(ep, -1).contiguous(),
-                                 right=True)
-        self.recv = build_routing_index(ids.reshape(-1, 1).int(), E_loc, check=False, sentinels=True)
-        # each pair's row in the return buffer: destination d's block, at its position past d's first row
-        dest = pair_experts(routing.expert_offsets, routing.token_slot).long() // E_loc
-        pos = routing.token_slot.long() - first[dest]
-        self.kept = torch.full((1,), ep * capacity, dtype=torch.int32, device=dev)
-        self.slot_LK = torch.where(pos < capacity, dest * capacity + pos, ep * capacity).int()
-
-    def saved(self) -> tuple:
-        """A capacity plan's tensors (what restore takes back)."""
-        return (*self.recv.tensors(), self.send_pos, self.slot_LK, self.kept)
-
-    @classmethod
-    def restore(cls, routing: RoutingIndex, group, saved) -> _Plan:
-        """The capacity plan whose tensors are `saved`, without any communication."""
-        plan = cls.__new__(cls)
-        counts, offsets, eti, slot, plan.send_pos, plan.slot_LK, plan.kept = saved
-        plan.routing, plan.group, plan.in_splits, plan.out_splits, plan.needed = routing, group, None, None, None
-        plan.recv = RoutingIndex(counts, offsets, eti, slot, dropped=True)
-        return plan
-
-    def in_send_order(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows (in the sender's expert order) as the send buffer lays them out (zeros where there are none)."""
-        if self.send_pos is None:
-            return rows
-        if rows.shape[0] == 0:
-            return rows.new_zeros((self.send_pos.shape[0],) + tuple(rows.shape[1:]))
-        return rows[self.send_pos]
-
-    def send(self, rows_LD: torch.Tensor) -> torch.Tensor:
-        """The send buffer of rows_LD (x or dy): its rows in send order, gathered through the routing index."""
-        if rows_LD.shape[0] == 0:  # no tokens here
-            return self.in_send_order(rows_LD)
-        return rows_LD[self.in_send_order(self.routing.expert_token_idx).long()]
-
-    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
-        return _all_to_all(rows, self.out_splits, self.in_splits, self.group)
-
-    def give_back(self, rows: torch.Tensor) -> torch.Tensor:
-        return _all_to_all(rows, self.in_splits, self.out_splits, self.group)
-
-    def combine(self, rows: torch.Tensor, weights_LK, out_dtype) -> torch.Tensor:
-        """The sender's combine of returned rows: sum_k (w[t, k] ·) rows[slot[t, k]], dropped slots adding 0."""
-        return combine_slots(rows, self.slot_LK, weights_LK, self.kept, out_dtype)
-
-
-def _fail_if_any(bad: torch.Tensor, group, message: str, error: type = RuntimeError) -> None:
-    """A device-side assert on GPUs (no host sync; the program stops, and the other ranks with it). On the CPU,
-    where a host read is free, every rank raises `error` together (one all-reduce), so none is left waiting in the
-    next collective."""
-    if bad.device.type != "cpu":
-        torch._assert_async(~bad, message)
-        return
-    flag = bad.to(torch.int32).reshape(1)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if int(flag):
-        raise error(message)
-
-
-def _forward(x, topk_w, w1, w2, plan: _Plan, key: str):
-    """(out, what backward needs: the received rows (empty under recompute), preact as kept, its scales, *the tile
-    schedule)."""
-    r = plan.recv
-    recv_x = plan.dispatch(plan.send(x))
-    ones = recv_x.new_ones(recv_x.shape[0], 1, dtype=torch.float32)
-    y, (kept, scale, *sched) = experts_forward(OpInputs.of(recv_x, w1, w2, ones, r), key)
-    ret = plan.give_back(y)
-    del y
-    out = plan.combine(ret, topk_w.float().contiguous(), x.dtype) if x.shape[0] else torch.zeros_like(x)
-    return out, (recv_x if _keeps_rows(key) else x.new_empty(0)), kept, scale, *sched
+_N_IN = len(EPInputs._fields)
+_TAIL = "str group_name, str key, int? capacity, bool fail_on_overflow"
 
 
 def _keeps_rows(key: str) -> bool:
@@ -236,17 +107,39 @@ def _keeps_rows(key: str) -> bool:
     return parse(key).checkpoint != "recompute"
 
 
-def _backward(dout, x, topk_w, w1, w2, plan: _Plan, recv_x, kept, scale, sched, key: str):
-    """(dx, dtopk_w, dw1, dw2)."""
-    r = plan.recv
-    if not _keeps_rows(key):  # "recompute": the rows are sent again
-        recv_x = plan.dispatch(plan.send(x))
-    dy_recv = plan.dispatch(plan.send(dout.contiguous()))
+def ep_forward(inputs: EPInputs, group_name: str, key: str, capacity: int | None, fail_on_overflow: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, EPKept]:
+    """(out (L, D), the most rows any destination needed (capacity mode; 0 in exact mode), what backward keeps):
+    the forward body. The experts run as the op's forward body on the received rows, with unit weights: their rows
+    go back as Y itself and the sender combines them with its router weights, as on one GPU."""
+    group = _resolve_group(group_name)
+    x = inputs.x
+    plan = Plan(inputs.routing, dist.get_world_size(group), group, capacity, fail_on_overflow)
+    recv_x = plan.dispatch(plan.send(x))
+    ones = recv_x.new_ones(recv_x.shape[0], 1, dtype=torch.float32)
+    y, kept = experts_forward(OpInputs.of(recv_x, inputs.w1, inputs.w2, ones, plan.recv), key)
+    ret = plan.give_back(y)
+    del y
+    out = plan.combine(ret, inputs.topk_w.float().contiguous(), x.dtype) if x.shape[0] else torch.zeros_like(x)
+    rows = recv_x if _keeps_rows(key) else x.new_empty(0)
+    return out, plan.needed, EPKept(*plan.tensors(), rows, *kept)
+
+
+def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name: str, key: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dtopk_w, dw1, dw2): the backward body. dy's rows and the router weights go to the experts, which run
+    the op's backward body on them (the weights applied in its epilogue, as on one GPU) and return dX~ and dS."""
+    if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.op)
+        ensure_context(dout.get_device())
+    x, topk_w = inputs.x, inputs.topk_w
+    plan = Plan.restore(inputs.routing, _resolve_group(group_name), saved)
+    recv_x = saved.recv_x if _keeps_rows(key) else plan.dispatch(plan.send(x))  # "recompute": sent again
+    dy_recv = plan.dispatch(plan.send(dout))
     w_rows = in_row_order(topk_w, plan.routing.token_slot, plan.routing.expert_token_idx.shape[0],
                           torch.float32)  # router weights in expert order
     w_recv = plan.dispatch(plan.in_send_order(w_rows)).view(-1, 1)
-    dx_recv, dw1, dw2, ds_recv, *_ = experts_backward(dy_recv, OpInputs.of(recv_x, w1, w2, w_recv, r),
-                                                      Kept(kept, scale, *sched), key)
+    dx_recv, dw1, dw2, ds_recv, *_ = experts_backward(
+        dy_recv, OpInputs.of(recv_x, inputs.w1, inputs.w2, w_recv, plan.recv), saved.op_kept, key)
     del dy_recv, recv_x
     dx_ret = plan.give_back(dx_recv)
     ds_ret = plan.give_back(ds_recv.view(-1))
@@ -258,89 +151,68 @@ def _backward(dout, x, topk_w, w1, w2, plan: _Plan, recv_x, kept, scale, sched, 
     return dx, dtopk_w, dw1, dw2
 
 
-class _EPExperts(torch.autograd.Function):
-    """Eager mode, both dispatch modes: the plan rides on the context as a Python object."""
-
-    @staticmethod
-    def forward(ctx, x, topk_w, w1, w2, plan: _Plan, key: str):
-        out, recv_x, kept, scale, *sched = _forward(x, topk_w, w1, w2, plan, key)
-        ctx.plan, ctx.key = plan, key
-        ctx.save_for_backward(x, topk_w, w1, w2, recv_x, kept, scale, *sched)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        x, topk_w, w1, w2, recv_x, kept, scale, *sched = ctx.saved_tensors
-        return (*_backward(dout, x, topk_w, w1, w2, ctx.plan, recv_x, kept, scale, sched, ctx.key), None, None)
+# One custom-op pair for both dispatch modes, its schemas from the bundles above: torch.compile traces it
+# (capacity dispatch: fixed shapes, ep·C rows, so it compiles with fullgraph=True and runs in a CUDA graph; the
+# communication inside it, on a process group named by string), and eager mode calls its bodies directly
+# (experts.op.eager_function), as the op does.
+def _forward_op(*args):
+    out, needed, saved = ep_forward(EPInputs(*args[:_N_IN]), *args[_N_IN:])
+    return (out, needed, *saved)
 
 
-# Capacity dispatch under torch.compile: the same bodies as custom ops (the communication inside them, on a
-# process group named by string), every plan tensor an output, so that the graph holds no Python object and no
-# host sync; fixed shapes (ep·C rows) let it compile with fullgraph=True and run in a CUDA graph.
-T = torch.Tensor
-_N_FWD_IN = 12
+def _backward_op(dout, *args):
+    return ep_backward(dout, EPInputs(*args[:_N_IN]), EPKept(*args[_N_IN:-2]), *args[-2:])
 
 
-@torch.library.custom_op("moeblaze::ep_capacity_fwd", mutates_args=())
-def ep_capacity_fwd(x: T, topk_w: T, w1: T, w2: T, counts: T, offsets: T, eti: T, slot: T, group_name: str,
-                    key: str, capacity: int, fail_on_overflow: bool
-                    ) -> tuple[T, T, T, T, T, T, T, T, T, T, T, T, T, T, T]:
-    group = _resolve_group(group_name)
-    routing = RoutingIndex(counts, offsets, eti, slot)
-    plan = _Plan(routing, dist.get_world_size(group), group, capacity, fail_on_overflow)
-    out, recv_x, kept, scale, *sched = _forward(x, topk_w, w1, w2, plan, key)
-    return (out, plan.needed.to(torch.int64), *plan.saved(), recv_x, kept, scale, *sched)
+ep_fwd = torch.library.custom_op("moeblaze::ep_fwd", _forward_op, mutates_args=(),
+                                 schema=op_schema(EPInputs, tail=_TAIL, returns=2 + len(EPKept._fields)))
+ep_bwd = torch.library.custom_op("moeblaze::ep_bwd", _backward_op, mutates_args=(),
+                                 schema=op_schema("dout", EPInputs, EPKept, tail="str group_name, str key",
+                                                  returns=4))
 
 
-@ep_capacity_fwd.register_fake
-def _(x, topk_w, w1, w2, counts, offsets, eti, slot, group_name, key, capacity, fail_on_overflow):
-    ep = _resolve_group_size(group_name)
-    E_loc, R, F, dev = w1.shape[0], ep * capacity, w1.shape[1], x.device
-    tiles = R // BLOCK_M + E_loc
+@ep_fwd.register_fake
+def _(*args):
+    inputs = EPInputs(*args[:_N_IN])
+    group_name, key, capacity, _fail = args[_N_IN:]
+    if capacity is None:
+        raise NotImplementedError("exact dispatch under torch.compile: its row counts are read on the host")
+    x, E_loc = inputs.x, inputs.w1.shape[0]
+    R, dev = _resolve_group_size(group_name) * capacity, x.device
     ints = dict(dtype=torch.int32, device=dev)
-    checkpoint = parse(key).checkpoint
-    kept = {"preact": x.new_empty(R, F), "preact-fp8": x.new_empty(R, F, dtype=FP8)}.get(checkpoint, x.new_empty(0))
-    scale = x.new_empty((R, -(-F // 128)) if checkpoint == "preact-fp8" else (0,), dtype=torch.float32)
-    return (x.new_empty(x.shape), torch.empty((), dtype=torch.int64, device=dev), torch.empty(E_loc, **ints),
-            torch.empty(E_loc + 1, **ints), torch.empty(R, **ints), torch.empty(R, 1, **ints),
-            torch.empty(R, dtype=torch.int64, device=dev), torch.empty(slot.shape, **ints), torch.empty(1, **ints),
-            x.new_empty(R, x.shape[1]) if checkpoint != "recompute" else x.new_empty(0), kept, scale,
-            torch.empty(tiles, **ints), torch.empty(tiles, **ints), torch.empty(1, **ints))
+    recv = OpInputs(x.new_empty(R, x.shape[1]), inputs.w1, inputs.w2, x.new_empty(R, 1, dtype=torch.float32),
+                    torch.empty(E_loc, **ints), torch.empty(E_loc + 1, **ints), torch.empty(R, **ints),
+                    torch.empty(R, 1, **ints))
+    longs = dict(dtype=torch.int64, device=dev)
+    plan = (*recv[4:8], torch.empty(R, **longs), torch.empty(inputs.token_slot.shape, **ints),
+            torch.empty(1, **ints), torch.empty(0, **longs))
+    rows = recv.x if _keeps_rows(key) else x.new_empty(0)
+    return (x.new_empty(x.shape), torch.empty((), **longs), *plan, rows, *kept_like(recv, key))
 
 
-@torch.library.custom_op("moeblaze::ep_capacity_bwd", mutates_args=())
-def ep_capacity_bwd(dout: T, x: T, topk_w: T, w1: T, w2: T, counts: T, offsets: T, eti: T, slot: T, r_counts: T,
-                    r_offsets: T, r_eti: T, r_slot: T, send_pos: T, slot_LK: T, kept: T, recv_x: T, preact: T,
-                    scale: T, tile_expert: T, tile_row: T, tiles_used: T, group_name: str, key: str
-                    ) -> tuple[T, T, T, T]:
-    if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.op)
-        ensure_context(dout.get_device())
-    plan = _Plan.restore(RoutingIndex(counts, offsets, eti, slot), _resolve_group(group_name),
-                         (r_counts, r_offsets, r_eti, r_slot, send_pos, slot_LK, kept))
-    return _backward(dout, x, topk_w, w1, w2, plan, recv_x, preact, scale, (tile_expert, tile_row, tiles_used),
-                     key)
-
-
-@ep_capacity_bwd.register_fake
-def _(dout, x, topk_w, w1, w2, *rest):
+@ep_bwd.register_fake
+def _(dout, *args):
+    x, topk_w, w1, w2 = args[:4]
     return x.new_empty(x.shape), topk_w.new_empty(topk_w.shape), torch.empty_like(w1), torch.empty_like(w2)
 
 
-def _capacity_setup_context(ctx, inputs, output):
-    x, topk_w, w1, w2, counts, offsets, eti, slot = inputs[:8]
-    ctx.group_name, ctx.key = inputs[8:10]
-    ctx.save_for_backward(x, topk_w, w1, w2, counts, offsets, eti, slot, *output[2:])
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:_N_IN], *output[2:])
+    ctx.group_name, ctx.key = inputs[_N_IN:_N_IN + 2]
     ctx.set_materialize_grads(False)
 
 
-def _capacity_backward(ctx, dout, *_saved_outputs):
-    if dout is None:
-        return (None,) * _N_FWD_IN
-    dx, dtopk_w, dw1, dw2 = ep_capacity_bwd(dout.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.key)
-    return (dx, dtopk_w, dw1, dw2) + (None,) * (_N_FWD_IN - 4)
+def _backward_with(backward_op):
+    def backward(ctx, dout, *_saved_outputs):
+        if dout is None:
+            return (None,) * (_N_IN + 4)
+        dx, dtopk_w, dw1, dw2 = backward_op(dout.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.key)
+        return (dx, dtopk_w, dw1, dw2) + (None,) * (_N_IN)
+    return backward
 
 
-ep_capacity_fwd.register_autograd(_capacity_backward, setup_context=_capacity_setup_context)
+ep_fwd.register_autograd(_backward_with(ep_bwd), setup_context=_setup_context)
+_EagerEP = eager_function("_EagerEP", _forward_op, _setup_context, _backward_with(_backward_op))
 
 
 def _group_name(group) -> str:
@@ -449,15 +321,11 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     backend = choose("triton" if config.backend == "auto" else config.backend, x.device)
     key = kernel_op_key(x, config, backend, C is not None, False)  # the receiver's index has padding rows (capacity)
     fail = ep_config.overflow == "error" and tracker is None
-    if C is not None and torch.compiler.is_compiling():
-        outs = ep_capacity_fwd(x, topk_weights, w1_local, w2_local, *routing.tensors(), _group_name(group), key, C,
-                               fail)
-        out, needed = outs[0], outs[1]
-    else:
-        plan = _Plan(routing, ep, group, C, fail)
-        out = _EPExperts.apply(x, topk_weights, w1_local, w2_local, plan, key)
-        needed = plan.needed
-    if tracker is not None and needed is not None:
+    args = (*EPInputs(x, topk_weights, w1_local, w2_local, *routing.tensors()), _group_name(group), key, C, fail)
+    # capacity dispatch is traced whole (fixed shapes); exact dispatch reads its row counts on the host, eagerly
+    traced = C is not None and torch.compiler.is_compiling()
+    out, needed = (ep_fwd(*args) if traced else _EagerEP.apply(*args))[:2]
+    if tracker is not None:
         tracker.record(needed)
     if dropped is not None and C is not None and ep_config.overflow == "drop" and tracker is None:
         per_dest = routing.expert_counts.view(ep, -1).sum(1)  # the rows for each destination, C of them sent

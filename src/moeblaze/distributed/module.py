@@ -1,7 +1,8 @@
 """ExpertParallel: an experts module whose E experts are split over the ranks of an ep group, and shard_experts,
 which swaps it in for every routed experts module of a model.
 
-It takes the module's place and its parameters' names (w1, w2: DTensors sharded on dim 0 over the ep mesh, so
+It takes the module's place (by composition: a module of its own, built from the Experts module it replaces,
+not a subclass of it) and its parameters' names (w1, w2: DTensors sharded on dim 0 over the ep mesh, so
 that each keeps one global name and shape for checkpoints), holds this rank's E / ep experts, and runs them through
 ep_experts (distributed.ep: the data flow and the memory contract) with the module's own recipe. Shared experts
 (always on, never routed) stay whole on every rank.
@@ -14,11 +15,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..configs import EPConfig, ep_from_legacy
+from ..experts import autocast_operands
 from ..nn import Experts, SharedExperts
-from .ep import CapacityTracker, check_options, check_same_on_ranks, ep_experts
+from ..nn.moe import describe_experts
+from .ep import check_options, check_same_on_ranks, ep_experts
+from .plan import CapacityTracker
 
 
-class ExpertParallel(Experts):
+class ExpertParallel(nn.Module):
     """`experts`' computation with its experts split over ep_mesh's ranks (this rank keeps its E / ep of them; the
     weights stay DTensors of the global shape). ep_config (a moeblaze.EPConfig; None: exact dispatch) and tracker:
     as for moeblaze.distributed.ep_experts (0.2's dispatch options as keyword arguments work with a
@@ -37,7 +41,7 @@ class ExpertParallel(Experts):
 
     def __init__(self, experts: Experts, ep_mesh: DeviceMesh, *, ep_config: EPConfig | None = None,
                  tracker: CapacityTracker | None = None, **legacy):
-        nn.Module.__init__(self)
+        super().__init__()
         if not isinstance(experts, Experts) or isinstance(experts, (SharedExperts, ExpertParallel)):
             raise TypeError(f"ExpertParallel wraps a routed moeblaze.nn.Experts module, got {type(experts).__name__}")
         check_options(experts.config)
@@ -78,17 +82,18 @@ class ExpertParallel(Experts):
     def forward(self, x_LD, topk_idx, topk_weights, routing=None):
         if routing is not None:
             raise NotImplementedError("a prebuilt routing index (token rounding) under expert parallelism")
-        x_LD, w1, w2 = self.operands(x_LD)
+        x_LD, w1, w2 = autocast_operands(x_LD, *self.weights())
         return ep_experts(x_LD, topk_idx, topk_weights, w1, w2, group=self.group, config=self.config,
                           ep_config=self.ep_config, tracker=self.tracker, dropped=self.dropped_rows)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", ep={self.group.size()}, dispatch={self.ep_config.dispatch}"
+        return describe_experts(self) + f", ep={self.group.size()}, dispatch={self.ep_config.dispatch}"
 
 
 def routed_experts(model: nn.Module) -> list:
     """The routed experts modules of a model (plain or expert-parallel; shared experts excluded)."""
-    return [m for m in model.modules() if isinstance(m, Experts) and not isinstance(m, SharedExperts)]
+    return [m for m in model.modules()
+            if isinstance(m, ExpertParallel) or isinstance(m, Experts) and not isinstance(m, SharedExperts)]
 
 
 def shard_experts(model: nn.Module, ep_mesh: DeviceMesh, **options) -> int:

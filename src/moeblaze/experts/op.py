@@ -101,13 +101,15 @@ class NativeGemms:
     def up(self, plan: RowPlan, x_LD, w1_EFD, b1_EF, keep: bool):
         """(preact (empty unless keep), act, None: no e4m3 copy of preact made on the way)."""
         r = self.r
-        preact, act = stages.up(plan, x_LD, w1_EFD, r.activation, keep, True, r.backend, b1_EF, r.interleaved)
+        preact, act = stages.up(plan, x_LD, w1_EFD, r.activation, keep, True, backend=r.backend, b1_EF=b1_EF,
+                                   interleaved=r.interleaved)
         return preact, act, None
 
     def preact(self, plan: RowPlan, x_LD, w1_EFD, b1_EF):
         """preact recomputed in backward."""
         r = self.r
-        return stages.up(plan, x_LD, w1_EFD, r.activation, True, False, r.backend, b1_EF, r.interleaved)[0]
+        return stages.up(plan, x_LD, w1_EFD, r.activation, True, False, backend=r.backend, b1_EF=b1_EF,
+                         interleaved=r.interleaved)[0]
 
     def down(self, plan: RowPlan, act_RH, w2_EDH, _dtype: torch.dtype):
         return stages.down(plan, act_RH, w2_EDH, self.r.backend)
@@ -120,7 +122,8 @@ class NativeGemms:
         r = self.r
         dpreact = preact_RF if recomputed else torch.empty(preact_RF.shape, dtype=dy_LD.dtype, device=dy_LD.device)
         act_scaled, dtopk_w = stages.down_bwd(plan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact, r.activation,
-                                              r.backend, r.interleaved, preact_scale)
+                                              backend=r.backend, interleaved=r.interleaved,
+                                              preact_scale=preact_scale)
         return dpreact, act_scaled, dtopk_w, None
 
     def dx_rows(self, plan: RowPlan, dpreact_RF, _dpreact_q, w1_EFD):
@@ -189,16 +192,16 @@ class Kept(NamedTuple):
                        self.tile_row, self.tiles_used)
 
 
-def _schema(*groups: type | str, returns: int) -> str:
+def op_schema(*groups: type | str, tail: str = "str key", returns: int) -> str:
     """A custom op's schema from NamedTuple groups of tensor fields (a field defaulting to None is optional) and
-    plain tensor arguments (str: their names), the OpKey's text last."""
+    plain tensor arguments (str: their names), then `tail` (the non-tensor arguments), returning `returns` tensors."""
     args = []
     for g in groups:
         if isinstance(g, str):
             args.append(f"Tensor {g}")
             continue
         args += [("Tensor? " if g._field_defaults.get(f, 0) is None else "Tensor ") + f for f in g._fields]
-    return f"({', '.join(args)}, str key) -> ({', '.join(['Tensor'] * returns)})"
+    return f"({', '.join(args + [tail])}) -> ({', '.join(['Tensor'] * returns)})"
 
 
 def experts_forward(inputs: OpInputs, key: str) -> tuple[torch.Tensor, Kept]:
@@ -241,7 +244,7 @@ def _forward_op(*args):
 
 
 experts_fwd = torch.library.custom_op("moeblaze::experts_fwd", _forward_op, mutates_args=(),
-                                      schema=_schema(OpInputs, returns=1 + len(Kept._fields)))
+                                      schema=op_schema(OpInputs, returns=1 + len(Kept._fields)))
 
 
 def kept_like(inputs: OpInputs, key: str) -> Kept:
@@ -335,7 +338,7 @@ def _backward_op(dy, *args):
 
 
 experts_bwd = torch.library.custom_op("moeblaze::experts_bwd", _backward_op, mutates_args=(),
-                                      schema=_schema("dy", OpInputs, Kept, returns=len(DIFFERENTIABLE)))
+                                      schema=op_schema("dy", OpInputs, Kept, returns=len(DIFFERENTIABLE)))
 
 
 @experts_bwd.register_fake

@@ -87,10 +87,15 @@ class Experts(nn.Module):
         return moe_experts(x_LD, routing, topk_weights, w1, w2, config=self.config, check=False)
 
     def extra_repr(self) -> str:
-        changed = ", ".join(f"{k}={getattr(self.config, k)!r}" for k in self.config.__dataclass_fields__
-                            if getattr(self.config, k) != getattr(DEFAULT, k))
-        return (f"d_model={self.d_model}, d_expert={self.d_expert}, num_experts={self.num_experts}"
-                + (f", {changed}" if changed else ""))
+        return describe_experts(self)
+
+
+def describe_experts(m) -> str:
+    """An experts module's sizes and the options its config changes from the default (its extra_repr)."""
+    changed = ", ".join(f"{k}={getattr(m.config, k)!r}" for k in m.config.__dataclass_fields__
+                        if getattr(m.config, k) != getattr(DEFAULT, k))
+    sizes = f"d_model={m.d_model}, d_expert={m.d_expert}, num_experts={m.num_experts}"
+    return sizes + (f", {changed}" if changed else "")
 
 
 class SharedExperts(Experts):
