@@ -110,9 +110,9 @@ def measure(name, gemm, M, N, Kd, E, meta) -> list:
         sched = tile_schedule(counts, starts, M, BLOCK_M)
         bE8, sbE = quantize_blocks(bE)
         fns["moeblaze-fp8-gather"] = lambda i: gluon_sm90.fp8_rows_gemm(a8, sa, bE8, sbE, M, starts, sched, None,
-                                                                        torch.bfloat16, tma_a=False)
+                                                                        out_dtype=torch.bfloat16, tma_a=False)
         fns["moeblaze-fp8-tma"] = lambda i: gluon_sm90.fp8_rows_gemm(a8, sa, bE8, sbE, M, starts, sched, None,
-                                                                     torch.bfloat16)
+                                                                     out_dtype=torch.bfloat16)
     sf = getattr(torch.nn.functional, "scaled_mm", None)
     if sf is not None:
         ST = torch.nn.functional.ScalingType

@@ -19,8 +19,8 @@ def test_backends_train_alike_and_the_table_renders(monkeypatch):
     monkeypatch.setattr(hf, "model_config", tiny)
     backends = ["eager", "grouped_mm", "moeblaze-preact", "moeblaze-recompute"]
     reported = []
-    rows = hf.run_model("qwen3-30b-a3b", backends, 2, 2, 16, 1, 3, True, 4, torch.device("cpu"),
-                        report=reported.append)
+    rows = hf.run_model("qwen3-30b-a3b", backends, 2, 2, 16, 1, 3, find_max=True, max_limit=4,
+                        device=torch.device("cpu"), report=reported.append)
     assert [r["backend"] for r in rows] == ["skip"] + backends and reported == rows  # each row reported as measured
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and len(r["losses"]) == 3 for r in rows)
     losses = [r["losses"] for r in rows[1:]]
@@ -34,7 +34,8 @@ def test_backends_train_alike_and_the_table_renders(monkeypatch):
 
 def test_a_failing_backend_is_its_rows_status(monkeypatch):
     monkeypatch.setattr(hf, "model_config", tiny)
-    rows = hf.run_model("qwen3-30b-a3b", ["no_such_backend", "eager"], 2, 1, 8, 0, 1, False, 0, torch.device("cpu"))
+    rows = hf.run_model("qwen3-30b-a3b", ["no_such_backend", "eager"], 2, 1, 8, 0, 1, find_max=False, max_limit=0,
+                        device=torch.device("cpu"))
     assert rows[1]["status"].startswith("error:") and rows[2]["status"] == "ok"
     assert "error:" in hf.markdown(rows)
 

@@ -59,7 +59,7 @@ def test_fp8_bench_with_the_weight_cache_pays_one_quantization_a_step(tmp_path, 
     assert rows["moeblaze-fp8"]["status"] == rows["moeblaze-fp8-cached"]["status"] == "ok"
     assert rows["moeblaze-fp8"]["rel_err"] == rows["moeblaze-fp8-cached"]["rel_err"]
     assert calls.count(True) > 0 and calls.count(True) % 2 == 0  # W1 and W2, both layouts, once per step
-    p = harness.make_problem(48, 32, 16, 4, 2, "swiglu", torch.float32, "cpu", n_sets=1)
+    p = harness.make_problem(48, 32, 16, 4, 2, "swiglu", dtype=torch.float32, device="cpu", n_sets=1)
     calls.clear()
     call = harness.IMPLS["moeblaze-fp8-cached"][2](p, "preact")
     for i in range(3):

@@ -68,7 +68,7 @@ def test_configs_bf16_against_fp32_reference(name, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("activation", ["geglu", "silu", "gelu", "relu", "relu2"])
 def test_other_activations_bf16(activation, backend):
-    p = make_problem(4096, 512, 384, 16, 2, activation, torch.bfloat16, "cuda")
+    p = make_problem(4096, 512, 384, 16, 2, activation, dtype=torch.bfloat16, device="cuda")
     ref = reference_grads(p)
     torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2,
                                                                          config=ExpertsConfig(activation=activation)))

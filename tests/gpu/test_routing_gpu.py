@@ -167,7 +167,7 @@ def test_round_to_index_compiled_equals_rounding_then_index(poison_alloc, scorin
         logits.requires_grad_()
         idx, w = route_topk(logits, K, scoring, route_scale=2.5)
         rows = rounded_rows_bound(L, K, E, BLOCK_M, rule)
-        rr = round_tokens_fast(logits, idx, w, BLOCK_M, rule, scoring, True, 2.5, cap)
+        rr = round_tokens_fast(logits, idx, w, BLOCK_M, rule, scoring, True, 2.5, max_experts=cap)
         want = rounded_index(rr.kept_LE, rr.weights_LE, cap, rows)
         got = round_to_index(logits, idx, w, BLOCK_M, rule, scoring, True, 2.5, max_experts=cap, max_rows=rows)
         for f in ("expert_counts", "expert_offsets", "expert_token_idx", "token_slot"):

@@ -269,7 +269,7 @@ def test_round_to_index_equals_rounding_then_index(poison_alloc, scoring):
         logits.requires_grad_()
         idx, w = route_topk(logits, K, scoring, renormalize=renorm, route_scale=1.5)
         rows = L * K + E * M
-        rr = round_tokens_fast(logits, idx, w, M, rule, scoring, renorm, 1.5, cap)
+        rr = round_tokens_fast(logits, idx, w, M, rule, scoring, renorm, 1.5, max_experts=cap)
         want = _rounded_index_torch(rr.kept_LE, rr.weights_LE, cap, rows)
         got = round_to_index(logits, idx, w, M, rule, scoring, renorm, 1.5, max_experts=cap, max_rows=rows)
         case = (renorm, rule, L, E, K, M)

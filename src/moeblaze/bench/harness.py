@@ -45,7 +45,7 @@ class Problem:
         return (18 if up_width(self.activation, 1) == 2 else 12) * self.L * self.K * self.d * self.h
 
 
-def make_problem(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device="cuda", n_sets=2, seed=0):
+def make_problem(L, d, h, E, K, activation="swiglu", *, dtype=torch.bfloat16, device="cuda", n_sets=2, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     dev = torch.device(device)
 

@@ -146,7 +146,7 @@ def _oom(e: BaseException) -> bool:
 
 
 def train_run(name: str, backend: str, layers: int | None, batch: int, seq: int, warmup: int, steps: int,
-              device: torch.device, lr: float = 1e-4) -> dict:
+              device: torch.device, *, lr: float = 1e-4) -> dict:
     """Train warmup + steps steps; the timed steps' tokens/s and step time, peak memory, the losses."""
     model = build(name, backend, layers, device)
     opt = adamw(model, lr)
@@ -230,7 +230,7 @@ def max_batch(name: str, backend: str, layers: int | None, seq: int, start: int,
         _free()
 
 
-def run_model(name: str, backends, layers: int | None, batch: int, seq: int, warmup: int, steps: int,
+def run_model(name: str, backends, layers: int | None, batch: int, seq: int, warmup: int, steps: int, *,
               find_max: bool, max_limit: int, device: torch.device, report=None, profile: bool = False
               ) -> list[dict]:
     """One model on every backend: the skip backend's row first, then a row per backend (its experts' share

@@ -17,12 +17,12 @@ from ..routing import build_routing_index
 from .harness import _median_ms, make_problem
 
 
-def stage_times(L, d, h, E, K, activation="swiglu", dtype=torch.bfloat16, device="cuda", iters=10, seed=0,
+def stage_times(L, d, h, E, K, activation="swiglu", *, dtype=torch.bfloat16, device="cuda", iters=10, seed=0,
                 backend="auto"):
     """[(stage, GPU ms, host µs per call, TFLOP/s or None, autotuned tl config of its kernel ("gluon" where the
     stage launched a Gluon kernel instead) or None, {config: ms} of every config the autotuner tried for this
     stage)] in the order a training step runs them, through experts.stages on `backend`."""
-    p = make_problem(L, d, h, E, K, activation, dtype, device, n_sets=1, seed=seed)
+    p = make_problem(L, d, h, E, K, activation, dtype=dtype, device=device, n_sets=1, seed=seed)
     dev = torch.device(device)
     x, idx, w, dy = (t.detach() for t in p.sets[0])
     w1, w2 = p.w1.detach(), p.w2.detach()

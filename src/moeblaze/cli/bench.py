@@ -148,7 +148,8 @@ def _run_hf(rec, args, device) -> None:
     for name in args.hf.split(","):
         print(f"model {name}: {args.hf_layers or hf.LAYERS[name]} layers, batch {args.batch} x {args.seq}", flush=True)
         hf.run_model(name, args.hf_backends.split(","), args.hf_layers, args.batch, args.seq, args.warmup,
-                     args.hf_steps, args.max_batch > 0, args.max_batch, device, report=report, profile=args.hf_profile)
+                     args.hf_steps, find_max=args.max_batch > 0, max_limit=args.max_batch, device=device,
+                     report=report, profile=args.hf_profile)
     print(hf.markdown(rows))
 
 
@@ -220,7 +221,7 @@ def run(args):
     for name, (L, d, h, E, K) in _configs(args):
         print(f"config {name}: L={L} d={d} h={h} E={E} K={K} {args.activation} {dtype}", flush=True)
         t0 = time.perf_counter()
-        p = make_problem(L, d, h, E, K, args.activation, dtype, device)
+        p = make_problem(L, d, h, E, K, args.activation, dtype=dtype, device=device)
         ref = None if args.no_ref else reference_grads(p)
         print(f"  inputs and fp32 reference ready ({time.perf_counter() - t0:.0f} s)", flush=True)
         _run_config(rec, pairs, p, ref, args)
@@ -258,7 +259,7 @@ def _run_scale(rec, args, device, dtype) -> None:
     while L <= args.max_tokens and any(alive.values()):
         print(f"scale: L={L} d={d} h={h} E={E} K={K}", flush=True)
         try:
-            p = make_problem(L, d, h, E, K, args.activation, dtype, device, n_sets=1)
+            p = make_problem(L, d, h, E, K, args.activation, dtype=dtype, device=device, n_sets=1)
         except Exception as e:
             if not _oom(e):
                 raise

@@ -76,7 +76,7 @@ def initial_capacity(capacity_factor: float, tokens: int, top_k: int, ep: int) -
     return -(-max(1, math.ceil(capacity_factor * tokens * top_k / ep)) // 16) * 16
 
 
-def parallelize_model(model, ranks: Ranks, ep_config, rerun: bool, tokens: int, top_k: int, bf16: bool,
+def parallelize_model(model, ranks: Ranks, ep_config, rerun: bool, tokens: int, top_k: int, bf16: bool, *,
                       keep_gathered: bool = False, units: str = "blocks", reduce_bf16: bool = False):
     """FSDP2 (+ ep on ep_config, an EPConfig; rerun: --on-overflow rerun's CapacityTracker) on the model, under bf16
     with bf16 parameters and fp32 gradient reductions (bf16 ones with reduce_bf16); the model."""

@@ -170,8 +170,8 @@ def run(args) -> dict:
         _drop_grads(layer, x, routing_w)  # else the table would hold the adds into the earlier steps' .grad
         _print_kernels("moeblaze", kernel_times(lambda: ours().backward()))
         if args.impl == "triton" and args.precision == "native":  # the stage table times the bf16 launches
-            _print_stages(stage_times(L, d, h, args.num_experts, args.top_k, args.activation, dtype, device,
-                                      backend=args.backend))
+            _print_stages(stage_times(L, d, h, args.num_experts, args.top_k, args.activation, dtype=dtype,
+                                                      device=device, backend=args.backend))
             _print_resources(compiled_resources())
     if not args.no_compare:
         try:

@@ -127,7 +127,7 @@ def _rows(plan: RowPlan, a_q, w_q, out_dtype, backend, token=None):
     gemm = fp8_rows_gemm
     if dispatch.fp8_rows(backend, a_q[0], w_q[0], out_dtype) == "gluon":
         gemm = gluon_sm90.fp8_rows_gemm
-    return gemm(*a_q, *w_q, plan.num_rows, plan.offsets_E1, plan.sched, token, out_dtype)
+    return gemm(*a_q, *w_q, plan.num_rows, plan.offsets_E1, plan.sched, token, out_dtype=out_dtype)
 
 
 def _act_quantized(preact, activation, interleaved):

@@ -74,7 +74,7 @@ class RowPlan:
         return self.token_R.shape[0]
 
 
-def up(plan: RowPlan, x_LD, w1_EFD, activation: str, store_preact: bool = True, store_act: bool = True,
+def up(plan: RowPlan, x_LD, w1_EFD, activation: str, store_preact: bool = True, store_act: bool = True, *,
        backend: str = "auto", b1_EF=None, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(preact (R, F), act (R, H)) with the bias b1 (E, F) where given; an empty tensor for one not stored.
     preact's gate/up columns follow W1's rows (interleaved: gate at even rows)."""
@@ -82,8 +82,8 @@ def up(plan: RowPlan, x_LD, w1_EFD, activation: str, store_preact: bool = True, 
         preact, act = gluon_sm90.up_swiglu(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched,
                                            store_preact=store_preact, store_act=store_act)
         return (preact if store_preact else x_LD.new_empty(0)), (act if store_act else x_LD.new_empty(0))
-    return tl.up(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched, activation, store_preact, store_act, b1_EF,
-                 interleaved)
+    return tl.up(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched, activation, store_preact, store_act,
+                 b1_EF=b1_EF, interleaved=interleaved)
 
 
 def down(plan: RowPlan, act_RH, w2_EDH, backend: str = "auto") -> torch.Tensor:
@@ -116,7 +116,7 @@ def combine_slots(rows_RD, slot_LK, weights_LK: torch.Tensor | None, kept, out_d
     return tl.combine(rows_RD, slot_LK, weights_LK, kept, out_dtype)
 
 
-def down_bwd(plan: RowPlan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, activation: str,
+def down_bwd(plan: RowPlan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, activation: str, *,
              backend: str = "auto", interleaved: bool = False, preact_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """dH into dpreact (which may be preact itself: each element is read before it is written); returns
     (s·A (R, H), the router weights' gradient dS (L, K) in topk_w's dtype, without a down-projection bias's
@@ -131,17 +131,16 @@ def down_bwd(plan: RowPlan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, act
                                    interleaved=interleaved, preact_scale=preact_scale)
     if preact_scale is not None:
         preact_RF = quant.dequantize_rows(preact_RF, preact_scale, dpreact_RF.dtype, out=dpreact_RF)
-    return tl.down_bwd(dy_LD, w2_EDH, preact_RF, topk_w_LK, plan.token_slot_LK, dpreact_RF, plan.token_R,
-                       plan.offsets_E1, plan.sched, activation, interleaved)
+    return tl.down_bwd(dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, plan, activation, interleaved=interleaved)
 
 
-def act_bwd(plan: RowPlan, dact_RH, preact_RF, topk_w_LK, dpreact_RF, act_scaled_RH, activation: str,
+def act_bwd(plan: RowPlan, dact_RH, preact_RF, topk_w_LK, dpreact_RF, act_scaled_RH, activation: str, *,
             backend: str = "auto", interleaved: bool = False, preact_scale=None, dpreact_q=None) -> torch.Tensor:
     """From dA' and preact: dH into dpreact, s·A into act_scaled (either may alias its input); returns dS (L, K).
     preact in e4m3 with its scales (preact_scale) is read back as it is loaded; dpreact_q, a (q, scales) pair,
     receives dH quantized in 1 x 128 groups as it is stored (tl.dh_quantizable). One kernel on every backend."""
     return tl.act_bwd(dact_RH, preact_RF, plan.token_R, plan.token_slot_LK, topk_w_LK, dpreact_RF, act_scaled_RH,
-                      activation, interleaved, preact_scale, dpreact_q)
+                      activation, interleaved=interleaved, preact_scale=preact_scale, dpreact_q=dpreact_q)
 
 
 def weight_grad(plan: RowPlan, p, q, out, gather_p: bool, backend: str = "auto") -> torch.Tensor:

@@ -181,7 +181,7 @@ def _keep_by_topk(s, chosen, counts, targets, k: int):
 
 def round_tokens(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weights_LK: torch.Tensor, tile: int,
                  rule: str = "nr-f", scoring: str = "softmax_topk", renormalize: bool = True,
-                 route_scale: float = 1.0, max_experts: int | None = None) -> RoundedRouting:
+                 route_scale: float = 1.0, *, max_experts: int | None = None) -> RoundedRouting:
     """The token-rounded routing of a token-choice top-k (topk_idx, topk_weights from `logits` by the same
     scoring, renormalize and route_scale; see moeblaze.routing.route_topk); at most max_experts experts per token
     where given (see the module header)."""
@@ -193,7 +193,7 @@ def round_tokens(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weight
 
 def round_tokens_fast(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weights_LK: torch.Tensor,
                       tile: int, rule: str = "nr-f", scoring: str = "softmax_topk", renormalize: bool = True,
-                      route_scale: float = 1.0, max_experts: int | None = None) -> RoundedRouting:
+                      route_scale: float = 1.0, *, max_experts: int | None = None) -> RoundedRouting:
     """round_tokens's result through two column-wise top-(tile − 1) selections instead of a sort (see the module
     header)."""
     _check(logits_LE, topk_idx_LK, topk_weights_LK, tile, rule, scoring, renormalize, route_scale, max_experts,

@@ -60,7 +60,7 @@ def gathered_rows_gemm_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_des
     gl.warp_specialize([(mma_store, mma_args), (gather_loader, loader_args)], [GATHER_WARPS], [WORKER_REGS])
 
 
-def gathered_rows_gemm(x, w, token, offsets, sched, out=None, block_k: int = 64, stages: int = 3,
+def gathered_rows_gemm(x, w, token, offsets, sched, out=None, *, block_k: int = 64, stages: int = 3,
                        worker_regs: int = 56):
     """C (rows, N) = x[token[rows]] @ W[e] for each expert's contiguous rows (dA' = dy[token] @ W2[e]); x (L, K)
     and w (E, K, N) bf16/fp16 contiguous, K a multiple of block_k, N of 8; token (rows,) int32.
@@ -77,7 +77,7 @@ def gathered_rows_gemm(x, w, token, offsets, sched, out=None, block_k: int = 64,
     return c
 
 
-def rows_gemm(a, w, offsets, sched, out=None, kn: bool = False, block_k: int = 64, stages: int = 3,
+def rows_gemm(a, w, offsets, sched, out=None, kn: bool = False, *, block_k: int = 64, stages: int = 3,
               worker_regs: int = 112):
     """C (rows, N) = A[rows] @ W[e]ᵀ, w (E, N, K), or with kn = A[rows] @ W[e], w (E, K, N), for each expert's
     contiguous rows; bf16/fp16, contiguous, K and N multiples of 8 (16-byte TMA rows). 128x256 tiles whose

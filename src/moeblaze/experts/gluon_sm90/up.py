@@ -99,7 +99,7 @@ def up_swiglu_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, h_desc, preact
                        [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
 
-def up_swiglu(x, w1, token, offsets, sched, preact=None, act=None, store_preact: bool = True,
+def up_swiglu(x, w1, token, offsets, sched, *, preact=None, act=None, store_preact: bool = True,
               store_act: bool = True, block_k: int = 64, stages: int = 3, worker_regs: int = 112):
     """The SwiGLU up-projection: H (rows, 2h) = x[token[rows]] @ W1[e]ᵀ and A (rows, h) = SiLU(H[:, :h]) *
     H[:, h:], for each expert's contiguous rows; x (L, d), w1 (E, 2h, d) bf16/fp16 contiguous, d a

@@ -174,7 +174,7 @@ def weight_grad_kernel(dense_desc, src_ptr, stride_src, token_ptr, c_desc, c_ptr
     gl.warp_specialize([(_wgrad_mma_store, mma_args), (_wgrad_loader, loader_args)], [GATHER_WARPS], [WORKER_REGS])
 
 
-def weight_grad(p, q, token, offsets, out, gather_p: bool, block_k: int = 64, stages: int = 3,
+def weight_grad(p, q, token, offsets, out, gather_p: bool, *, block_k: int = 64, stages: int = 3,
                 worker_regs: int = 56):
     """out[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for each expert's contiguous rows (offsets (E+1,) int32), with
     P = p[token[rows]], Q = q[rows] if gather_p, else P = p[rows], Q = q[token[rows]]; token (rows,) int32.

@@ -59,7 +59,7 @@ def _fp8_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, token_ptr, tile_expert
 
 
 def fp8_rows_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, b_q: torch.Tensor, b_scale: torch.Tensor,
-                  num_rows: int, offsets: torch.Tensor, sched, token: torch.Tensor | None = None,
+                  num_rows: int, offsets: torch.Tensor, sched, token: torch.Tensor | None = None, *,
                   out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """C (num_rows, N) in out_dtype: row r of expert e is A[token[r] if token is given else r] · B[e]ᵀ, with
     a_q (·, K) e4m3 (or float16 holding e4m3 values) and its 1 x 128 scales a_scale (·, ceil(K / 128)) fp32, b_q

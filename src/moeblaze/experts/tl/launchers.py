@@ -43,7 +43,7 @@ def _grid(num_tiles: int, n: int, device: torch.device | None = None):
     return lambda meta: ((sms if meta.get("PERSISTENT") else num_tiles * cdiv(n, meta["BLOCK_N"])),)
 
 
-def up(x_LD, w1_EFD, token_R, offsets, sched, activation, store_preact, store_act, b1_EF=None, interleaved=False):
+def up(x_LD, w1_EFD, token_R, offsets, sched, activation, store_preact, store_act, *, b1_EF=None, interleaved=False):
     """(preact (R, F), act (R, H)) = x[token] @ W1[e]ᵀ (+ b1[e]) and its activation; an empty tensor for one not
     stored. preact's gate/up columns follow W1's rows (interleaved or not)."""
     R, (_, F, D) = token_R.shape[0], w1_EFD.shape
@@ -108,10 +108,10 @@ def weight_grad(p, q, dw, token_R, offsets, gather_p):
     return dw
 
 
-def down_bwd(dy_LD, w2_EDH, preact, topk_w_LK, token_slot_LK, dpreact, token_R, offsets, sched, activation,
-             interleaved=False):
+def down_bwd(dy_LD, w2_EDH, preact, topk_w_LK, dpreact, plan, activation, *, interleaved=False):
     """dA' = dy[token] @ W2[e] with the activation's backward in the epilogue: dH into dpreact (may be preact
     itself); returns s·A (R, H) and the router weights' gradient (L, K) without any down-projection bias term."""
+    token_R, token_slot_LK, offsets, sched = plan.token_R, plan.token_slot_LK, plan.offsets_E1, plan.sched
     R, (_, D, H) = token_R.shape[0], w2_EDH.shape
     act_scaled = dy_LD.new_empty(R, H)
     w_sorted = in_row_order(topk_w_LK, token_slot_LK, R, torch.float32)  # router weights in row order
@@ -127,8 +127,9 @@ def down_bwd(dy_LD, w2_EDH, preact, topk_w_LK, token_slot_LK, dpreact, token_R, 
     return act_scaled, ds_part.sum(0)[token_slot_LK.long()].to(topk_w_LK.dtype)  # dropped pairs: masked by the caller
 
 
-def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_scaled, activation, interleaved=False,
-            preact_scale=None, dpreact_q=None, block_r: int | None = None, num_warps: int | None = None):
+def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_scaled, activation, *,
+            interleaved=False, preact_scale=None, dpreact_q=None, block_r: int | None = None,
+            num_warps: int | None = None):
     """From dA' (R, H) and H: dH into dpreact, s·A into act_scaled (either may alias its input); returns dS as
     the router weights' gradient (L, K), in topk_w's dtype. H in e4m3 comes with its 1 x 128 scales
     (preact_scale) and is read back in dpreact's dtype as it is loaded (dpreact is then a buffer of its own).
