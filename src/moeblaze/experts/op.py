@@ -44,6 +44,8 @@ before the weight gradients reduce over row blocks.
 Host side: every launch that is not autotuned goes through experts.launch (the compiled kernel relaunched
 without Triton's per-call dispatch); in eager mode autograd calls the op's bodies directly (_EagerExperts),
 and torch.compile traces the custom ops. The call's OpKey travels as a short string (OpKey.text), parsed once per value.
+The op's inputs are one bundle (OpInputs) and what forward hands backward another (Kept): the custom ops' schemas,
+fakes and autograd wiring derive from them, so a new input is one field.
 
 Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert, E experts, K top-k, R = L·K.
 """
