@@ -81,11 +81,12 @@ def _pick(stage: str, backend: str, device: torch.device, gluon_takes) -> str:
     return choice
 
 
-def up(backend: str, x_LD, w1_EFD, activation: str, plain_layout: bool = True) -> str:
+def up(backend: str, x_LD, w1_EFD, activation: str, plain_layout: bool = True, w1_up=None) -> str:
     """The up-projection: Gluon for SwiGLU without a bias and with the gate rows first (plain_layout), D a
-    multiple of a gathered stage's K."""
+    multiple of a gathered stage's K; W1 whole or in two parts (w1_up: the up rows), each read in place."""
+    parts = (x_LD, w1_EFD) if w1_up is None else (x_LD, w1_EFD, w1_up)
     return _pick("up", backend, x_LD.device, lambda: activation == "swiglu" and plain_layout
-                 and x_LD.shape[1] % GATHER_BLOCK_K == 0 and _takes(x_LD, w1_EFD))
+                 and x_LD.shape[1] % GATHER_BLOCK_K == 0 and _takes(*parts))
 
 
 def rows(stage: str, backend: str, a, w) -> str:

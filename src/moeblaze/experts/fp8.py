@@ -161,10 +161,11 @@ class Fp8Gemms:
                   token=plan.token_R)
         return _add_bias(h, b1_EF, plan)
 
-    def up(self, plan: RowPlan, x_LD, w1_EFD, b1_EF, keep: bool):
-        """(H, q(act(H)), q(H) where the activation's pass made it (SwiGLU under "preact-fp8"), else None)."""
+    def up(self, plan: RowPlan, x_LD, inputs, keep: bool):
+        """(H, q(act(H)), q(H) where the activation's pass made it (SwiGLU under "preact-fp8"), else None); W1 in
+        two parts is concatenated first (a transient copy), then quantized."""
         r = self.r
-        preact = self.preact(plan, x_LD, w1_EFD, b1_EF)
+        preact = self.preact(plan, x_LD, inputs.whole_w1, inputs.b1)
         if r.checkpoint == "preact-fp8" and r.activation == "swiglu":
             act_q, kept_q = quant.swiglu_quantize(preact, r.interleaved, keep_preact=True)
             return preact, act_q, kept_q

@@ -100,11 +100,12 @@ class NativeGemms:
     def __init__(self, r: OpKey):
         self.r = r
 
-    def up(self, plan: RowPlan, x_LD, w1_EFD, b1_EF, keep: bool):
-        """(preact (empty unless keep), act, None: no e4m3 copy of preact made on the way)."""
+    def up(self, plan: RowPlan, x_LD, inputs: OpInputs, keep: bool):
+        """(preact (empty unless keep), act, None: no e4m3 copy of preact made on the way). W1 in two parts is
+        read in place where the up kernel takes them (stages.up)."""
         r = self.r
-        preact, act = stages.up(plan, x_LD, w1_EFD, r.activation, keep, True, backend=r.backend, b1_EF=b1_EF,
-                                   interleaved=r.interleaved)
+        preact, act = stages.up(plan, x_LD, inputs.w1, r.activation, keep, True, backend=r.backend, b1_EF=inputs.b1,
+                                interleaved=r.interleaved, w1_up=inputs.w1_up)
         return preact, act, None
 
     def preact(self, plan: RowPlan, x_LD, w1_EFD, b1_EF):
@@ -210,14 +211,14 @@ def experts_forward(inputs: OpInputs, key: str) -> tuple[torch.Tensor, Kept]:
     """(out (L, D), what backward keeps): the forward body, the tile schedule built once here and handed to
     backward."""
     r = parse(key)
-    x_LD, w1_EFD = inputs.x, inputs.whole_w1
+    x_LD = inputs.x
     plan = RowPlan.build(inputs.routing)
     keep = r.checkpoint != "recompute"
     if x_LD.shape[0] == 0:  # an empty batch (a rank without tokens): no launch can address 0 rows
-        preact = x_LD.new_zeros(0, w1_EFD.shape[1])
+        preact = x_LD.new_zeros(0, inputs.w1_rows)
         return x_LD.new_zeros(x_LD.shape), Kept(*_kept(preact, None, r), *plan.sched)
     g = r.gemms
-    preact, act, preact_q = g.up(plan, x_LD, w1_EFD, inputs.b1, keep)
+    preact, act, preact_q = g.up(plan, x_LD, inputs, keep)
     y_RD = g.down(plan, act, inputs.w2, x_LD.dtype)
     del act
     out = stages.combine(plan, y_RD, inputs.topk_w.float().contiguous(), x_LD.dtype, bias_ED=inputs.b2)

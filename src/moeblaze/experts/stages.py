@@ -75,13 +75,17 @@ class RowPlan:
 
 
 def up(plan: RowPlan, x_LD, w1_EFD, activation: str, store_preact: bool = True, store_act: bool = True, *,
-       backend: str = "auto", b1_EF=None, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+       backend: str = "auto", b1_EF=None, interleaved: bool = False, w1_up=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(preact (R, F), act (R, H)) with the bias b1 (E, F) where given; an empty tensor for one not stored.
-    preact's gate/up columns follow W1's rows (interleaved: gate at even rows)."""
-    if dispatch.up(backend, x_LD, w1_EFD, activation, b1_EF is None and not interleaved) == "gluon":
-        preact, act = gluon_sm90.up_swiglu(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched,
+    preact's gate/up columns follow W1's rows (interleaved: gate at even rows). w1_up: W1's up rows, where w1_EFD
+    holds only the gate rows (read in place on Gluon; concatenated for tl, a transient copy)."""
+    plain = b1_EF is None and not interleaved
+    if dispatch.up(backend, x_LD, w1_EFD, activation, plain, w1_up) == "gluon":
+        preact, act = gluon_sm90.up_swiglu(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched, w1_up=w1_up,
                                            store_preact=store_preact, store_act=store_act)
         return (preact if store_preact else x_LD.new_empty(0)), (act if store_act else x_LD.new_empty(0))
+    if w1_up is not None:
+        w1_EFD = torch.cat((w1_EFD, w1_up), 1)
     return tl.up(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched, activation, store_preact, store_act,
                  b1_EF=b1_EF, interleaved=interleaved)
 

@@ -179,8 +179,8 @@ def fp8_rows_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_desc, c_ptr, 
     c0 = gl.allocate_shared_memory(c_desc.dtype, [STORE_BUFS, BLOCK_M // N_WG, BLOCK_N // 2], c_desc.layout)
     rest = (c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, go, sa_ptr, stride_sal, sb_ptr, stride_sbe,
             stride_sbn, token_ptr, n_rows, tile_expert_ptr, tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, N, K_DIM)
-    loader_args = (x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
-                   tile_row_ptr, used_tiles_ptr, N, K_DIM)
+    loader_args = (x_ptr, stride_xl, token_ptr, n_rows, b_desc, b_desc, a_bufs, b_bufs, ready, empty,
+                   tile_expert_ptr, tile_row_ptr, used_tiles_ptr, N, K_DIM, False)
     if N_WG == 1:
         gl.warp_specialize([(fp8_one, (c0, ) + rest), (gather_loader, loader_args)], [GATHER_WARPS], [WORKER_REGS])
     else:

@@ -57,8 +57,8 @@ def tma_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, ti
 
 
 @gluon.jit
-def gather_loader(x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
-                   tile_row_ptr, used_tiles_ptr, N, K_DIM):
+def gather_loader(x_ptr, stride_xl, token_ptr, n_rows, b_desc, b_up_desc, a_bufs, b_bufs, ready, empty,
+                   tile_expert_ptr, tile_row_ptr, used_tiles_ptr, N, K_DIM, W_PARTS: gl.constexpr):
     """As tma_loader, with A's rows gathered: row r of the tile is x[token[r]], copied by cp.async; each of
     the partition's threads arrives on the stage's barrier when its copies land (the barrier counts them).
     Rows past the expert's end are copied too (the next expert's tokens; never stored), so a tile needs
@@ -66,7 +66,9 @@ def gather_loader(x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, r
     token ids are loaded while tile j's stages are issued, off the path from one tile's last stage to the
     next tile's first.
     GATED: W is (E·2N, K) with each expert's N gate rows before its N up rows; a stage's B holds
-    BLOCK_N/2 gate rows then the matching BLOCK_N/2 up rows, so one MMA computes both halves.
+    BLOCK_N/2 gate rows then the matching BLOCK_N/2 up rows, so one MMA computes both halves. With W_PARTS the
+    gate rows (E·N, K) are b_desc's and the up rows (E·N, K) b_up_desc's, read in place (else b_up_desc is
+    b_desc).
     B_KN: W is (E·K, N) (W2 for dA' = dy[token] @ W2[e]), its stages (BLOCK_K, BLOCK_N) boxes."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
@@ -99,10 +101,15 @@ def gather_loader(x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, r
                 # W first: its TMA runs while the row copies are issued
                 if GATED:
                     mbarrier.expect(ready.index(s), 2 * b_desc.block_type.nbytes)
-                    gate_row = e * 2 * N + pid_n * TILE_N
                     stage = b_bufs.index(s)
+                    if W_PARTS:
+                        gate_row = e * N + pid_n * TILE_N
+                        up_row = gate_row
+                    else:
+                        gate_row = e * 2 * N + pid_n * TILE_N
+                        up_row = gate_row + N
                     tma_load(b_desc, [gate_row, k * BLOCK_K], ready.index(s), stage.slice(0, TILE_N))
-                    tma_load(b_desc, [gate_row + N, k * BLOCK_K], ready.index(s), stage.slice(TILE_N, TILE_N))
+                    tma_load(b_up_desc, [up_row, k * BLOCK_K], ready.index(s), stage.slice(TILE_N, TILE_N))
                 elif B_KN:
                     mbarrier.expect(ready.index(s), b_desc.block_type.nbytes)
                     tma_load(b_desc, [e * K_DIM + k * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))

@@ -55,8 +55,8 @@ def gathered_rows_gemm_kernel(x_ptr, stride_xl, token_ptr, n_rows, b_desc, c_des
     ready, empty = stage_barriers(STAGES, 32 * GATHER_WARPS + 1)
     mma_args = (c_smem, c_desc, c_ptr, stride_cl, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
                 expert_offsets_ptr, used_tiles_ptr, N, K_DIM)
-    loader_args = (x_ptr, stride_xl, token_ptr, n_rows, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
-                   tile_row_ptr, used_tiles_ptr, N, K_DIM)
+    loader_args = (x_ptr, stride_xl, token_ptr, n_rows, b_desc, b_desc, a_bufs, b_bufs, ready, empty,
+                   tile_expert_ptr, tile_row_ptr, used_tiles_ptr, N, K_DIM, False)
     gl.warp_specialize([(mma_store, mma_args), (gather_loader, loader_args)], [GATHER_WARPS], [WORKER_REGS])
 
 

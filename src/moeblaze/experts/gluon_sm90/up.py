@@ -74,11 +74,11 @@ def _up_epilogue(c_smem, acc_ready, acc_empty, h_desc, preact_ptr, act_ptr, stri
 
 
 @gluon.jit
-def up_swiglu_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, h_desc, preact_ptr, act_ptr, stride_pl,
+def up_swiglu_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, w_up_desc, h_desc, preact_ptr, act_ptr, stride_pl,
                         stride_al, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, expert_offsets_ptr, H, K_DIM,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
                         STORE_PREACT: gl.constexpr, STORE_ACT: gl.constexpr, TMA_PREACT: gl.constexpr,
-                        WORKER_REGS: gl.constexpr):
+                        WORKER_REGS: gl.constexpr, W_PARTS: gl.constexpr):
     """H = x[token[rows]] @ W1[e]ᵀ (gate and up), A = SiLU(gate) * up; three partitions: the 8-warp MMA
     partition (default), a 2-warp gathering loader, a 2-warp epilogue."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], w_desc.dtype)
@@ -91,24 +91,27 @@ def up_swiglu_kernel(x_ptr, stride_xl, token_ptr, n_rows, w_desc, h_desc, preact
     acc_ready, acc_empty = one_barrier(), one_barrier()
     mma_args = (c_smem, acc_ready, acc_empty, a_bufs, b_bufs, ready, empty, used_tiles_ptr, gl.cdiv(H, BLOCK_N // 2),
                 K_DIM, True)
-    loader_args = (x_ptr, stride_xl, token_ptr, n_rows, w_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr,
-                   tile_row_ptr, used_tiles_ptr, H, K_DIM)
+    loader_args = (x_ptr, stride_xl, token_ptr, n_rows, w_desc, w_up_desc, a_bufs, b_bufs, ready, empty,
+                   tile_expert_ptr, tile_row_ptr, used_tiles_ptr, H, K_DIM, W_PARTS)
     epi_args = (c_smem, acc_ready, acc_empty, h_desc, preact_ptr, act_ptr, stride_pl, stride_al, tile_expert_ptr,
                 tile_row_ptr, expert_offsets_ptr, used_tiles_ptr, H, STORE_PREACT, STORE_ACT, TMA_PREACT)
     gl.warp_specialize([(mma_handoff, mma_args), (gather_loader, loader_args), (_up_epilogue, epi_args)],
                        [UP_LOADER_WARPS, EPI_WARPS], [WORKER_REGS, WORKER_REGS])
 
 
-def up_swiglu(x, w1, token, offsets, sched, *, preact=None, act=None, store_preact: bool = True,
+def up_swiglu(x, w1, token, offsets, sched, *, w1_up=None, preact=None, act=None, store_preact: bool = True,
               store_act: bool = True, block_k: int = 64, stages: int = 3, worker_regs: int = 112):
     """The SwiGLU up-projection: H (rows, 2h) = x[token[rows]] @ W1[e]ᵀ and A (rows, h) = SiLU(H[:, :h]) *
     H[:, h:], for each expert's contiguous rows; x (L, d), w1 (E, 2h, d) bf16/fp16 contiguous, d a
-    multiple of block_k. Returns (H or None, A or None): H if store_preact, A if store_act (backward's
-    recompute stores H alone). The dispatcher (experts.dispatch) checks the operands; the launcher does not."""
-    E, two_h, d = w1.shape
-    h = two_h // 2
+    multiple of block_k, or w1 the gate rows (E, h, d) and w1_up the up rows (E, h, d), each read in place.
+    Returns (H or None, A or None): H if store_preact, A if store_act (backward's recompute stores H alone).
+    The dispatcher (experts.dispatch) checks the operands; the launcher does not."""
+    E, F, d = w1.shape
+    h = F if w1_up is not None else F // 2
+    two_h = 2 * h
     block_n = 256  # 128 gate columns and the matching 128 up columns
-    w_desc = descriptor(w1.reshape(E * two_h, d), [block_n // 2, block_k])
+    w_desc = descriptor(w1.reshape(E * F, d), [block_n // 2, block_k])
+    w_up_desc = w_desc if w1_up is None else descriptor(w1_up.reshape(E * h, d), [block_n // 2, block_k])
     rows = token.shape[0]
     if not (store_preact or store_act):
         raise ValueError("up_swiglu stores H, A or both")
@@ -126,8 +129,8 @@ def up_swiglu(x, w1, token, offsets, sched, *, preact=None, act=None, store_prea
     # 12 warps x 168 registers fill the register file: the loader and epilogue warpgroup gets
     # worker_regs, the MMA warps the rest
     grid = (sm_count(x.device),)
-    launch(up_swiglu_kernel, grid, x, x.stride(0), token, rows, w_desc, h_desc, p, a, p.stride(0), a.stride(0),
-           sched[0], sched[1], sched[2], offsets, h, d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+    launch(up_swiglu_kernel, grid, x, x.stride(0), token, rows, w_desc, w_up_desc, h_desc, p, a, p.stride(0),
+           a.stride(0), sched[0], sched[1], sched[2], offsets, h, d, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
            STAGES=stages, STORE_PREACT=store_preact, STORE_ACT=store_act, TMA_PREACT=tma_preact,
-           WORKER_REGS=worker_regs, num_warps=8, maxnreg=168)
+           WORKER_REGS=worker_regs, W_PARTS=w1_up is not None, num_warps=8, maxnreg=168)
     return (preact if store_preact else None), (act if store_act else None)
