@@ -79,6 +79,24 @@ def test_gathered_rows_gemm_matches_torch(N, K, counts):
 
 
 @pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
+@pytest.mark.parametrize("h,d", [(256, 128), (200, 256)])  # 200: a gate tile reaching into the next expert's rows
+def test_up_swiglu_reads_w1_in_two_parts_as_whole(h, d, counts):
+    """W1 as (gate rows, up rows), torchtitan's w1 and w3, read in place through two descriptors: H and A bitwise
+    those of the concatenated W1 (the same tiles, loaded from two tensors)."""
+    from moeblaze.experts.gluon_sm90 import up_swiglu
+
+    g = torch.Generator(device="cpu").manual_seed(h + d)
+    E, LK, offsets, token, sched = routing(counts, g, gathered=True)
+    x = torch.randn(TOKENS, d, generator=g).to("cuda", torch.bfloat16)
+    gate, up = ((torch.randn(E, h, d, generator=g) * d ** -0.5).to("cuda", torch.bfloat16) for _ in range(2))
+    nan = dict(device="cuda", dtype=x.dtype)
+    want = up_swiglu(x, torch.cat((gate, up), 1), token, offsets, sched)
+    got = up_swiglu(x, gate, token, offsets, sched, w1_up=up, preact=torch.full((LK, 2 * h), float("nan"), **nan),
+                    act=torch.full((LK, h), float("nan"), **nan))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
 @pytest.mark.parametrize("h,d", [(256, 128), (192, 256)])  # 192: one and a half column tiles
 @pytest.mark.parametrize("store_act", [True, False], ids=["H_and_A", "H_only"])
 def test_up_swiglu_matches_torch(h, d, counts, store_act):

@@ -19,8 +19,9 @@ Backward (5 launches, +1 with checkpoint="recompute", +1 on Gluon where down_bwd
   [biases  dB1, dB2 per expert; dS += <dy, b2[e]>     only with biases (stages.bias_grads)]
 Layouts: W1 and W2 by strides (transposed views, as gpt-oss stores them, are read in place, and their gradients
 are written in the same layout); gate/up rows of W1 in halves or interleaved, preact's columns in W1's order.
-W1 in two parts (w1_up: the up rows apart, as torchtitan stores w1 and w3): concatenated per call, in forward and
-again in backward (a transient of W1's size, never kept), and dW1 comes back split.
+W1 in two parts (w1_up: the up rows apart, as torchtitan stores w1 and w3): the Gluon up kernel reads them in
+place (two descriptors); tl, FP8 and backward concatenate them per call (a transient of W1's size, never kept), and
+dW1 comes back split.
 
 Memory contract (bytes kept from forward to backward, beyond x, the weights and topk_weights, which exist
 anyway; b = bytes per element of x's dtype):
