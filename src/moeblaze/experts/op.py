@@ -63,7 +63,7 @@ from ..routing import RoutingIndex
 from . import stages
 from .fp8 import Fp8Gemms
 from .schedule import BLOCK_M
-from .stages import RowPlan
+from .stages import RowPlan, whole_w1
 from .quant import quantize_rows
 
 
@@ -224,11 +224,6 @@ def experts_forward(inputs: OpInputs, key: str) -> tuple[torch.Tensor, Kept]:
     del act
     out = stages.combine(plan, y_RD, inputs.topk_w.float().contiguous(), x_LD.dtype, bias_ED=inputs.b2)
     return out, Kept(*_kept(preact, preact_q, r), *plan.sched)
-
-
-def whole_w1(w1_EFD: torch.Tensor, w1_up: torch.Tensor | None) -> torch.Tensor:
-    """W1 (E, F, D): w1 itself, or [gate rows | up rows] where the up rows come apart (a transient copy)."""
-    return w1_EFD if w1_up is None else torch.cat((w1_EFD, w1_up), 1)
 
 
 def _kept(preact_RF: torch.Tensor, preact_q, r: OpKey) -> tuple[torch.Tensor, torch.Tensor]:

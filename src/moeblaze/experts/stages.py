@@ -74,6 +74,11 @@ class RowPlan:
         return self.token_R.shape[0]
 
 
+def whole_w1(w1_EFD: torch.Tensor, w1_up: torch.Tensor | None) -> torch.Tensor:
+    """W1 (E, F, D): w1 itself, or [gate rows | up rows] where the up rows come apart (a transient copy)."""
+    return w1_EFD if w1_up is None else torch.cat((w1_EFD, w1_up), 1)
+
+
 def up(plan: RowPlan, x_LD, w1_EFD, activation: str, store_preact: bool = True, store_act: bool = True, *,
        backend: str = "auto", b1_EF=None, interleaved: bool = False, w1_up=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(preact (R, F), act (R, H)) with the bias b1 (E, F) where given; an empty tensor for one not stored.
@@ -84,8 +89,7 @@ def up(plan: RowPlan, x_LD, w1_EFD, activation: str, store_preact: bool = True, 
         preact, act = gluon_sm90.up_swiglu(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched, w1_up=w1_up,
                                            store_preact=store_preact, store_act=store_act)
         return (preact if store_preact else x_LD.new_empty(0)), (act if store_act else x_LD.new_empty(0))
-    if w1_up is not None:
-        w1_EFD = torch.cat((w1_EFD, w1_up), 1)
+    w1_EFD = whole_w1(w1_EFD, w1_up)
     return tl.up(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched, activation, store_preact, store_act,
                  b1_EF=b1_EF, interleaved=interleaved)
 
