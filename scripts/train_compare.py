@@ -4,7 +4,8 @@ variant's validation loss against the study's baseline and its curves.
   --study routing  plain top-k (the baseline) and SonicMoE's token rounding (nr-f), under softmax + switch loss
                    (the default router) and under sigmoid + expert-bias balancing (DeepSeek-V3's router, with its
                    1e-4 sequence loss); the max/mean expert load over training
-  --study fp8      bf16 (the baseline), precision="fp8" (the experts' data GEMMs on e4m3) and checkpoint="preact-fp8";
+  --study fp8      bf16 (the baseline), precision="fp8" (the experts' data GEMMs on e4m3 at every size:
+                   fp8_min_rows=0) and checkpoint="preact-fp8";
                    whether each ends inside the baseline's seed band, and the late relative gap of the training
                    loss (its mean over the last 10% of steps against the baseline's); the gradient norm over training
 
@@ -51,7 +52,8 @@ STUDIES = {
         baseline="bf16",
         shapes={"small": [], "medium": ["--d-model", "512", "--n-heads", "8", "--n-layers", "4", "--num-experts",
                                         "16", "--d-expert", "512"]},
-        variants={"bf16": [], "fp8": ["--precision", "fp8"], "preact-fp8": ["--checkpoint-policy", "preact-fp8"]},
+        variants={"bf16": [], "fp8": ["--precision", "fp8", "--fp8-min-rows", "0"],
+                  "preact-fp8": ["--checkpoint-policy", "preact-fp8"]},
         curve=("grad_norm", "gradient norm before clipping")),
 }
 

@@ -118,3 +118,19 @@ def test_model_config_round_trips_and_reads_the_earlier_forms():
     assert ModelConfig.from_dict(unset) == ModelConfig(num_experts=16)
     with pytest.warns(DeprecationWarning, match=r"router=moeblaze.RouterConfig.family\('olmoe'\)"):
         assert ModelConfig(router="olmoe").router == ROUTERS["olmoe"]
+
+
+def test_fp8_min_rows_decides_each_calls_precision():
+    """ExpertsConfig.at_call: precision="fp8" turns "native" (the weight cache with it) where a call's experts average
+    fewer than fp8_min_rows rows (per chunk with chunk_tokens); otherwise the config itself; 0: always e4m3."""
+    fp8 = ExpertsConfig(precision="fp8", fp8_weight_cache=True)
+    assert fp8.fp8_min_rows == 2048
+    assert fp8.at_call(8192, 8, 32) is fp8  # 2048 rows per expert
+    assert fp8.at_call(8191, 8, 32) == fp8.replace(precision="native", fp8_weight_cache=False)
+    assert fp8.replace(chunk_tokens=4096).at_call(65536, 8, 32).precision == "native"  # 1024 rows per chunk
+    assert fp8.replace(fp8_min_rows=0).at_call(1, 1, 64).precision == "fp8"
+    assert ExpertsConfig().at_call(1, 1, 64) == ExpertsConfig()
+    with pytest.raises(ValueError, match="fp8_min_rows"):
+        ExpertsConfig(precision="fp8", fp8_min_rows=-1)
+    with pytest.raises(TypeError, match="fp8_min_rows"):
+        ExpertsConfig(precision="fp8", fp8_min_rows=2048.0)

@@ -44,7 +44,7 @@ def test_layer_bench_rows_schema_and_plot(tmp_path):
 
 
 def test_fp8_bench_with_the_weight_cache_pays_one_quantization_a_step(tmp_path, monkeypatch):
-    """moeblaze-fp8-cached: the same errors as moeblaze-fp8 (the same arithmetic), and each timed step quantizes
+    """moeblaze-e4m3-cached: the same errors as moeblaze-e4m3 (the same arithmetic), and each timed step quantizes
     both weights once (the bench moves their versions on before each step, as an optimizer step would)."""
     from moeblaze.experts import quant
 
@@ -53,15 +53,15 @@ def test_fp8_bench_with_the_weight_cache_pays_one_quantization_a_step(tmp_path, 
     monkeypatch.setattr(quant, "quantize_blocks", lambda w, transpose=False, both=False: (
         calls.append(both), real(w, transpose, both))[1])
     out = str(tmp_path)
-    assert main(["bench", "--config", "48,32,16,4,2", "--impls", "moeblaze-fp8,moeblaze-fp8-cached", "--policies",
+    assert main(["bench", "--config", "48,32,16,4,2", "--impls", "moeblaze-e4m3,moeblaze-e4m3-cached", "--policies",
                  "preact", "--out", out, "--warmup", "0", "--iters", "1"]) == 0
     rows = {r["impl"]: r for r in read_rows(out)}
-    assert rows["moeblaze-fp8"]["status"] == rows["moeblaze-fp8-cached"]["status"] == "ok"
-    assert rows["moeblaze-fp8"]["rel_err"] == rows["moeblaze-fp8-cached"]["rel_err"]
+    assert rows["moeblaze-e4m3"]["status"] == rows["moeblaze-e4m3-cached"]["status"] == "ok"
+    assert rows["moeblaze-e4m3"]["rel_err"] == rows["moeblaze-e4m3-cached"]["rel_err"]
     assert calls.count(True) > 0 and calls.count(True) % 2 == 0  # W1 and W2, both layouts, once per step
     p = harness.make_problem(48, 32, 16, 4, 2, "swiglu", dtype=torch.float32, device="cpu", n_sets=1)
     calls.clear()
-    call = harness.IMPLS["moeblaze-fp8-cached"][2](p, "preact")
+    call = harness.IMPLS["moeblaze-e4m3-cached"][2](p, "preact")
     for i in range(3):
         harness.run_step(call, p, i, backward=True)
     assert calls == [True, True] * 3

@@ -31,7 +31,7 @@ def _cases(rank, world, errors, cases):
 def _problem(world, case):
     """Every rank's tokens (a list of (x, idx, w)) and the weights of all E experts; the same on every rank."""
     torch.manual_seed(7)
-    E, D, H, K = 2 * world, 16, 16, 2
+    E, D, H, K = 2 * world, 16, 16, 2  # "w1_parts": "uniform", W1's gate and up rows passed as two tensors
     sizes = [9 + 4 * r for r in range(world)]
     if case == "empty_rank":
         sizes[-1] = 0
@@ -54,7 +54,8 @@ def _problem(world, case):
 def _config(recipe: str, **kw) -> ExpertsConfig:
     """A case's recipe: a checkpoint policy, or "fp8-" and one (precision="fp8")."""
     fp8 = recipe.startswith("fp8-")
-    return ExpertsConfig(checkpoint=recipe.removeprefix("fp8-"), precision="fp8" if fp8 else "native", **kw)
+    return ExpertsConfig(checkpoint=recipe.removeprefix("fp8-"), precision="fp8" if fp8 else "native", fp8_min_rows=0,
+                         **kw)
 
 
 def _one_process(toks, w1, w2, checkpoint, dropped=None):
@@ -72,7 +73,9 @@ def _one_process(toks, w1, w2, checkpoint, dropped=None):
 
 
 def _ep(rank, world, toks, w1, w2, checkpoint, dy_all, **kw):
-    """out and the gradients (x, w, w1_local, w2_local) of this rank under expert parallelism."""
+    """out and the gradients (x, w, w1_local, w2_local) of this rank under expert parallelism; parts=True: W1's gate
+    and up rows go in as two tensors (torchtitan's w1 and w3), their gradients joined for the comparison."""
+    parts = kw.pop("parts", False)
     E_loc = w1.shape[0] // world
     lo = sum(len(t[0]) for t in toks[:rank])
     mine = slice(lo, lo + len(toks[rank][0]))
@@ -88,6 +91,12 @@ def _ep(rank, world, toks, w1, w2, checkpoint, dy_all, **kw):
         config = _config(checkpoint, index_method="sort")
     else:
         config = _config(checkpoint)
+    if parts:
+        H = local[2].shape[1] // 2
+        gate, up = (local[2].detach()[:, s].clone().requires_grad_() for s in (slice(0, H), slice(H, None)))
+        out = call(local[0], idx, local[1], (gate, up), local[3], config=config, **kw)
+        dx, dw, dgate, dup, dw2 = torch.autograd.grad(out, [local[0], local[1], gate, up, local[3]], dy_all[mine])
+        return out, (dx, dw, torch.cat((dgate, dup), 1), dw2), mine, experts
     out = call(local[0], idx, local[1], local[2], local[3], config=config, **kw)
     return out, torch.autograd.grad(out, local, dy_all[mine]), mine, experts
 
@@ -104,9 +113,9 @@ def _assert_equal(got, want, mine, experts):
 def _compare(rank, world, case, checkpoint, dispatch):
     toks, w1, w2 = _problem(world, case)
     out_all, g_all, dy_all = _one_process(toks, w1, w2, checkpoint)
-    kw = {}
+    kw = dict(parts=case == "w1_parts")
     if dispatch.startswith("capacity"):  # 48: more than any rank sends
-        kw = dict(ep_config=EPConfig("capacity", capacity=48), compiled=dispatch == "capacity_compiled")
+        kw.update(ep_config=EPConfig("capacity", capacity=48), compiled=dispatch == "capacity_compiled")
     out, g, mine, experts = _ep(rank, world, toks, w1, w2, checkpoint, dy_all, **kw)
     _assert_equal((out, g), (out_all, g_all), mine, experts)
 
@@ -180,7 +189,8 @@ def _run(world, cases):
 def test_ep2_equals_one_process_bitwise():
     _run(2, [(case, checkpoint, dispatch) for case in ("uniform", "skewed", "empty_experts", "empty_rank")
              for checkpoint in ("preact", "recompute") for dispatch in ("exact", "capacity")]
-         + [("uniform", "preact", "capacity_compiled"), ("empty_rank", "recompute", "capacity_compiled")])
+         + [("uniform", "preact", "capacity_compiled"), ("empty_rank", "recompute", "capacity_compiled"),
+            ("w1_parts", "preact", "exact"), ("w1_parts", "recompute", "capacity_compiled")])
 
 
 def test_ep2_fp8_and_preact_fp8_equal_one_process_bitwise():

@@ -42,7 +42,8 @@ def test_fp8_with_biases_and_chunks_matches_the_emulation(poison_alloc, activati
     b1 = torch.randn(E, w1.shape[2] if transposed else w1.shape[1]) * 0.1
     b2 = torch.randn(E, 160) * 0.1
     dy = torch.randn_like(x)
-    fp8 = ExpertsConfig(activation=activation, checkpoint=checkpoint, precision="fp8", chunk_tokens=chunk)
+    fp8 = ExpertsConfig(activation=activation, checkpoint=checkpoint, precision="fp8", fp8_min_rows=0,
+                        chunk_tokens=chunk)
     args = (x, idx, w, w1, w2, b1, b2, dy)
     got = _run(*args, fp8.replace(backend="triton"), interleaved, transposed)
     emulated = _run(*args, fp8.replace(backend="reference"), interleaved, transposed)
@@ -61,7 +62,7 @@ def test_fp8_chunks_equal_one_chunk():
     torch.manual_seed(2)
     x, w1, w2, idx, w = random_problem(40, 128, 64, 4, 2)
     dy = torch.randn_like(x)
-    cfg = ExpertsConfig(precision="fp8", backend="triton")
+    cfg = ExpertsConfig(precision="fp8", fp8_min_rows=0, backend="triton")
 
     def run(config):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
@@ -93,5 +94,5 @@ def test_fp8_nan_and_inf_reach_the_output_as_in_native_precision():
     assert native[0] == [3, 9]
     for recipe in ("preact", "preact-fp8", "recompute"):
         for backend in ("triton", "reference"):
-            assert bad_rows(ExpertsConfig(backend=backend, precision="fp8", checkpoint=recipe)) == native, \
-                (recipe, backend)
+            fp8 = ExpertsConfig(backend=backend, precision="fp8", fp8_min_rows=0, checkpoint=recipe)
+            assert bad_rows(fp8) == native, (recipe, backend)

@@ -258,7 +258,7 @@ def test_fp8_gemm_emulation_backward_is_autograd_without_quantization(monkeypatc
                                     config=ExpertsConfig(activation=activation, **kw))
         return [out, *torch.autograd.grad(out, ins, dy)]
 
-    for a, b in zip(run(precision="fp8", checkpoint="preact-fp8" if preact_fp8 else "preact"), run()):
+    for a, b in zip(run(precision="fp8", fp8_min_rows=0, checkpoint="preact-fp8" if preact_fp8 else "preact"), run()):
         assert rel_err(a, b) <= 1e-12
 
 
@@ -273,7 +273,7 @@ def test_fp8_gemm_emulation_error_is_the_formats():
         out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], config=ExpertsConfig(**kw))
         return [out, *torch.autograd.grad(out, ins, dy)]
 
-    for name, a, b in zip(("out", "dx", "dw1", "dw2", "dw"), run(precision="fp8"), run()):
+    for name, a, b in zip(("out", "dx", "dw1", "dw2", "dw"), run(precision="fp8", fp8_min_rows=0), run()):
         assert 1e-4 < rel_err(a, b) < 0.08, (name, rel_err(a, b))
 
 
@@ -327,12 +327,40 @@ def test_precision_fp8_kernels_match_the_emulation(poison_alloc, activation, che
                           interleaved=interleaved)
         return [out, *torch.autograd.grad(out, ins, dy)]
 
-    got = run(backend="triton", precision="fp8")
-    emulated = run(backend="reference", precision="fp8")
+    got = run(backend="triton", precision="fp8", fp8_min_rows=0)
+    emulated = run(backend="reference", precision="fp8", fp8_min_rows=0)
     exact = run(backend="reference")
     for name, g, e, r in zip(("out", "dx", "dw1", "dw2", "dw"), got, emulated, exact):
         assert rel_err(g, e) <= 1e-3, (name, rel_err(g, e))
         assert 1e-4 < rel_err(g, r) < 0.1, (name, rel_err(g, r))
+
+
+def test_precision_fp8_runs_native_gemms_where_the_experts_get_too_few_rows(poison_alloc):
+    """precision="fp8" below fp8_min_rows rows per expert: the native GEMMs, on the kernels and in the reference
+    alike (bitwise precision="native"'s output and gradients, no e4m3 launch); at fp8_min_rows = L·K/E exactly, and
+    per chunk with chunk_tokens, the e4m3 GEMMs."""
+    from moeblaze.experts import dispatch
+
+    L, E, K = 48, 4, 2  # 24 rows per expert
+    x, w1, w2, idx, w = random_problem(L, 128, 64, E, K, "swiglu")
+    routing = build_routing_index(idx, E)
+    dy = torch.randn_like(x)
+
+    def run(**kw):
+        ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
+        dispatch.launch_counts.clear()
+        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], config=ExpertsConfig(**kw))
+        grads = torch.autograd.grad(out, ins, dy)
+        return [out, *grads], dispatch.launch_counts["fp8_rows", "tl"]
+
+    for backend in ("triton", "reference"):
+        for rows, chunk, e4m3 in ((25, None, False), (24, None, True), (24, 24, False), (12, 24, True)):
+            native, _ = run(backend=backend, chunk_tokens=chunk)
+            got, fp8_launches = run(backend=backend, precision="fp8", fp8_min_rows=rows, chunk_tokens=chunk)
+            same = all(torch.equal(a, b) for a, b in zip(got, native))
+            assert same != e4m3, (backend, rows, chunk)
+            if backend == "triton":
+                assert (fp8_launches > 0) == e4m3, (rows, chunk, fp8_launches)
 
 
 @pytest.mark.filterwarnings("ignore:token rounding with")
@@ -353,7 +381,8 @@ def test_precision_fp8_on_a_rounded_routing(poison_alloc):
 
     def run(impl):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, wk)]
-        out = moe_experts(ins[0], index, ins[3], ins[1], ins[2], config=ExpertsConfig(precision="fp8", backend=impl))
+        config = ExpertsConfig(precision="fp8", fp8_min_rows=0, backend=impl)
+        out = moe_experts(ins[0], index, ins[3], ins[1], ins[2], config=config)
         return [out, *torch.autograd.grad(out, ins, dy)]
 
     for name, g, e in zip(("out", "dx", "dw1", "dw2", "dw"), run("triton"), run("reference")):
@@ -366,7 +395,7 @@ def test_layer_with_fp8_precision(poison_alloc):
     from moeblaze import MoELayer, SharedConfig
 
     torch.manual_seed(0)
-    layers = {impl: MoELayer(128, 64, 4, 2, experts=ExpertsConfig(precision="fp8", backend=impl),
+    layers = {impl: MoELayer(128, 64, 4, 2, experts=ExpertsConfig(precision="fp8", fp8_min_rows=0, backend=impl),
                              shared=SharedConfig()) for impl in
               ("triton", "reference")}
     layers["reference"].load_state_dict(layers["triton"].state_dict())

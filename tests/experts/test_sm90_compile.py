@@ -99,23 +99,48 @@ def _stack_bytes(ck) -> int:
     return max(stack)
 
 
-@pytest.mark.parametrize("gather_p", [False, True])
-def test_bf16_weight_grad_kernel_compiles_for_sm90(gather_p):
-    """The bf16 weight gradient (a bf16 layer's dW1 gathers Q = x, dW2 gathers P = dy): bf16 wgmma on its 128 x 256
-    tiles, within shared memory, and no spills (its next tiles' row ranges are carried in registers)."""
+@pytest.mark.parametrize("gather_p,c_parts", [(False, False), (True, False), (False, True)],
+                         ids=["dW1", "dW2", "dW1-in-parts"])
+def test_bf16_weight_grad_kernel_compiles_for_sm90(gather_p, c_parts):
+    """The bf16 weight gradient (a bf16 layer's dW1 gathers Q = x, dW2 gathers P = dy; dW1 stored into W1's two
+    parts, c_parts): bf16 wgmma on its 128 x 256 tiles, within shared memory, and no spills (its next tiles' row
+    ranges are carried in registers)."""
     from moeblaze.experts.gluon_sm90 import wgrad
 
     block_m, block_n = wgrad.WGRAD_BLOCKS
     dense = torch.empty(4096, 1024, dtype=torch.bfloat16)
     c = torch.empty(8 * 1024, 2048, dtype=torch.bfloat16)
     descs = dict(dense_desc=descriptor(dense, [64, block_n if gather_p else block_m]),
-                 c_desc=descriptor(c, [block_m, block_n]))
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=3, WORKER_REGS=56)
-    ck = _compile_gluon(wgrad.weight_grad_kernel, descs, consts, dict(src_ptr="*bf16", c_ptr="*bf16"),
-                        sizes=("E", "M", "N", "GROUP"))
+                 c_desc=descriptor(c, [block_m, block_n]), c_up_desc=descriptor(c, [block_m, block_n]))
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=3, WORKER_REGS=56, C_PARTS=c_parts)
+    ck = _compile_gluon(wgrad.weight_grad_kernel, descs, consts, dict(src_ptr="*bf16", c_ptr="*bf16",
+                                                                      c_up_ptr="*bf16"),
+                        sizes=("E", "M", "N", "SPLIT_M", "GROUP"))
     assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ck.asm["ptx"]
     assert ck.metadata.shared <= 227 * 1024
     assert _stack_bytes(ck) == 0
+
+
+@pytest.mark.parametrize("w_parts", [False, True], ids=["whole", "w1-in-parts"])
+@pytest.mark.parametrize("kn", [False, True], ids=["down", "dx"])
+def test_bf16_rows_kernel_compiles_for_sm90(kn, w_parts):
+    """The bf16 row GEMM (the down-projection, W stored (N, K); dX~, W1 stored (K, N), whole or as its two parts):
+    bf16 wgmma on 128 x 256 tiles, within shared memory, no spills on triton 3.9 (3.6 spills 296 bytes a thread
+    here, with W1 whole as before W1's parts were read)."""
+    from moeblaze.experts.gluon_sm90 import rows
+
+    if w_parts and not kn:
+        pytest.skip("W1's parts are read by dX~ only")
+    a = torch.empty(4096, 1024, dtype=torch.bfloat16)
+    w = torch.empty(8 * 1024, 2048, dtype=torch.bfloat16)
+    box = [64, 256] if kn else [256, 64]
+    descs = dict(a_desc=descriptor(a, [128, 64]), b_desc=descriptor(w, box), b_up_desc=descriptor(w, box),
+                 c_desc=descriptor(torch.empty(4096, 2048, dtype=torch.bfloat16), [128, 256]))
+    consts = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, STAGES=3, WORKER_REGS=112, B_KN=kn, W_PARTS=w_parts)
+    ck = _compile_gluon(rows.rows_gemm_kernel, descs, consts, dict(c_ptr="*bf16"), sizes=("N", "K_DIM", "SPLIT_K"))
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ck.asm["ptx"]
+    assert ck.metadata.shared <= 227 * 1024
+    assert _stack_bytes(ck) <= (296 if triton.__version__.startswith("3.6.") else 0)
 
 
 # the tl kernels are compiled in a child process: this session runs them under the interpreter, which turns

@@ -142,11 +142,11 @@ def test_precision_fp8_bf16_against_the_emulation(checkpoint, backend):
         out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], config=ExpertsConfig(checkpoint=checkpoint, **kw))
         return [out, *torch.autograd.grad(out, ins, dy.to(dtype))]
 
-    want = run(torch.float32, backend="reference", precision="fp8")
-    ref = run(torch.bfloat16, backend="reference", precision="fp8")
+    want = run(torch.float32, backend="reference", precision="fp8", fp8_min_rows=0)
+    ref = run(torch.bfloat16, backend="reference", precision="fp8", fp8_min_rows=0)
     exact = run(torch.float32, backend="reference")
     dispatch.launch_counts.clear()
-    got = run(torch.bfloat16, precision="fp8", backend=backend)
+    got = run(torch.bfloat16, precision="fp8", fp8_min_rows=0, backend=backend)
     assert dispatch.launch_counts["fp8_rows", backend] >= 4, dispatch.launch_counts
     for name, g, r, wt, ex in zip(("out", "dx", "dw1", "dw2", "dw"), got, ref, want, exact):
         assert torch.isfinite(g).all(), name
@@ -169,7 +169,7 @@ def test_fp8_weight_cache_and_the_dh_pass_quantizer_on_the_gpu(backend):
 
     def run(cache):
         ins = [t.bfloat16().requires_grad_() for t in (x, w)]
-        cfg = ExpertsConfig(precision="fp8", fp8_weight_cache=cache, backend=backend)
+        cfg = ExpertsConfig(precision="fp8", fp8_min_rows=0, fp8_weight_cache=cache, backend=backend)
         out = moe_experts(ins[0], routing, ins[1], w1, w2, config=cfg)
         return [out, *torch.autograd.grad(out, [*ins, w1, w2], dy.bfloat16())]
 
@@ -210,4 +210,4 @@ def test_fp8_nan_and_inf_reach_the_output_as_in_native_precision(backend, checkp
 
     native = bad_rows(ExpertsConfig(backend=backend, checkpoint=checkpoint.replace("preact-fp8", "preact")))
     assert native[0] == [3, 900]
-    assert bad_rows(ExpertsConfig(backend=backend, precision="fp8", checkpoint=checkpoint)) == native
+    assert bad_rows(ExpertsConfig(backend=backend, precision="fp8", fp8_min_rows=0, checkpoint=checkpoint)) == native

@@ -97,6 +97,40 @@ def test_up_swiglu_reads_w1_in_two_parts_as_whole(h, d, counts):
 
 
 @pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
+@pytest.mark.parametrize("h,d", [(256, 320), (192, 256)])  # 320: a column tail; 192: three K steps per part
+def test_rows_gemm_reads_w1_in_two_parts_as_whole(h, d, counts):
+    """dX~ = dH @ W1[e] with W1's gate and up rows as two tensors, the K loop switching descriptors at h: bitwise
+    the concatenated W1's (the same boxes, loaded from two tensors)."""
+    from moeblaze.experts.gluon_sm90 import rows_gemm
+
+    g = torch.Generator(device="cpu").manual_seed(h * 7 + d)
+    E, LK, offsets, _, sched = routing(counts, g, gathered=False)
+    dh = torch.randn(LK, 2 * h, generator=g).to("cuda", torch.bfloat16)
+    gate, up = ((torch.randn(E, h, d, generator=g) * h ** -0.5).to("cuda", torch.bfloat16) for _ in range(2))
+    want = rows_gemm(dh, torch.cat((gate, up), 1), offsets, sched, kn=True)
+    got = rows_gemm(dh, gate, offsets, sched, kn=True, w_up=up,
+                    out=torch.full((LK, d), float("nan"), device="cuda", dtype=dh.dtype))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
+@pytest.mark.parametrize("h,d", [(128, 256), (384, 512)])
+def test_weight_grad_stores_dw1_in_two_parts_as_whole(h, d, counts):
+    """dW1 = dHᵀ x[token] stored as gate rows and up rows in two tensors (each tile into its part): bitwise the
+    whole dW1's halves, every element written."""
+    from moeblaze.experts.gluon_sm90 import weight_grad
+
+    g = torch.Generator(device="cpu").manual_seed(h + 11 * d)
+    E, LK, offsets, token, _ = routing(counts, g, gathered=True)
+    dh = torch.randn(LK, 2 * h, generator=g).to("cuda", torch.bfloat16)
+    x = torch.randn(TOKENS, d, generator=g).to("cuda", torch.bfloat16)
+    whole = weight_grad(dh, x, token, offsets, torch.empty(E, 2 * h, d, device="cuda", dtype=x.dtype), False)
+    gate, up = (torch.full((E, h, d), float("nan"), device="cuda", dtype=x.dtype) for _ in range(2))
+    weight_grad(dh, x, token, offsets, gate, False, out_up=up)
+    assert torch.equal(gate, whole[:, :h]) and torch.equal(up, whole[:, h:])
+
+
+@pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
 @pytest.mark.parametrize("h,d", [(256, 128), (192, 256)])  # 192: one and a half column tiles
 @pytest.mark.parametrize("store_act", [True, False], ids=["H_and_A", "H_only"])
 def test_up_swiglu_matches_torch(h, d, counts, store_act):

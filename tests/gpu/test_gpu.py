@@ -265,3 +265,32 @@ def test_an_out_of_range_expert_id_stops_the_program_on_the_device(backend):
     assert "valid ids ran" in r.stdout, r.stderr[-3000:]
     assert r.returncode != 0 and "bad id NOT caught" not in r.stdout
     assert "device-side assert" in r.stderr or "Assertion" in r.stderr, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
+def test_w1_in_two_parts_equals_w1_whole(backend, checkpoint):
+    """W1 as torchtitan's w1 and w3: output and every gradient bitwise those of W1 given whole, each part getting its
+    rows of dW1. On Gluon every GEMM reads or writes the parts in place (each stage still launches on Gluon)."""
+    L, D, H, E, K = 1000, 256, 384, 8, 2
+    g = torch.Generator(device="cpu").manual_seed(5)
+    x = torch.randn(L, D, generator=g).to("cuda", torch.bfloat16)
+    w1 = (torch.randn(E, 2 * H, D, generator=g) * D ** -0.5).to("cuda", torch.bfloat16)
+    w2 = (torch.randn(E, D, H, generator=g) * H ** -0.5).to("cuda", torch.bfloat16)
+    idx = torch.rand(L, E, generator=g).topk(K, dim=1).indices.int().cuda()  # K distinct experts a token
+    w = torch.rand(L, K, generator=g).cuda()
+    dy = torch.randn(L, D, generator=g).to("cuda", torch.bfloat16)
+    config = ExpertsConfig(checkpoint=checkpoint, backend=backend)
+
+    def run(parts: bool):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w1[:, :H], w1[:, H:], w2, w)]
+        xl, gate, up, w2l, wl = leaves
+        launch_counts.clear()
+        out = moe_experts(xl, build_routing_index(idx, E), wl, (gate, up) if parts else torch.cat((gate, up), 1),
+                          w2l, config=config)
+        grads = torch.autograd.grad(out, leaves, dy)
+        assert ran_on() == {backend}, dict(launch_counts)
+        return out, *grads
+
+    for name, a, b in zip(("out", "dx", "dgate", "dup", "dw2", "dtopk_w"), run(True), run(False)):
+        assert torch.equal(a, b), name

@@ -26,7 +26,7 @@ def _log(tmp_path, name, **over):
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("over", [{}, {"precision": "fp8"}, {"checkpoint_policy": "recompute"},
+@pytest.mark.parametrize("over", [{}, {"precision": "fp8", "fp8_min_rows": 0}, {"checkpoint_policy": "recompute"},
                                   {"router": "deepseek-v3", "num_experts": 16}],
                          ids=["bf16", "fp8", "recompute", "expert-bias"])
 def test_the_graphed_step_is_the_eager_step(tmp_path, over):

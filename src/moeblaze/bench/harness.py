@@ -14,7 +14,7 @@ import torch
 
 from .. import env
 from ..experts import moe_experts
-from ..configs import ExpertsConfig
+from ..configs import DEFAULT, ExpertsConfig
 from ..reference import moe_experts_reference, up_width
 from ..routing import build_routing_index, route_topk
 from ..routing.index import build_index_sort, count_per_expert
@@ -67,9 +67,10 @@ CHUNK_TOKENS = 262144  # the "-chunked" policies: token chunks for millions of t
 
 
 def moeblaze_call(p: Problem, policy: str, backend: str = "auto", precision: str = "native",
-                  weight_cache: bool = False):
+                  weight_cache: bool = False, fp8_min_rows: int = DEFAULT.fp8_min_rows):
     """weight_cache: precision="fp8" with fp8_weight_cache, each step taken as an optimizer step's only micro-batch
-    (the weights' version counters moved on before it, as an update would), so it pays one quantization a step."""
+    (the weights' version counters moved on before it, as an update would), so it pays one quantization a step.
+    fp8_min_rows: ExpertsConfig's (0: e4m3 at every size)."""
     checkpoint = policy.removesuffix("-chunked")
     chunk = CHUNK_TOKENS if policy.endswith("-chunked") else None
 
@@ -81,7 +82,7 @@ def moeblaze_call(p: Problem, policy: str, backend: str = "auto", precision: str
         return moe_experts(x, r, w, w1, w2, config=config, check=False)
     config = ExpertsConfig(activation=p.activation, checkpoint=checkpoint, backend="triton" if backend == "auto"
                            else backend, precision=precision, fp8_weight_cache=weight_cache,
-                           chunk_tokens=chunk)
+                           fp8_min_rows=fp8_min_rows, chunk_tokens=chunk)
     return call
 
 
@@ -136,13 +137,18 @@ IMPLS: dict[str, tuple[Callable[[], bool], tuple, Callable]] = {
                     _moeblaze_backend("tl")),
     "moeblaze-gluon": (lambda: torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9,
                        ("preact", "recompute"), _moeblaze_backend("gluon")),
-    # moeblaze with precision="fp8" (experts.fp8): e4m3 data GEMMs, on GPUs with fp8 tensor cores
+    # moeblaze with precision="fp8" as a user gets it (experts.fp8): e4m3 data GEMMs where the experts get
+    # fp8_min_rows rows each, native ones below; on GPUs with fp8 tensor cores
     "moeblaze-fp8": (lambda: env.INTERPRET or (torch.cuda.is_available()
                                                    and torch.cuda.get_device_capability() >= (8, 9)),
                      ("preact", "preact-fp8"), lambda p, policy: moeblaze_call(p, policy, precision="fp8")),
-    # the same with fp8_weight_cache: the weights quantized once a step, both layouts
-    "moeblaze-fp8-cached": (lambda: IMPLS["moeblaze-fp8"][0](), ("preact", "preact-fp8"),
-                            lambda p, policy: moeblaze_call(p, policy, precision="fp8", weight_cache=True)),
+    # the e4m3 GEMMs at every size (fp8_min_rows=0), and the same with fp8_weight_cache (the weights quantized once
+    # a step, both layouts)
+    "moeblaze-e4m3": (lambda: IMPLS["moeblaze-fp8"][0](), ("preact", "preact-fp8"),
+                      lambda p, policy: moeblaze_call(p, policy, precision="fp8", fp8_min_rows=0)),
+    "moeblaze-e4m3-cached": (lambda: IMPLS["moeblaze-fp8"][0](), ("preact", "preact-fp8"),
+                             lambda p, policy: moeblaze_call(p, policy, precision="fp8", weight_cache=True,
+                                                             fp8_min_rows=0)),
     "reference": (lambda: True, ("-",), _reference),
     "torch_gmm": (lambda: hasattr(torch, "_grouped_mm"), ("-",), _torch_gmm),
     "sonicmoe": (lambda: torch.cuda.is_available() and _importable("sonicmoe"), ("-",), _sonicmoe),

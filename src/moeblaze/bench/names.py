@@ -14,6 +14,6 @@ CONFIGS = {
     "D": (32768, 2048, 768, 128, 8),
     "E": (32768, 4096, 1024, 64, 4),
 }
-IMPLS = ("moeblaze", "moeblaze-tl", "moeblaze-gluon", "moeblaze-fp8", "moeblaze-fp8-cached", "reference", "torch_gmm",
-         "sonicmoe", "liger")
+IMPLS = ("moeblaze", "moeblaze-tl", "moeblaze-gluon", "moeblaze-fp8", "moeblaze-e4m3", "moeblaze-e4m3-cached",
+         "reference", "torch_gmm", "sonicmoe", "liger")
 HF_BACKENDS = ("eager", "grouped_mm", "batched_mm", "sonicmoe", "moeblaze-preact", "moeblaze-recompute")

@@ -84,7 +84,8 @@ def _train_state(model, opt, step: int, gen, cfg, sharded: bool):
 
 # How a run computes, not what its model is: a checkpoint resumes under other values of these.
 EXECUTION = {"rounding"}
-EXECUTION_EXPERTS = {"checkpoint", "backend", "precision", "fp8_weight_cache", "chunk_tokens", "index_method"}
+EXECUTION_EXPERTS = {"checkpoint", "backend", "precision", "fp8_weight_cache", "fp8_min_rows", "chunk_tokens",
+                     "index_method"}
 
 
 def _meaning(d: dict) -> dict:

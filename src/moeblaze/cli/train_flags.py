@@ -38,6 +38,9 @@ def add_experts_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-weight-cache", action="store_true",
                    help="with --precision fp8: quantize the experts' weights once per optimizer step (both layouts) "
                         "and keep the e4m3 copies in between, instead of where each GEMM uses them")
+    p.add_argument("--fp8-min-rows", type=int, default=d.fp8_min_rows,
+                   help="with --precision fp8: the fewest rows per expert a call runs on e4m3 (fewer: native "
+                        f"precision; 0: always e4m3; default {d.fp8_min_rows})")
     p.add_argument("--chunk-tokens", type=int, default=None,
                    help="run the experts on chunks of this many tokens (default: one chunk)")
     p.add_argument("--index-method", default=d.index_method, choices=INDEX_METHODS,
@@ -49,6 +52,7 @@ def experts_config(args: argparse.Namespace) -> ExpertsConfig:
     backend = fold_impl(args.impl, args.backend) if args.impl is not None else args.backend
     return ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy, backend=backend,
                          precision=args.precision, fp8_weight_cache=args.fp8_weight_cache,
+                         fp8_min_rows=args.fp8_min_rows,
                          chunk_tokens=args.chunk_tokens, index_method=args.index_method)
 
 

@@ -11,7 +11,12 @@ here, by name.
                       "triton" (the kernels, each launch on the best backend the device has: Gluon on Hopper, tl
                       elsewhere and under Triton's CPU interpreter), "tl" or "gluon" (pinned; experts.dispatch)
     precision         "native" (the GEMMs in the inputs' dtype) or "fp8" (the four data GEMMs on e4m3 operands with
-                      DeepSeek-V3's 1 x 128 / 128 x 128 scales; experts.fp8)
+                      DeepSeek-V3's 1 x 128 / 128 x 128 scales; experts.fp8), where e4m3 pays: see fp8_min_rows
+    fp8_min_rows      (fp8) the fewest rows per expert (L·K/E of a call, or of a chunk) at which the GEMMs run on
+                      e4m3; a call below it runs precision="native" (at_call). The weights are quantized per call,
+                      a cost of E·F·D that the e4m3 GEMMs repay only over enough rows: on an H100, fp8 lost to
+                      bf16 at 1024-1536 rows per expert (0.68-0.99x) and won at 2048 and more (1.10-1.13x). 0: e4m3
+                      at every size
     fp8_weight_cache  (fp8) each weight's e4m3 copies kept until the weight changes, instead of made where used
     chunk_tokens      run the experts on chunks of this many tokens, each with its own routing index, so that every
                       (L·K, ·) transient scales with the chunk (None: one chunk)
@@ -23,6 +28,7 @@ Memory: none (frozen dataclasses of a few fields).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -47,6 +53,7 @@ class ExpertsConfig:
         backend: "auto" (default), "reference", "triton", "tl" or "gluon".
         precision: "native" (default) or "fp8".
         fp8_weight_cache: with precision="fp8", keep each weight's e4m3 copies until the weight changes.
+        fp8_min_rows: with precision="fp8", the fewest rows per expert that run on e4m3 (default 2048; 0: always).
         chunk_tokens: run the experts on chunks of this many tokens (None: one chunk).
         index_method: the routing index's build: "auto" (default), "dense" or "sort".
 
@@ -58,6 +65,7 @@ class ExpertsConfig:
     backend: str = "auto"
     precision: str = "native"
     fp8_weight_cache: bool = False
+    fp8_min_rows: int = 2048
     chunk_tokens: int | None = None
     index_method: str = "auto"
 
@@ -69,6 +77,7 @@ class ExpertsConfig:
         check_bool("fp8_weight_cache", self.fp8_weight_cache)
         if self.fp8_weight_cache and self.precision != "fp8":
             raise ValueError(f"fp8_weight_cache=True needs precision='fp8'; precision is {self.precision!r}")
+        check_int("fp8_min_rows", self.fp8_min_rows, minimum=0)
         if self.chunk_tokens is not None:
             check_int("chunk_tokens", self.chunk_tokens)
         check_choice("index_method", self.index_method, INDEX_METHODS)
@@ -80,6 +89,15 @@ class ExpertsConfig:
     def fp8(self) -> bool:
         return self.precision == "fp8"
 
+    def at_call(self, tokens: int, top_k: int, experts: int) -> ExpertsConfig:
+        """The recipe a call of `tokens` tokens, each to `top_k` of `experts` experts, runs (the one place the rule
+        of fp8_min_rows is applied): precision="fp8" turns "native" where the experts average fewer than
+        fp8_min_rows rows per call (per chunk, with chunk_tokens), the weight cache with it; else itself."""
+        rows = min(tokens, self.chunk_tokens or tokens) * top_k
+        if not self.fp8 or rows >= self.fp8_min_rows * experts:
+            return self
+        return _native(self)
+
     @property
     def kernels(self) -> bool:
         """Whether the kernels run wherever they can (every backend but "reference"; "auto" off CUDA is the
@@ -88,6 +106,12 @@ class ExpertsConfig:
 
 
 DEFAULT = ExpertsConfig()  # every surface's default recipe: passing it is the same as passing none
+
+
+@functools.cache
+def _native(config: ExpertsConfig) -> ExpertsConfig:
+    """config in native precision (made once per config: at_call runs on every call)."""
+    return config.replace(precision="native", fp8_weight_cache=False)
 
 # The keyword arguments of 0.1's call forms, and the ExpertsConfig field each maps to (impl folds into backend).
 LEGACY = ("activation", "checkpoint", "impl", "backend", "precision", "fp8_weight_cache", "fp8_wgrad",

@@ -59,7 +59,8 @@ from .plan import CapacityTracker, Plan
 
 class EPInputs(NamedTuple):
     """The expert-parallel op's tensor inputs, the sender's side: x (L, D), the router weights (L, K), this rank's
-    experts w1 (E_loc, F, D) and w2 (E_loc, D, H), and the routing index over all E experts."""
+    experts w1 (E_loc, F, D) and w2 (E_loc, D, H), the routing index over all E experts, and W1's up rows apart
+    (w1_up, as for the op: w1 then holds the gate rows)."""
     x: torch.Tensor
     topk_w: torch.Tensor
     w1: torch.Tensor
@@ -68,6 +69,7 @@ class EPInputs(NamedTuple):
     expert_offsets: torch.Tensor
     expert_token_idx: torch.Tensor
     token_slot: torch.Tensor
+    w1_up: torch.Tensor | None = None
 
     @property
     def routing(self) -> RoutingIndex:
@@ -117,7 +119,7 @@ def ep_forward(inputs: EPInputs, group_name: str, key: str, capacity: int | None
     plan = Plan(inputs.routing, dist.get_world_size(group), group, capacity, fail_on_overflow)
     recv_x = plan.dispatch(plan.send(x))
     ones = recv_x.new_ones(recv_x.shape[0], 1, dtype=torch.float32)
-    y, kept = experts_forward(OpInputs.of(recv_x, inputs.w1, inputs.w2, ones, plan.recv), key)
+    y, kept = experts_forward(OpInputs.of(recv_x, inputs.w1, inputs.w2, ones, plan.recv, w1_up=inputs.w1_up), key)
     ret = plan.give_back(y)
     del y
     out = plan.combine(ret, inputs.topk_w.float().contiguous(), x.dtype) if x.shape[0] else torch.zeros_like(x)
@@ -126,9 +128,10 @@ def ep_forward(inputs: EPInputs, group_name: str, key: str, capacity: int | None
 
 
 def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name: str, key: str
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dtopk_w, dw1, dw2): the backward body. dy's rows and the router weights go to the experts, which run
-    the op's backward body on them (the weights applied in its epilogue, as on one GPU) and return dX~ and dS."""
+                ) -> tuple[torch.Tensor, ...]:
+    """(dx, dtopk_w, dw1, dw2, dw1_up (empty without w1_up)): the backward body. dy's rows and the router weights go
+    to the experts, which run the op's backward body on them (the weights applied in its epilogue, as on one GPU)
+    and return dX~ and dS."""
     if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.op)
         ensure_context(dout.get_device())
     x, topk_w = inputs.x, inputs.topk_w
@@ -138,8 +141,8 @@ def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name:
     w_rows = in_row_order(topk_w, plan.routing.token_slot, plan.routing.expert_token_idx.shape[0],
                           torch.float32)  # router weights in expert order
     w_recv = plan.dispatch(plan.in_send_order(w_rows)).view(-1, 1)
-    dx_recv, dw1, dw2, ds_recv, *_ = experts_backward(
-        dy_recv, OpInputs.of(recv_x, inputs.w1, inputs.w2, w_recv, plan.recv), saved.op_kept, key)
+    dx_recv, dw1, dw2, ds_recv, _db1, _db2, dw1_up = experts_backward(
+        dy_recv, OpInputs.of(recv_x, inputs.w1, inputs.w2, w_recv, plan.recv, w1_up=inputs.w1_up), saved.op_kept, key)
     del dy_recv, recv_x
     dx_ret = plan.give_back(dx_recv)
     ds_ret = plan.give_back(ds_recv.view(-1))
@@ -148,7 +151,7 @@ def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name:
     dtopk_w = (ds_ret[slot.clamp(max=max(ds_ret.shape[0] - 1, 0))] if ds_ret.numel() else
                ds_ret.new_zeros(slot.shape))
     dtopk_w = dtopk_w.masked_fill(slot >= plan.kept, 0).to(topk_w.dtype)
-    return dx, dtopk_w, dw1, dw2
+    return dx, dtopk_w, dw1, dw2, dw1_up
 
 
 # One custom-op pair for both dispatch modes, its schemas from the bundles above: torch.compile traces it
@@ -168,7 +171,7 @@ ep_fwd = torch.library.custom_op("moeblaze::ep_fwd", _forward_op, mutates_args=(
                                  schema=op_schema(EPInputs, tail=_TAIL, returns=2 + len(EPKept._fields)))
 ep_bwd = torch.library.custom_op("moeblaze::ep_bwd", _backward_op, mutates_args=(),
                                  schema=op_schema("dout", EPInputs, EPKept, tail="str group_name, str key",
-                                                  returns=4))
+                                                  returns=5))
 
 
 @ep_fwd.register_fake
@@ -182,7 +185,7 @@ def _(*args):
     ints = dict(dtype=torch.int32, device=dev)
     recv = OpInputs(x.new_empty(R, x.shape[1]), inputs.w1, inputs.w2, x.new_empty(R, 1, dtype=torch.float32),
                     torch.empty(E_loc, **ints), torch.empty(E_loc + 1, **ints), torch.empty(R, **ints),
-                    torch.empty(R, 1, **ints))
+                    torch.empty(R, 1, **ints), w1_up=inputs.w1_up)
     longs = dict(dtype=torch.int64, device=dev)
     plan = (*recv[4:8], torch.empty(R, **longs), torch.empty(inputs.token_slot.shape, **ints),
             torch.empty(1, **ints), torch.empty(0, **longs))
@@ -192,8 +195,9 @@ def _(*args):
 
 @ep_bwd.register_fake
 def _(dout, *args):
-    x, topk_w, w1, w2 = args[:4]
-    return x.new_empty(x.shape), topk_w.new_empty(topk_w.shape), torch.empty_like(w1), torch.empty_like(w2)
+    i = EPInputs(*args[:_N_IN])
+    return (i.x.new_empty(i.x.shape), i.topk_w.new_empty(i.topk_w.shape), torch.empty_like(i.w1),
+            torch.empty_like(i.w2), i.x.new_empty(0) if i.w1_up is None else torch.empty_like(i.w1_up))
 
 
 def _setup_context(ctx, inputs, output):
@@ -206,8 +210,10 @@ def _backward_with(backward_op):
     def backward(ctx, dout, *_saved_outputs):
         if dout is None:
             return (None,) * (_N_IN + 4)
-        dx, dtopk_w, dw1, dw2 = backward_op(dout.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.key)
-        return (dx, dtopk_w, dw1, dw2) + (None,) * (_N_IN)
+        dx, dtopk_w, dw1, dw2, dw1_up = backward_op(dout.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.key)
+        split = ctx.saved_tensors[_N_IN - 1] is not None  # W1 came in two parts
+        grads = EPInputs(dx, dtopk_w, dw1, dw2, None, None, None, None, dw1_up if split else None)
+        return (*grads, None, None, None, None)
     return backward
 
 
@@ -266,16 +272,19 @@ def _check_local_experts(E_loc: int, group) -> None:
     _AGREED.add(key)
 
 
-def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1_local: torch.Tensor,
-               w2_local: torch.Tensor, *, group=None, config: ExpertsConfig = DEFAULT,
+def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+               w1_local: torch.Tensor | tuple[torch.Tensor, torch.Tensor], w2_local: torch.Tensor, *, group=None,
+               config: ExpertsConfig = DEFAULT,
                ep_config: EPConfig | None = None, tracker: CapacityTracker | None = None,
                dropped: torch.Tensor | None = None, **legacy) -> torch.Tensor:
     """The experts' combined output (L, D) for this rank's tokens x (L, D), routed to global expert ids topk_idx
     (L, K) with weights (L, K), over the experts sharded across `group` (default: the world): this rank holds
-    experts [rank · E_loc, (rank + 1) · E_loc) as w1_local (E_loc, F, D) and w2_local (E_loc, D, H). Every rank of
+    experts [rank · E_loc, (rank + 1) · E_loc) as w1_local (E_loc, F, D) (or its gate and up rows apart, as for
+    moe_experts: read in place, no copy kept) and w2_local (E_loc, D, H). Every rank of
     the group must call it (a rank without tokens passes L = 0). Differentiable in x, topk_weights and the local
     weights. config: the recipe, as for moe_experts (every precision and checkpoint policy; chunk_tokens is refused:
-    the received rows run as one call, and dispatch="capacity" bounds them); the kernels run the experts (a GPU,
+    the received rows run as one call, and dispatch="capacity" bounds them; fp8_min_rows is judged on L·ep tokens,
+    this rank's L as every rank's); the kernels run the experts (a GPU,
     or the interpreter on the CPU): backend "auto" is "triton" here, and "reference" is refused. Every rank must
     hold the same number of local experts (checked once per group and count, one collective).
 
@@ -292,7 +301,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     Args:
         x: (L, D) this rank's tokens, float.
         topk_idx, topk_weights: (L, K) global expert ids (int) and their weights (float).
-        w1_local, w2_local: (E_loc, F, D) and (E_loc, D, H), this rank's experts.
+        w1_local, w2_local: (E_loc, F, D) (or the pair (gate rows, up rows)) and (E_loc, D, H), this rank's experts.
         group: the expert-parallel process group (None: the world).
         config: the experts' moeblaze.ExpertsConfig.
         ep_config: the dispatch, a moeblaze.EPConfig (None: exact).
@@ -309,6 +318,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
         raise ValueError("a CapacityTracker sizes capacity dispatch: it needs ep_config=EPConfig(dispatch='capacity')")
     ep = dist.get_world_size(group)
     check_expert_inputs(x, w1_local, w2_local, config.activation)
+    w1_local, w1_up = (w1_local, None) if isinstance(w1_local, torch.Tensor) else w1_local
     _check_local_experts(w1_local.shape[0], group)
     E = w1_local.shape[0] * ep
     routing = build_routing_index(topk_idx, E, config.index_method)
@@ -319,9 +329,11 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
         if C is None:
             C = -(-max(1, math.ceil(ep_config.factor * topk_idx.numel() / ep)) // 16) * 16
     backend = choose("triton" if config.backend == "auto" else config.backend, x.device)
-    key = kernel_op_key(x, config, backend, C is not None, False)  # the receiver's index has padding rows (capacity)
+    # the receiver's index has padding rows (capacity); fp8_min_rows judged as if every rank had this rank's L
+    key = kernel_op_key(x, config, backend, C is not None, False, call=(x.shape[0] * ep, topk_idx.shape[1], E))
     fail = ep_config.overflow == "error" and tracker is None
-    args = (*EPInputs(x, topk_weights, w1_local, w2_local, *routing.tensors()), _group_name(group), key, C, fail)
+    args = (*EPInputs(x, topk_weights, w1_local, w2_local, *routing.tensors(), w1_up), _group_name(group), key, C,
+            fail)
     # capacity dispatch is traced whole (fixed shapes); exact dispatch reads its row counts on the host, eagerly
     traced = C is not None and torch.compiler.is_compiling()
     out, needed = (ep_fwd(*args) if traced else _EagerEP.apply(*args))[:2]

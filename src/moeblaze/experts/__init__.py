@@ -44,13 +44,15 @@ def autocast_operands(*tensors: torch.Tensor | None) -> tuple:
     return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
-def kernel_op_key(x: torch.Tensor, config: ExpertsConfig, backend: str, dropped: bool, interleaved: bool) -> str:
-    """The op's key for the kernels on x (op_key), after the checks they need: x's dtype, and fp8 tensor cores
-    for precision="fp8"."""
+def kernel_op_key(x: torch.Tensor, config: ExpertsConfig, backend: str, dropped: bool, interleaved: bool, *,
+                  call: tuple[int, int, int]) -> str:
+    """The op's key for the kernels on x (op_key) of a call of (tokens, top_k, experts) (ExpertsConfig.at_call:
+    precision="fp8" where the experts get fp8_min_rows rows), after the checks they need: x's dtype, and fp8 tensor
+    cores for precision="fp8" (whatever the call's size, so that a device without them is refused at once)."""
     check_kernel_dtype(x)
     if config.fp8:
         check_fp8_supported(x)
-    return op_key(config, backend, dropped, interleaved)
+    return op_key(config.at_call(*call), backend, dropped, interleaved)
 
 
 @functools.cache
@@ -71,13 +73,16 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     w1: (E, F, D), F = 2H with the gate rows first (or, where `interleaved`, gate and up rows alternating, gate
     first) for gated activations, F = H for plain ones; w2: (E, D, H); any strides (a transposed view is read in
     place). b1 (E, F), b2 (E, D): optional biases of the two projections, in w1's and w2's row order. w1 may also
-    come in two parts, (gate rows (E, H, D), up rows (E, H, D)), as torchtitan stores them: they are concatenated
-    per call (a transient of W1's size, in forward and again in backward, never kept) and each gets its gradient.
-    Differentiable in x, w1 (or its parts), w2, topk_weights and the biases. config: the recipe (moeblaze.ExpertsConfig:
-    activation, checkpoint policy, backend, precision, chunking); every combination it accepts runs here, on the
-    kernels and on the reference (which keeps everything autograd needs, whatever the checkpoint policy, and
-    emulates precision="fp8" and "preact-fp8"'s arithmetic). check=False skips the checks that read values
-    (a host sync). 0.1's keyword options (activation=, impl=, ...) still work, with a DeprecationWarning.
+    come in two parts, (gate rows (E, H, D), up rows (E, H, D)), as torchtitan stores them: Hopper's kernels read
+    them in place and write each part's gradient in place (bf16/fp16, H a multiple of 128); elsewhere (the portable
+    kernels, precision="fp8") they are concatenated per call (a transient of W1's size, never kept).
+    Differentiable in x, w1 (or its parts), w2, topk_weights and the biases. config: the recipe
+    (moeblaze.ExpertsConfig: activation, checkpoint policy, backend, precision, chunking); every combination it
+    accepts runs here, on the kernels and on the reference (which keeps everything autograd needs, whatever the
+    checkpoint policy, and emulates precision="fp8" and "preact-fp8"'s arithmetic). precision="fp8" runs e4m3
+    GEMMs where the call's experts average at least config.fp8_min_rows rows, native ones below (both paths).
+    check=False skips the checks that read values (a host sync). 0.1's keyword options (activation=, impl=, ...)
+    still work, with a DeprecationWarning.
 
     Args:
         x: (L, D) tokens, float16, bfloat16 or float32 (float32 or float16 under Triton's CPU interpreter).
@@ -109,7 +114,7 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     if backend == "reference":
         return moe_experts_reference(x, routing.topk_idx(), topk_weights, whole_w1(w1, w1_up), w2, b1, b2,
                                      config=config, interleaved=interleaved)
-    key = kernel_op_key(x, config, backend, routing.dropped, interleaved)
+    key = kernel_op_key(x, config, backend, routing.dropped, interleaved, call=(*topk_weights.shape, w1.shape[0]))
     chunk = config.chunk_tokens
     if chunk is not None and x.shape[0] > chunk:
         idx, E = routing.topk_idx(), w1.shape[0]  # dropped pairs come back as id E: sentinels again

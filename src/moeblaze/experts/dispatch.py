@@ -89,10 +89,12 @@ def up(backend: str, x_LD, w1_EFD, activation: str, plain_layout: bool = True, w
                  and x_LD.shape[1] % GATHER_BLOCK_K == 0 and _takes(*parts))
 
 
-def rows(stage: str, backend: str, a, w) -> str:
-    """A row GEMM (stage "down" or "dx_rows"): Gluon where K and N are multiples of 8 (16-byte TMA rows)."""
+def rows(stage: str, backend: str, a, w, w_up=None) -> str:
+    """A row GEMM (stage "down" or "dx_rows"): Gluon where K and N are multiples of 8 (16-byte TMA rows); W1 in two
+    parts (w_up, dx_rows) where the gate part's rows are a multiple of a stage's K (no box straddles the two)."""
+    parts = (a, w) if w_up is None else (a, w, w_up)
     return _pick(stage, backend, a.device, lambda: a.shape[1] % 8 == 0 and w.shape[1] % 8 == 0
-                 and w.shape[2] % 8 == 0 and _takes(a, w))
+                 and w.shape[2] % 8 == 0 and (w_up is None or w.shape[1] % GATHER_BLOCK_K == 0) and _takes(*parts))
 
 
 def down_bwd(backend: str, dy_LD, w2_EDH, preact) -> str:
@@ -102,13 +104,16 @@ def down_bwd(backend: str, dy_LD, w2_EDH, preact) -> str:
                  and w2_EDH.shape[2] % 8 == 0 and preact.is_contiguous() and _takes(dy_LD, w2_EDH))
 
 
-def weight_grad(backend: str, p, q, out, gather_p: bool) -> str:
+def weight_grad(backend: str, p, q, out, gather_p: bool, out_up=None) -> str:
     """A weight gradient: Gluon where dW (out, contiguous) is in the operands' dtype, the gathered side's width
-    is a multiple of its block (WGRAD_BLOCKS) and the dense side's and dW's columns multiples of 8."""
+    is a multiple of its block (WGRAD_BLOCKS) and the dense side's and dW's columns multiples of 8; dW in two
+    parts (out_up: dW1's up rows) where the first part's rows are a multiple of a tile's (every tile in one part)."""
     gathered, dense = (p, q) if gather_p else (q, p)
+    parts = (p, q, out) if out_up is None else (p, q, out, out_up)
     return _pick("weight_grad", backend, p.device, lambda: out.dtype == p.dtype == q.dtype
                  and gathered.shape[1] % WGRAD_BLOCKS[0 if gather_p else 1] == 0 and dense.shape[1] % 8 == 0
-                 and out.shape[2] % 8 == 0 and _takes(p, q, out))
+                 and out.shape[2] % 8 == 0 and (out_up is None or out.shape[1] % WGRAD_BLOCKS[0] == 0)
+                 and _takes(*parts))
 
 
 def fp8_rows(backend: str, a_q, w_q, out_dtype) -> str:

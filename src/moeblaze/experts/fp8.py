@@ -154,18 +154,18 @@ class Fp8Gemms:
     def __init__(self, r):
         self.r = r
 
-    def preact(self, plan: RowPlan, x_LD, w1_EFD, b1_EF):
-        """H = q(x)[token] · q(W1[e])ᵀ (+ b1[e])."""
+    def preact(self, plan: RowPlan, x_LD, inputs):
+        """H = q(x)[token] · q(W1[e])ᵀ (+ b1[e]); W1 in two parts concatenated first (a transient copy)."""
         r = self.r
-        h = _rows(plan, quant.quantize_rows(x_LD), _weight(w1_EFD, r.fp8_weight_cache), x_LD.dtype, r.backend,
-                  token=plan.token_R)
-        return _add_bias(h, b1_EF, plan)
+        h = _rows(plan, quant.quantize_rows(x_LD), _weight(inputs.whole_w1, r.fp8_weight_cache), x_LD.dtype,
+                  r.backend, token=plan.token_R)
+        return _add_bias(h, inputs.b1, plan)
 
     def up(self, plan: RowPlan, x_LD, inputs, keep: bool):
         """(H, q(act(H)), q(H) where the activation's pass made it (SwiGLU under "preact-fp8"), else None); W1 in
         two parts is concatenated first (a transient copy), then quantized."""
         r = self.r
-        preact = self.preact(plan, x_LD, inputs.whole_w1, inputs.b1)
+        preact = self.preact(plan, x_LD, inputs)
         if r.checkpoint == "preact-fp8" and r.activation == "swiglu":
             act_q, kept_q = quant.swiglu_quantize(preact, r.interleaved, keep_preact=True)
             return preact, act_q, kept_q
@@ -194,9 +194,9 @@ class Fp8Gemms:
                                  interleaved=r.interleaved, preact_scale=preact_scale, dpreact_q=dpreact_q)
         return dpreact, dact, dtopk_w, dpreact_q
 
-    def dx_rows(self, plan: RowPlan, dpreact_RF, dpreact_q, w1_EFD):
+    def dx_rows(self, plan: RowPlan, dpreact_RF, dpreact_q, inputs):
         """dX~ = q(dH) · q(W1[e]ᵀ)ᵀ."""
         r = self.r
         dpreact_q = dpreact_q if dpreact_q is not None else quant.quantize_rows(dpreact_RF)
-        return _rows(plan, dpreact_q, _weight(w1_EFD, r.fp8_weight_cache, transposed=True), dpreact_RF.dtype,
-                     r.backend)
+        return _rows(plan, dpreact_q, _weight(inputs.whole_w1, r.fp8_weight_cache, transposed=True),
+                     dpreact_RF.dtype, r.backend)

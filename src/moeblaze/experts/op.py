@@ -19,9 +19,10 @@ Backward (5 launches, +1 with checkpoint="recompute", +1 on Gluon where down_bwd
   [biases  dB1, dB2 per expert; dS += <dy, b2[e]>     only with biases (stages.bias_grads)]
 Layouts: W1 and W2 by strides (transposed views, as gpt-oss stores them, are read in place, and their gradients
 are written in the same layout); gate/up rows of W1 in halves or interleaved, preact's columns in W1's order.
-W1 in two parts (w1_up: the up rows apart, as torchtitan stores w1 and w3): the Gluon up kernel reads them in
-place (two descriptors); tl, FP8 and backward concatenate them per call (a transient of W1's size, never kept), and
-dW1 comes back split.
+W1 in two parts (w1_up: the up rows apart, as torchtitan stores w1 and w3): the Gluon kernels read them in place
+(two descriptors: up, the recomputed up, dX~'s K loop switching at the gate rows' end) and write dW1's tiles into
+each part (dX~ where the gate rows are a multiple of 64, dW1 of 128); tl and FP8 concatenate them per call (a
+transient of W1's size, never kept) and tl's dW1 is copied out of a whole one.
 
 Memory contract (bytes kept from forward to backward, beyond x, the weights and topk_weights, which exist
 anyway; b = bytes per element of x's dtype):
@@ -109,11 +110,11 @@ class NativeGemms:
                                 interleaved=r.interleaved, w1_up=inputs.w1_up)
         return preact, act, None
 
-    def preact(self, plan: RowPlan, x_LD, w1_EFD, b1_EF):
-        """preact recomputed in backward."""
+    def preact(self, plan: RowPlan, x_LD, inputs: OpInputs):
+        """preact recomputed in backward (W1's parts read in place, as in forward)."""
         r = self.r
-        return stages.up(plan, x_LD, w1_EFD, r.activation, True, False, backend=r.backend, b1_EF=b1_EF,
-                         interleaved=r.interleaved)[0]
+        return stages.up(plan, x_LD, inputs.w1, r.activation, True, False, backend=r.backend, b1_EF=inputs.b1,
+                         interleaved=r.interleaved, w1_up=inputs.w1_up)[0]
 
     def down(self, plan: RowPlan, act_RH, w2_EDH, _dtype: torch.dtype):
         return stages.down(plan, act_RH, w2_EDH, self.r.backend)
@@ -130,8 +131,9 @@ class NativeGemms:
                                               preact_scale=preact_scale)
         return dpreact, act_scaled, dtopk_w, None
 
-    def dx_rows(self, plan: RowPlan, dpreact_RF, _dpreact_q, w1_EFD):
-        return stages.dx_rows(plan, dpreact_RF, w1_EFD, self.r.backend)
+    def dx_rows(self, plan: RowPlan, dpreact_RF, _dpreact_q, inputs: OpInputs):
+        """dX~, W1's parts read in place where the row GEMM takes them (stages.dx_rows)."""
+        return stages.dx_rows(plan, dpreact_RF, inputs.w1, self.r.backend, w1_up=inputs.w1_up)
 
 
 class OpInputs(NamedTuple):
@@ -171,10 +173,8 @@ class OpInputs(NamedTuple):
 
     def grads(self, grads: tuple) -> tuple:
         """The gradient of each field (None where it takes none, or is absent) from the backward body's outputs (one
-        per DIFFERENTIABLE field, dw1 whole: split here where w1_up came apart)."""
+        per DIFFERENTIABLE field)."""
         g = dict(zip(DIFFERENTIABLE, grads))
-        if self.w1_up is not None:
-            g["w1"], g["w1_up"] = g["w1"].split((self.w1.shape[1], self.w1_up.shape[1]), 1)
         return tuple(g[f] if f in g and v is not None else None for f, v in zip(self._fields, self))
 
 
@@ -296,21 +296,21 @@ def _grad_or_empty(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 def experts_backward(dy_LD: torch.Tensor, inputs: OpInputs, kept: Kept, key: str) -> tuple[torch.Tensor, ...]:
     """The gradients of the DIFFERENTIABLE fields, in that order (dx, dw1, dw2, dtopk_w, db1, db2, dw1_up), each
     empty where its input is absent: the backward body. The weights' gradients come in the weights' own layouts
-    (strides); dw1 whole (E, F, D) where w1_up is given (OpInputs.grads splits it), dw1_up then empty."""
-    x_LD, w1_EFD, w2_EDH, topk_w_LK, b1_EF, b2_ED = (inputs.x, inputs.whole_w1, inputs.w2, inputs.topk_w,
-                                                     inputs.b1, inputs.b2)
+    (strides), dw1 and dw1_up apart where W1 came in two parts."""
+    x_LD, w1_EFD, w2_EDH, topk_w_LK, b1_EF, b2_ED, w1_up = (inputs.x, inputs.w1, inputs.w2, inputs.topk_w,
+                                                            inputs.b1, inputs.b2, inputs.w1_up)
     if dy_LD.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
         ensure_context(dy_LD.get_device())
     none = x_LD.new_empty(0)
     if x_LD.shape[0] == 0:  # an empty batch: nothing flows back but zeros
         return (torch.zeros_like(x_LD), torch.zeros_like(w1_EFD), torch.zeros_like(w2_EDH),
-                torch.zeros_like(topk_w_LK), *(none if b is None else torch.zeros_like(b) for b in (b1_EF, b2_ED)),
-                none)
+                torch.zeros_like(topk_w_LK),
+                *(none if t is None else torch.zeros_like(t) for t in (b1_EF, b2_ED, w1_up)))
     r = parse(key)
     g = r.gemms
     plan = kept.plan(inputs)
     recomputed = r.checkpoint == "recompute"
-    preact_RF = g.preact(plan, x_LD, w1_EFD, b1_EF) if recomputed else kept.preact
+    preact_RF = g.preact(plan, x_LD, inputs) if recomputed else kept.preact
     preact_scale = kept.preact_scale if r.checkpoint == "preact-fp8" else None
     dpreact_RF, act_scaled_RH, dtopk_w, dpreact_q = g.dact(plan, dy_LD, w2_EDH, preact_RF, preact_scale, topk_w_LK,
                                                            recomputed)
@@ -319,14 +319,16 @@ def experts_backward(dy_LD: torch.Tensor, inputs: OpInputs, kept: Kept, key: str
         dtopk_w = clear_dropped(plan, dtopk_w, act_scaled_RH, dpreact_RF)
     dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, torch.empty_like(w2_EDH), True, r.backend)
     del act_scaled_RH
-    dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, torch.empty_like(w1_EFD), False, r.backend)
+    dw1_up = none if w1_up is None else torch.empty_like(w1_up)
+    dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, torch.empty_like(w1_EFD), False, r.backend,
+                             out_up=None if w1_up is None else dw1_up)
     db1, db2, ds_b = stages.bias_grads(plan, dy_LD, dpreact_RF, topk_w_LK, b1_EF, b2_ED, r.backend)
     if ds_b is not None:
         dtopk_w = (dtopk_w.float() + ds_b).to(topk_w_LK.dtype)
-    dx_RD = g.dx_rows(plan, dpreact_RF, dpreact_q, w1_EFD)
+    dx_RD = g.dx_rows(plan, dpreact_RF, dpreact_q, inputs)
     del dpreact_RF, dpreact_q
     dx = stages.combine(plan, dx_RD, None, x_LD.dtype)
-    return dx, dw1, dw2, dtopk_w, _grad_or_empty(db1, x_LD), _grad_or_empty(db2, x_LD), none
+    return dx, dw1, dw2, dtopk_w, _grad_or_empty(db1, x_LD), _grad_or_empty(db2, x_LD), dw1_up
 
 
 _N_IN = len(OpInputs._fields)
@@ -343,11 +345,10 @@ experts_bwd = torch.library.custom_op("moeblaze::experts_bwd", _backward_op, mut
 @experts_bwd.register_fake
 def _(dy, *args):
     inputs = OpInputs(*args[:_N_IN])
-    w1, none = inputs.w1, inputs.x.new_empty(0)
-    dw1 = torch.empty_like(w1) if inputs.w1_up is None else w1.new_empty(w1.shape[0], inputs.w1_rows, w1.shape[2])
-    return (inputs.x.new_empty(inputs.x.shape), dw1, torch.empty_like(inputs.w2),
-            inputs.topk_w.new_empty(inputs.topk_w.shape), *(none if b is None else b.new_empty(b.shape)
-                                                             for b in (inputs.b1, inputs.b2)), none)
+    none = inputs.x.new_empty(0)
+    return (inputs.x.new_empty(inputs.x.shape), torch.empty_like(inputs.w1), torch.empty_like(inputs.w2),
+            inputs.topk_w.new_empty(inputs.topk_w.shape), *(none if t is None else torch.empty_like(t)
+                                                             for t in (inputs.b1, inputs.b2, inputs.w1_up)))
 
 
 def _setup_context(ctx, inputs, output):

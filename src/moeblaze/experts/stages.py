@@ -102,10 +102,12 @@ def down(plan: RowPlan, act_RH, w2_EDH, backend: str = "auto") -> torch.Tensor:
                         plan.offsets_E1, plan.sched)
 
 
-def dx_rows(plan: RowPlan, dpreact_RF, w1_EFD, backend: str = "auto") -> torch.Tensor:
-    """dX~ (R, D) = dH[rows of e] @ W1[e]."""
-    if dispatch.rows("dx_rows", backend, dpreact_RF, w1_EFD) == "gluon":
-        return gluon_sm90.rows_gemm(dpreact_RF, w1_EFD, plan.offsets_E1, plan.sched, kn=True)
+def dx_rows(plan: RowPlan, dpreact_RF, w1_EFD, backend: str = "auto", *, w1_up=None) -> torch.Tensor:
+    """dX~ (R, D) = dH[rows of e] @ W1[e]. w1_up: W1's up rows, where w1_EFD holds only the gate rows (read in place
+    on Gluon; concatenated for tl, a transient copy)."""
+    if dispatch.rows("dx_rows", backend, dpreact_RF, w1_EFD, w1_up) == "gluon":
+        return gluon_sm90.rows_gemm(dpreact_RF, w1_EFD, plan.offsets_E1, plan.sched, kn=True, w_up=w1_up)
+    w1_EFD = whole_w1(w1_EFD, w1_up)
     return tl.rows_gemm(dpreact_RF, w1_EFD, (w1_EFD.stride(0), w1_EFD.stride(1), w1_EFD.stride(2)), w1_EFD.shape[2],
                         plan.offsets_E1, plan.sched)
 
@@ -151,12 +153,20 @@ def act_bwd(plan: RowPlan, dact_RH, preact_RF, topk_w_LK, dpreact_RF, act_scaled
                       activation, interleaved=interleaved, preact_scale=preact_scale, dpreact_q=dpreact_q)
 
 
-def weight_grad(plan: RowPlan, p, q, out, gather_p: bool, backend: str = "auto") -> torch.Tensor:
+def weight_grad(plan: RowPlan, p, q, out, gather_p: bool, backend: str = "auto", *, out_up=None) -> torch.Tensor:
     """dW (E, N, P) written into out (any strides: a weight's own layout), dW[e] = P[rows of e]ᵀ Q[rows of e];
-    P = p[token] if gather_p, else Q = q[token] (the other side row by row). Returns out."""
-    if dispatch.weight_grad(backend, p, q, out, gather_p) == "gluon":
-        return gluon_sm90.weight_grad(p, q, plan.token_R, plan.offsets_E1, out, gather_p)
-    return tl.weight_grad(p, q, out, plan.token_R, plan.offsets_E1, gather_p)
+    P = p[token] if gather_p, else Q = q[token] (the other side row by row). out_up: dW's last rows apart (dW1's up
+    rows, P's last columns), dW[e] = [out[e]; out_up[e]]: one launch storing to both on Gluon; on tl, dW whole into
+    a transient and copied to the parts (the same tiles as for one W1, so the same bits). Returns out."""
+    if dispatch.weight_grad(backend, p, q, out, gather_p, out_up) == "gluon":
+        return gluon_sm90.weight_grad(p, q, plan.token_R, plan.offsets_E1, out, gather_p, out_up=out_up)
+    if out_up is None:
+        return tl.weight_grad(p, q, out, plan.token_R, plan.offsets_E1, gather_p)
+    whole = tl.weight_grad(p, q, out.new_empty(out.shape[0], out.shape[1] + out_up.shape[1], out.shape[2]),
+                           plan.token_R, plan.offsets_E1, gather_p)
+    out.copy_(whole[:, :out.shape[1]])
+    out_up.copy_(whole[:, out.shape[1]:])
+    return out
 
 
 def bias_grads(plan: RowPlan, dy_LD, dpreact_RF, topk_w_LK, b1_EF, b2_ED, backend: str = "auto"

@@ -19,7 +19,7 @@ expert parallelism (an EP mesh), torchtitan's all-to-all dispatcher moves the ro
 computes the received rows, grouped by expert, in place of grouped_mm (ep_dispatch="torchtitan", the default); or
 moeblaze's own expert parallelism (moeblaze.distributed.ep_experts) moves the rows over torchtitan's EP mesh from the
 routing index instead of torchtitan's dispatcher (ep_dispatch="exact" or "capacity", with capacity_factor and
-on_overflow as ep_experts takes them; W1 = [w1 | w3] of the local experts is then a copy kept for backward).
+on_overflow as ep_experts takes them; w1 and w3 of the local experts go in as they are, no copy kept).
 
 The experts compute in x's dtype (bf16 under FSDP2's mixed precision), or in autocast's where it is on;
 torchtitan's grouped_mm path casts to bf16 whatever x is.
@@ -30,8 +30,10 @@ torchao), an activation other than SwiGLU, fp8_weight_cache (FSDP2 gathers the w
 Pipeline parallelism (torchtitan's pipeline_llm) splits whole layers into stages and runs with moeblaze's experts
 in them unchanged.
 
-Memory contract: per MoE layer call, the routing index (O(T·K) int32), W1 = [w1 | w3] as a transient (E·2F·D
-elements, in forward and again in backward, never kept), and what moe_experts keeps under the checkpoint policy.
+Memory contract: per MoE layer call, the routing index (O(T·K) int32) and what moe_experts keeps under the
+checkpoint policy. w1 and w3 are read in place by Hopper's kernels in bf16/fp16 (F a multiple of 128); elsewhere
+(the portable kernels, precision="fp8") W1 = [w1 | w3] is a transient (E·2F·D elements, in forward and again in
+backward, never kept).
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def check_experts_config(config: ExpertsConfig) -> ExpertsConfig:
                          f"{config.activation!r}) would compute another function")
     if config.fp8_weight_cache:
         raise ValueError("fp8_weight_cache=True can't be used in torchtitan: FSDP2 gathers the expert weights anew "
-                         "every step, and w1/w3 are concatenated per call; use precision='fp8' without it")
+                         "every step; use precision='fp8' without it")
     return config
 
 
@@ -158,7 +160,7 @@ class MoeblazeRoutedExperts(RoutedExperts):
             raise RuntimeError(f"this rank holds {w1.shape[0]} of {inner.num_experts} experts over an EP mesh of "
                                f"{mesh.size()}: torchtitan's expert parallelism did not shard them (was the model "
                                "config's update_from_config called with the parallelism before building?)")
-        out = ep_experts(x, ids_TK, scores_TK.to(torch.float32), torch.cat((w1, w3), 1), w2, group=mesh.get_group(),
+        out = ep_experts(x, ids_TK, scores_TK.to(torch.float32), (w1, w3), w2, group=mesh.get_group(),
                          config=inner.moeblaze_config, ep_config=self.ep)
         return out.to(x_TD.dtype)
 

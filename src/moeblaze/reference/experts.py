@@ -58,13 +58,14 @@ def moe_experts_reference(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_
             activations, F = H otherwise.
         w2_EDH: (E, D, H).
         b1_EF, b2_ED: optional biases, in w1's and w2's row order.
-        config: a moeblaze.ExpertsConfig (its activation; precision="fp8" and "preact-fp8" are emulated).
+        config: a moeblaze.ExpertsConfig (its activation; precision="fp8" (where fp8_min_rows lets it run: as
+            moe_experts) and "preact-fp8" are emulated).
         interleaved: gate and up rows of w1 alternate.
 
     Returns:
         (L, D) in x's dtype, differentiable in x, the weights, topk_w and the biases.
     """
-    config = _config("moe_experts_reference", b1_EF, config, legacy)
+    config = _config("moe_experts_reference", b1_EF, config, legacy).at_call(*topk_idx_LK.shape, w1_EFD.shape[0])
     activation, fp8_gemms = config.activation, config.fp8
     preact_fp8 = config.checkpoint == "preact-fp8"
     L, D = x_LD.shape

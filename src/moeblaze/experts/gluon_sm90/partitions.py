@@ -1,6 +1,6 @@
 """The partitions the Gluon kernels are built from (gl.warp_specialize), each a loop over this program's tiles:
 
-  tma_loader       fills the stages through TMA (A's rows and W's box)
+  tma_loader       fills the stages through TMA (A's rows and W's box); tma_loader_parts with W in two parts
   gather_loader    W through TMA, the routed rows x[token[r]] through cp.async (a whole warpgroup of them)
   mma_handoff      8 MMA warps that hand each finished accumulator to a store partition through shared memory
                    and go on with the next tile
@@ -30,6 +30,25 @@ def tma_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, ti
     never stored); B as (BLOCK_N, BLOCK_K) boxes of W's (E·N, K) view, or (B_KN, stages of (BLOCK_K,
     BLOCK_N)) boxes of its (E·K, N) view. The next tile's schedule entry is loaded while this tile's stages
     are issued."""
+    _tma_loads(a_desc, b_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, used_tiles_ptr, N,
+               K_DIM, K_DIM, False)
+
+
+@gluon.jit
+def tma_loader_parts(a_desc, b_desc, b_up_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr,
+                     used_tiles_ptr, N, K_DIM, SPLIT_K):
+    """tma_loader with W[e] (K, N) in two parts (B_KN): its first SPLIT_K rows b_desc's (E·SPLIT_K, N), the rest
+    b_up_desc's, each read in place (W1 as gate and up rows, for dX~); SPLIT_K a multiple of BLOCK_K, so that no
+    box straddles the two. A partition of its own, not a flag: warp_specialize hands its partitions their
+    arguments as runtime values, constexpr or not."""
+    _tma_loads(a_desc, b_desc, b_up_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
+               N, K_DIM, SPLIT_K, True)
+
+
+@gluon.jit
+def _tma_loads(a_desc, b_desc, b_up_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, tile_row_ptr, used_tiles_ptr,
+               N, K_DIM, SPLIT_K, W_PARTS: gl.constexpr):
+    """The loop of tma_loader and tma_loader_parts."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     B_KN: gl.constexpr = b_bufs.type.shape[2] != BLOCK_K
@@ -49,7 +68,14 @@ def tma_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_expert_ptr, ti
                 mbarrier.wait(empty.index(s), ((c // S) & 1) ^ 1)  # a fresh barrier passes phase 1
                 mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
                 tma_load(a_desc, [row0, k * BLOCK_K], ready.index(s), a_bufs.index(s))
-                if B_KN:
+                if W_PARTS:
+                    kk = k * BLOCK_K
+                    if kk < SPLIT_K:
+                        tma_load(b_desc, [e * SPLIT_K + kk, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
+                    else:
+                        tma_load(b_up_desc, [e * (K_DIM - SPLIT_K) + kk - SPLIT_K, pid_n * BLOCK_N], ready.index(s),
+                                 b_bufs.index(s))
+                elif B_KN:
                     tma_load(b_desc, [e * K_DIM + k * BLOCK_K, pid_n * BLOCK_N], ready.index(s), b_bufs.index(s))
                 else:
                     tma_load(b_desc, [e * N + pid_n * BLOCK_N, k * BLOCK_K], ready.index(s), b_bufs.index(s))
@@ -68,7 +94,8 @@ def gather_loader(x_ptr, stride_xl, token_ptr, n_rows, b_desc, b_up_desc, a_bufs
     GATED: W is (E·2N, K) with each expert's N gate rows before its N up rows; a stage's B holds
     BLOCK_N/2 gate rows then the matching BLOCK_N/2 up rows, so one MMA computes both halves. With W_PARTS the
     gate rows (E·N, K) are b_desc's and the up rows (E·N, K) b_up_desc's, read in place (else b_up_desc is
-    b_desc).
+    b_desc); a runtime flag in effect, as warp_specialize hands a partition every argument, but a select of two
+    row offsets between the same two loads.
     B_KN: W is (E·K, N) (W2 for dA' = dy[token] @ W2[e]), its stages (BLOCK_K, BLOCK_N) boxes."""
     S: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]

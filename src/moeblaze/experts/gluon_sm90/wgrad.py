@@ -120,10 +120,30 @@ def _wgrad_loader(dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, re
 
 
 @gluon.jit
-def _wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, empty, expert_offsets_ptr, n_tiles, n_tm,
-                     n_tn, group, M, N):
+def _wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, empty, expert_offsets_ptr, n_tiles,
+                     n_tm, n_tn, group, M, N):
+    """The MMA partition storing dW whole (_wgrad_mma)."""
+    _wgrad_mma(c_smem, c_desc, c_ptr, stride_cl, c_desc, c_ptr, p_bufs, q_bufs, ready, empty, expert_offsets_ptr,
+               n_tiles, n_tm, n_tn, group, M, N, M, False)
+
+
+@gluon.jit
+def _wgrad_mma_store_parts(c_smem, c_desc, c_ptr, stride_cl, c_up_desc, c_up_ptr, p_bufs, q_bufs, ready, empty,
+                           expert_offsets_ptr, n_tiles, n_tm, n_tn, group, M, N, SPLIT_M):
+    """The MMA partition storing dW in two parts (_wgrad_mma). Two partitions, not one with a flag: an argument of
+    warp_specialize reaches its partition as a runtime value, constexpr or not, and the stores behind a runtime
+    branch fail triton 3.6's lowering to LLVM."""
+    _wgrad_mma(c_smem, c_desc, c_ptr, stride_cl, c_up_desc, c_up_ptr, p_bufs, q_bufs, ready, empty,
+               expert_offsets_ptr, n_tiles, n_tm, n_tn, group, M, N, SPLIT_M, True)
+
+
+@gluon.jit
+def _wgrad_mma(c_smem, c_desc, c_ptr, stride_cl, c_up_desc, c_up_ptr, p_bufs, q_bufs, ready, empty, expert_offsets_ptr,
+               n_tiles, n_tm, n_tn, group, M, N, SPLIT_M, C_PARTS: gl.constexpr):
     """Each dW tile: Pᵀ (P's stages read transposed) times Q over the expert's rows, then stored by these warps
-    (store_tile, keeping to the expert's M rows). An expert without rows stores zeros."""
+    (store_tile, keeping to the expert's M rows). An expert without rows stores zeros. C_PARTS: dW[e]'s first
+    SPLIT_M rows go to c (E·SPLIT_M, N), the rest to c_up (dW1's gate and up rows, each in its own tensor);
+    SPLIT_M a multiple of BLOCK_M, so that every tile lies in one part."""
     S: gl.constexpr = p_bufs.type.shape[0]
     BLOCK_K: gl.constexpr = p_bufs.type.shape[1]
     BLOCK_M: gl.constexpr = p_bufs.type.shape[2]
@@ -146,18 +166,28 @@ def _wgrad_mma_store(c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, em
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(empty.index((c0 + n_k + S - 1) % S), pred=n_k > 0)
             c0 += n_k
-            store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
+            if C_PARTS:
+                if tm * BLOCK_M < SPLIT_M:
+                    store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, e * SPLIT_M + tm * BLOCK_M, (e + 1) * SPLIT_M,
+                               tn * BLOCK_N, N)
+                else:
+                    M_UP = M - SPLIT_M
+                    store_tile(acc, c_smem, c_up_desc, c_up_ptr, stride_cl, e * M_UP + tm * BLOCK_M - SPLIT_M,
+                               (e + 1) * M_UP, tn * BLOCK_N, N)
+            else:
+                store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
             e, tm, tn, start, end = e1, tm1, tn1, start1, end1
     tma.store_wait(0)
 
 
 @gluon.jit
-def weight_grad_kernel(dense_desc, src_ptr, stride_src, token_ptr, c_desc, c_ptr, stride_cl, expert_offsets_ptr,
-                          E, M, N, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                          STAGES: gl.constexpr, WORKER_REGS: gl.constexpr):
+def weight_grad_kernel(dense_desc, src_ptr, stride_src, token_ptr, c_desc, c_ptr, stride_cl, c_up_desc, c_up_ptr,
+                       expert_offsets_ptr, E, M, N, SPLIT_M, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       BLOCK_K: gl.constexpr, STAGES: gl.constexpr, WORKER_REGS: gl.constexpr,
+                       C_PARTS: gl.constexpr):
     """dW[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for every expert: 8 MMA warps that store their own tiles, and a
     loader of a whole warpgroup (TMA for the dense side, cp.async for the gathered one; which is which, the
-    dense side's box tells)."""
+    dense side's box tells). C_PARTS: dW's rows in two tensors (_wgrad_mma_store)."""
     dtype: gl.constexpr = dense_desc.dtype
     p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], dtype))
@@ -167,29 +197,42 @@ def weight_grad_kernel(dense_desc, src_ptr, stride_src, token_ptr, c_desc, c_ptr
     ready, empty = stage_barriers(STAGES, 32 * GATHER_WARPS + 1)
     n_tm, n_tn = gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N)
     n_tiles = E * n_tm * n_tn
-    mma_args = (c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, empty, expert_offsets_ptr, n_tiles, n_tm, n_tn,
-                GROUP, M, N)
     loader_args = (dense_desc, src_ptr, stride_src, token_ptr, p_bufs, q_bufs, ready, empty, expert_offsets_ptr,
                    n_tiles, n_tm, n_tn, GROUP)
-    gl.warp_specialize([(_wgrad_mma_store, mma_args), (_wgrad_loader, loader_args)], [GATHER_WARPS], [WORKER_REGS])
+    if C_PARTS:
+        mma_args = (c_smem, c_desc, c_ptr, stride_cl, c_up_desc, c_up_ptr, p_bufs, q_bufs, ready, empty,
+                    expert_offsets_ptr, n_tiles, n_tm, n_tn, GROUP, M, N, SPLIT_M)
+        gl.warp_specialize([(_wgrad_mma_store_parts, mma_args), (_wgrad_loader, loader_args)], [GATHER_WARPS],
+                           [WORKER_REGS])
+    else:
+        mma_args = (c_smem, c_desc, c_ptr, stride_cl, p_bufs, q_bufs, ready, empty, expert_offsets_ptr, n_tiles, n_tm,
+                    n_tn, GROUP, M, N)
+        gl.warp_specialize([(_wgrad_mma_store, mma_args), (_wgrad_loader, loader_args)], [GATHER_WARPS],
+                           [WORKER_REGS])
 
 
-def weight_grad(p, q, token, offsets, out, gather_p: bool, *, block_k: int = 64, stages: int = 3,
+def weight_grad(p, q, token, offsets, out, gather_p: bool, *, out_up=None, block_k: int = 64, stages: int = 3,
                 worker_regs: int = 56):
     """out[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for each expert's contiguous rows (offsets (E+1,) int32), with
     P = p[token[rows]], Q = q[rows] if gather_p, else P = p[rows], Q = q[token[rows]]; token (rows,) int32.
     bf16/fp16, contiguous, out in the operands' dtype; the gathered side's width a multiple of its block
-    (WGRAD_BLOCKS: 128 for P, 256 for Q), the dense side's and N multiples of 8 (16-byte TMA rows). The dispatcher
-    (experts.dispatch) checks these; the launcher does not."""
+    (WGRAD_BLOCKS: 128 for P, 256 for Q), the dense side's and N multiples of 8 (16-byte TMA rows). out_up: dW[e]'s
+    last rows apart, dW[e] = [out[e]; out_up[e]] (dW1 as gate and up rows), out's rows a multiple of WGRAD_BLOCKS[0].
+    The dispatcher (experts.dispatch) checks these; the launcher does not. Returns out."""
     E, M, N = out.shape
+    split = 0
+    if out_up is not None:
+        split, M = M, M + out_up.shape[1]
     block_m, block_n = WGRAD_BLOCKS
     dense, src = (q, p) if gather_p else (p, q)
     dense_desc = descriptor(dense, [block_k, block_n if gather_p else block_m])
-    c2d = out.view(E * M, N)
+    c2d = out.view(-1, N)
     c_desc = descriptor(c2d, [block_m, block_n])
+    c_up = c2d if out_up is None else out_up.view(-1, N)
+    c_up_desc = c_desc if out_up is None else descriptor(c_up, [block_m, block_n])
     grid = (sm_count(p.device),)
     group = wgrad_group(cdiv(M, block_m), cdiv(N, block_n))
-    launch(weight_grad_kernel, grid, dense_desc, src, src.stride(0), token, c_desc, c2d, c2d.stride(0), offsets,
-           E, M, N, group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, WORKER_REGS=worker_regs,
-           num_warps=8, maxnreg=168)
+    launch(weight_grad_kernel, grid, dense_desc, src, src.stride(0), token, c_desc, c2d, c2d.stride(0), c_up_desc, c_up,
+           offsets, E, M, N, split, group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+           WORKER_REGS=worker_regs, C_PARTS=out_up is not None, num_warps=8, maxnreg=168)
     return out
