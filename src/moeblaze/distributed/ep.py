@@ -210,8 +210,9 @@ def _backward_with(backward_op):
     def backward(ctx, dout, *_saved_outputs):
         if dout is None:
             return (None,) * (_N_IN + 4)
-        dx, dtopk_w, dw1, dw2, dw1_up = backward_op(dout.contiguous(), *ctx.saved_tensors, ctx.group_name, ctx.key)
-        split = ctx.saved_tensors[_N_IN - 1] is not None  # W1 came in two parts
+        saved = ctx.saved_tensors  # once: activation checkpointing unpacks each saved tensor once only
+        dx, dtopk_w, dw1, dw2, dw1_up = backward_op(dout.contiguous(), *saved, ctx.group_name, ctx.key)
+        split = EPInputs(*saved[:_N_IN]).w1_up is not None  # W1 came in two parts
         grads = EPInputs(dx, dtopk_w, dw1, dw2, None, None, None, None, dw1_up if split else None)
         return (*grads, None, None, None, None)
     return backward
