@@ -91,7 +91,8 @@ def up(backend: str, x_LD, w1_EFD, activation: str, plain_layout: bool = True, w
 
 def rows(stage: str, backend: str, a, w, w_up=None) -> str:
     """A row GEMM (stage "down" or "dx_rows"): Gluon where K and N are multiples of 8 (16-byte TMA rows); W1 in two
-    parts (w_up, dx_rows) where the gate part's rows are a multiple of a stage's K (no box straddles the two)."""
+    parts (w_up, dx_rows) where the gate part's rows are a multiple of a stage's K (64, GATHER_BLOCK_K: no box
+    straddles the two)."""
     parts = (a, w) if w_up is None else (a, w, w_up)
     return _pick(stage, backend, a.device, lambda: a.shape[1] % 8 == 0 and w.shape[1] % 8 == 0
                  and w.shape[2] % 8 == 0 and (w_up is None or w.shape[1] % GATHER_BLOCK_K == 0) and _takes(*parts))

@@ -289,7 +289,8 @@ def clear_dropped(plan: RowPlan, dtopk_w_LK: torch.Tensor, act_scaled_RH: torch.
 
 
 def _grad_or_empty(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """A bias gradient, or an empty tensor for a bias that is absent (a custom op returns tensors only)."""
+    """An optional input's gradient, or an empty tensor where the input is absent (a custom op returns tensors
+    only)."""
     return g if g is not None else like.new_empty(0)
 
 
@@ -319,16 +320,15 @@ def experts_backward(dy_LD: torch.Tensor, inputs: OpInputs, kept: Kept, key: str
         dtopk_w = clear_dropped(plan, dtopk_w, act_scaled_RH, dpreact_RF)
     dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, torch.empty_like(w2_EDH), True, r.backend)
     del act_scaled_RH
-    dw1_up = none if w1_up is None else torch.empty_like(w1_up)
-    dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, torch.empty_like(w1_EFD), False, r.backend,
-                             out_up=None if w1_up is None else dw1_up)
+    dw1_up = None if w1_up is None else torch.empty_like(w1_up)
+    dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, torch.empty_like(w1_EFD), False, r.backend, out_up=dw1_up)
     db1, db2, ds_b = stages.bias_grads(plan, dy_LD, dpreact_RF, topk_w_LK, b1_EF, b2_ED, r.backend)
     if ds_b is not None:
         dtopk_w = (dtopk_w.float() + ds_b).to(topk_w_LK.dtype)
     dx_RD = g.dx_rows(plan, dpreact_RF, dpreact_q, inputs)
     del dpreact_RF, dpreact_q
     dx = stages.combine(plan, dx_RD, None, x_LD.dtype)
-    return dx, dw1, dw2, dtopk_w, _grad_or_empty(db1, x_LD), _grad_or_empty(db2, x_LD), dw1_up
+    return dx, dw1, dw2, dtopk_w, *(_grad_or_empty(g, x_LD) for g in (db1, db2, dw1_up))
 
 
 _N_IN = len(OpInputs._fields)
