@@ -19,10 +19,10 @@ Builders (identical results, both deterministic, neither synchronizes with the h
            map lives in registers, tile by tile; only per-tile counts, n_tiles x E int32, reach
            memory); on the CPU a PyTorch version that materializes the L x E int32 hit map. Its work
            grows as L·K·E (every pair is compared against every expert), so for many experts the
-           sort wins. Measured on an H200 (`moeblaze bench --dispatch`, benchmarks/results/): with E <= 64
-           dense is 2.3x-9.4x faster than sort at L = 32k..2M; with E = 256 it is still 2.3x faster
-           at 32k tokens but 0.5x-0.95x at 512k-2M. "auto" therefore uses "dense" up to
-           DENSE_MAX_EXPERTS = 128 experts (between the two measured points) and "sort" beyond.
+           sort wins. Measured on an H100 with the placement's register gather (K = 8; benchmarks/results/
+           nvidia-h100-index-gather.log): dense is 2.3x-3.7x faster than sort at 128 experts and 1.35x-4.0x
+           at 256, at L = 4k..512k; at 512 experts 3.4-3.7x up to 32k tokens, 1.07x at 128k, 0.80x at
+           512k. "auto" therefore uses "dense" up to DENSE_MAX_EXPERTS = 256 experts and "sort" beyond.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from .checks import check_num_experts, check_topk_idx
 METHODS = ("auto", "dense", "sort")
 # Above this many experts the dense build's O(L·K·E) compare work overtakes a radix sort's O(L·K)
 # passes at large L (see the module header and the dispatch table in benchmarks/results/).
-DENSE_MAX_EXPERTS = 128
+DENSE_MAX_EXPERTS = 256
 
 
 @dataclass
