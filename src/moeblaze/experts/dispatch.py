@@ -68,9 +68,10 @@ def resolve(backend: str, device: torch.device) -> str:
     return "tl"
 
 
-def _takes(*tensors: torch.Tensor, dtypes=(torch.bfloat16, torch.float16)) -> bool:
-    """Operands a Gluon kernel can read: bf16/fp16 (or dtypes), contiguous, 16-byte aligned (TMA and cp.async)."""
-    return all(t.dtype in dtypes and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors)
+def _takes(*tensors: torch.Tensor | None, dtypes=(torch.bfloat16, torch.float16)) -> bool:
+    """Operands a Gluon kernel can read: bf16/fp16 (or dtypes), contiguous, 16-byte aligned (TMA and cp.async);
+    None, an optional part that is absent, passes."""
+    return all(t is None or (t.dtype in dtypes and t.is_contiguous() and t.data_ptr() % 16 == 0) for t in tensors)
 
 
 def _pick(stage: str, backend: str, device: torch.device, gluon_takes) -> str:
@@ -84,18 +85,16 @@ def _pick(stage: str, backend: str, device: torch.device, gluon_takes) -> str:
 def up(backend: str, x_LD, w1_EFD, activation: str, plain_layout: bool = True, w1_up=None) -> str:
     """The up-projection: Gluon for SwiGLU without a bias and with the gate rows first (plain_layout), D a
     multiple of a gathered stage's K; W1 whole or in two parts (w1_up: the up rows), each read in place."""
-    parts = (x_LD, w1_EFD) if w1_up is None else (x_LD, w1_EFD, w1_up)
     return _pick("up", backend, x_LD.device, lambda: activation == "swiglu" and plain_layout
-                 and x_LD.shape[1] % GATHER_BLOCK_K == 0 and _takes(*parts))
+                 and x_LD.shape[1] % GATHER_BLOCK_K == 0 and _takes(x_LD, w1_EFD, w1_up))
 
 
 def rows(stage: str, backend: str, a, w, w_up=None) -> str:
     """A row GEMM (stage "down" or "dx_rows"): Gluon where K and N are multiples of 8 (16-byte TMA rows); W1 in two
     parts (w_up, dx_rows) where the gate part's rows are a multiple of a stage's K (64, GATHER_BLOCK_K: no box
     straddles the two)."""
-    parts = (a, w) if w_up is None else (a, w, w_up)
     return _pick(stage, backend, a.device, lambda: a.shape[1] % 8 == 0 and w.shape[1] % 8 == 0
-                 and w.shape[2] % 8 == 0 and (w_up is None or w.shape[1] % GATHER_BLOCK_K == 0) and _takes(*parts))
+                 and w.shape[2] % 8 == 0 and (w_up is None or w.shape[1] % GATHER_BLOCK_K == 0) and _takes(a, w, w_up))
 
 
 def down_bwd(backend: str, dy_LD, w2_EDH, preact) -> str:
@@ -110,11 +109,10 @@ def weight_grad(backend: str, p, q, out, gather_p: bool, out_up=None) -> str:
     is a multiple of its block (WGRAD_BLOCKS) and the dense side's and dW's columns multiples of 8; dW in two
     parts (out_up: dW1's up rows) where the first part's rows are a multiple of a tile's (every tile in one part)."""
     gathered, dense = (p, q) if gather_p else (q, p)
-    parts = (p, q, out) if out_up is None else (p, q, out, out_up)
     return _pick("weight_grad", backend, p.device, lambda: out.dtype == p.dtype == q.dtype
                  and gathered.shape[1] % WGRAD_BLOCKS[0 if gather_p else 1] == 0 and dense.shape[1] % 8 == 0
                  and out.shape[2] % 8 == 0 and (out_up is None or out.shape[1] % WGRAD_BLOCKS[0] == 0)
-                 and _takes(*parts))
+                 and _takes(p, q, out, out_up))
 
 
 def fp8_rows(backend: str, a_q, w_q, out_dtype) -> str:

@@ -26,6 +26,17 @@ def _tile_hits(topk_idx_ptr, t, L, e, K: tl.constexpr, BLOCK_L: tl.constexpr, E_
 
 
 @triton.jit
+def _place(hits, pid, e, E, tile_base_ptr, counts_ptr):
+    """Each hit's row in expert-major order (experts' segments from their counts, tokens ascending inside): the
+    segment's start, plus the tile's first place in it (tile_base, the column scan), plus the hits above it in the
+    tile (an exclusive scan down each expert column)."""
+    emask = e < E
+    counts = tl.load(counts_ptr + e, mask=emask, other=0)
+    base = tl.cumsum(counts, axis=0) - counts + tl.load(tile_base_ptr + pid * E + e, mask=emask, other=0)
+    return base[None, :] + tl.cumsum(hits, axis=0) - hits
+
+
+@triton.jit
 def routing_tile_count_kernel(topk_idx_ptr, tile_counts_ptr, L, E,
                                K: tl.constexpr, BLOCK_L: tl.constexpr, E_PAD: tl.constexpr):
     pid = tl.program_id(0)
@@ -62,14 +73,11 @@ def routing_place_kernel(topk_idx_ptr, tile_base_ptr, expert_counts_ptr, expert_
     e = tl.arange(0, E_PAD)
     emask = e < E
     hits = _tile_hits(topk_idx_ptr, t, L, e, K, BLOCK_L, E_PAD)
-    counts = tl.load(expert_counts_ptr + e, mask=emask, other=0)
-    offsets = tl.cumsum(counts, axis=0) - counts  # exclusive: where each expert's segment starts
     if pid == 0:
-        tl.store(expert_offsets_ptr + e, offsets, mask=emask)
+        counts = tl.load(expert_counts_ptr + e, mask=emask, other=0)
+        tl.store(expert_offsets_ptr + e, tl.cumsum(counts, axis=0) - counts, mask=emask)
         tl.store(expert_offsets_ptr + E, tl.sum(counts, axis=0))
-    # first slot of this tile inside each expert's segment: expert start + tokens of earlier tiles
-    base = offsets + tl.load(tile_base_ptr + pid * E + e, mask=emask, other=0)
-    pos = base[None, :] + tl.cumsum(hits, axis=0) - hits  # exclusive scan down each expert column
+    pos = _place(hits, pid, e, E, tile_base_ptr, expert_counts_ptr)
     tmask = t < L
     for k in tl.static_range(K):
         ek = tl.load(topk_idx_ptr + t * K + k, mask=tmask, other=0).to(tl.int32)
@@ -91,15 +99,6 @@ def _kept_tile(kept_ptr, t, L, e, E):
     """(BLOCK_L, E_PAD) int32: 1 where token t keeps expert e."""
     mask = (t < L)[:, None] & (e < E)[None, :]
     return tl.load(kept_ptr + t.to(tl.int64)[:, None] * E + e[None, :], mask=mask, other=0).to(tl.int32)
-
-
-@triton.jit
-def _place(hits, pid, e, E, tile_base_ptr, counts_ptr):
-    """Each hit's row in expert-major order (experts' segments from their counts, tokens ascending inside)."""
-    emask = e < E
-    counts = tl.load(counts_ptr + e, mask=emask, other=0)
-    base = tl.cumsum(counts, axis=0) - counts + tl.load(tile_base_ptr + pid * E + e, mask=emask, other=0)
-    return base[None, :] + tl.cumsum(hits, axis=0) - hits
 
 
 @triton.jit

@@ -187,7 +187,7 @@ def weight_grad_kernel(dense_desc, src_ptr, stride_src, token_ptr, c_desc, c_ptr
                        C_PARTS: gl.constexpr):
     """dW[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for every expert: 8 MMA warps that store their own tiles, and a
     loader of a whole warpgroup (TMA for the dense side, cp.async for the gathered one; which is which, the
-    dense side's box tells). C_PARTS: dW's rows in two tensors (_wgrad_mma_store)."""
+    dense side's box tells). C_PARTS: dW's rows in two tensors (_wgrad_mma_store_parts)."""
     dtype: gl.constexpr = dense_desc.dtype
     p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], dtype))
