@@ -63,3 +63,13 @@ def poison_alloc(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))
     monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: fill(real_new_empty(self, *a, **k)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_rank_outlives_the_session():
+    """The gloo ranks of helpers.run_ranks are stopped when this test process's session ends: an xdist worker exits
+    without multiprocessing's exit handler, which would otherwise stop them, so they would outlive pytest."""
+    yield
+    from helpers import close_pools
+
+    close_pools()

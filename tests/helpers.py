@@ -14,6 +14,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def assert_within_torch_error(got: torch.Tensor, torch_same: torch.Tensor, exact: torch.Tensor, factor: float = 2):
+    """got's relative error against the exact (fp64) result is at most `factor` times the error of the same
+    computation in torch at got's precision (torch_same), plus two of that precision's machine epsilons, the
+    closest two valid orders of the same sums are sure to agree (flash-attention's rule). The reference's error is
+    measured here, on this machine, so the bound moves with its rounding and never with a constant fit to one CPU."""
+    assert torch.isfinite(got).all()
+    bound = factor * rel_err(torch_same, exact) + 2 * torch.finfo(got.dtype).eps
+    assert rel_err(got, exact) <= bound, (rel_err(got, exact), rel_err(torch_same, exact))
+
+
 def random_routing(L: int, E: int, K: int, skew: str = "uniform", gen=None) -> torch.Tensor:
     """(L, K) int32 distinct expert ids per token. skew: "uniform", "one" (every token's first choice
     is expert 0), or "empty" (experts E//2.. never chosen when K <= E//2)."""
@@ -118,6 +128,12 @@ def _close(world: int) -> None:
     for p in procs:
         p.kill()
         p.join()
+
+
+def close_pools() -> None:
+    """Stop every pool's ranks (conftest calls this at the end of each test process's session)."""
+    for world in list(_POOLS):
+        _close(world)
 
 
 def run_ranks(body, world: int, *args, timeout_s: float = 600) -> None:

@@ -27,7 +27,7 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export LIGER_FUSED_MOE_AUTOTUNE=${LIGER_FUSED_MOE_AUTOTUNE:-0}
-export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}  # SonicMoE compiles its GEMM configs in this many processes (its default: 8)
+export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-8}  # SonicMoE compiles its GEMM configs in this many processes: 8, its default (16 never finished a cold compile on an H100)
 [ -f .peers/activate.sh ] && source .peers/activate.sh
 # TRITON_TARBALL: a triton packed by tools/pack_triton.sh, used instead of the machine's own
 if [ -n "${TRITON_TARBALL:-}" ]; then

@@ -8,9 +8,7 @@ from moeblaze import ExpertsConfig, RoundingConfig, SharedConfig
 from moeblaze import MoELayer
 from moeblaze.reference import apply_activation
 
-from helpers import rel_err
-
-TOL = 2e-5
+from helpers import assert_within_torch_error, rel_err
 
 
 def _dense_shared(x, shared):
@@ -29,24 +27,26 @@ def test_shared_experts_match_a_dense_computation(poison_alloc, impl, checkpoint
     with torch.no_grad():
         if gated:
             layer.shared.gate.normal_()
-    ref = MoELayer(16, 32, 4, 2, experts=ExpertsConfig(backend="reference"), shared=shared).double()
-    ref.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+    refs = [MoELayer(16, 32, 4, 2, experts=ExpertsConfig(backend="reference"), shared=shared).to(dtype)
+            for dtype in (torch.float32, torch.float64)]  # torch at the layer's precision, and the exact result
+    for ref in refs:
+        ref.load_state_dict({k: v.to(ref.shared.w1.dtype) for k, v in layer.state_dict().items()})
     x = torch.randn(2, 5, 16)
-    xs = [x.clone().requires_grad_(), x.double().requires_grad_()]
-    got, want = layer(xs[0]), ref(xs[1])
-    r = ref.router(xs[1].reshape(-1, 16))
-    routed = ref.experts(xs[1].reshape(-1, 16), r.topk_idx, r.topk_weights)
-    hand = routed + _dense_shared(xs[1].reshape(-1, 16), ref.shared)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_(), x.double().requires_grad_()]
+    got, same, want = layer(xs[0]), refs[0](xs[1]), refs[1](xs[2])
+    r = refs[1].router(xs[2].reshape(-1, 16))
+    routed = refs[1].experts(xs[2].reshape(-1, 16), r.topk_idx, r.topk_weights)
+    hand = routed + _dense_shared(xs[2].reshape(-1, 16), refs[1].shared)
     assert rel_err(want.out.reshape(-1, 16), hand) < 1e-12  # the fp64 layer is the hand computation
-    assert rel_err(got.out, want.out) < TOL
+    assert_within_torch_error(got.out, same.out, want.out)
     dy = torch.randn(x.shape)
-    got.out.backward(dy)
-    want.out.backward(dy.double())
-    assert rel_err(xs[0].grad, xs[1].grad) < TOL
-    params = dict(ref.named_parameters())
+    for y, t in zip((got, same, want), (torch.float32, torch.float32, torch.float64)):
+        y.out.backward(dy.to(t))
+    assert_within_torch_error(xs[0].grad, xs[1].grad, xs[2].grad)
+    params = [dict(m.named_parameters()) for m in refs]
     for name, p in layer.named_parameters():
         assert p.grad is not None, name
-        assert rel_err(p.grad, params[name].grad) < TOL, name
+        assert_within_torch_error(p.grad, params[0][name].grad, params[1][name].grad)
 
 
 def test_shared_experts_stay_out_of_routing():

@@ -325,14 +325,16 @@ def test_rounded_layer_backward_where_the_row_bound_passes_the_table(poison_allo
     """Small batches whose rounded row bound (L·K plus each expert's largest rise) exceeds the table's L ·
     rounding_max_experts slots (rounding_max_experts = K): the kernels' backward placed the router weights by slot
     into an array of the table's size and raised IndexError. The layer's output and every gradient against the
-    reference on the same rounded index."""
+    reference on the same rounded index. The router does not renormalize: a renormalized top-1 weight is p / p = 1,
+    whose gradient is zero in exact arithmetic, so the router's gradient would be the aux loss's beside rounding
+    noise of terms that cancel, a relative error of that noise and no measure of either path."""
     import warnings
 
-    from moeblaze import ExpertsConfig, MoELayer, RoundingConfig
+    from moeblaze import ExpertsConfig, MoELayer, RoundingConfig, RouterConfig
 
     def run(backend, dtype=torch.float32):
         torch.manual_seed(3)
-        layer = MoELayer(16, 8, E, K, experts=ExpertsConfig(backend=backend),
+        layer = MoELayer(16, 8, E, K, experts=ExpertsConfig(backend=backend), router=RouterConfig(renormalize=False),
                          rounding=RoundingConfig(rule, tile=tile, max_experts=K)).to(dtype)
         x = torch.randn(L, 16).to(dtype).requires_grad_()
         with warnings.catch_warnings():
@@ -341,15 +343,12 @@ def test_rounded_layer_backward_where_the_row_bound_passes_the_table(poison_allo
         (out.square().sum() + aux).backward()
         return [out, x.grad] + [p.grad for p in layer.parameters()]
 
-    from helpers import rel_err
+    from helpers import assert_within_torch_error
 
-    # against fp64, within twice the fp32 reference's own error (the router's gradient sums cancel: ~1e-4 at the
-    # first case on both paths), as the GPU tests bound bf16 against fp32
     got, ref, want = run("triton"), run("reference"), run("reference", torch.float64)
     assert bool(want[0].abs().sum() > 0) == (L > 1)  # pairs kept, except at L = 1, where rounding drops every pair
     for g, r, w in zip(got, ref, want):
-        assert torch.isfinite(g).all()
-        assert rel_err(g, w) <= 2 * rel_err(r, w) + 1e-6, (rel_err(g, w), rel_err(r, w))
+        assert_within_torch_error(g, r, w)
 
 
 @pytest.mark.parametrize("L,rule,tile,says", [(12, "up", 16, "every pair is dropped"),
