@@ -69,8 +69,8 @@ def problem(rank: int, world: int, L: int, case: str, device):
 def recipe_config(recipe: str, backend: str) -> ExpertsConfig:
     """A checkpoint policy, or "fp8-" and one (precision="fp8")."""
     fp8 = recipe.startswith("fp8-")
-    return ExpertsConfig(checkpoint=recipe.removeprefix("fp8-"), precision="fp8" if fp8 else "native",
-                         fp8_min_rows=0, backend=backend)  # e4m3 at the check's small shapes too
+    fp8_fields = dict(precision="fp8", fp8_min_rows=0) if fp8 else {}  # e4m3 at the check's small shapes too
+    return ExpertsConfig(checkpoint=recipe.removeprefix("fp8-"), backend=backend, **fp8_fields)
 
 
 def uneven(rank: int, world: int, L: int, device) -> None:

@@ -34,6 +34,10 @@ CASES = [
     ("MoELayer(0, 32, 4, 2)", ValueError),
     ("MoELayer(16, 32, 4.0, 2)", TypeError),
     ("MoELayer(16, 32, 4, 2, rounding=RoundingConfig(max_experts=1))", ValueError),  # below top_k
+    ("MoELayer(16, 32, 4, 2, rounding=RoundingConfig(max_experts=10**6))", ValueError),  # above E: bounds nothing
+    ("RouterConfig(expert_bias_rate=0.01)", ValueError),  # the step of a bias that is off
+    ("ExpertsConfig(fp8_min_rows=0)", ValueError),  # read by precision='fp8' only
+    ("MoELayer(16, 32, 4, 2, impl='reference', backend='tl')", ValueError),  # 0.1's form: the reference runs no kernel
     ("RoundingConfig('sr-f')", ValueError),
     ("RoundingConfig(tile=0)", ValueError),
     ("MoELayer(16, 32, 4, 5)", ValueError),
@@ -175,6 +179,13 @@ CASES = [
     ("moeblaze train --cuda-graph --precision fp8 --fp8-weight-cache", SystemExit),
     ("moeblaze train --cuda-graph --compile", SystemExit),
     ("moeblaze train --save ckdir/", SystemExit),
+    ("moeblaze train --save notes.txt --resume", SystemExit),  # not a checkpoint: said before any work
+    ("moeblaze train --save notes.txt", SystemExit),  # a file there already: never replaced unasked
+    ("moeblaze train --resume --overwrite", SystemExit),
+    ("moeblaze train --fp8-min-rows 0", SystemExit),
+    ("moeblaze train --n-layers 1 --dense-layers 1", SystemExit),
+    ("moeblaze train --stpes 10", SystemExit),
+    ("moeblaze profile --impl reference --backend tl", SystemExit),
     ("moeblaze profile --device cuda  # on a CPU", SystemExit),
     ("moeblaze profile --top-k 9", SystemExit),
     ("moeblaze profile --tokens 0", SystemExit),
@@ -292,6 +303,17 @@ def render(tmp: str) -> str:
 def test_bad_input_raises_what_it_should(tmp_path, call, exc):
     got, msg = outcome(call, str(tmp_path))
     assert issubclass(got, exc) and msg, (got, msg)
+
+
+def test_a_numpy_integer_is_an_expert_count(poison_alloc):
+    """numpy's integers pass the int check (numbers.Integral): the index's build takes them as the int they are,
+    on the kernels too, where one once failed deep inside (`bit_length`)."""
+    import numpy as np
+
+    idx = torch.tensor([[0, 1], [2, 3], [1, 0]], dtype=torch.int32)
+    for method in ("dense", "sort"):
+        got, want = build_routing_index(idx, np.int64(4), method), build_routing_index(idx, 4, method)
+        assert all(torch.equal(a, b) for a, b in zip(got.tensors(), want.tensors()))
 
 
 def test_the_doc_table_shows_what_the_cases_raise(tmp_path):

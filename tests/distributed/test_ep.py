@@ -54,8 +54,8 @@ def _problem(world, case):
 def _config(recipe: str, **kw) -> ExpertsConfig:
     """A case's recipe: a checkpoint policy, or "fp8-" and one (precision="fp8")."""
     fp8 = recipe.startswith("fp8-")
-    return ExpertsConfig(checkpoint=recipe.removeprefix("fp8-"), precision="fp8" if fp8 else "native", fp8_min_rows=0,
-                         **kw)
+    fp8_fields = dict(precision="fp8", fp8_min_rows=0) if fp8 else {}
+    return ExpertsConfig(checkpoint=recipe.removeprefix("fp8-"), **fp8_fields, **kw)
 
 
 def _one_process(toks, w1, w2, checkpoint, dropped=None):
@@ -240,8 +240,16 @@ def _misuse(rank, world, errors):
     with pytest.raises(ValueError, match="must be 1-D"):
         ExpertParallel(Experts(16, 16, 2 * world, config=config), mesh2d)
     mesh = init_device_mesh("cpu", (world,))
-    with pytest.raises(ValueError, match="same number of experts; the ranks hold"):  # 4 on one rank, 6 on the other
+    what = r"same experts \(number, d_model, d_expert\), ExpertsConfig and EPConfig; the ranks hold"
+    with pytest.raises(ValueError, match=what):  # 4 on one rank, 6 on the other
         ExpertParallel(Experts(16, 16, 4 + 2 * rank, config=config), mesh)
+    with pytest.raises(ValueError, match=what):  # a recipe that differs: different arithmetic, said before it runs
+        ExpertParallel(Experts(16, 16, 4, config=config.replace(checkpoint=("preact", "recompute")[rank])), mesh)
+    with pytest.raises(ValueError, match=what):  # a dispatch that differs: different collectives
+        ExpertParallel(Experts(16, 16, 4, config=config), mesh,
+                       ep_config=EPConfig(("exact", "capacity")[rank]))
+    with pytest.raises(TypeError, match="tracker must be a moeblaze CapacityTracker"):
+        ExpertParallel(Experts(16, 16, 4, config=config), mesh, ep_config=EPConfig("capacity"), tracker=16)
     # 7 experts split 4 + 3: w1_local of different sizes
     E_loc = 4 - rank
     torch.manual_seed(rank)

@@ -58,8 +58,8 @@ def test_the_experts_kernels_pass_the_sanitizer(activation, checkpoint, precisio
     E, K = 4, 2
     idx, ins, b1, b2, dy = _problem(24, 128 if precision == "fp8" else 16, 128 if precision == "fp8" else 8, E, K,
                                     activation, seed=len(activation) + len(checkpoint), dropped=dropped, bias=bias)
-    cfg = ExpertsConfig(activation=activation, checkpoint=checkpoint, precision=precision, fp8_min_rows=0,
-                        chunk_tokens=chunk, backend="triton")
+    cfg = ExpertsConfig(activation=activation, checkpoint=checkpoint, precision=precision, chunk_tokens=chunk,
+                        backend="triton", **({"fp8_min_rows": 0} if precision == "fp8" else {}))
     leaves = [t.clone().requires_grad_() for t in ins]
     launch_counts.clear()
     with interpreter_overflow_checks():

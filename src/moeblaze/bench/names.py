@@ -14,6 +14,8 @@ CONFIGS = {
     "D": (32768, 2048, 768, 128, 8),
     "E": (32768, 4096, 1024, 64, 4),
 }
+# what `moeblaze bench` on the CPU measures by default: small enough for Triton's interpreter
+CPU_CONFIG = ("cpu", (128, 32, 64, 4, 2))
 IMPLS = ("moeblaze", "moeblaze-tl", "moeblaze-gluon", "moeblaze-fp8", "moeblaze-e4m3", "moeblaze-e4m3-cached",
          "reference", "torch_gmm", "sonicmoe", "liger")
 HF_BACKENDS = ("eager", "grouped_mm", "batched_mm", "sonicmoe", "moeblaze-preact", "moeblaze-recompute")

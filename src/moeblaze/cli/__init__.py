@@ -52,11 +52,26 @@ def _flags(command: str):
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="moeblaze", description="Memory-efficient Mixture-of-Experts training")
-    sub = p.add_subparsers(dest="command")
+    p = Parser(prog="moeblaze", description="Memory-efficient Mixture-of-Experts training. `moeblaze COMMAND "
+               "--help` lists a command's flags.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, text in COMMANDS.items():
         _flags(name).add_arguments(sub.add_parser(name, help=text, formatter_class=HelpFormatter))
     return p
+
+
+def _subparser(p: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    return next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
+
+
+def _unrecognized(sub: argparse.ArgumentParser, extra: list[str]) -> str:
+    """argparse's message for flags a command lacks, with the nearest flag it has for each."""
+    import difflib
+
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    hints = [f"{e} -> did you mean {m[0]}?" for e in extra if e.startswith("-")
+             for m in [difflib.get_close_matches(e.split("=")[0], flags, n=1)] if m]
+    return f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else "")
 
 
 def _busy_cores(wait_s: float = 0.25) -> float:
@@ -88,14 +103,34 @@ def wait_passively_when_busy() -> None:
         os.environ["OMP_WAIT_POLICY"] = "passive"
 
 
+def interpret_on_the_cpu(args) -> None:
+    """TRITON_INTERPRET=1 for a bench or profile run on the CPU, so that it shows the kernels (under Triton's
+    interpreter) rather than the reference alone: set before triton loads (it reads it once), where nothing set it."""
+    if "TRITON_INTERPRET" in os.environ or "triton" in sys.modules or args.device == "cuda":
+        return
+    if args.device is None:
+        import torch  # loads no triton
+
+        if torch.cuda.is_available():
+            return
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
 def main(argv=None) -> int:
     p = parser()
-    args = p.parse_args(argv)
-    if args.command is None:
-        args = p.parse_args(["train"] + list(argv if argv is not None else sys.argv[1:]))
+    args, extra = p.parse_known_args(argv)
+    if args.command is None:  # a bare `moeblaze`: what it can do, and nothing started
+        if extra:
+            p.error(f"unrecognized arguments: {' '.join(extra)}; a command comes first: {', '.join(COMMANDS)}")
+        p.print_help()
+        return 0
+    if extra:  # said by the command that lacks them, with the nearest flag it has
+        _subparser(p, args.command).error(_unrecognized(_subparser(p, args.command), extra))
     try:
         _flags(args.command).check_flags(args)  # before torch loads; run checks them again with the machine's
         wait_passively_when_busy()
+        if args.command in ("bench", "profile"):
+            interpret_on_the_cpu(args)
         importlib.import_module(f"{__name__}.{args.command}").run(args)
     except UsageError as e:
         print(f"moeblaze {args.command}: error: {e}", file=sys.stderr)

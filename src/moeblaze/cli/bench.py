@@ -17,7 +17,7 @@ import torch
 
 from ..bench.harness import (IMPLS, available_impls, make_problem, prepare, reference_grads, time_dispatch,
                              time_interleaved)
-from ..bench.names import CONFIGS
+from ..bench.names import CONFIGS, CPU_CONFIG
 from ..experts import launch_counts
 from . import UsageError, check_device
 from .bench_flags import check_flags
@@ -170,8 +170,10 @@ def _impl_policies(args, scale=False):
 
 
 def _configs(args):
-    default = "" if args.scale or args.dispatch or args.config else ",".join(CONFIGS)
-    names = args.configs if args.configs is not None else default
+    given = args.scale or args.dispatch or args.config
+    if args.device == "cpu" and args.configs is None and not given:
+        return [CPU_CONFIG]
+    names = args.configs if args.configs is not None else ("" if given else ",".join(CONFIGS))
     cfgs = [(n, CONFIGS[n]) for n in names.split(",") if n]
     cfgs += [(c, tuple(int(v) for v in c.split(","))) for c in args.config]
     return cfgs
@@ -184,6 +186,9 @@ def check_args(args) -> None:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     check_device(args.device)
+    cpu = args.device == "cpu"
+    args.warmup = (0 if cpu else 3) if args.warmup is None else args.warmup
+    args.iters = (1 if cpu else 10) if args.iters is None else args.iters
     try:  # the results folder, probed now: a path that fails only when the first row is written loses the run
         probe_writable(os.path.join(args.out, "results.probe"), "results file")
     except CheckpointError as e:
@@ -193,12 +198,14 @@ def check_args(args) -> None:
 
 
 def _cpu_note(args) -> str:
-    """What runs where the kernels can't: said once, so that a CPU run's rows are not mistaken for the kernels'."""
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return ("moeblaze bench: on the CPU without TRITON_INTERPRET=1 moeblaze's kernels can't run, so only the "
-                "reference and torch rows do; the kernels run on a CUDA GPU (or, slowly, with TRITON_INTERPRET=1 set "
-                "before the command)")
-    return ""
+    """What runs on the CPU: said once, so that a CPU run's times are not mistaken for the kernels' speed."""
+    if args.device != "cpu":
+        return ""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return ("moeblaze bench: on the CPU without Triton's interpreter moeblaze's kernels can't run, so only the "
+                "reference and torch rows do")
+    return ("moeblaze bench: on the CPU moeblaze's kernels run under Triton's interpreter: what each keeps for "
+            "backward is theirs, the times are the interpreter's (the kernels' speed needs a CUDA GPU)")
 
 
 def run(args):

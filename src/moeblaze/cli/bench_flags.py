@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..bench.names import CONFIGS, HF_BACKENDS, IMPLS
+from ..bench.names import CONFIGS, CPU_CONFIG, HF_BACKENDS, IMPLS
 from ..configs import ACTIVATIONS, CHECKPOINTS
 from . import UsageError
 
@@ -17,7 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=None,
                    help="comma list of named configs (L,d,h,E,K): "
                         + "; ".join(f"{k} {','.join(map(str, v))}" for k, v in CONFIGS.items())
-                        + ". Default all five unless --config, --scale or --dispatch is given")
+                        + ". Default all five on a GPU, unless --config, --scale or --dispatch is given; on the CPU "
+                        + f"{CPU_CONFIG[0]} {','.join(map(str, CPU_CONFIG[1]))}, a shape the interpreter runs in "
+                        "seconds")
     p.add_argument("--config", action="append", default=[], metavar="L,d,h,E,K", help="extra config (repeatable)")
     p.add_argument("--impls", default=None,
                    help=f"comma list from {','.join(IMPLS)} (default: all available but the moeblaze-<backend> ones, "
@@ -34,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default bfloat16 on cuda, float32 on cpu")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="where to run (default: cuda where a GPU is available, else cpu)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
-    p.add_argument("--iters", type=int, default=10, help="timed calls per round")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 3; 0 on the CPU)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per round (default 10; 1 on the CPU)")
     p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference errors")
     p.add_argument("--stall-s", type=float, default=300,
                    help="print every thread's stack (to stderr) when one implementation's compile and checks "
@@ -98,5 +100,5 @@ def check_flags(args) -> None:
         if name and name not in IMPLS:
             raise UsageError(f"--impls: unknown implementation {name!r}; one of {','.join(IMPLS)}")
     for flag in ("warmup", "iters", "min_tokens", "max_tokens"):
-        if getattr(args, flag) < (0 if flag == "warmup" else 1):
+        if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "warmup" else 1):
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")

@@ -95,6 +95,16 @@ def save_checkpoint(path: str, state: dict) -> None:
         os.close(fd)
 
 
+def check_header(path: str) -> None:
+    """CheckpointError unless the file at `path` starts as a checkpoint does (its first line only: a cheap check
+    before any work; load_checkpoint verifies the whole file)."""
+    with open(path, "rb") as f:
+        header = f.readline(len(MAGIC) + 80)
+    if not header.startswith(MAGIC):
+        raise CheckpointError(f"{path} is not a moeblaze checkpoint (no 'moeblaze-checkpoint 1' header): "
+                              "written by another program, or its first bytes are damaged")
+
+
 def load_checkpoint(path: str, map_location=None) -> dict:
     """The state saved at `path`, after its checksum is verified (CheckpointError otherwise)."""
     with open(path, "rb") as f:

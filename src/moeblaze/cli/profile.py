@@ -7,7 +7,6 @@ The same input then goes through the conventional pipeline (torch_gmm) for compa
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -17,9 +16,10 @@ from ..bench.harness import kernel_times
 from ..bench.memory import SavedTensorCounter
 from ..bench.stages import compiled_resources, stage_times
 from ..experts import moe_experts
-from ..configs import ExpertsConfig, fold_impl
+from ..configs import ExpertsConfig
+from ..env import INTERPRET
 from . import UsageError, check_device
-from .profile_flags import check_flags
+from .profile_flags import backend_of, check_flags
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import build_routing_index
 
@@ -98,23 +98,24 @@ def _print(title: str, r: dict, top: int = 12) -> None:
 
 def check_args(args) -> ExpertsConfig:
     """The experts' recipe of the flags, after every flag is checked (UsageError naming it), before any work: the
-    flags' own checks (profile_flags.check_flags), then the device; fills --device and --impl; on the CPU, says
-    which path runs."""
+    flags' own checks (profile_flags.check_flags), then the device; fills --device; on the CPU, says which path
+    runs (`moeblaze profile` on the CPU runs the kernels under Triton's interpreter: cli.main sets it)."""
     check_flags(args)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     check_device(args.device)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if args.impl is None:
-        args.impl = "triton" if args.device == "cuda" or interpret else "reference"
-    if args.device == "cpu" and args.impl == "triton" and not interpret:
-        raise UsageError("--impl triton on the CPU needs TRITON_INTERPRET=1 set before the command starts")
-    if args.device == "cpu" and args.impl == "reference":
-        print("moeblaze profile: the PyTorch reference runs here (the CPU); the kernels run on a CUDA GPU, or under "
-              "Triton's interpreter with TRITON_INTERPRET=1 set before the command", flush=True)
+    backend = backend_of(args)
+    if args.device == "cpu" and backend != "reference":
+        if not INTERPRET:
+            raise UsageError(f"--backend {backend} on the CPU runs the kernels under Triton's interpreter: set "
+                             "TRITON_INTERPRET=1 before the command starts")
+        backend = "triton" if backend == "auto" else backend  # auto alone would take the reference off CUDA
+    if args.device == "cpu":
+        path = "the PyTorch reference runs" if backend == "reference" else "the kernels run under Triton's interpreter"
+        print(f"moeblaze profile: on the CPU {path} (the kernels' own speed needs a CUDA GPU)", flush=True)
     try:
-        return ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy,
-                             backend=fold_impl(args.impl, args.backend), precision=args.precision)
+        return ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy, backend=backend,
+                             precision=args.precision)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
 
@@ -144,9 +145,10 @@ def run(args) -> dict:
         model.zero_grad(set_to_none=True)
         results["moeblaze"] = profile_step(model, loss_fn, [idx], device)
         _print(f"MoEModel ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters), {idx.numel()} tokens, "
-               f"{dtype}, {device}, experts impl={args.impl}, checkpoint={args.checkpoint_policy}", results["moeblaze"])
+               f"{dtype}, {device}, experts backend={experts.backend}, checkpoint={args.checkpoint_policy}",
+               results["moeblaze"])
         return results
-    layer = MoELayer(d, h, args.num_experts, args.top_k, experts=experts.replace(precision="native"))
+    layer = MoELayer(d, h, args.num_experts, args.top_k, experts=experts.native())
     layer = layer.to(device, dtype)
     x = torch.randn(L, d, device=device, dtype=dtype, requires_grad=True)
     with torch.no_grad():
@@ -164,14 +166,16 @@ def run(args) -> dict:
     head = f"L={L} d={d} h={h} E={args.num_experts} K={args.top_k} {args.activation} {dtype} on {device}"
     profile_step(None, ours, [x, routing_w, dy], device)  # warm-up (kernel compilation)
     results["moeblaze"] = profile_step(layer, ours, [x, routing_w, dy], device)
-    _print(f"moeblaze experts (impl={args.impl}, checkpoint={args.checkpoint_policy}, precision={args.precision}), "
+    _print(f"moeblaze experts (backend={experts.backend}, checkpoint={args.checkpoint_policy}, "
+           f"precision={args.precision}), "
            f"{head}", results["moeblaze"])
     if args.kernels and cuda:
         _drop_grads(layer, x, routing_w)  # else the table would hold the adds into the earlier steps' .grad
         _print_kernels("moeblaze", kernel_times(lambda: ours().backward()))
-        if args.impl == "triton" and args.precision == "native":  # the stage table times the bf16 launches
+        if experts.kernels and args.precision == "native":  # the stage table times the bf16 launches
+            launch = experts.backend if experts.backend in ("tl", "gluon") else "auto"
             _print_stages(stage_times(L, d, h, args.num_experts, args.top_k, args.activation, dtype=dtype,
-                                                      device=device, backend=args.backend))
+                                      device=device, backend=launch))
             _print_resources(compiled_resources())
     if not args.no_compare:
         try:
@@ -183,8 +187,12 @@ def run(args) -> dict:
             if args.kernels and cuda:
                 _drop_grads(layer, x, routing_w)
                 _print_kernels("conventional", kernel_times(lambda: conventional().backward()))
-            ratio = results["torch_gmm"]["saved_bytes"] / max(results["moeblaze"]["saved_bytes"], 1)
-            print(f"\nmoeblaze saves {ratio:.1f}x fewer bytes for backward than the conventional pipeline")
+            if experts.kernels:
+                ratio = results["torch_gmm"]["saved_bytes"] / max(results["moeblaze"]["saved_bytes"], 1)
+                print(f"\nmoeblaze keeps {ratio:.1f}x fewer bytes for backward than the conventional pipeline")
+            else:
+                print("\nthe PyTorch reference keeps what a conventional pipeline keeps: the kernels' saving shows "
+                      "with --backend auto")
         except RuntimeError as e:
             print(f"\nconventional pipeline unavailable here: {str(e).splitlines()[0]}")
     return results

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..configs import ACTIVATIONS, CHECKPOINTS, LAUNCH_BACKENDS, PRECISIONS, ExpertsConfig, check_layer, fold_impl
+from ..configs import ACTIVATIONS, BACKENDS, CHECKPOINTS, PRECISIONS, ExpertsConfig, check_layer, fold_impl
 from . import UsageError
 
 
@@ -24,8 +24,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation", default="swiglu", choices=ACTIVATIONS, help="the experts' activation")
     p.add_argument("--checkpoint-policy", default="preact", choices=CHECKPOINTS,
                    help="what the experts keep for backward")
-    p.add_argument("--impl", default=None, choices=("triton", "reference"),
-                   help="default triton where it runs (CUDA, or the CPU with TRITON_INTERPRET=1), else reference")
     p.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="where to run (default: cuda where a GPU is available, else cpu)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
@@ -34,8 +32,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", action="store_true", help="also list GPU time per kernel (torch.profiler)")
     p.add_argument("--precision", default="native", choices=PRECISIONS,
                    help="fp8: the experts' data GEMMs on e4m3 (the kernel table then shows the fp8 step)")
-    p.add_argument("--backend", default="auto", choices=LAUNCH_BACKENDS,
-                   help="the Triton kernels' backend: auto (Gluon on Hopper, tl elsewhere), tl or gluon")
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="auto: the kernels (Gluon on Hopper, tl elsewhere; on the CPU under Triton's interpreter); "
+                        "reference: the PyTorch reference; triton, tl or gluon: those kernels")
+    p.add_argument("--impl", default=None, choices=("auto", "triton", "reference"),
+                   help="deprecated: --backend (impl triton is --backend triton, reference --backend reference)")
+
+
+def backend_of(args) -> str:
+    """ExpertsConfig.backend of --backend (and the deprecated --impl folded into it)."""
+    return fold_impl(args.impl, args.backend) if args.impl is not None else args.backend
 
 
 def check_flags(args) -> None:
@@ -47,7 +53,7 @@ def check_flags(args) -> None:
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {v}")
     try:
         check_layer(args.num_experts, args.top_k)
-        ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy,
-                      backend=fold_impl(args.impl or "triton", args.backend), precision=args.precision)
+        ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy, backend=backend_of(args),
+                      precision=args.precision)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None

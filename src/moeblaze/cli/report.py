@@ -98,6 +98,74 @@ def plot_run(rows: list[dict], out_dir: str, name: str | None = None) -> list[st
     return paths
 
 
+# the headline's series: (implementation, policy) as the rows name them, and the label each gets
+HEADLINE = ((("torch_gmm", "-"), "torch grouped_mm"), (("sonicmoe", "-"), "SonicMoE"),
+            (("moeblaze", "preact"), "moeblaze bf16"), (("moeblaze-fp8", "preact"), 'moeblaze precision="fp8"'),
+            (("moeblaze", "recompute"), "moeblaze recompute"))
+
+
+def headline_run(rows: list[dict]) -> list[dict]:
+    """The layer rows of the newest run that measured every headline series at every config it measured."""
+    want = {key for key, _ in HEADLINE}
+    runs = defaultdict(list)
+    for r in rows:
+        if r.get("mode") == "layer" and r.get("gpu") != "cpu" and r.get("status") == "ok":
+            runs[r["run_id"]].append(r)
+    whole = [rs for rs in runs.values()
+             if all(want <= {(r["impl"], r["policy"]) for r in rs if _cfg(r) == c} for c in {_cfg(r) for r in rs})]
+    return max(whole, key=lambda rs: rs[0]["date"]) if whole else []
+
+
+def plot_headline(rows: list[dict], path: str) -> str | None:
+    """The front page's chart from one run (headline_run): per config, each headline series' step time and peak
+    memory (kept for backward drawn solid inside it) as multiples of SonicMoE's in the same run, SonicMoE's own
+    under the axis; the title names the GPU, the date and the commit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..bench.names import CONFIGS
+
+    run = headline_run(rows)
+    if not run:
+        return None
+    cfgs = sorted({_cfg(r) for r in run}, key=_cfg_order)
+    names = {",".join(map(str, v)): k for k, v in CONFIGS.items()}
+
+    def row(c, key):
+        return next(r for r in run if _cfg(r) == c and (r["impl"], r["policy"]) == key)
+
+    sonic = {c: row(c, ("sonicmoe", "-")) for c in cfgs}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.8 / len(HEADLINE)
+    for i, (key, label) in enumerate(HEADLINE):
+        got = [row(c, key) for c in cfgs]
+        xs = [j + i * width for j in range(len(cfgs))]
+        axes[0].bar(xs, [r["step_ms"] / sonic[c]["step_ms"] for r, c in zip(got, cfgs)], width, label=label,
+                    color=f"C{i}")
+        axes[1].bar(xs, [r["peak_mb"] / sonic[c]["peak_mb"] for r, c in zip(got, cfgs)], width, color=f"C{i}",
+                    alpha=0.45)
+        axes[1].bar(xs, [r["kept_mb"] / sonic[c]["peak_mb"] for r, c in zip(got, cfgs)], width, color=f"C{i}")
+    for ax, title, key, unit in ((axes[0], "training step (forward + backward) / SonicMoE's: lower is faster",
+                                  "step_ms", "ms"),
+                                 (axes[1], "peak memory of the step / SonicMoE's (solid: kept for backward)",
+                                  "peak_mb", "MB")):
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cfgs))],
+                      [f"{names.get(c, c)}: L={int(c.split(',')[0]) // 1024}k, E={c.split(',')[3]}\n"
+                       f"SonicMoE {sonic[c][key]:.{1 if unit == 'ms' else 0}f} {unit}" for c in cfgs], fontsize=8)
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=8, loc="upper left")
+    r0 = run[0]
+    fig.suptitle(f"one SwiGLU MoE layer, {r0['dtype']}, {r0['gpu']}, {r0['date'][:10]}, commit {r0['git_sha']} "
+                 f"(run {r0['run_id']}; configs in docs/results.md)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def latest_rows(rows: list[dict], mode: str) -> list[dict]:
     """GPU rows of `mode`: per config (layer, dispatch) all rows of one run, so ratios are only taken
     inside one run: the newest run that measured moeblaze beside SonicMoE (the bar), else the one that
@@ -228,6 +296,8 @@ def update_report(report: str, results_dir: str) -> None:
     """Rewrite the generated part of a results page (between its markers), and the charts it shows, from the
     results folder."""
     rows = load_rows(results_dir)
+    if headline := plot_headline(rows, os.path.join(results_dir, "headline.png")):
+        print(f"plot: {headline}")
     for gpu in sorted({r["gpu"] for r in rows if r.get("gpu") != "cpu"}):
         mine = [r for r in rows if r["gpu"] == gpu]
         for mode in ("layer", "scale"):

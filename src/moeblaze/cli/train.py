@@ -151,7 +151,7 @@ def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
         try:
             ck = load_checkpoint(args.save, map_location=device)
         except CheckpointError as e:
-            raise SystemExit(f"--resume: {e}") from None
+            raise UsageError(f"--resume: {e}") from None
         _check_single_file(ck)
         _same_config(ck["config"], cfg)
         _check_shapes(ck["model"], model.state_dict())
@@ -167,7 +167,7 @@ def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
     try:  # the config first, alone: a checkpoint of another shape is refused by name before any tensor is read
         folder = load_newest_sharded(args.save, {"train": state["train"]}, rank)
     except CheckpointError as e:
-        raise SystemExit(f"--resume: {e}") from None
+        raise UsageError(f"--resume: {e}") from None
     if folder != args.save.rstrip("/" + os.sep):
         if rank == 0:
             print(f"--resume: reading {folder} (left by a save that was stopped before it finished)")
@@ -175,7 +175,7 @@ def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
         _same_config(json.loads(state["train"]["config"]), cfg)
         load_sharded(folder, state, rank)
     except CheckpointError as e:
-        raise SystemExit(f"--resume: {e}") from None
+        raise UsageError(f"--resume: {e}") from None
     _load_or_refuse("state", lambda: set_state_dict(model, opt, model_state_dict=state["model"],
                                                     optim_state_dict=state["optimizer"]))
     gen.set_state(state["train"]["generator"].cpu())
@@ -337,15 +337,30 @@ def _set_up(args, cfg, train, val, ranks) -> _Run:
                     "train")
     layout = "" if ranks is None else f", {run.world} processes (efsdp {run.world // ranks.ep} x ep {ranks.ep}" + (
         f", {args.ep_dispatch} dispatch)" if ranks.ep > 1 else ")")
-    run.say(f"moeblaze train: {n_params / 1e6:.2f}M parameters, {cfg.n_layers} MoE blocks x {cfg.num_experts} "
-            f"experts (top-{cfg.top_k}, {cfg.activation}), corpus {len(train) + len(val):,} bytes, device "
-            f"{device.type}{layout}"
+    run.say(f"moeblaze train: {n_params / 1e6:.2f}M parameters, {cfg.n_layers - cfg.dense_layers} MoE blocks x "
+            f"{cfg.num_experts} experts (top-{cfg.top_k}, {cfg.activation})"
+            + (f" after {cfg.dense_layers} dense block(s)" if cfg.dense_layers else "")
+            + f", corpus {len(train) + len(val):,} bytes, device {device.type}{layout}"
             + (f", {torch.get_num_threads()} CPU thread(s)"
                + (f" (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})" if "OMP_WAIT_POLICY" in os.environ else "")
                + f", experts on {_experts_path(cfg)}"
                if device.type == "cpu" else ""))
+    if note := _precision_note(args, cfg):
+        run.say(note)
     run.say(f"unigram entropy of the corpus: {run.entropy:.3f} nats/byte (a model that ignores context)")
     return run
+
+
+def _precision_note(args, cfg) -> str:
+    """One line where --precision fp8 runs native precision (ExpertsConfig.at_call's rule on a training batch)."""
+    experts = cfg.experts
+    tokens = args.batch_size * args.seq_len
+    if not experts.fp8 or experts.at_call(tokens, cfg.top_k, cfg.num_experts).fp8:
+        return ""
+    rows = min(tokens, experts.chunk_tokens or tokens) * cfg.top_k / cfg.num_experts
+    return (f"--precision fp8 runs native precision here: the experts average {rows:.0f} rows per call, fewer than "
+            f"--fp8-min-rows {experts.fp8_min_rows} (where e4m3 would cost more than it saves; --fp8-min-rows 0 "
+            "runs e4m3 at any size)")
 
 
 def _validate(run: _Run, val, graphed, log) -> float:

@@ -20,7 +20,7 @@ from .presets import EXTRAS, PRESETS, SHAPE
 ON_OVERFLOW = ("rerun", *OVERFLOW)  # --on-overflow: EPConfig's, or rerun the step with a larger capacity
 
 
-def add_experts_arguments(p: argparse.ArgumentParser) -> None:
+def add_experts_arguments(p) -> None:
     """The experts' recipe (moeblaze.ExpertsConfig) as flags; experts_config maps them back."""
     d = ExpertsConfig()
     p.add_argument("--activation", default=d.activation, choices=ACTIVATIONS,
@@ -58,62 +58,69 @@ def experts_config(args: argparse.Namespace) -> ExpertsConfig:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = PRESETS["small"]
-    p.add_argument("--preset", default="small", choices=tuple(PRESETS),
+    m = p.add_argument_group("model")
+    m.add_argument("--preset", default="small", choices=tuple(PRESETS),
                    help="model shape (default small); the shape flags below override it")
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (per process under torchrun)")
-    p.add_argument("--seq-len", type=int, default=None, help=f"default {d['seq_len']} (small)")
-    p.add_argument("--d-model", type=int, default=None, help=f"default {d['d_model']} (small)")
-    p.add_argument("--n-layers", type=int, default=None, help=f"default {d['n_layers']} (small)")
-    p.add_argument("--n-heads", type=int, default=None, help=f"default {d['n_heads']} (small)")
-    p.add_argument("--num-experts", type=int, default=None, help=f"default {d['num_experts']} (small)")
-    p.add_argument("--top-k", type=int, default=None, help=f"default {d['top_k']} (small)")
-    p.add_argument("--d-expert", type=int, default=None, help=f"default {d['d_expert']} (small)")
-    add_experts_arguments(p)
-    p.add_argument("--shared-experts", type=int, default=None, help="always-on experts per MoE layer (default 0)")
-    p.add_argument("--d-shared", type=int, default=None, help="their width (default: --d-expert)")
-    p.add_argument("--shared-gate", action="store_const", const=True, default=None,
+    m.add_argument("--seq-len", type=int, default=None, help=f"default {d['seq_len']} (small)")
+    m.add_argument("--d-model", type=int, default=None, help=f"default {d['d_model']} (small)")
+    m.add_argument("--n-layers", type=int, default=None, help=f"default {d['n_layers']} (small)")
+    m.add_argument("--n-heads", type=int, default=None, help=f"default {d['n_heads']} (small)")
+    m.add_argument("--num-experts", type=int, default=None, help=f"default {d['num_experts']} (small)")
+    m.add_argument("--top-k", type=int, default=None, help=f"default {d['top_k']} (small)")
+    m.add_argument("--d-expert", type=int, default=None, help=f"default {d['d_expert']} (small)")
+    m.add_argument("--shared-experts", type=int, default=None, help="always-on experts per MoE layer (default 0)")
+    m.add_argument("--d-shared", type=int, default=None, help="their width (default: --d-expert)")
+    m.add_argument("--shared-gate", action="store_const", const=True, default=None,
                    help="scale the shared experts' output by a learned sigmoid gate of x")
-    p.add_argument("--dense-layers", type=int, default=None, help="dense feed-forward in the first N blocks")
-    p.add_argument("--token-rounding", default=None, choices=RULES, metavar="{" + ",".join(RULES) + "}",
-                   help="SonicMoE's token rounding while training: every expert's tokens a multiple of the tile; "
-                        "evaluation routes plain top-k (default: off)")
-    p.add_argument("--rounding-tile", type=int, default=None, help="its tile (default: the kernels' row tile, 128)")
-    p.add_argument("--router", default=None, choices=tuple(ROUTERS),
+    m.add_argument("--dense-layers", type=int, default=None,
+                   help="dense feed-forward in the first N blocks (fewer than --n-layers)")
+    m.add_argument("--router", default=None, choices=tuple(ROUTERS),
                    help="a model family's routing (score function, scale, biases, groups, balancing loss; default: "
                         "softmax top-k, renormalized, switch loss); deepseek-v3's expert bias is updated after every "
                         "optimizer step")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--aux-loss-coef", type=float, default=1e-2, help="weight of the router's balancing loss")
-    p.add_argument("--z-loss-coef", type=float, default=1e-3, help="weight of the router's z-loss")
-    p.add_argument("--eval-every", type=int, default=250, help="evaluate on held-out text every N steps")
-    p.add_argument("--eval-batches", type=int, default=8, help="batches per evaluation")
-    p.add_argument("--save", default=None, help="checkpoint path ('' to disable; default checkpoints/moeblaze.pt, "
-                   "or the folder checkpoints/moeblaze-sharded under torchrun)")
-    p.add_argument("--save-every", type=int, default=250, help="write the checkpoint every N steps (and at the end)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the checkpoint at --save (without one, say so and start from step 0)")
-    p.add_argument("--device", default=None, choices=("cpu", "cuda"),
+    m.add_argument("--token-rounding", default=None, choices=RULES, metavar="{" + ",".join(RULES) + "}",
+                   help="SonicMoE's token rounding while training: every expert's tokens a multiple of the tile; "
+                        "evaluation routes plain top-k (default: off)")
+    m.add_argument("--rounding-tile", type=int, default=None, help="its tile (default: the kernels' row tile, 128)")
+    add_experts_arguments(p.add_argument_group("experts (moeblaze.ExpertsConfig)"))
+    t = p.add_argument_group("training")
+    t.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
+    t.add_argument("--batch-size", type=int, default=16, help="sequences per step (per process under torchrun)")
+    t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    t.add_argument("--aux-loss-coef", type=float, default=1e-2, help="weight of the router's balancing loss")
+    t.add_argument("--z-loss-coef", type=float, default=1e-3, help="weight of the router's z-loss")
+    t.add_argument("--eval-every", type=int, default=250, help="evaluate on held-out text every N steps")
+    t.add_argument("--eval-batches", type=int, default=8, help="batches per evaluation")
+    t.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="where to train (default: cuda where a GPU is available, else cpu)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+    t.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="compute dtype; bfloat16 runs under CUDA autocast (and FSDP2 keeps bf16 parameters with "
                         "fp32 gradient reductions under torchrun)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
-    p.add_argument("--threads", type=int, default=None,
+    t.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batches")
+    t.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch on --device cpu (default 2, or 1 on one core, unless OMP_NUM_THREADS "
                         "is set; where other processes keep the cores busy, the threads wait passively: docs/cli.md)")
-    p.add_argument("--compile", action="store_true", help="torch.compile each block (GPU; under torchrun before "
+    t.add_argument("--compile", action="store_true", help="torch.compile each block (GPU; under torchrun before "
                    "FSDP2 wraps it): fewer launches and less host time per step")
-    p.add_argument("--cuda-graph", action="store_true",
+    t.add_argument("--cuda-graph", action="store_true",
                    help="(GPU) capture the training step (forward, backward, clipping; FSDP2's collectives too) in a "
                         "CUDA graph at the second step and replay it after: one launch a step plus the optimizer's, "
                         "for a model whose step is paced by the host. Every step has the same shapes; no host sync "
                         "may run inside it: --ep > 1 needs --ep-dispatch capacity with --on-overflow drop or error")
-    p.add_argument("--loss-log", default="", help="write every step's training loss (the global mean under torchrun), "
+    t.add_argument("--loss-log", default="", help="write every step's training loss (the global mean under torchrun), "
                    "the gradient norm before clipping and each MoE layer's max/mean expert load over the step's "
                    "pairs (all ranks', after token rounding; with rounding, also the pairs each layer computed per "
                    "top-k pair; under --on-overflow drop, the rows dropped), then every validation loss, to this file "
                    "as JSON lines at the end of the run")
+    c = p.add_argument_group("checkpoint")
+    c.add_argument("--save", default=None, help="checkpoint path ('' to disable; default checkpoints/moeblaze.pt, "
+                   "or the folder checkpoints/moeblaze-sharded under torchrun); a run never replaces one that is "
+                   "there unless --resume or --overwrite says so")
+    c.add_argument("--save-every", type=int, default=250, help="write the checkpoint every N steps (and at the end)")
+    c.add_argument("--resume", action="store_true",
+                   help="continue from the checkpoint at --save (without one, say so and start from step 0)")
+    c.add_argument("--overwrite", action="store_true",
+                   help="start a new run where --save holds a checkpoint already, replacing it at the first save")
     _add_parallel_arguments(p)
     _add_bench_arguments(p)
 
@@ -240,5 +247,7 @@ def _check_combinations(args) -> None:
     check_choice("--fsdp-units", args.fsdp_units, UNITS)
     if args.resume and args.save == "":
         raise ValueError("--resume needs a checkpoint path (--save)")
+    if args.resume and args.overwrite:
+        raise ValueError("--resume continues the checkpoint at --save, --overwrite replaces it: choose one")
     if args.bench_steps and args.resume:
         raise ValueError("--bench-steps times fresh steps: it does not --resume")

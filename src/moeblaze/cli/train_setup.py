@@ -15,7 +15,8 @@ from ..distributed.ep import check_options
 from ..experts.dispatch import choose
 from ..nn import ModelConfig
 from . import UsageError, check_device, parallel
-from .checkpoint import CheckpointError, probe_writable, probe_writable_folder, sharded_checkpoint_path
+from .checkpoint import (CheckpointError, check_header, probe_writable, probe_writable_folder,
+                         sharded_checkpoint_path)
 from .graph_step import check_graphable
 from .train_flags import check_flags
 
@@ -86,6 +87,7 @@ def _probe_outputs(args, dist_run: bool) -> None:
     """UsageError unless every file the run will write can be written: the checkpoint, the loss log, the trace,
     the results file (a path that fails only when first written loses the run's work)."""
     if args.save and not args.bench_steps:
+        _check_existing(args, dist_run)
         try:
             (probe_writable_folder if sharded_save(args.save, dist_run) else probe_writable)(args.save)
         except CheckpointError as e:
@@ -99,6 +101,21 @@ def _probe_outputs(args, dist_run: bool) -> None:
                 probe_writable(path, what)
             except CheckpointError as e:
                 raise UsageError(f"{flag}: {e}") from None
+
+
+def _check_existing(args, dist_run: bool) -> None:
+    """A new run never replaces a checkpoint unasked (UsageError unless --resume or --overwrite says what to do with
+    the one at --save); --resume's file must start as a checkpoint does, found before any work."""
+    sharded = sharded_checkpoint_path(args.save)
+    there = sharded is not None or os.path.isfile(args.save)
+    if there and not (args.resume or getattr(args, "overwrite", False)):
+        raise UsageError(f"--save: {args.save} holds a checkpoint already: --resume continues it, --overwrite "
+                         "replaces it, --save PATH writes another")
+    if args.resume and os.path.isfile(args.save) and not dist_run and sharded is None:
+        try:
+            check_header(args.save)
+        except CheckpointError as e:
+            raise UsageError(f"--resume: {e}") from None
 
 
 def sharded_save(save: str, dist_run: bool) -> bool:

@@ -42,6 +42,7 @@ LAUNCH_BACKENDS = ("auto", "tl", "gluon")  # what one kernel launch runs on (exp
 BACKENDS = ("auto", "reference", "triton", *LAUNCH_BACKENDS[1:])  # ExpertsConfig.backend (experts.dispatch.choose)
 PRECISIONS = ("native", "fp8")
 INDEX_METHODS = ("auto", "dense", "sort")
+FP8_MIN_ROWS = 2048  # ExpertsConfig.fp8_min_rows's default (docs/performance.md has the crossover it comes from)
 
 @dataclass(frozen=True)
 class ExpertsConfig:
@@ -65,7 +66,7 @@ class ExpertsConfig:
     backend: str = "auto"
     precision: str = "native"
     fp8_weight_cache: bool = False
-    fp8_min_rows: int = 2048
+    fp8_min_rows: int = FP8_MIN_ROWS
     chunk_tokens: int | None = None
     index_method: str = "auto"
 
@@ -78,12 +79,19 @@ class ExpertsConfig:
         if self.fp8_weight_cache and self.precision != "fp8":
             raise ValueError(f"fp8_weight_cache=True needs precision='fp8'; precision is {self.precision!r}")
         check_int("fp8_min_rows", self.fp8_min_rows, minimum=0)
+        if self.fp8_min_rows != FP8_MIN_ROWS and self.precision != "fp8":
+            raise ValueError(f"fp8_min_rows={self.fp8_min_rows} applies to precision='fp8', which would read it; "
+                             f"precision is {self.precision!r}")
         if self.chunk_tokens is not None:
             check_int("chunk_tokens", self.chunk_tokens)
         check_choice("index_method", self.index_method, INDEX_METHODS)
 
     def replace(self, **changes) -> ExpertsConfig:
         return dataclasses.replace(self, **changes)
+
+    def native(self) -> ExpertsConfig:
+        """This recipe in native precision (the fp8 fields back at their defaults)."""
+        return _native(self)
 
     @property
     def fp8(self) -> bool:
@@ -111,7 +119,7 @@ DEFAULT = ExpertsConfig()  # every surface's default recipe: passing it is the s
 @functools.cache
 def _native(config: ExpertsConfig) -> ExpertsConfig:
     """config in native precision (made once per config: at_call runs on every call)."""
-    return config.replace(precision="native", fp8_weight_cache=False)
+    return config.replace(precision="native", fp8_weight_cache=False, fp8_min_rows=FP8_MIN_ROWS)
 
 # The keyword arguments of 0.1's call forms, and the ExpertsConfig field each maps to (impl folds into backend).
 LEGACY = ("activation", "checkpoint", "impl", "backend", "precision", "fp8_weight_cache", "fp8_wgrad",
@@ -123,6 +131,8 @@ def fold_impl(impl: str, backend: str) -> str:
     check_choice("impl", impl, ("auto", "triton", "reference"))
     check_choice("backend", backend, LAUNCH_BACKENDS if impl != "auto" else BACKENDS)
     if impl == "reference":
+        if backend != "auto":
+            raise ValueError(f"impl='reference' runs no kernel: backend={backend!r} would not be read")
         return "reference"
     return "triton" if (impl, backend) == ("triton", "auto") else backend
 

@@ -52,6 +52,9 @@ class RouterConfig:
             check_bool(name, getattr(self, name))
         object.__setattr__(self, "route_scale", check_positive("route_scale", self.route_scale))
         object.__setattr__(self, "expert_bias_rate", check_positive("expert_bias_rate", self.expert_bias_rate))
+        if self.expert_bias_rate != 1e-3 and not self.expert_bias:
+            raise ValueError(f"expert_bias_rate={self.expert_bias_rate} is the step of expert_bias, which is off: set "
+                             "expert_bias=True, or leave the rate")
         check_int("num_groups", self.num_groups)
         check_int("topk_groups", self.topk_groups)
         if self.topk_groups > self.num_groups:
@@ -197,6 +200,9 @@ def check_layer(num_experts: int, top_k: int, router: RouterConfig | None = None
             raise ValueError(f"top_k ({top_k}) must be <= topk_groups x experts per group ({g} x {num_experts // G})")
     if rounding is not None and rounding.max_experts is not None and rounding.max_experts < top_k:
         raise ValueError(f"rounding's max_experts must be >= top_k ({top_k}), got {rounding.max_experts}")
+    if rounding is not None and rounding.max_experts is not None and rounding.max_experts > num_experts:
+        raise ValueError(f"rounding's max_experts must be <= num_experts ({num_experts}): above it bounds nothing, "
+                         f"got {rounding.max_experts}")
 
 
 def check_heads(d_model: int, n_heads: int) -> None:

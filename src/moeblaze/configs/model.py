@@ -60,8 +60,9 @@ class ModelConfig:
             check_int(name, getattr(self, name))
         check_int("dense_layers", self.dense_layers, minimum=0)
         check_heads(self.d_model, self.n_heads)
-        if self.dense_layers > self.n_layers:
-            raise ValueError(f"dense_layers must be <= n_layers ({self.n_layers}), got {self.dense_layers}")
+        if self.dense_layers >= self.n_layers:
+            raise ValueError(f"dense_layers must be < n_layers ({self.n_layers}): with {self.dense_layers} every block "
+                             "is dense and the model has no MoE layer")
         for name, kind in (("experts", ExpertsConfig), ("router", RouterConfig), ("shared", SharedConfig),
                            ("rounding", RoundingConfig)):
             if isinstance(getattr(self, name), dict):  # as to_dict writes it (a checkpoint's config)

@@ -46,6 +46,8 @@ class ExpertParallel(nn.Module):
             raise TypeError(f"ExpertParallel wraps a routed moeblaze.nn.Experts module, got {type(experts).__name__}")
         check_options(experts.config)
         ep_config = ep_from_legacy("ExpertParallel", ep_config, legacy)
+        if tracker is not None and not isinstance(tracker, CapacityTracker):
+            raise TypeError(f"tracker must be a moeblaze CapacityTracker or None, got {type(tracker).__name__}")
         if tracker is not None and ep_config.dispatch != "capacity":
             raise ValueError("a CapacityTracker sizes capacity dispatch: it needs ep_config=EPConfig(dispatch="
                              "'capacity')")
@@ -57,7 +59,10 @@ class ExpertParallel(nn.Module):
                              "expert-parallel dimension, e.g. mesh['ep']")
         ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
         E = experts.num_experts
-        check_same_on_ranks(E, "number of experts", ep_mesh.get_group())  # before any collective of the forward
+        # before any collective of the forward: ranks that disagree on the shape or the recipe would run different
+        # collectives (a hang or an abort) or different arithmetic (silently)
+        check_same_on_ranks((E, experts.d_model, experts.d_expert, repr(experts.config), repr(ep_config)),
+                            "experts (number, d_model, d_expert), ExpertsConfig and EPConfig", ep_mesh.get_group())
         if E % ep:
             raise ValueError(f"{E} experts do not split over ep = {ep} ranks")
         self.config, self.d_model, self.d_expert, self.num_experts = (experts.config, experts.d_model,

@@ -122,7 +122,7 @@ class SharedExperts(Experts):
         check_int("shared_experts", count)
         check_int("d_shared", d_hidden)
         # native precision and the dense index: the routed experts' fp8 recipe is theirs alone
-        config = config.replace(index_method="dense", precision="native", fp8_weight_cache=False)
+        config = config.native().replace(index_method="dense")
         super().__init__(d_model, d_hidden, count, config=config, device=device, dtype=dtype)
         self.gate = nn.Parameter(torch.zeros(1, d_model, device=device, dtype=dtype)) if gated else None
 

@@ -24,11 +24,12 @@ def fail_if(bad: torch.Tensor, message: str, error: type[Exception] = ValueError
         torch._assert_async(~bad, message)
 
 
-def check_num_experts(num_experts) -> None:
+def check_num_experts(num_experts) -> int:
     if not isinstance(num_experts, (numbers.Integral, torch.SymInt)) or isinstance(num_experts, bool):
         raise TypeError(f"num_experts must be an int, got {num_experts!r} ({type(num_experts).__name__})")
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    return num_experts if isinstance(num_experts, (int, torch.SymInt)) else int(num_experts)
 
 
 def check_topk_idx(topk_idx_LK: torch.Tensor, num_experts: int, check_values: bool = True) -> None:

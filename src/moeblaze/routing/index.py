@@ -192,8 +192,8 @@ def build_routing_index(topk_idx_LK: torch.Tensor, num_experts: int, method: str
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    num_experts = check_num_experts(num_experts)  # a numpy integer as the int the kernels take
     if sentinels:
-        check_num_experts(num_experts)
         check_topk_idx(topk_idx_LK, num_experts + topk_idx_LK.shape[-1], check_values=False)
         K = topk_idx_LK.shape[1]
         sink = torch.arange(num_experts, num_experts + K, dtype=topk_idx_LK.dtype, device=topk_idx_LK.device)
