@@ -215,11 +215,12 @@ def _runs(rows: list[dict]) -> str:
     return "; ".join(f"run {k} (commit {r['git_sha']}, {r['date'][:16]}): `{r['command']}`" for k, r in runs.items())
 
 
-def _layer_line(name: str, r: dict, baseline_ms: float | None) -> str:
-    """One table line of a layer row; its ratio column is baseline_ms / its step time."""
+def _layer_line(name: str, r: dict, baseline_ms: float | None, gmm_ms: float | None = None) -> str:
+    """One table line of a layer row; its ratio columns are baseline_ms (and gmm_ms) / its step time."""
     if r["status"] != "ok":
-        return f"| {name} | {_label(r)} | {r['status'][:60]} |  |  |  |  |  |  |  |  |"
+        return f"| {name} | {_label(r)} | {r['status'][:60]} |  |  |  |  |  |  |  |  |  |"
     vs = f"{baseline_ms / r['step_ms']:.2f}" if baseline_ms else "-"
+    vs += f" | {gmm_ms / r['step_ms']:.2f}" if gmm_ms else " | -"
     err = f"{max(r['rel_err'].values()):.1e}" if r.get("rel_err") else "-"
     host = f"{r['host_ms']:.2f}" if r.get("host_ms") is not None else "-"  # rows before host_ms have none
     busy = f"{r['gpu_busy_ms']:.2f}" if r.get("gpu_busy_ms") is not None else "-"  # runs with --gpu-busy only
@@ -230,6 +231,9 @@ def _layer_line(name: str, r: dict, baseline_ms: float | None) -> str:
 def results_markdown(rows: list[dict]) -> str:
     out = []
     layer = latest_rows(rows, "layer")
+    if layer:  # the GPU of the newest layer run: one GPU's rows in one table
+        gpu = max(layer, key=lambda r: r["date"])["gpu"]
+        layer = [r for r in layer if r["gpu"] == gpu]
     if layer:
         r0 = layer[0]
         out += [f"One MoE layer, forward+backward, {r0['activation']} {r0['dtype']}, {r0['gpu']}, torch {r0['torch']}, "
@@ -239,12 +243,12 @@ def results_markdown(rows: list[dict]) -> str:
                 "synchronization); `GPU busy ms`: the step's kernel times summed (runs with `--gpu-busy`; where the "
                 "host paces the step, this compares the kernels alone); `kept MB`: allocated after forward minus the "
                 "output (what the layer keeps for backward); "
-                "`peak MB`: peak over forward+backward above the pre-forward baseline; `vs sonic`: SonicMoE step time "
-                "/ this one (>1 is faster than SonicMoE); `err`: largest relative error of the output and the "
-                "gradients against the fp32 reference.", "",
-                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | GPU busy ms | vs sonic | TF/s "
-                "| kept MB | peak MB | err |",
-                "|---|---|---|---|---|---|---|---|---|---|---|"]
+                "`peak MB`: peak over forward+backward above the pre-forward baseline; `vs sonic`, `vs gmm`: "
+                "SonicMoE's and torch_gmm's step time / this one (>1 is faster); `err`: largest relative error of the "
+                "output and the gradients against the fp32 reference (runs without `--no-ref`).", "",
+                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | GPU busy ms | vs sonic | vs gmm "
+                "| TF/s | kept MB | peak MB | err |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for cfg in sorted(dict.fromkeys(_cfg(r) for r in layer), key=_cfg_order):
             # a run may measure a config more than once: the k-th row of each implementation is repeat k,
             # and each row is compared with SonicMoE's row of the same repeat
@@ -253,17 +257,18 @@ def results_markdown(rows: list[dict]) -> str:
                 repeats.append((seen[_label(r)], r))
                 seen[_label(r)] += 1
             sonic = {k: r["step_ms"] for k, r in repeats if r["impl"] == "sonicmoe" and r["status"] == "ok"}
+            gmm = {k: r["step_ms"] for k, r in repeats if r["impl"] == "torch_gmm" and r["status"] == "ok"}
             for k, r in repeats:
                 name = f"{cfg} (repeat {k + 1})" if max(seen.values()) > 1 else cfg
-                out.append(_layer_line(name, r, sonic.get(k)))
+                out.append(_layer_line(name, r, sonic.get(k), gmm.get(k)))
     others = _elsewhere(rows, layer)
     if others:
         out += ["", "Implementations the runs above did not measure, each from the newest run that did, beside "
-                "`torch_gmm` of that same run (`vs torch_gmm`: its step time / this one): "
+                "`torch_gmm` of that same run (`vs gmm`: its step time / this one): "
                 f"{_runs([r for r, _ in others])}.", "",
-                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | GPU busy ms | vs torch_gmm "
-                "| TF/s | kept MB | peak MB | err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        out += [_layer_line(_cfg(r), r, base["step_ms"] if base else None) for r, base in others]
+                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | GPU busy ms | vs sonic | vs gmm "
+                "| TF/s | kept MB | peak MB | err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        out += [_layer_line(_cfg(r), r, None, base["step_ms"] if base else None) for r, base in others]
     disp = latest_rows(rows, "dispatch")
     if disp:
         r0 = disp[0]
@@ -300,7 +305,7 @@ def update_report(report: str, results_dir: str) -> None:
         print(f"plot: {headline}")
     for gpu in sorted({r["gpu"] for r in rows if r.get("gpu") != "cpu"}):
         mine = [r for r in rows if r["gpu"] == gpu]
-        for mode in ("layer", "scale"):
+        for mode in ("scale",):  # the layer rows' chart is the headline's
             sel = latest_rows(mine, mode)
             if sel:
                 path = plot_run(sel, results_dir, name=f"{slug(gpu)}-{mode}")[0]

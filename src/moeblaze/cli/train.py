@@ -38,7 +38,7 @@ from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, save_ch
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
 from .graph_step import GraphedStep
 from .train_flags import ep_config
-from .train_setup import check_args, sharded_save
+from .train_setup import check_args, precision_note, sharded_save
 
 __all__ = ["run"]
 
@@ -345,22 +345,10 @@ def _set_up(args, cfg, train, val, ranks) -> _Run:
                + (f" (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})" if "OMP_WAIT_POLICY" in os.environ else "")
                + f", experts on {_experts_path(cfg)}"
                if device.type == "cpu" else ""))
-    if note := _precision_note(args, cfg):
+    if note := precision_note(args, cfg):
         run.say(note)
     run.say(f"unigram entropy of the corpus: {run.entropy:.3f} nats/byte (a model that ignores context)")
     return run
-
-
-def _precision_note(args, cfg) -> str:
-    """One line where --precision fp8 runs native precision (ExpertsConfig.at_call's rule on a training batch)."""
-    experts = cfg.experts
-    tokens = args.batch_size * args.seq_len
-    if not experts.fp8 or experts.at_call(tokens, cfg.top_k, cfg.num_experts).fp8:
-        return ""
-    rows = min(tokens, experts.chunk_tokens or tokens) * cfg.top_k / cfg.num_experts
-    return (f"--precision fp8 runs native precision here: the experts average {rows:.0f} rows per call, fewer than "
-            f"--fp8-min-rows {experts.fp8_min_rows} (where e4m3 would cost more than it saves; --fp8-min-rows 0 "
-            "runs e4m3 at any size)")
 
 
 def _validate(run: _Run, val, graphed, log) -> float:

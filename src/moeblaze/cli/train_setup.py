@@ -122,3 +122,15 @@ def sharded_save(save: str, dist_run: bool) -> bool:
     """Whether the checkpoint at `save` is (to be) a sharded folder: always under torchrun, and in one process
     where `save` already is one (a run on several GPUs continued, or evaluated, on one)."""
     return dist_run or sharded_checkpoint_path(save) is not None
+
+
+def precision_note(args, cfg) -> str:
+    """One line where --precision fp8 runs native precision (ExpertsConfig.at_call's rule on a training batch)."""
+    experts = cfg.experts
+    tokens = args.batch_size * args.seq_len
+    if not experts.fp8 or experts.at_call(tokens, cfg.top_k, cfg.num_experts).fp8:
+        return ""
+    rows = min(tokens, experts.chunk_tokens or tokens) * cfg.top_k / cfg.num_experts
+    return (f"--precision fp8 runs native precision here: the experts average {rows:.0f} rows per call, fewer than "
+            f"--fp8-min-rows {experts.fp8_min_rows} (where e4m3 would cost more than it saves; --fp8-min-rows 0 "
+            "runs e4m3 at any size)")
