@@ -99,10 +99,10 @@ CASES = [
     ("moe_experts(x.bfloat16(), routing, w, w1.bfloat16(), w2.bfloat16(), config=ExpertsConfig(backend='triton'))",
      TypeError),
     ("ExpertsConfig(fp8_weight_cache=True)", ValueError),
-    ("MoELayer(16, 32, 4, 2, router='deepseek')", ValueError),
+    ("MoELayer(16, 32, 4, 2, router='deepseek')", TypeError),
     ("MoELayer(16, 32, 4, 2, router=['sigmoid_topk'])", TypeError),
-    ("MoELayer(16, 32, 8, 2, scoring='softmax_topk', router='deepseek-v3')", ValueError),  # 0.2's form
-    ("MoELayer(16, 32, 4, 2, shared_gate=True)", ValueError),  # 0.2's form
+    ("MoELayer(16, 32, 8, 2, scoring='softmax_topk', router='deepseek-v3')", TypeError),  # a name is no config
+    ("MoELayer(16, 32, 4, 2, shared_gate=True)", TypeError),  # SharedConfig(gated=True) holds it
     ("MoELayer(16, 32, 4, 2, shared=SharedConfig(gated='no'))", TypeError),
     ("MoELayer(16, 32, 4, 2, shared=SharedConfig(), shared_experts=2)", TypeError),  # both forms
     ("MoELayer(16, 32, 4, 2, rounding='up')", TypeError),
@@ -143,7 +143,8 @@ CASES = [
     ("converter(ep_dispatch='deepep')", ValueError),
     ("ExpertParallel(layer.experts, None)", TypeError),
     ("ExpertParallel(layer.experts, None, ep_config='capacity')", TypeError),
-    ("ExpertParallel(layer.experts, None, capacity_factor=float('inf'))", ValueError),  # 0.2's form
+    ("ExpertParallel(layer.experts, None, ep_config=EPConfig('capacity', capacity_factor=float('inf')))", ValueError),
+    ("ExpertParallel(layer.experts, None, ep_config=EPConfig('capacity'), tracker=16)", TypeError),
     ("EPConfig('alltoall')", ValueError),
     ("EPConfig('capacity', capacity_factor=float('inf'))", ValueError),
     ("EPConfig('capacity', capacity='64')", TypeError),
@@ -151,7 +152,7 @@ CASES = [
     ("EPConfig('capacity', on_overflow='ignore')", ValueError),
     ("EPConfig(capacity_factor=2.0)", ValueError),  # exact dispatch reads no capacity option
     ("ep_experts(x, idx, w, w1, w2, config=ExpertsConfig(chunk_tokens=4))", ValueError),
-    ("ep_experts(x, idx, w, w1, w2, dispatch='alltoall')", ValueError),  # 0.2's form
+    ("ep_experts(x, idx, w, w1, w2, dispatch='alltoall')", TypeError),  # keyword options: EPConfig holds them
     ("load_checkpoint(damaged)", ValueError),
     ("moeblaze train --steps -5", SystemExit),
     ("moeblaze train --batch-size 0", SystemExit),

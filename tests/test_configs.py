@@ -8,10 +8,9 @@ import sys
 import warnings
 
 import pytest
-import torch
 
 from moeblaze import EPConfig, ExpertsConfig, ModelConfig, MoELayer, RoundingConfig, RouterConfig, SharedConfig
-from moeblaze.configs import ROUTERS, ep_from_legacy
+from moeblaze.configs import ROUTERS
 from moeblaze.experts.schedule import BLOCK_M
 from moeblaze.routing import TopKRouter
 
@@ -64,44 +63,18 @@ def _state(layer):
     return {k: v.clone() for k, v in layer.state_dict().items()}
 
 
-@pytest.mark.parametrize("old,new", [
-    (dict(router="deepseek-v3", shared_experts=1, shared_gate=True),
-     dict(router=RouterConfig.family("deepseek-v3"), shared=SharedConfig(gated=True))),
-    (dict(router={"scoring": "sigmoid_topk"}, renormalize=False, d_shared=24, shared_experts=2),
-     dict(router=RouterConfig(scoring="sigmoid_topk", renormalize=False), shared=SharedConfig(2, d_hidden=24))),
-    (dict(scoring="topk_softmax", token_rounding="up", rounding_tile=16, rounding_max_experts=4),
-     dict(router=RouterConfig(scoring="topk_softmax"), rounding=RoundingConfig("up", tile=16, max_experts=4))),
+@pytest.mark.parametrize("call", [
+    lambda: MoELayer(16, 32, 8, 2, router="deepseek-v3"),
+    lambda: MoELayer(16, 32, 8, 2, shared_experts=1),
+    lambda: MoELayer(16, 32, 8, 2, token_rounding="up"),
+    lambda: TopKRouter(16, 8, 2, scoring="sigmoid_topk"),
+    lambda: ModelConfig(router="olmoe"),
+    lambda: ModelConfig(shared_experts=1),
 ])
-def test_the_old_layer_forms_warn_and_build_the_same_layer(old, new):
-    torch.manual_seed(0)
-    with pytest.warns(DeprecationWarning, match="deprecated and goes in 0.3: pass") as caught:
-        a = MoELayer(16, 32, 8, 2, experts=ExpertsConfig(backend="reference"), **old)
-    said = str(caught[0].message)
-    for name in new:
-        assert f"{name}=" in said, said
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        b = MoELayer(16, 32, 8, 2, experts=ExpertsConfig(backend="reference"), **new)
-    assert (a.router.config, a.rounding, a.shared is None) == (b.router.config, b.rounding, b.shared is None)
-    sa, sb = _state(a), _state(b)
-    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-    x = torch.randn(4, 16, 16)  # sequences of 16 tokens: DeepSeek-V3's sequence loss
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # token rounding on a small batch says what it drops
-        assert torch.equal(a(x).out, b(x).out)
-
-
-def test_the_old_router_and_ep_forms_warn_and_mean_the_same():
-    with pytest.warns(DeprecationWarning, match=r"config=moeblaze.RouterConfig\(scoring='sigmoid_topk'\)"):
-        r = TopKRouter(16, 8, 2, scoring="sigmoid_topk")
-    assert r.config == RouterConfig(scoring="sigmoid_topk")
-    with pytest.warns(DeprecationWarning, match=r"ep_config=moeblaze.EPConfig\(dispatch='capacity', on_overflow="):
-        ep = ep_from_legacy("ep_experts", None, dict(dispatch="capacity", capacity_factor=1.25, on_overflow="drop"))
-    assert ep == EPConfig("capacity", on_overflow="drop")
-    with pytest.warns(DeprecationWarning):  # 0.2's defaults, passed with exact dispatch, are unset
-        old = ep_from_legacy("x", None, dict(dispatch="exact", capacity_factor=1.25, on_overflow="error"))
-    assert old == EPConfig()
+def test_the_unreleased_layer_forms_are_refused(call):
+    """The layer options as names and keyword arguments were never released: only the configs take them."""
+    with pytest.raises(TypeError, match="must be a moeblaze|unexpected keyword"):
+        call()
 
 
 def test_model_config_round_trips_and_reads_the_earlier_forms():
@@ -116,8 +89,6 @@ def test_model_config_round_trips_and_reads_the_earlier_forms():
     unset = dict(num_experts=16, router="default", shared_experts=0, d_shared=0, shared_gate=False,
                  token_rounding="", rounding_tile=0)  # how 0.2 wrote "none"
     assert ModelConfig.from_dict(unset) == ModelConfig(num_experts=16)
-    with pytest.warns(DeprecationWarning, match=r"router=moeblaze.RouterConfig.family\('olmoe'\)"):
-        assert ModelConfig(router="olmoe").router == ROUTERS["olmoe"]
 
 
 def test_fp8_min_rows_decides_each_calls_precision():

@@ -13,13 +13,13 @@ token) is checked by check_layer, once, where a layer or a model config is made.
 
 Memory: none (frozen dataclasses of a few fields).
 """
-# the checks and legacy forms the layers use, beside what a user calls (the list below)
+# the checks and 0.1's keyword forms the layers use, beside what a user calls (the list below)
 from .experts import (ACTIVATIONS, BACKENDS, CHECKPOINTS, DEFAULT, GATED, INDEX_METHODS,  # noqa: F401
                       LAUNCH_BACKENDS, LEGACY, PLAIN, PRECISIONS, ExpertsConfig, fold_impl, from_legacy)
 from .layer import (AUX_LOSSES, DEFAULT_CAPACITY_FACTOR, DISPATCHES, OVERFLOW, ROUTERS, RULES,  # noqa: F401
-                    SCORINGS, UNITS, EPConfig, RoundingConfig, RouterConfig, SharedConfig, check_heads, check_layer)
-from .legacy import LEGACY_LAYER, ep_from_legacy, flat_rounding, flat_shared, layer_from_legacy, shown  # noqa: F401
-from .model import ModelConfig
+                    SCORINGS, UNITS, EPConfig, RoundingConfig, RouterConfig, SharedConfig, check_config, check_heads,
+                    check_layer)
+from .model import ModelConfig, flat_rounding, flat_shared  # noqa: F401
 
 __all__ = ["ACTIVATIONS", "AUX_LOSSES", "BACKENDS", "CHECKPOINTS", "DISPATCHES", "INDEX_METHODS", "OVERFLOW",
            "PRECISIONS", "ROUTERS", "RULES", "SCORINGS", "UNITS", "EPConfig", "ExpertsConfig", "ModelConfig",

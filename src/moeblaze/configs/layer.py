@@ -209,3 +209,10 @@ def check_heads(d_model: int, n_heads: int) -> None:
     """ValueError unless n_heads attention heads split d_model evenly."""
     if d_model % n_heads:
         raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+
+
+def check_config(name: str, value, kind: type):
+    """value, a `kind` config or None (TypeError otherwise: a name, a dict or keyword arguments are not configs)."""
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{name} must be a moeblaze.{kind.__name__} or None, got {type(value).__name__}")
+    return value

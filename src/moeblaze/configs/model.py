@@ -6,12 +6,11 @@ Memory: none.
 from __future__ import annotations
 
 import warnings
-from dataclasses import InitVar, asdict, dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..args import check_int
 from .experts import ExpertsConfig, from_legacy
-from .layer import RoundingConfig, RouterConfig, SharedConfig, check_heads, check_layer
-from .legacy import layer_from_legacy
+from .layer import RoundingConfig, RouterConfig, SharedConfig, check_config, check_heads, check_layer
 
 
 @dataclass(kw_only=True)
@@ -27,8 +26,7 @@ class ModelConfig:
         shared: the shared experts' SharedConfig (None: none).
         rounding: token rounding's RoundingConfig while training (None: plain top-k).
         dense_layers: the first blocks have a dense feed-forward of width top_k · d_expert (DeepSeek-V3).
-        shared_experts, d_shared, shared_gate, token_rounding, rounding_tile: 0.2's flat fields for shared and
-            rounding, with a DeprecationWarning (each config also loads from the dict to_dict writes).
+        (each config also loads from the dict to_dict writes: from_dict)
 
     Returns:
         The config; ValueError or TypeError naming the field for one it refuses.
@@ -47,13 +45,8 @@ class ModelConfig:
     shared: SharedConfig | None = None
     rounding: RoundingConfig | None = None
     dense_layers: int = 0
-    shared_experts: InitVar[int | None] = None  # 0.2's flat fields: deprecated
-    d_shared: InitVar[int | None] = None
-    shared_gate: InitVar[bool | None] = None
-    token_rounding: InitVar[str | None] = None
-    rounding_tile: InitVar[int | None] = None
 
-    def __post_init__(self, shared_experts, d_shared, shared_gate, token_rounding, rounding_tile):
+    def __post_init__(self):
         """Every field checked here, so a bad config fails when it is made, naming the field."""
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k",
                      "d_expert"):
@@ -67,12 +60,11 @@ class ModelConfig:
                            ("rounding", RoundingConfig)):
             if isinstance(getattr(self, name), dict):  # as to_dict writes it (a checkpoint's config)
                 setattr(self, name, kind(**getattr(self, name)))
-        legacy = dict(shared_experts=shared_experts, d_shared=d_shared, shared_gate=shared_gate,
-                      token_rounding=token_rounding, rounding_tile=rounding_tile)
-        self.router, self.shared, self.rounding = layer_from_legacy("ModelConfig", self.router, self.shared,
-                                                                    self.rounding, legacy, stacklevel=4)
         if not isinstance(self.experts, ExpertsConfig):
             raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(self.experts).__name__}")
+        self.router = check_config("router", self.router, RouterConfig) or RouterConfig()
+        check_config("shared", self.shared, SharedConfig)
+        check_config("rounding", self.rounding, RoundingConfig)
         check_layer(self.num_experts, self.top_k, self.router, self.rounding)
 
     @property
@@ -84,12 +76,47 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
-        """The config to_dict wrote, also in earlier forms (0.1's experts options and 0.2's layer options as flat
-        fields, the router by name)."""
+        """The config to_dict wrote, also as checkpoints of earlier versions wrote it (the experts' options, the
+        shared experts' and token rounding's as flat fields, the router by name)."""
         d = dict(d)
         flat = {k: d.pop(k) for k in ("activation", "impl", "checkpoint", "precision", "fp8_weight_cache") if k in d}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            if flat:
+        if flat:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
                 d["experts"] = from_legacy("ModelConfig", None, flat)
-            return cls(**d)
+        shared = {k: d.pop(k) for k in ("shared_experts", "d_shared", "shared_gate") if k in d}
+        if shared and d.get("shared") is None:
+            d["shared"] = flat_shared(shared.get("shared_experts"), shared.get("d_shared"), shared.get("shared_gate"))
+        rounding = {k: d.pop(k) for k in ("token_rounding", "rounding_tile") if k in d}
+        if rounding and d.get("rounding") is None:
+            d["rounding"] = flat_rounding(rounding.get("token_rounding"), rounding.get("rounding_tile"))
+        if isinstance(d.get("router"), str):
+            d["router"] = RouterConfig.family(d["router"])
+        return cls(**d)
+
+
+def flat_shared(shared_experts: int | None, d_shared: int | None, shared_gate: bool | None) -> SharedConfig | None:
+    """The SharedConfig of flat options (an earlier version's checkpoint config, the command line's flags); 0, None or
+    False: unset. ValueError for a width or a gate without shared experts, TypeError for a gate that is no bool."""
+    if shared_gate is not None and not isinstance(shared_gate, bool):
+        raise TypeError(f"shared_gate must be a bool or None, got {shared_gate!r} ({type(shared_gate).__name__})")
+    if not shared_experts:
+        if d_shared or shared_gate:
+            k, v = ("shared_gate", shared_gate) if shared_gate else ("d_shared", d_shared)
+            raise ValueError(f"{k}={v!r} configures shared experts, but shared_experts is {shared_experts or 0}")
+        return None
+    return SharedConfig(shared_experts, d_shared or None, bool(shared_gate))
+
+
+def flat_rounding(token_rounding: str | None, rounding_tile: int | None,
+                  rounding_max_experts: int | None = None) -> RoundingConfig | None:
+    """The RoundingConfig of flat options (an earlier version's checkpoint config, the command line's flags); None or
+    "": unset. ValueError for a tile or a bound without a rule."""
+    if not token_rounding:
+        given = [f"{k}={v!r}" for k, v in (("rounding_tile", rounding_tile),
+                                           ("rounding_max_experts", rounding_max_experts)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)} configures token rounding, but token_rounding is unset")
+        return None
+    return RoundingConfig(token_rounding, rounding_tile or None, rounding_max_experts)
+

@@ -50,7 +50,7 @@ from ..experts.dispatch import choose
 from ..experts.op import (Kept, OpInputs, eager_function, experts_backward, experts_forward, kept_like, op_schema,
                           parse)
 from ..launch import ensure_context
-from ..configs import DEFAULT, EPConfig, ExpertsConfig, ep_from_legacy, from_legacy
+from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config, from_legacy
 from ..routing import RoutingIndex, build_routing_index
 from ..routing.checks import check_expert_inputs, check_topk_weights
 from ..routing.index import in_row_order
@@ -277,7 +277,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
                w1_local: torch.Tensor | tuple[torch.Tensor, torch.Tensor], w2_local: torch.Tensor, *, group=None,
                config: ExpertsConfig = DEFAULT,
                ep_config: EPConfig | None = None, tracker: CapacityTracker | None = None,
-               dropped: torch.Tensor | None = None, **legacy) -> torch.Tensor:
+               dropped: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' combined output (L, D) for this rank's tokens x (L, D), routed to global expert ids topk_idx
     (L, K) with weights (L, K), over the experts sharded across `group` (default: the world): this rank holds
     experts [rank · E_loc, (rank + 1) · E_loc) as w1_local (E_loc, F, D) (or its gate and up rows apart, as for
@@ -289,8 +289,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     or the interpreter on the CPU): backend "auto" is "triton" here, and "reference" is refused. Every rank must
     hold the same number of local experts (checked once per group and count, one collective).
 
-    ep_config: the dispatch (moeblaze.EPConfig; None: exact). 0.2's form, its fields as keyword arguments, works with
-    a DeprecationWarning.
+    ep_config: the dispatch (moeblaze.EPConfig; None: exact).
     dispatch="capacity": C rows per (source, destination) pair, the same on every rank: `capacity`, or
     tracker.capacity, or ⌈capacity_factor · L · K / ep⌉ rounded up to 16 (then every rank must have the same L:
     the ranks check that they agree on C with the counts they exchange, and a disagreement is an error on every
@@ -314,7 +313,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     """
     config = from_legacy("ep_experts", config, {})
     check_options(config)
-    ep_config = ep_from_legacy("ep_experts", ep_config, legacy)
+    ep_config = check_config("ep_config", ep_config, EPConfig) or EPConfig()
     if tracker is not None and ep_config.dispatch != "capacity":
         raise ValueError("a CapacityTracker sizes capacity dispatch: it needs ep_config=EPConfig(dispatch='capacity')")
     ep = dist.get_world_size(group)

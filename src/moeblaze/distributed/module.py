@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..configs import EPConfig, ep_from_legacy
+from ..configs import EPConfig, check_config
 from ..experts import autocast_operands
 from ..nn import Experts, SharedExperts
 from ..nn.moe import describe_experts
@@ -25,9 +25,8 @@ from .plan import CapacityTracker
 class ExpertParallel(nn.Module):
     """`experts`' computation with its experts split over ep_mesh's ranks (this rank keeps its E / ep of them; the
     weights stay DTensors of the global shape). ep_config (a moeblaze.EPConfig; None: exact dispatch) and tracker:
-    as for moeblaze.distributed.ep_experts (0.2's dispatch options as keyword arguments work with a
-    DeprecationWarning). Every rank of the group calls it together; token rounding's prebuilt index is not available
-    here.
+    as for moeblaze.distributed.ep_experts. Every rank of the group calls it together; token rounding's prebuilt
+    index is not available here.
 
     Args:
         experts: the routed moeblaze.nn.Experts module it replaces (its weights are split, each rank keeping its own).
@@ -40,12 +39,12 @@ class ExpertParallel(nn.Module):
     """
 
     def __init__(self, experts: Experts, ep_mesh: DeviceMesh, *, ep_config: EPConfig | None = None,
-                 tracker: CapacityTracker | None = None, **legacy):
+                 tracker: CapacityTracker | None = None):
         super().__init__()
         if not isinstance(experts, Experts) or isinstance(experts, (SharedExperts, ExpertParallel)):
             raise TypeError(f"ExpertParallel wraps a routed moeblaze.nn.Experts module, got {type(experts).__name__}")
         check_options(experts.config)
-        ep_config = ep_from_legacy("ExpertParallel", ep_config, legacy)
+        ep_config = check_config("ep_config", ep_config, EPConfig) or EPConfig()
         if tracker is not None and not isinstance(tracker, CapacityTracker):
             raise TypeError(f"tracker must be a moeblaze CapacityTracker or None, got {type(tracker).__name__}")
         if tracker is not None and ep_config.dispatch != "capacity":

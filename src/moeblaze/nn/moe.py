@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 
 from ..args import check_int
-from ..configs import (DEFAULT, LEGACY_LAYER, ExpertsConfig, RoundingConfig, RouterConfig, SharedConfig, check_layer,
-                       from_legacy, layer_from_legacy)
+from ..configs import (DEFAULT, ExpertsConfig, RoundingConfig, RouterConfig, SharedConfig, check_config, check_layer,
+                       from_legacy)
 from ..experts import autocast_operands, moe_experts
 from ..experts.schedule import BLOCK_M
 from ..reference import up_width
@@ -160,8 +160,8 @@ class MoELayer(nn.Module):
         rounding: a moeblaze.RoundingConfig for token rounding while training (None: plain top-k); its tile and
             max_experts left None become the kernels' row tile and min(E, 4K) (layer.rounding has them).
         device, dtype: of the parameters.
-        (0.2's forms, the router as a name or dict and the other options as keyword arguments, work with a
-        DeprecationWarning that names the new form.)
+        (0.1's form, the experts' options as keyword arguments, works with a DeprecationWarning that names the
+        new form.)
 
     Returns:
         forward(x (..., D)) -> MoEOutput: out of x's shape and dtype, aux_loss and z_loss fp32 scalars.
@@ -174,9 +174,10 @@ class MoELayer(nn.Module):
         super().__init__()
         check_int("d_model", d_model)
         check_int("d_expert", d_expert)
-        layer_legacy = {k: legacy.pop(k) for k in list(legacy) if k in LEGACY_LAYER}
         experts = from_legacy("MoELayer", experts, legacy)
-        router, shared, rounding = layer_from_legacy("MoELayer", router, shared, rounding, layer_legacy)
+        router = check_config("router", router, RouterConfig) or RouterConfig()
+        check_config("shared", shared, SharedConfig)
+        check_config("rounding", rounding, RoundingConfig)
         check_layer(num_experts, top_k, router, rounding)
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
         self.router = TopKRouter(d_model, num_experts, top_k, config=router, device=device)

@@ -35,8 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..args import check_int
-from ..configs import AUX_LOSSES, SCORINGS, RouterConfig, check_layer  # noqa: F401
-from ..configs.legacy import config_from_legacy
+from ..configs import AUX_LOSSES, SCORINGS, RouterConfig, check_config, check_layer  # noqa: F401
 from .index import count_per_expert
 
 
@@ -207,7 +206,7 @@ class TopKRouter(nn.Module):
     Args:
         d_model, num_experts, top_k: the input width, the experts, the experts per token.
         config: the moeblaze.RouterConfig (scoring, renormalization, scale, biases, groups, balancing loss; None:
-            the default). 0.2's form, its fields as keyword arguments, works with a DeprecationWarning.
+            the default).
         aux_group: the process group the "global" loss sums over.
         device, dtype: of the parameters.
 
@@ -217,11 +216,10 @@ class TopKRouter(nn.Module):
     """
 
     def __init__(self, d_model: int, num_experts: int, top_k: int, *, config: RouterConfig | None = None,
-                 aux_group=None, device=None, dtype=None, **legacy):
+                 aux_group=None, device=None, dtype=None):
         super().__init__()
         check_int("d_model", d_model)
-        config = config_from_legacy("TopKRouter", "config", config, RouterConfig, legacy, stacklevel=2)
-        config = config or RouterConfig()
+        config = check_config("config", config, RouterConfig) or RouterConfig()
         check_layer(num_experts, top_k, config)
         self.config, self.num_experts, self.top_k, self.aux_group = config, num_experts, top_k, aux_group
         self.weight = nn.Parameter(torch.empty(num_experts, d_model, device=device, dtype=dtype))
