@@ -176,7 +176,7 @@ class Fp8Gemms:
         r = self.r
         return _rows(plan, act_q, _weight(w2_EDH, r.fp8_weight_cache), dtype, r.backend)
 
-    def dact(self, plan: RowPlan, dy_LD, w2_EDH, preact_RF, preact_scale, topk_w_LK, recomputed: bool):
+    def dact(self, plan: RowPlan, dy_LD, w2_EDH, preact_RF, preact_scale, topk_w_LK, overwrite: bool):
         """(dH, s·A, dS, q(dH) where the dH pass made it): dA' = q(dy)[token] · q(W2ᵀ), then s·A over dA' in place
         (the pass reads each element before it writes it); q(dH) for dX~, written by the dH pass as it stores dH
         where it can (not with dropped rows, whose dH is cleared after): the same peak as dA' and s·A apart with

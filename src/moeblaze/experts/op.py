@@ -13,9 +13,9 @@ Backward (5 launches, +1 with checkpoint="recompute", +1 on Gluon where down_bwd
   [up      preact = x[expert_token_idx] @ W1[e]ᵀ     only under "recompute"]
   down_bwd dA' = dy[expert_token_idx] @ W2[e]; epilogue: A from preact, dS = <dA', A>, dH, s·A
   dW2      dy[expert_token_idx]ᵀ @ (s·A)             per expert, reduction over its rows
-  dW1      dHᵀ @ x[expert_token_idx]                 per expert
   dX~      dH @ W1[e]                                (R, D), transient
   dx       dx[t] = sum_k dX~[token_slot[t,k]]         fp32, no atomics
+  dW1      dHᵀ @ x[expert_token_idx]                 per expert, its buffer made once dX~ is gone
   [biases  dB1, dB2 per expert; dS += <dy, b2[e]>     only with biases (stages.bias_grads)]
 Layouts: W1 and W2 by strides (transposed views, as gpt-oss stores them, are read in place, and their gradients
 are written in the same layout); gate/up rows of W1 in halves or interleaved, preact's columns in W1's order.
@@ -35,10 +35,14 @@ anyway; b = bytes per element of x's dtype):
   checkpoint="recompute"  the routing index and the tile schedule only; preact is recomputed in backward
                           (one more GEMM)
 Never kept: any (R, D) gathered copy of x or dy, A = act(preact), Y, dY. Transient in forward: A and Y; in
-backward: preact (recompute; dH is then written over it), dH, s·A, dX~. moe_experts(chunk_tokens=...) bounds
-every transient by a token chunk. No host synchronization anywhere: tile counts are bounded by
-R // BLOCK_M + E and unused tiles exit at once. On Gluon, preact goes through the io dtype before A is computed
-from it, as backward computes A from the saved preact, and dA' goes through it before dH and dS are.
+backward: preact (recompute; dH is then written over it), dH, s·A, dX~. The peak of backward: dW2, dX~ (R·D·b)
+or dW1, with dH and the incoming gradient; dH takes preact's buffer (written over it) under "recompute", and
+under "preact" in eager mode where the graph is not kept for another backward (the kept preact has no reader
+after dH; through torch.compile's custom op, or with retain_graph, dH gets a buffer of its own).
+moe_experts(chunk_tokens=...) bounds every transient by a token chunk. No host synchronization anywhere: tile
+counts are bounded by R // BLOCK_M + E and unused tiles exit at once. On Gluon, preact goes through the io dtype
+before A is computed from it, as backward computes A from the saved preact, and dA' goes through it before dH and
+dS are.
 Dropped pairs (a routing index built with sentinels, `dropped`): rows past expert_offsets[E] are never computed;
 the combines read them as zero, and backward (only for such an index) zeroes their dS and their rows of s·A and dH
 before the weight gradients reduce over row blocks.
@@ -119,13 +123,14 @@ class NativeGemms:
     def down(self, plan: RowPlan, act_RH, w2_EDH, _dtype: torch.dtype):
         return stages.down(plan, act_RH, w2_EDH, self.r.backend)
 
-    def dact(self, plan: RowPlan, dy_LD, w2_EDH, preact_RF, preact_scale, topk_w_LK, recomputed: bool):
-        """(dH, s·A, dS, None: no e4m3 dH made on the way). A recomputed preact is a fresh buffer that nothing else
-        reads: each dH tile overwrites the preact tile it was computed from (read before written, by the same
-        program): no (R, F) buffer. H kept in e4m3 is read back by the dH pass itself (stages.down_bwd), and dH
-        gets a buffer of its own, the one a read-back copy would take."""
+    def dact(self, plan: RowPlan, dy_LD, w2_EDH, preact_RF, preact_scale, topk_w_LK, overwrite: bool):
+        """(dH, s·A, dS, None: no e4m3 dH made on the way). Where preact has no reader after this (overwrite: a
+        recomputed preact, or a kept one whose graph is not kept), each dH tile overwrites the preact tile it was
+        computed from (read before written, by the same program): no (R, F) buffer. H kept in e4m3 is read back by
+        the dH pass itself (stages.down_bwd), and dH gets a buffer of its own, the one a read-back copy would
+        take."""
         r = self.r
-        dpreact = preact_RF if recomputed else torch.empty(preact_RF.shape, dtype=dy_LD.dtype, device=dy_LD.device)
+        dpreact = preact_RF if overwrite else torch.empty(preact_RF.shape, dtype=dy_LD.dtype, device=dy_LD.device)
         act_scaled, dtopk_w = stages.down_bwd(plan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact, r.activation,
                                               backend=r.backend, interleaved=r.interleaved,
                                               preact_scale=preact_scale)
@@ -294,10 +299,12 @@ def _grad_or_empty(g: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return g if g is not None else like.new_empty(0)
 
 
-def experts_backward(dy_LD: torch.Tensor, inputs: OpInputs, kept: Kept, key: str) -> tuple[torch.Tensor, ...]:
+def experts_backward(dy_LD: torch.Tensor, inputs: OpInputs, kept: Kept, key: str,
+                     overwrite_kept: bool = False) -> tuple[torch.Tensor, ...]:
     """The gradients of the DIFFERENTIABLE fields, in that order (dx, dw1, dw2, dtopk_w, db1, db2, dw1_up), each
     empty where its input is absent: the backward body. The weights' gradients come in the weights' own layouts
-    (strides), dw1 and dw1_up apart where W1 came in two parts."""
+    (strides), dw1 and dw1_up apart where W1 came in two parts. overwrite_kept: the kept bf16 preact has no reader
+    after this call (eager autograd, graph not kept), so dH may be written over it."""
     x_LD, w1_EFD, w2_EDH, topk_w_LK, b1_EF, b2_ED, w1_up = (inputs.x, inputs.w1, inputs.w2, inputs.topk_w,
                                                             inputs.b1, inputs.b2, inputs.w1_up)
     if dy_LD.is_cuda:  # autograd runs this on a thread of its own: TMA descriptors need its CUDA context current
@@ -313,21 +320,24 @@ def experts_backward(dy_LD: torch.Tensor, inputs: OpInputs, kept: Kept, key: str
     recomputed = r.checkpoint == "recompute"
     preact_RF = g.preact(plan, x_LD, inputs) if recomputed else kept.preact
     preact_scale = kept.preact_scale if r.checkpoint == "preact-fp8" else None
+    overwrite = recomputed or (overwrite_kept and r.checkpoint == "preact" and preact_RF.dtype == dy_LD.dtype)
     dpreact_RF, act_scaled_RH, dtopk_w, dpreact_q = g.dact(plan, dy_LD, w2_EDH, preact_RF, preact_scale, topk_w_LK,
-                                                           recomputed)
+                                                           overwrite)
     del preact_RF, kept
     if r.dropped:
         dtopk_w = clear_dropped(plan, dtopk_w, act_scaled_RH, dpreact_RF)
     dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, torch.empty_like(w2_EDH), True, r.backend)
     del act_scaled_RH
+    # dX~ and its combine before dW1's buffer exists: the (R, D) rows and dW1 are never alive together
+    dx_RD = g.dx_rows(plan, dpreact_RF, dpreact_q, inputs)
+    del dpreact_q
+    dx = stages.combine(plan, dx_RD, None, x_LD.dtype)
+    del dx_RD
     dw1_up = None if w1_up is None else torch.empty_like(w1_up)
     dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, torch.empty_like(w1_EFD), False, r.backend, out_up=dw1_up)
     db1, db2, ds_b = stages.bias_grads(plan, dy_LD, dpreact_RF, topk_w_LK, b1_EF, b2_ED, r.backend)
     if ds_b is not None:
         dtopk_w = (dtopk_w.float() + ds_b).to(topk_w_LK.dtype)
-    dx_RD = g.dx_rows(plan, dpreact_RF, dpreact_q, inputs)
-    del dpreact_RF, dpreact_q
-    dx = stages.combine(plan, dx_RD, None, x_LD.dtype)
     return dx, dw1, dw2, dtopk_w, *(_grad_or_empty(g, x_LD) for g in (db1, db2, dw1_up))
 
 
@@ -336,6 +346,20 @@ _N_IN = len(OpInputs._fields)
 
 def _backward_op(dy, *args):
     return experts_backward(dy, OpInputs(*args[:_N_IN]), Kept(*args[_N_IN:-1]), args[-1])
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps the graph for another (retain_graph, create_graph); True where this torch
+    cannot say."""
+    kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if kept is None else bool(kept())
+
+
+def _eager_backward_op(dy, *args):
+    """_backward_op for the eager Function: its saved preact is read by no one after this call unless the graph is
+    kept (the custom op's schema declares no mutation, so its backward never writes over an input)."""
+    return experts_backward(dy, OpInputs(*args[:_N_IN]), Kept(*args[_N_IN:-1]), args[-1],
+                            overwrite_kept=not _graph_kept())
 
 
 experts_bwd = torch.library.custom_op("moeblaze::experts_bwd", _backward_op, mutates_args=(),
@@ -387,7 +411,7 @@ def eager_function(name: str, forward_body, setup_context, backward) -> type:
     return type(name, (torch.autograd.Function,), dict(forward=staticmethod(forward), backward=staticmethod(backward)))
 
 
-_EagerExperts = eager_function("_EagerExperts", _forward_op, _setup_context, _backward_with(_backward_op))
+_EagerExperts = eager_function("_EagerExperts", _forward_op, _setup_context, _backward_with(_eager_backward_op))
 
 
 def fused_experts(inputs: OpInputs, key: str) -> torch.Tensor:
