@@ -175,10 +175,25 @@ def test_readme_results_section(tmp_path):
     update_report(str(readme), str(tmp_path / "res"))
     text = readme.read_text()
     assert "old" not in text and text.endswith(f"{END}\ntail\n")
-    assert "| 64,32,16,4,2 | moeblaze/preact | 1.00 | 2.00 | 0.50 | - | 1.50 |" in text  # 3.0 / 2.0 vs SonicMoE
-    assert "| 64,32,16,4,2 | sonicmoe | 1.00 | 3.00 | - | - | 1.00 |" in text
-    assert os.path.exists(tmp_path / "res" / "test-gpu-layer.png")
+    assert "| 64,32,16,4,2 | moeblaze/preact | 1.00 | 2.00 | 0.50 | - | 1.50 | - |" in text  # 3.0 / 2.0 vs SonicMoE
+    assert "| 64,32,16,4,2 | sonicmoe | 1.00 | 3.00 | - | - | 1.00 | - |" in text
+    assert not os.path.exists(tmp_path / "res" / "headline.png")  # a run without every headline series makes none
     assert "No GPU results" in results_markdown([])
+
+
+def test_the_headline_comes_from_the_newest_run_with_every_series(tmp_path):
+    """The front page's chart: the newest run that measured every headline series at each of its configs."""
+    from moeblaze.cli.report import HEADLINE, headline_run, plot_headline
+
+    def rows(run, date, series):
+        return [dict(mode="layer", impl=i, policy=p, L=64, d=32, h=16, E=4, K=2, dtype="bfloat16", gpu="G",
+                     git_sha="abc", run_id=run, date=date, step_ms=2.0, kept_mb=1.0, peak_mb=4.0, status="ok")
+                for (i, p), _ in series]
+    whole, partial = rows("whole", "2026-01-01", HEADLINE), rows("newer", "2026-02-01", HEADLINE[:-1])
+    assert {r["run_id"] for r in headline_run(whole + partial)} == {"whole"}
+    assert plot_headline(whole + partial, str(tmp_path / "h.png")) == str(tmp_path / "h.png")
+    assert os.path.getsize(tmp_path / "h.png") > 0
+    assert plot_headline(partial, str(tmp_path / "none.png")) is None
 
 
 def test_profile_layer_compares_with_conventional(capsys):
@@ -250,10 +265,10 @@ def test_results_compare_each_repeat_with_sonicmoe_of_the_same_repeat():
     rows[0]["gpu_busy_ms"] = 2.5  # from a run with --gpu-busy
     table = [line for line in results_markdown(rows).splitlines() if line.startswith("| 64,")]
     assert table == [
-        "| 64,32,16,4,2 (repeat 1) | moeblaze/preact | 1.00 | 3.00 | - | 2.50 | 0.50 | 1 | 1 | 1 | - |",
-        "| 64,32,16,4,2 (repeat 1) | sonicmoe | 1.00 | 1.50 | - | - | 1.00 | 1 | 1 | 1 | - |",
-        "| 64,32,16,4,2 (repeat 2) | moeblaze/preact | 1.00 | 2.00 | - | - | 2.00 | 1 | 1 | 1 | - |",
-        "| 64,32,16,4,2 (repeat 2) | sonicmoe | 1.00 | 4.00 | - | - | 1.00 | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 1) | moeblaze/preact | 1.00 | 3.00 | - | 2.50 | 0.50 | - | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 1) | sonicmoe | 1.00 | 1.50 | - | - | 1.00 | - | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 2) | moeblaze/preact | 1.00 | 2.00 | - | - | 2.00 | - | 1 | 1 | 1 | - |",
+        "| 64,32,16,4,2 (repeat 2) | sonicmoe | 1.00 | 4.00 | - | - | 1.00 | - | 1 | 1 | 1 | - |",
     ]
 
 
@@ -270,7 +285,7 @@ def test_results_list_peers_from_other_runs_beside_their_own_baseline():
             row("torch_gmm", "main", "2026-01-03", 3.0)]
     text = results_markdown(rows)
     # the newest run, with its own baseline
-    assert "| 64,32,16,4,2 | liger/pinned | 1.00 | 8.00 | - | - | 0.50 | 1 | 1 | 1 | - |" in text
+    assert "| 64,32,16,4,2 | liger/pinned | 1.00 | 8.00 | - | - | - | 0.50 | 1 | 1 | 1 | - |" in text
     assert "9.00" not in text and text.count("liger/pinned") == 1  # the older liger row is left out
 
 

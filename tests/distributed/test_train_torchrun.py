@@ -141,7 +141,7 @@ def test_dropped_rows_are_counted_and_said(tmp_path):
         log = tmp_path / f"loss-{factor}.jsonl"
         out = _run(tmp_path, 2, "--batch-size", "2", "--ep", "2", "--ep-dispatch", "capacity", "--capacity-factor",
                    factor, "--on-overflow", "drop", "--steps", "3", "--eval-every", "100", "--eval-batches", "1",
-                   "--loss-log", str(log))
+                   "--loss-log", str(log), "--save", "")
         rows = [json.loads(line) for line in open(log) if "grad_norm" in line]
         assert len(rows) == 3 and all(isinstance(r["dropped_rows"], int) for r in rows), rows
         total = sum(r["dropped_rows"] for r in rows)
