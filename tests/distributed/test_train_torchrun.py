@@ -200,3 +200,19 @@ def test_sigkill_of_one_rank_during_sharded_saves_leaves_a_checkpoint_that_resum
         step = int(re.search(r"resumed from .* at step (\d+)", out).group(1))
         assert step >= max(held[-1], 1), (held, step, out[-1500:])
         held.append(step)
+
+
+def test_a_capacity_overflow_under_on_overflow_error_is_one_line_per_rank(tmp_path):
+    """--on-overflow error with a capacity too small: the ranks say what overflowed in one `moeblaze train: error:`
+    line and exit 1, with no traceback through moeblaze's code (torchrun's own report of the failed workers follows;
+    it stops the other rank once one has exited, which may be before that rank has printed its line)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", CLI,
+                        "train", *TINY, "--batch-size", "2", "--ep", "2", "--ep-dispatch", "capacity",
+                        "--capacity-factor", "0.25", "--on-overflow", "error", "--steps", "2", "--save", ""],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert 1 <= out.count("moeblaze train: error: capacity dispatch: a destination needs more than") <= 2, out[-3000:]
+    assert not [line for line in out.splitlines() if line.strip().startswith("File ") and "moeblaze" in line
+                and "moeblaze_cli.py" not in line], out[-3000:]

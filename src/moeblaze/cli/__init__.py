@@ -13,6 +13,11 @@ class UsageError(SystemExit):
     on one line and returns 2, as argparse does."""
 
 
+class RunError(SystemExit):
+    """A run that stopped after its work began, for a reason it can say in one line (a capacity overflow under
+    --on-overflow error, say): main prints `moeblaze <command>: error: ...` and returns 1, with no traceback."""
+
+
 def check_device(device: str) -> None:
     """UsageError for --device cuda where no CUDA device is available (every command's first check)."""
     import torch
@@ -135,4 +140,7 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"moeblaze {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:  # on a line of its own, after a progress bar's
+        print(f"\nmoeblaze {args.command}: error: {e}", file=sys.stderr)
+        return 1
     return 0

@@ -32,13 +32,14 @@ import torch.nn.functional as F
 
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import update_expert_biases
-from . import UsageError, parallel
+from ..distributed.plan import CapacityOverflow
+from . import RunError, UsageError, parallel
 from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, save_checkpoint, save_sharded,
                          load_newest_sharded, sharded_checkpoint_path)
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
 from .graph_step import GraphedStep
 from .train_flags import ep_config
-from .train_setup import check_args, precision_note, sharded_save
+from .train_setup import check_args, experts_path, precision_note, sharded_save
 
 __all__ = ["run"]
 
@@ -191,17 +192,11 @@ def run(args) -> dict:
         out = _run(args, cfg, train, val, ranks)
         done = True
         return out
+    except CapacityOverflow as e:  # said on every rank in one line (the default --on-overflow rerun never raises it)
+        raise RunError(str(e)) from None
     finally:
         if ranks is not None:
             parallel.finish(done)
-
-
-def _experts_path(cfg) -> str:
-    """Which code computes the experts on the CPU, as the recipe resolves there."""
-    from ..env import INTERPRET
-    if cfg.experts.backend in ("reference", "auto"):
-        return "the PyTorch reference (the Triton kernels run with --device cuda)"
-    return "the Triton kernels under the interpreter" if INTERPRET else "the Triton kernels"
 
 
 def _run(args, cfg, train, val, ranks) -> dict:
@@ -343,7 +338,7 @@ def _set_up(args, cfg, train, val, ranks) -> _Run:
             + f", corpus {len(train) + len(val):,} bytes, device {device.type}{layout}"
             + (f", {torch.get_num_threads()} CPU thread(s)"
                + (f" (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})" if "OMP_WAIT_POLICY" in os.environ else "")
-               + f", experts on {_experts_path(cfg)}"
+               + f", experts on {experts_path(cfg)}"
                if device.type == "cpu" else ""))
     if note := precision_note(args, cfg):
         run.say(note)

@@ -134,3 +134,11 @@ def precision_note(args, cfg) -> str:
     return (f"--precision fp8 runs native precision here: the experts average {rows:.0f} rows per call, fewer than "
             f"--fp8-min-rows {experts.fp8_min_rows} (where e4m3 would cost more than it saves; --fp8-min-rows 0 "
             "runs e4m3 at any size)")
+
+
+def experts_path(cfg) -> str:
+    """Which code computes the experts on the CPU, as the recipe resolves there."""
+    from ..env import INTERPRET
+    if cfg.experts.backend in ("reference", "auto"):
+        return "the PyTorch reference (the Triton kernels run with --device cuda)"
+    return "the Triton kernels under the interpreter" if INTERPRET else "the Triton kernels"

@@ -121,7 +121,8 @@ class Plan:
         self.needed = (per_dest.max() if P else per_dest.new_zeros(())).to(torch.int64)
         if fail_on_overflow:
             fail_if_any(self.needed > capacity, group, f"capacity dispatch: a destination needs more than {capacity} "
-                         "rows (raise the capacity factor, pass on_overflow='drop', or use a CapacityTracker)")
+                         "rows (raise the capacity factor, pass on_overflow='drop', or use a CapacityTracker)",
+                        CapacityOverflow)
         self.in_splits = self.out_splits = None
         self.splits = torch.empty(0, dtype=torch.int64, device=dev)
         first = routing.expert_offsets[:-1].view(ep, E_loc)[:, 0].to(torch.int64)  # each destination's first row
@@ -180,6 +181,11 @@ class Plan:
     def combine(self, rows: torch.Tensor, weights_LK, out_dtype) -> torch.Tensor:
         """The sender's combine of returned rows: sum_k (w[t, k] ·) rows[slot[t, k]], dropped slots adding 0."""
         return combine_slots(rows, self.slot_LK, weights_LK, self.kept, out_dtype)
+
+
+class CapacityOverflow(RuntimeError):
+    """Capacity dispatch under on_overflow="error": a destination needed more rows than the capacity (raised on
+    every rank together, on the CPU; a device-side assert on GPUs)."""
 
 
 def fail_if_any(bad: torch.Tensor, group, message: str, error: type = RuntimeError) -> None:
