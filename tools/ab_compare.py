@@ -103,7 +103,8 @@ def main():
         torch.cuda.empty_cache()
 
 
-# (name, the baseline's MoELayer options in 0.2's keyword form, the current configs): the same layer both ways
+# (name, the MoELayer options in the keyword form of baselines from before the configs, the configs): the same
+# layer both ways
 LAYERS = [
     ("default", {}, {}),
     ("deepseek-v3 + shared", dict(router="deepseek-v3", shared_experts=1),
@@ -117,24 +118,29 @@ LAYERS = [
 
 
 def compare_layers(base, iters: int, dims=(1024, 512, 64, 4, 2048), device="cuda", dtype=torch.bfloat16) -> None:
-    """MoELayer of the baseline (0.2's keyword options) against the current one (its configs), by default bf16 on
-    the GPU, d 1024, h 512, 64 experts, top-4, 4 sequences of 2048 tokens: the state after the same seed, the
-    output, both losses and every gradient, bitwise; the step time in turns."""
+    """MoELayer of the baseline (its configs, or its keyword options from before them) against the current one, by
+    default bf16 on the GPU, d 1024, h 512, 64 experts, top-4, 4 sequences of 2048 tokens: the state after the same
+    seed, the output, both losses and every gradient, bitwise; the step time in turns."""
     import moeblaze as cur
 
     D, H, E, K, T = dims
 
-    def current(opts):
+    def with_configs(pkg, opts):
         kw = {}
         if "router" in opts:
-            kw["router"] = cur.RouterConfig.family(opts["router"])
+            kw["router"] = pkg.RouterConfig.family(opts["router"])
         if "shared" in opts:
-            kw["shared"] = cur.SharedConfig(**opts["shared"])
+            kw["shared"] = pkg.SharedConfig(**opts["shared"])
         if "rounding" in opts:
-            kw["rounding"] = cur.RoundingConfig(**opts["rounding"])
-        return cur.MoELayer(D, H, E, K, **kw)
+            kw["rounding"] = pkg.RoundingConfig(**opts["rounding"])
+        return pkg.MoELayer(D, H, E, K, **kw)
+
+    def current(opts):
+        return with_configs(cur, opts)
 
     def old(opts):
+        if hasattr(base, "SharedConfig"):  # a baseline with the configs: the same call as the current one
+            return with_configs(base, next(new for _, o, new in LAYERS if o is opts))
         if "router" in opts:
             opts = dict(opts, router=base.routing.ROUTERS[opts["router"]])
         return base.MoELayer(D, H, E, K, **opts)

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from moeblaze import RouterConfig
 from moeblaze.routing import TopKRouter, route_topk
 from moeblaze.routing.router import router_z_loss, switch_aux_loss
 
@@ -58,7 +59,7 @@ def test_router_module_outputs_and_gradients():
 
 
 @pytest.mark.parametrize("kwargs,match", [(dict(top_k=9), "top_k"), (dict(top_k=0), "top_k"),
-                                          (dict(top_k=2, scoring="sigmoid"), "scoring")])
+                                          (dict(top_k=2, config=RouterConfig(num_groups=3)), "num_groups")])
 def test_router_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TopKRouter(16, 8, **kwargs)
