@@ -178,13 +178,16 @@ class Fp8Gemms:
 
     def dact(self, plan: RowPlan, dy_LD, w2_EDH, preact_RF, preact_scale, topk_w_LK, overwrite: bool):
         """(dH, s·A, dS, q(dH) where the dH pass made it): dA' = q(dy)[token] · q(W2ᵀ), then s·A over dA' in place
-        (the pass reads each element before it writes it); q(dH) for dX~, written by the dH pass as it stores dH
-        where it can (not with dropped rows, whose dH is cleared after): the same peak as dA' and s·A apart with
-        q(dH) made later, one read of dH fewer. H in e4m3 is read back by the dH pass as it loads it."""
+        (the pass reads each element before it writes it), and dH over a bf16 preact where overwrite allows; q(dH)
+        for dX~, written by the dH pass as it stores dH where it can (not with dropped rows, whose dH is cleared
+        after): the same peak as dA' and s·A apart with q(dH) made later, one read of dH fewer. H in e4m3 is read
+        back by the dH pass as it loads it."""
         r, dt = self.r, dy_LD.dtype
         dact = _rows(plan, quant.quantize_rows(dy_LD), _weight(w2_EDH, r.fp8_weight_cache, transposed=True), dt,
                      r.backend, token=plan.token_R)
-        dpreact = torch.empty(preact_RF.shape, dtype=dt, device=dy_LD.device)
+        # dH over a preact that no one reads after this (the pass reads each element before it writes it)
+        mine = overwrite and preact_scale is None and preact_RF.dtype == dt
+        dpreact = preact_RF if mine else torch.empty(preact_RF.shape, dtype=dt, device=dy_LD.device)
         dpreact_q = None
         if not r.dropped and tl.dh_quantizable(dact.shape[1], r.activation, r.interleaved):
             F = preact_RF.shape[1]
