@@ -130,7 +130,8 @@ def main(argv=None) -> int:
         p.print_help()
         return 0
     if extra:  # said by the command that lacks them, with the nearest flag it has
-        _subparser(p, args.command).error(_unrecognized(_subparser(p, args.command), extra))
+        sub = _subparser(p, args.command)
+        sub.error(_unrecognized(sub, extra))
     try:
         _flags(args.command).check_flags(args)  # before torch loads; run checks them again with the machine's
         wait_passively_when_busy()

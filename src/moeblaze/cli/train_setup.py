@@ -108,7 +108,7 @@ def _check_existing(args, dist_run: bool) -> None:
     the one at --save); --resume's file must start as a checkpoint does, found before any work."""
     sharded = sharded_checkpoint_path(args.save)
     there = sharded is not None or os.path.isfile(args.save)
-    if there and not (args.resume or getattr(args, "overwrite", False)):
+    if there and not (args.resume or args.overwrite):
         raise UsageError(f"--save: {args.save} holds a checkpoint already: --resume continues it, --overwrite "
                          "replaces it, --save PATH writes another")
     if args.resume and os.path.isfile(args.save) and not dist_run and sharded is None:
@@ -126,11 +126,10 @@ def sharded_save(save: str, dist_run: bool) -> bool:
 
 def precision_note(args, cfg) -> str:
     """One line where --precision fp8 runs native precision (ExpertsConfig.at_call's rule on a training batch)."""
-    experts = cfg.experts
-    tokens = args.batch_size * args.seq_len
-    if not experts.fp8 or experts.at_call(tokens, cfg.top_k, cfg.num_experts).fp8:
+    experts, call = cfg.experts, (args.batch_size * args.seq_len, cfg.top_k, cfg.num_experts)
+    if not experts.fp8 or experts.at_call(*call).fp8:
         return ""
-    rows = min(tokens, experts.chunk_tokens or tokens) * cfg.top_k / cfg.num_experts
+    rows = experts.rows_per_call(*call[:2]) / cfg.num_experts
     return (f"--precision fp8 runs native precision here: the experts average {rows:.0f} rows per call, fewer than "
             f"--fp8-min-rows {experts.fp8_min_rows} (where e4m3 would cost more than it saves; --fp8-min-rows 0 "
             "runs e4m3 at any size)")

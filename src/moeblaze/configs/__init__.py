@@ -18,7 +18,7 @@ from .experts import (ACTIVATIONS, BACKENDS, CHECKPOINTS, DEFAULT, GATED, INDEX_
                       LAUNCH_BACKENDS, LEGACY, PLAIN, PRECISIONS, ExpertsConfig, fold_impl, from_legacy)
 from .layer import (AUX_LOSSES, DEFAULT_CAPACITY_FACTOR, DISPATCHES, OVERFLOW, ROUTERS, RULES,  # noqa: F401
                     SCORINGS, UNITS, EPConfig, RoundingConfig, RouterConfig, SharedConfig, check_config, check_heads,
-                    check_layer)
+                    check_layer, layer_configs)
 from .model import ModelConfig, flat_rounding, flat_shared  # noqa: F401
 
 __all__ = ["ACTIVATIONS", "AUX_LOSSES", "BACKENDS", "CHECKPOINTS", "DISPATCHES", "INDEX_METHODS", "OVERFLOW",

@@ -97,12 +97,16 @@ class ExpertsConfig:
     def fp8(self) -> bool:
         return self.precision == "fp8"
 
+    def rows_per_call(self, tokens: int, top_k: int) -> int:
+        """The (token, expert) rows of one call of `tokens` tokens (of one chunk, with chunk_tokens): the experts
+        average this / E, what fp8_min_rows is held to."""
+        return min(tokens, self.chunk_tokens or tokens) * top_k
+
     def at_call(self, tokens: int, top_k: int, experts: int) -> ExpertsConfig:
         """The recipe a call of `tokens` tokens, each to `top_k` of `experts` experts, runs (the one place the rule
         of fp8_min_rows is applied): precision="fp8" turns "native" where the experts average fewer than
         fp8_min_rows rows per call (per chunk, with chunk_tokens), the weight cache with it; else itself."""
-        rows = min(tokens, self.chunk_tokens or tokens) * top_k
-        if not self.fp8 or rows >= self.fp8_min_rows * experts:
+        if not self.fp8 or self.rows_per_call(tokens, top_k) >= self.fp8_min_rows * experts:
             return self
         return _native(self)
 

@@ -216,3 +216,9 @@ def check_config(name: str, value, kind: type):
     if value is not None and not isinstance(value, kind):
         raise TypeError(f"{name} must be a moeblaze.{kind.__name__} or None, got {type(value).__name__}")
     return value
+
+
+def layer_configs(router, shared, rounding) -> tuple:
+    """(router, shared, rounding) of a layer or a model config, each type-checked; an unset router is the default."""
+    return (check_config("router", router, RouterConfig) or RouterConfig(),
+            check_config("shared", shared, SharedConfig), check_config("rounding", rounding, RoundingConfig))

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..args import check_int
 from .experts import ExpertsConfig, from_legacy
-from .layer import RoundingConfig, RouterConfig, SharedConfig, check_config, check_heads, check_layer
+from .layer import RoundingConfig, RouterConfig, SharedConfig, check_heads, check_layer, layer_configs
 
 
 @dataclass(kw_only=True)
@@ -62,9 +62,7 @@ class ModelConfig:
                 setattr(self, name, kind(**getattr(self, name)))
         if not isinstance(self.experts, ExpertsConfig):
             raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(self.experts).__name__}")
-        self.router = check_config("router", self.router, RouterConfig) or RouterConfig()
-        check_config("shared", self.shared, SharedConfig)
-        check_config("rounding", self.rounding, RoundingConfig)
+        self.router, self.shared, self.rounding = layer_configs(self.router, self.shared, self.rounding)
         check_layer(self.num_experts, self.top_k, self.router, self.rounding)
 
     @property

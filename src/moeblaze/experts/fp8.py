@@ -185,9 +185,7 @@ class Fp8Gemms:
         r, dt = self.r, dy_LD.dtype
         dact = _rows(plan, quant.quantize_rows(dy_LD), _weight(w2_EDH, r.fp8_weight_cache, transposed=True), dt,
                      r.backend, token=plan.token_R)
-        # dH over a preact that no one reads after this (the pass reads each element before it writes it)
-        mine = overwrite and preact_scale is None and preact_RF.dtype == dt
-        dpreact = preact_RF if mine else torch.empty(preact_RF.shape, dtype=dt, device=dy_LD.device)
+        dpreact = preact_RF if overwrite else torch.empty(preact_RF.shape, dtype=dt, device=dy_LD.device)
         dpreact_q = None
         if not r.dropped and tl.dh_quantizable(dact.shape[1], r.activation, r.interleaved):
             F = preact_RF.shape[1]

@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 
 from ..args import check_int
-from ..configs import (DEFAULT, ExpertsConfig, RoundingConfig, RouterConfig, SharedConfig, check_config, check_layer,
-                       from_legacy)
+from ..configs import (DEFAULT, ExpertsConfig, RoundingConfig, RouterConfig, SharedConfig, check_layer, from_legacy,
+                       layer_configs)
 from ..experts import autocast_operands, moe_experts
 from ..experts.schedule import BLOCK_M
 from ..reference import up_width
@@ -175,9 +175,7 @@ class MoELayer(nn.Module):
         check_int("d_model", d_model)
         check_int("d_expert", d_expert)
         experts = from_legacy("MoELayer", experts, legacy)
-        router = check_config("router", router, RouterConfig) or RouterConfig()
-        check_config("shared", shared, SharedConfig)
-        check_config("rounding", rounding, RoundingConfig)
+        router, shared, rounding = layer_configs(router, shared, rounding)
         check_layer(num_experts, top_k, router, rounding)
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
         self.router = TopKRouter(d_model, num_experts, top_k, config=router, device=device)
