@@ -1,0 +1,160 @@
+"""Megatron-Core's MoE layer with its own experts and with moeblaze's, side by side in one process on one GPU:
+forward + backward time and peak memory of one MoE layer of Qwen3-30B-A3B's shape, then of a few-layer GPTModel.
+
+    python benchmarks/megatron_bench.py [--tokens 8192] [--layers 4] [--out DIR]
+
+Variants (one Megatron spec each, the same weights and tokens, bf16 parameters as Megatron's Float16Module keeps
+them, NCCL world of one):
+  megatron-sequential   Megatron's local spec: SequentialMLP (a loop over the experts) after its all-to-all
+                        dispatcher's permute
+  megatron-te-grouped   the TransformerEngine spec's TEGroupedMLP, where transformer_engine imports
+  moeblaze              get_moeblaze_gpt_layer_spec: moeblaze's fused layer (checkpoint "preact")
+  moeblaze-recompute    the same, ExpertsConfig(checkpoint="recompute")
+  moeblaze-in-megatron  dispatch="megatron": Megatron's dispatcher, moeblaze's op on its permuted rows
+step_ms: the median of --iters steps after --warmup (CUDA events around each); peak_mb: the allocator's peak over
+the timed steps, weights and their gradients included. One JSON row per variant (moeblaze bench's fields) to
+stdout and DIR/<gpu>.jsonl; a variant that fails records its error instead.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moeblaze import ExpertsConfig
+
+QWEN3_30B = dict(hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
+                 ffn_hidden_size=6144, num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768)
+VARIANTS = ("megatron-sequential", "megatron-te-grouped", "moeblaze", "moeblaze-recompute", "moeblaze-in-megatron")
+
+
+def transformer_config(layers: int, te: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    return TransformerConfig(num_layers=layers, **QWEN3_30B, gated_linear_unit=True, activation_func=F.silu,
+                             add_bias_linear=False, normalization="RMSNorm", qk_layernorm=True,
+                             moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+                             moe_aux_loss_coeff=1e-3, moe_grouped_gemm=te, bf16=True, params_dtype=torch.bfloat16,
+                             bias_activation_fusion=te, apply_rope_fusion=False, masked_softmax_fusion=False,
+                             gradient_accumulation_fusion=False, persist_layer_norm=False)
+
+
+def spec(variant: str):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from moeblaze.integrations.megatron import get_moeblaze_gpt_layer_spec
+    E = QWEN3_30B["num_moe_experts"]
+    if variant == "megatron-sequential":
+        return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, qk_layernorm=True)
+    if variant == "megatron-te-grouped":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=E, moe_grouped_gemm=True,
+                                                                          qk_layernorm=True)
+    experts = ExpertsConfig(checkpoint="recompute" if variant == "moeblaze-recompute" else "preact")
+    return get_moeblaze_gpt_layer_spec(E, experts=experts, qk_layernorm=True,
+                                       dispatch="megatron" if variant == "moeblaze-in-megatron" else "moeblaze")
+
+
+def build(what: str, variant: str, layers: int):
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    cfg = transformer_config(layers, te=variant == "megatron-te-grouped")
+    s = spec(variant)
+    torch.manual_seed(0)
+    if what == "layer":
+        mlp = s.submodules.mlp
+        return (build_module(mlp, config=cfg) if isinstance(mlp, ModuleSpec) else mlp(config=cfg)).cuda()
+    from megatron.core.models.gpt import GPTModel
+    return GPTModel(config=cfg, transformer_layer_spec=s, vocab_size=32768, max_sequence_length=4096,
+                    position_embedding_type="rope").cuda()
+
+
+def timed(step, warmup: int, iters: int) -> tuple[float, float]:
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**20
+
+
+def run(what: str, variant: str, args) -> dict:
+    model = build(what, variant, args.layers)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    seq, batch = 4096, args.tokens // 4096
+    if what == "layer":
+        x = torch.randn(seq, batch, QWEN3_30B["hidden_size"], device="cuda", dtype=torch.bfloat16, generator=g,
+                        requires_grad=True)
+        dout = torch.randn_like(x)
+
+        def step():
+            out, _ = model(x)
+            out.backward(dout)
+    else:
+        ids = torch.randint(0, 32768, (batch, seq), device="cuda", generator=g)
+        pos = torch.arange(seq, device="cuda")[None].expand(batch, -1)
+
+        def step():
+            logits = model(ids, pos, attention_mask=None)
+            logits.float().square().mean().backward()
+    ms, peak = timed(step, args.warmup, args.iters)
+    del model
+    return {"step_ms": round(ms, 3), "peak_mb": round(peak, 1)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens a step (sequences of 4096)")
+    ap.add_argument("--layers", type=int, default=4, help="the GPTModel's layers")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--what", default="layer,model", help="layer, model or both")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(0)
+    from importlib.metadata import version
+
+    from moeblaze.cli.bench import run_env
+    env = run_env(torch.device("cuda"), "python benchmarks/megatron_bench.py " + " ".join(sys.argv[1:]))
+    env["megatron_core"] = version("megatron-core")
+    path = os.path.join(args.out, env["gpu"].lower().replace(" ", "-") + ".jsonl")
+    os.makedirs(args.out, exist_ok=True)
+    q = QWEN3_30B
+    for what in args.what.split(","):
+        for variant in args.variants.split(","):
+            row = {"impl": f"megatron:{variant}", "bench": f"megatron-{what}", "L": args.tokens, "d": q["hidden_size"],
+                   "h": q["moe_ffn_hidden_size"], "E": q["num_moe_experts"], "K": q["moe_router_topk"],
+                   "layers": 1 if what == "layer" else args.layers, **env}
+            try:
+                row.update(run(what, variant, args))
+            except Exception as e:  # noqa: BLE001 - the row records why the variant did not run
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            gc.collect()
+            torch.cuda.empty_cache()
+            print(json.dumps(row), flush=True)
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

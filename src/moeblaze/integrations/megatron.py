@@ -1,0 +1,337 @@
+"""moeblaze inside Megatron-Core (0.16-0.19): its layer spec, the official extension point.
+
+    from megatron.core.models.gpt import GPTModel
+    from moeblaze import ExpertsConfig
+    from moeblaze.integrations.megatron import get_moeblaze_gpt_layer_spec
+
+    spec = get_moeblaze_gpt_layer_spec(num_experts=128, experts=ExpertsConfig(checkpoint="recompute"))
+    model = GPTModel(config, transformer_layer_spec=spec, ...)
+
+The spec is Megatron's own (get_gpt_layer_local_spec, or the TransformerEngine one with use_te=True) with the MoE
+layer's MLP swapped: Megatron's router (its probs, routing map and auxiliary-loss hooks), its shared experts and its
+experts module (SequentialMLP: the same parameters, names, sharded_state_dict and dist-checkpointing, so a
+checkpoint saved with moeblaze loads in stock Megatron and back) stay; what runs between the router and the shared
+experts' sum is moeblaze's:
+
+  dispatch="moeblaze" (default)  MoeblazeMoELayer: permute -> experts -> unpermute replaced by one moe_experts call on
+                                 the routing index built from Megatron's routing map (no permuted copy of the
+                                 tokens); under expert parallelism (pg_collection.ep larger than one) moeblaze's own
+                                 (ep_experts over that group, EPConfig's dispatch), in place of Megatron's dispatcher
+  dispatch="megatron"            Megatron's MoELayer and token dispatcher (allgather, alltoall, flex: DeepEP,
+                                 HybridEP), and moeblaze's op computing the permuted rows it hands over, one row per
+                                 expert (MoeblazeSequentialMLP)
+
+An expert computes p · (W2 act(W1 x + b1) + b2), Megatron's arithmetic (its SequentialMLP applies p to the
+activation and to b2). The activation is the Megatron config's (gated_linear_unit with silu or gelu; silu, gelu,
+relu, squared_relu).
+
+Refused by name when the layer is built (never computed differently): expert tensor parallelism > 1, TE's fp8/fp4
+recipes (moeblaze's ExpertsConfig(precision="fp8") instead), moe_layer_recompute (ExpertsConfig(checkpoint=
+"recompute") instead), CUDA-graph capture of the MoE layer, overlap_moe_expert_parallel_comm, moe_latent_size,
+moe_apply_probs_on_input, an activation clamp or GLU offset, experts other than SequentialMLP (TEGroupedMLP: the
+spec picks SequentialMLP); with dispatch="moeblaze" also capacity drops (moe_expert_capacity_factor),
+moe_shared_expert_overlap (a dispatcher feature), tensor parallelism > 1, and biases under expert parallelism.
+
+Memory contract: per layer call, the routing index (O(T·K) int32) and what moe_experts keeps under the checkpoint
+policy. Megatron keeps each expert's weights apart; the op's (E, F, D) and (E, D, H) operands are stacked per call
+(a transient of the local experts' size) and saved for backward as a recipe, not a copy (restacked there from the
+parameters: saved-tensor hooks), so nothing of the weights' size lives between forward and backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ..args import check_choice
+from ..configs import DEFAULT, EPConfig, ExpertsConfig
+from ..experts import autocast_operands, moe_experts
+from ..routing import build_routing_index
+
+try:
+    from megatron.core.activations import squared_relu
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+except ImportError as e:  # pragma: no cover - the message is the point
+    raise ImportError("moeblaze.integrations.megatron needs Megatron-Core 0.16-0.19: pip install megatron-core") from e
+
+DISPATCH = ("moeblaze", "megatron")
+_ACTIVATIONS = {(F.silu, True): "swiglu", (F.gelu, True): "geglu", (F.silu, False): "silu",
+                (F.gelu, False): "gelu", (F.relu, False): "relu", (squared_relu, False): "relu2"}
+
+
+def activation_of(config) -> str:
+    """moeblaze's name for the experts' activation of a Megatron TransformerConfig; ValueError where moeblaze has
+    none that computes the same function."""
+    name = _ACTIVATIONS.get((config.activation_func, bool(config.gated_linear_unit)))
+    if name is None:
+        raise ValueError(f"activation_func={getattr(config.activation_func, '__name__', config.activation_func)} "
+                         f"with gated_linear_unit={config.gated_linear_unit}: moeblaze's experts compute SwiGLU, "
+                         "GeGLU, SiLU, GELU, ReLU and squared ReLU")
+    if getattr(config, "activation_func_clamp_value", None) is not None or getattr(config, "glu_linear_offset", 0):
+        raise ValueError("activation_func_clamp_value and glu_linear_offset are not moeblaze's activations: leave "
+                         "them unset")
+    return name
+
+
+def _graph_scopes(config) -> list[str]:
+    """cuda_graph_scope as lower-case names (empty, or "full": the whole layer)."""
+    scope = getattr(config, "cuda_graph_scope", None) or []
+    scope = scope if isinstance(scope, (list, tuple)) else [scope]
+    return [str(getattr(s, "name", s)).lower() for s in scope]
+
+
+def check_megatron_config(config, dispatch: str) -> None:
+    """ValueError naming the option unless moeblaze computes this Megatron TransformerConfig's MoE layer as Megatron
+    would (the module header's refusals)."""
+    check_choice("dispatch", dispatch, DISPATCH)
+    refusals = [
+        ((getattr(config, "expert_tensor_parallel_size", None) or 1) > 1,
+         "expert_tensor_parallel_size > 1: moeblaze's experts are whole on each rank (use expert parallelism)"),
+        (bool(getattr(config, "fp8", None) or getattr(config, "fp4", None)),
+         "TransformerEngine's fp8/fp4 recipes do not reach moeblaze's experts: use ExpertsConfig(precision='fp8')"),
+        (config.recompute_granularity == "selective" and "moe" in (config.recompute_modules or []),
+         "recompute_modules with 'moe' (moe_layer_recompute): use ExpertsConfig(checkpoint='recompute'), which "
+         "keeps no activation of the experts"),
+        (getattr(config, "cuda_graph_impl", "none") not in (None, "none")
+         and (not _graph_scopes(config) or any(s not in ("attn", "mamba") for s in _graph_scopes(config))),
+         "CUDA-graph capture of the MoE layer (cuda_graph_scope) is not supported with moeblaze's layer"),
+        (bool(getattr(config, "overlap_moe_expert_parallel_comm", False)),
+         "overlap_moe_expert_parallel_comm calls the MoE layer's stages one by one: not with moeblaze's layer"),
+        (bool(getattr(config, "moe_latent_size", None)), "moe_latent_size is not supported by moeblaze's layer"),
+        (bool(config.moe_apply_probs_on_input), "moe_apply_probs_on_input is not supported by moeblaze's layer"),
+    ]
+    if dispatch == "moeblaze":
+        refusals += [
+            (config.moe_expert_capacity_factor is not None,
+             "moe_expert_capacity_factor (capacity drops) with dispatch='moeblaze': every routed pair is computed; "
+             "use dispatch='megatron' for Megatron's capacity, or moeblaze's EPConfig(dispatch='capacity')"),
+            (bool(config.moe_shared_expert_overlap),
+             "moe_shared_expert_overlap is a Megatron dispatcher's feature: use dispatch='megatron'"),
+            (config.tensor_model_parallel_size > 1,
+             "tensor_model_parallel_size > 1 with dispatch='moeblaze': use dispatch='megatron' (its dispatcher "
+             "gathers the sequence-parallel tokens)"),
+        ]
+    for refused, why in refusals:
+        if refused:
+            raise ValueError(f"moeblaze's Megatron layer: {why}")
+    activation_of(config)
+
+
+def _experts_config(experts: ExpertsConfig, megatron_config) -> ExpertsConfig:
+    if not isinstance(experts, ExpertsConfig):
+        raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(experts).__name__}")
+    activation = activation_of(megatron_config)
+    if experts.activation not in (DEFAULT.activation, activation):
+        raise ValueError(f"experts=ExpertsConfig(activation={experts.activation!r}), but the Megatron config's "
+                         f"experts compute {activation!r}: the activation is the Megatron config's, leave it unset")
+    if experts.fp8_weight_cache:
+        raise ValueError("fp8_weight_cache=True: Megatron keeps each expert's weights apart, and the stacked copy "
+                         "is new every call; use precision='fp8' without it")
+    return dataclasses.replace(experts, activation=activation)
+
+
+def _stack(parts: tuple) -> torch.Tensor:
+    """The experts' parameters as one operand (E, ...): a copy, differentiable in each part."""
+    return torch.stack(parts)
+
+
+@contextlib.contextmanager
+def _restacked(stacks: dict):
+    """Saved-tensor hooks under which a tensor sharing storage with one of `stacks` ({stacked tensor: the
+    parameters it stacks}) is saved as the parameters and a view, and restacked where backward reads it. The hooks
+    hold no stacked tensor (autograd keeps them with what they saved, until backward): storages by address."""
+    storages = {s.untyped_storage().data_ptr(): (s.untyped_storage().nbytes(), parts, s.dtype)
+                for s, parts in stacks.items()}
+
+    def pack(t):
+        hit = storages.get(t.untyped_storage().data_ptr())
+        if hit is None or t.untyped_storage().nbytes() != hit[0]:
+            return t
+        return _Recipe(hit[1], t.size(), t.stride(), t.storage_offset(), hit[2])
+
+    def unpack(p):
+        return p.restack() if isinstance(p, _Recipe) else p
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    parts: tuple
+    size: torch.Size
+    stride: tuple
+    offset: int
+    dtype: torch.dtype
+
+    def restack(self) -> torch.Tensor:
+        with torch.no_grad():
+            whole = torch.stack([p.to(self.dtype) for p in self.parts])
+        return whole.as_strided(self.size, self.stride, self.offset)
+
+
+class MoeblazeSequentialMLP(SequentialMLP):
+    """Megatron's SequentialMLP (its parameters, names and sharded_state_dict) computed by moeblaze's op: called by
+    Megatron's dispatcher on the permuted rows (dispatch="megatron"), or by MoeblazeMoELayer on the tokens and the
+    routing index (dispatch="moeblaze")."""
+
+    def __init__(self, num_local_experts, config, *args, moeblaze: ExpertsConfig = DEFAULT,
+                 dispatch: str = "megatron", **kwargs):
+        check_megatron_config(config, dispatch)
+        experts = _experts_config(moeblaze, config)
+        super().__init__(num_local_experts, config, *args, **kwargs)
+        self.moeblaze_config = experts
+
+    def _parts(self) -> tuple:
+        fc1 = [e.linear_fc1 for e in self.local_experts]
+        fc2 = [e.linear_fc2 for e in self.local_experts]
+        biases = tuple(None if fc[0].bias is None else tuple(f.bias for f in fc) for fc in (fc1, fc2))
+        return tuple(f.weight for f in fc1), tuple(f.weight for f in fc2), *biases
+
+    def routed(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, group=None,
+               ep: EPConfig | None = None, sentinels: bool = False) -> torch.Tensor:
+        """sum_k weights[t, k] · expert_{ids[t, k]}(x[t]) (T, D) in x's dtype: this rank's experts, or under a
+        group (expert parallelism) the group's, ids global (ids >= E where sentinels: pairs that add nothing)."""
+        w1s, w2s, b1s, b2s = self._parts()
+        stacks = {_stack(w1s): w1s, _stack(w2s): w2s}
+        if b1s is not None:
+            stacks.update({_stack(b1s): b1s, _stack(b2s): b2s})
+        x, *operands = autocast_operands(x_TD, *stacks)
+        config, weights = self.moeblaze_config, weights_TK.to(torch.float32)
+        with _restacked(dict(zip(operands, stacks.values()))):
+            if group is not None:
+                from ..distributed import ep_experts
+                out = ep_experts(x, ids_TK, weights, *operands[:2], group=group, config=config, ep_config=ep)
+            else:
+                routing = build_routing_index(ids_TK, len(w1s), config.index_method, check=False, sentinels=sentinels)
+                out = moe_experts(x, routing, weights, *operands, config=config, check=False)
+        return out.to(x_TD.dtype)
+
+    def forward(self, permuted_TD: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor,
+                **_):
+        """SequentialMLP's call on rows grouped by expert: (out, None), each row through its expert once, times its
+        prob."""
+        R, E = permuted_TD.shape[0], self.num_local_experts
+        counts = torch.as_tensor(tokens_per_expert, device=permuted_TD.device)
+        ids = torch.repeat_interleave(torch.arange(E, device=permuted_TD.device), counts, output_size=R)
+        return self.routed(permuted_TD, ids[:, None], permuted_probs[:, None]), None
+
+
+class MoeblazeMoELayer(MoELayer):
+    """Megatron's MoELayer with permute -> experts -> unpermute (and, under expert parallelism, its dispatcher)
+    replaced by moeblaze's op on the routing index (the module header)."""
+
+    def __init__(self, config, *args, moeblaze: ExpertsConfig = DEFAULT, ep: EPConfig | None = None, **kwargs):
+        check_megatron_config(config, "moeblaze")
+        _experts_config(moeblaze, config)
+        super().__init__(config, *args, **kwargs)
+        if not isinstance(self.experts, MoeblazeSequentialMLP):
+            raise ValueError(f"the experts module is {type(self.experts).__qualname__}: moeblaze's layer computes "
+                             "Megatron's SequentialMLP (get_moeblaze_gpt_layer_spec builds it)")
+        if ep is not None and not isinstance(ep, EPConfig):
+            raise TypeError(f"ep must be a moeblaze.EPConfig, got {type(ep).__name__}")
+        self.ep_group = self.experts.ep_group
+        self.ep = ep
+        if self.ep_group.size() > 1:
+            from ..distributed.ep import check_options
+            check_options(self.experts.moeblaze_config)
+            if self.config.add_bias_linear:
+                raise ValueError("moeblaze's layer: expert biases (add_bias_linear) under expert parallelism are not "
+                                 "supported; use dispatch='megatron'")
+        elif ep is not None:
+            raise ValueError("ep (moeblaze's expert-parallel dispatch) is given, but the expert-parallel group has one "
+                             "rank")
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
+        """(output, None) as MoELayer's: the shared experts and the router as Megatron computes them, the routed
+        experts as one moeblaze call."""
+        if intermediate_tensors is not None:
+            raise ValueError("moeblaze's layer runs whole: partial CUDA-graph capture (intermediate_tensors) is not "
+                             "supported")
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        shared = self.shared_experts_compute(hidden_states)
+        probs_TE, map_TE = self.route(hidden_states, padding_mask)
+        x_TD = hidden_states.reshape(-1, hidden_states.shape[-1])
+        K = self.config.moe_router_topk
+        # the routed experts of each token first (ascending ids), then unrouted ones: K distinct ids a token, those
+        # past its routed ones (a padding mask leaves fewer) marked invalid
+        valid_TK, ids_TK = map_TE.to(torch.uint8).sort(dim=1, descending=True, stable=True)
+        valid_TK, ids_TK = valid_TK[:, :K].bool(), ids_TK[:, :K]
+        weights_TK = probs_TE.gather(1, ids_TK) * valid_TK
+        if self.ep_group.size() > 1:  # invalid pairs run at weight 0: expert parallelism takes no sentinels
+            out = self.experts.routed(x_TD, ids_TK, weights_TK, group=self.ep_group, ep=self.ep)
+        else:
+            ids_TK = torch.where(valid_TK, ids_TK, probs_TE.shape[1])
+            out = self.experts.routed(x_TD, ids_TK, weights_TK, sentinels=True)
+        out = out.view(hidden_states.shape)
+        return (out if shared is None else out + shared), None
+
+
+def _swap(builder, cls, **params):
+    """A Megatron builder (0.16's ModuleSpec, 0.19's partial) with its module replaced by cls and params added."""
+    if isinstance(builder, ModuleSpec):
+        return dataclasses.replace(builder, module=cls, params={**builder.params, **params})
+    if isinstance(builder, functools.partial):
+        return functools.partial(cls, *builder.args, **{**builder.keywords, **params})
+    raise TypeError(f"unexpected Megatron builder {builder!r}")
+
+
+def _submodules(builder):
+    return builder.submodules if isinstance(builder, ModuleSpec) else builder.keywords["submodules"]
+
+
+def _module(builder):
+    return builder.module if isinstance(builder, ModuleSpec) else builder.func
+
+
+def get_moeblaze_gpt_layer_spec(num_experts: int, *, experts: ExpertsConfig = DEFAULT, dispatch: str = "moeblaze",
+                                ep: EPConfig | None = None, use_te: bool = False, **spec_kwargs):
+    """Megatron's GPT layer spec (get_gpt_layer_local_spec, or with use_te get_gpt_layer_with_transformer_engine_spec;
+    spec_kwargs go to it) with its MoE layer on moeblaze (the module header).
+
+    Args:
+        num_experts: the model's routed experts (Megatron's num_moe_experts).
+        experts: moeblaze's recipe for the experts (checkpoint policy, precision, backend, chunking); the
+            activation is the Megatron config's.
+        dispatch: "moeblaze" (the fused layer; under expert parallelism moeblaze's dispatch) or "megatron"
+            (Megatron's layer and dispatcher, moeblaze's op on the permuted rows).
+        ep: moeblaze's expert-parallel dispatch (EPConfig; None: exact), dispatch="moeblaze" only.
+        use_te: start from the TransformerEngine spec (attention and norms on TE; the experts stay SequentialMLP).
+
+    Returns:
+        The TransformerLayer spec, for GPTModel(transformer_layer_spec=...).
+    """
+    check_choice("dispatch", dispatch, DISPATCH)
+    if not isinstance(experts, ExpertsConfig):
+        raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(experts).__name__}")
+    if ep is not None and dispatch != "moeblaze":
+        raise ValueError("ep is moeblaze's expert-parallel dispatch: it applies to dispatch='moeblaze'")
+    from megatron.core.models.gpt import gpt_layer_specs
+    make = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec if use_te
+            else gpt_layer_specs.get_gpt_layer_local_spec)
+    spec = make(num_experts=num_experts, moe_grouped_gemm=False, **spec_kwargs)
+    mlp = spec.submodules.mlp
+    if not issubclass(_module(mlp), MoELayer):
+        raise ValueError(f"Megatron's spec has {_module(mlp)!r} as the MLP: no MoE layer to put moeblaze in")
+    subs = _submodules(mlp)
+    if _module(subs.experts) is not SequentialMLP:
+        raise ValueError(f"Megatron's spec has {_module(subs.experts).__qualname__} as the experts: moeblaze computes "
+                         "SequentialMLP's parameters")
+    subs = dataclasses.replace(subs, experts=_swap(subs.experts, MoeblazeSequentialMLP, moeblaze=experts,
+                                                   dispatch=dispatch))
+    if dispatch == "moeblaze":
+        mlp = _swap(mlp, MoeblazeMoELayer, moeblaze=experts, ep=ep)
+    if isinstance(mlp, ModuleSpec):
+        mlp = dataclasses.replace(mlp, submodules=subs)
+    else:
+        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": subs})
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
+
+
+__all__ = ["MoeblazeMoELayer", "MoeblazeSequentialMLP", "check_megatron_config", "get_moeblaze_gpt_layer_spec"]

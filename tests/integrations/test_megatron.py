@@ -1,0 +1,274 @@
+"""moeblaze inside Megatron-Core: its spec with moeblaze's layer against Megatron's own MoE layer (SequentialMLP over
+its all-to-all dispatcher) on gloo ranks of the CPU (megatron_cpu stands in for the CUDA calls Megatron's MoE path
+makes). Output, dx and every parameter's gradient (router included) within twice Megatron's own fp32 error
+against its layer in fp64; the parameter names and state dicts are Megatron's, a checkpoint loads both ways
+(torch state dicts and Megatron's dist-checkpointing); the refusals, each named."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core")
+
+from helpers import assert_within_torch_error, run_ranks  # noqa: E402
+import megatron_cpu as mc  # noqa: E402
+
+from moeblaze import EPConfig, ExpertsConfig  # noqa: E402
+
+T, B, D = 12, 2, 32  # sequence, batch, hidden
+
+
+def _inputs(seed: int, dtype=torch.float32, padding: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, B, D, generator=g, dtype=torch.float64)
+    dout = torch.randn(T, B, D, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) < 0.25) if padding else None
+    return x, dout, mask
+
+
+def _step(layer, x, dout, mask, dtype):
+    """(out, dx, {name: grad}) of one forward and backward in dtype."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().to(dtype).requires_grad_()
+    out, bias = layer(x) if mask is None else layer(x, padding_mask=mask)
+    assert bias is None
+    out.backward(dout.to(dtype))
+    return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def _parity(rank, world, found, config_kw, ours_kw, seed, padding=False):
+    """ours (moeblaze's spec) against Megatron's layer in fp32 and in fp64, the same weights, at EP = world."""
+    mc.init(ep=world)
+    config = mc.transformer_config(**config_kw)
+    E = config.num_moe_experts
+    stock = mc.build(mc.stock_mlp(E), config, seed=seed)
+    ours = mc.build(mc.moeblaze_mlp(E, **ours_kw), config, seed=seed + 1)
+    exact = mc.build(mc.stock_mlp(E), config, seed=seed + 2).double()
+    ours.load_state_dict(stock.state_dict())
+    exact.load_state_dict({k: v.double() if torch.is_tensor(v) else v for k, v in stock.state_dict().items()})
+    x, dout, mask = _inputs(seed + rank, padding=padding)
+    want = _step(exact, x, dout, mask, torch.float64)
+    same = _step(stock, x, dout, mask, torch.float32)
+    got = _step(ours, x, dout, mask, torch.float32)
+    for what, g, s, w in [("out", got[0], same[0], want[0]), ("dx", got[1], same[1], want[1])]:
+        try:
+            assert_within_torch_error(g, s, w)
+        except AssertionError as e:
+            found.put((rank, what, str(e)))
+    assert set(got[2]) == set(want[2])
+    for name, w in want[2].items():
+        if w is None:
+            found.put((rank, name, "no gradient"))
+            continue
+        try:
+            assert_within_torch_error(got[2][name], same[2][name], w)
+        except AssertionError as e:
+            found.put((rank, name, str(e)))
+    mc.destroy()
+
+
+SWIGLU = {}
+CASES = {
+    "reference": (SWIGLU, dict(experts=ExpertsConfig(backend="reference"))),
+    "kernels": (SWIGLU, dict(experts=ExpertsConfig(backend="triton"))),
+    "kernels-recompute": (SWIGLU, dict(experts=ExpertsConfig(backend="triton", checkpoint="recompute"))),
+    "shared-experts": (dict(moe_shared_expert_intermediate_size=40), dict(experts=ExpertsConfig(backend="triton"))),
+    "gelu": (dict(gated_linear_unit=False, activation_func=F.gelu), dict(experts=ExpertsConfig(backend="triton"))),
+    "k1-sigmoid": (dict(moe_router_topk=1, moe_router_score_function="sigmoid"),
+                   dict(experts=ExpertsConfig(backend="triton"))),
+    "dispatch-megatron": (SWIGLU, dict(experts=ExpertsConfig(backend="triton"), dispatch="megatron")),
+    "megatron-capacity": (dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+                          dict(experts=ExpertsConfig(backend="triton"), dispatch="megatron")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_rank_equals_megatrons_layer(case):
+    config_kw, ours_kw = CASES[case]
+    run_ranks(_parity, 1, config_kw, ours_kw, 0)
+
+
+def test_a_padding_mask_leaves_fewer_experts_and_they_add_nothing():
+    run_ranks(_parity, 1, SWIGLU, dict(experts=ExpertsConfig(backend="triton")), 3, True)
+
+
+def _biases(rank, world, found):
+    """Expert biases (add_bias_linear): Megatron-Core 0.16's SequentialMLP raises in its own forward here (an
+    in-place add of p · b2 to its row-parallel output, a view), so the kernels are held to moeblaze's reference,
+    whose expert is p · (W2 act(W1 x + b1) + b2) as Megatron's MLP computes it: the reference in fp64 is exact,
+    in fp32 the error torch makes."""
+    mc.init(ep=world)
+    config = mc.transformer_config(add_bias_linear=True)
+    layers = [mc.build(mc.moeblaze_mlp(4, experts=ExpertsConfig(backend=b)), config, seed=i)
+              for i, b in enumerate(["triton", "reference", "reference"])]
+    for p in layers[0].parameters():  # Megatron initializes biases to zero: make them count
+        p.data.normal_(std=0.5)
+    layers[1].load_state_dict(layers[0].state_dict())
+    layers[2].load_state_dict(layers[0].state_dict())
+    layers[2].double()
+    x, dout, _ = _inputs(7)
+    want = _step(layers[2], x, dout, None, torch.float64)
+    same = _step(layers[1], x, dout, None, torch.float32)
+    got = _step(layers[0], x, dout, None, torch.float32)
+    for name, w in [("out", want[0]), ("dx", want[1]), *want[2].items()]:
+        g, s = (got[0], same[0]) if name == "out" else (got[1], same[1]) if name == "dx" else (got[2][name],
+                                                                                           same[2][name])
+        try:
+            assert_within_torch_error(g, s, w)
+        except AssertionError as e:
+            found.put((name, str(e)))
+    if not any("bias" in n for n in want[2]):
+        found.put("no bias parameters")
+    mc.destroy()
+
+
+def test_expert_biases_equal_the_reference():
+    run_ranks(_biases, 1)
+
+
+@pytest.mark.parametrize("ours_kw", [dict(experts=ExpertsConfig(backend="triton")),
+                                     dict(experts=ExpertsConfig(backend="triton"), ep=EPConfig("capacity", 4.0)),
+                                     dict(experts=ExpertsConfig(backend="triton"), dispatch="megatron")],
+                         ids=["moeblaze-exact", "moeblaze-capacity", "megatron-alltoall"])
+def test_expert_parallel_two_ranks_equal_megatrons_alltoall(ours_kw):
+    run_ranks(_parity, 2, dict(num_moe_experts=4), ours_kw, 5)
+
+
+def _sharded(module) -> dict:
+    """What Megatron's dist-checkpointing writes and reads a module by: each ShardedTensor's key, global shape,
+    offsets and replica id, by state-dict name."""
+    return {name: (t.key, tuple(t.global_shape), tuple(t.global_offset), t.replica_id)
+            for name, t in module.sharded_state_dict().items() if hasattr(t, "global_shape")}
+
+
+def _names_and_checkpoints(rank, world, found):
+    """The parameters, state dicts and sharded state dicts (dist-checkpointing's layout) of moeblaze's layer are
+    stock Megatron's: a state dict loads strictly both ways, values intact, at EP = world. (Megatron's
+    dist-checkpointing save itself forks writer processes, which a pool's rank can't: the GPU suite runs it.)"""
+    mc.init(ep=world)
+    config = mc.transformer_config(moe_shared_expert_intermediate_size=40)
+    stock = mc.build(mc.stock_mlp(4), config, seed=0)
+    ours = mc.build(mc.moeblaze_mlp(4), config, seed=1)
+    if [n for n, _ in stock.named_parameters()] != [n for n, _ in ours.named_parameters()]:
+        found.put("parameter names differ")
+    if _sharded(stock) != _sharded(ours) or not _sharded(ours):
+        found.put(("sharded state dicts differ", _sharded(stock), _sharded(ours)))
+    for src, dst, name in [(ours, stock, "ours-to-stock"), (stock, ours, "stock-to-ours")]:
+        for p in src.parameters():
+            p.data.normal_()
+        dst.load_state_dict(src.state_dict())  # strict
+        for (n, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
+            if torch.is_tensor(a) and not torch.equal(a, b):
+                found.put((name, n, "differs after loading"))
+    mc.destroy()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_checkpoints_load_both_ways_between_stock_megatron_and_moeblaze(world):
+    run_ranks(_names_and_checkpoints, world)
+
+
+REFUSED = {
+    "expert_tensor_parallel_size": dict(expert_tensor_parallel_size=2),
+    "moe_layer_recompute": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+    "overlap_moe_expert_parallel_comm": dict(overlap_moe_expert_parallel_comm=True, expert_model_parallel_size=2,
+                                             bf16=True),
+    "cuda_graph_scope": dict(cuda_graph_impl="local", cuda_graph_scope="full"),
+    "moe_apply_probs_on_input": dict(moe_apply_probs_on_input=True, moe_router_topk=1, moe_router_pre_softmax=True),
+    "moe_expert_capacity_factor": dict(moe_expert_capacity_factor=1.0),
+    "activation_func_clamp_value": dict(activation_func_clamp_value=7.0),
+    "activation_func": dict(activation_func=torch.tanh),
+}
+
+
+def _refusals(rank, world, found, names):
+    """Each refused option raises a ValueError naming it when the layer is built."""
+    mc.init(ep=world)
+    for name in names:
+        try:
+            config = mc.transformer_config(**REFUSED[name])
+        except Exception as e:  # Megatron's own config refused the combination first: nothing to build
+            found.put((name, f"Megatron-Core's TransformerConfig refused it: {e}"))
+            continue
+        try:
+            mc.build(mc.moeblaze_mlp(4), config)
+        except ValueError as e:
+            if name not in str(e):
+                found.put((name, f"the error does not name it: {e}"))
+        else:
+            found.put((name, "built"))
+    mc.destroy()
+
+
+def test_each_refused_option_is_named_when_the_layer_is_built():
+    run_ranks(_refusals, 1, list(REFUSED))
+
+
+def test_refused_recipes_and_spec_options():
+    from moeblaze.integrations.megatron import get_moeblaze_gpt_layer_spec
+
+    with pytest.raises(ValueError, match="dispatch"):
+        get_moeblaze_gpt_layer_spec(4, dispatch="deepep")
+    with pytest.raises(ValueError, match="ep is moeblaze's"):
+        get_moeblaze_gpt_layer_spec(4, dispatch="megatron", ep=EPConfig())
+    with pytest.raises(TypeError, match="ExpertsConfig"):
+        get_moeblaze_gpt_layer_spec(4, experts={"checkpoint": "recompute"})
+
+
+def _recipe_refusals(rank, world, found):
+    mc.init(ep=world)
+    config = mc.transformer_config()
+    for experts, words in [(ExpertsConfig(activation="gelu"), "activation"),
+                           (ExpertsConfig(precision="fp8", fp8_weight_cache=True), "fp8_weight_cache")]:
+        try:
+            mc.build(mc.moeblaze_mlp(4, experts=experts), config)
+        except ValueError as e:
+            if words not in str(e):
+                found.put((words, str(e)))
+        else:
+            found.put((words, "built"))
+    mc.destroy()
+
+
+def test_a_recipe_the_megatron_config_contradicts_is_refused():
+    run_ranks(_recipe_refusals, 1)
+
+
+def _stacked_storages_outlive_forward(rank, world, found, restack: bool):
+    """Whether a stacked copy of the experts' weights is alive between forward and backward: with the layer's
+    saved-tensor hooks (restack) none is, what autograd saved restacks from the parameters in backward; without
+    them (the control) autograd keeps the copies."""
+    import contextlib
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from moeblaze.integrations import megatron
+
+    mc.init(ep=world)
+    ours = mc.build(mc.moeblaze_mlp(4, experts=ExpertsConfig(backend="triton")), mc.transformer_config())
+    made, stack, hooks = [], megatron._stack, megatron._restacked
+
+    def recorded(parts):
+        t = stack(parts)
+        made.append(StorageWeakRef(t.untyped_storage()))
+        return t
+    megatron._stack = recorded
+    if not restack:
+        megatron._restacked = lambda stacks: contextlib.nullcontext()
+    try:  # (the rank's process runs other tests after this one)
+        out, _ = ours(torch.randn(T, B, D, requires_grad=True))
+        gc.collect()
+        alive = sum(not r.expired() for r in made)
+        out.sum().backward()
+    finally:
+        megatron._stack, megatron._restacked = stack, hooks
+    if len(made) != 2 or alive != (0 if restack else 2):
+        found.put((len(made), alive))
+    if any(p.grad is None for p in ours.parameters()):
+        found.put("a parameter got no gradient")
+    mc.destroy()
+
+
+@pytest.mark.parametrize("restack", [True, False], ids=["the-layer", "control-without-its-hooks"])
+def test_no_stacked_copy_of_the_weights_lives_from_forward_to_backward(restack):
+    run_ranks(_stacked_storages_outlive_forward, 1, restack)
