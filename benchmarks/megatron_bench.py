@@ -109,7 +109,6 @@ def run(what: str, variant: str, args) -> dict:
             logits = model(ids, pos, attention_mask=None)
             logits.float().square().mean().backward()
     ms, peak = timed(step, args.warmup, args.iters)
-    del model
     return {"step_ms": round(ms, 3), "peak_mb": round(peak, 1)}
 
 

@@ -5,22 +5,27 @@ dispatcher), expert parallelism over all ranks, then a dist-checkpointing round 
 
 Each check: moeblaze's layer (dispatch="moeblaze", and "megatron": Megatron's dispatcher, moeblaze's op on its
 rows) and Megatron's, the same weights, one forward and backward on fresh random tokens; Megatron's layer again in
-fp64 is the exact result. fp32: output, dx and every gradient within 1e-6 of it (relative, Frobenius); bf16: within
-twice Megatron's own bf16 error against it plus two bf16 epsilons. Then moeblaze's sharded state dict saved
+fp64 is the exact result. Output, dx and every gradient (relative, Frobenius) within twice Megatron's own error
+against it at the same precision (fp32, bf16) plus two of that precision's epsilons: the tests' rule, a bound
+that moves with the machine's rounding. (Megatron's own fp32 error is 6-8e-7 at this shape, so a fixed 1e-6 would
+be under twice it.) Then moeblaze's sharded state dict saved
 with Megatron's dist-checkpointing loads into stock Megatron's layer and back, values bitwise equal. Rank 0 prints
 one line per check and writes them to DIR/megatron_check.txt; the exit status is non-zero if any check fails.
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import triton
 
 from moeblaze import ExpertsConfig
+from moeblaze.experts.tl import TUNED_KERNELS
 
 
 def rel(a, b) -> float:
@@ -60,7 +65,7 @@ def step(layer, x, dout, dtype):
     return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
 
 
-def parity(name, ours_kw, dtype, T=2048, B=2, seed=0) -> tuple[bool, str]:
+def parity(name, ours_kw, dtype, T=1024, B=2, seed=0) -> tuple[bool, str]:
     cfg = config()
     stock_mlp, ours_mlp = mlps(cfg.num_moe_experts, **ours_kw)
     stock = build(stock_mlp, cfg, seed).to(dtype)
@@ -76,7 +81,7 @@ def parity(name, ours_kw, dtype, T=2048, B=2, seed=0) -> tuple[bool, str]:
     pairs = [("out", got[0], same[0], want[0]), ("dx", got[1], same[1], want[1])]
     pairs += [(n, got[2][n], same[2][n], w) for n, w in want[2].items()]
     for what, a, s, w in pairs:
-        bound = 1e-6 if dtype == torch.float32 else 2 * rel(s, w) + 2 * torch.finfo(dtype).eps
+        bound = 2 * rel(s, w) + 2 * torch.finfo(dtype).eps
         err = rel(a, w)
         ok &= bool(torch.isfinite(a).all()) and err <= bound
         worst.append((err / bound, what, err, rel(s, w)))
@@ -109,7 +114,12 @@ def round_trip(path) -> tuple[bool, str]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out")
+    ap.add_argument("--stall-s", type=float, default=240, help="print every thread's stack and exit after this long")
     args = ap.parse_args()
+    faulthandler.dump_traceback_later(args.stall_s, exit=True)
+    for kernel in TUNED_KERNELS.values():  # one config, two stages (fp32's tiles fit): no tuning, the same in every
+        c = kernel.configs[0]               # process (each would otherwise tune on its own)
+        kernel.configs = [triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=2, pre_hook=c.pre_hook)]
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl")
@@ -119,8 +129,14 @@ def main():
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     model_parallel_cuda_manual_seed(0)
     import megatron.core
-    lines = [f"megatron-core {megatron.core.__version__}, torch {torch.__version__}, {world} x "
-             f"{torch.cuda.get_device_name()}, EP {world}"]
+    lines = []
+
+    def say(line):
+        lines.append(line)
+        if dist.get_rank() == 0:
+            print(line, flush=True)
+    say(f"megatron-core {megatron.core.__version__}, torch {torch.__version__}, {world} x "
+        f"{torch.cuda.get_device_name()}, EP {world}")
     failed = 0
     checks = [("moeblaze", dict()), ("moeblaze-recompute", dict(experts=ExpertsConfig(checkpoint="recompute"))),
               ("megatron-dispatch", dict(dispatch="megatron"))]
@@ -128,13 +144,13 @@ def main():
         for dtype in (torch.float32, torch.bfloat16):
             ok, line = parity(name, kw, dtype)
             failed += not ok
-            lines.append(("ok   " if ok else "FAIL ") + line)
+            say(("ok   " if ok else "FAIL ") + line)
     with tempfile.TemporaryDirectory(dir=args.out if dist.get_rank() == 0 else None) as tmp:
         path = [tmp]
         dist.broadcast_object_list(path)
         ok, line = round_trip(path[0])
         failed += not ok
-        lines.append(("ok   " if ok else "FAIL ") + line)
+        say(("ok   " if ok else "FAIL ") + line)
         dist.barrier()
     flags = torch.tensor([failed], device="cuda")
     dist.all_reduce(flags)
@@ -142,7 +158,6 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"megatron_check_ep{world}.txt"), "w") as f:
             f.write("\n".join(lines) + "\n")
-        print("\n".join(lines), flush=True)
     dist.destroy_process_group()
     raise SystemExit(1 if flags.item() else 0)
 
