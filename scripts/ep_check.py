@@ -1,12 +1,14 @@
 """Expert parallelism on the GPUs of one host: the link, an all-to-all bandwidth sweep, then the EP layer against
 one GPU over all ranks' tokens, bitwise (torch.equal) in bf16, on each kernel backend, checkpoint policy
 (preact, recompute, preact-fp8), precision (native, fp8) and dispatch mode, with uniform and skewed routing and
-empty experts; the capacity mode's forward and backward run under
+empty experts; a capacity overflow under on_overflow="error" raised on every rank, the process going on after
+it; the capacity mode's (on_overflow="drop") forward and backward run under
 torch.cuda.set_sync_debug_mode("error"): a host sync would raise; then the capacity mode under
 torch.compile(fullgraph=True) and captured in a CUDA graph (replayed on new inputs), against eager. Run with
 
     torchrun --nproc-per-node 2 scripts/ep_check.py [--tokens 4096] [--out DIR]
     torchrun --nproc-per-node 2 scripts/ep_check.py --uneven   # must stop every rank with the capacity message
+    torchrun --nproc-per-node 4 scripts/ep_check.py --only-overflow   # the overflow check alone
 
 The tl kernels are pinned to their first autotune config (each process would otherwise tune on its own and may
 pick another); the Gluon kernels are not autotuned. Rank 0 prints one line per check and writes them to
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 from moeblaze import EPConfig, ExpertsConfig
 from moeblaze.distributed import ep_experts
+from moeblaze.distributed.plan import CapacityOverflow
 from moeblaze.experts import launch_counts, moe_experts
 from moeblaze.experts.tl import TUNED_KERNELS
 from moeblaze.routing import build_routing_index
@@ -85,6 +88,28 @@ def uneven(rank: int, world: int, L: int, device) -> None:
     print(f"rank {rank}: UNEVEN CAPACITIES WENT ON, sum {float(out.float().sum())}", flush=True)
 
 
+def overflow(rank: int, world: int, L: int, device) -> str:
+    """Capacity dispatch overflowing under on_overflow="error" (every token routed to rank 0's experts, 16 rows a
+    pair): CapacityOverflow on every rank, a Python error; then, the process and its CUDA context intact, the same
+    call in exact dispatch runs."""
+    (x, idx, w, _), w1, w2 = problem(rank, world, L, "skewed", device)
+    E_loc = w1.shape[0] // world
+    mine, experts = slice(rank * L, (rank + 1) * L), slice(rank * E_loc, (rank + 1) * E_loc)
+    args = (x[mine].bfloat16(), idx[mine], w[mine], w1[experts].contiguous(), w2[experts].contiguous())
+    try:
+        ep_experts(*args, ep_config=EPConfig("capacity", capacity=16))
+        raised = "nothing"
+    except CapacityOverflow as e:
+        raised = f"CapacityOverflow ({str(e)[:60]}...)"
+    out = ep_experts(*args)
+    torch.cuda.synchronize()
+    flags = torch.tensor([raised.startswith("Capacity") and bool(torch.isfinite(out.float()).all())], device=device,
+                         dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    return (f"ep={world} capacity overflow, on_overflow='error': rank {rank} raised {raised}; "
+            f"{'every rank raised and then ran exact dispatch' if flags.item() else 'FAILED'}")
+
+
 def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: str, device,
           dispatch: str = "exact") -> str:
     (x, idx, w, dy), w1, w2 = problem(rank, world, L, case, device)
@@ -98,7 +123,8 @@ def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: st
     local = [x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_(),
              w1[experts].clone().requires_grad_(), w2[experts].clone().requires_grad_()]
     launch_counts.clear()
-    kw = dict(ep_config=EPConfig("capacity", capacity=L * 4)) if dispatch == "capacity" else {}  # room for all
+    # room for all; "drop": capacity dispatch without a host sync ("error" reads its overflow flag on the host)
+    kw = dict(ep_config=EPConfig("capacity", capacity=L * 4, on_overflow="drop")) if dispatch == "capacity" else {}
     if dispatch == "capacity":  # no host sync anywhere in the layer's forward and backward
         ep_experts(local[0], idx[mine], local[1], local[2], local[3], config=config, **kw)
         torch.cuda.synchronize()
@@ -129,7 +155,8 @@ def captured(rank: int, world: int, L: int, backend: str, checkpoint: str, devic
         return (x[mine].bfloat16(), idx[mine], w[mine], w1[experts].contiguous(), w2[experts].contiguous(),
                 dy[mine].bfloat16())
 
-    kw = dict(ep_config=EPConfig("capacity", capacity=L * 4), config=recipe_config(checkpoint, backend))
+    kw = dict(ep_config=EPConfig("capacity", capacity=L * 4, on_overflow="drop"),
+              config=recipe_config(checkpoint, backend))
 
     def step(fn, x, idx, w, w1, w2, dy):
         out = fn(x, idx, w, w1, w2, **kw)
@@ -174,6 +201,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     ap.add_argument("--out", default=".")
     ap.add_argument("--only-captured", action="store_true", help="only the torch.compile and CUDA graph checks")
+    ap.add_argument("--only-overflow", action="store_true", help="only the overflow check (on_overflow='error')")
     ap.add_argument("--uneven", action="store_true",
                     help="only capacity_factor sizing on ranks of different token counts: every rank must stop")
     args = ap.parse_args()
@@ -185,11 +213,19 @@ def main():
         kernel.configs = kernel.configs[:1]
     if args.uneven:
         return uneven(rank, world, args.tokens, device)
+    if args.only_overflow:
+        line = overflow(rank, world, args.tokens, device)
+        print(line, flush=True)
+        dist.destroy_process_group()
+        return 1 if "FAILED" in line else 0
     lines = []
     if rank == 0:
         lines.append(subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout)
     if not args.only_captured:
         lines += bandwidth(rank, world, device)
+        lines.append(overflow(rank, world, args.tokens, device))
+        if rank == 0:
+            print(lines[-1], flush=True)
     backends = ["tl"] + (["gluon"] if torch.cuda.get_device_capability(device)[0] == 9 else [])
     for dispatch in () if args.only_captured else ("exact", "capacity"):
         for case in ("uniform", "skewed", "empty_experts"):
@@ -217,4 +253,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -70,12 +70,12 @@ for s in $steps; do
       run $many $C --batch-size 16 --ep $N --loss-log $OUT/curves/gpu${N}-ep${N}.jsonl --save "" ;;
     graph)
       # --cuda-graph: the small model's step replayed from a CUDA graph, timed beside the eager step in this run
-      # (one GPU and N GPUs as one FSDP2 unit), then per-block units and ep N (capacity, an overflow an error);
+      # (one GPU and N GPUs as one FSDP2 unit), then per-block units and ep N (capacity, an overflow dropped and counted);
       # then each launch's 20 steps with and without it: the loss logs (losses, gradient norms, validation
       # losses) must be equal, byte for byte
       B="--preset small --bench-steps ${BENCH_STEPS:-10} --bench-warmup 3 --dtype bfloat16 --results $OUT/results"
       G="--cuda-graph"
-      EPC="--ep $N --ep-dispatch capacity --capacity-factor 2 --on-overflow error"
+      EPC="--ep $N --ep-dispatch capacity --capacity-factor 2 --on-overflow drop"
       CUDA_VISIBLE_DEVICES=0 run $one $B
       CUDA_VISIBLE_DEVICES=0 run $one $B $G
       run $many $B --bench-profile --fsdp-units model

@@ -177,6 +177,7 @@ CASES = [
     ("moeblaze train --cuda-graph  # on a CPU", SystemExit),
     ("moeblaze train --cuda-graph --ep 2", SystemExit),
     ("moeblaze train --cuda-graph --ep 2 --ep-dispatch capacity", SystemExit),
+    ("moeblaze train --cuda-graph --ep 2 --ep-dispatch capacity --on-overflow error", SystemExit),
     ("moeblaze train --cuda-graph --precision fp8 --fp8-weight-cache", SystemExit),
     ("moeblaze train --cuda-graph --compile", SystemExit),
     ("moeblaze train --save ckdir/", SystemExit),

@@ -10,6 +10,7 @@ import torch
 
 from moeblaze import EPConfig, ExpertsConfig
 from moeblaze.distributed import CapacityTracker, ep_experts, receiver_index
+from moeblaze.distributed.plan import CapacityOverflow
 from moeblaze.experts import moe_experts
 from moeblaze.routing import build_routing_index
 
@@ -155,10 +156,14 @@ def _overflow(rank, world, mode):
         E_loc = w1.shape[0] // world
         try:
             ep_experts(x, idx, w, w1[:E_loc], w2[:E_loc], ep_config=EPConfig("capacity", capacity=small))
-        except RuntimeError as e:
-            assert "needs more than 8 rows" in str(e), str(e)
+        except CapacityOverflow as e:
+            assert "needs more than 8 rows" in str(e) and "no row was sent" in str(e), str(e)
         else:
             raise AssertionError("an overflow passed silently")
+        # every rank raised together: the group goes on, the same step in exact dispatch equals one process
+        out_all, g_all, dy_all = _one_process(toks, w1, w2, "preact")
+        out, g, mine, experts = _ep(rank, world, toks, w1, w2, "preact", dy_all)
+        _assert_equal((out, g), (out_all, g_all), mine, experts)
     elif mode == "overflow_drop":
         dropped = _dropped_pairs(toks, w1.shape[0], world, small)
         assert dropped.any()

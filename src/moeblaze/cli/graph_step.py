@@ -71,10 +71,10 @@ def check_graphable(args) -> None:
     reads the device from the host or keeps Python state across steps."""
     if args.ep > 1 and args.ep_dispatch == "exact":
         raise UsageError("--cuda-graph: --ep-dispatch exact reads each layer's split sizes on the host every step; "
-                         "use --ep-dispatch capacity (with --on-overflow drop or error)")
-    if args.ep > 1 and args.on_overflow == "rerun":
-        raise UsageError("--cuda-graph: --on-overflow rerun reads the overflow flag on the host every step; "
-                         "use --on-overflow error (a device-side assert) or drop")
+                         "use --ep-dispatch capacity with --on-overflow drop")
+    if args.ep > 1 and args.on_overflow in ("rerun", "error"):
+        raise UsageError(f"--cuda-graph: --on-overflow {args.on_overflow} reads the overflow flag on the host every "
+                         "step; use --on-overflow drop (the dropped rows counted and reported)")
     if args.fp8_weight_cache:
         raise UsageError("--cuda-graph: --fp8-weight-cache decides on the host, once a step, whether the weights "
                          "changed; leave it off (the graph quantizes them every step)")

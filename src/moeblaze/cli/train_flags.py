@@ -106,7 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="(GPU) capture the training step (forward, backward, clipping; FSDP2's collectives too) in a "
                         "CUDA graph at the second step and replay it after: one launch a step plus the optimizer's, "
                         "for a model whose step is paced by the host. Every step has the same shapes; no host sync "
-                        "may run inside it: --ep > 1 needs --ep-dispatch capacity with --on-overflow drop or error")
+                        "may run inside it: --ep > 1 needs --ep-dispatch capacity with --on-overflow drop")
     t.add_argument("--loss-log", default="", help="write every step's training loss (the global mean under torchrun), "
                    "the gradient norm before clipping and each MoE layer's max/mean expert load over the step's "
                    "pairs (all ranks', after token rounding; with rounding, also the pairs each layer computed per "

@@ -17,10 +17,12 @@ dX~ and dS = <dA', A> per row; dx and the router-weight gradient are then the se
 Dispatch modes:
   exact     variable split sizes, read on the host once per layer call (one device-to-host sync; backward reuses
             them); R = the rows actually routed here.
-  capacity  C rows per (source, destination) pair, equal splits: no host sync. A destination's rows past C (in its
-            expert order) are overflow: never silent. on_overflow="error" stops the program (a device-side assert
-            on GPUs), "drop" drops them (they add nothing, as transformers' sentinels), and a CapacityTracker
-            records the rows each destination needed so that the caller can grow C and rerun the step. The
+  capacity  C rows per (source, destination) pair, equal splits. A destination's rows past C (in its expert order)
+            are overflow: never silent. on_overflow="error" raises CapacityOverflow on every rank before any row is
+            sent (one all-reduced flag read on the host: a sync, and refused under CUDA-graph capture); "drop"
+            drops them (they add nothing, as transformers' sentinels; counted where `dropped` is given) and a
+            CapacityTracker records the rows each destination needed so that the caller can grow C and rerun the
+            step, both without a host sync. The
             receiver's padding rows are dropped pairs of its index (routing.index's sentinels): never computed.
             R = ep·C.
 Autograd: one custom-op pair, ep_fwd / ep_bwd, for both modes, its schemas and fakes derived from EPInputs, EPKept
@@ -293,9 +295,11 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     dispatch="capacity": C rows per (source, destination) pair, the same on every rank: `capacity`, or
     tracker.capacity, or ⌈capacity_factor · L · K / ep⌉ rounded up to 16 (then every rank must have the same L:
     the ranks check that they agree on C with the counts they exchange, and a disagreement is an error on every
-    rank, a ValueError on CPU processes, a device-side assert on GPUs, before any row is sent).
+    rank before any row is sent: a ValueError under on_overflow="error", and on CPU processes; with "drop" or a
+    tracker, which never sync, a device-side assert on GPUs).
     Overflow (a destination needing more than C rows): with a tracker, recorded for the caller's rerun (and
-    dropped in this call); otherwise on_overflow "error" (default) or "drop". dropped: a device counter (an int64
+    dropped in this call); otherwise on_overflow "error" (default: CapacityOverflow on every rank before any row
+    is sent, one host read of an all-reduced flag; refused under CUDA-graph capture) or "drop". dropped: a device counter (an int64
     scalar) that the number of rows this rank drops is added to (no host sync), under on_overflow="drop".
 
     Args:

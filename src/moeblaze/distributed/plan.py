@@ -113,16 +113,16 @@ class Plan:
         sent = torch.cat([kept_counts, kept_counts.new_full((ep, 1), capacity)], 1)
         got = torch.empty_like(sent)
         dist.all_to_all_single(got, sent, group=group)
-        fail_if_any((got[:, E_loc] != capacity).any(), group, "capacity dispatch: the ranks use different "
-                     f"capacities (this rank {capacity} rows per pair): with different token counts per rank, pass "
-                     "the same capacity= on every rank or a CapacityTracker instead of sizing it by capacity_factor",
-                     ValueError)
         recv_counts = got[:, :E_loc]
         self.needed = (per_dest.max() if P else per_dest.new_zeros(())).to(torch.int64)
+        mismatch = (got[:, E_loc] != capacity).any()
+        mismatched = ("capacity dispatch: the ranks use different capacities (this rank "
+                      f"{capacity} rows per pair): with different token counts per rank, pass the same capacity= on "
+                      "every rank or a CapacityTracker instead of sizing it by capacity_factor")
         if fail_on_overflow:
-            fail_if_any(self.needed > capacity, group, f"capacity dispatch: a destination needs more than {capacity} "
-                         "rows (raise the capacity factor, pass on_overflow='drop', or use a CapacityTracker)",
-                        CapacityOverflow)
+            _raise_together(mismatch, self.needed > capacity, group, mismatched, capacity)
+        else:
+            fail_if_any(mismatch, group, mismatched, ValueError)
         self.in_splits = self.out_splits = None
         self.splits = torch.empty(0, dtype=torch.int64, device=dev)
         first = routing.expert_offsets[:-1].view(ep, E_loc)[:, 0].to(torch.int64)  # each destination's first row
@@ -184,12 +184,31 @@ class Plan:
 
 
 class CapacityOverflow(RuntimeError):
-    """Capacity dispatch under on_overflow="error": a destination needed more rows than the capacity (raised on
-    every rank together, on the CPU; a device-side assert on GPUs)."""
+    """Capacity dispatch under on_overflow="error": a destination needed more rows than the capacity. Raised on
+    every rank together, before any row is sent: the job can catch it, save, and go on with a larger capacity."""
+
+
+def _raise_together(mismatch: torch.Tensor, overflow: torch.Tensor, group, mismatched: str, capacity: int) -> None:
+    """on_overflow="error": the ranks' capacities disagree (ValueError) or a destination needs more than the capacity
+    (CapacityOverflow), raised on every rank together: one all-reduce and one host read (on a GPU a sync), so that
+    the process, its CUDA context intact, can save. A CUDA graph can't read the host: refused under capture."""
+    if mismatch.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError("capacity dispatch: on_overflow='error' reads the overflow on the host (a Python error on "
+                         "every rank), which a CUDA graph can't: under capture use on_overflow='drop' (the dropped "
+                         "rows counted) or a CapacityTracker")
+    flags = torch.stack([mismatch, overflow]).to(torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    mismatch, overflow = flags.tolist()
+    if mismatch:
+        raise ValueError(mismatched)
+    if overflow:
+        raise CapacityOverflow(f"capacity dispatch: a destination needs more than {capacity} rows (raise the "
+                               "capacity factor, pass on_overflow='drop', or use a CapacityTracker); no row was sent")
 
 
 def fail_if_any(bad: torch.Tensor, group, message: str, error: type = RuntimeError) -> None:
-    """A device-side assert on GPUs (no host sync; the program stops, and the other ranks with it). On the CPU,
+    """A device-side assert on GPUs (no host sync; the program stops, and the other ranks with it: on_overflow
+    "drop" and a tracker's capacity check, which must not sync). On the CPU,
     where a host read is free, every rank raises `error` together (one all-reduce), so none is left waiting in the
     next collective."""
     if bad.device.type != "cpu":
