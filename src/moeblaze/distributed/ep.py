@@ -56,7 +56,7 @@ from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config, from_legac
 from ..routing import RoutingIndex, build_routing_index
 from ..routing.checks import check_expert_inputs, check_topk_weights
 from ..routing.index import in_row_order
-from .plan import CapacityTracker, Plan
+from .plan import CapacityTracker, PlanTensors, make_plan, restore_plan
 
 
 class EPInputs(NamedTuple):
@@ -79,27 +79,23 @@ class EPInputs(NamedTuple):
 
 
 class EPKept(NamedTuple):
-    """What the forward hands the backward: the plan (the receiver's index, the send positions (empty: every row),
-    each pair's slot in the return buffer, the rows kept there, the exact splits (2, ep) on the host (empty:
-    capacity)), the received rows (empty under "recompute": sent again) and the op's own Kept."""
-    recv_counts: torch.Tensor
-    recv_offsets: torch.Tensor
-    recv_token_idx: torch.Tensor
-    recv_slot: torch.Tensor
-    send_pos: torch.Tensor
-    slot_LK: torch.Tensor
-    kept_rows: torch.Tensor
-    splits: torch.Tensor
+    """What the forward hands the backward: the transport's tensors (plan.PlanTensors), the received rows (empty
+    under "recompute": sent again) and the op's own Kept. Through the custom ops they travel flat (flat(), of()):
+    their schemas are FLAT's fields."""
+    plan: PlanTensors
     recv_x: torch.Tensor
-    preact: torch.Tensor
-    preact_scale: torch.Tensor
-    tile_expert: torch.Tensor
-    tile_row: torch.Tensor
-    tiles_used: torch.Tensor
+    op: Kept
 
-    @property
-    def op_kept(self) -> Kept:
-        return Kept(*self[-len(Kept._fields):])
+    def flat(self) -> tuple:
+        return (*self.plan, self.recv_x, *self.op)
+
+    @classmethod
+    def of(cls, flat) -> EPKept:
+        n = len(PlanTensors._fields)
+        return cls(PlanTensors(*flat[:n]), flat[n], Kept(*flat[n + 1:]))
+
+
+FLAT = (*PlanTensors._fields, "recv_x", *Kept._fields)  # EPKept's tensors, in the custom ops' schemas
 
 
 _N_IN = len(EPInputs._fields)
@@ -118,7 +114,7 @@ def ep_forward(inputs: EPInputs, group_name: str, key: str, capacity: int | None
     go back as Y itself and the sender combines them with its router weights, as on one GPU."""
     group = _resolve_group(group_name)
     x = inputs.x
-    plan = Plan(inputs.routing, dist.get_world_size(group), group, capacity, fail_on_overflow)
+    plan = make_plan(inputs.routing, dist.get_world_size(group), group, capacity, fail_on_overflow)
     recv_x = plan.dispatch(plan.send(x))
     ones = recv_x.new_ones(recv_x.shape[0], 1, dtype=torch.float32)
     y, kept = experts_forward(OpInputs.of(recv_x, inputs.w1, inputs.w2, ones, plan.recv, w1_up=inputs.w1_up), key)
@@ -126,7 +122,7 @@ def ep_forward(inputs: EPInputs, group_name: str, key: str, capacity: int | None
     del y
     out = plan.combine(ret, inputs.topk_w.float().contiguous(), x.dtype) if x.shape[0] else torch.zeros_like(x)
     rows = recv_x if _keeps_rows(key) else x.new_empty(0)
-    return out, plan.needed, EPKept(*plan.tensors(), rows, *kept)
+    return out, plan.needed, EPKept(plan.tensors(), rows, kept)
 
 
 def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name: str, key: str
@@ -137,14 +133,14 @@ def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name:
     if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.op)
         ensure_context(dout.get_device())
     x, topk_w = inputs.x, inputs.topk_w
-    plan = Plan.restore(inputs.routing, _resolve_group(group_name), saved)
+    plan = restore_plan(inputs.routing, _resolve_group(group_name), saved.plan)
     recv_x = saved.recv_x if _keeps_rows(key) else plan.dispatch(plan.send(x))  # "recompute": sent again
     dy_recv = plan.dispatch(plan.send(dout))
     w_rows = in_row_order(topk_w, plan.routing.token_slot, plan.routing.expert_token_idx.shape[0],
                           torch.float32)  # router weights in expert order
     w_recv = plan.dispatch(plan.in_send_order(w_rows)).view(-1, 1)
     dx_recv, dw1, dw2, ds_recv, _db1, _db2, dw1_up = experts_backward(
-        dy_recv, OpInputs.of(recv_x, inputs.w1, inputs.w2, w_recv, plan.recv, w1_up=inputs.w1_up), saved.op_kept, key)
+        dy_recv, OpInputs.of(recv_x, inputs.w1, inputs.w2, w_recv, plan.recv, w1_up=inputs.w1_up), saved.op, key)
     del dy_recv, recv_x
     dx_ret = plan.give_back(dx_recv)
     ds_ret = plan.give_back(ds_recv.view(-1))
@@ -162,17 +158,17 @@ def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name:
 # (experts.op.eager_function), as the op does.
 def _forward_op(*args):
     out, needed, saved = ep_forward(EPInputs(*args[:_N_IN]), *args[_N_IN:])
-    return (out, needed, *saved)
+    return (out, needed, *saved.flat())
 
 
 def _backward_op(dout, *args):
-    return ep_backward(dout, EPInputs(*args[:_N_IN]), EPKept(*args[_N_IN:-2]), *args[-2:])
+    return ep_backward(dout, EPInputs(*args[:_N_IN]), EPKept.of(args[_N_IN:-2]), *args[-2:])
 
 
 ep_fwd = torch.library.custom_op("moeblaze::ep_fwd", _forward_op, mutates_args=(),
-                                 schema=op_schema(EPInputs, tail=_TAIL, returns=2 + len(EPKept._fields)))
+                                 schema=op_schema(EPInputs, tail=_TAIL, returns=2 + len(FLAT)))
 ep_bwd = torch.library.custom_op("moeblaze::ep_bwd", _backward_op, mutates_args=(),
-                                 schema=op_schema("dout", EPInputs, EPKept, tail="str group_name, str key",
+                                 schema=op_schema("dout", EPInputs, *FLAT, tail="str group_name, str key",
                                                   returns=5))
 
 
@@ -189,10 +185,11 @@ def _(*args):
                     torch.empty(E_loc, **ints), torch.empty(E_loc + 1, **ints), torch.empty(R, **ints),
                     torch.empty(R, 1, **ints), w1_up=inputs.w1_up)
     longs = dict(dtype=torch.int64, device=dev)
-    plan = (*recv[4:8], torch.empty(R, **longs), torch.empty(inputs.token_slot.shape, **ints),
-            torch.empty(1, **ints), torch.empty(0, **longs))
+    plan = PlanTensors(recv.expert_counts, recv.expert_offsets, recv.expert_token_idx, recv.token_slot,
+                       send_pos=torch.empty(R, **longs), slot_LK=torch.empty(inputs.token_slot.shape, **ints),
+                       kept_rows=torch.empty(1, **ints), splits=torch.empty(0, **longs))
     rows = recv.x if _keeps_rows(key) else x.new_empty(0)
-    return (x.new_empty(x.shape), torch.empty((), **longs), *plan, rows, *kept_like(recv, key))
+    return (x.new_empty(x.shape), torch.empty((), **longs), *EPKept(plan, rows, kept_like(recv, key)).flat())
 
 
 @ep_bwd.register_fake
@@ -299,8 +296,9 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     tracker, which never sync, a device-side assert on GPUs).
     Overflow (a destination needing more than C rows): with a tracker, recorded for the caller's rerun (and
     dropped in this call); otherwise on_overflow "error" (default: CapacityOverflow on every rank before any row
-    is sent, one host read of an all-reduced flag; refused under CUDA-graph capture) or "drop". dropped: a device counter (an int64
-    scalar) that the number of rows this rank drops is added to (no host sync), under on_overflow="drop".
+    is sent, one host read of an all-reduced flag; refused under CUDA-graph capture) or "drop". dropped: a
+    device counter (an int64 scalar) that the number of rows this rank drops is added to (no host sync), under
+    on_overflow="drop".
 
     Args:
         x: (L, D) this rank's tokens, float.

@@ -1,7 +1,9 @@
-"""The plan of one expert-parallel layer call: which rows each rank sends, how the receiver indexes what arrives
-(receiver_index: a K = 1 routing index in the global token order, no sort), where each pair's returned row lands,
-and the all-to-alls that move them; capacity dispatch's overflow rule and CapacityTracker. distributed.ep's header
-describes the data flow and both dispatch modes.
+"""The transport of one expert-parallel layer call (Transport, the seam between the op's bodies and the
+communication): which rows each rank sends, how the receiver indexes what arrives (receiver_index: a K = 1 routing
+index in the global token order, no sort), where each pair's returned row lands, and the all-to-alls that move them.
+ExactPlan and CapacityPlan implement it (make_plan builds one per forward call, restore_plan brings it back in
+backward from its PlanTensors, by field name); capacity dispatch's overflow rule and CapacityTracker.
+distributed.ep's header describes the data flow and both dispatch modes.
 
 Memory: the plan holds O(L·K + R) int32 (the receiver's index, the send positions and the pairs' return slots) and,
 in exact mode, the split sizes on the host; it allocates no row buffer of its own beyond the all-to-alls' outputs.
@@ -10,6 +12,8 @@ Legend: ep ranks, E experts (E_loc = E / ep per rank), L tokens and K experts pe
 received, D hidden.
 """
 from __future__ import annotations
+
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -83,27 +87,133 @@ class CapacityTracker:
         return self.capacity
 
 
-class Plan:
-    """One EP layer call's routing on both sides. send_pos: the positions, in the sender's expert order, of the
-    rows it sends (one per send-buffer row; padding repeats a valid one); slot_LK and kept: where each pair's
-    returned row lands in the return buffer (slots >= kept: dropped); recv: the receiver's index; needed (capacity
-    mode): the most rows any destination needed from this rank."""
+class PlanTensors(NamedTuple):
+    """A plan's tensors, what backward gets back (EPKept.plan): the receiver's index, the send positions (empty:
+    every row, in expert order), each pair's slot in the return buffer and the rows kept there (both empty: the
+    routing's own), and the exact splits (2, ep) on the host (empty: capacity dispatch, which they tell apart)."""
+    recv_counts: torch.Tensor
+    recv_offsets: torch.Tensor
+    recv_token_idx: torch.Tensor
+    recv_slot: torch.Tensor
+    send_pos: torch.Tensor
+    slot_LK: torch.Tensor
+    kept_rows: torch.Tensor
+    splits: torch.Tensor
 
-    def __init__(self, routing: RoutingIndex, ep: int, group, capacity: int | None, fail_on_overflow: bool):
+
+class Transport(Protocol):
+    """How an expert-parallel layer call moves rows: the seam between the op's bodies (distributed.ep) and the
+    communication. A transport is built per forward call (its collectives run there), restored in backward from its
+    tensors without communicating, and moves rows both ways; ExactPlan and CapacityPlan are the two here, and
+    another one (a different library's all-to-all, an overlapped one) implements the same members.
+
+    routing: the sender's RoutingIndex over all E experts; recv: the receiver's (K = 1, over its local experts;
+    dropped pairs as padding); slot_LK and kept: each pair's row in the return buffer, slots >= kept dropped;
+    needed: the most rows any destination needed from this rank (0-d int64; capacity dispatch's overflow check)."""
+    routing: RoutingIndex
+    recv: RoutingIndex
+    slot_LK: torch.Tensor
+    kept: torch.Tensor
+    needed: torch.Tensor | None
+
+    def tensors(self) -> PlanTensors: ...
+
+    def in_send_order(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows (in the sender's expert order) as the send buffer lays them out."""
+
+    def send(self, rows_LD: torch.Tensor) -> torch.Tensor:
+        """The send buffer of rows_LD (x or dy): its rows in send order, gathered through the routing index."""
+
+    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
+        """A send buffer's rows to the ranks that hold their experts: the rows received (R of them)."""
+
+    def give_back(self, rows: torch.Tensor) -> torch.Tensor:
+        """The receiver's R rows back to their senders: the return buffer."""
+
+    def combine(self, rows: torch.Tensor, weights_LK, out_dtype) -> torch.Tensor:
+        """The sender's combine of returned rows: sum_k (w[t, k] ·) rows[slot[t, k]], dropped slots adding 0."""
+
+
+def make_plan(routing: RoutingIndex, ep: int, group, capacity: int | None, fail_on_overflow: bool) -> Transport:
+    """The transport of one forward call: exact dispatch (capacity None) or capacity dispatch with C = capacity."""
+    if capacity is None:
+        return ExactPlan(routing, ep, group)
+    return CapacityPlan(routing, ep, group, capacity, fail_on_overflow)
+
+
+def restore_plan(routing: RoutingIndex, group, saved: PlanTensors) -> Transport:
+    """The transport whose tensors `saved` holds (EPKept.plan), without any communication."""
+    return (ExactPlan if saved.splits.numel() else CapacityPlan).restore(routing, group, saved)
+
+
+class _Rows:
+    """What both transports share: the gather into the send buffer, the all-to-alls by their split sizes (None:
+    equal), and the combine through the pairs' slots."""
+    send_pos: torch.Tensor | None = None
+    in_splits: list[int] | None = None
+    out_splits: list[int] | None = None
+
+    def in_send_order(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.send_pos is None:
+            return rows
+        if rows.shape[0] == 0:
+            return rows.new_zeros((self.send_pos.shape[0],) + tuple(rows.shape[1:]))
+        return rows[self.send_pos]
+
+    def send(self, rows_LD: torch.Tensor) -> torch.Tensor:
+        if rows_LD.shape[0] == 0:  # no tokens here
+            return self.in_send_order(rows_LD)
+        return rows_LD[self.in_send_order(self.routing.expert_token_idx).long()]
+
+    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
+        return _all_to_all(rows, self.out_splits, self.in_splits, self.group)
+
+    def give_back(self, rows: torch.Tensor) -> torch.Tensor:
+        return _all_to_all(rows, self.in_splits, self.out_splits, self.group)
+
+    def combine(self, rows: torch.Tensor, weights_LK, out_dtype) -> torch.Tensor:
+        return combine_slots(rows, self.slot_LK, weights_LK, self.kept, out_dtype)
+
+
+class ExactPlan(_Rows):
+    """Exact dispatch: every routed row, variable split sizes read on the host once (the one sync of the call);
+    the receiver gets R = the rows routed to it, the pairs' slots are the routing's own."""
+
+    def __init__(self, routing: RoutingIndex, ep: int, group):
+        self.routing, self.group = routing, group
+        send_counts = routing.expert_counts.view(ep, -1)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
+        self.splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).cpu()  # the one host sync
+        self.in_splits, self.out_splits = self.splits.tolist()
+        self.recv = receiver_index(recv_counts)
+        self.needed = torch.zeros((), dtype=torch.int64, device=routing.token_slot.device)
+        self.slot_LK, self.kept = routing.token_slot, routing.expert_offsets[-1:]
+
+    def tensors(self) -> PlanTensors:
+        none = self.slot_LK.new_empty(0)
+        return PlanTensors(*self.recv.tensors(), send_pos=none, slot_LK=none, kept_rows=none, splits=self.splits)
+
+    @classmethod
+    def restore(cls, routing: RoutingIndex, group, saved: PlanTensors) -> ExactPlan:
+        plan = cls.__new__(cls)
+        plan.routing, plan.group, plan.needed, plan.splits = routing, group, None, saved.splits
+        plan.in_splits, plan.out_splits = saved.splits.tolist()
+        plan.slot_LK, plan.kept = routing.token_slot, routing.expert_offsets[-1:]
+        plan.recv = RoutingIndex(saved.recv_counts, saved.recv_offsets, saved.recv_token_idx, saved.recv_slot)
+        return plan
+
+
+class CapacityPlan(_Rows):
+    """Capacity dispatch: C rows per (source, destination) pair, equal splits, no host sync (but under
+    on_overflow="error": fail_on_overflow); a destination's rows past C in its expert order are dropped (or the
+    call fails, every rank together), the receiver's padding rows are dropped pairs of its index."""
+
+    def __init__(self, routing: RoutingIndex, ep: int, group, capacity: int, fail_on_overflow: bool):
         self.routing, self.group = routing, group
         E = routing.num_experts
         E_loc, P, dev = E // ep, routing.expert_token_idx.shape[0], routing.token_slot.device
         send_counts = routing.expert_counts.view(ep, E_loc)
-        if capacity is None:  # exact
-            recv_counts = torch.empty_like(send_counts)
-            dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
-            self.splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).cpu()  # the one host sync
-            self.in_splits, self.out_splits = self.splits.tolist()
-            self.recv = receiver_index(recv_counts)
-            self.send_pos = None  # every row, in expert order
-            self.needed = torch.zeros((), dtype=torch.int64, device=dev)
-            self.slot_LK, self.kept = routing.token_slot, routing.expert_offsets[-1:]
-            return
         per_dest = send_counts.sum(1)  # (ep,) rows for each destination
         # rows past C in a destination's expert order are dropped: clip the per-expert counts there
         cum = send_counts.cumsum(1).clamp(max=capacity)
@@ -123,7 +233,6 @@ class Plan:
             _raise_together(mismatch, self.needed > capacity, group, mismatched, capacity)
         else:
             fail_if_any(mismatch, group, mismatched, ValueError)
-        self.in_splits = self.out_splits = None
         self.splits = torch.empty(0, dtype=torch.int64, device=dev)
         first = routing.expert_offsets[:-1].view(ep, E_loc)[:, 0].to(torch.int64)  # each destination's first row
         j = torch.arange(capacity, device=dev)
@@ -138,49 +247,18 @@ class Plan:
         self.kept = torch.full((1,), ep * capacity, dtype=torch.int32, device=dev)
         self.slot_LK = torch.where(pos < capacity, dest * capacity + pos, ep * capacity).int()
 
-    def tensors(self) -> tuple:
-        """The plan's tensors, EPKept's first fields (what restore takes back)."""
-        if self.send_pos is None:  # exact: every row is sent, and the pairs' slots are the routing's own
-            none = self.slot_LK.new_empty(0)
-            return (*self.recv.tensors(), none, none, none, self.splits)
-        return (*self.recv.tensors(), self.send_pos, self.slot_LK, self.kept, self.splits)
+    def tensors(self) -> PlanTensors:
+        return PlanTensors(*self.recv.tensors(), send_pos=self.send_pos, slot_LK=self.slot_LK, kept_rows=self.kept,
+                           splits=self.splits)
 
     @classmethod
-    def restore(cls, routing: RoutingIndex, group, saved: tuple) -> Plan:
-        """The plan whose tensors (`tensors()`, EPKept's first fields) `saved` holds, without any communication."""
+    def restore(cls, routing: RoutingIndex, group, saved: PlanTensors) -> CapacityPlan:
         plan = cls.__new__(cls)
-        plan.routing, plan.group, plan.needed = routing, group, None
-        plan.send_pos, plan.slot_LK, plan.kept, plan.splits = saved[4:8]
-        exact = plan.splits.numel() > 0
-        plan.in_splits, plan.out_splits = plan.splits.tolist() if exact else (None, None)
-        if exact:
-            plan.send_pos, plan.slot_LK, plan.kept = None, routing.token_slot, routing.expert_offsets[-1:]
-        plan.recv = RoutingIndex(*saved[:4], dropped=not exact)
+        plan.routing, plan.group, plan.needed, plan.splits = routing, group, None, saved.splits
+        plan.send_pos, plan.slot_LK, plan.kept = saved.send_pos, saved.slot_LK, saved.kept_rows
+        plan.recv = RoutingIndex(saved.recv_counts, saved.recv_offsets, saved.recv_token_idx, saved.recv_slot,
+                                 dropped=True)
         return plan
-
-    def in_send_order(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows (in the sender's expert order) as the send buffer lays them out (zeros where there are none)."""
-        if self.send_pos is None:
-            return rows
-        if rows.shape[0] == 0:
-            return rows.new_zeros((self.send_pos.shape[0],) + tuple(rows.shape[1:]))
-        return rows[self.send_pos]
-
-    def send(self, rows_LD: torch.Tensor) -> torch.Tensor:
-        """The send buffer of rows_LD (x or dy): its rows in send order, gathered through the routing index."""
-        if rows_LD.shape[0] == 0:  # no tokens here
-            return self.in_send_order(rows_LD)
-        return rows_LD[self.in_send_order(self.routing.expert_token_idx).long()]
-
-    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
-        return _all_to_all(rows, self.out_splits, self.in_splits, self.group)
-
-    def give_back(self, rows: torch.Tensor) -> torch.Tensor:
-        return _all_to_all(rows, self.in_splits, self.out_splits, self.group)
-
-    def combine(self, rows: torch.Tensor, weights_LK, out_dtype) -> torch.Tensor:
-        """The sender's combine of returned rows: sum_k (w[t, k] ·) rows[slot[t, k]], dropped slots adding 0."""
-        return combine_slots(rows, self.slot_LK, weights_LK, self.kept, out_dtype)
 
 
 class CapacityOverflow(RuntimeError):
