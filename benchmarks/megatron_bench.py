@@ -4,7 +4,7 @@ forward + backward time and peak memory of one MoE layer of Qwen3-30B-A3B's shap
     python benchmarks/megatron_bench.py [--tokens 8192] [--layers 4] [--out DIR]
 
 Variants (one Megatron spec each, the same weights and tokens, bf16 parameters as Megatron's Float16Module keeps
-them, NCCL world of one):
+them, under Megatron's DistributedDataParallel with fp32 gradient buffers, NCCL world of one):
   megatron-sequential   Megatron's local spec: SequentialMLP (a loop over the experts) after its all-to-all
                         dispatcher's permute
   megatron-te-grouped   the TransformerEngine spec's TEGroupedMLP, where transformer_engine imports
@@ -61,16 +61,21 @@ def spec(variant: str):
 
 
 def build(what: str, variant: str, layers: int):
+    """The variant's layer or model under Megatron's DistributedDataParallel (world of one), as Megatron trains:
+    gradients into its fp32 buffer, the parameters laid out in its buffer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
     cfg = transformer_config(layers, te=variant == "megatron-te-grouped")
     s = spec(variant)
     torch.manual_seed(0)
     if what == "layer":
         mlp = s.submodules.mlp
-        return (build_module(mlp, config=cfg) if isinstance(mlp, ModuleSpec) else mlp(config=cfg)).cuda()
-    from megatron.core.models.gpt import GPTModel
-    return GPTModel(config=cfg, transformer_layer_spec=s, vocab_size=32768, max_sequence_length=4096,
-                    position_embedding_type="rope").cuda()
+        model = (build_module(mlp, config=cfg) if isinstance(mlp, ModuleSpec) else mlp(config=cfg)).cuda()
+    else:
+        from megatron.core.models.gpt import GPTModel
+        model = GPTModel(config=cfg, transformer_layer_spec=s, vocab_size=32768, max_sequence_length=4096,
+                         position_embedding_type="rope").cuda()
+    return DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
 
 
 def timed(step, warmup: int, iters: int) -> tuple[float, float]:

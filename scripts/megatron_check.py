@@ -3,7 +3,8 @@ dispatcher), expert parallelism over all ranks, then a dist-checkpointing round 
 
     torchrun --nproc-per-node N scripts/megatron_check.py [--out DIR]
 
-Each check: moeblaze's layer (dispatch="moeblaze", and "megatron": Megatron's dispatcher, moeblaze's op on its
+Each check: moeblaze's layer (dispatch="moeblaze", its parameters as allocated and in one buffer as Megatron's
+DistributedDataParallel lays them, read in place; and "megatron": Megatron's dispatcher, moeblaze's op on its
 rows) and Megatron's, the same weights, one forward and backward on fresh random tokens; Megatron's layer again in
 fp64 is the exact result. Output, dx and every gradient (relative, Frobenius) within twice Megatron's own error
 against it at the same precision (fp32, bf16) plus two of that precision's epsilons: the tests' rule, a bound
@@ -65,13 +66,26 @@ def step(layer, x, dout, dtype):
     return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
 
 
-def parity(name, ours_kw, dtype, T=1024, B=2, seed=0) -> tuple[bool, str]:
+def one_buffer(module) -> None:
+    """module's parameters moved into one buffer, last first, values unchanged: as Megatron's
+    DistributedDataParallel lays them out (the layout moeblaze's layer reads in place)."""
+    params = list(module.parameters())
+    flat, at = params[0].new_empty(sum(p.numel() for p in params)), 0
+    for p in params[::-1]:
+        view = flat[at:at + p.numel()].view(p.shape)
+        view.copy_(p.data)
+        p.data, at = view, at + p.numel()
+
+
+def parity(name, ours_kw, dtype, T=1024, B=2, seed=0, ddp_layout=False) -> tuple[bool, str]:
     cfg = config()
     stock_mlp, ours_mlp = mlps(cfg.num_moe_experts, **ours_kw)
     stock = build(stock_mlp, cfg, seed).to(dtype)
     ours = build(ours_mlp, cfg, seed + 1).to(dtype)
     exact = build(stock_mlp, cfg, seed + 2).double()
     ours.load_state_dict(stock.state_dict())
+    if ddp_layout:
+        one_buffer(ours)
     exact.load_state_dict({k: v.double() if torch.is_tensor(v) else v for k, v in stock.state_dict().items()})
     g = torch.Generator(device="cuda").manual_seed(seed + dist.get_rank())
     x = torch.randn(T, B, cfg.hidden_size, generator=g, device="cuda", dtype=torch.float64)
@@ -138,11 +152,12 @@ def main():
     say(f"megatron-core {megatron.core.__version__}, torch {torch.__version__}, {world} x "
         f"{torch.cuda.get_device_name()}, EP {world}")
     failed = 0
-    checks = [("moeblaze", dict()), ("moeblaze-recompute", dict(experts=ExpertsConfig(checkpoint="recompute"))),
-              ("megatron-dispatch", dict(dispatch="megatron"))]
-    for name, kw in checks:
+    checks = [("moeblaze", dict(), False), ("moeblaze-ddp-layout", dict(), True),
+              ("moeblaze-recompute", dict(experts=ExpertsConfig(checkpoint="recompute")), False),
+              ("megatron-dispatch", dict(dispatch="megatron"), False)]
+    for name, kw, ddp_layout in checks:
         for dtype in (torch.float32, torch.bfloat16):
-            ok, line = parity(name, kw, dtype)
+            ok, line = parity(name, kw, dtype, ddp_layout=ddp_layout)
             failed += not ok
             say(("ok   " if ok else "FAIL ") + line)
     with tempfile.TemporaryDirectory(dir=args.out if dist.get_rank() == 0 else None) as tmp:

@@ -92,3 +92,18 @@ def stock_mlp(num_experts: int):
 def moeblaze_mlp(num_experts: int, **kwargs):
     from moeblaze.integrations.megatron import get_moeblaze_gpt_layer_spec
     return get_moeblaze_gpt_layer_spec(num_experts, **kwargs).submodules.mlp
+
+
+def lay_out_in_one_buffer(module, reverse: bool) -> None:
+    """Every parameter of `module` moved into one flat buffer, back to back (reverse: the last parameter first, as
+    Megatron's DistributedDataParallel lays them in its buffer), values unchanged: parameters as views of one
+    storage, without building DDP."""
+    params = list(module.parameters())
+    order = params[::-1] if reverse else params
+    flat = params[0].new_empty(sum(p.numel() for p in params))
+    at = 0
+    for p in order:
+        view = flat[at:at + p.numel()].view(p.shape)
+        view.copy_(p.data)
+        p.data = view
+        at += p.numel()
