@@ -33,12 +33,9 @@ spec picks SequentialMLP); with dispatch="moeblaze" also capacity drops (moe_exp
 moe_shared_expert_overlap (a dispatcher feature), tensor parallelism > 1, and biases under expert parallelism.
 
 Memory contract: per layer call, the routing index (O(T·K) int32) and what moe_experts keeps under the checkpoint
-policy. Megatron keeps each expert's weights as parameters of their own; where they lie in one storage at equal
-steps, as Megatron's DistributedDataParallel lays them in its buffer (last expert first), the op's (E, F, D) and
-(E, D, H) operands are views of that storage: no copy (under expert parallelism only in expert order, since the ids
-are global). Otherwise (separate allocations) the operands are stacked per call, a transient of the local experts'
-size, and saved for backward as a recipe, not a copy (restacked there from the parameters: saved-tensor hooks), so
-nothing of the weights' size lives between forward and backward.
+policy. Megatron keeps each expert's weights apart; the op's (E, F, D) and (E, D, H) operands are stacked per call
+(a transient of the local experts' size) and saved for backward as a recipe, not a copy (restacked there from the
+parameters: saved-tensor hooks), so nothing of the weights' size lives between forward and backward.
 """
 from __future__ import annotations
 
@@ -138,39 +135,6 @@ def _experts_config(experts: ExpertsConfig, megatron_config) -> ExpertsConfig:
     return dataclasses.replace(experts, activation=activation)
 
 
-def _strided(parts: tuple) -> tuple[int, int, bool] | None:
-    """(storage offset, step, reversed) where parts (E tensors of one shape and dtype, each contiguous) lie in one
-    storage at equal steps, as Megatron's DistributedDataParallel lays parameters in its buffer (last expert first):
-    then one (E, ...) tensor over that storage, no copy, is the operand (_InPlace). None otherwise."""
-    p0 = parts[0]
-    ptr = p0.untyped_storage().data_ptr()
-    if any(p.dtype != p0.dtype or p.shape != p0.shape or not p.is_contiguous()
-           or p.untyped_storage().data_ptr() != ptr for p in parts):
-        return None
-    offsets = [p.storage_offset() for p in parts]
-    step = offsets[1] - offsets[0] if len(parts) > 1 else p0.numel()
-    if abs(step) < p0.numel() or any(b - a != step for a, b in zip(offsets, offsets[1:])):
-        return None
-    return min(offsets), abs(step), step < 0
-
-
-class _InPlace(torch.autograd.Function):
-    """The experts' parameters as one operand (E, ...) over their own storage (_strided's layout; reversed: from the
-    last expert to the first): no copy, nothing kept beyond the parameters; backward hands each its slice of the
-    operand's gradient."""
-
-    @staticmethod
-    def forward(ctx, layout, *parts):
-        offset, step, ctx.reversed = layout
-        p0 = parts[0]
-        return p0.new_empty(0).set_(p0.untyped_storage(), offset, (len(parts), *p0.shape), (step, *p0.stride()))
-
-    @staticmethod
-    def backward(ctx, grad):
-        slices = grad.unbind(0)
-        return (None, *(slices[::-1] if ctx.reversed else slices))
-
-
 def _stack(parts: tuple) -> torch.Tensor:
     """The experts' parameters as one operand (E, ...): a copy, differentiable in each part."""
     return torch.stack(parts)
@@ -229,38 +193,22 @@ class MoeblazeSequentialMLP(SequentialMLP):
         biases = tuple(None if fc[0].bias is None else tuple(f.bias for f in fc) for fc in (fc1, fc2))
         return tuple(f.weight for f in fc1), tuple(f.weight for f in fc2), *biases
 
-    def _operands(self, x_TD: torch.Tensor, groups: list, ep_ranks: int) -> tuple:
-        """(x, the op's weight operands, the saved-tensor hooks to run it under, whether the operands are in reverse
-        expert order): over the parameters' own storage where each group lies there at equal steps in one order
-        (not reversed under expert parallelism, whose ids are global) and autocast casts nothing; else stacked
-        copies, saved for backward as recipes (_restacked)."""
-        layouts = [_strided(g) for g in groups]
-        orders = {layout[2] for layout in layouts if layout is not None}
-        device = x_TD.device.type
-        cast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != groups[0][0].dtype
-        if all(layouts) and len(orders) == 1 and not cast and not (ep_ranks > 1 and True in orders):
-            operands = [_InPlace.apply(layout, *g) for layout, g in zip(layouts, groups)]
-            return x_TD, operands, contextlib.nullcontext(), orders.pop()
-        stacks = {_stack(g): g for g in groups}
-        x, *operands = autocast_operands(x_TD, *stacks)
-        return x, operands, _restacked(dict(zip(operands, stacks.values()))), False
-
     def routed(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, group=None,
                ep: EPConfig | None = None, sentinels: bool = False) -> torch.Tensor:
         """sum_k weights[t, k] · expert_{ids[t, k]}(x[t]) (T, D) in x's dtype: this rank's experts, or under a
         group (expert parallelism) the group's, ids global (ids >= E where sentinels: pairs that add nothing)."""
-        groups = [g for g in self._parts() if g is not None]
-        E = len(groups[0])
-        x, operands, hooks, reversed_ = self._operands(x_TD, groups, ep_ranks=1 if group is None else group.size())
-        if reversed_:  # the operands run from the last expert to the first
-            ids_TK = torch.where(ids_TK < E, E - 1 - ids_TK, ids_TK)
+        w1s, w2s, b1s, b2s = self._parts()
+        stacks = {_stack(w1s): w1s, _stack(w2s): w2s}
+        if b1s is not None:
+            stacks.update({_stack(b1s): b1s, _stack(b2s): b2s})
+        x, *operands = autocast_operands(x_TD, *stacks)
         config, weights = self.moeblaze_config, weights_TK.to(torch.float32)
-        with hooks:
+        with _restacked(dict(zip(operands, stacks.values()))):
             if group is not None:
                 from ..distributed import ep_experts
                 out = ep_experts(x, ids_TK, weights, *operands[:2], group=group, config=config, ep_config=ep)
             else:
-                routing = build_routing_index(ids_TK, E, config.index_method, check=False, sentinels=sentinels)
+                routing = build_routing_index(ids_TK, len(w1s), config.index_method, check=False, sentinels=sentinels)
                 out = moe_experts(x, routing, weights, *operands, config=config, check=False)
         return out.to(x_TD.dtype)
 
