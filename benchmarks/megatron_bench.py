@@ -12,16 +12,18 @@ them, under Megatron's DistributedDataParallel with fp32 gradient buffers, NCCL 
   moeblaze-recompute    the same, ExpertsConfig(checkpoint="recompute")
   moeblaze-in-megatron  dispatch="megatron": Megatron's dispatcher, moeblaze's op on its permuted rows
 step_ms: the median of --iters steps after --warmup (CUDA events around each); peak_mb: the allocator's peak over
-the timed steps, weights and their gradients included. One JSON row per variant (moeblaze bench's fields) to
-stdout and DIR/<gpu>.jsonl; a variant that fails records its error instead.
+the timed steps, weights and their gradients included. Each variant runs in a process of its own (Megatron's DDP
+keeps a stock layer alive in its process after the last reference to it goes, which would count in the next
+variant's peak). One JSON row per variant (moeblaze bench's fields) to stdout and DIR/<gpu>.jsonl; a variant that
+fails records its error instead.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 
 import torch
@@ -117,6 +119,24 @@ def run(what: str, variant: str, args) -> dict:
     return {"step_ms": round(ms, 3), "peak_mb": round(peak, 1)}
 
 
+def child(args) -> None:
+    """One variant of one benchmark in this process (--child): its row on stdout."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(0)
+    try:
+        row = run(args.what, args.variants, args)
+    except Exception as e:  # noqa: BLE001 - the row records why the variant did not run
+        row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    print("ROW " + json.dumps(row), flush=True)
+    dist.destroy_process_group()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8192, help="tokens a step (sequences of 4096)")
@@ -126,15 +146,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
+    if args.child:
+        return child(args)
     from importlib.metadata import version
 
     from moeblaze.cli.bench import run_env
@@ -148,16 +163,16 @@ def main():
             row = {"impl": f"megatron:{variant}", "bench": f"megatron-{what}", "L": args.tokens, "d": q["hidden_size"],
                    "h": q["moe_ffn_hidden_size"], "E": q["num_moe_experts"], "K": q["moe_router_topk"],
                    "layers": 1 if what == "layer" else args.layers, **env}
-            try:
-                row.update(run(what, variant, args))
-            except Exception as e:  # noqa: BLE001 - the row records why the variant did not run
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            gc.collect()
-            torch.cuda.empty_cache()
+            # a process per variant: Megatron's DDP keeps a stock layer alive after its last reference goes (a CPU
+            # check showed it), which would count in the next variant's peak
+            r = subprocess.run([sys.executable, __file__, "--child", "--what", what, "--variants", variant,
+                                "--tokens", str(args.tokens), "--layers", str(args.layers), "--warmup",
+                                str(args.warmup), "--iters", str(args.iters)], capture_output=True, text=True)
+            rows = [line[4:] for line in r.stdout.splitlines() if line.startswith("ROW ")]
+            row.update(json.loads(rows[-1]) if rows else {"error": f"exit {r.returncode}: {r.stderr[-300:]}"})
             print(json.dumps(row), flush=True)
             with open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
