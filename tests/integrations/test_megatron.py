@@ -81,6 +81,9 @@ CASES = {
     "k1-sigmoid": (dict(moe_router_topk=1, moe_router_score_function="sigmoid"),
                    dict(experts=ExpertsConfig(backend="triton"))),
     "dispatch-megatron": (SWIGLU, dict(experts=ExpertsConfig(backend="triton"), dispatch="megatron")),
+    "megatron-allgather": (dict(moe_token_dispatcher_type="allgather"),
+                           dict(experts=ExpertsConfig(backend="triton"), dispatch="megatron")),
+    "allgather-config": (dict(moe_token_dispatcher_type="allgather"), dict(experts=ExpertsConfig(backend="triton"))),
     "megatron-capacity": (dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
                           dict(experts=ExpertsConfig(backend="triton"), dispatch="megatron")),
 }
