@@ -25,12 +25,12 @@ Dispatch modes:
             step, both without a host sync. The
             receiver's padding rows are dropped pairs of its index (routing.index's sentinels): never computed.
             R = ep·C.
-Autograd: one custom-op pair, ep_fwd / ep_bwd, for both modes, its schemas and fakes derived from EPInputs, EPKept
-and the op's Kept (experts.op); its bodies are the collectives around the op's own forward and backward bodies on
-the received rows. torch.compile traces it under capacity dispatch; eager mode calls its bodies directly, as the
-op does (experts.op.eager_function). The op's router-weight factor stays inside the op's backward (the sender
-combines with the weights in forward, the receiver applies them in dA''s epilogue), which is what makes each rank
-bitwise equal to one GPU.
+Autograd: one custom-op pair, moeblaze::ep_fwd / ep_bwd (EP), for both modes, its schemas and fakes derived from
+EPInputs, EPKept and the op's Kept (experts.op); its bodies are the collectives around the op's own forward and
+backward bodies on the received rows. torch.compile traces it under capacity dispatch; eager mode calls its bodies
+directly, as the op does (experts.op.define_op_pair builds both pairs: EP is the op skeleton's second instance). The
+op's router-weight factor stays inside the op's backward (the sender combines with the weights in forward, the
+receiver applies them in dA''s epilogue), which is what makes each rank bitwise equal to one GPU.
 Memory kept per layer, beyond the routing indexes (O(L·K + R) int32) and the tile schedule: under
 checkpoint="preact" the received rows R·D and the pre-activation R·F; under "recompute" nothing more: the rows are
 sent again in backward and the pre-activation recomputed. Transient: the send and return buffers (L·K·D each in
@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from ..experts import kernel_op_key
 from ..experts.dispatch import choose
-from ..experts.op import (Kept, OpInputs, eager_function, experts_backward, experts_forward, kept_like, op_schema,
+from ..experts.op import (Kept, OpInputs, define_op_pair, experts_backward, experts_forward, kept_like, op_schema,
                           parse)
 from ..launch import ensure_context
 from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config, from_legacy
@@ -155,7 +155,7 @@ def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name:
 # One custom-op pair for both dispatch modes, its schemas from the bundles above: torch.compile traces it
 # (capacity dispatch: fixed shapes, ep·C rows, so it compiles with fullgraph=True and runs in a CUDA graph; the
 # communication inside it, on a process group named by string), and eager mode calls its bodies directly
-# (experts.op.eager_function), as the op does.
+# (experts.op.define_op_pair: the op's skeleton, its second instance), as the op does.
 def _forward_op(*args):
     out, needed, saved = ep_forward(EPInputs(*args[:_N_IN]), *args[_N_IN:])
     return (out, needed, *saved.flat())
@@ -165,15 +165,7 @@ def _backward_op(dout, *args):
     return ep_backward(dout, EPInputs(*args[:_N_IN]), EPKept.of(args[_N_IN:-2]), *args[-2:])
 
 
-ep_fwd = torch.library.custom_op("moeblaze::ep_fwd", _forward_op, mutates_args=(),
-                                 schema=op_schema(EPInputs, tail=_TAIL, returns=2 + len(FLAT)))
-ep_bwd = torch.library.custom_op("moeblaze::ep_bwd", _backward_op, mutates_args=(),
-                                 schema=op_schema("dout", EPInputs, *FLAT, tail="str group_name, str key",
-                                                  returns=5))
-
-
-@ep_fwd.register_fake
-def _(*args):
+def _forward_fake(*args):
     inputs = EPInputs(*args[:_N_IN])
     group_name, key, capacity, _fail = args[_N_IN:]
     if capacity is None:
@@ -192,8 +184,7 @@ def _(*args):
     return (x.new_empty(x.shape), torch.empty((), **longs), *EPKept(plan, rows, kept_like(recv, key)).flat())
 
 
-@ep_bwd.register_fake
-def _(dout, *args):
+def _backward_fake(dout, *args):
     i = EPInputs(*args[:_N_IN])
     return (i.x.new_empty(i.x.shape), i.topk_w.new_empty(i.topk_w.shape), torch.empty_like(i.w1),
             torch.empty_like(i.w2), i.x.new_empty(0) if i.w1_up is None else torch.empty_like(i.w1_up))
@@ -201,24 +192,20 @@ def _(dout, *args):
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:_N_IN], *output[2:])
-    ctx.group_name, ctx.key = inputs[_N_IN:_N_IN + 2]
+    ctx.tail = inputs[_N_IN:_N_IN + 2]  # group_name, key
     ctx.set_materialize_grads(False)
 
 
-def _backward_with(backward_op):
-    def backward(ctx, dout, *_saved_outputs):
-        if dout is None:
-            return (None,) * (_N_IN + 4)
-        saved = ctx.saved_tensors  # once: activation checkpointing unpacks each saved tensor once only
-        dx, dtopk_w, dw1, dw2, dw1_up = backward_op(dout.contiguous(), *saved, ctx.group_name, ctx.key)
-        split = EPInputs(*saved[:_N_IN]).w1_up is not None  # W1 came in two parts
-        grads = EPInputs(dx, dtopk_w, dw1, dw2, None, None, None, None, dw1_up if split else None)
-        return (*grads, None, None, None, None)
-    return backward
+def _grads(saved: tuple, results: tuple) -> EPInputs:
+    dx, dtopk_w, dw1, dw2, dw1_up = results
+    split = EPInputs(*saved[:_N_IN]).w1_up is not None  # W1 came in two parts
+    return EPInputs(dx, dtopk_w, dw1, dw2, None, None, None, None, dw1_up if split else None)
 
 
-ep_fwd.register_autograd(_backward_with(ep_bwd), setup_context=_setup_context)
-_EagerEP = eager_function("_EagerEP", _forward_op, _setup_context, _backward_with(_backward_op))
+EP = define_op_pair("ep", _forward_op, _backward_op,
+                    fwd_schema=op_schema(EPInputs, tail=_TAIL, returns=2 + len(FLAT)),
+                    bwd_schema=op_schema("dout", EPInputs, *FLAT, tail="str group_name, str key", returns=5),
+                    setup_context=_setup_context, grads=_grads, fwd_fake=_forward_fake, bwd_fake=_backward_fake)
 
 
 def _group_name(group) -> str:
@@ -338,7 +325,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
             fail)
     # capacity dispatch is traced whole (fixed shapes); exact dispatch reads its row counts on the host, eagerly
     traced = C is not None and torch.compiler.is_compiling()
-    out, needed = (ep_fwd(*args) if traced else _EagerEP.apply(*args))[:2]
+    out, needed = (EP.fwd(*args) if traced else EP.eager.apply(*args))[:2]
     if tracker is not None:
         tracker.record(needed)
     if dropped is not None and C is not None and ep_config.overflow == "drop" and tracker is None:

@@ -48,7 +48,7 @@ the combines read them as zero, and backward (only for such an index) zeroes the
 before the weight gradients reduce over row blocks.
 
 Host side: every launch that is not autotuned goes through experts.launch (the compiled kernel relaunched
-without Triton's per-call dispatch); in eager mode autograd calls the op's bodies directly (_EagerExperts),
+without Triton's per-call dispatch); in eager mode autograd calls the op's bodies directly (EXPERTS.eager),
 and torch.compile traces the custom ops. The call's OpKey travels as a short string (OpKey.text), parsed once per value.
 The op's inputs are one bundle (OpInputs) and what forward hands backward another (Kept): the custom ops' schemas,
 fakes and autograd wiring derive from them, so a new input is one field.
@@ -247,10 +247,6 @@ def _forward_op(*args):
     return (out, *kept)
 
 
-experts_fwd = torch.library.custom_op("moeblaze::experts_fwd", _forward_op, mutates_args=(),
-                                      schema=op_schema(OpInputs, returns=1 + len(Kept._fields)))
-
-
 def kept_like(inputs: OpInputs, key: str) -> Kept:
     """Kept's shapes for these inputs (no data): the fakes' rule, here and in expert parallelism."""
     r, x = parse(key), inputs.x
@@ -263,8 +259,7 @@ def kept_like(inputs: OpInputs, key: str) -> Kept:
     return Kept(preact, scale, torch.empty(tiles, **ints), torch.empty(tiles, **ints), torch.empty(1, **ints))
 
 
-@experts_fwd.register_fake
-def _(*args):
+def _forward_fake(*args):
     inputs = OpInputs(*args[:-1])
     return (inputs.x.new_empty(inputs.x.shape), *kept_like(inputs, args[-1]))
 
@@ -362,12 +357,7 @@ def _eager_backward_op(dy, *args):
                             overwrite_kept=not _graph_kept())
 
 
-experts_bwd = torch.library.custom_op("moeblaze::experts_bwd", _backward_op, mutates_args=(),
-                                      schema=op_schema("dy", OpInputs, Kept, returns=len(DIFFERENTIABLE)))
-
-
-@experts_bwd.register_fake
-def _(dy, *args):
+def _backward_fake(dy, *args):
     inputs = OpInputs(*args[:_N_IN])
     none = inputs.x.new_empty(0)
     return (inputs.x.new_empty(inputs.x.shape), torch.empty_like(inputs.w1), torch.empty_like(inputs.w2),
@@ -379,22 +369,49 @@ def _setup_context(ctx, inputs, output):
     # backward needs no counts (the tile schedule holds them): an empty tensor in their place
     saved = OpInputs(*inputs[:-1])
     ctx.save_for_backward(*saved._replace(expert_counts=saved.expert_counts.new_empty(0)), *output[1:])
-    ctx.key = inputs[-1]
+    ctx.tail = inputs[-1:]  # the key
     # preact is saved state, never used downstream: don't let autograd fill an (R, F) zero gradient for it
     ctx.set_materialize_grads(False)
 
 
-def _backward_with(backward_op):
-    def backward(ctx, dout, *_kept_outputs):
-        if dout is None:  # the output took no part in the loss
-            return (None,) * (_N_IN + 1)
-        saved = ctx.saved_tensors
-        inputs = OpInputs(*saved[:_N_IN])
-        return (*inputs.grads(backward_op(dout.contiguous(), *saved, ctx.key)), None)
-    return backward
+def _grads(saved: tuple, results: tuple) -> tuple:
+    return OpInputs(*saved[:_N_IN]).grads(results)
 
 
-experts_fwd.register_autograd(_backward_with(experts_bwd), setup_context=_setup_context)
+class OpPair(NamedTuple):
+    """A custom-op pair and the eager autograd.Function over the same bodies: the op skeleton's autograd
+    (define_op_pair), written once for the experts op and for expert parallelism's op around it."""
+    fwd: object
+    bwd: object
+    eager: type
+
+
+def define_op_pair(name: str, forward_op, backward_op, *, fwd_schema: str, bwd_schema: str, setup_context, grads,
+                   fwd_fake, bwd_fake, eager_backward_op=None) -> OpPair:
+    """moeblaze::{name}_fwd and moeblaze::{name}_bwd from their bodies, schemas and fakes, the autograd that joins
+    them, and the eager Function (eager_function). forward_op returns (result, *rest): the first output is the result,
+    the others saved state or side outputs; setup_context(ctx, inputs, output) saves what backward reads and sets
+    ctx.tail, the non-tensor arguments backward_op takes after the saved tensors; grads(saved, results) maps
+    backward_op's results to one gradient per tensor input, and every argument past them (the schema's tail) gets
+    None. eager_backward_op: the eager Function's backward body, where it differs (default backward_op)."""
+    fwd = torch.library.custom_op(f"moeblaze::{name}_fwd", forward_op, mutates_args=(), schema=fwd_schema)
+    bwd = torch.library.custom_op(f"moeblaze::{name}_bwd", backward_op, mutates_args=(), schema=bwd_schema)
+    fwd.register_fake(fwd_fake)
+    bwd.register_fake(bwd_fake)
+    n_args = fwd_schema[:fwd_schema.index(") ->")].count(",") + 1  # the forward's arguments, each answered
+
+    def backward_with(op):
+        def backward(ctx, dout, *_state_outputs):
+            if dout is None:  # the result took no part in the loss
+                return (None,) * n_args
+            saved = ctx.saved_tensors  # once: activation checkpointing unpacks each saved tensor once only
+            g = grads(saved, op(dout.contiguous(), *saved, *ctx.tail))
+            return (*g, *(None,) * (n_args - len(g)))
+        return backward
+
+    fwd.register_autograd(backward_with(bwd), setup_context=setup_context)
+    eager = eager_function(f"_Eager_{name}", forward_op, setup_context, backward_with(eager_backward_op or backward_op))
+    return OpPair(fwd, bwd, eager)
 
 
 def eager_function(name: str, forward_body, setup_context, backward) -> type:
@@ -411,7 +428,11 @@ def eager_function(name: str, forward_body, setup_context, backward) -> type:
     return type(name, (torch.autograd.Function,), dict(forward=staticmethod(forward), backward=staticmethod(backward)))
 
 
-_EagerExperts = eager_function("_EagerExperts", _forward_op, _setup_context, _backward_with(_eager_backward_op))
+EXPERTS = define_op_pair("experts", _forward_op, _backward_op,
+                         fwd_schema=op_schema(OpInputs, returns=1 + len(Kept._fields)),
+                         bwd_schema=op_schema("dy", OpInputs, Kept, returns=len(DIFFERENTIABLE)),
+                         setup_context=_setup_context, grads=_grads, fwd_fake=_forward_fake, bwd_fake=_backward_fake,
+                         eager_backward_op=_eager_backward_op)
 
 
 def fused_experts(inputs: OpInputs, key: str) -> torch.Tensor:
@@ -421,4 +442,4 @@ def fused_experts(inputs: OpInputs, key: str) -> torch.Tensor:
     dense = tuple(t for t in inputs if t is not None)
     if torch.overrides.has_torch_function(dense):
         return torch.overrides.handle_torch_function(fused_experts, dense, inputs, key)
-    return (experts_fwd(*inputs, key) if torch.compiler.is_compiling() else _EagerExperts.apply(*inputs, key))[0]
+    return (EXPERTS.fwd(*inputs, key) if torch.compiler.is_compiling() else EXPERTS.eager.apply(*inputs, key))[0]
