@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Training on one and on N GPUs of one host (N = GPUS, default: every GPU; GPUS="2 4 8" benches each N, the other
 # steps the largest), written under $OUT (default ./out).
-#   usage: [PRESETS="small qwen3-30b-a3b"] bash scripts/scaling.sh [bench] [curves] [graph] [report]
+#   usage: [PRESETS="small qwen3-30b-a3b"] bash scripts/scaling.sh [bench] [curves] [graph] [titan] [report]
 #          (default: bench curves report)
 #          [RANKS="2 4 8"] bash scripts/scaling.sh cpu
 # bench:  `moeblaze train --bench-steps` at a fixed per-GPU batch: one GPU without torchrun, then N GPUs under
@@ -15,6 +15,11 @@
 # graph:  --cuda-graph on the small model beside the eager step (bench rows), and 20 steps' loss logs of each
 #         launch with and without it, compared byte for byte. With one GPU (GPUS=1) the ep launches are left out
 #         and torchrun's are FSDP2 on a one-rank group: FSDP2's own cost beside the plain one-GPU step.
+# titan:  benchmarks/torchtitan_train.py, torchtitan's Qwen3-30B-A3B flavor cut to TITAN_LAYERS (default 4) layers,
+#         seq 4096, TITAN_BATCH (default 4) sequences per GPU: one GPU, then each N > 1 of GPUS under torchrun
+#         with FSDP2 and with torchtitan's expert parallelism, torchtitan's experts ("default") beside moeblaze's
+#         (TITAN_VARIANTS, default preact; under EP also preact+exact, moeblaze's own EP on torchtitan's mesh) in
+#         each call; rows in $OUT/results/titan.jsonl, the table in $OUT/titan.md.
 # report: the table of every results row written under $OUT (medians over repeats; efficiency against the one-GPU
 #         run) in $OUT/scaling.md, and the plot, tokens/s per GPU and efficiency against N, in $OUT/scaling.png.
 # cpu:    no GPU needed: a tiny model on CPU processes (gloo, the kernels under Triton's interpreter) at each N in
@@ -140,9 +145,21 @@ PY
       echo "resume across world sizes: $runs runs, $vals distinct final validation losses"
       [ "$runs" -eq 4 ] && [ "$vals" -eq 1 ] || failed="$failed [resume across world sizes]"
       ;;
+    titan)
+      V="default,${TITAN_VARIANTS:-preact}"
+      T="--model qwen3-30b-a3b --layers ${TITAN_LAYERS:-4} --seq 4096 --batch ${TITAN_BATCH:-4} --steps ${TITAN_STEPS:-10}
+         --results $OUT/results/titan.jsonl"
+      CUDA_VISIBLE_DEVICES=0 run python3 benchmarks/torchtitan_train.py $T --variants $V
+      for n in $NS; do
+        [ $n -gt 1 ] || continue
+        t="torchrun --standalone --nproc-per-node $n benchmarks/torchtitan_train.py $T"
+        run $t --variants $V
+        run $t --ep $n --variants "$V,${TITAN_VARIANTS:-preact}+exact"
+      done
+      python3 scripts/scaling_report.py --titan "$OUT/results/titan.jsonl" | tee "$OUT/titan.md" ;;
     report)
       for f in "$OUT"/results/*.jsonl; do
-        [ "$(basename "$f")" = cpu.jsonl ] && continue
+        [ "$(basename "$f")" = cpu.jsonl ] || [ "$(basename "$f")" = titan.jsonl ] && continue
         python3 scripts/scaling_report.py "$f" --png "$OUT/scaling.png" | tee "$OUT/scaling.md" \
           || failed="$failed [report $f]"
       done ;;

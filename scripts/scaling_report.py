@@ -1,6 +1,7 @@
 """The weak-scaling table and plot of one `bash scripts/scaling.sh` run, from its results rows (mode "train").
 
     python scripts/scaling_report.py RESULTS.jsonl [--png OUT.png] [--sha COMMIT]   the markdown table on stdout
+    python scripts/scaling_report.py --titan TITAN.jsonl   torchtitan's benchmark (scaling.sh titan), its table
 
 RESULTS is one run's file ($OUT/results/<gpu>.jsonl), or the results file with --sha picking one commit's rows.
 
@@ -129,12 +130,43 @@ def plot(es: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def titan_table(rows: list[dict]) -> str:
+    """benchmarks/torchtitan_train.py's rows (scaling.sh titan) as one table: per experts variant and parallelism
+    (one GPU, FSDP2, expert parallelism; moeblaze's own EP where the variant names +exact or +capacity), tokens/s of
+    the job and per GPU, scaling against the same variant on one GPU, peak memory of rank 0, and each variant
+    against torchtitan's own experts ("default") at the same GPUs and parallelism."""
+    def mode(r):
+        return "1 GPU" if r["world"] == 1 else (f"EP {r['ep']}" if r["ep"] > 1 else f"FSDP2 {r['world']}")
+
+    ok = [r for r in rows if not r.get("oom") and "tokens_per_s" in r and not r.get("max_batch_probe")]
+    one = {(r["variant"].split("+")[0], r["batch"]): r["tokens_per_s"] for r in ok if r["world"] == 1}
+    by_mode = {(mode(r), r["batch"], r["variant"]): r["tokens_per_s"] for r in ok}
+    out = ["| experts | parallelism | GPUs | batch / GPU | tokens/s | per GPU | scaling | vs torchtitan's | peak GiB |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(ok, key=lambda r: (r["world"], mode(r), r["variant"])):
+        per = r["tokens_per_s"] / r["world"]
+        base = one.get((r["variant"].split("+")[0], r["batch"]))
+        theirs = by_mode.get((mode(r), r["batch"], "default"))
+        scaling = f"{per / base:.2f}" if base else "-"
+        vs = f"{r['tokens_per_s'] / theirs:.2f}x" if theirs else "-"
+        out.append(f"| {r['variant']} | {mode(r)} | {r['world']} | {r['batch']} | {r['tokens_per_s']:,} | {per:,.0f} | "
+                   f"{scaling} | {vs} | {r.get('peak_gib') or '-'} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("results")
+    p.add_argument("results", nargs="?")
     p.add_argument("--png", help="also draw the plot here")
     p.add_argument("--sha", help="only the rows of this commit")
+    p.add_argument("--titan", help="torchtitan's benchmark rows (scaling.sh titan): print their table instead")
     args = p.parse_args(argv)
+    if args.titan:
+        with open(args.titan) as f:
+            print(titan_table([json.loads(line) for line in f if line.strip().startswith("{")]))
+        return 0
+    if args.results is None:
+        p.error("RESULTS (or --titan) is needed")
     with open(args.results) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     es = entries([r for r in rows if args.sha is None or r.get("git_sha") == args.sha])

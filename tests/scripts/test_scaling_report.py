@@ -47,3 +47,28 @@ def test_entries_take_medians_and_measure_against_the_matching_one_gpu_run(tmp_p
     assert "| deepseek-v3-layer, 16 x 128 | 8 | ep N, exact | 1 | 30.00 | 68,267 | - |" in table
     assert png.stat().st_size > 10_000
     assert scaling_report.main([str(path), "--sha", "other"]) == 1  # no rows of that commit: said, not an empty table
+
+
+def _titan(variant, world, tokens_per_s, ep=1, batch=4):
+    return dict(variant=variant, batch=batch, seq=4096, steps=20, world=world, ep=ep, tokens_per_s=tokens_per_s,
+                step_ms=1.0, peak_gib=50.0, loss_first=12.0, loss_last=8.0)
+
+
+def test_titan_table_scales_against_one_gpu_and_compares_with_torchtitans_experts(tmp_path, capsys):
+    rows = [_titan("default", 1, 50_000), _titan("preact", 1, 60_000),
+            _titan("default", 4, 176_000), _titan("preact", 4, 220_000),  # FSDP2
+            _titan("default", 4, 148_000, ep=4), _titan("preact+exact", 4, 204_000, ep=4),
+            dict(variant="preact", batch=8, seq=4096, oom=True),  # an out-of-memory probe: no row
+            dict(variant="preact", largest_batch=8, peak_gib_at_largest=70.0)]  # a largest-batch summary: no row
+    lines = scaling_report.titan_table(rows).splitlines()
+    cells = {(c[1].strip(), c[2].strip()): c for c in (line.split("|") for line in lines[2:])}
+    assert len(lines) == 2 + 6
+    assert cells[("preact", "FSDP2 4")][7].strip() == "0.92"  # 220k / 4 over 60k
+    assert cells[("preact", "FSDP2 4")][8].strip() == "1.25x"  # over torchtitan's FSDP2 at 4
+    assert cells[("preact+exact", "EP 4")][7].strip() == "0.85"  # against preact on one GPU
+    assert cells[("preact+exact", "EP 4")][8].strip() == "1.38x"  # over torchtitan's EP 4
+    assert cells[("default", "1 GPU")][7].strip() == "1.00"
+    path = tmp_path / "titan.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert scaling_report.main(["--titan", str(path)]) == 0
+    assert "preact+exact" in capsys.readouterr().out
