@@ -221,6 +221,60 @@ def test_capacity_by_factor_on_uneven_ranks_is_an_error_on_every_rank():
     _run(2, [(None, None, "uneven_factor")])
 
 
+class _OnlyTheProtocol:
+    """A transport that forwards to another and exposes nothing but plan.Transport's members: the op's bodies
+    running on it, equal, show that they use the seam and nothing behind it."""
+
+    def __init__(self, inner, calls):
+        self._inner, self._calls = inner, calls
+        for name in ("routing", "recv", "slot_LK", "kept", "needed"):
+            setattr(self, name, getattr(inner, name))
+
+    def _forward(name):
+        def method(self, *args):
+            self._calls[name] = self._calls.get(name, 0) + 1
+            return getattr(self._inner, name)(*args)
+        return method
+
+    tensors = _forward("tensors")
+    in_send_order = _forward("in_send_order")
+    send = _forward("send")
+    dispatch = _forward("dispatch")
+    give_back = _forward("give_back")
+    combine = _forward("combine")
+    del _forward
+
+
+def _through_the_protocol(rank, world, dispatch):
+    from moeblaze.distributed import ep as ep_module
+
+    calls = {}
+    made, restored = ep_module.make_plan, ep_module.restore_plan
+    ep_module.make_plan = lambda *a: _OnlyTheProtocol(made(*a), calls)
+    ep_module.restore_plan = lambda *a: _OnlyTheProtocol(restored(*a), calls)
+    try:
+        toks, w1, w2 = _problem(world, "skewed")
+        out_all, g_all, dy_all = _one_process(toks, w1, w2, "recompute")
+        kw = dict(ep_config=EPConfig("capacity", capacity=48)) if dispatch == "capacity" else {}
+        out, g, mine, experts = _ep(rank, world, toks, w1, w2, "recompute", dy_all, **kw)
+    finally:
+        ep_module.make_plan, ep_module.restore_plan = made, restored
+    _assert_equal((out, g), (out_all, g_all), mine, experts)
+    assert {"tensors", "send", "dispatch", "give_back", "combine", "in_send_order"} <= set(calls), calls
+
+
+def _protocol_cases(rank, world, found, dispatches):
+    for dispatch in dispatches:
+        _through_the_protocol(rank, world, dispatch)
+
+
+def test_the_op_bodies_use_the_transport_protocol_only():
+    """Another transport plugs in without touching the op: wrapped so that only plan.Transport's members are
+    reachable, both plans give expert parallelism's results bit for bit (forward and backward, recompute: rows
+    sent again)."""
+    run_ranks(_protocol_cases, 2, ("exact", "capacity"))
+
+
 def test_receiver_index_orders_rows_by_expert_then_source():
     counts = torch.tensor([[2, 0, 1], [0, 0, 3], [1, 0, 0]], dtype=torch.int32)  # (source, local expert)
     r = receiver_index(counts)
