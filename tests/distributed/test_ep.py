@@ -315,6 +315,11 @@ def _misuse(rank, world, errors):
     x, idx = torch.randn(5, 16), torch.stack([torch.randperm(6)[:2] for _ in range(5)]).int()
     with pytest.raises(ValueError, match="same number of local experts"):
         ep_experts(x, idx, torch.rand(5, 2), torch.randn(E_loc, 32, 16), torch.randn(E_loc, 16, 16), config=config)
+    # an absurd capacity: named, not an allocation failure deep inside
+    w1, w2 = torch.randn(3, 32, 16), torch.randn(3, 16, 16)
+    with pytest.raises(ValueError, match="more rows than a receiver's index can address"):
+        ep_experts(x, idx, torch.rand(5, 2), w1, w2, config=config,
+                   ep_config=EPConfig("capacity", capacity_factor=1e30))
 
 
 def test_ep_misuse_is_one_clear_error_on_every_rank():

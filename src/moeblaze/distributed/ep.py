@@ -317,6 +317,10 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
         C = ep_config.capacity if ep_config.capacity is not None else tracker.capacity if tracker is not None else None
         if C is None:
             C = -(-max(1, math.ceil(ep_config.factor * topk_idx.numel() / ep)) // 16) * 16
+        if C * ep >= 2 ** 31:  # the receiver's index addresses its ep·C rows with int32
+            raise ValueError(f"capacity dispatch: {C} rows per pair over {ep} ranks is more rows than a receiver's "
+                             "index can address (2^31); every rank sends at most its L·K pairs: lower capacity or "
+                             "capacity_factor")
     backend = choose("triton" if config.backend == "auto" else config.backend, x.device)
     # the receiver's index has padding rows (capacity); fp8_min_rows judged as if every rank had this rank's L
     key = kernel_op_key(x, config, backend, C is not None, False, call=(x.shape[0] * ep, topk_idx.shape[1], E))
