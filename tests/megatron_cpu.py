@@ -32,14 +32,27 @@ class _NoStream:
         return lambda *args, **kwargs: _NoStream()
 
 
-@functools.cache
+_CUDA = ("current_device", "Stream", "Event", "current_stream", "stream", "synchronize")
+_REAL: dict = {}  # torch.cuda's own, while the stand-ins are in place
+
+
 def stand_ins() -> None:
-    """Megatron-Core's CUDA calls on the MoE path stood in for on the CPU (the module header)."""
+    """Megatron-Core's CUDA calls on the MoE path stood in for on the CPU (the module header), until destroy()
+    puts torch.cuda's own back (a pool's rank runs other tests after these); the Megatron-side ones stay."""
+    if _REAL:
+        return
+    _REAL.update({name: getattr(torch.cuda, name) for name in _CUDA})
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.Stream = torch.cuda.Event = _NoStream
     torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
     torch.cuda.stream = lambda *args, **kwargs: _NoStream()
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    _megatron_stand_ins()
+
+
+@functools.cache
+def _megatron_stand_ins() -> None:
+    """The stand-ins inside Megatron-Core's own modules, once a process (nothing else imports them)."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
@@ -62,8 +75,12 @@ def init(ep: int = 1) -> None:
 
 
 def destroy() -> None:
+    """Megatron's parallel state torn down, and torch.cuda's own functions back."""
     from megatron.core import parallel_state
     parallel_state.destroy_model_parallel()
+    for name, real in _REAL.items():
+        setattr(torch.cuda, name, real)
+    _REAL.clear()
 
 
 def transformer_config(**overrides):

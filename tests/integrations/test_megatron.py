@@ -289,3 +289,19 @@ def _stacked_storages_outlive_forward(rank, world, found, restack: bool):
 @pytest.mark.parametrize("restack", [True, False], ids=["the-layer", "control-without-its-hooks"])
 def test_no_stacked_copy_of_the_weights_lives_from_forward_to_backward(restack):
     run_ranks(_stacked_storages_outlive_forward, 1, restack)
+
+
+def _restored(rank, world, found):
+    real = {name: getattr(torch.cuda, name) for name in mc._CUDA}
+    mc.init(ep=world)
+    if torch.cuda.current_device() != "cpu":
+        found.put("the stand-ins are not in place")
+    mc.destroy()
+    changed = [name for name, f in real.items() if getattr(torch.cuda, name) is not f]
+    if changed:
+        found.put(("left stood in", changed))
+
+
+def test_the_cuda_stand_ins_are_gone_after_a_test():
+    """A pool's rank runs other tests after these: torch.cuda's own functions are back after each."""
+    run_ranks(_restored, 1)
