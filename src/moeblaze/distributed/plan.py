@@ -229,10 +229,16 @@ class CapacityPlan(_Rows):
         mismatched = ("capacity dispatch: the ranks use different capacities (this rank "
                       f"{capacity} rows per pair): with different token counts per rank, pass the same capacity= on "
                       "every rank or a CapacityTracker instead of sizing it by capacity_factor")
-        if fail_on_overflow:
-            _raise_together(mismatch, self.needed > capacity, group, mismatched, capacity)
-        else:
-            fail_if_any(mismatch, group, mismatched, ValueError)
+        checks = [(mismatch, mismatched, ValueError)]
+        if fail_on_overflow:  # a Python error on every rank, read on the host: not in a CUDA graph
+            if mismatch.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise ValueError("capacity dispatch: on_overflow='error' reads the overflow on the host (a Python "
+                                 "error on every rank), which a CUDA graph can't: under capture use "
+                                 "on_overflow='drop' (the dropped rows counted) or a CapacityTracker")
+            checks.append((self.needed > capacity, f"capacity dispatch: a destination needs more than {capacity} "
+                           "rows (raise the capacity factor, pass on_overflow='drop', or use a CapacityTracker); no "
+                           "row was sent", CapacityOverflow))
+        fail_if_any(checks, group, sync=fail_on_overflow)
         self.splits = torch.empty(0, dtype=torch.int64, device=dev)
         first = routing.expert_offsets[:-1].view(ep, E_loc)[:, 0].to(torch.int64)  # each destination's first row
         j = torch.arange(capacity, device=dev)
@@ -266,33 +272,19 @@ class CapacityOverflow(RuntimeError):
     every rank together, before any row is sent: the job can catch it, save, and go on with a larger capacity."""
 
 
-def _raise_together(mismatch: torch.Tensor, overflow: torch.Tensor, group, mismatched: str, capacity: int) -> None:
-    """on_overflow="error": the ranks' capacities disagree (ValueError) or a destination needs more than the capacity
-    (CapacityOverflow), raised on every rank together: one all-reduce and one host read (on a GPU a sync), so that
-    the process, its CUDA context intact, can save. A CUDA graph can't read the host: refused under capture."""
-    if mismatch.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise ValueError("capacity dispatch: on_overflow='error' reads the overflow on the host (a Python error on "
-                         "every rank), which a CUDA graph can't: under capture use on_overflow='drop' (the dropped "
-                         "rows counted) or a CapacityTracker")
-    flags = torch.stack([mismatch, overflow]).to(torch.int32)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    mismatch, overflow = flags.tolist()
-    if mismatch:
-        raise ValueError(mismatched)
-    if overflow:
-        raise CapacityOverflow(f"capacity dispatch: a destination needs more than {capacity} rows (raise the "
-                               "capacity factor, pass on_overflow='drop', or use a CapacityTracker); no row was sent")
-
-
-def fail_if_any(bad: torch.Tensor, group, message: str, error: type = RuntimeError) -> None:
-    """A device-side assert on GPUs (no host sync; the program stops, and the other ranks with it: on_overflow
-    "drop" and a tracker's capacity check, which must not sync). On the CPU,
-    where a host read is free, every rank raises `error` together (one all-reduce), so none is left waiting in the
-    next collective."""
-    if bad.device.type != "cpu":
-        torch._assert_async(~bad, message)
+def fail_if_any(checks: list, group, sync: bool = False) -> None:
+    """For each (bad, message, error) of checks, in order: error(message) on every rank of `group` together where
+    the 0-d bool `bad` holds on any rank. On the CPU, where a host read is free, or with sync: one all-reduce of
+    every flag and one host read (on a GPU a sync), so that no rank is left waiting in the next collective and the
+    process, its CUDA context intact, can save (on_overflow="error"). Without sync on a GPU: device-side asserts,
+    no host sync; the program stops, and the other ranks with it (on_overflow "drop" and a tracker's capacity
+    check, which must not sync)."""
+    if checks[0][0].device.type != "cpu" and not sync:
+        for bad, message, _ in checks:
+            torch._assert_async(~bad, message)
         return
-    flag = bad.to(torch.int32).reshape(1)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if int(flag):
-        raise error(message)
+    flags = torch.stack([bad.reshape(()) for bad, _, _ in checks]).to(torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    for flag, (_, message, error) in zip(flags.tolist(), checks):
+        if flag:
+            raise error(message)
