@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ..args import check_choice
-from ..configs import DEFAULT, EPConfig, ExpertsConfig
+from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config
 from ..experts import autocast_operands, moe_experts
 from ..routing import build_routing_index
 
@@ -122,9 +122,8 @@ def check_megatron_config(config, dispatch: str) -> None:
     activation_of(config)
 
 
-def _experts_config(experts: ExpertsConfig, megatron_config) -> ExpertsConfig:
-    if not isinstance(experts, ExpertsConfig):
-        raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(experts).__name__}")
+def _experts_config(experts: ExpertsConfig | None, megatron_config) -> ExpertsConfig:
+    experts = check_config("experts", experts, ExpertsConfig) or DEFAULT
     activation = activation_of(megatron_config)
     if experts.activation not in (DEFAULT.activation, activation):
         raise ValueError(f"experts=ExpertsConfig(activation={experts.activation!r}), but the Megatron config's "
@@ -233,10 +232,8 @@ class MoeblazeMoELayer(MoELayer):
         if not isinstance(self.experts, MoeblazeSequentialMLP):
             raise ValueError(f"the experts module is {type(self.experts).__qualname__}: moeblaze's layer computes "
                              "Megatron's SequentialMLP (get_moeblaze_gpt_layer_spec builds it)")
-        if ep is not None and not isinstance(ep, EPConfig):
-            raise TypeError(f"ep must be a moeblaze.EPConfig, got {type(ep).__name__}")
         self.ep_group = self.experts.ep_group
-        self.ep = ep
+        self.ep = check_config("ep", ep, EPConfig)
         if self.ep_group.size() > 1:
             from ..distributed.ep import check_options
             check_options(self.experts.moeblaze_config)
@@ -273,12 +270,15 @@ class MoeblazeMoELayer(MoELayer):
         return (out if shared is None else out + shared), None
 
 
-def _swap(builder, cls, **params):
-    """A Megatron builder (0.16's ModuleSpec, 0.19's partial) with its module replaced by cls and params added."""
+def _swap(builder, cls, submodules=None, **params):
+    """A Megatron builder (0.16's ModuleSpec, 0.19's partial) of cls instead, params added, and its submodules
+    replaced where given."""
     if isinstance(builder, ModuleSpec):
-        return dataclasses.replace(builder, module=cls, params={**builder.params, **params})
+        return dataclasses.replace(builder, module=cls, params={**builder.params, **params},
+                                   submodules=builder.submodules if submodules is None else submodules)
     if isinstance(builder, functools.partial):
-        return functools.partial(cls, *builder.args, **{**builder.keywords, **params})
+        given = {} if submodules is None else {"submodules": submodules}
+        return functools.partial(cls, *builder.args, **{**builder.keywords, **params, **given})
     raise TypeError(f"unexpected Megatron builder {builder!r}")
 
 
@@ -297,8 +297,8 @@ def get_moeblaze_gpt_layer_spec(num_experts: int, *, experts: ExpertsConfig = DE
 
     Args:
         num_experts: the model's routed experts (Megatron's num_moe_experts).
-        experts: moeblaze's recipe for the experts (checkpoint policy, precision, backend, chunking); the
-            activation is the Megatron config's.
+        experts: moeblaze's recipe for the experts (checkpoint policy, precision, backend, chunking; None: the
+            default); the activation is the Megatron config's.
         dispatch: "moeblaze" (the fused layer; under expert parallelism moeblaze's dispatch) or "megatron"
             (Megatron's layer and dispatcher, moeblaze's op on the permuted rows).
         ep: moeblaze's expert-parallel dispatch (EPConfig; None: exact), dispatch="moeblaze" only.
@@ -308,9 +308,8 @@ def get_moeblaze_gpt_layer_spec(num_experts: int, *, experts: ExpertsConfig = DE
         The TransformerLayer spec, for GPTModel(transformer_layer_spec=...).
     """
     check_choice("dispatch", dispatch, DISPATCH)
-    if not isinstance(experts, ExpertsConfig):
-        raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(experts).__name__}")
-    if ep is not None and dispatch != "moeblaze":
+    check_config("experts", experts, ExpertsConfig)
+    if check_config("ep", ep, EPConfig) is not None and dispatch != "moeblaze":
         raise ValueError("ep is moeblaze's expert-parallel dispatch: it applies to dispatch='moeblaze'")
     from megatron.core.models.gpt import gpt_layer_specs
     make = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec if use_te
@@ -326,11 +325,9 @@ def get_moeblaze_gpt_layer_spec(num_experts: int, *, experts: ExpertsConfig = DE
     subs = dataclasses.replace(subs, experts=_swap(subs.experts, MoeblazeSequentialMLP, moeblaze=experts,
                                                    dispatch=dispatch))
     if dispatch == "moeblaze":
-        mlp = _swap(mlp, MoeblazeMoELayer, moeblaze=experts, ep=ep)
-    if isinstance(mlp, ModuleSpec):
-        mlp = dataclasses.replace(mlp, submodules=subs)
+        mlp = _swap(mlp, MoeblazeMoELayer, subs, moeblaze=experts, ep=ep)
     else:
-        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": subs})
+        mlp = _swap(mlp, _module(mlp), subs)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
 
 
