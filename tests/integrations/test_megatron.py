@@ -35,6 +35,21 @@ def _step(layer, x, dout, mask, dtype):
     return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
 
 
+def _within_torchs_error(found, rank, got, same, want) -> None:
+    """Output, dx and every parameter's gradient of the step `got` within twice the error of the same computation
+    `same` (torch's, at got's precision) against `want` (fp64); each that is not goes on found."""
+    got, same, want = ({"out": out, "dx": dx, **grads} for out, dx, grads in (got, same, want))
+    assert set(got) == set(want)
+    for name, w in want.items():
+        if w is None:
+            found.put((rank, name, "no gradient"))
+            continue
+        try:
+            assert_within_torch_error(got[name], same[name], w)
+        except AssertionError as e:
+            found.put((rank, name, str(e)))
+
+
 def _parity(rank, world, found, config_kw, ours_kw, seed, padding=False, layout=None):
     """ours (moeblaze's spec) against Megatron's layer in fp32 and in fp64, the same weights, at EP = world. layout:
     ours' parameters as allocated (None), or moved into one buffer in order ("forward") or last first ("reversed",
@@ -48,26 +63,12 @@ def _parity(rank, world, found, config_kw, ours_kw, seed, padding=False, layout=
     ours.load_state_dict(stock.state_dict())
     if layout is not None:
         mc.lay_out_in_one_buffer(ours, reverse=layout == "reversed")
-
     exact.load_state_dict({k: v.double() if torch.is_tensor(v) else v for k, v in stock.state_dict().items()})
     x, dout, mask = _inputs(seed + rank, padding=padding)
     want = _step(exact, x, dout, mask, torch.float64)
     same = _step(stock, x, dout, mask, torch.float32)
     got = _step(ours, x, dout, mask, torch.float32)
-    for what, g, s, w in [("out", got[0], same[0], want[0]), ("dx", got[1], same[1], want[1])]:
-        try:
-            assert_within_torch_error(g, s, w)
-        except AssertionError as e:
-            found.put((rank, what, str(e)))
-    assert set(got[2]) == set(want[2])
-    for name, w in want[2].items():
-        if w is None:
-            found.put((rank, name, "no gradient"))
-            continue
-        try:
-            assert_within_torch_error(got[2][name], same[2][name], w)
-        except AssertionError as e:
-            found.put((rank, name, str(e)))
+    _within_torchs_error(found, rank, got, same, want)
     mc.destroy()
 
 
@@ -126,13 +127,7 @@ def _biases(rank, world, found):
     want = _step(layers[2], x, dout, None, torch.float64)
     same = _step(layers[1], x, dout, None, torch.float32)
     got = _step(layers[0], x, dout, None, torch.float32)
-    for name, w in [("out", want[0]), ("dx", want[1]), *want[2].items()]:
-        g, s = (got[0], same[0]) if name == "out" else (got[1], same[1]) if name == "dx" else (got[2][name],
-                                                                                           same[2][name])
-        try:
-            assert_within_torch_error(g, s, w)
-        except AssertionError as e:
-            found.put((name, str(e)))
+    _within_torchs_error(found, rank, got, same, want)
     if not any("bias" in n for n in want[2]):
         found.put("no bias parameters")
     mc.destroy()
