@@ -190,6 +190,29 @@ def profile(model, opt, vocab, batch, seq, path, args):
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
 
 
+def comm_split(model, opt, vocab, batch, seq, ep: int) -> dict:
+    """One more step under torch.profiler (after the timed ones): its GPU time split by moeblaze.bench.timeline
+    (GEMMs, all-to-all, all-gather + reduce-scatter + all-reduce, and the communication no compute overlaps), in
+    ms; under torchrun the largest of the ranks' values of each part."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from moeblaze.bench.timeline import step_split, trace_kernels
+
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train(model, opt, vocab, batch, seq, 1, 0, ep)
+    with tempfile.TemporaryDirectory() as d:
+        prof.export_chrome_trace(f"{d}/trace.json")
+        split = step_split(trace_kernels(f"{d}/trace.json"))
+    keys = ("gemm_ms", "all_to_all_ms", "allgather_reducescatter_ms", "exposed_comm_ms")
+    values = torch.tensor([split[k] for k in keys], dtype=torch.float64, device=DEVICE)
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {k: round(float(v), 2) for k, v in zip(keys, values)}
+
+
 def run(args, variant: str, batch: int, steps: int, warmup: int):
     config = model_config(args.model, args.layers, variant)
     model = build(config, args.ep)
@@ -208,6 +231,8 @@ def run(args, variant: str, batch: int, steps: int, warmup: int):
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else None,
                    loss_first=round(losses[0], 4),
                    loss_last=round(losses[-1], 4))
+        if args.comm_split and DEVICE == "cuda":
+            row.update(comm_split(model, opt, vocab, batch, args.seq, args.ep))
     except torch.OutOfMemoryError:
         row = dict(variant=variant, batch=batch, seq=args.seq, oom=True)
     del model, opt
@@ -235,6 +260,9 @@ def main():
                                                    "(comma-separated, increasing), per variant")
     p.add_argument("--results", default=None, help="append the JSON rows to this file")
     p.add_argument("--profile", default=None, help="before each timed run, profile two steps into PROFILE-VARIANT.txt")
+    p.add_argument("--comm-split", action="store_true",
+                   help="after each timed run, one profiled step: GEMM, all-to-all, all-gather/reduce-scatter and "
+                        "exposed communication ms in the row (GPU only)")
     args = p.parse_args()
     from importlib.metadata import version
 
@@ -246,7 +274,11 @@ def main():
         p.error(f"--ep {args.ep} runs under torchrun with {args.ep} processes (expert parallelism over every rank)")
     say = print if not dist.is_initialized() or dist.get_rank() == 0 else (lambda *a, **k: None)
 
-    head = dict(gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
+    import shlex
+
+    from moeblaze.cli.bench import run_env
+
+    head = dict(**run_env(torch.device(DEVICE), "python benchmarks/torchtitan_train.py " + shlex.join(sys.argv[1:])),
                 torchtitan=version("torchtitan"),
                 model=args.model, layers=args.layers, stubbed=titan.STUBBED)
     say(json.dumps(head), flush=True)

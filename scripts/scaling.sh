@@ -19,7 +19,8 @@
 #         seq 4096, TITAN_BATCH (default 4) sequences per GPU: one GPU, then each N > 1 of GPUS under torchrun
 #         with FSDP2 and with torchtitan's expert parallelism, torchtitan's experts ("default") beside moeblaze's
 #         (TITAN_VARIANTS, default preact; under EP also preact+exact, moeblaze's own EP on torchtitan's mesh) in
-#         each call; rows in $OUT/results/titan.jsonl, the table in $OUT/titan.md.
+#         each call, every run followed by one profiled step (its GEMM and communication split, exposed comm); rows
+#         in $OUT/results/titan.jsonl, the table in $OUT/titan.md, the plot in $OUT/titan.png.
 # report: the table of every results row written under $OUT (medians over repeats; efficiency against the one-GPU
 #         run) in $OUT/scaling.md, and the plot, tokens/s per GPU and efficiency against N, in $OUT/scaling.png.
 # cpu:    no GPU needed: a tiny model on CPU processes (gloo, the kernels under Triton's interpreter) at each N in
@@ -148,7 +149,7 @@ PY
     titan)
       V="default,${TITAN_VARIANTS:-preact}"
       T="--model qwen3-30b-a3b --layers ${TITAN_LAYERS:-4} --seq 4096 --batch ${TITAN_BATCH:-4} --steps ${TITAN_STEPS:-10}
-         --results $OUT/results/titan.jsonl"
+         --results $OUT/results/titan.jsonl --comm-split"
       CUDA_VISIBLE_DEVICES=0 run python3 benchmarks/torchtitan_train.py $T --variants $V
       for n in $NS; do
         [ $n -gt 1 ] || continue
@@ -156,7 +157,7 @@ PY
         run $t --variants $V
         run $t --ep $n --variants "$V,${TITAN_VARIANTS:-preact}+exact"
       done
-      python3 scripts/scaling_report.py --titan "$OUT/results/titan.jsonl" | tee "$OUT/titan.md" ;;
+      python3 scripts/scaling_report.py --titan "$OUT/results/titan.jsonl" --png "$OUT/titan.png" | tee "$OUT/titan.md" ;;
     report)
       for f in "$OUT"/results/*.jsonl; do
         [ "$(basename "$f")" = cpu.jsonl ] || [ "$(basename "$f")" = titan.jsonl ] && continue

@@ -1,7 +1,8 @@
 """The weak-scaling table and plot of one `bash scripts/scaling.sh` run, from its results rows (mode "train").
 
     python scripts/scaling_report.py RESULTS.jsonl [--png OUT.png] [--sha COMMIT]   the markdown table on stdout
-    python scripts/scaling_report.py --titan TITAN.jsonl   torchtitan's benchmark (scaling.sh titan), its table
+    python scripts/scaling_report.py --titan TITAN.jsonl [--png P]   torchtitan's benchmark (scaling.sh titan): its
+                                                                     table (and plot)
 
 RESULTS is one run's file ($OUT/results/<gpu>.jsonl), or the results file with --sha picking one commit's rows.
 
@@ -141,17 +142,56 @@ def titan_table(rows: list[dict]) -> str:
     ok = [r for r in rows if not r.get("oom") and "tokens_per_s" in r and not r.get("max_batch_probe")]
     one = {(r["variant"].split("+")[0], r["batch"]): r["tokens_per_s"] for r in ok if r["world"] == 1}
     by_mode = {(mode(r), r["batch"], r["variant"]): r["tokens_per_s"] for r in ok}
-    out = ["| experts | parallelism | GPUs | batch / GPU | tokens/s | per GPU | scaling | vs torchtitan's | peak GiB |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| experts | parallelism | GPUs | batch / GPU | tokens/s | per GPU | scaling | vs torchtitan's | peak GiB | "
+           "GEMMs / all-to-all / all-gather + reduce-scatter / exposed comm, ms |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(ok, key=lambda r: (r["world"], mode(r), r["variant"])):
         per = r["tokens_per_s"] / r["world"]
         base = one.get((r["variant"].split("+")[0], r["batch"]))
         theirs = by_mode.get((mode(r), r["batch"], "default"))
         scaling = f"{per / base:.2f}" if base else "-"
         vs = f"{r['tokens_per_s'] / theirs:.2f}x" if theirs else "-"
+        split = " / ".join(f"{r[k]:.1f}" for k in SPLIT) if all(k in r for k in SPLIT) else "-"
         out.append(f"| {r['variant']} | {mode(r)} | {r['world']} | {r['batch']} | {r['tokens_per_s']:,} | {per:,.0f} | "
-                   f"{scaling} | {vs} | {r.get('peak_gib') or '-'} |")
+                   f"{scaling} | {vs} | {r.get('peak_gib') or '-'} | {split} |")
     return "\n".join(out)
+
+
+def titan_plot(rows: list[dict], path: str) -> None:
+    """tokens/s per GPU and scaling against the number of GPUs: a line per experts variant and parallelism (FSDP2,
+    EP = N), each starting at that variant's one-GPU run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if not r.get("oom") and "tokens_per_s" in r and not r.get("max_batch_probe")]
+    one = {r["variant"]: r for r in ok if r["world"] == 1}
+    lines = defaultdict(list)
+    for r in ok:
+        if r["world"] > 1:
+            lines[(r["variant"], "EP N" if r["ep"] > 1 else "FSDP2")].append(r)
+    fig, (ax_tok, ax_eff) = plt.subplots(1, 2, figsize=(10, 3.4))
+    for (variant, par), pts in sorted(lines.items()):
+        first = one.get(variant.split("+")[0])
+        pts = sorted(([first] if first else []) + pts, key=lambda r: r["world"])
+        ns = [r["world"] for r in pts]
+        per = [r["tokens_per_s"] / r["world"] for r in pts]
+        ax_tok.plot(ns, per, marker="o", label=f"{variant}, {par}")
+        if first:
+            ax_eff.plot(ns, [p / first["tokens_per_s"] for p in per], marker="o", label=f"{variant}, {par}")
+    ax_tok.set_ylabel("tokens/s per GPU")
+    ax_eff.set_ylabel("scaling (per GPU / one GPU)")
+    ax_eff.axhline(0.93, color="grey", lw=0.8, ls="--")
+    ns = sorted({r["world"] for r in ok})
+    for ax in (ax_tok, ax_eff):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_xlabel("GPUs")
+        ax.grid(alpha=0.3)
+    ax_tok.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv=None) -> int:
@@ -163,7 +203,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.titan:
         with open(args.titan) as f:
-            print(titan_table([json.loads(line) for line in f if line.strip().startswith("{")]))
+            rows = [json.loads(line) for line in f if line.strip().startswith("{")]
+        print(titan_table(rows))
+        if args.png:
+            titan_plot(rows, args.png)
         return 0
     if args.results is None:
         p.error("RESULTS (or --titan) is needed")

@@ -68,7 +68,18 @@ def test_titan_table_scales_against_one_gpu_and_compares_with_torchtitans_expert
     assert cells[("preact+exact", "EP 4")][7].strip() == "0.85"  # against preact on one GPU
     assert cells[("preact+exact", "EP 4")][8].strip() == "1.38x"  # over torchtitan's EP 4
     assert cells[("default", "1 GPU")][7].strip() == "1.00"
-    path = tmp_path / "titan.jsonl"
+    assert cells[("default", "1 GPU")][10].strip() == "-"  # a row without a profiled step: no split
+
+
+def test_titan_rows_show_their_communication_split_and_draw_a_plot(tmp_path, capsys):
+    split = dict(gemm_ms=120.04, all_to_all_ms=30.0, allgather_reducescatter_ms=12.5, exposed_comm_ms=9.25)
+    rows = [_titan("default", 1, 50_000), _titan("preact", 1, 60_000), {**_titan("preact+exact", 4, 204_000, ep=4),
+                                                                        **split}]
+    lines = scaling_report.titan_table(rows).splitlines()
+    cells = {(c[1].strip(), c[2].strip()): c for c in (line.split("|") for line in lines[2:])}
+    assert cells[("preact+exact", "EP 4")][10].strip() == "120.0 / 30.0 / 12.5 / 9.2"
+    path, png = tmp_path / "titan.jsonl", tmp_path / "titan.png"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert scaling_report.main(["--titan", str(path)]) == 0
+    assert scaling_report.main(["--titan", str(path), "--png", str(png)]) == 0
     assert "preact+exact" in capsys.readouterr().out
+    assert png.stat().st_size > 0
