@@ -9,6 +9,7 @@ torch.compile(fullgraph=True) and captured in a CUDA graph (replayed on new inpu
     torchrun --nproc-per-node 2 scripts/ep_check.py [--tokens 4096] [--out DIR]
     torchrun --nproc-per-node 2 scripts/ep_check.py --uneven   # must stop every rank with the capacity message
     torchrun --nproc-per-node 4 scripts/ep_check.py --only-overflow   # the overflow check alone
+    torchrun --nproc-per-node 4 scripts/ep_check.py --checks-only --dispatches exact/2,exact/4   # pipelined groups
 
 The tl kernels are pinned to their first autotune config (each process would otherwise tune on its own and may
 pick another); the Gluon kernels are not autotuned. Rank 0 prints one line per check and writes them to
@@ -124,7 +125,8 @@ def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: st
              w1[experts].clone().requires_grad_(), w2[experts].clone().requires_grad_()]
     launch_counts.clear()
     # room for all; "drop": capacity dispatch without a host sync ("error" reads its overflow flag on the host)
-    kw = dict(ep_config=EPConfig("capacity", capacity=L * 4, on_overflow="drop")) if dispatch == "capacity" else {}
+    kw = dict(ep_config=EPConfig("capacity", capacity=L * 4, on_overflow="drop") if dispatch == "capacity" else
+              EPConfig(chunks=int(dispatch.partition("/")[2] or 1)))  # "exact/G": G groups, pipelined
     if dispatch == "capacity":  # no host sync anywhere in the layer's forward and backward
         ep_experts(local[0], idx[mine], local[1], local[2], local[3], config=config, **kw)
         torch.cuda.synchronize()
@@ -202,6 +204,10 @@ def main():
     ap.add_argument("--out", default=".")
     ap.add_argument("--only-captured", action="store_true", help="only the torch.compile and CUDA graph checks")
     ap.add_argument("--only-overflow", action="store_true", help="only the overflow check (on_overflow='error')")
+    ap.add_argument("--dispatches", default="exact,capacity",
+                    help="the dispatch modes checked: exact, capacity, exact/G (the local experts in G groups)")
+    ap.add_argument("--checks-only", action="store_true",
+                    help="only the bitwise checks (no bandwidth sweep, overflow, compile or CUDA graph)")
     ap.add_argument("--uneven", action="store_true",
                     help="only capacity_factor sizing on ranks of different token counts: every rank must stop")
     args = ap.parse_args()
@@ -221,20 +227,20 @@ def main():
     lines = []
     if rank == 0:
         lines.append(subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout)
-    if not args.only_captured:
+    if not args.only_captured and not args.checks_only:
         lines += bandwidth(rank, world, device)
         lines.append(overflow(rank, world, args.tokens, device))
         if rank == 0:
             print(lines[-1], flush=True)
     backends = ["tl"] + (["gluon"] if torch.cuda.get_device_capability(device)[0] == 9 else [])
-    for dispatch in () if args.only_captured else ("exact", "capacity"):
+    for dispatch in () if args.only_captured else args.dispatches.split(","):
         for case in ("uniform", "skewed", "empty_experts"):
             for backend in backends:
                 for checkpoint in ("preact", "recompute", "preact-fp8", "fp8-preact", "fp8-recompute"):
                     lines.append(check(rank, world, args.tokens, case, backend, checkpoint, device, dispatch))
                     if rank == 0:
                         print(lines[-1], flush=True)
-    for mode in ("compile", "cuda_graph"):
+    for mode in () if args.checks_only else ("compile", "cuda_graph"):
         for backend in backends:
             for checkpoint in ("preact", "recompute"):
                 try:

@@ -36,7 +36,8 @@ def layout(r: dict) -> str:
         return "FSDP2 (ep 1)" + extras
     ep = "ep N" if r["ep"] == r["world"] else f"ep {r['ep']}"
     cap = f" {r['capacity_factor']}" if r["dispatch"] == "capacity" else ""
-    return f"{ep}, {r['dispatch']}{cap}" + extras
+    chunks = f" in {r['ep_chunks']} groups" if r.get("ep_chunks", 1) > 1 else ""
+    return f"{ep}, {r['dispatch']}{cap}{chunks}" + extras
 
 
 class Flags(NamedTuple):

@@ -32,7 +32,8 @@ def _cases(rank, world, errors, cases):
 def _problem(world, case):
     """Every rank's tokens (a list of (x, idx, w)) and the weights of all E experts; the same on every rank."""
     torch.manual_seed(7)
-    E, D, H, K = 2 * world, 16, 16, 2  # "w1_parts": "uniform", W1's gate and up rows passed as two tensors
+    E, D, H, K = (3 if case == "three_local" else 2) * world, 16, 16, 2  # "three_local": 3 experts a rank
+    # "w1_parts": "uniform", W1's gate and up rows passed as two tensors
     sizes = [9 + 4 * r for r in range(world)]
     if case == "empty_rank":
         sizes[-1] = 0
@@ -117,6 +118,8 @@ def _compare(rank, world, case, checkpoint, dispatch):
     kw = dict(parts=case == "w1_parts")
     if dispatch.startswith("capacity"):  # 48: more than any rank sends
         kw.update(ep_config=EPConfig("capacity", capacity=48), compiled=dispatch == "capacity_compiled")
+    elif dispatch.startswith("exact_chunks"):  # the local experts in groups, their all-to-alls pipelined
+        kw.update(ep_config=EPConfig(chunks=int(dispatch.removeprefix("exact_chunks"))))
     out, g, mine, experts = _ep(rank, world, toks, w1, w2, checkpoint, dy_all, **kw)
     _assert_equal((out, g), (out_all, g_all), mine, experts)
 
@@ -211,6 +214,20 @@ def test_ep4_equals_one_process_bitwise():
              ("uniform", "recompute", "capacity")])
 
 
+def test_ep_with_expert_groups_pipelined_equals_one_process_bitwise():
+    """EPConfig(chunks=G): the local experts in G groups, each group's all-to-alls issued without waiting and its
+    GEMMs run between them; the same rows reach each expert in the same order, so the results equal one process
+    bit for bit (and the one-group path, which equals it too): skewed routing (ranks that receive nothing), empty
+    experts (a group without rows), a rank without tokens, W1 in two parts, groups of unequal size (3 experts in
+    2 groups), and the fp8 recipes."""
+    _run(2, [("uniform", "preact", "exact_chunks2"), ("skewed", "recompute", "exact_chunks2"),
+             ("empty_experts", "preact", "exact_chunks2"), ("empty_rank", "recompute", "exact_chunks2"),
+             ("w1_parts", "preact", "exact_chunks2"), ("three_local", "preact", "exact_chunks2"),
+             ("three_local", "recompute", "exact_chunks3"), ("uniform", "fp8-preact", "exact_chunks2"),
+             ("uniform", "preact-fp8", "exact_chunks2")])
+    _run(4, [("empty_experts", "preact", "exact_chunks2"), ("three_local", "recompute", "exact_chunks3")])
+
+
 def test_capacity_overflow_is_never_silent():
     _run(2, [(None, None, "overflow_error"), (None, None, "overflow_drop"), (None, None, "overflow_tracker")])
 
@@ -227,7 +244,7 @@ class _OnlyTheProtocol:
 
     def __init__(self, inner, calls):
         self._inner, self._calls = inner, calls
-        for name in ("routing", "recv", "slot_LK", "kept", "needed"):
+        for name in ("routing", "groups", "slot_LK", "kept", "needed"):
             setattr(self, name, getattr(inner, name))
 
     def _forward(name):
@@ -239,7 +256,10 @@ class _OnlyTheProtocol:
     tensors = _forward("tensors")
     in_send_order = _forward("in_send_order")
     send = _forward("send")
+    dispatch_groups = _forward("dispatch_groups")
     dispatch = _forward("dispatch")
+    return_buffer = _forward("return_buffer")
+    give_back_group = _forward("give_back_group")
     give_back = _forward("give_back")
     combine = _forward("combine")
     del _forward
@@ -255,12 +275,14 @@ def _through_the_protocol(rank, world, dispatch):
     try:
         toks, w1, w2 = _problem(world, "skewed")
         out_all, g_all, dy_all = _one_process(toks, w1, w2, "recompute")
-        kw = dict(ep_config=EPConfig("capacity", capacity=48)) if dispatch == "capacity" else {}
+        kw = dict(ep_config=EPConfig("capacity", capacity=48) if dispatch == "capacity" else
+                  EPConfig(chunks=2) if dispatch == "exact_chunks2" else None)
         out, g, mine, experts = _ep(rank, world, toks, w1, w2, "recompute", dy_all, **kw)
     finally:
         ep_module.make_plan, ep_module.restore_plan = made, restored
     _assert_equal((out, g), (out_all, g_all), mine, experts)
-    assert {"tensors", "send", "dispatch", "give_back", "combine", "in_send_order"} <= set(calls), calls
+    assert {"tensors", "send", "dispatch_groups", "dispatch", "return_buffer", "give_back_group", "combine",
+            "in_send_order"} <= set(calls), calls
 
 
 def _protocol_cases(rank, world, found, dispatches):
@@ -272,7 +294,7 @@ def test_the_op_bodies_use_the_transport_protocol_only():
     """Another transport plugs in without touching the op: wrapped so that only plan.Transport's members are
     reachable, both plans give expert parallelism's results bit for bit (forward and backward, recompute: rows
     sent again)."""
-    run_ranks(_protocol_cases, 2, ("exact", "capacity"))
+    run_ranks(_protocol_cases, 2, ("exact", "capacity", "exact_chunks2"))
 
 
 def test_receiver_index_orders_rows_by_expert_then_source():

@@ -212,7 +212,7 @@ def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_p
     tokens = args.batch_size * args.seq_len
     row = dict(mode="train", preset=args.preset, model=cfg.to_dict(), world=world, ep=ep, efsdp=world // ep,
                dispatch=args.ep_dispatch if ep > 1 else "-", keep_gathered=bool(ranks and args.fsdp_keep_gathered),
-               fsdp_units=args.fsdp_units if ranks else "-", compiled=args.compile,
+               fsdp_units=args.fsdp_units if ranks else "-", ep_chunks=args.ep_chunks, compiled=args.compile,
                reduce_dtype=args.fsdp_reduce_dtype if ranks else "-",
                cuda_graph=args.cuda_graph,
                dtype=args.dtype, batch_per_gpu=args.batch_size,

@@ -132,6 +132,9 @@ def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                    "default 1: FSDP2 alone)")
     g.add_argument("--ep-dispatch", default="exact", choices=DISPATCHES,
                    help="exact: variable all-to-all splits, one host sync per layer; capacity: fixed splits, none")
+    g.add_argument("--ep-chunks", type=int, default=1,
+                   help="exact dispatch: the local experts in this many groups, each group's all-to-alls under "
+                        "another group's GEMMs (default 1: no overlap)")
     g.add_argument("--capacity-factor", type=float, default=None,
                    help="capacity dispatch: rows per pair of ranks = factor x tokens x top-k / ep (default 1.25)")
     g.add_argument("--on-overflow", default="rerun", choices=ON_OVERFLOW,
@@ -202,10 +205,10 @@ def ep_config(args) -> EPConfig | None:
         raise ValueError(f"--on-overflow {args.on_overflow} applies to --ep-dispatch capacity, which this run does not "
                          "use")
     config = EPConfig(args.ep_dispatch, args.capacity_factor,
-                      on_overflow=None if args.on_overflow == "rerun" else args.on_overflow)
+                      on_overflow=None if args.on_overflow == "rerun" else args.on_overflow, chunks=args.ep_chunks)
     if args.ep == 1:
-        if args.ep_dispatch != "exact":
-            raise ValueError("--ep-dispatch capacity needs --ep > 1")
+        if args.ep_dispatch != "exact" or args.ep_chunks != 1:
+            raise ValueError(f"--ep-dispatch {args.ep_dispatch} --ep-chunks {args.ep_chunks} need --ep > 1")
         return None
     return config
 

@@ -147,6 +147,8 @@ class EPConfig:
         capacity_factor: under "capacity", the rows per pair as a multiple of the mean, rounded up to 16 (None: 1.25).
         capacity: under "capacity", the rows per pair outright (None: from capacity_factor; not both).
         on_overflow: under "capacity", a destination needing more rows: "error" (None: the default) or "drop".
+        chunks: under "exact", the local experts in this many groups, each group's all-to-alls running under
+            another group's GEMMs (forward and backward; bitwise the same results; 1: one group, no overlap).
 
     Returns:
         A frozen value; ValueError or TypeError naming the field for a choice it refuses, or for a capacity option
@@ -156,9 +158,15 @@ class EPConfig:
     capacity_factor: float | None = None
     capacity: int | None = None
     on_overflow: str | None = None
+    chunks: int = 1
 
     def __post_init__(self):
         check_choice("dispatch", self.dispatch, DISPATCHES)
+        check_int("chunks", self.chunks)
+        if self.chunks > 1 and self.dispatch != "exact":
+            raise ValueError(f"chunks={self.chunks} applies to dispatch='exact' only (capacity dispatch is one "
+                             "group: its fixed shapes are what torch.compile and CUDA graphs take); dispatch is "
+                             f"{self.dispatch!r}")
         if self.capacity_factor is not None:
             object.__setattr__(self, "capacity_factor", check_positive("capacity_factor", self.capacity_factor))
         if self.capacity is not None:

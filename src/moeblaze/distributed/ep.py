@@ -56,7 +56,7 @@ from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config, from_legac
 from ..routing import RoutingIndex, build_routing_index
 from ..routing.checks import check_expert_inputs, check_topk_weights
 from ..routing.index import in_row_order
-from .plan import CapacityTracker, PlanTensors, make_plan, restore_plan
+from .plan import CapacityTracker, Group, PlanTensors, make_plan, part, restore_plan, wait
 
 
 class EPInputs(NamedTuple):
@@ -80,26 +80,28 @@ class EPInputs(NamedTuple):
 
 class EPKept(NamedTuple):
     """What the forward hands the backward: the transport's tensors (plan.PlanTensors), the received rows (empty
-    under "recompute": sent again) and the op's own Kept. Through the custom ops they travel flat (flat(), of()):
-    their schemas are FLAT's fields."""
+    under "recompute": sent again) and the op's own Kept, one per group of local experts (plan.Group). Through the
+    custom ops they travel flat (flat(), of()): their schemas are FLAT's fields (one group: the traced path,
+    capacity dispatch, has one)."""
     plan: PlanTensors
     recv_x: torch.Tensor
-    op: Kept
+    ops: tuple[Kept, ...]
 
     def flat(self) -> tuple:
-        return (*self.plan, self.recv_x, *self.op)
+        return (*self.plan, self.recv_x, *(t for kept in self.ops for t in kept))
 
     @classmethod
     def of(cls, flat) -> EPKept:
-        n = len(PlanTensors._fields)
-        return cls(PlanTensors(*flat[:n]), flat[n], Kept(*flat[n + 1:]))
+        n, m = len(PlanTensors._fields), len(Kept._fields)
+        rest = flat[n + 1:]
+        return cls(PlanTensors(*flat[:n]), flat[n], tuple(Kept(*rest[i:i + m]) for i in range(0, len(rest), m)))
 
 
 FLAT = (*PlanTensors._fields, "recv_x", *Kept._fields)  # EPKept's tensors, in the custom ops' schemas
 
 
 _N_IN = len(EPInputs._fields)
-_TAIL = "str group_name, str key, int? capacity, bool fail_on_overflow"
+_TAIL = "str group_name, str key, int? capacity, bool fail_on_overflow, int chunks"
 
 
 def _keeps_rows(key: str) -> bool:
@@ -107,43 +109,83 @@ def _keeps_rows(key: str) -> bool:
     return parse(key).checkpoint != "recompute"
 
 
-def ep_forward(inputs: EPInputs, group_name: str, key: str, capacity: int | None, fail_on_overflow: bool
-               ) -> tuple[torch.Tensor, torch.Tensor, EPKept]:
+def _group_inputs(rows: torch.Tensor, weights: torch.Tensor, inputs: EPInputs, g: Group) -> OpInputs:
+    """The op's inputs for group g: its received rows, their weights, its experts' weights (views) and its index."""
+    return OpInputs.of(part(rows, g.rows), part(inputs.w1, g.experts), part(inputs.w2, g.experts),
+                       part(weights, g.rows), g.recv, w1_up=part(inputs.w1_up, g.experts))
+
+
+def ep_forward(inputs: EPInputs, group_name: str, key: str, capacity: int | None, fail_on_overflow: bool,
+               chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor, EPKept]:
     """(out (L, D), the most rows any destination needed (capacity mode; 0 in exact mode), what backward keeps):
-    the forward body. The experts run as the op's forward body on the received rows, with unit weights: their rows
-    go back as Y itself and the sender combines them with its router weights, as on one GPU."""
+    the forward body. The experts run as the op's forward body on the received rows, group by group (plan.Group),
+    with unit weights: their rows go back as Y itself and the sender combines them with its router weights, as on
+    one GPU. With several groups each group's GEMMs run while the next group's rows arrive and the previous
+    group's go back."""
     group = _resolve_group(group_name)
     x = inputs.x
-    plan = make_plan(inputs.routing, dist.get_world_size(group), group, capacity, fail_on_overflow)
-    recv_x = plan.dispatch(plan.send(x))
+    plan = make_plan(inputs.routing, dist.get_world_size(group), group, capacity, fail_on_overflow, chunks)
+    sending = plan.send(x)
+    recv_x, arrived = plan.dispatch_groups(sending)
     ones = recv_x.new_ones(recv_x.shape[0], 1, dtype=torch.float32)
-    y, kept = experts_forward(OpInputs.of(recv_x, inputs.w1, inputs.w2, ones, plan.recv, w1_up=inputs.w1_up), key)
-    ret = plan.give_back(y)
-    del y
+    ret, kept, back = plan.return_buffer(recv_x), [], []
+    for g, handle in zip(plan.groups, arrived):
+        wait([handle])
+        if g is plan.groups[-1]:
+            del sending  # every group's rows have left (held until then: the all-to-alls read it)
+        y, k = experts_forward(_group_inputs(recv_x, ones, inputs, g), key)
+        kept.append(k)
+        back.append((plan.give_back_group(y, g, ret), y))  # y lives until its rows are back
+    wait(h for h, _ in back)
+    del back
     out = plan.combine(ret, inputs.topk_w.float().contiguous(), x.dtype) if x.shape[0] else torch.zeros_like(x)
     rows = recv_x if _keeps_rows(key) else x.new_empty(0)
-    return out, plan.needed, EPKept(plan.tensors(), rows, kept)
+    return out, plan.needed, EPKept(plan.tensors(), rows, tuple(kept))
+
+
+def _joined(parts: list[torch.Tensor], like: torch.Tensor | None, groups) -> torch.Tensor:
+    """The groups' gradients of a weight, one tensor in the weight's layout (one group: its own)."""
+    if len(parts) == 1 or like is None:
+        return parts[0]
+    out = torch.empty_strided(like.shape, like.stride(), dtype=parts[0].dtype, device=parts[0].device)
+    for g, p in zip(groups, parts):
+        out[g.experts].copy_(p)
+    return out
 
 
 def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name: str, key: str
                 ) -> tuple[torch.Tensor, ...]:
     """(dx, dtopk_w, dw1, dw2, dw1_up (empty without w1_up)): the backward body. dy's rows and the router weights go
-    to the experts, which run the op's backward body on them (the weights applied in its epilogue, as on one GPU)
-    and return dX~ and dS."""
+    to the experts, which run the op's backward body on them group by group (the weights applied in its epilogue,
+    as on one GPU) and return dX~ and dS; with several groups, a group's rows go back under the next group's
+    GEMMs."""
     if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.op)
         ensure_context(dout.get_device())
     x, topk_w = inputs.x, inputs.topk_w
     plan = restore_plan(inputs.routing, _resolve_group(group_name), saved.plan)
     recv_x = saved.recv_x if _keeps_rows(key) else plan.dispatch(plan.send(x))  # "recompute": sent again
-    dy_recv = plan.dispatch(plan.send(dout))
     w_rows = in_row_order(topk_w, plan.routing.token_slot, plan.routing.expert_token_idx.shape[0],
                           torch.float32)  # router weights in expert order
     w_recv = plan.dispatch(plan.in_send_order(w_rows)).view(-1, 1)
-    dx_recv, dw1, dw2, ds_recv, _db1, _db2, dw1_up = experts_backward(
-        dy_recv, OpInputs.of(recv_x, inputs.w1, inputs.w2, w_recv, plan.recv, w1_up=inputs.w1_up), saved.op, key)
-    del dy_recv, recv_x
-    dx_ret = plan.give_back(dx_recv)
-    ds_ret = plan.give_back(ds_recv.view(-1))
+    sending = plan.send(dout)
+    dy_recv, arrived = plan.dispatch_groups(sending)
+    dx_ret = ds_ret = None
+    grads, back = [], []
+    for g, handle, kept in zip(plan.groups, arrived, saved.ops):
+        wait([handle])
+        if g is plan.groups[-1]:
+            del sending
+        dx_recv, dw1, dw2, ds_recv, _db1, _db2, dw1_up = experts_backward(
+            part(dy_recv, g.rows), _group_inputs(recv_x, w_recv, inputs, g), kept, key)
+        if dx_ret is None:
+            dx_ret, ds_ret = plan.return_buffer(dx_recv), plan.return_buffer(ds_recv.view(-1))
+        back += [(plan.give_back_group(dx_recv, g, dx_ret), dx_recv),
+                 (plan.give_back_group(ds_recv.view(-1), g, ds_ret), ds_recv)]
+        grads.append((dw1, dw2, dw1_up))
+    wait(h for h, _ in back)
+    del back, dy_recv, recv_x
+    dw1, dw2, dw1_up = (_joined(list(p), like, plan.groups)
+                        for p, like in zip(zip(*grads), (inputs.w1, inputs.w2, inputs.w1_up)))
     dx = plan.combine(dx_ret, None, x.dtype) if x.shape[0] else torch.zeros_like(x)
     slot = plan.slot_LK.long()
     dtopk_w = (ds_ret[slot.clamp(max=max(ds_ret.shape[0] - 1, 0))] if ds_ret.numel() else
@@ -167,7 +209,7 @@ def _backward_op(dout, *args):
 
 def _forward_fake(*args):
     inputs = EPInputs(*args[:_N_IN])
-    group_name, key, capacity, _fail = args[_N_IN:]
+    group_name, key, capacity, _fail, _chunks = args[_N_IN:]
     if capacity is None:
         raise NotImplementedError("exact dispatch under torch.compile: its row counts are read on the host")
     x, E_loc = inputs.x, inputs.w1.shape[0]
@@ -181,7 +223,7 @@ def _forward_fake(*args):
                        send_pos=torch.empty(R, **longs), slot_LK=torch.empty(inputs.token_slot.shape, **ints),
                        kept_rows=torch.empty(1, **ints), splits=torch.empty(0, **longs))
     rows = recv.x if _keeps_rows(key) else x.new_empty(0)
-    return (x.new_empty(x.shape), torch.empty((), **longs), *EPKept(plan, rows, kept_like(recv, key)).flat())
+    return (x.new_empty(x.shape), torch.empty((), **longs), *EPKept(plan, rows, (kept_like(recv, key),)).flat())
 
 
 def _backward_fake(dout, *args):
@@ -325,8 +367,11 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     # the receiver's index has padding rows (capacity); fp8_min_rows judged as if every rank had this rank's L
     key = kernel_op_key(x, config, backend, C is not None, False, call=(x.shape[0] * ep, topk_idx.shape[1], E))
     fail = ep_config.overflow == "error" and tracker is None
+    if ep_config.chunks > w1_local.shape[0]:
+        raise ValueError(f"EPConfig(chunks={ep_config.chunks}) groups the local experts, and this rank holds "
+                         f"{w1_local.shape[0]}: chunks must be at most that")
     args = (*EPInputs(x, topk_weights, w1_local, w2_local, *routing.tensors(), w1_up), _group_name(group), key, C,
-            fail)
+            fail, ep_config.chunks)
     # capacity dispatch is traced whole (fixed shapes); exact dispatch reads its row counts on the host, eagerly
     traced = C is not None and torch.compiler.is_compiling()
     out, needed = (EP.fwd(*args) if traced else EP.eager.apply(*args))[:2]

@@ -4,6 +4,11 @@ index in the global token order, no sort), where each pair's returned row lands,
 ExactPlan and CapacityPlan implement it (make_plan builds one per forward call, restore_plan brings it back in
 backward from its PlanTensors, by field name); capacity dispatch's overflow rule and CapacityTracker.
 distributed.ep's header describes the data flow and both dispatch modes.
+Groups: exact dispatch with chunks = G > 1 splits the local experts into G contiguous groups (Group), each with
+its own all-to-alls, issued without waiting, and its own receiver index: the send buffer is laid out group-major
+(group, destination, expert, token), so each group's rows are one block of it, and each expert's rows arrive in
+the same (source, token) order as with one group. The op's bodies run group by group, a group's GEMMs under the
+next group's dispatch and the previous group's return (distributed.ep).
 
 Memory: the plan holds O(L·K + R) int32 (the receiver's index, the send positions and the pairs' return slots) and,
 in exact mode, the split sizes on the host; it allocates no row buffer of its own beyond the all-to-alls' outputs.
@@ -23,15 +28,16 @@ from ..routing import RoutingIndex, build_routing_index
 from ..routing.index import pair_experts
 
 
-def receiver_index(counts_SE: torch.Tensor) -> RoutingIndex:
+def receiver_index(counts_SE: torch.Tensor, rows: int | None = None) -> RoutingIndex:
     """The K = 1 routing index of rows received grouped by source rank, then local expert (counts_SE (ep, E_loc):
     rows from source s for local expert e), over the E_loc local experts: expert-major, then source, then
-    arrival order. One pass of O(R) index arithmetic, no sort; R is read on the host (repeat_interleave's size)."""
+    arrival order. One pass of O(R) index arithmetic, no sort; R = rows (the sum of counts_SE), read on the host
+    where not given (repeat_interleave's size)."""
     S, E = counts_SE.shape
     c = counts_SE.to(torch.int64)
     start_SE = (c.flatten().cumsum(0) - c.flatten()).view(S, E)  # first received row of each (source, expert)
     size_ES = c.t().flatten()  # the same blocks in expert-major order
-    R = int(size_ES.sum())
+    R = int(size_ES.sum()) if rows is None else rows
     block = torch.repeat_interleave(torch.arange(S * E, device=c.device), size_ES, output_size=R)
     first = size_ES.cumsum(0) - size_ES  # each block's first position in expert-major order
     rows = start_SE.t().flatten()[block] + torch.arange(R, device=c.device) - first[block]
@@ -43,12 +49,45 @@ def receiver_index(counts_SE: torch.Tensor) -> RoutingIndex:
     return RoutingIndex(counts_E.int(), offsets, rows.int(), slot.view(R, 1))
 
 
-def _all_to_all(t: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group) -> torch.Tensor:
-    """t's rows split by in_splits (equal splits where None) to the ranks of group; the rows received."""
-    rows = sum(out_splits) if out_splits is not None else t.shape[0]
-    out = t.new_empty((rows,) + tuple(t.shape[1:]))
-    dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
-    return out
+def expert_groups(E_loc: int, chunks: int) -> list[tuple[int, int]]:
+    """The local experts [0, E_loc) in `chunks` contiguous groups of near-equal size (the first ones one larger)."""
+    q, r = divmod(E_loc, chunks)
+    bounds = [0]
+    for g in range(chunks):
+        bounds.append(bounds[-1] + q + (g < r))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class Group(NamedTuple):
+    """One group of local experts and its rows: experts (a slice of the local experts), rows (its block of the
+    receive buffer), send (its block of the send and return buffers; each None where one group holds everything),
+    the split sizes of its all-to-all (None: equal splits), and its receiver index (over its experts, rows counted
+    from its block's start)."""
+    experts: slice | None
+    rows: slice | None
+    send: slice | None
+    in_splits: list[int] | None
+    out_splits: list[int] | None
+    recv: RoutingIndex
+
+
+def part(t: torch.Tensor | None, s: slice | None) -> torch.Tensor | None:
+    """t's block s along dim 0 (t itself where s is None: one group)."""
+    return t if t is None or s is None else t[s]
+
+
+def _all_to_all(out: torch.Tensor, t: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
+                group, async_op: bool = False):
+    """t's rows split by in_splits (equal splits where None) to the ranks of group, received into out; the work
+    handle where async_op (wait on it before reading out or letting t go), else None."""
+    return dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group, async_op=async_op)
+
+
+def wait(handles) -> None:
+    """Wait on all-to-all work handles (None: done already)."""
+    for h in handles:
+        if h is not None:
+            h.wait()
 
 
 class CapacityTracker:
@@ -88,9 +127,10 @@ class CapacityTracker:
 
 
 class PlanTensors(NamedTuple):
-    """A plan's tensors, what backward gets back (EPKept.plan): the receiver's index, the send positions (empty:
-    every row, in expert order), each pair's slot in the return buffer and the rows kept there (both empty: the
-    routing's own), and the exact splits (2, ep) on the host (empty: capacity dispatch, which they tell apart)."""
+    """A plan's tensors, what backward gets back (EPKept.plan): the receiver's index (its groups' indexes one after
+    another), the send positions (empty: every row, in expert order), each pair's slot in the return buffer and the
+    rows kept there (both empty: the routing's own), and the exact splits (2, groups, ep) on the host (empty:
+    capacity dispatch, which they tell apart)."""
     recv_counts: torch.Tensor
     recv_offsets: torch.Tensor
     recv_token_idx: torch.Tensor
@@ -107,11 +147,12 @@ class Transport(Protocol):
     tensors without communicating, and moves rows both ways; ExactPlan and CapacityPlan are the two here, and
     another one (a different library's all-to-all, an overlapped one) implements the same members.
 
-    routing: the sender's RoutingIndex over all E experts; recv: the receiver's (K = 1, over its local experts;
-    dropped pairs as padding); slot_LK and kept: each pair's row in the return buffer, slots >= kept dropped;
-    needed: the most rows any destination needed from this rank (0-d int64; capacity dispatch's overflow check)."""
+    routing: the sender's RoutingIndex over all E experts; groups: the local experts' groups (Group: one, unless
+    the plan pipelines), each with its receiver index (K = 1, over its experts; dropped pairs as padding); slot_LK
+    and kept: each pair's row in the return buffer, slots >= kept dropped; needed: the most rows any destination
+    needed from this rank (0-d int64; capacity dispatch's overflow check)."""
     routing: RoutingIndex
-    recv: RoutingIndex
+    groups: list[Group]
     slot_LK: torch.Tensor
     kept: torch.Tensor
     needed: torch.Tensor | None
@@ -124,20 +165,33 @@ class Transport(Protocol):
     def send(self, rows_LD: torch.Tensor) -> torch.Tensor:
         """The send buffer of rows_LD (x or dy): its rows in send order, gathered through the routing index."""
 
+    def dispatch_groups(self, rows: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """A send buffer's rows to the ranks that hold their experts, group by group: the receive buffer (R rows)
+        and a handle per group (wait(...) on it before reading the group's block)."""
+
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
-        """A send buffer's rows to the ranks that hold their experts: the rows received (R of them)."""
+        """dispatch_groups, every group arrived: the rows received."""
+
+    def return_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """An empty return buffer for rows like `like`'s (its trailing shape and dtype)."""
+
+    def give_back_group(self, rows: torch.Tensor, group: Group, into: torch.Tensor):
+        """A group's rows back to their senders, into its block of the return buffer `into`: a handle (keep rows
+        until it is waited on)."""
 
     def give_back(self, rows: torch.Tensor) -> torch.Tensor:
-        """The receiver's R rows back to their senders: the return buffer."""
+        """The receiver's R rows back to their senders, every group: the return buffer."""
 
     def combine(self, rows: torch.Tensor, weights_LK, out_dtype) -> torch.Tensor:
         """The sender's combine of returned rows: sum_k (w[t, k] ·) rows[slot[t, k]], dropped slots adding 0."""
 
 
-def make_plan(routing: RoutingIndex, ep: int, group, capacity: int | None, fail_on_overflow: bool) -> Transport:
-    """The transport of one forward call: exact dispatch (capacity None) or capacity dispatch with C = capacity."""
+def make_plan(routing: RoutingIndex, ep: int, group, capacity: int | None, fail_on_overflow: bool,
+              chunks: int = 1) -> Transport:
+    """The transport of one forward call: exact dispatch (capacity None) in `chunks` groups, or capacity dispatch
+    with C = capacity."""
     if capacity is None:
-        return ExactPlan(routing, ep, group)
+        return ExactPlan(routing, ep, group, chunks)
     return CapacityPlan(routing, ep, group, capacity, fail_on_overflow)
 
 
@@ -147,11 +201,13 @@ def restore_plan(routing: RoutingIndex, group, saved: PlanTensors) -> Transport:
 
 
 class _Rows:
-    """What both transports share: the gather into the send buffer, the all-to-alls by their split sizes (None:
-    equal), and the combine through the pairs' slots."""
+    """What both transports share: the gather into the send buffer, the all-to-alls group by group by their split
+    sizes (None: equal), issued without waiting where there are several groups, and the combine through the pairs'
+    slots. received, sent: the rows of the receive and of the send (and return) buffer."""
     send_pos: torch.Tensor | None = None
-    in_splits: list[int] | None = None
-    out_splits: list[int] | None = None
+    groups: list[Group]
+    received: int
+    sent: int
 
     def in_send_order(self, rows: torch.Tensor) -> torch.Tensor:
         if self.send_pos is None:
@@ -165,42 +221,114 @@ class _Rows:
             return self.in_send_order(rows_LD)
         return rows_LD[self.in_send_order(self.routing.expert_token_idx).long()]
 
+    def dispatch_groups(self, rows: torch.Tensor) -> tuple[torch.Tensor, list]:
+        out = rows.new_empty((self.received,) + tuple(rows.shape[1:]))
+        pipelined = len(self.groups) > 1
+        return out, [_all_to_all(part(out, g.rows), part(rows, g.send), g.out_splits, g.in_splits, self.group,
+                                 pipelined) for g in self.groups]
+
     def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
-        return _all_to_all(rows, self.out_splits, self.in_splits, self.group)
+        out, handles = self.dispatch_groups(rows)
+        wait(handles)
+        return out
+
+    def return_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        return like.new_empty((self.sent,) + tuple(like.shape[1:]))
+
+    def give_back_group(self, rows: torch.Tensor, group: Group, into: torch.Tensor):
+        return _all_to_all(part(into, group.send), rows, group.in_splits, group.out_splits, self.group,
+                           len(self.groups) > 1)
 
     def give_back(self, rows: torch.Tensor) -> torch.Tensor:
-        return _all_to_all(rows, self.in_splits, self.out_splits, self.group)
+        out = self.return_buffer(rows)
+        wait([self.give_back_group(part(rows, g.rows), g, out) for g in self.groups])
+        return out
 
     def combine(self, rows: torch.Tensor, weights_LK, out_dtype) -> torch.Tensor:
         return combine_slots(rows, self.slot_LK, weights_LK, self.kept, out_dtype)
 
+    def _recv_tensors(self) -> tuple:
+        """The groups' receiver indexes, one after another (PlanTensors' first four)."""
+        recvs = [g.recv.tensors() for g in self.groups]
+        return recvs[0] if len(recvs) == 1 else tuple(torch.cat(ts) for ts in zip(*recvs))
+
 
 class ExactPlan(_Rows):
     """Exact dispatch: every routed row, variable split sizes read on the host once (the one sync of the call);
-    the receiver gets R = the rows routed to it, the pairs' slots are the routing's own."""
+    the receiver gets R = the rows routed to it. With chunks > 1 the local experts go in that many groups (the
+    module header): the send buffer group-major (send_pos) and the pairs' slots with it; else the slots are the
+    routing's own."""
 
-    def __init__(self, routing: RoutingIndex, ep: int, group):
+    def __init__(self, routing: RoutingIndex, ep: int, group, chunks: int = 1):
         self.routing, self.group = routing, group
         send_counts = routing.expert_counts.view(ep, -1)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
-        self.splits = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).cpu()  # the one host sync
-        self.in_splits, self.out_splits = self.splits.tolist()
-        self.recv = receiver_index(recv_counts)
+        bounds = expert_groups(send_counts.shape[1], chunks)
+        per_group = [torch.stack([c[:, a:b].sum(1) for a, b in bounds]) for c in (send_counts, recv_counts)]
+        self.splits = torch.stack(per_group).cpu()  # (2, groups, ep): the one host sync
+        rows = self.splits[1].sum(1).tolist()
+        recvs = [receiver_index(recv_counts[:, a:b], n) for (a, b), n in zip(bounds, rows)]
         self.needed = torch.zeros((), dtype=torch.int64, device=routing.token_slot.device)
-        self.slot_LK, self.kept = routing.token_slot, routing.expert_offsets[-1:]
+        self._place(recvs)
+        if chunks > 1:
+            self._group_major(bounds, ep)
+
+    def _place(self, recvs: list[RoutingIndex]) -> None:
+        """The groups from the splits and their receiver indexes; the routing's own slots (one group)."""
+        ins, outs = self.splits.tolist()
+        one = len(ins) == 1
+        self.groups, sent, received = [], 0, 0
+        for g, (i, o, recv) in enumerate(zip(ins, outs, recvs)):
+            a, b = expert_groups(self.routing.expert_counts.shape[0] // len(i), len(ins))[g]
+            self.groups.append(Group(None if one else slice(a, b), None if one else slice(received, received + sum(o)),
+                                     None if one else slice(sent, sent + sum(i)), i, o, recv))
+            sent, received = sent + sum(i), received + sum(o)
+        self.sent, self.received = sent, received
+        self.slot_LK, self.kept = self.routing.token_slot, self.routing.expert_offsets[-1:]
+
+    def _group_major(self, bounds: list[tuple[int, int]], ep: int) -> None:
+        """The send buffer group-major: row r of the sender's expert order (destination d's expert e of group g)
+        goes to block (g, d), at its place past the block's first row; send_pos is that order's inverse, and each
+        pair's slot moves with its row (rows past the routed ones, dropped pairs, stay where they are)."""
+        offs = self.routing.expert_offsets.to(torch.int64)
+        E_loc, P, dev = (offs.shape[0] - 1) // ep, self.routing.expert_token_idx.shape[0], offs.device
+        lo = torch.tensor([a for a, _ in bounds], device=dev)
+        hi = torch.tensor([b for _, b in bounds], device=dev)
+        dests = torch.arange(ep, device=dev) * E_loc
+        first = offs[dests[None, :] + lo[:, None]]  # (groups, ep): each block's first row in expert order
+        size = offs[dests[None, :] + hi[:, None]] - first
+        start = (size.flatten().cumsum(0) - size.flatten()).view_as(size)  # its first row group-major
+        group_of = torch.repeat_interleave(torch.arange(len(bounds), device=dev), hi - lo)
+        r = torch.arange(P, device=dev)
+        e = torch.searchsorted(offs[1:], r, right=True)  # each row's expert (E past the routed rows)
+        routed = e < ep * E_loc
+        e = e.clamp(max=ep * E_loc - 1)
+        g, d = group_of[e % E_loc], e // E_loc
+        moved = torch.where(routed, start[g, d] + r - first[g, d], r)
+        self.send_pos = torch.empty_like(moved)
+        self.send_pos[moved] = r
+        self.slot_LK = moved[self.routing.token_slot.long()].to(self.routing.token_slot.dtype)
 
     def tensors(self) -> PlanTensors:
         none = self.slot_LK.new_empty(0)
-        return PlanTensors(*self.recv.tensors(), send_pos=none, slot_LK=none, kept_rows=none, splits=self.splits)
+        moved = self.send_pos is not None
+        return PlanTensors(*self._recv_tensors(), send_pos=self.send_pos if moved else none,
+                           slot_LK=self.slot_LK if moved else none, kept_rows=none, splits=self.splits)
 
     @classmethod
     def restore(cls, routing: RoutingIndex, group, saved: PlanTensors) -> ExactPlan:
         plan = cls.__new__(cls)
         plan.routing, plan.group, plan.needed, plan.splits = routing, group, None, saved.splits
-        plan.in_splits, plan.out_splits = saved.splits.tolist()
-        plan.slot_LK, plan.kept = routing.token_slot, routing.expert_offsets[-1:]
-        plan.recv = RoutingIndex(saved.recv_counts, saved.recv_offsets, saved.recv_token_idx, saved.recv_slot)
+        ins, outs = saved.splits.tolist()
+        E_loc = saved.recv_counts.shape[0]
+        bounds = expert_groups(E_loc, len(ins))
+        rows = [sum(o) for o in outs]
+        sizes = ([b - a for a, b in bounds], [b - a + 1 for a, b in bounds], rows, rows)
+        parts = [t.split(n) for t, n in zip(saved[:4], sizes)]
+        plan._place([RoutingIndex(*ts) for ts in zip(*parts)])
+        if saved.send_pos.numel() or saved.slot_LK.numel():
+            plan.send_pos, plan.slot_LK = saved.send_pos, saved.slot_LK
         return plan
 
 
@@ -252,6 +380,11 @@ class CapacityPlan(_Rows):
         pos = routing.token_slot.long() - first[dest]
         self.kept = torch.full((1,), ep * capacity, dtype=torch.int32, device=dev)
         self.slot_LK = torch.where(pos < capacity, dest * capacity + pos, ep * capacity).int()
+        self._one_group()
+
+    def _one_group(self) -> None:
+        self.groups = [Group(None, None, None, None, None, self.recv)]
+        self.sent = self.received = self.send_pos.shape[0]  # ep·C rows each way
 
     def tensors(self) -> PlanTensors:
         return PlanTensors(*self.recv.tensors(), send_pos=self.send_pos, slot_LK=self.slot_LK, kept_rows=self.kept,
@@ -264,6 +397,7 @@ class CapacityPlan(_Rows):
         plan.send_pos, plan.slot_LK, plan.kept = saved.send_pos, saved.slot_LK, saved.kept_rows
         plan.recv = RoutingIndex(saved.recv_counts, saved.recv_offsets, saved.recv_token_idx, saved.recv_slot,
                                  dropped=True)
+        plan._one_group()
         return plan
 
 
