@@ -342,6 +342,28 @@ def _misuse(rank, world, errors):
     with pytest.raises(ValueError, match="more rows than a receiver's index can address"):
         ep_experts(x, idx, torch.rand(5, 2), w1, w2, config=config,
                    ep_config=EPConfig("capacity", capacity_factor=1e30))
+    # more groups than local experts
+    with pytest.raises(ValueError, match=r"chunks=4\) groups the local experts, and this rank holds 3"):
+        ep_experts(x, idx, torch.rand(5, 2), w1, w2, config=config, ep_config=EPConfig(chunks=4))
+
+
+def _local_experts(rank, world, errors, split):
+    import pytest
+
+    from moeblaze.distributed.ep import _check_local_experts
+
+    if not split:  # every rank 3: agreed, and remembered for this group
+        _check_local_experts(3, None)
+        return
+    with pytest.raises(ValueError, match="same number of local experts"):  # 3 + 4 in the next group
+        _check_local_experts(3 + rank, None)
+
+
+def test_a_new_process_group_checks_the_local_experts_again():
+    """A group name comes back with the next process group (these ranks' processes stay for the next call): a count
+    agreed in the old group must not let one rank skip the check in the new one (it would hang the others)."""
+    run_ranks(_local_experts, 2, False)
+    run_ranks(_local_experts, 2, True, timeout_s=120)
 
 
 def test_ep_misuse_is_one_clear_error_on_every_rank():

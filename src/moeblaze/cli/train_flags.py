@@ -207,8 +207,10 @@ def ep_config(args) -> EPConfig | None:
     config = EPConfig(args.ep_dispatch, args.capacity_factor,
                       on_overflow=None if args.on_overflow == "rerun" else args.on_overflow, chunks=args.ep_chunks)
     if args.ep == 1:
-        if args.ep_dispatch != "exact" or args.ep_chunks != 1:
-            raise ValueError(f"--ep-dispatch {args.ep_dispatch} --ep-chunks {args.ep_chunks} need --ep > 1")
+        given = [flag for flag, set_ in ((f"--ep-dispatch {args.ep_dispatch}", args.ep_dispatch != "exact"),
+                                         (f"--ep-chunks {args.ep_chunks}", args.ep_chunks != 1)) if set_]
+        if given:
+            raise ValueError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --ep > 1")
         return None
     return config
 

@@ -25,6 +25,10 @@ Dispatch modes:
             step, both without a host sync. The
             receiver's padding rows are dropped pairs of its index (routing.index's sentinels): never computed.
             R = ep·C.
+  exact with chunks = G > 1: the local experts in G groups (plan.Group), each group's all-to-alls issued without
+            waiting and the op's bodies run group by group, so that a group's GEMMs run under the next group's
+            dispatch and the previous group's return; each expert gets the same rows in the same order, so the
+            results are bitwise those of one group. The send buffer lives until the last group's rows have left.
 Autograd: one custom-op pair, moeblaze::ep_fwd / ep_bwd (EP), for both modes, its schemas and fakes derived from
 EPInputs, EPKept and the op's Kept (experts.op); its bodies are the collectives around the op's own forward and
 backward bodies on the received rows. torch.compile traces it under capacity dispatch; eager mode calls its bodies
@@ -42,6 +46,7 @@ received, D hidden, F rows of W1 per expert.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -287,18 +292,20 @@ def check_same_on_ranks(value: int, what: str, group) -> None:
         raise ValueError(f"every rank must hold the same {what}; the ranks hold {values}")
 
 
-_AGREED: set = set()  # (group, local experts) pairs whose ranks were checked to agree
+# process group -> the local expert counts its ranks were checked to agree on (by the group object: a name such as
+# "0" comes back with the next group after destroy_process_group, and a count agreed in the old one proves nothing)
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _check_local_experts(E_loc: int, group) -> None:
     """The ranks of `group` hold the same number of local experts: checked once per group and count (a collective),
     so that a split like 4 + 3 is one clear error on every rank, not an id error on one and a broken collective on
     the others."""
-    key = (_group_name(group), E_loc)
-    if key in _AGREED or torch.compiler.is_compiling():
+    pg = group if group is not None else dist.group.WORLD
+    if E_loc in _AGREED.get(pg, ()) or torch.compiler.is_compiling():
         return
     check_same_on_ranks(E_loc, "number of local experts (w1_local.shape[0])", group)
-    _AGREED.add(key)
+    _AGREED.setdefault(pg, set()).add(E_loc)
 
 
 def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
