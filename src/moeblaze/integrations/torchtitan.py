@@ -42,7 +42,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..args import check_choice
-from ..configs import DEFAULT, DISPATCHES, EPConfig, ExpertsConfig
+from ..configs import DEFAULT, DISPATCHES, EPConfig, ExpertsConfig, check_config
 from ..distributed.ep import check_options
 from ..experts import autocast_operands, moe_experts
 from ..routing import build_routing_index
@@ -61,10 +61,9 @@ except ImportError as e:  # pragma: no cover - the message is the point
 DISPATCHERS = (LocalTokenDispatcher.Config, AllToAllTokenDispatcher.Config)
 
 
-def check_experts_config(config: ExpertsConfig) -> ExpertsConfig:
-    """config, if torchtitan's experts can run on it: SwiGLU, no fp8_weight_cache."""
-    if not isinstance(config, ExpertsConfig):
-        raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
+def check_experts_config(config: ExpertsConfig | None) -> ExpertsConfig:
+    """config (None: the default), if torchtitan's experts can run on it: SwiGLU, no fp8_weight_cache."""
+    config = check_config("experts", config, ExpertsConfig) or DEFAULT
     if config.activation != "swiglu":
         raise ValueError(f"torchtitan's GroupedExperts compute SwiGLU; experts=ExpertsConfig(activation="
                          f"{config.activation!r}) would compute another function")
