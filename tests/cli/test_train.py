@@ -458,3 +458,20 @@ def test_a_checkpoint_tensor_of_another_shape_is_named_with_both_shapes(tmp_path
     err = capsys.readouterr().err
     new = (*old[:-1], old[-1] - 1)
     assert f"{name} has shape {new}, the model's {old}" in err, err
+
+
+def test_fp8_weight_cache_trains_as_quantizing_every_step(tmp_path):
+    """`train --precision fp8 --fp8-weight-cache` under its fused AdamW (whose kernel moves no version counter):
+    each step's loss and gradient norm equal, bit for bit, those of the run that quantizes the weights where used,
+    so no step reads the e4m3 copies of the weights before an update."""
+    import json
+
+    logs = []
+    for cache in (False, True):
+        log = tmp_path / f"log-{cache}.jsonl"
+        train.run(args_for(tmp_path, steps=4, eval_every=4, save="", loss_log=str(log), impl="triton", d_model=128,
+                           d_expert=64, precision="fp8", fp8_min_rows=0, fp8_weight_cache=cache))
+        logs.append([json.loads(line) for line in log.read_text().splitlines()])
+    assert logs[0] == logs[1]
+    losses = [r["loss"] for r in logs[0] if "loss" in r]
+    assert len(losses) == 4 and len(set(losses)) > 1  # the weights did change between steps

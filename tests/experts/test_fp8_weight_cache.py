@@ -126,3 +126,51 @@ def test_a_write_through_data_is_unseen_until_the_cache_is_cleared(poison_alloc)
             assert torch.equal(a, b)
         assert not torch.equal(fresh[0], before[0])
         w1.data.mul_(0.5)  # again unseen, for the second round's clear-all
+
+
+def _sgd(params, grads):
+    opt = torch.optim.SGD(params, lr=0.1)
+    for p, g in zip(params, grads):
+        p.grad = g
+    opt.step()
+
+
+def _adamw(**kw):
+    def step(params, grads):
+        opt = torch.optim.AdamW(params, lr=0.1, **kw)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+    return step
+
+
+def _no_grad_copy(params, grads):
+    with torch.no_grad():
+        params[0].copy_(params[0] - 0.1 * grads[0])
+
+
+def _load_state_dict(params, grads):
+    holder = torch.nn.ParameterList(params)
+    holder.load_state_dict({"0": params[0].detach() - 0.1 * grads[0], "1": params[1].detach()})
+
+
+@pytest.mark.parametrize("update", [_sgd, _adamw(foreach=False), _adamw(foreach=True), _adamw(fused=True),
+                                    _no_grad_copy, _load_state_dict],
+                         ids=["sgd", "adamw", "adamw-foreach", "adamw-fused", "no_grad-copy_", "load_state_dict"])
+def test_every_update_of_a_parameter_is_seen(poison_alloc, quantize_calls, update):
+    """The ways a trained weight changes in place (the optimizers' loops, their foreach and fused kernels, a
+    no_grad copy_, load_state_dict) each move its version counter: the next step quantizes the new values, equal
+    bit for bit to quantizing where used, and the update did change the step."""
+    torch.manual_seed(5)
+    x, w1, w2, idx, w = random_problem(40, 128, 72, 4, 2)
+    routing = build_routing_index(idx, 4)
+    dy = torch.randn_like(x)
+    w1, w2 = torch.nn.Parameter(w1), torch.nn.Parameter(w2)
+    before = _step(x, routing, w, w1, w2, dy, cache=True)
+    quantize_calls.clear()
+    update([w1, w2], [before[3], before[4]])
+    after = _step(x, routing, w, w1, w2, dy, cache=True)
+    assert (tuple(w1.shape), True) in quantize_calls  # W1 quantized again (both layouts)
+    for a, b in zip(after, _step(x, routing, w, w1, w2, dy, cache=False)):
+        assert torch.equal(a, b)
+    assert not torch.equal(after[0], before[0])

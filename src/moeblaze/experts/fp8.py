@@ -25,10 +25,12 @@ By default the weights are quantized where they are used, forward and backward, 
 FSDP2 the gathered weights are freed after forward, and a copy kept for backward would hold them (in e4m3) through
 the step. With ExpertsConfig(fp8_weight_cache=True) each weight is quantized once in both layouts
 (quant.quantize_blocks(both=True)), and the pair is kept (E·(F·D + D·H) · 2 bytes and their scales, per layer)
-until the weight changes: its version counter moves on with every in-place update (an optimizer step; FSDP2's
-all-gather into it), so forward and backward of a micro-batch, and every micro-batch of an accumulated step,
-share one quantization (weight_pair). A write that bypasses the version counter (through `.data`) is not seen:
-clear_weight_cache says which, and forgets the copies. On CUDA it needs fp8 tensor cores (sm_89 or
+until the weight changes: its version counter moves on with every in-place update (an optimizer's loop or foreach
+step, a no_grad copy_, load_state_dict; FSDP2's all-gather into it), and every torch.optim optimizer's step forgets
+the pairs of its parameters (its fused kernels write without moving the counters), so forward and backward of a
+micro-batch, and every micro-batch of an accumulated step, share one quantization (weight_pair). A write that
+bypasses both (through `.data`, or an optimizer outside torch.optim) is not seen: clear_weight_cache says which,
+and forgets the copies. On CUDA it needs fp8 tensor cores (sm_89 or
 later).
 """
 from __future__ import annotations
@@ -78,9 +80,10 @@ def _signature(w: torch.Tensor) -> tuple:
 def clear_weight_cache(weight: torch.Tensor | None = None) -> None:
     """Forget the e4m3 copies of `weight` (default: of every weight), so that the next use quantizes it again. The
     cache sees every write that moves the weight's version counter: in-place ops on it or on a view of it, an
-    optimizer step, load_state_dict, FSDP2's all-gather. It can't see writes that bypass the counter: through
-    `weight.data` (`param.data.copy_(...)`, as some loaders and EMA code write), `set_`, or a kernel or collective
-    writing the storage outside autograd; after such a write, call this.
+    optimizer step (a torch.optim optimizer's step also forgets its parameters' copies: its fused kernels move no
+    counter), load_state_dict, FSDP2's all-gather. It can't see writes that bypass the counter: through
+    `weight.data` (`param.data.copy_(...)`, as some loaders and EMA code write), `set_`, an optimizer outside
+    torch.optim, or a kernel or collective writing the storage outside autograd; after such a write, call this.
 
     Args:
         weight: a weight tensor (None: every cached weight).
@@ -110,7 +113,29 @@ def weight_pair(w_ENK: torch.Tensor) -> tuple:
         if _PAIRS.get(key, (None,))[0] is ref:
             del _PAIRS[key]
     _PAIRS[key] = (weakref.ref(w_ENK, forget), _signature(w_ENK), (pair, pair_t))
+    _watch_optimizers()
     return pair, pair_t
+
+
+_HOOK = []  # the global optimizer hook, once registered
+
+
+def _forget_stepped(optimizer, args, kwargs) -> None:
+    """After any torch.optim optimizer's step: forget the pairs of the parameters it holds. The fused optimizers
+    (AdamW(fused=True), Adam, SGD: one kernel over every parameter) write in place without moving the version
+    counters, which the signature can't see."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _PAIRS.get(id(p))
+            if entry is not None and entry[0]() is p:
+                del _PAIRS[id(p)]
+
+
+def _watch_optimizers() -> None:
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _HOOK.append(register_optimizer_step_post_hook(_forget_stepped))
 
 
 def _weight(w_ENK: torch.Tensor, cache: bool, transposed: bool = False):
