@@ -89,3 +89,42 @@ def test_fsdp2_as_one_unit_matches_one_process():
     """units="model": the whole model one FSDP2 unit at ep = 1; at ep = 2 the experts their own (ep mesh)."""
     _run(2, 1, "model")
     _run(2, 2, "model")
+
+
+def _fp8_model(cache):
+    torch.manual_seed(0)
+    return MoEModel(ModelConfig(vocab_size=32, max_seq_len=8, d_model=16, n_layers=1, n_heads=2, num_experts=4,
+                                top_k=2, d_expert=16,
+                                experts=ExpertsConfig(backend="triton", precision="fp8", fp8_min_rows=0,
+                                                      fp8_weight_cache=cache)))
+
+
+def _weight_cache(rank, world, errors):
+    import pytest
+
+    one = init_device_mesh("cpu", (world, 1), mesh_dim_names=("efsdp", "ep"))
+    with pytest.raises(ValueError, match="fp8_weight_cache=True under FSDP2"):  # FSDP2 gathers the experts
+        parallelize(_fp8_model(True), one)
+    # ep = the world: the experts are ep-sharded DTensors outside FSDP2 (their local tensors reach the op as new
+    # views every call), stepped by a fused AdamW, which moves no version counter: three steps with the cache give
+    # the losses of three without it, bit for bit
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("efsdp", "ep"))
+    ids = torch.randint(0, 32, (2 * world, 8), generator=torch.Generator().manual_seed(1))[2 * rank: 2 * rank + 2]
+    losses = []
+    for cache in (False, True):
+        model = parallelize(_fp8_model(cache), mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+        run = []
+        for _ in range(3):
+            loss = _loss(model, ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(float(loss))
+        losses.append(run)
+    if losses[0] != losses[1] or len(set(losses[0])) < 3:
+        errors.put(f"rank {rank}: losses without the cache {losses[0]}, with it {losses[1]}")
+
+
+def test_the_fp8_weight_cache_is_refused_under_fsdp2_and_follows_a_fused_optimizer_under_ep():
+    run_ranks(_weight_cache, 2)

@@ -74,6 +74,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
     whole = units == "model"
     sharded, ignored = [], set()
     for m in routed_experts(model):
+        if m.config.fp8_weight_cache and (efsdp.size() > 1 or mesh["ep"].size() == 1):
+            raise ValueError("fp8_weight_cache=True under FSDP2: its all-gather rewrites the gathered expert weights "
+                             "without moving their version counters, so cached e4m3 copies could outlive a step, "
+                             "and copies of every layer's full weights would undo the sharding; leave it off (it "
+                             "runs where the experts are ep-sharded outside FSDP2: ep = the world)")
         if whole and mesh["ep"].size() == 1:
             continue  # in the root's unit
         if efsdp.size() > 1 or mesh["ep"].size() == 1:  # (one rank: a unit still, so every parameter is a DTensor)

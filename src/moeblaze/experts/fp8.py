@@ -26,12 +26,12 @@ FSDP2 the gathered weights are freed after forward, and a copy kept for backward
 the step. With ExpertsConfig(fp8_weight_cache=True) each weight is quantized once in both layouts
 (quant.quantize_blocks(both=True)), and the pair is kept (E·(F·D + D·H) · 2 bytes and their scales, per layer)
 until the weight changes: its version counter moves on with every in-place update (an optimizer's loop or foreach
-step, a no_grad copy_, load_state_dict; FSDP2's all-gather into it), and every torch.optim optimizer's step forgets
-the pairs of its parameters (its fused kernels write without moving the counters), so forward and backward of a
+step, a no_grad copy_, load_state_dict), and every torch.optim optimizer's step forgets the pairs of its parameters
+(its fused kernels write without moving the counters), so forward and backward of a
 micro-batch, and every micro-batch of an accumulated step, share one quantization (weight_pair). A write that
-bypasses both (through `.data`, or an optimizer outside torch.optim) is not seen: clear_weight_cache says which,
-and forgets the copies. On CUDA it needs fp8 tensor cores (sm_89 or
-later).
+bypasses both is not seen: through `.data`, by an optimizer outside torch.optim, or FSDP2's all-gather into its
+gathered weights (distributed.parallelize refuses the cache there); clear_weight_cache says which, and forgets the
+copies. On CUDA it needs fp8 tensor cores (sm_89 or later).
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def clear_weight_cache(weight: torch.Tensor | None = None) -> None:
     """Forget the e4m3 copies of `weight` (default: of every weight), so that the next use quantizes it again. The
     cache sees every write that moves the weight's version counter: in-place ops on it or on a view of it, an
     optimizer step (a torch.optim optimizer's step also forgets its parameters' copies: its fused kernels move no
-    counter), load_state_dict, FSDP2's all-gather. It can't see writes that bypass the counter: through
+    counter), load_state_dict. It can't see writes that bypass the counter: FSDP2's all-gather, through
     `weight.data` (`param.data.copy_(...)`, as some loaders and EMA code write), `set_`, an optimizer outside
     torch.optim, or a kernel or collective writing the storage outside autograd; after such a write, call this.
 
