@@ -28,7 +28,8 @@ Dispatch modes:
   exact with chunks = G > 1: the local experts in G groups (plan.Group), each group's all-to-alls issued without
             waiting and the op's bodies run group by group, so that a group's GEMMs run under the next group's
             dispatch and the previous group's return; each expert gets the same rows in the same order, so the
-            results are bitwise those of one group. The send buffer lives until the last group's rows have left.
+            results are bitwise those of one group. The send buffer lives until the last group's rows have left,
+            and the weights' gradients are joined from the groups' (a transient of their size).
 Autograd: one custom-op pair, moeblaze::ep_fwd / ep_bwd (EP), for both modes, its schemas and fakes derived from
 EPInputs, EPKept and the op's Kept (experts.op); its bodies are the collectives around the op's own forward and
 backward bodies on the received rows. torch.compile traces it under capacity dispatch; eager mode calls its bodies
