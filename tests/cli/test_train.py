@@ -475,3 +475,20 @@ def test_fp8_weight_cache_trains_as_quantizing_every_step(tmp_path):
     assert logs[0] == logs[1]
     losses = [r["loss"] for r in logs[0] if "loss" in r]
     assert len(losses) == 4 and len(set(losses)) > 1  # the weights did change between steps
+
+
+@pytest.mark.parametrize("world,ep", [(1, 1), (2, 1)])
+def test_fp8_weight_cache_under_fsdp2_is_refused_before_any_work(tmp_path, monkeypatch, capsys, world, ep):
+    """Under torchrun, wherever FSDP2 gathers the experts (one process included: FSDP2 runs there too), the
+    command refuses --fp8-weight-cache in one line, by distributed.fsdp's rule, before it builds the model."""
+    def no_work(*a, **k):
+        raise AssertionError("the model was built before the arguments were checked")
+
+    monkeypatch.setattr(train, "MoEModel", no_work)
+    monkeypatch.setattr(parallel, "launched", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    flags = ["--precision", "fp8", "--fp8-weight-cache", "--ep", str(ep)]
+    assert main(["train", *TINY, "--save", str(tmp_path / "ck"), *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moeblaze train: error: --fp8-weight-cache: fp8_weight_cache=True under FSDP2")
+    assert "\n" not in err and os.listdir(tmp_path) == []

@@ -70,10 +70,13 @@ def _check_processes(args, experts, dist_run: bool) -> None:
     if args.fsdp_reduce_dtype != "float32" and args.dtype != "bfloat16":
         raise UsageError("--fsdp-reduce-dtype bfloat16 needs --dtype bfloat16 (float32 parameters reduce in float32)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if dist_run and args.fp8_weight_cache and args.ep < world:
-        raise UsageError("--fp8-weight-cache under FSDP2 (torchrun with --ep below the processes): its all-gather "
-                         "rewrites the gathered expert weights without moving their version counters, so the "
-                         "e4m3 copies could outlive a step; run it in one process, or at --ep equal to the processes")
+    if dist_run and world % args.ep == 0:  # (an --ep that doesn't divide the processes: refused below)
+        from ..distributed.fsdp import check_weight_cache
+
+        try:
+            check_weight_cache(experts, world // args.ep, args.ep)
+        except ValueError as e:
+            raise UsageError(f"--fp8-weight-cache: {e}") from None
     if args.ep > 1:
         if not dist_run:
             raise UsageError(f"--ep {args.ep} needs {args.ep} or more processes: run under torchrun "

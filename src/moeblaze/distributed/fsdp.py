@@ -44,6 +44,16 @@ def data_parallel_size(mesh: DeviceMesh) -> int:
     return mesh.size()
 
 
+def check_weight_cache(config, efsdp: int, ep: int) -> None:
+    """ValueError where the experts' config keeps fp8 weight copies (fp8_weight_cache) and FSDP2 gathers the experts
+    (efsdp > 1, or ep = 1: parallelize makes them a unit then)."""
+    if config.fp8_weight_cache and (efsdp > 1 or ep == 1):
+        raise ValueError("fp8_weight_cache=True under FSDP2: its all-gather rewrites the gathered expert weights "
+                         "without moving their version counters, so cached e4m3 copies could outlive a step, and "
+                         "copies of every layer's full weights would undo the sharding; leave it off (it runs in one "
+                         "process, and where the experts are ep-sharded outside FSDP2: ep = the world)")
+
+
 def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
                 reshard_after_forward: bool = True, units: str = "blocks", **ep_kwargs) -> nn.Module:
     """Expert parallelism on mesh["ep"] and FSDP2 on the rest (see the module header); returns the model.
@@ -74,11 +84,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
     whole = units == "model"
     sharded, ignored = [], set()
     for m in routed_experts(model):
-        if m.config.fp8_weight_cache and (efsdp.size() > 1 or mesh["ep"].size() == 1):
-            raise ValueError("fp8_weight_cache=True under FSDP2: its all-gather rewrites the gathered expert weights "
-                             "without moving their version counters, so cached e4m3 copies could outlive a step, "
-                             "and copies of every layer's full weights would undo the sharding; leave it off (it "
-                             "runs where the experts are ep-sharded outside FSDP2: ep = the world)")
+        check_weight_cache(m.config, efsdp.size(), mesh["ep"].size())
         if whole and mesh["ep"].size() == 1:
             continue  # in the root's unit
         if efsdp.size() > 1 or mesh["ep"].size() == 1:  # (one rank: a unit still, so every parameter is a DTensor)
