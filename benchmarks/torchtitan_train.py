@@ -194,21 +194,12 @@ def profile(model, opt, vocab, batch, seq, path, args):
 
 
 def comm_split(model, opt, vocab, batch, seq, ep: int) -> dict:
-    """One more step under torch.profiler (after the timed ones): its GPU time split by moeblaze.bench.timeline
-    (GEMMs, all-to-all, all-gather + reduce-scatter + all-reduce, and the communication no compute overlaps), in
-    ms; under torchrun the largest of the ranks' values of each part."""
-    import tempfile
+    """One more step under torch.profiler (after the timed ones), split as `moeblaze train --bench-profile` splits
+    its step (moeblaze.cli.parallel.profile_split: GEMMs, all-to-all, all-gather + reduce-scatter + all-reduce, and
+    the communication no compute overlaps), in ms; under torchrun the largest of the ranks' values of each part."""
+    from moeblaze.cli.parallel import profile_split
 
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    from moeblaze.bench.timeline import step_split, trace_kernels
-
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        train(model, opt, vocab, batch, seq, 1, 0, ep)
-    with tempfile.TemporaryDirectory() as d:
-        prof.export_chrome_trace(f"{d}/trace.json")
-        split = step_split(trace_kernels(f"{d}/trace.json"))
+    split = profile_split(lambda: train(model, opt, vocab, batch, seq, 1, 0, ep), lambda: None, torch.device(DEVICE))
     keys = ("gemm_ms", "all_to_all_ms", "allgather_reducescatter_ms", "exposed_comm_ms")
     values = torch.tensor([split[k] for k in keys], dtype=torch.float64, device=DEVICE)
     if dist.is_initialized():

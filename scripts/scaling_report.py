@@ -119,17 +119,27 @@ def plot(es: list[dict], path: str) -> None:
         ax_tok.set_ylabel("tokens/s per GPU")
         ax_eff.set_ylabel("weak-scaling efficiency")
         ax_eff.axhline(0.9, color="grey", lw=0.8, ls="--")
-        ns = sorted({e["world"] for pts in lines.values() for e in one + pts})
         top = max([1.0] + [e["efficiency"] or 0 for pts in lines.values() for e in pts])
         ax_eff.set_ylim(0, top + 0.05)
-        for ax in (ax_tok, ax_eff):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(ns, [str(n) for n in ns])
-            ax.set_xlabel("GPUs")
-            ax.grid(alpha=0.3)
-        ax_tok.legend(fontsize=7)
+        _gpu_axes(ax_tok, ax_eff, {e["world"] for pts in lines.values() for e in one + pts})
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _gpu_axes(ax_tok, ax_eff, worlds) -> None:
+    """Both plots' x axis, the numbers of GPUs on a log-2 scale, their grid, and the legend."""
+    ns = sorted(worlds)
+    for ax in (ax_tok, ax_eff):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_xlabel("GPUs")
+        ax.grid(alpha=0.3)
+    ax_tok.legend(fontsize=7)
+
+
+def _titan_runs(rows: list[dict]) -> list[dict]:
+    """The timed runs among torchtitan's benchmark rows (not out-of-memory probes or largest-batch summaries)."""
+    return [r for r in rows if not r.get("oom") and "tokens_per_s" in r and not r.get("max_batch_probe")]
 
 
 def titan_table(rows: list[dict]) -> str:
@@ -140,7 +150,7 @@ def titan_table(rows: list[dict]) -> str:
     def mode(r):
         return "1 GPU" if r["world"] == 1 else (f"EP {r['ep']}" if r["ep"] > 1 else f"FSDP2 {r['world']}")
 
-    ok = [r for r in rows if not r.get("oom") and "tokens_per_s" in r and not r.get("max_batch_probe")]
+    ok = _titan_runs(rows)
     one = {(r["variant"].split("+")[0], r["batch"]): r["tokens_per_s"] for r in ok if r["world"] == 1}
     by_mode = {(mode(r), r["batch"], r["variant"]): r["tokens_per_s"] for r in ok}
     out = ["| experts | parallelism | GPUs | batch / GPU | tokens/s | per GPU | scaling | vs torchtitan's | peak GiB | "
@@ -166,7 +176,7 @@ def titan_plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if not r.get("oom") and "tokens_per_s" in r and not r.get("max_batch_probe")]
+    ok = _titan_runs(rows)
     one = {r["variant"]: r for r in ok if r["world"] == 1}
     lines = defaultdict(list)
     for r in ok:
@@ -184,13 +194,7 @@ def titan_plot(rows: list[dict], path: str) -> None:
     ax_tok.set_ylabel("tokens/s per GPU")
     ax_eff.set_ylabel("scaling (per GPU / one GPU)")
     ax_eff.axhline(0.93, color="grey", lw=0.8, ls="--")
-    ns = sorted({r["world"] for r in ok})
-    for ax in (ax_tok, ax_eff):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ns, [str(n) for n in ns])
-        ax.set_xlabel("GPUs")
-        ax.grid(alpha=0.3)
-    ax_tok.legend(fontsize=7)
+    _gpu_axes(ax_tok, ax_eff, {r["world"] for r in ok})
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

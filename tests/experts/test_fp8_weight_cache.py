@@ -104,17 +104,20 @@ def test_fp8_weight_cache_needs_fp8():
     assert "fp8_weight_cache" in repr(layer.experts)
 
 
+def _parameters(seed):
+    """(x, routing, w, w1, w2, dy): a problem whose expert weights are Parameters."""
+    torch.manual_seed(seed)
+    x, w1, w2, idx, w = random_problem(40, 128, 72, 4, 2)
+    return x, build_routing_index(idx, 4), w, torch.nn.Parameter(w1), torch.nn.Parameter(w2), torch.randn_like(x)
+
+
 def test_a_write_through_data_is_unseen_until_the_cache_is_cleared(poison_alloc):
     """`param.data.copy_(...)` (some loaders, EMA code) moves no version counter, so the cache can't see it: the
     documented limit. clear_weight_cache(param) (or with no argument, every weight) makes the next step quantize
     the new values: equal to quantizing where used."""
     from moeblaze.experts import clear_weight_cache
 
-    torch.manual_seed(4)
-    x, w1, w2, idx, w = random_problem(40, 128, 72, 4, 2)
-    routing = build_routing_index(idx, 4)
-    dy = torch.randn_like(x)
-    w1, w2 = torch.nn.Parameter(w1), torch.nn.Parameter(w2)
+    x, routing, w, w1, w2, dy = _parameters(4)
     before = _step(x, routing, w, w1, w2, dy, cache=True)
     w1.data.copy_(torch.randn_like(w1) / 10)
     stale = _step(x, routing, w, w1, w2, dy, cache=True)
@@ -161,11 +164,7 @@ def test_every_update_of_a_parameter_is_seen(poison_alloc, quantize_calls, updat
     """The ways a trained weight changes in place (the optimizers' loops, their foreach and fused kernels, a
     no_grad copy_, load_state_dict) each move its version counter: the next step quantizes the new values, equal
     bit for bit to quantizing where used, and the update did change the step."""
-    torch.manual_seed(5)
-    x, w1, w2, idx, w = random_problem(40, 128, 72, 4, 2)
-    routing = build_routing_index(idx, 4)
-    dy = torch.randn_like(x)
-    w1, w2 = torch.nn.Parameter(w1), torch.nn.Parameter(w2)
+    x, routing, w, w1, w2, dy = _parameters(5)
     before = _step(x, routing, w, w1, w2, dy, cache=True)
     quantize_calls.clear()
     update([w1, w2], [before[3], before[4]])

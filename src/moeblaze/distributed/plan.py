@@ -270,17 +270,17 @@ class ExactPlan(_Rows):
         rows = self.splits[1].sum(1).tolist()
         recvs = [receiver_index(recv_counts[:, a:b], n) for (a, b), n in zip(bounds, rows)]
         self.needed = torch.zeros((), dtype=torch.int64, device=routing.token_slot.device)
-        self._place(recvs)
+        self._place(bounds, recvs)
         if chunks > 1:
             self._group_major(bounds, ep)
 
-    def _place(self, recvs: list[RoutingIndex]) -> None:
-        """The groups from the splits and their receiver indexes; the routing's own slots (one group)."""
+    def _place(self, bounds: list[tuple[int, int]], recvs: list[RoutingIndex]) -> None:
+        """The groups from their experts' bounds, the splits and their receiver indexes; the routing's own slots
+        (one group)."""
         ins, outs = self.splits.tolist()
         one = len(ins) == 1
         self.groups, sent, received = [], 0, 0
-        for g, (i, o, recv) in enumerate(zip(ins, outs, recvs)):
-            a, b = expert_groups(self.routing.expert_counts.shape[0] // len(i), len(ins))[g]
+        for (a, b), i, o, recv in zip(bounds, ins, outs, recvs):
             self.groups.append(Group(None if one else slice(a, b), None if one else slice(received, received + sum(o)),
                                      None if one else slice(sent, sent + sum(i)), i, o, recv))
             sent, received = sent + sum(i), received + sum(o)
@@ -326,7 +326,7 @@ class ExactPlan(_Rows):
         rows = [sum(o) for o in outs]
         sizes = ([b - a for a, b in bounds], [b - a + 1 for a, b in bounds], rows, rows)
         parts = [t.split(n) for t, n in zip(saved[:4], sizes)]
-        plan._place([RoutingIndex(*ts) for ts in zip(*parts)])
+        plan._place(bounds, [RoutingIndex(*ts) for ts in zip(*parts)])
         if saved.send_pos.numel() or saved.slot_LK.numel():
             plan.send_pos, plan.slot_LK = saved.send_pos, saved.slot_LK
         return plan
@@ -387,7 +387,7 @@ class CapacityPlan(_Rows):
         self.sent = self.received = self.send_pos.shape[0]  # ep·C rows each way
 
     def tensors(self) -> PlanTensors:
-        return PlanTensors(*self.recv.tensors(), send_pos=self.send_pos, slot_LK=self.slot_LK, kept_rows=self.kept,
+        return PlanTensors(*self._recv_tensors(), send_pos=self.send_pos, slot_LK=self.slot_LK, kept_rows=self.kept,
                            splits=self.splits)
 
     @classmethod
