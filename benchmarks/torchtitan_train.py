@@ -21,8 +21,7 @@ which torch 2.11's FSDP2 can't take): the other parameters are replicated in fp3
 GPU, their gradients averaged over the ranks after backward, the experts' divided by the number of ranks (each
 rank's experts computed every rank's tokens), which is the gradient of the mean loss over all ranks' tokens.
 A variant NAME+exact or NAME+capacity runs moeblaze's own expert parallelism on that mesh (ep_dispatch), and
-NAME+exact/G its exact dispatch with the local experts in G groups, all-to-alls under GEMMs (ep_chunks), and
-NAME+exact/G/S the same with the GEMMs leaving S SMs to the all-to-alls (ep_comm_sms; default 16).
+NAME+exact/G its exact dispatch with the local experts in G groups, all-to-alls under GEMMs (ep_chunks).
 On the CPU (no GPU): gloo, fp32 without autocast, no memory figures; a check of the code path, not a benchmark.
 
 torchtitan 0.3.0's models import two FSDP names that torch 2.11 lacks; tests/titan.py (which builds the models
@@ -64,12 +63,10 @@ def model_config(name: str, layers: int, variant: str):
     registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
     base, _, ep_dispatch = variant.partition("+")
     ep_dispatch, _, chunks = ep_dispatch.partition("/")
-    chunks, _, sms = chunks.partition("/")
     options = VARIANTS[base]
     converters = None if options is None else [MoeblazeConverter.Config(experts=ExpertsConfig(**options),
                                                                         ep_dispatch=ep_dispatch or "torchtitan",
-                                                                        ep_chunks=int(chunks or 1),
-                                                                        ep_comm_sms=int(sms) if sms else None)]
+                                                                        ep_chunks=int(chunks or 1))]
     config = registry(flavor, converters=converters).model
     config.layers = config.layers[:layers]
     return titan.sdpa(config)

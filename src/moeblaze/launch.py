@@ -20,7 +20,6 @@ count are part of the key, so a run with ever-changing sizes starts the cache ov
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import threading
@@ -63,25 +62,11 @@ def cdiv(a: int, b: int) -> int:
 
 
 def sm_count(device: torch.device) -> int:
-    """Multiprocessors a persistent grid launches one program on: the CUDA device's, or 4 elsewhere (the
-    interpreter), less those left to other kernels by leave_sms on this thread (at least one)."""
-    n = 4 if device.type != "cuda" else _sm_count(device.index if device.index is not None
-                                                   else torch.cuda.current_device())
-    return max(1, n - getattr(_THREAD, "left", 0))
-
-
-@contextlib.contextmanager
-def leave_sms(n: int):
-    """Persistent launches on this thread inside the block take n multiprocessors fewer, leaving them to kernels
-    that run beside them (expert parallelism's all-to-alls under the expert GEMMs): a persistent program waiting
-    for an SM that such a kernel holds would start late and end the GEMM late. Tiles are independent, so the
-    results are the same bit for bit; only which program computes a tile changes."""
-    before = getattr(_THREAD, "left", 0)
-    _THREAD.left = n
-    try:
-        yield
-    finally:
-        _THREAD.left = before
+    """Multiprocessors of a CUDA device (persistent grids launch one program each); 4 elsewhere (the
+    interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache

@@ -119,33 +119,9 @@ def _compare(rank, world, case, checkpoint, dispatch):
     if dispatch.startswith("capacity"):  # 48: more than any rank sends
         kw.update(ep_config=EPConfig("capacity", capacity=48), compiled=dispatch == "capacity_compiled")
     elif dispatch.startswith("exact_chunks"):  # the local experts in groups, their all-to-alls pipelined
-        chunks, _, sms = dispatch.removeprefix("exact_chunks").partition("_sms")  # "_smsS": EPConfig.comm_sms
-        kw.update(ep_config=EPConfig(chunks=int(chunks), comm_sms=int(sms) if sms else None))
-    (out, g, mine, experts), grids = _grids_seen(lambda: _ep(rank, world, toks, w1, w2, checkpoint, dy_all, **kw))
+        kw.update(ep_config=EPConfig(chunks=int(dispatch.removeprefix("exact_chunks"))))
+    out, g, mine, experts = _ep(rank, world, toks, w1, w2, checkpoint, dy_all, **kw)
     _assert_equal((out, g), (out_all, g_all), mine, experts)
-    if "_sms" in dispatch:  # every group's forward and backward body ran on the grid the all-to-alls leave
-        assert grids == [4 - int(sms)] * (2 * int(chunks)), grids
-
-
-def _grids_seen(run):
-    """(run(), the persistent grid (launch.sm_count) each of the op's forward and backward bodies ran under)."""
-    from moeblaze.distributed import ep as ep_module
-    from moeblaze.launch import sm_count
-
-    seen, bodies = [], {name: getattr(ep_module, name) for name in ("experts_forward", "experts_backward")}
-
-    def spied(body):
-        def call(*args):
-            seen.append(sm_count(torch.device("cpu")))
-            return body(*args)
-        return call
-    for name, body in bodies.items():
-        setattr(ep_module, name, spied(body))
-    try:
-        return run(), seen
-    finally:
-        for name, body in bodies.items():
-            setattr(ep_module, name, body)
 
 
 def _dropped_pairs(toks, E, world, capacity):
@@ -243,14 +219,12 @@ def test_ep_with_expert_groups_pipelined_equals_one_process_bitwise():
     GEMMs run between them; the same rows reach each expert in the same order, so the results equal one process
     bit for bit (and the one-group path, which equals it too): skewed routing (ranks that receive nothing), empty
     experts (a group without rows), a rank without tokens, W1 in two parts, groups of unequal size (3 experts in
-    2 groups), and the fp8 recipes; the groups' GEMMs on the grids that EPConfig.comm_sms leaves them (4 - S
-    programs under the interpreter)."""
+    2 groups), and the fp8 recipes."""
     _run(2, [("uniform", "preact", "exact_chunks2"), ("skewed", "recompute", "exact_chunks2"),
              ("empty_experts", "preact", "exact_chunks2"), ("empty_rank", "recompute", "exact_chunks2"),
              ("w1_parts", "preact", "exact_chunks2"), ("three_local", "preact", "exact_chunks2"),
              ("three_local", "recompute", "exact_chunks3"), ("uniform", "fp8-preact", "exact_chunks2"),
-             ("uniform", "preact-fp8", "exact_chunks2"), ("skewed", "preact", "exact_chunks2_sms1"),
-             ("three_local", "recompute", "exact_chunks3_sms2")])
+             ("uniform", "preact-fp8", "exact_chunks2")])
     _run(4, [("empty_experts", "preact", "exact_chunks2"), ("three_local", "recompute", "exact_chunks3")])
 
 

@@ -132,8 +132,7 @@ def test_dcp_checkpoints_interchange(tmp_path):
     (lambda: MoeblazeConverter.Config(ep_dispatch="capacity", on_overflow="grow"), "on_overflow"),
     (lambda: MoeblazeConverter.Config(ep_dispatch="capacity", capacity_factor=0.0), "capacity_factor"),
     (lambda: MoeblazeConverter.Config(experts=ExpertsConfig(backend="reference"), ep_dispatch="exact"), "reference"),
-    (lambda: MoeblazeConverter.Config(ep_chunks=2), "ep_chunks and ep_comm_sms to ep_dispatch='exact'"),
-    (lambda: MoeblazeConverter.Config(ep_comm_sms=8), "ep_comm_sms to ep_dispatch='exact'"),
+    (lambda: MoeblazeConverter.Config(ep_chunks=2), "ep_chunks to ep_dispatch='exact'"),
     (lambda: MoeblazeConverter.Config(ep_dispatch="capacity", ep_chunks=2), "chunks=2 applies to dispatch='exact'"),
 ])
 def test_converter_options_are_checked(make, message):

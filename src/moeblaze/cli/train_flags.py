@@ -135,9 +135,6 @@ def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ep-chunks", type=int, default=1,
                    help="exact dispatch: the local experts in this many groups, each group's all-to-alls under "
                         "another group's GEMMs (default 1: no overlap)")
-    g.add_argument("--ep-comm-sms", type=int, default=None,
-                   help="with --ep-chunks > 1: the SMs the expert GEMMs leave to the all-to-alls beside them "
-                        "(default 16; set NCCL_MAX_CTAS to at most this)")
     g.add_argument("--capacity-factor", type=float, default=None,
                    help="capacity dispatch: rows per pair of ranks = factor x tokens x top-k / ep (default 1.25)")
     g.add_argument("--on-overflow", default="rerun", choices=ON_OVERFLOW,
@@ -208,8 +205,7 @@ def ep_config(args) -> EPConfig | None:
         raise ValueError(f"--on-overflow {args.on_overflow} applies to --ep-dispatch capacity, which this run does not "
                          "use")
     config = EPConfig(args.ep_dispatch, args.capacity_factor,
-                      on_overflow=None if args.on_overflow == "rerun" else args.on_overflow, chunks=args.ep_chunks,
-                      comm_sms=args.ep_comm_sms)
+                      on_overflow=None if args.on_overflow == "rerun" else args.on_overflow, chunks=args.ep_chunks)
     if args.ep == 1:
         given = [flag for flag, set_ in ((f"--ep-dispatch {args.ep_dispatch}", args.ep_dispatch != "exact"),
                                          (f"--ep-chunks {args.ep_chunks}", args.ep_chunks != 1)) if set_]

@@ -17,7 +17,6 @@ DISPATCHES = ("exact", "capacity")  # EPConfig.dispatch
 OVERFLOW = ("error", "drop")  # EPConfig.on_overflow: what capacity dispatch does with rows past the capacity
 UNITS = ("blocks", "model")  # FSDP2's units (moeblaze.distributed.fsdp)
 DEFAULT_CAPACITY_FACTOR = 1.25  # EPConfig.capacity_factor when unset
-COMM_SMS = 16  # EPConfig.comm_sms when unset: the SMs left to NCCL while expert groups overlap (NCCL_MAX_CTAS=16)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,8 +149,6 @@ class EPConfig:
         on_overflow: under "capacity", a destination needing more rows: "error" (None: the default) or "drop".
         chunks: under "exact", the local experts in this many groups, each group's all-to-alls running under
             another group's GEMMs (forward and backward; bitwise the same results; 1: one group, no overlap).
-        comm_sms: with chunks > 1, the multiprocessors the experts' persistent GEMMs leave to the all-to-alls that
-            run beside them (None: COMM_SMS; 0: none); NCCL's kernels should take no more (NCCL_MAX_CTAS).
 
     Returns:
         A frozen value; ValueError or TypeError naming the field for a choice it refuses, or for a capacity option
@@ -162,16 +159,10 @@ class EPConfig:
     capacity: int | None = None
     on_overflow: str | None = None
     chunks: int = 1
-    comm_sms: int | None = None
 
     def __post_init__(self):
         check_choice("dispatch", self.dispatch, DISPATCHES)
         check_int("chunks", self.chunks)
-        if self.comm_sms is not None:
-            check_int("comm_sms", self.comm_sms, minimum=0)
-            if self.chunks == 1:
-                raise ValueError(f"comm_sms={self.comm_sms} applies to chunks > 1 (the GEMMs run beside "
-                                 "all-to-alls only there); chunks is 1")
         if self.chunks > 1 and self.dispatch != "exact":
             raise ValueError(f"chunks={self.chunks} applies to dispatch='exact' only (capacity dispatch is one "
                              "group: its fixed shapes are what torch.compile and CUDA graphs take); dispatch is "
@@ -199,13 +190,6 @@ class EPConfig:
     @property
     def overflow(self) -> str:
         return self.on_overflow or "error"
-
-    @property
-    def sms_left(self) -> int:
-        """The multiprocessors the GEMMs leave to the all-to-alls: comm_sms (or COMM_SMS) with chunks > 1, else 0."""
-        if self.chunks == 1:
-            return 0
-        return COMM_SMS if self.comm_sms is None else self.comm_sms
 
 
 def check_layer(num_experts: int, top_k: int, router: RouterConfig | None = None,

@@ -28,9 +28,7 @@ Dispatch modes:
   exact with chunks = G > 1: the local experts in G groups (plan.Group), each group's all-to-alls issued without
             waiting and the op's bodies run group by group, so that a group's GEMMs run under the next group's
             dispatch and the previous group's return; each expert gets the same rows in the same order, so the
-            results are bitwise those of one group. The groups' persistent GEMMs leave EPConfig.comm_sms
-            multiprocessors to the all-to-alls beside them (launch.leave_sms), so that none of their programs
-            waits for an SM an NCCL kernel holds. The send buffer lives until the last group's rows have left,
+            results are bitwise those of one group. The send buffer lives until the last group's rows have left,
             and the weights' gradients are joined from the groups' (a transient of their size).
 Autograd: one custom-op pair, moeblaze::ep_fwd / ep_bwd (EP), for both modes, its schemas and fakes derived from
 EPInputs, EPKept and the op's Kept (experts.op); its bodies are the collectives around the op's own forward and
@@ -59,7 +57,7 @@ from ..experts import kernel_op_key
 from ..experts.dispatch import choose
 from ..experts.op import (Kept, OpInputs, define_op_pair, experts_backward, experts_forward, kept_like, op_schema,
                           parse)
-from ..launch import ensure_context, leave_sms
+from ..launch import ensure_context
 from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config, from_legacy
 from ..routing import RoutingIndex, build_routing_index
 from ..routing.checks import check_expert_inputs, check_topk_weights
@@ -109,7 +107,7 @@ FLAT = (*PlanTensors._fields, "recv_x", *Kept._fields)  # EPKept's tensors, in t
 
 
 _N_IN = len(EPInputs._fields)
-_TAIL = "str group_name, str key, int? capacity, bool fail_on_overflow, int chunks, int sms_left"
+_TAIL = "str group_name, str key, int? capacity, bool fail_on_overflow, int chunks"
 
 
 def _keeps_rows(key: str) -> bool:
@@ -124,12 +122,12 @@ def _group_inputs(rows: torch.Tensor, weights: torch.Tensor, inputs: EPInputs, g
 
 
 def ep_forward(inputs: EPInputs, group_name: str, key: str, capacity: int | None, fail_on_overflow: bool,
-               chunks: int = 1, sms_left: int = 0) -> tuple[torch.Tensor, torch.Tensor, EPKept]:
+               chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor, EPKept]:
     """(out (L, D), the most rows any destination needed (capacity mode; 0 in exact mode), what backward keeps):
     the forward body. The experts run as the op's forward body on the received rows, group by group (plan.Group),
     with unit weights: their rows go back as Y itself and the sender combines them with its router weights, as on
     one GPU. With several groups each group's GEMMs run while the next group's rows arrive and the previous
-    group's go back; their persistent GEMMs then leave sms_left multiprocessors to those all-to-alls."""
+    group's go back."""
     group = _resolve_group(group_name)
     x = inputs.x
     plan = make_plan(inputs.routing, dist.get_world_size(group), group, capacity, fail_on_overflow, chunks)
@@ -141,8 +139,7 @@ def ep_forward(inputs: EPInputs, group_name: str, key: str, capacity: int | None
         wait([handle])
         if g is plan.groups[-1]:
             del sending  # every group's rows have left (held until then: the all-to-alls read it)
-        with leave_sms(sms_left):
-            y, k = experts_forward(_group_inputs(recv_x, ones, inputs, g), key)
+        y, k = experts_forward(_group_inputs(recv_x, ones, inputs, g), key)
         kept.append(k)
         back.append((plan.give_back_group(y, g, ret), y))  # y lives until its rows are back
     wait(h for h, _ in back)
@@ -162,12 +159,12 @@ def _joined(parts: list[torch.Tensor], like: torch.Tensor | None, groups) -> tor
     return out
 
 
-def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name: str, key: str, sms_left: int = 0
+def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name: str, key: str
                 ) -> tuple[torch.Tensor, ...]:
     """(dx, dtopk_w, dw1, dw2, dw1_up (empty without w1_up)): the backward body. dy's rows and the router weights go
     to the experts, which run the op's backward body on them group by group (the weights applied in its epilogue,
     as on one GPU) and return dX~ and dS; with several groups, a group's rows go back under the next group's
-    GEMMs (which leave sms_left multiprocessors to the all-to-alls)."""
+    GEMMs."""
     if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.op)
         ensure_context(dout.get_device())
     x, topk_w = inputs.x, inputs.topk_w
@@ -184,9 +181,8 @@ def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name:
         wait([handle])
         if g is plan.groups[-1]:
             del sending
-        with leave_sms(sms_left):
-            dx_recv, dw1, dw2, ds_recv, _db1, _db2, dw1_up = experts_backward(
-                part(dy_recv, g.rows), _group_inputs(recv_x, w_recv, inputs, g), kept, key)
+        dx_recv, dw1, dw2, ds_recv, _db1, _db2, dw1_up = experts_backward(
+            part(dy_recv, g.rows), _group_inputs(recv_x, w_recv, inputs, g), kept, key)
         if dx_ret is None:
             dx_ret, ds_ret = plan.return_buffer(dx_recv), plan.return_buffer(ds_recv.view(-1))
         back += [(plan.give_back_group(dx_recv, g, dx_ret), dx_recv),
@@ -214,12 +210,12 @@ def _forward_op(*args):
 
 
 def _backward_op(dout, *args):
-    return ep_backward(dout, EPInputs(*args[:_N_IN]), EPKept.of(args[_N_IN:-3]), *args[-3:])
+    return ep_backward(dout, EPInputs(*args[:_N_IN]), EPKept.of(args[_N_IN:-2]), *args[-2:])
 
 
 def _forward_fake(*args):
     inputs = EPInputs(*args[:_N_IN])
-    group_name, key, capacity, _fail, _chunks, _sms = args[_N_IN:]
+    group_name, key, capacity, _fail, _chunks = args[_N_IN:]
     if capacity is None:
         raise NotImplementedError("exact dispatch under torch.compile: its row counts are read on the host")
     x, E_loc = inputs.x, inputs.w1.shape[0]
@@ -244,7 +240,7 @@ def _backward_fake(dout, *args):
 
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:_N_IN], *output[2:])
-    ctx.tail = (*inputs[_N_IN:_N_IN + 2], inputs[-1])  # group_name, key, sms_left
+    ctx.tail = inputs[_N_IN:_N_IN + 2]  # group_name, key
     ctx.set_materialize_grads(False)
 
 
@@ -256,7 +252,7 @@ def _grads(saved: tuple, results: tuple) -> EPInputs:
 
 EP = define_op_pair("ep", _forward_op, _backward_op,
                     fwd_schema=op_schema(EPInputs, tail=_TAIL, returns=2 + len(FLAT)),
-                    bwd_schema=op_schema("dout", EPInputs, *FLAT, tail="str group_name, str key, int sms_left", returns=5),
+                    bwd_schema=op_schema("dout", EPInputs, *FLAT, tail="str group_name, str key", returns=5),
                     setup_context=_setup_context, grads=_grads, fwd_fake=_forward_fake, bwd_fake=_backward_fake)
 
 
@@ -383,7 +379,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
         raise ValueError(f"EPConfig(chunks={ep_config.chunks}) groups the local experts, and this rank holds "
                          f"{w1_local.shape[0]}: chunks must be at most that")
     args = (*EPInputs(x, topk_weights, w1_local, w2_local, *routing.tensors(), w1_up), _group_name(group), key, C,
-            fail, ep_config.chunks, ep_config.sms_left)
+            fail, ep_config.chunks)
     # capacity dispatch is traced whole (fixed shapes); exact dispatch reads its row counts on the host, eagerly
     traced = C is not None and torch.compiler.is_compiling()
     out, needed = (EP.fwd(*args) if traced else EP.eager.apply(*args))[:2]

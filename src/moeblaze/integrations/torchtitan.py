@@ -74,17 +74,16 @@ def check_experts_config(config: ExpertsConfig | None) -> ExpertsConfig:
 
 
 def ep_config(ep_dispatch: str, capacity_factor: float | None, on_overflow: str | None,
-              ep_chunks: int = 1, ep_comm_sms: int | None = None) -> EPConfig | None:
+              ep_chunks: int = 1) -> EPConfig | None:
     """The converter's expert-parallel options as moeblaze's EPConfig (None: torchtitan's dispatcher); ValueError or
     TypeError naming the option, also for one the dispatch would not read."""
     check_choice("ep_dispatch", ep_dispatch, EP_DISPATCH)
     if ep_dispatch == "torchtitan":
-        if capacity_factor is not None or on_overflow is not None or ep_chunks != 1 or ep_comm_sms is not None:
-            raise ValueError("capacity_factor and on_overflow apply to ep_dispatch='capacity', ep_chunks and "
-                             "ep_comm_sms to ep_dispatch='exact'; ep_dispatch is 'torchtitan'")
+        if capacity_factor is not None or on_overflow is not None or ep_chunks != 1:
+            raise ValueError("capacity_factor and on_overflow apply to ep_dispatch='capacity', ep_chunks to "
+                             "ep_dispatch='exact'; ep_dispatch is 'torchtitan'")
         return None
-    return EPConfig(dispatch=ep_dispatch, capacity_factor=capacity_factor, on_overflow=on_overflow, chunks=ep_chunks,
-                    comm_sms=ep_comm_sms)
+    return EPConfig(dispatch=ep_dispatch, capacity_factor=capacity_factor, on_overflow=on_overflow, chunks=ep_chunks)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -188,14 +187,11 @@ class MoeblazeConverter(ModelConfigConverter):
         """ep_dispatch="capacity": a destination needing more rows, "error" (None) or "drop" (EPConfig)."""
         ep_chunks: int = 1
         """ep_dispatch="exact": the local experts in this many groups, all-to-alls under GEMMs (EPConfig.chunks)."""
-        ep_comm_sms: int | None = None
-        """ep_chunks > 1: the SMs the GEMMs leave to the all-to-alls beside them (EPConfig.comm_sms; None: 16)."""
 
     def __init__(self, config: Config):
         self.config = config
         self.experts = check_experts_config(config.experts)
-        self.ep = ep_config(config.ep_dispatch, config.capacity_factor, config.on_overflow, config.ep_chunks,
-                            config.ep_comm_sms)
+        self.ep = ep_config(config.ep_dispatch, config.capacity_factor, config.on_overflow, config.ep_chunks)
         if self.ep is not None:
             check_options(self.experts)
 
