@@ -98,7 +98,7 @@ def average_gradients(model):
                 p.grad.div_(world)
 
 
-def build(config, ep: int = 1):
+def build(config, ep: int = 1, keep_gathered: bool = False):
     torch.manual_seed(0)
     if ep > 1:
         model = expert_parallel(config, ep)
@@ -115,8 +115,8 @@ def build(config, ep: int = 1):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.layers.values():
-            fully_shard(block, mp_policy=mp)
+        for block in model.layers.values():  # keep_gathered: one all-gather per block and step, not two
+            fully_shard(block, mp_policy=mp, reshard_after_forward=not keep_gathered)
         fully_shard(model.lm_head, mp_policy=mp, reshard_after_forward=False)  # gathered once for all loss chunks
         fully_shard(model, mp_policy=mp)
     model.to_empty(device=DEVICE)
@@ -209,7 +209,7 @@ def comm_split(model, opt, vocab, batch, seq, ep: int) -> dict:
 
 def run(args, variant: str, batch: int, steps: int, warmup: int):
     config = model_config(args.model, args.layers, variant)
-    model = build(config, args.ep)
+    model = build(config, args.ep, args.keep_gathered)
     sharded = [p for p in model.parameters() if hasattr(p, "to_local")]  # the EP shards (DTensors) under --ep
     plain = [p for p in model.parameters() if not hasattr(p, "to_local")]
     groups = [{"params": g} for g in (sharded, plain) if g]  # one fused AdamW call per group: no DTensor mixing
@@ -254,6 +254,9 @@ def main():
                                                    "(comma-separated, increasing), per variant")
     p.add_argument("--results", default=None, help="append the JSON rows to this file")
     p.add_argument("--profile", default=None, help="before each timed run, profile two steps into PROFILE-VARIANT.txt")
+    p.add_argument("--keep-gathered", action="store_true",
+                   help="FSDP2 (torchrun without --ep): each block keeps its gathered weights from forward to backward "
+                        "(reshard_after_forward=False), one all-gather per block and step")
     p.add_argument("--comm-split", action="store_true",
                    help="after each timed run, one profiled step: GEMM, all-to-all, all-gather/reduce-scatter and "
                         "exposed communication ms in the row (GPU only)")
@@ -266,6 +269,8 @@ def main():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if args.ep > 1 and not (dist.is_initialized() and dist.get_world_size() == args.ep):
         p.error(f"--ep {args.ep} runs under torchrun with {args.ep} processes (expert parallelism over every rank)")
+    if args.keep_gathered and (args.ep > 1 or not dist.is_initialized()):
+        p.error("--keep-gathered applies to FSDP2: under torchrun, without --ep")
     say = print if not dist.is_initialized() or dist.get_rank() == 0 else (lambda *a, **k: None)
 
     import shlex
@@ -274,7 +279,7 @@ def main():
 
     head = dict(**run_env(torch.device(DEVICE), "python benchmarks/torchtitan_train.py " + shlex.join(sys.argv[1:])),
                 torchtitan=version("torchtitan"),
-                model=args.model, layers=args.layers, stubbed=titan.STUBBED)
+                model=args.model, layers=args.layers, stubbed=titan.STUBBED, keep_gathered=args.keep_gathered)
     say(json.dumps(head), flush=True)
     rows = []
     for variant in args.variants.split(","):
