@@ -50,6 +50,7 @@ def poison_alloc(monkeypatch):
     """Make fresh float tensors NaN and fresh int tensors -77777 while a test runs, so that an output row
     a kernel forgets to write shows up instead of hiding behind zeros."""
     import torch
+    import torch._dynamo  # noqa: F401  its rules map torch's functions when first imported: the real ones, not these
 
     real_empty, real_empty_like, real_new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
 

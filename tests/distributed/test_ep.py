@@ -49,7 +49,7 @@ def _problem(world, case):
         elif case == "empty_experts":  # experts 1 and E - 1 never chosen
             pool = torch.tensor([e for e in range(E) if e not in (1, E - 1)])
             idx = torch.stack([pool[torch.randperm(len(pool))[:K]] for _ in range(L)]).int()
-        toks.append((x, idx.int(), w))
+        toks.append((x.half() if case == "masters" else x, idx.int(), w))  # "masters": float16 x, float32 weights
     return toks, w1, w2
 
 
@@ -70,7 +70,7 @@ def _one_process(toks, w1, w2, checkpoint, dropped=None):
     ins = [t.clone().requires_grad_() for t in (x_all, w_all, w1, w2)]
     routing = build_routing_index(idx_all, E, sentinels=dropped is not None)
     out_all = moe_experts(ins[0], routing, ins[1], ins[2], ins[3], config=_config(checkpoint, backend="triton"))
-    dy_all = torch.randn(out_all.shape, generator=torch.Generator().manual_seed(3))
+    dy_all = torch.randn(out_all.shape, generator=torch.Generator().manual_seed(3)).to(out_all.dtype)
     return out_all, torch.autograd.grad(out_all, ins, dy_all), dy_all
 
 
@@ -203,10 +203,12 @@ def test_ep2_equals_one_process_bitwise():
 
 def test_ep2_fp8_and_preact_fp8_equal_one_process_bitwise():
     """precision="fp8" and checkpoint="preact-fp8" under expert parallelism: the same op on the received rows, so
-    equal to one process bit for bit, in both dispatch modes (and capacity traced by torch.compile)."""
+    equal to one process bit for bit, in both dispatch modes (and capacity traced by torch.compile); also on float32
+    master weights of a float16 x (quantized where they lie, their gradients float32)."""
     _run(2, [("uniform", "preact-fp8", "exact"), ("empty_rank", "preact-fp8", "capacity"),
              ("skewed", "fp8-preact", "exact"), ("empty_experts", "fp8-recompute", "capacity"),
-             ("uniform", "fp8-preact-fp8", "exact"), ("uniform", "fp8-preact", "capacity_compiled")])
+             ("uniform", "fp8-preact-fp8", "exact"), ("uniform", "fp8-preact", "capacity_compiled"),
+             ("masters", "fp8-preact", "exact"), ("masters", "fp8-recompute", "capacity")])
 
 
 def test_ep4_equals_one_process_bitwise():
@@ -224,7 +226,7 @@ def test_ep_with_expert_groups_pipelined_equals_one_process_bitwise():
              ("empty_experts", "preact", "exact_chunks2"), ("empty_rank", "recompute", "exact_chunks2"),
              ("w1_parts", "preact", "exact_chunks2"), ("three_local", "preact", "exact_chunks2"),
              ("three_local", "recompute", "exact_chunks3"), ("uniform", "fp8-preact", "exact_chunks2"),
-             ("uniform", "preact-fp8", "exact_chunks2")])
+             ("uniform", "preact-fp8", "exact_chunks2"), ("masters", "fp8-preact", "exact_chunks2")])
     _run(4, [("empty_experts", "preact", "exact_chunks2"), ("three_local", "recompute", "exact_chunks3")])
 
 

@@ -53,7 +53,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..experts import kernel_op_key
+from ..experts import call_weights, kernel_op_key
 from ..experts.dispatch import choose
 from ..experts.op import (Kept, OpInputs, define_op_pair, experts_backward, experts_forward, kept_like, op_schema,
                           parse)
@@ -356,7 +356,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     if tracker is not None and ep_config.dispatch != "capacity":
         raise ValueError("a CapacityTracker sizes capacity dispatch: it needs ep_config=EPConfig(dispatch='capacity')")
     ep = dist.get_world_size(group)
-    check_expert_inputs(x, w1_local, w2_local, config.activation)
+    check_expert_inputs(x, w1_local, w2_local, config.activation, masters=config.fp8)
     w1_local, w1_up = (w1_local, None) if isinstance(w1_local, torch.Tensor) else w1_local
     _check_local_experts(w1_local.shape[0], group)
     E = w1_local.shape[0] * ep
@@ -373,7 +373,9 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
                              "capacity_factor")
     backend = choose("triton" if config.backend == "auto" else config.backend, x.device)
     # the receiver's index has padding rows (capacity); fp8_min_rows judged as if every rank had this rank's L
-    key = kernel_op_key(x, config, backend, C is not None, False, call=(x.shape[0] * ep, topk_idx.shape[1], E))
+    call = (x.shape[0] * ep, topk_idx.shape[1], E)
+    key = kernel_op_key(x, config, backend, C is not None, False, call=call)
+    w1_local, w1_up, w2_local = call_weights(config.at_call(*call).fp8, x, w1_local, w1_up, w2_local)
     fail = ep_config.overflow == "error" and tracker is None
     if ep_config.chunks > w1_local.shape[0]:
         raise ValueError(f"EPConfig(chunks={ep_config.chunks}) groups the local experts, and this rank holds "

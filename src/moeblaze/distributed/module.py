@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..configs import EPConfig, check_config
-from ..experts import autocast_operands
+from ..experts import autocast_operands, autocast_weights
 from ..nn import Experts, SharedExperts
 from ..nn.moe import describe_experts
 from .ep import check_options, check_same_on_ranks, ep_experts
@@ -86,7 +86,7 @@ class ExpertParallel(nn.Module):
     def forward(self, x_LD, topk_idx, topk_weights, routing=None):
         if routing is not None:
             raise NotImplementedError("a prebuilt routing index (token rounding) under expert parallelism")
-        x_LD, w1, w2 = autocast_operands(x_LD, *self.weights())
+        (x_LD,), (w1, w2) = autocast_operands(x_LD), autocast_weights(self.config, *self.weights())
         return ep_experts(x_LD, topk_idx, topk_weights, w1, w2, group=self.group, config=self.config,
                           ep_config=self.ep_config, tracker=self.tracker, dropped=self.dropped_rows)
 

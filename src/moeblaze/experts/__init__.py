@@ -44,6 +44,24 @@ def autocast_operands(*tensors: torch.Tensor | None) -> tuple:
     return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
+def autocast_weights(config: ExpertsConfig, *weights: torch.Tensor | None) -> tuple:
+    """The expert weights as a call takes them: as autocast_operands casts them (like nn.Linear's), except under
+    precision="fp8", where float32 ones stay float32 (master weights, the parameters themselves): the call casts them
+    where it runs native GEMMs, and where it runs e4m3 the quantizers read them as they lie, so no half-precision
+    copy is made for it or kept to backward (and fp8_weight_cache can key on the parameter)."""
+    if config.fp8 and all(w is None or w.dtype == torch.float32 for w in weights):
+        return weights
+    return autocast_operands(*weights)
+
+
+def call_weights(e4m3: bool, x: torch.Tensor, *weights: torch.Tensor | None) -> tuple:
+    """The weights a call computes with: float32 masters of a half-precision x cast to x's dtype (differentiably:
+    their gradients come back in float32) unless the call runs e4m3 GEMMs, which quantize them as they are."""
+    if e4m3:
+        return weights
+    return tuple(None if w is None else w.to(x.dtype) for w in weights)
+
+
 def kernel_op_key(x: torch.Tensor, config: ExpertsConfig, backend: str, dropped: bool, interleaved: bool, *,
                   call: tuple[int, int, int]) -> str:
     """The op's key for the kernels on x (op_key) of a call of (tokens, top_k, experts) (ExpertsConfig.at_call:
@@ -88,8 +106,11 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
         x: (L, D) tokens, float16, bfloat16 or float32 (float32 or float16 under Triton's CPU interpreter).
         routing: the RoutingIndex of the top-k expert ids (moeblaze.build_routing_index(topk_idx, E)).
         topk_weights: (L, K) router weights, any float dtype.
-        w1: (E, F, D) in x's dtype, or the pair (gate rows (E, H, D), up rows (E, H, D)).
-        w2: (E, D, H) in x's dtype.
+        w1: (E, F, D) in x's dtype, or the pair (gate rows (E, H, D), up rows (E, H, D)); under
+            precision="fp8" also float32 master weights of a bfloat16 or float16 x (autocast_weights): cast per call
+            where the call runs native GEMMs, quantized where they lie where it runs e4m3; their gradients in
+            float32.
+        w2: (E, D, H), in w1's dtype.
         b1, b2: optional biases of the up-projection (E, F) and of the down-projection (E, D), in x's dtype.
         config: a moeblaze.ExpertsConfig (keyword only).
         interleaved: gate and up rows of w1 alternate (gpt-oss's layout).
@@ -102,7 +123,7 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
         raise TypeError("moe_experts(x, routing, topk_weights, w1, w2, b1=None, b2=None, *, config=ExpertsConfig(...)):"
                         f" the options go in config, not positionally (got {b1!r} for b1)")
     config = from_legacy("moe_experts", config, legacy)
-    check_expert_inputs(x, w1, w2, config.activation, b1, b2, interleaved)
+    check_expert_inputs(x, w1, w2, config.activation, b1, b2, interleaved, masters=config.fp8)
     w1, w1_up = (w1, None) if isinstance(w1, torch.Tensor) else w1
     if routing.num_tokens != x.shape[0] or routing.num_experts != w1.shape[0]:
         raise ValueError(f"routing index is for L={routing.num_tokens}, E={routing.num_experts}; "
@@ -111,10 +132,12 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
         raise ValueError(f"routing index is on {routing.token_slot.device} but x is on {x.device}")
     check_topk_weights(topk_weights, routing.token_slot, check_values=check)
     backend = choose(config.backend, x.device)
+    call = (*topk_weights.shape, w1.shape[0])
+    w1, w1_up, w2 = call_weights(config.at_call(*call).fp8, x, w1, w1_up, w2)
     if backend == "reference":
         return moe_experts_reference(x, routing.topk_idx(), topk_weights, whole_w1(w1, w1_up), w2, b1, b2,
                                      config=config, interleaved=interleaved)
-    key = kernel_op_key(x, config, backend, routing.dropped, interleaved, call=(*topk_weights.shape, w1.shape[0]))
+    key = kernel_op_key(x, config, backend, routing.dropped, interleaved, call=call)
     chunk = config.chunk_tokens
     if chunk is not None and x.shape[0] > chunk:
         idx, E = routing.topk_idx(), w1.shape[0]  # dropped pairs come back as id E: sentinels again
@@ -125,4 +148,4 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     return fused_experts(OpInputs.of(x, w1, w2, topk_weights, routing, b1=b1, b2=b2, w1_up=w1_up), key)
 
 
-__all__ = ["ExpertsConfig", "clear_weight_cache", "launch_counts", "moe_experts"]
+__all__ = ["ExpertsConfig", "autocast_weights", "clear_weight_cache", "launch_counts", "moe_experts"]

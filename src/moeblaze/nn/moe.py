@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..args import check_int
 from ..configs import (DEFAULT, ExpertsConfig, RoundingConfig, RouterConfig, SharedConfig, check_layer, from_legacy,
                        layer_configs)
-from ..experts import autocast_operands, moe_experts
+from ..experts import autocast_operands, autocast_weights, moe_experts
 from ..experts.schedule import BLOCK_M
 from ..reference import up_width
 from ..routing import TopKRouter, build_routing_index, round_to_index
@@ -74,8 +74,9 @@ class Experts(nn.Module):
         return self.w1, self.w2
 
     def operands(self, x_LD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x, w1, w2) as the kernels take them: in the autocast dtype where autocast is on, like nn.Linear."""
-        return autocast_operands(x_LD, *self.weights())
+        """(x, w1, w2) as the kernels take them: in the autocast dtype where autocast is on, like nn.Linear (under
+        precision="fp8" float32 weights stay as they are: experts.autocast_weights)."""
+        return (*autocast_operands(x_LD), *autocast_weights(self.config, *self.weights()))
 
     def forward(self, x_LD: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor,
                 routing=None) -> torch.Tensor:

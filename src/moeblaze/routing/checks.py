@@ -86,11 +86,17 @@ def _w1_parts(w1, activation: str, interleaved) -> tuple:
     return parts
 
 
+def is_master(w: torch.Tensor, x_LD: torch.Tensor) -> bool:
+    """Whether w is a float32 master weight of a half-precision x (bfloat16 or float16)."""
+    return w.dtype == torch.float32 and x_LD.dtype in (torch.bfloat16, torch.float16)
+
+
 def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, activation: str,
                         b1_EF: torch.Tensor | None = None, b2_ED: torch.Tensor | None = None,
-                        interleaved: bool = False) -> None:
+                        interleaved: bool = False, masters: bool = False) -> None:
     """Shapes, dtypes and devices of the expert computation's dense inputs (and its optional biases). w1 may be
-    a pair (gate rows (E, H, D), up rows (E, H, D)) for a gated activation."""
+    a pair (gate rows (E, H, D), up rows (E, H, D)) for a gated activation. masters: the weights may also be
+    float32 master weights of a bfloat16 or float16 x (precision="fp8")."""
     from ..reference import is_gated, up_width
 
     if x_LD.dim() != 2:
@@ -120,8 +126,11 @@ def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.
     for name, t in (("w1", w1_EFD), ("w1's up part", parts[-1]), ("w2", w2_EDH), ("b1", b1_EF), ("b2", b2_ED)):
         if t is None:
             continue
-        if t.dtype != x_LD.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} differs from x dtype {x_LD.dtype}")
+        master = masters and name[0] == "w" and is_master(t, x_LD)
+        if t.dtype != x_LD.dtype and not master:
+            raise TypeError(f"{name} dtype {t.dtype} differs from x dtype {x_LD.dtype}"
+                            + (" (float32 master weights of bfloat16 or float16 x are taken under precision='fp8')"
+                               if name[0] == "w" and t.dtype == torch.float32 else ""))
         if t.device != x_LD.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x_LD.device}")
     if not x_LD.is_floating_point():
