@@ -194,3 +194,27 @@ def test_torchtitans_block_compile_with_moeblaze_inside():
     assert rel_err(outs[1], outs[0]) < TOL
     for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
         assert rel_err(b.grad, a.grad) < TOL, name
+
+
+def test_fp8_under_autocast_quantizes_the_float32_parameters_where_they_lie(monkeypatch):
+    """Under autocast (CPU, float16) with precision="fp8" the op gets x in float16 and w1, w3 and w2 as the float32
+    parameters themselves, not half-precision copies; their gradients come back float32."""
+    import moeblaze.integrations.torchtitan as mtt
+
+    model = build(model_config("qwen3", [MoeblazeConverter.Config(
+        experts=ExpertsConfig(precision="fp8", fp8_min_rows=0, backend="triton"))], narrow=True))
+    seen, real = [], mtt.moe_experts
+
+    def spy(x, routing, weights, w1, w2, **kw):
+        seen.append((x.dtype, w1[0].dtype, w1[1].dtype, w2.dtype, w1[0].data_ptr()))
+        return real(x, routing, weights, w1, w2, **kw)
+    monkeypatch.setattr(mtt, "moe_experts", spy)
+    x, y = tokens(model.tok_embeddings.num_embeddings)
+    with torch.autocast("cpu", dtype=torch.float16):
+        logits = model(x)
+    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
+    experts = next(m for m in model.modules() if isinstance(m, MoeblazeRoutedExperts)).inner_experts
+    f16, f32 = torch.float16, torch.float32
+    assert seen and seen[0] == (f16, f32, f32, f32, experts.w1_EFD.data_ptr())
+    for p in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD):
+        assert p.grad.dtype == f32 and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0

@@ -284,3 +284,27 @@ def test_a_model_without_experts_built_for_moeblaze_warns():
         warnings.simplefilter("error")
         transformers.AutoModelForCausalLM.from_config(configs()["olmoe"], experts_implementation="moeblaze")
         transformers.AutoModelForCausalLM.from_config(cfg)  # the default implementation: no word from moeblaze
+
+
+def test_fp8_under_autocast_quantizes_the_float32_parameters_where_they_lie(monkeypatch):
+    """Under autocast (CPU, float16) with precision="fp8", the experts call gets x and the biases in float16 and the
+    weights as the float32 parameters themselves (views of them), not half-precision copies; their gradients come
+    back float32 (experts.autocast_weights; the op's arithmetic on masters: tests/experts/test_fp8_masters.py)."""
+    model = build("gpt_oss", hidden_size=128)
+    mbt.configure(model, ExpertsConfig(precision="fp8", fp8_min_rows=0, backend="triton"))
+    model.set_experts_implementation("moeblaze")
+    seen, real = [], mbt.moe_experts
+
+    def spy(x, routing, weights, w1, w2, b1=None, b2=None, **kw):
+        seen.append((x.dtype, w1.dtype, w2.dtype, b1.dtype, b2.dtype, w1.untyped_storage().data_ptr()))
+        return real(x, routing, weights, w1, w2, b1, b2, **kw)
+    monkeypatch.setattr(mbt, "moe_experts", spy)
+    ids = torch.randint(0, 64, (2, 12))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(ids, labels=ids).loss
+    loss.backward()
+    experts = model.model.layers[0].mlp.experts
+    f16, f32 = torch.float16, torch.float32
+    assert seen[0] == (f16, f32, f32, f16, f16, experts.gate_up_proj.untyped_storage().data_ptr())
+    grad = experts.gate_up_proj.grad
+    assert grad.dtype == f32 and torch.isfinite(grad).all() and grad.abs().sum() > 0

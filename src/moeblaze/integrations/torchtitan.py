@@ -44,7 +44,7 @@ import torch
 from ..args import check_choice
 from ..configs import DEFAULT, DISPATCHES, EPConfig, ExpertsConfig, check_config
 from ..distributed.ep import check_options
-from ..experts import autocast_operands, moe_experts
+from ..experts import autocast_operands, autocast_weights, moe_experts
 from ..routing import build_routing_index
 
 EP_DISPATCH = ("torchtitan", *DISPATCHES)
@@ -104,7 +104,8 @@ class MoeblazeGroupedExperts(GroupedExperts):
     def operands(self, x_TD: torch.Tensor) -> tuple:
         """(x, w1, w2, w3) as the op takes them: this rank's experts (the EP shard's local part), in autocast's
         dtype where it is on."""
-        return autocast_operands(x_TD, _local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD))
+        return (*autocast_operands(x_TD), *autocast_weights(self.moeblaze_config, _local(self.w1_EFD),
+                                                             _local(self.w2_EDF), _local(self.w3_EFD)))
 
     def routed(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor) -> torch.Tensor:
         """sum_k scores[t, k] · expert_{ids[t, k]}(x[t]): (T, D) in x's dtype."""

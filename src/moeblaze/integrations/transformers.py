@@ -34,7 +34,7 @@ import weakref
 
 import torch
 
-from ..experts import autocast_operands, moe_experts
+from ..experts import autocast_operands, autocast_weights, moe_experts
 from ..configs import DEFAULT, ExpertsConfig, from_legacy
 from ..reference import CLAMP_ALPHA, CLAMP_LIMIT
 from ..routing import build_routing_index
@@ -209,8 +209,9 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
     if reason is not None:
         return _fallback(module, reason, hidden_states, top_k_index, top_k_weights)
     activation, interleaved = spec
-    x, w1, w2, b1, b2 = autocast_operands(hidden_states, *_weights(module))
     config = _with_activation(getattr(module, "moeblaze_config", DEFAULT), activation)
+    w1, w2, b1, b2 = _weights(module)
+    (x, b1, b2), (w1, w2) = autocast_operands(hidden_states, b1, b2), autocast_weights(config, w1, w2)
     # ids >= num_experts are expert parallelism's sentinels (skipped); a negative one is refused, as eager does
     fail_if((top_k_index < 0).any(), f"an expert id is negative: the ids must be in [0, {module.num_experts}), or "
             f">= {module.num_experts} for pairs another rank's experts take (skipped)")
