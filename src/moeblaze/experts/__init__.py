@@ -48,7 +48,16 @@ def autocast_weights(config: ExpertsConfig, *weights: torch.Tensor | None) -> tu
     """The expert weights as a call takes them: as autocast_operands casts them (like nn.Linear's), except under
     precision="fp8", where float32 ones stay float32 (master weights, the parameters themselves): the call casts them
     where it runs native GEMMs, and where it runs e4m3 the quantizers read them as they lie, so no half-precision
-    copy is made for it or kept to backward (and fp8_weight_cache can key on the parameter)."""
+    copy is made for it or kept to backward (and fp8_weight_cache can key on the parameter).
+
+    Args:
+        config: the experts' moeblaze.ExpertsConfig.
+        *weights: the expert weights (tensors or None), as the module holds them.
+
+    Returns:
+        The weights in the same order: cast to autocast's dtype where autocast is on and the call does not take
+        them as float32 masters, else as given.
+    """
     if config.fp8 and all(w is None or w.dtype == torch.float32 for w in weights):
         return weights
     return autocast_operands(*weights)

@@ -130,7 +130,7 @@ def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.
         if t.dtype != x_LD.dtype and not master:
             raise TypeError(f"{name} dtype {t.dtype} differs from x dtype {x_LD.dtype}"
                             + (" (float32 master weights of bfloat16 or float16 x are taken under precision='fp8')"
-                               if name[0] == "w" and t.dtype == torch.float32 else ""))
+                               if name[0] == "w" and is_master(t, x_LD) else ""))
         if t.device != x_LD.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x_LD.device}")
     if not x_LD.is_floating_point():
