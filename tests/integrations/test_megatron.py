@@ -300,3 +300,33 @@ def _restored(rank, world, found):
 def test_the_cuda_stand_ins_are_gone_after_a_test():
     """A pool's rank runs other tests after these: torch.cuda's own functions are back after each."""
     run_ranks(_restored, 1)
+
+
+def _fp8_under_autocast(rank, world, found):
+    from moeblaze.integrations import megatron
+
+    mc.init(ep=world)
+    fp8 = ExpertsConfig(backend="triton", precision="fp8", fp8_min_rows=0)
+    ours = mc.build(mc.moeblaze_mlp(4, experts=fp8), mc.transformer_config(hidden_size=128))
+    seen, real = [], megatron.moe_experts
+
+    def spy(x, routing, weights, w1, w2, *args, **kw):
+        seen.append((x.dtype, w1.dtype, w2.dtype))
+        return real(x, routing, weights, w1, w2, *args, **kw)
+    megatron.moe_experts = spy
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            out, _ = ours(torch.randn(T, B, 128))
+    finally:
+        megatron.moe_experts = real
+    if seen != [(torch.float16, torch.float32, torch.float32)] or not out.isfinite().all():
+        found.put(("the op's operands", seen))
+    mc.destroy()
+
+
+def test_fp8_under_autocast_takes_the_float32_stacks_as_masters():
+    """Under autocast (CPU, float16) with precision="fp8" the op gets the experts' stacked weights in float32 (the
+    quantizers read them; experts.autocast_weights) and x in float16. Forward only: Megatron's router backward does
+    not take torch's autocast (Megatron trains bf16 parameters); the masters' gradients are tested at the op
+    (tests/experts/test_fp8_masters.py)."""
+    run_ranks(_fp8_under_autocast, 1)

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from ..args import check_choice
 from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config
-from ..experts import autocast_operands, moe_experts
+from ..experts import autocast_operands, autocast_weights, moe_experts
 from ..routing import build_routing_index
 
 try:
@@ -197,12 +197,12 @@ class MoeblazeSequentialMLP(SequentialMLP):
         """sum_k weights[t, k] · expert_{ids[t, k]}(x[t]) (T, D) in x's dtype: this rank's experts, or under a
         group (expert parallelism) the group's, ids global (ids >= E where sentinels: pairs that add nothing)."""
         w1s, w2s, b1s, b2s = self._parts()
-        stacks = {_stack(w1s): w1s, _stack(w2s): w2s}
-        if b1s is not None:
-            stacks.update({_stack(b1s): b1s, _stack(b2s): b2s})
-        x, *operands = autocast_operands(x_TD, *stacks)
         config, weights = self.moeblaze_config, weights_TK.to(torch.float32)
-        with _restacked(dict(zip(operands, stacks.values()))):
+        parts = [w1s, w2s] + ([b1s, b2s] if b1s is not None else [])
+        stacked = [_stack(p) for p in parts]
+        x, *biases = autocast_operands(x_TD, *stacked[2:])
+        operands = [*autocast_weights(config, *stacked[:2]), *biases]  # fp8: float32 stacks stay float32
+        with _restacked(dict(zip(operands, parts))):
             if group is not None:
                 from ..distributed import ep_experts
                 out = ep_experts(x, ids_TK, weights, *operands[:2], group=group, config=config, ep_config=ep)
