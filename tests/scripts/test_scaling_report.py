@@ -71,6 +71,19 @@ def test_titan_table_scales_against_one_gpu_and_compares_with_torchtitans_expert
     assert cells[("default", "1 GPU")][10].strip() == "-"  # a row without a profiled step: no split
 
 
+def test_titan_rows_kept_gathered_are_their_own_line_against_torchtitans_kept_gathered():
+    rows = [_titan("default", 1, 50_000), _titan("preact", 1, 60_000),
+            _titan("default", 4, 176_000), _titan("preact", 4, 220_000),
+            {**_titan("default", 4, 180_000), "keep_gathered": True},
+            {**_titan("preact", 4, 234_000), "keep_gathered": True}]
+    lines = scaling_report.titan_table(rows).splitlines()
+    cells = {(c[1].strip(), c[2].strip()): c for c in (line.split("|") for line in lines[2:])}
+    assert len(lines) == 2 + 6
+    assert cells[("preact", "FSDP2 4, kept gathered")][7].strip() == "0.97"  # 234k / 4 over 60k
+    assert cells[("preact", "FSDP2 4, kept gathered")][8].strip() == "1.30x"  # over torchtitan's, also kept gathered
+    assert cells[("preact", "FSDP2 4")][8].strip() == "1.25x"
+
+
 def test_titan_rows_show_their_communication_split_and_draw_a_plot(tmp_path, capsys):
     split = dict(gemm_ms=120.04, all_to_all_ms=30.0, allgather_reducescatter_ms=12.5, exposed_comm_ms=9.25)
     rows = [_titan("default", 1, 50_000), _titan("preact", 1, 60_000), {**_titan("preact+exact", 4, 204_000, ep=4),
