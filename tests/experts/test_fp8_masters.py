@@ -95,3 +95,32 @@ def test_experts_under_autocast_keep_no_half_copy_of_their_weights():
     # native precision casts them, like nn.Linear: a half copy of each weight is what its backward reads
     _, saved, _, _ = _saved_under_autocast(ExpertsConfig(backend="triton"))
     assert {s[1] for s in saved if s[0] == torch.float16} >= shapes
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_the_weight_cache_keys_on_the_parameters_under_autocast(monkeypatch, cache):
+    """Under autocast the cache sees the parameters themselves (a cast copy is a new tensor every call, which no
+    cached pair of an earlier micro-batch could match): with fp8_weight_cache each weight is quantized once per
+    optimizer step, both layouts in one call, for every micro-batch's forward and backward; without it in each
+    forward and each backward; an optimizer step forgets the pairs."""
+    from moeblaze.experts import clear_weight_cache, quant
+
+    clear_weight_cache()
+    calls, real = [], quant.quantize_blocks
+    monkeypatch.setattr(quant, "quantize_blocks", lambda w, *a, **k: calls.append(k.get("both", False)) or
+                        real(w, *a, **k))
+    torch.manual_seed(8)
+    layer = Experts(128, 64, E, config=ExpertsConfig(precision="fp8", fp8_min_rows=0, backend="triton",
+                                                     fp8_weight_cache=cache))
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    x, _, _, idx, w = random_problem(40, 128, 64, E, 2)
+    for step in range(2):
+        for _micro_batch in range(2):  # gradient accumulation: two forward and backward passes per step
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = layer(x, idx, w)
+            out.float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        # per step: w1 and w2 in both layouts by one call each with the cache, else two calls each per micro-batch
+        assert calls == ([True, True] if cache else [False] * 8) * (step + 1), calls
+    clear_weight_cache()
