@@ -128,3 +128,35 @@ def _weight_cache(rank, world, errors):
 
 def test_the_fp8_weight_cache_is_refused_under_fsdp2_and_follows_a_fused_optimizer_under_ep():
     run_ranks(_weight_cache, 2)
+
+
+def _masters_under_autocast(rank, world, errors):
+    from moeblaze.distributed import module
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("efsdp", "ep"))
+    model = parallelize(_fp8_model(False), mesh)
+    seen, real = [], module.ep_experts
+
+    def spy(x, idx, weights, w1, w2, **kw):
+        seen.append((x.dtype, w1.dtype, w2.dtype))
+        return real(x, idx, weights, w1, w2, **kw)
+    module.ep_experts = spy
+    try:
+        ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(rank))
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = _loss(model, ids)
+        loss.float().backward()
+    finally:
+        module.ep_experts = real
+    if seen != [(torch.float16, torch.float32, torch.float32)]:
+        errors.put(f"rank {rank}: the experts' operands {seen}")
+    experts = [(n, p.grad) for n, p in model.named_parameters() if ".experts." in n]
+    bad = [n for n, g in experts if g is None or g.dtype != torch.float32 or not g.to_local().isfinite().all()]
+    if bad or not experts:
+        errors.put(f"rank {rank}: expert gradients {bad or 'missing'}")
+
+
+def test_expert_parallel_under_autocast_hands_fp8_its_float32_shards():
+    """precision="fp8" under autocast at ep = world: ExpertParallel passes the local shards of the float32
+    parameters (experts.autocast_weights), no half-precision copies; their gradients come back float32."""
+    run_ranks(_masters_under_autocast, 2)
