@@ -117,6 +117,8 @@ CASES = [
     ("configure(torch.nn.Linear(4, 4))", ValueError),
     ("moe_experts(x, routing, w, w1, w2, b1=torch.zeros(4, 32))", ValueError),
     ("moe_experts(x, routing, w, w1, w2, b2=torch.zeros(4, 16).double())", TypeError),
+    ("moe_experts(x.half(), routing, w, w1.half(), w2)", TypeError),  # float32 masters: only under precision='fp8'
+    ("moe_experts(x.half(), routing, w, w1, w2.half(), config=ExpertsConfig(precision='fp8'))", TypeError),  # all
     ("moe_experts(x, routing, w, w1[:, :32], w2, activation='gelu', interleaved=True)", ValueError),
     ("round_to_index(logits, idx, w, 16, 'sr-f', max_experts=2, max_rows=40)", ValueError),
     ("round_to_index(logits[:5], idx, w, 16, max_experts=2, max_rows=40)", ValueError),

@@ -91,6 +91,25 @@ def is_master(w: torch.Tensor, x_LD: torch.Tensor) -> bool:
     return w.dtype == torch.float32 and x_LD.dtype in (torch.bfloat16, torch.float16)
 
 
+def _check_dtypes_and_devices(x_LD: torch.Tensor, weights: tuple, biases: tuple, masters: bool) -> None:
+    """The weights and biases ((name, tensor or None) pairs) on x's device, the biases in x's dtype, and the weights
+    in x's dtype or, with masters, all float32 masters of a half-precision x: w1 (the first) sets their dtype."""
+    masters = masters and is_master(weights[0][1], x_LD)
+    for name, t, weight in [(*w, True) for w in weights] + [(*b, False) for b in biases]:
+        if t is None:
+            continue
+        if weight and masters:
+            if t.dtype != weights[0][1].dtype:
+                raise TypeError(f"{name} dtype {t.dtype} differs from w1's {weights[0][1].dtype}: float32 master "
+                                "weights come all in float32")
+        elif t.dtype != x_LD.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from x dtype {x_LD.dtype}"
+                            + (" (float32 master weights of bfloat16 or float16 x, all of them, are taken under "
+                               "precision='fp8')" if weight and is_master(t, x_LD) else ""))
+        if t.device != x_LD.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x_LD.device}")
+
+
 def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, activation: str,
                         b1_EF: torch.Tensor | None = None, b2_ED: torch.Tensor | None = None,
                         interleaved: bool = False, masters: bool = False) -> None:
@@ -123,15 +142,7 @@ def check_expert_inputs(x_LD: torch.Tensor, w1_EFD: torch.Tensor, w2_EDH: torch.
         if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != shape):
             raise ValueError(f"{name} must be a tensor of shape {shape} (E, {'F' if name == 'b1' else 'D'}), got "
                              f"{tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}")
-    for name, t in (("w1", w1_EFD), ("w1's up part", parts[-1]), ("w2", w2_EDH), ("b1", b1_EF), ("b2", b2_ED)):
-        if t is None:
-            continue
-        master = masters and name[0] == "w" and is_master(t, x_LD)
-        if t.dtype != x_LD.dtype and not master:
-            raise TypeError(f"{name} dtype {t.dtype} differs from x dtype {x_LD.dtype}"
-                            + (" (float32 master weights of bfloat16 or float16 x are taken under precision='fp8')"
-                               if name[0] == "w" and is_master(t, x_LD) else ""))
-        if t.device != x_LD.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x_LD.device}")
+    _check_dtypes_and_devices(x_LD, (("w1", w1_EFD), ("w1's up part", parts[-1]), ("w2", w2_EDH)),
+                              (("b1", b1_EF), ("b2", b2_ED)), masters)
     if not x_LD.is_floating_point():
         raise TypeError(f"x must be a float tensor, got {x_LD.dtype}")
