@@ -12,7 +12,8 @@ FSDP), AdamW (fused), the cross-entropy chunked over the sequence as torchtitan'
 Each variant runs in this process after the last one's memory is freed; peak memory is torch's allocator peak
 over the timed steps. One JSON line per variant goes to stdout and to --results.
 Under torchrun (several GPUs): FSDP2 as torchtitan applies it (each block, then the root; bf16 parameters, fp32
-gradient reduction, no autocast; the LM head a unit of its own, gathered once for the loss chunks), --batch
+gradient reduction unless --reduce-dtype says bfloat16, no autocast; the LM head a unit of its own, gathered once
+for the loss chunks; --keep-gathered: the blocks keep their gathered weights from forward to backward), --batch
 sequences per GPU; tokens/s over all GPUs, peak memory of rank 0.
 With --ep N: torchtitan's expert parallelism instead, by its own code (the model config's update_from_config with
 the parallelism, then the model's parallelize: the experts sharded over the EP mesh, its all-to-all dispatcher
@@ -98,7 +99,7 @@ def average_gradients(model):
                 p.grad.div_(world)
 
 
-def build(config, ep: int = 1, keep_gathered: bool = False):
+def build(config, ep: int = 1, keep_gathered: bool = False, reduce_dtype: str = "float32"):
     torch.manual_seed(0)
     if ep > 1:
         model = expert_parallel(config, ep)
@@ -114,7 +115,7 @@ def build(config, ep: int = 1, keep_gathered: bool = False):
     if dist.is_initialized():  # FSDP2 as torchtitan applies it: each block, then the root; bf16 params, fp32 grads
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=getattr(torch, reduce_dtype))
         for block in model.layers.values():  # keep_gathered: one all-gather per block and step, not two
             fully_shard(block, mp_policy=mp, reshard_after_forward=not keep_gathered)
         fully_shard(model.lm_head, mp_policy=mp, reshard_after_forward=False)  # gathered once for all loss chunks
@@ -200,7 +201,8 @@ def comm_split(model, opt, vocab, batch, seq, ep: int) -> dict:
     from moeblaze.cli.parallel import profile_split
 
     split = profile_split(lambda: train(model, opt, vocab, batch, seq, 1, 0, ep), lambda: None, torch.device(DEVICE))
-    keys = ("gemm_ms", "all_to_all_ms", "allgather_reducescatter_ms", "exposed_comm_ms")
+    keys = ("gemm_ms", "all_to_all_ms", "allgather_reducescatter_ms", "exposed_comm_ms", "exposed_allgather_ms",
+            "exposed_reducescatter_ms", "exposed_allreduce_ms", "exposed_all_to_all_ms")
     values = torch.tensor([split[k] for k in keys], dtype=torch.float64, device=DEVICE)
     if dist.is_initialized():
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -209,7 +211,7 @@ def comm_split(model, opt, vocab, batch, seq, ep: int) -> dict:
 
 def run(args, variant: str, batch: int, steps: int, warmup: int):
     config = model_config(args.model, args.layers, variant)
-    model = build(config, args.ep, args.keep_gathered)
+    model = build(config, args.ep, args.keep_gathered, args.reduce_dtype)
     sharded = [p for p in model.parameters() if hasattr(p, "to_local")]  # the EP shards (DTensors) under --ep
     plain = [p for p in model.parameters() if not hasattr(p, "to_local")]
     groups = [{"params": g} for g in (sharded, plain) if g]  # one fused AdamW call per group: no DTensor mixing
@@ -257,9 +259,11 @@ def main():
     p.add_argument("--keep-gathered", action="store_true",
                    help="FSDP2 (torchrun without --ep): each block keeps its gathered weights from forward to backward "
                         "(reshard_after_forward=False), one all-gather per block and step")
+    p.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="FSDP2's gradient reduction dtype (torchtitan's mixed_precision_reduce; its default float32)")
     p.add_argument("--comm-split", action="store_true",
                    help="after each timed run, one profiled step: GEMM, all-to-all, all-gather/reduce-scatter and "
-                        "exposed communication ms in the row (GPU only)")
+                        "exposed communication ms in the row, and each collective's exposed ms (GPU only)")
     args = p.parse_args()
     from importlib.metadata import version
 
@@ -269,8 +273,9 @@ def main():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if args.ep > 1 and not (dist.is_initialized() and dist.get_world_size() == args.ep):
         p.error(f"--ep {args.ep} runs under torchrun with {args.ep} processes (expert parallelism over every rank)")
-    if args.keep_gathered and (args.ep > 1 or not dist.is_initialized()):
-        p.error("--keep-gathered applies to FSDP2: under torchrun, without --ep")
+    for flag, on in (("--keep-gathered", args.keep_gathered), ("--reduce-dtype", args.reduce_dtype != "float32")):
+        if on and (args.ep > 1 or not dist.is_initialized()):
+            p.error(f"{flag} applies to FSDP2: under torchrun, without --ep")
     say = print if not dist.is_initialized() or dist.get_rank() == 0 else (lambda *a, **k: None)
 
     import shlex
@@ -279,7 +284,8 @@ def main():
 
     head = dict(**run_env(torch.device(DEVICE), "python benchmarks/torchtitan_train.py " + shlex.join(sys.argv[1:])),
                 torchtitan=version("torchtitan"),
-                model=args.model, layers=args.layers, stubbed=titan.STUBBED, keep_gathered=args.keep_gathered)
+                model=args.model, layers=args.layers, stubbed=titan.STUBBED, keep_gathered=args.keep_gathered,
+                reduce_dtype=args.reduce_dtype)
     say(json.dumps(head), flush=True)
     rows = []
     for variant in args.variants.split(","):

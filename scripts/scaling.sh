@@ -17,7 +17,8 @@
 #         and torchrun's are FSDP2 on a one-rank group: FSDP2's own cost beside the plain one-GPU step.
 # titan:  benchmarks/torchtitan_train.py, torchtitan's Qwen3-30B-A3B flavor cut to TITAN_LAYERS (default 4) layers,
 #         seq 4096, TITAN_BATCH (default 4) sequences per GPU: one GPU, then each N > 1 of GPUS under torchrun
-#         with FSDP2 (TITAN_KEEP=1: also with --keep-gathered, each block's weights gathered once a step) and with
+#         with FSDP2 (TITAN_FSDP: further FSDP2 runs, their flags separated by ";", e.g. "--keep-gathered;--reduce-dtype
+#         bfloat16": each block's weights gathered once a step; gradients reduced in bf16) and with
 #         torchtitan's expert parallelism, torchtitan's experts ("default") beside moeblaze's
 #         (TITAN_VARIANTS, default preact; under EP also preact+exact, moeblaze's own EP on torchtitan's mesh) in
 #         each call, every run followed by one profiled step (its GEMM and communication split, exposed comm); rows
@@ -156,7 +157,8 @@ PY
         [ $n -gt 1 ] || continue
         t="torchrun --standalone --nproc-per-node $n benchmarks/torchtitan_train.py $T"
         run $t --variants $V
-        [ "${TITAN_KEEP:-0}" = 1 ] && run $t --keep-gathered --variants $V
+        IFS=";" read -ra extra <<< "${TITAN_FSDP:-}"
+        for flags in "${extra[@]}"; do run $t $flags --variants $V; done
         run $t --ep $n --variants "$V,${TITAN_VARIANTS:-preact}+exact"
       done
       python3 scripts/scaling_report.py --titan "$OUT/results/titan.jsonl" --png "$OUT/titan.png" | tee "$OUT/titan.md" ;;

@@ -142,19 +142,23 @@ def _titan_runs(rows: list[dict]) -> list[dict]:
     return [r for r in rows if not r.get("oom") and "tokens_per_s" in r and not r.get("max_batch_probe")]
 
 
-def _kept(r: dict) -> str:
-    """", kept gathered" for an FSDP2 row whose blocks keep their gathered weights to backward (--keep-gathered)."""
-    return ", kept gathered" if r.get("keep_gathered") else ""
+def _fsdp_options(r: dict) -> str:
+    """An FSDP2 row's options: ", kept gathered" where its blocks keep their gathered weights to backward
+    (--keep-gathered), ", bf16 reductions" where its gradients are reduced in bf16 (--reduce-dtype bfloat16)."""
+    return (", kept gathered" if r.get("keep_gathered") else "") + (
+        ", bf16 reductions" if r.get("reduce_dtype") == "bfloat16" else "")
 
 
 def titan_table(rows: list[dict]) -> str:
     """benchmarks/torchtitan_train.py's rows (scaling.sh titan) as one table: per experts variant and parallelism
-    (one GPU, FSDP2 (kept gathered: --keep-gathered), expert parallelism; moeblaze's own EP where the variant names
+    (one GPU, FSDP2 (its options: _fsdp_options), expert parallelism; moeblaze's own EP where the variant names
     +exact or +capacity), tokens/s of
     the job and per GPU, scaling against the same variant on one GPU, peak memory of rank 0, and each variant
     against torchtitan's own experts ("default") at the same GPUs and parallelism."""
     def mode(r):
-        return "1 GPU" if r["world"] == 1 else f"EP {r['ep']}" if r["ep"] > 1 else f"FSDP2 {r['world']}" + _kept(r)
+        if r["world"] == 1:
+            return "1 GPU"
+        return f"EP {r['ep']}" if r["ep"] > 1 else f"FSDP2 {r['world']}" + _fsdp_options(r)
 
     ok = _titan_runs(rows)
     one = {(r["variant"].split("+")[0], r["batch"]): r["tokens_per_s"] for r in ok if r["world"] == 1}
@@ -187,7 +191,7 @@ def titan_plot(rows: list[dict], path: str) -> None:
     lines = defaultdict(list)
     for r in ok:
         if r["world"] > 1:
-            lines[(r["variant"], "EP N" if r["ep"] > 1 else "FSDP2" + _kept(r))].append(r)
+            lines[(r["variant"], "EP N" if r["ep"] > 1 else "FSDP2" + _fsdp_options(r))].append(r)
     fig, (ax_tok, ax_eff) = plt.subplots(1, 2, figsize=(10, 3.4))
     for (variant, par), pts in sorted(lines.items()):
         first = one.get(variant.split("+")[0])

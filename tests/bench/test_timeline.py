@@ -36,6 +36,22 @@ def test_step_split_parts_and_exposed_communication():
     assert s["all_to_all_ms"] == 0.0
     assert s["busy_ms"] == pytest.approx(0.16)
     assert s["exposed_comm_ms"] == pytest.approx(0.05)  # 100..150 has no compute under it
+    assert s["exposed_allgather_ms"] == pytest.approx(0.05)
+    assert s["exposed_reducescatter_ms"] == s["exposed_allreduce_ms"] == s["exposed_all_to_all_ms"] == 0.0
+
+
+def test_step_split_says_which_collective_is_exposed():
+    # a reduce-scatter wholly under a GEMM, an all-to-all half under it, an all-reduce alone after it, and an
+    # all-gather alongside that all-reduce: each collective's own exposed time, the overlap of two counted in each
+    kernels = [("weight_grad_kernel", 0.0, 100.0), ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 10.0, 50.0),
+               ("ncclDevKernel_SendRecv", 80.0, 40.0), ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 130.0, 30.0),
+               ("ncclDevKernel_AllGather_RING_LL", 150.0, 20.0)]
+    s = step_split(kernels)
+    assert s["exposed_reducescatter_ms"] == 0.0
+    assert s["exposed_all_to_all_ms"] == pytest.approx(0.02)
+    assert s["exposed_allreduce_ms"] == pytest.approx(0.03)
+    assert s["exposed_allgather_ms"] == pytest.approx(0.02)
+    assert s["exposed_comm_ms"] == pytest.approx(0.02 + 0.04)  # 100..120 and 130..170
 
 
 def _x(cat, name, ts, dur, tid=1, **args):

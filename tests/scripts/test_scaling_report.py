@@ -84,6 +84,16 @@ def test_titan_rows_kept_gathered_are_their_own_line_against_torchtitans_kept_ga
     assert cells[("preact", "FSDP2 4")][8].strip() == "1.25x"
 
 
+def test_titan_rows_with_bf16_reductions_are_their_own_line():
+    rows = [_titan("default", 1, 50_000), _titan("preact", 1, 60_000),
+            {**_titan("default", 4, 190_000), "reduce_dtype": "bfloat16"},
+            {**_titan("preact", 4, 228_000), "reduce_dtype": "bfloat16", "keep_gathered": True},
+            {**_titan("preact", 4, 220_000), "reduce_dtype": "float32"}]
+    lines = scaling_report.titan_table(rows).splitlines()
+    modes = {c[2].strip() for c in (line.split("|") for line in lines[2:])}
+    assert modes == {"1 GPU", "FSDP2 4", "FSDP2 4, bf16 reductions", "FSDP2 4, kept gathered, bf16 reductions"}
+
+
 def test_titan_rows_show_their_communication_split_and_draw_a_plot(tmp_path, capsys):
     split = dict(gemm_ms=120.04, all_to_all_ms=30.0, allgather_reducescatter_ms=12.5, exposed_comm_ms=9.25)
     rows = [_titan("default", 1, 50_000), _titan("preact", 1, 60_000), {**_titan("preact+exact", 4, 204_000, ep=4),

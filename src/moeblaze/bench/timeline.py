@@ -2,7 +2,8 @@
 GEMMs (the experts' kernels, cuBLAS / cuDNN matmuls and attention), other compute, all-to-all (expert parallelism:
 NCCL send/recv), all-gather + reduce-scatter (+ all-reduce: FSDP2 and the loss and norm reductions), and the
 communication that no compute overlaps (exposed): the length of the union of the communication kernels' intervals
-minus its intersection with the union of the compute kernels' intervals.
+minus its intersection with the union of the compute kernels' intervals; and each collective's own exposed time
+(its kernels' time with no compute under it: where the exposed time sits).
 
 Memory: the trace's kernel events, once.
 """
@@ -16,6 +17,9 @@ GEMM = re.compile(r"gemm|matmul|mma|nvjet|cutlass|xmma|flash|fmha|attention|_up_
 ALL_TO_ALL = re.compile(r"nccl.*(SendRecv|AllToAll|Send|Recv)", re.IGNORECASE)
 COLLECTIVE = re.compile(r"nccl.*(AllGather|ReduceScatter|AllReduce|Broadcast)", re.IGNORECASE)
 PARTS = ("gemm_ms", "other_compute_ms", "all_to_all_ms", "allgather_reducescatter_ms")
+# the exposed_<name>_ms keys, by the collective NCCL names in its kernel (all_to_all: expert parallelism's SendRecv)
+EXPOSED_BY = {"allgather": re.compile("AllGather", re.I), "reducescatter": re.compile("ReduceScatter", re.I),
+              "allreduce": re.compile("AllReduce", re.I), "all_to_all": ALL_TO_ALL}
 
 
 def kind(name: str) -> str:
@@ -57,18 +61,26 @@ def _overlap(u: list[tuple[float, float]], v: list[tuple[float, float]]) -> floa
 
 def step_split(kernels: list[tuple[str, float, float]], steps: int = 1) -> dict:
     """kernels: (name, start µs, duration µs) of the GPU kernels of `steps` steps; per step, in ms: each part's
-    summed kernel time, busy_ms (the union of all kernels' intervals) and exposed_comm_ms."""
+    summed kernel time, busy_ms (the union of all kernels' intervals), exposed_comm_ms, and exposed_<c>_ms for
+    each collective c of EXPOSED_BY: its kernels' time that no compute overlaps (two collectives running at once
+    each count theirs, so these may add up to more than exposed_comm_ms)."""
     parts = dict.fromkeys(PARTS, 0.0)
     comm, compute = [], []
     for name, ts, dur in kernels:
         k = kind(name)
         parts[k] += dur
-        (comm if k in ("all_to_all_ms", "allgather_reducescatter_ms") else compute).append((ts, ts + dur))
-    comm_u, compute_u = _union(comm), _union(compute)
+        (comm if k in ("all_to_all_ms", "allgather_reducescatter_ms") else compute).append((name, ts, ts + dur))
+    comm_u, compute_u = _union([c[1:] for c in comm]), _union([c[1:] for c in compute])
     exposed = _length(comm_u) - _overlap(comm_u, compute_u)
-    busy = _length(_union(comm + compute))
+    by = dict.fromkeys(EXPOSED_BY, 0.0)
+    for name, a, b in comm:
+        c = next((c for c, pattern in EXPOSED_BY.items() if pattern.search(name)), None)
+        if c is not None:
+            by[c] += b - a - _overlap([(a, b)], compute_u)
+    busy = _length(_union([c[1:] for c in comm + compute]))
     out = {k: v / 1e3 / steps for k, v in parts.items()}
     out.update(busy_ms=busy / 1e3 / steps, exposed_comm_ms=exposed / 1e3 / steps)
+    out.update({f"exposed_{c}_ms": v / 1e3 / steps for c, v in by.items()})
     return out
 
 
