@@ -99,24 +99,37 @@ def _stack_bytes(ck) -> int:
     return max(stack)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("gather_p,c_parts", [(False, False), (True, False), (False, True)],
                          ids=["dW1", "dW2", "dW1-in-parts"])
-def test_bf16_weight_grad_kernel_compiles_for_sm90(gather_p, c_parts):
+def test_bf16_weight_grad_kernel_compiles_for_sm90(gather_p, c_parts, out_dtype):
     """The bf16 weight gradient (a bf16 layer's dW1 gathers Q = x, dW2 gathers P = dy; dW1 stored into W1's two
     parts, c_parts): bf16 wgmma on its 128 x 256 tiles, within shared memory, and no spills (its next tiles' row
-    ranges are carried in registers)."""
+    ranges are carried in registers). dW in bf16 goes out through a 64 KB staging tile and TMA stores; in float32
+    (master weights) from the registers, with no staging tile."""
     from moeblaze.experts.gluon_sm90 import wgrad
 
     block_m, block_n = wgrad.WGRAD_BLOCKS
     dense = torch.empty(4096, 1024, dtype=torch.bfloat16)
-    c = torch.empty(8 * 1024, 2048, dtype=torch.bfloat16)
+    c = torch.empty(8 * 1024, 2048, dtype=out_dtype)
     descs = dict(dense_desc=descriptor(dense, [64, block_n if gather_p else block_m]),
                  c_desc=descriptor(c, [block_m, block_n]), c_up_desc=descriptor(c, [block_m, block_n]))
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, STAGES=3, WORKER_REGS=56, C_PARTS=c_parts)
-    ck = _compile_gluon(wgrad.weight_grad_kernel, descs, consts, dict(src_ptr="*bf16", c_ptr="*bf16",
-                                                                      c_up_ptr="*bf16"),
-                        sizes=("E", "M", "N", "SPLIT_M", "GROUP"))
-    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ck.asm["ptx"]
+    c_type = "*bf16" if out_dtype == torch.bfloat16 else "*fp32"
+    # N (dW's columns) as Triton specializes it at the shapes that matter (16-divisible): a float32 dW's pairs are
+    # stored 8 bytes at a time then
+    sizes = ("E", "M", "SPLIT_M", "GROUP") + (("N",) if out_dtype == torch.bfloat16 else ())
+    ck = _compile_gluon(wgrad.weight_grad_kernel, descs, consts, dict(src_ptr="*bf16", c_ptr=c_type,
+                                                                      c_up_ptr=c_type), sizes=sizes)
+    ptx = ck.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
+    stages = 3 * 64 * (block_m + block_n) * 2
+    tma_store = "cp.async.bulk.tensor.2d.global.shared"
+    if out_dtype == torch.bfloat16:
+        assert tma_store in ptx and ck.metadata.shared >= stages + block_m * block_n * 2
+    else:  # no staging tile, and no TMA store
+        assert "st.global.v2.b32" in ptx and tma_store not in ptx
+        assert ck.metadata.shared < stages + block_m * block_n * 2
     assert ck.metadata.shared <= 227 * 1024
     assert _stack_bytes(ck) == 0
 

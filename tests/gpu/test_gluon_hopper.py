@@ -130,6 +130,31 @@ def test_weight_grad_stores_dw1_in_two_parts_as_whole(h, d, counts):
     assert torch.equal(gate, whole[:, :h]) and torch.equal(up, whole[:, h:])
 
 
+@pytest.mark.parametrize("counts", [RAGGED, MANY, [0, 0, 64, 0]], ids=["ragged", "many", "one_stage"])
+@pytest.mark.parametrize("gather_p,M,N,parts", [(False, 256, 512, True), (False, 328, 512, False),
+                                                 (True, 256, 200, False), (True, 384, 768, False)],
+                         ids=["dW1-in-parts", "dW1", "dW2", "dW2_wide"])
+def test_weight_grad_in_float32_is_the_bf16_kernels_sums(counts, gather_p, M, N, parts):
+    """A float32 dW (master weights' gradients), stored from the registers: the same fp32 sums the bf16 kernel
+    rounds, so rounded to bf16 it is that kernel's dW bit for bit, every element written (W1's two parts too)."""
+    from moeblaze.experts.gluon_sm90 import weight_grad
+
+    g = torch.Generator(device="cpu").manual_seed(M * N + len(counts) + parts)
+    E, LK, offsets, token, _ = routing(counts, g, gathered=True)
+    p = torch.randn(TOKENS if gather_p else LK, M, generator=g).to("cuda", torch.bfloat16)
+    q = torch.randn(LK if gather_p else TOKENS, N, generator=g).to("cuda", torch.bfloat16)
+    want = weight_grad(p, q, token, offsets, torch.empty(E, M, N, device="cuda", dtype=torch.bfloat16), gather_p)
+    nan = dict(device="cuda", dtype=torch.float32)
+    if parts:
+        gate, up = torch.full((E, M // 2, N), float("nan"), **nan), torch.full((E, M // 2, N), float("nan"), **nan)
+        weight_grad(p, q, token, offsets, gate, gather_p, out_up=up)
+        got = torch.cat((gate, up), 1)
+    else:
+        got = weight_grad(p, q, token, offsets, torch.full((E, M, N), float("nan"), **nan), gather_p)
+    assert not got.isnan().any()
+    assert torch.equal(got.to(torch.bfloat16), want)
+
+
 @pytest.mark.parametrize("counts", [RAGGED, MANY], ids=["ragged", "many"])
 @pytest.mark.parametrize("h,d", [(256, 128), (192, 256)])  # 192: one and a half column tiles
 @pytest.mark.parametrize("store_act", [True, False], ids=["H_and_A", "H_only"])

@@ -105,14 +105,16 @@ def down_bwd(backend: str, dy_LD, w2_EDH, preact) -> str:
 
 
 def weight_grad(backend: str, p, q, out, gather_p: bool, out_up=None) -> str:
-    """A weight gradient: Gluon where dW (out, contiguous) is in the operands' dtype, the gathered side's width
-    is a multiple of its block (WGRAD_BLOCKS) and the dense side's and dW's columns multiples of 8; dW in two
-    parts (out_up: dW1's up rows) where the first part's rows are a multiple of a tile's (every tile in one part)."""
+    """A weight gradient: Gluon where dW (out, contiguous) is in the operands' dtype or float32, the gathered
+    side's width is a multiple of its block (WGRAD_BLOCKS) and the dense side's and dW's columns multiples of 8; dW
+    in two parts (out_up: dW1's up rows) where the first part's rows are a multiple of a tile's (every tile in one
+    part)."""
     gathered, dense = (p, q) if gather_p else (q, p)
-    return _pick("weight_grad", backend, p.device, lambda: out.dtype == p.dtype == q.dtype
+    return _pick("weight_grad", backend, p.device, lambda: p.dtype == q.dtype
+                 and out.dtype in (p.dtype, torch.float32) and (out_up is None or out_up.dtype == out.dtype)
                  and gathered.shape[1] % WGRAD_BLOCKS[0 if gather_p else 1] == 0 and dense.shape[1] % 8 == 0
                  and out.shape[2] % 8 == 0 and (out_up is None or out.shape[1] % WGRAD_BLOCKS[0] == 0)
-                 and _takes(p, q, out, out_up))
+                 and _takes(p, q) and _takes(out, out_up, dtypes=(p.dtype, torch.float32)))
 
 
 def fp8_rows(backend: str, a_q, w_q, out_dtype) -> str:

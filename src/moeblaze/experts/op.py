@@ -40,8 +40,8 @@ or dW1, with dH and the incoming gradient; dH takes preact's buffer (written ove
 under "preact" in eager mode where the graph is not kept for another backward (the kept preact has no reader
 after dH; through torch.compile's custom op, or with retain_graph, dH gets a buffer of its own).
 Under precision="fp8" the weights may be float32 masters of a half-precision x (experts.autocast_weights): an e4m3
-call quantizes them where they lie (no half-precision copy made or kept) and computes their gradients in x's dtype,
-cast to float32 at the end (a transient of their size, the cast autocast would otherwise make outside the op).
+call quantizes them where they lie (no half-precision copy made or kept), and the weight-gradient kernels store
+their gradients in float32 from their float32 sums (no half-precision gradient, no cast pass).
 moe_experts(chunk_tokens=...) bounds every transient by a token chunk. No host synchronization anywhere: tile
 counts are bounded by R // BLOCK_M + E and unused tiles exit at once. On Gluon, preact goes through the io dtype
 before A is computed from it, as backward computes A from the saved preact, and dA' goes through it before dH and
@@ -324,18 +324,17 @@ def experts_backward(dy_LD: torch.Tensor, inputs: OpInputs, kept: Kept, key: str
     del preact_RF, kept
     if r.dropped:
         dtopk_w = clear_dropped(plan, dtopk_w, act_scaled_RH, dpreact_RF)
-    io = x_LD.dtype  # the weight gradients' dtype: x's (float32 master weights get theirs cast at the end)
-    dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, torch.empty_like(w2_EDH, dtype=io), True, r.backend)
+    # the weight gradients in the weights' dtype: x's, or float32 for master weights (the kernels' fp32 sums
+    # stored as they are, no cast pass)
+    dw2 = stages.weight_grad(plan, dy_LD, act_scaled_RH, torch.empty_like(w2_EDH), True, r.backend)
     del act_scaled_RH
     # dX~ and its combine before dW1's buffer exists: the (R, D) rows and dW1 are never alive together
     dx_RD = g.dx_rows(plan, dpreact_RF, dpreact_q, inputs)
     del dpreact_q
     dx = stages.combine(plan, dx_RD, None, x_LD.dtype)
     del dx_RD
-    dw1_up = None if w1_up is None else torch.empty_like(w1_up, dtype=io)
-    dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, torch.empty_like(w1_EFD, dtype=io), False, r.backend,
-                             out_up=dw1_up)
-    dw1, dw2, dw1_up = (g if g is None else g.to(w.dtype) for g, w in ((dw1, w1_EFD), (dw2, w2_EDH), (dw1_up, w1_up)))
+    dw1_up = None if w1_up is None else torch.empty_like(w1_up)
+    dw1 = stages.weight_grad(plan, dpreact_RF, x_LD, torch.empty_like(w1_EFD), False, r.backend, out_up=dw1_up)
     db1, db2, ds_b = stages.bias_grads(plan, dy_LD, dpreact_RF, topk_w_LK, b1_EF, b2_ED, r.backend)
     if ds_b is not None:
         dtopk_w = (dtopk_w.float() + ds_b).to(topk_w_LK.dtype)

@@ -20,8 +20,8 @@ s·A of dW2 and the router weights' gradient dS = <dy, A W2ᵀ + b2> all come fr
 precision="fp8" is emulated (DeepSeek-V3's recipe, reference.fp8's quantizers, fp32 accumulation): the
 four data GEMMs read e4m3 operands, x and dy by token (1 x 128 groups along d), A and dH by row (1 x 128 along h and
 F), W1 and W2 by 128 x 128 blocks (one grid serves W and Wᵀ); the weight gradients dW1 = dHᵀ x and dW2 = dyᵀ (s·A)
-and everything else (SwiGLU, dS = <dA', A> + <dy, b2>, the combines) stay in the input precision. It tells the
-format's error from a kernel's.
+(of input-precision operands, in the weights' dtype: float32 for master weights) and everything else (SwiGLU,
+dS = <dA', A> + <dy, b2>, the combines) stay in the input precision. It tells the format's error from a kernel's.
 
 Legend: L tokens, D hidden, H expert intermediate, E experts, K experts per token.
 """
@@ -140,7 +140,7 @@ class _Fp8GemmExpert(torch.autograd.Function):
         y = fake_quant_rows(a).to(dt) @ w2q.t()
         if b2 is not None:
             y = y + b2
-        ctx.activation, ctx.interleaved, ctx.acc_dtype = activation, interleaved, acc_dtype
+        ctx.activation, ctx.interleaved, ctx.acc_dtype, ctx.w_dtype = activation, interleaved, acc_dtype, w1.dtype
         ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
         kept = fake_quant_rows(h).to(dt) if preact_fp8 else h
         ctx.save_for_backward(x, w1q, w2q, kept, w, *(() if b2 is None else (b2,)))
@@ -159,8 +159,11 @@ class _Fp8GemmExpert(torch.autograd.Function):
         (dh,) = torch.autograd.grad(a, hl, da * w[:, None].to(dt))
         dx = fake_quant_rows(dh).to(dt) @ w1q  # dX~ = dH W1, e4m3 operands
         sa = a.detach() * w[:, None].to(dt)
-        dw1 = dh.t() @ x  # the weight gradients in the input precision
-        dw2 = dy.t() @ sa
+        # the weight gradients from the input-precision operands, summed and returned in the weights' dtype (float32
+        # for master weights: the kernels store their float32 sums; else the input precision)
+        wd = ctx.w_dtype
+        dw1 = dh.t().to(wd) @ x.to(wd)
+        dw2 = dy.t().to(wd) @ sa.to(wd)
         db1 = dh.sum(0) if ctx.has_b1 else None
         db2 = (dy * w[:, None].to(dt)).sum(0) if ctx.has_b2 else None
         return dx, dw1, dw2, db1, db2, ds.to(w.dtype), None, None, None, None

@@ -1,6 +1,7 @@
 """What the Hopper (sm_90) Gluon kernels share: Triton-version shims, register and shared layouts, the stage
 barriers, the MMA loop over the stages, the persistent walk over the device-built tile schedule, the MMA
-warps' own tile store, and the host-side TMA descriptors.
+warps' own tile stores (through shared memory, or straight from registers for a float32 C), and the host-side TMA
+descriptors.
 
 One program per multiprocessor walks the used tiles of the schedule, GROUP_M row tiles sweeping the columns
 together (the weight gradients: the tiles of dW, expert by expert). The MMA partition is 8 warps (two
@@ -174,6 +175,20 @@ def store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, col0, N, PE
     else:
         store_pieces(c_smem, c_ptr, stride_cl, row0, row_end, col0, N)
     return whole
+
+
+@gluon.jit
+def store_direct(acc, c_ptr, stride_cl, row0, row_end, col0, N):
+    """A finished tile straight from the MMA registers to C[row0:row_end, col0:N] (rows and columns past them
+    masked), no shared memory: each thread stores its accumulator pairs (a quad of threads 32 contiguous bytes of a
+    float32 row). For a float32 C, whose staging tile (128 KB at 128 x 256) would not fit beside the stages."""
+    BLOCK_M: gl.constexpr = acc.shape[0]
+    BLOCK_N: gl.constexpr = acc.shape[1]
+    layout: gl.constexpr = acc.type.layout
+    offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    offs_n = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    ptrs = c_ptr + offs_m.to(gl.int64)[:, None] * stride_cl + offs_n[None, :]
+    gl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < row_end)[:, None] & (offs_n < N)[None, :])
 
 
 @gluon.jit

@@ -6,8 +6,11 @@ The reduction runs over the expert's rows, so the gathered side needs new token 
 it issues this stage's copies; a stage is 64 rows of both sides, the gathered side's rows past the expert's
 end zero-filled. 8 MMA warps store their own tiles. Experts without rows get zeros.
 
+dW in the operands' dtype goes out through a 128 x 256 staging tile and TMA; a float32 dW (master weights' gradients)
+straight from the MMA registers (store_direct), since its staging tile would not fit.
+
 Memory contract: nothing beyond dW. Shared memory: 3 stages of 64 x (128 + 256) operands and one 128 x 256
-tile of the accumulator in the io dtype.
+tile of the accumulator in the io dtype (none for a float32 dW).
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -16,7 +19,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from ...launch import cdiv, launch, sm_count
 from .common import (GATHER_WARPS, cp_async, descriptor, gather_layout, mma_layout, mma_steps, stage_barriers,
-                     store_tile, tma_load)
+                     store_direct, store_tile, tma_load)
 
 # ---- weight gradients: dW[e] = P[rows of e]ᵀ Q[rows of e], one side gathered ------------------------------
 # the reduction runs over the expert's rows, so the gathered side needs new token ids every stage: the
@@ -138,6 +141,16 @@ def _wgrad_mma_store_parts(c_smem, c_desc, c_ptr, stride_cl, c_up_desc, c_up_ptr
 
 
 @gluon.jit
+def _wgrad_store(acc, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, col0, N):
+    """A finished dW tile: through c_smem and TMA (store_tile) in the operands' dtype, from the registers
+    (store_direct) in float32 (the pointer's type decides as the kernel is compiled)."""
+    if c_ptr.dtype.element_ty == gl.float32:
+        store_direct(acc, c_ptr, stride_cl, row0, row_end, col0, N)
+    else:
+        store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, row0, row_end, col0, N)
+
+
+@gluon.jit
 def _wgrad_mma(c_smem, c_desc, c_ptr, stride_cl, c_up_desc, c_up_ptr, p_bufs, q_bufs, ready, empty, expert_offsets_ptr,
                n_tiles, n_tm, n_tn, group, M, N, SPLIT_M, C_PARTS: gl.constexpr):
     """Each dW tile: Pᵀ (P's stages read transposed) times Q over the expert's rows, then stored by these warps
@@ -168,14 +181,14 @@ def _wgrad_mma(c_smem, c_desc, c_ptr, stride_cl, c_up_desc, c_up_ptr, p_bufs, q_
             c0 += n_k
             if C_PARTS:
                 if tm * BLOCK_M < SPLIT_M:
-                    store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, e * SPLIT_M + tm * BLOCK_M, (e + 1) * SPLIT_M,
-                               tn * BLOCK_N, N)
+                    _wgrad_store(acc, c_smem, c_desc, c_ptr, stride_cl, e * SPLIT_M + tm * BLOCK_M, (e + 1) * SPLIT_M,
+                                 tn * BLOCK_N, N)
                 else:
                     M_UP = M - SPLIT_M
-                    store_tile(acc, c_smem, c_up_desc, c_up_ptr, stride_cl, e * M_UP + tm * BLOCK_M - SPLIT_M,
-                               (e + 1) * M_UP, tn * BLOCK_N, N)
+                    _wgrad_store(acc, c_smem, c_up_desc, c_up_ptr, stride_cl, e * M_UP + tm * BLOCK_M - SPLIT_M,
+                                 (e + 1) * M_UP, tn * BLOCK_N, N)
             else:
-                store_tile(acc, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
+                _wgrad_store(acc, c_smem, c_desc, c_ptr, stride_cl, e * M + tm * BLOCK_M, e * M + M, tn * BLOCK_N, N)
             e, tm, tn, start, end = e1, tm1, tn1, start1, end1
     tma.store_wait(0)
 
@@ -193,7 +206,11 @@ def weight_grad_kernel(dense_desc, src_ptr, stride_src, token_ptr, c_desc, c_ptr
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_M], dtype))
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_K, BLOCK_N], dtype))
-    c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
+    if c_ptr.dtype.element_ty == gl.float32:  # stored from registers (_wgrad_store): a stand-in, never written
+        c_smem = gl.allocate_shared_memory(dtype, [8, BLOCK_N], gl.NVMMASharedLayout.get_default_for([8, BLOCK_N],
+                                                                                                     dtype))
+    else:
+        c_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], c_desc.layout)
     ready, empty = stage_barriers(STAGES, 32 * GATHER_WARPS + 1)
     n_tm, n_tn = gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N)
     n_tiles = E * n_tm * n_tn
@@ -215,7 +232,7 @@ def weight_grad(p, q, token, offsets, out, gather_p: bool, *, out_up=None, block
                 worker_regs: int = 56):
     """out[e] (M, N) = P[rows of e]ᵀ Q[rows of e] for each expert's contiguous rows (offsets (E+1,) int32), with
     P = p[token[rows]], Q = q[rows] if gather_p, else P = p[rows], Q = q[token[rows]]; token (rows,) int32.
-    bf16/fp16, contiguous, out in the operands' dtype; the gathered side's width a multiple of its block
+    bf16/fp16, contiguous, out in the operands' dtype or float32; the gathered side's width a multiple of its block
     (WGRAD_BLOCKS: 128 for P, 256 for Q), the dense side's and N multiples of 8 (16-byte TMA rows). out_up: dW[e]'s
     last rows apart, dW[e] = [out[e]; out_up[e]] (dW1 as gate and up rows), out's rows a multiple of WGRAD_BLOCKS[0].
     The dispatcher (experts.dispatch) checks these; the launcher does not. Returns out."""
