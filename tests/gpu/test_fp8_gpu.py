@@ -126,19 +126,25 @@ def test_preact_fp8_bf16(backend):
         assert _rel(g, wt) <= FACTOR * max(_rel(r, wt), 1e-3), (name, _rel(g, wt), _rel(r, wt))
 
 
+@pytest.mark.parametrize("masters", [False, True], ids=["bf16-weights", "fp32-masters"])
 @pytest.mark.parametrize("backend", ["tl", "gluon"])
 @pytest.mark.parametrize("checkpoint", ["preact", "preact-fp8", "recompute"])
-def test_precision_fp8_bf16_against_the_emulation(checkpoint, backend):
+def test_precision_fp8_bf16_against_the_emulation(checkpoint, backend, masters):
     """precision="fp8" on real e4m3 in bf16: output and every gradient within FACTOR x the bf16 emulation's error
-    against the fp32 emulation (the same recipe), and within the recipe's own error of the exact fp32 layer."""
+    against the fp32 emulation (the same recipe), and within the recipe's own error of the exact fp32 layer.
+    masters: the weights float32 (bf16 x), quantized where they lie, their gradients stored in float32 by the
+    weight-gradient kernels."""
     from moeblaze.experts import dispatch
 
     _skip_unless(backend)
+    if masters and checkpoint == "preact-fp8":
+        pytest.skip("the masters' path is the same under every checkpoint policy; two of them suffice")
     x, w1, w2, idx, w, dy = _layer_problem()
     routing = build_routing_index(idx, w1.shape[0])
 
     def run(dtype, **kw):
-        ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w)]
+        wdt = torch.float32 if masters else dtype
+        ins = [t.to(d).requires_grad_() for t, d in ((x, dtype), (w1, wdt), (w2, wdt), (w, dtype))]
         out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], config=ExpertsConfig(checkpoint=checkpoint, **kw))
         return [out, *torch.autograd.grad(out, ins, dy.to(dtype))]
 
@@ -148,6 +154,9 @@ def test_precision_fp8_bf16_against_the_emulation(checkpoint, backend):
     dispatch.launch_counts.clear()
     got = run(torch.bfloat16, precision="fp8", fp8_min_rows=0, backend=backend)
     assert dispatch.launch_counts["fp8_rows", backend] >= 4, dispatch.launch_counts
+    assert dispatch.launch_counts["weight_grad", backend] >= 2, dispatch.launch_counts
+    if masters:
+        assert got[2].dtype == got[3].dtype == torch.float32
     for name, g, r, wt, ex in zip(("out", "dx", "dw1", "dw2", "dw"), got, ref, want, exact):
         assert torch.isfinite(g).all(), name
         assert _rel(g, wt) <= FACTOR * max(_rel(r, wt), 1e-3), (name, _rel(g, wt), _rel(r, wt))
