@@ -13,7 +13,8 @@ Each variant runs in this process after the last one's memory is freed; peak mem
 over the timed steps. One JSON line per variant goes to stdout and to --results.
 Under torchrun (several GPUs): FSDP2 as torchtitan applies it (each block, then the root; bf16 parameters, fp32
 gradient reduction unless --reduce-dtype says bfloat16, no autocast; the LM head a unit of its own, gathered once
-for the loss chunks; --keep-gathered: the blocks keep their gathered weights from forward to backward), --batch
+for the loss chunks; --keep-gathered: the blocks keep their gathered weights from forward to backward;
+--fsdp-prefetch N: the next N units' all-gathers issued explicitly), --batch
 sequences per GPU; tokens/s over all GPUs, peak memory of rank 0.
 With --ep N: torchtitan's expert parallelism instead, by its own code (the model config's update_from_config with
 the parallelism, then the model's parallelize: the experts sharded over the EP mesh, its all-to-all dispatcher
@@ -99,7 +100,7 @@ def average_gradients(model):
                 p.grad.div_(world)
 
 
-def build(config, ep: int = 1, keep_gathered: bool = False, reduce_dtype: str = "float32"):
+def build(config, ep: int = 1, keep_gathered: bool = False, reduce_dtype: str = "float32", prefetch: int = 0):
     torch.manual_seed(0)
     if ep > 1:
         model = expert_parallel(config, ep)
@@ -120,6 +121,11 @@ def build(config, ep: int = 1, keep_gathered: bool = False, reduce_dtype: str = 
             fully_shard(block, mp_policy=mp, reshard_after_forward=not keep_gathered)
         fully_shard(model.lm_head, mp_policy=mp, reshard_after_forward=False)  # gathered once for all loss chunks
         fully_shard(model, mp_policy=mp)
+        if prefetch:  # explicit: each unit's pre-forward (pre-backward) issues the next units' all-gathers
+            units = [*model.layers.values(), model.lm_head]
+            for i, unit in enumerate(units):
+                unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + prefetch])
+                unit.set_modules_to_backward_prefetch(units[max(0, i - prefetch):i][::-1])
     model.to_empty(device=DEVICE)
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device(DEVICE))
@@ -194,13 +200,14 @@ def profile(model, opt, vocab, batch, seq, path, args):
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90))
 
 
-def comm_split(model, opt, vocab, batch, seq, ep: int) -> dict:
+def comm_split(model, opt, vocab, batch, seq, ep: int, trace: str | None = None) -> dict:
     """One more step under torch.profiler (after the timed ones), split as `moeblaze train --bench-profile` splits
     its step (moeblaze.cli.parallel.profile_split: GEMMs, all-to-all, all-gather + reduce-scatter + all-reduce, and
     the communication no compute overlaps), in ms; under torchrun the largest of the ranks' values of each part."""
     from moeblaze.cli.parallel import profile_split
 
-    split = profile_split(lambda: train(model, opt, vocab, batch, seq, 1, 0, ep), lambda: None, torch.device(DEVICE))
+    split = profile_split(lambda: train(model, opt, vocab, batch, seq, 1, 0, ep), lambda: None, torch.device(DEVICE),
+                          trace)
     keys = ("gemm_ms", "all_to_all_ms", "allgather_reducescatter_ms", "exposed_comm_ms", "exposed_allgather_ms",
             "exposed_reducescatter_ms", "exposed_allreduce_ms", "exposed_all_to_all_ms")
     values = torch.tensor([split[k] for k in keys], dtype=torch.float64, device=DEVICE)
@@ -211,7 +218,7 @@ def comm_split(model, opt, vocab, batch, seq, ep: int) -> dict:
 
 def run(args, variant: str, batch: int, steps: int, warmup: int):
     config = model_config(args.model, args.layers, variant)
-    model = build(config, args.ep, args.keep_gathered, args.reduce_dtype)
+    model = build(config, args.ep, args.keep_gathered, args.reduce_dtype, args.fsdp_prefetch)
     sharded = [p for p in model.parameters() if hasattr(p, "to_local")]  # the EP shards (DTensors) under --ep
     plain = [p for p in model.parameters() if not hasattr(p, "to_local")]
     groups = [{"params": g} for g in (sharded, plain) if g]  # one fused AdamW call per group: no DTensor mixing
@@ -228,7 +235,8 @@ def run(args, variant: str, batch: int, steps: int, warmup: int):
                    loss_first=round(losses[0], 4),
                    loss_last=round(losses[-1], 4))
         if args.comm_split and DEVICE == "cuda":
-            row.update(comm_split(model, opt, vocab, batch, args.seq, args.ep))
+            trace = args.trace and f"{args.trace}-{variant}-rank{dist.get_rank() if dist.is_initialized() else 0}.json"
+            row.update(comm_split(model, opt, vocab, batch, args.seq, args.ep, trace))
     except torch.OutOfMemoryError:
         row = dict(variant=variant, batch=batch, seq=args.seq, oom=True)
     del model, opt
@@ -261,6 +269,11 @@ def main():
                         "(reshard_after_forward=False), one all-gather per block and step")
     p.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="FSDP2's gradient reduction dtype (torchtitan's mixed_precision_reduce; its default float32)")
+    p.add_argument("--fsdp-prefetch", type=int, default=0,
+                   help="FSDP2: each unit's forward (backward) issues the all-gathers of the next (previous) N units "
+                        "explicitly; 0: FSDP2's implicit prefetch (torchtitan's)")
+    p.add_argument("--trace", default=None, help="with --comm-split: keep the profiled step's chrome trace, "
+                                                 "TRACE-VARIANT-rankR.json")
     p.add_argument("--comm-split", action="store_true",
                    help="after each timed run, one profiled step: GEMM, all-to-all, all-gather/reduce-scatter and "
                         "exposed communication ms in the row, and each collective's exposed ms (GPU only)")
@@ -273,7 +286,8 @@ def main():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if args.ep > 1 and not (dist.is_initialized() and dist.get_world_size() == args.ep):
         p.error(f"--ep {args.ep} runs under torchrun with {args.ep} processes (expert parallelism over every rank)")
-    for flag, on in (("--keep-gathered", args.keep_gathered), ("--reduce-dtype", args.reduce_dtype != "float32")):
+    for flag, on in (("--keep-gathered", args.keep_gathered), ("--reduce-dtype", args.reduce_dtype != "float32"),
+                     ("--fsdp-prefetch", args.fsdp_prefetch != 0)):
         if on and (args.ep > 1 or not dist.is_initialized()):
             p.error(f"{flag} applies to FSDP2: under torchrun, without --ep")
     say = print if not dist.is_initialized() or dist.get_rank() == 0 else (lambda *a, **k: None)
@@ -285,7 +299,7 @@ def main():
     head = dict(**run_env(torch.device(DEVICE), "python benchmarks/torchtitan_train.py " + shlex.join(sys.argv[1:])),
                 torchtitan=version("torchtitan"),
                 model=args.model, layers=args.layers, stubbed=titan.STUBBED, keep_gathered=args.keep_gathered,
-                reduce_dtype=args.reduce_dtype)
+                reduce_dtype=args.reduce_dtype, fsdp_prefetch=args.fsdp_prefetch)
     say(json.dumps(head), flush=True)
     rows = []
     for variant in args.variants.split(","):

@@ -144,9 +144,11 @@ def _titan_runs(rows: list[dict]) -> list[dict]:
 
 def _fsdp_options(r: dict) -> str:
     """An FSDP2 row's options: ", kept gathered" where its blocks keep their gathered weights to backward
-    (--keep-gathered), ", bf16 reductions" where its gradients are reduced in bf16 (--reduce-dtype bfloat16)."""
-    return (", kept gathered" if r.get("keep_gathered") else "") + (
-        ", bf16 reductions" if r.get("reduce_dtype") == "bfloat16" else "")
+    (--keep-gathered), ", bf16 reductions" where its gradients are reduced in bf16 (--reduce-dtype bfloat16),
+    ", prefetch N" where each unit issues the next N units' all-gathers (--fsdp-prefetch N)."""
+    return "".join([", kept gathered" if r.get("keep_gathered") else "",
+                    ", bf16 reductions" if r.get("reduce_dtype") == "bfloat16" else "",
+                    f", prefetch {r['fsdp_prefetch']}" if r.get("fsdp_prefetch") else ""])
 
 
 def titan_table(rows: list[dict]) -> str:

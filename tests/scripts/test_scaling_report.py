@@ -84,14 +84,16 @@ def test_titan_rows_kept_gathered_are_their_own_line_against_torchtitans_kept_ga
     assert cells[("preact", "FSDP2 4")][8].strip() == "1.25x"
 
 
-def test_titan_rows_with_bf16_reductions_are_their_own_line():
+def test_titan_rows_with_other_fsdp_options_are_their_own_lines():
     rows = [_titan("default", 1, 50_000), _titan("preact", 1, 60_000),
             {**_titan("default", 4, 190_000), "reduce_dtype": "bfloat16"},
             {**_titan("preact", 4, 228_000), "reduce_dtype": "bfloat16", "keep_gathered": True},
-            {**_titan("preact", 4, 220_000), "reduce_dtype": "float32"}]
+            {**_titan("preact", 4, 220_000), "reduce_dtype": "float32"},
+            {**_titan("preact", 4, 229_000), "reduce_dtype": "bfloat16", "fsdp_prefetch": 2}]
     lines = scaling_report.titan_table(rows).splitlines()
     modes = {c[2].strip() for c in (line.split("|") for line in lines[2:])}
-    assert modes == {"1 GPU", "FSDP2 4", "FSDP2 4, bf16 reductions", "FSDP2 4, kept gathered, bf16 reductions"}
+    assert modes == {"1 GPU", "FSDP2 4", "FSDP2 4, bf16 reductions", "FSDP2 4, kept gathered, bf16 reductions",
+                     "FSDP2 4, bf16 reductions, prefetch 2"}
 
 
 def test_titan_rows_show_their_communication_split_and_draw_a_plot(tmp_path, capsys):
