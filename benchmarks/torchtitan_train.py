@@ -268,7 +268,8 @@ def main():
                    help="FSDP2 (torchrun without --ep): each block keeps its gathered weights from forward to backward "
                         "(reshard_after_forward=False), one all-gather per block and step")
     p.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="FSDP2's gradient reduction dtype (torchtitan's mixed_precision_reduce; its default float32)")
+                   help="FSDP2's gradient reduction dtype (MixedPrecisionPolicy.reduce_dtype; torchtitan 0.3's "
+                        "mixed_precision_reduce allows float32 only)")
     p.add_argument("--fsdp-prefetch", type=int, default=0,
                    help="FSDP2: each unit's forward (backward) issues the all-gathers of the next (previous) N units "
                         "explicitly; 0: FSDP2's implicit prefetch (torchtitan's)")
