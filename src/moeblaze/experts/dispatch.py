@@ -111,7 +111,7 @@ def weight_grad(backend: str, p, q, out, gather_p: bool, out_up=None) -> str:
     part)."""
     gathered, dense = (p, q) if gather_p else (q, p)
     return _pick("weight_grad", backend, p.device, lambda: p.dtype == q.dtype
-                 and out.dtype in (p.dtype, torch.float32) and (out_up is None or out_up.dtype == out.dtype)
+                 and (out_up is None or out_up.dtype == out.dtype)
                  and gathered.shape[1] % WGRAD_BLOCKS[0 if gather_p else 1] == 0 and dense.shape[1] % 8 == 0
                  and out.shape[2] % 8 == 0 and (out_up is None or out.shape[1] % WGRAD_BLOCKS[0] == 0)
                  and _takes(p, q) and _takes(out, out_up, dtypes=(p.dtype, torch.float32)))
