@@ -65,19 +65,23 @@ def step_split(kernels: list[tuple[str, float, float]], steps: int = 1) -> dict:
     each collective c of EXPOSED_BY: its kernels' time that no compute overlaps (two collectives running at once
     each count theirs, so these may add up to more than exposed_comm_ms)."""
     parts = dict.fromkeys(PARTS, 0.0)
-    comm, compute = [], []
+    comm, comm_names, compute = [], [], []
     for name, ts, dur in kernels:
         k = kind(name)
         parts[k] += dur
-        (comm if k in ("all_to_all_ms", "allgather_reducescatter_ms") else compute).append((name, ts, ts + dur))
-    comm_u, compute_u = _union([c[1:] for c in comm]), _union([c[1:] for c in compute])
+        if k in ("all_to_all_ms", "allgather_reducescatter_ms"):
+            comm.append((ts, ts + dur))
+            comm_names.append(name)
+        else:
+            compute.append((ts, ts + dur))
+    comm_u, compute_u = _union(comm), _union(compute)
     exposed = _length(comm_u) - _overlap(comm_u, compute_u)
     by = dict.fromkeys(EXPOSED_BY, 0.0)
-    for name, a, b in comm:
+    for name, (a, b) in zip(comm_names, comm):
         c = next((c for c, pattern in EXPOSED_BY.items() if pattern.search(name)), None)
         if c is not None:
             by[c] += b - a - _overlap([(a, b)], compute_u)
-    busy = _length(_union([c[1:] for c in comm + compute]))
+    busy = _length(_union(comm + compute))
     out = {k: v / 1e3 / steps for k, v in parts.items()}
     out.update(busy_ms=busy / 1e3 / steps, exposed_comm_ms=exposed / 1e3 / steps)
     out.update({f"exposed_{c}_ms": v / 1e3 / steps for c, v in by.items()})
