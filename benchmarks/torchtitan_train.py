@@ -23,7 +23,9 @@ which torch 2.11's FSDP2 can't take): the other parameters are replicated in fp3
 GPU, their gradients averaged over the ranks after backward, the experts' divided by the number of ranks (each
 rank's experts computed every rank's tokens), which is the gradient of the mean loss over all ranks' tokens.
 A variant NAME+exact or NAME+capacity runs moeblaze's own expert parallelism on that mesh (ep_dispatch), and
-NAME+exact/G its exact dispatch with the local experts in G groups, all-to-alls under GEMMs (ep_chunks).
+NAME+exact/G its exact dispatch with the local experts in G groups, all-to-alls under GEMMs (ep_chunks); a suffix
+@TRANSPORT names EPConfig's transport (NAME+exact@tokens: each token once per rank). Rows of moeblaze's own EP
+carry a2a_mb_per_step, this rank's all-to-all megabytes to other ranks per timed step.
 On the CPU (no GPU): gloo, fp32 without autocast, no memory figures; a check of the code path, not a benchmark.
 
 torchtitan 0.3.0's models import two FSDP names that torch 2.11 lacks; tests/titan.py (which builds the models
@@ -64,11 +66,13 @@ def model_config(name: str, layers: int, variant: str):
     family, flavor = FLAVORS[name]
     registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
     base, _, ep_dispatch = variant.partition("+")
+    ep_dispatch, _, transport = ep_dispatch.partition("@")
     ep_dispatch, _, chunks = ep_dispatch.partition("/")
     options = VARIANTS[base]
     converters = None if options is None else [MoeblazeConverter.Config(experts=ExpertsConfig(**options),
                                                                         ep_dispatch=ep_dispatch or "torchtitan",
-                                                                        ep_chunks=int(chunks or 1))]
+                                                                        ep_chunks=int(chunks or 1),
+                                                                        ep_transport=transport or "pairs")]
     config = registry(flavor, converters=converters).model
     config.layers = config.layers[:layers]
     return titan.sdpa(config)
@@ -167,6 +171,8 @@ def synchronize():
 
 
 def train(model, opt, vocab, batch, seq, steps, warmup, ep: int = 1):
+    from moeblaze.distributed.plan import Traffic
+
     losses, t0 = [], None
     fsdp = dist.is_initialized() and ep == 1
     for i, (x, y) in enumerate(batches(vocab, batch, seq, warmup + steps)):
@@ -175,6 +181,7 @@ def train(model, opt, vocab, batch, seq, steps, warmup, ep: int = 1):
             if DEVICE == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
+            Traffic.reset()
         loss = chunked_loss_step(model, x, y, fsdp=fsdp)
         if ep > 1:
             average_gradients(model)
@@ -185,6 +192,7 @@ def train(model, opt, vocab, batch, seq, steps, warmup, ep: int = 1):
         losses.append(loss.detach())
     synchronize()
     dt = time.perf_counter() - t0
+    train.a2a_bytes = Traffic.reset()  # the timed steps' moeblaze all-to-all bytes to other ranks
     return dt, [float(v) for v in losses]
 
 
@@ -232,7 +240,7 @@ def run(args, variant: str, batch: int, steps: int, warmup: int):
         row = dict(variant=variant, batch=batch, seq=args.seq, steps=steps, world=world, ep=args.ep,
                    tokens_per_s=round(world * batch * args.seq * steps / dt), step_ms=round(1000 * dt / steps, 1),
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else None,
-                   loss_first=round(losses[0], 4),
+                   a2a_mb_per_step=round(train.a2a_bytes / steps / 2**20, 2), loss_first=round(losses[0], 4),
                    loss_last=round(losses[-1], 4))
         if args.comm_split and DEVICE == "cuda":
             trace = args.trace and f"{args.trace}-{variant}-rank{dist.get_rank() if dist.is_initialized() else 0}.json"

@@ -268,7 +268,7 @@ class _OnlyTheProtocol:
 
 
 def _through_the_protocol(rank, world, dispatch):
-    from moeblaze.distributed import ep as ep_module
+    from moeblaze.distributed import pairs as ep_module
 
     calls = {}
     made, restored = ep_module.make_plan, ep_module.restore_plan

@@ -142,6 +142,7 @@ class StepTimer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.marks: list = []
+        self.a2a_bytes = 0  # this rank's expert-parallel all-to-all bytes to other ranks in the timed steps
 
     def _mark(self):
         if self.cuda:
@@ -153,10 +154,16 @@ class StepTimer:
         return time.perf_counter()
 
     def start(self) -> None:
+        from ..distributed.plan import Traffic
+
+        Traffic.reset()
         self.marks.append([self._mark(), None])
 
     def stop(self) -> None:
+        from ..distributed.plan import Traffic
+
         self.marks[-1][1] = self._mark()
+        self.a2a_bytes += Traffic.reset()
 
     def times_ms(self) -> list[float]:
         if self.cuda:
@@ -211,7 +218,9 @@ def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_p
     world, ep = (ranks.world, ranks.ep) if ranks else (1, 1)
     tokens = args.batch_size * args.seq_len
     row = dict(mode="train", preset=args.preset, model=cfg.to_dict(), world=world, ep=ep, efsdp=world // ep,
-               dispatch=args.ep_dispatch if ep > 1 else "-", keep_gathered=bool(ranks and args.fsdp_keep_gathered),
+               dispatch=args.ep_dispatch if ep > 1 else "-", transport=args.ep_transport if ep > 1 else "-",
+               a2a_mb_per_step=round(timer.a2a_bytes / max(1, len(timer.marks)) / 2 ** 20, 2),
+               keep_gathered=bool(ranks and args.fsdp_keep_gathered),
                fsdp_units=args.fsdp_units if ranks else "-", ep_chunks=args.ep_chunks, compiled=args.compile,
                reduce_dtype=args.fsdp_reduce_dtype if ranks else "-",
                cuda_graph=args.cuda_graph,
@@ -237,7 +246,8 @@ def format_row(r: dict) -> str:
     split = r.get("split")
     parts = "" if not split else " | " + ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in split.items()
                                                    if k != "host_top_ms")
-    return (f"bench: {r['world']} x {r.get('gpu', 'cpu')} (efsdp {r['efsdp']} x ep {r['ep']}, {r['dispatch']}): "
+    return (f"bench: {r['world']} x {r.get('gpu', 'cpu')} (efsdp {r['efsdp']} x ep {r['ep']}, {r['dispatch']}"
+            f"{', ' + r['transport'] if r['ep'] > 1 else ''}, {r['a2a_mb_per_step']} MB all-to-all a step): "
             f"step {r['step_ms']:.1f} ms, {r['tokens_s_per_gpu']:,.0f} tokens/s per GPU, peak {r['peak_gb']:.2f} GB, "
             f"loss {r['loss']:.4f}{parts}" + (f"\n  host's costliest ops (ms, calls): {split['host_top_ms']}"
                                               if split else ""))

@@ -132,6 +132,9 @@ def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                    "default 1: FSDP2 alone)")
     g.add_argument("--ep-dispatch", default="exact", choices=DISPATCHES,
                    help="exact: variable all-to-all splits, one host sync per layer; capacity: fixed splits, none")
+    g.add_argument("--ep-transport", default="pairs",
+                   help="how rows cross: pairs (one row per (token, expert) pair, bitwise equal to one GPU; default) "
+                        "or tokens (one row per (token, rank): fewer bytes, equal within the op's rounding)")
     g.add_argument("--ep-chunks", type=int, default=1,
                    help="exact dispatch: the local experts in this many groups, each group's all-to-alls under "
                         "another group's GEMMs (default 1: no overlap)")
@@ -205,10 +208,13 @@ def ep_config(args) -> EPConfig | None:
         raise ValueError(f"--on-overflow {args.on_overflow} applies to --ep-dispatch capacity, which this run does not "
                          "use")
     config = EPConfig(args.ep_dispatch, args.capacity_factor,
-                      on_overflow=None if args.on_overflow == "rerun" else args.on_overflow, chunks=args.ep_chunks)
+                      on_overflow=None if args.on_overflow == "rerun" else args.on_overflow, chunks=args.ep_chunks,
+                      transport=args.ep_transport)
     if args.ep == 1:
         given = [flag for flag, set_ in ((f"--ep-dispatch {args.ep_dispatch}", args.ep_dispatch != "exact"),
-                                         (f"--ep-chunks {args.ep_chunks}", args.ep_chunks != 1)) if set_]
+                                         (f"--ep-chunks {args.ep_chunks}", args.ep_chunks != 1),
+                                         (f"--ep-transport {args.ep_transport}", args.ep_transport != "pairs"))
+                 if set_]
         if given:
             raise ValueError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --ep > 1")
         return None

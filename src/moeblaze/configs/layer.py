@@ -148,7 +148,11 @@ class EPConfig:
         capacity: under "capacity", the rows per pair outright (None: from capacity_factor; not both).
         on_overflow: under "capacity", a destination needing more rows: "error" (None: the default) or "drop".
         chunks: under "exact", the local experts in this many groups, each group's all-to-alls running under
-            another group's GEMMs (forward and backward; bitwise the same results; 1: one group, no overlap).
+            another group's GEMMs (forward and backward; bitwise the same results; 1: one group, no overlap;
+            transport "pairs" only).
+        transport: how rows cross (moeblaze.distributed.transports): "pairs" (one row per (token, expert) pair,
+            bitwise equal to one GPU, default) or "tokens" (one row per (token, rank), the experts there gathering
+            it: fewer bytes, equal to one GPU within the op's rounding).
 
     Returns:
         A frozen value; ValueError or TypeError naming the field for a choice it refuses, or for a capacity option
@@ -159,10 +163,13 @@ class EPConfig:
     capacity: int | None = None
     on_overflow: str | None = None
     chunks: int = 1
+    transport: str = "pairs"
 
     def __post_init__(self):
         check_choice("dispatch", self.dispatch, DISPATCHES)
         check_int("chunks", self.chunks)
+        if not isinstance(self.transport, str) or not self.transport:
+            raise TypeError(f"transport must be a transport's name (a str), got {self.transport!r}")
         if self.chunks > 1 and self.dispatch != "exact":
             raise ValueError(f"chunks={self.chunks} applies to dispatch='exact' only (capacity dispatch is one "
                              "group: its fixed shapes are what torch.compile and CUDA graphs take); dispatch is "

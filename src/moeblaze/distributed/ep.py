@@ -1,275 +1,31 @@
-"""Expert parallelism: the experts sharded over the ranks of a process group, tokens sent to them and back by
-all-to-all, with the zero-buffer routing index on both sides.
+"""Expert parallelism: the experts sharded over the ranks of a process group, each rank's tokens sent to the ranks
+that hold their experts and back by all-to-all, the zero-buffer routing index on both sides (ep_experts). This module
+is the entry: it checks a call once, sizes capacity dispatch's rows, and hands the call to the transport its
+EPConfig names (distributed.transports: "pairs", one row per (token, expert) pair, bitwise equal to one GPU,
+distributed.pairs; "tokens", one row per (token, rank), distributed.tokens). Each transport's header has its data
+flow and memory contract.
 
-Sender (every rank, its own L tokens): the routing index over all E experts (global id = rank · E_loc + local
-id) is already in send order, expert by expert, so rank d's rows are the contiguous block of its E_loc experts;
-the send buffer is x[expert_token_idx] (the one copy an all-to-all needs). The (ep, E_loc) counts go first (one
-fixed-size all-to-all), then the rows.
-Receiver: the rows arrive grouped by source rank, then local expert, then token. receiver_index builds, from the
-count matrix alone, a routing index over the E_loc local experts with K = 1 whose expert-major order is (expert,
-source rank, token): the global token order, so each expert reduces its rows as on one GPU. The fused kernels
-gather the received rows through it: no permuted copy. The expert side runs with unit weights, so its output rows
-are Y itself; they go back, and the sender combines them with its router weights through token_slot, as on one
-GPU (bitwise the same where the kernels' configs are the same).
-Backward mirrors it: dy[expert_token_idx] and the router weights in row order go to the experts, which return
-dX~ and dS = <dA', A> per row; dx and the router-weight gradient are then the sender's combine and a gather.
-
-Dispatch modes:
+Dispatch modes (every transport):
   exact     variable split sizes, read on the host once per layer call (one device-to-host sync; backward reuses
-            them); R = the rows actually routed here.
-  capacity  C rows per (source, destination) pair, equal splits. A destination's rows past C (in its expert order)
-            are overflow: never silent. on_overflow="error" raises CapacityOverflow on every rank before any row is
-            sent (one all-reduced flag read on the host: a sync, and refused under CUDA-graph capture); "drop"
-            drops them (they add nothing, as transformers' sentinels; counted where `dropped` is given) and a
-            CapacityTracker records the rows each destination needed so that the caller can grow C and rerun the
-            step, both without a host sync. The
-            receiver's padding rows are dropped pairs of its index (routing.index's sentinels): never computed.
-            R = ep·C.
-  exact with chunks = G > 1: the local experts in G groups (plan.Group), each group's all-to-alls issued without
-            waiting and the op's bodies run group by group, so that a group's GEMMs run under the next group's
-            dispatch and the previous group's return; each expert gets the same rows in the same order, so the
-            results are bitwise those of one group. The send buffer lives until the last group's rows have left,
-            and the weights' gradients are joined from the groups' (a transient of their size).
-Autograd: one custom-op pair, moeblaze::ep_fwd / ep_bwd (EP), for both modes, its schemas and fakes derived from
-EPInputs, EPKept and the op's Kept (experts.op); its bodies are the collectives around the op's own forward and
-backward bodies on the received rows. torch.compile traces it under capacity dispatch; eager mode calls its bodies
-directly, as the op does (experts.op.define_op_pair builds both pairs: EP is the op skeleton's second instance). The
-op's router-weight factor stays inside the op's backward (the sender combines with the weights in forward, the
-receiver applies them in dA''s epilogue), which is what makes each rank bitwise equal to one GPU.
-Memory kept per layer, beyond the routing indexes (O(L·K + R) int32) and the tile schedule: under
-checkpoint="preact" the received rows R·D and the pre-activation R·F; under "recompute" nothing more: the rows are
-sent again in backward and the pre-activation recomputed. Transient: the send and return buffers (L·K·D each in
-exact mode, ep·C·D in capacity mode).
-
-Legend: ep ranks, E experts (E_loc = E / ep per rank), L tokens and K experts per token on this rank, R rows
-received, D hidden, F rows of W1 per expert.
+            them).
+  capacity  C rows per (source, destination) pair, equal splits, fixed shapes (torch.compile, CUDA graphs). A
+            destination's rows past C are overflow, never silent: on_overflow="error" raises CapacityOverflow on
+            every rank before any row is sent; "drop" drops them (counted where `dropped` is given); a
+            CapacityTracker records what each destination needed for the caller's rerun.
 """
 from __future__ import annotations
 
-import math
 import weakref
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config, from_legacy
 from ..experts import call_weights, kernel_op_key
 from ..experts.dispatch import choose
-from ..experts.op import (Kept, OpInputs, define_op_pair, experts_backward, experts_forward, kept_like, op_schema,
-                          parse)
-from ..launch import ensure_context
-from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config, from_legacy
-from ..routing import RoutingIndex, build_routing_index
-from ..routing.checks import check_expert_inputs, check_topk_weights
-from ..routing.index import in_row_order
-from .plan import CapacityTracker, Group, PlanTensors, make_plan, part, restore_plan, wait
-
-
-class EPInputs(NamedTuple):
-    """The expert-parallel op's tensor inputs, the sender's side: x (L, D), the router weights (L, K), this rank's
-    experts w1 (E_loc, F, D) and w2 (E_loc, D, H), the routing index over all E experts, and W1's up rows apart
-    (w1_up, as for the op: w1 then holds the gate rows)."""
-    x: torch.Tensor
-    topk_w: torch.Tensor
-    w1: torch.Tensor
-    w2: torch.Tensor
-    expert_counts: torch.Tensor
-    expert_offsets: torch.Tensor
-    expert_token_idx: torch.Tensor
-    token_slot: torch.Tensor
-    w1_up: torch.Tensor | None = None
-
-    @property
-    def routing(self) -> RoutingIndex:
-        return RoutingIndex(self.expert_counts, self.expert_offsets, self.expert_token_idx, self.token_slot)
-
-
-class EPKept(NamedTuple):
-    """What the forward hands the backward: the transport's tensors (plan.PlanTensors), the received rows (empty
-    under "recompute": sent again) and the op's own Kept, one per group of local experts (plan.Group). Through the
-    custom ops they travel flat (flat(), of()): their schemas are FLAT's fields (one group: the traced path,
-    capacity dispatch, has one)."""
-    plan: PlanTensors
-    recv_x: torch.Tensor
-    ops: tuple[Kept, ...]
-
-    def flat(self) -> tuple:
-        return (*self.plan, self.recv_x, *(t for kept in self.ops for t in kept))
-
-    @classmethod
-    def of(cls, flat) -> EPKept:
-        n, m = len(PlanTensors._fields), len(Kept._fields)
-        rest = flat[n + 1:]
-        return cls(PlanTensors(*flat[:n]), flat[n], tuple(Kept(*rest[i:i + m]) for i in range(0, len(rest), m)))
-
-
-FLAT = (*PlanTensors._fields, "recv_x", *Kept._fields)  # EPKept's tensors, in the custom ops' schemas
-
-
-_N_IN = len(EPInputs._fields)
-_TAIL = "str group_name, str key, int? capacity, bool fail_on_overflow, int chunks"
-
-
-def _keeps_rows(key: str) -> bool:
-    """Whether the received rows are kept for backward (else sent again): unless the recipe recomputes."""
-    return parse(key).checkpoint != "recompute"
-
-
-def _group_inputs(rows: torch.Tensor, weights: torch.Tensor, inputs: EPInputs, g: Group) -> OpInputs:
-    """The op's inputs for group g: its received rows, their weights, its experts' weights (views) and its index."""
-    return OpInputs.of(part(rows, g.rows), part(inputs.w1, g.experts), part(inputs.w2, g.experts),
-                       part(weights, g.rows), g.recv, w1_up=part(inputs.w1_up, g.experts))
-
-
-def ep_forward(inputs: EPInputs, group_name: str, key: str, capacity: int | None, fail_on_overflow: bool,
-               chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor, EPKept]:
-    """(out (L, D), the most rows any destination needed (capacity mode; 0 in exact mode), what backward keeps):
-    the forward body. The experts run as the op's forward body on the received rows, group by group (plan.Group),
-    with unit weights: their rows go back as Y itself and the sender combines them with its router weights, as on
-    one GPU. With several groups each group's GEMMs run while the next group's rows arrive and the previous
-    group's go back."""
-    group = _resolve_group(group_name)
-    x = inputs.x
-    plan = make_plan(inputs.routing, dist.get_world_size(group), group, capacity, fail_on_overflow, chunks)
-    sending = plan.send(x)
-    recv_x, arrived = plan.dispatch_groups(sending)
-    ones = recv_x.new_ones(recv_x.shape[0], 1, dtype=torch.float32)
-    ret, kept, back = plan.return_buffer(recv_x), [], []
-    for g, handle in zip(plan.groups, arrived):
-        wait([handle])
-        if g is plan.groups[-1]:
-            del sending  # every group's rows have left (held until then: the all-to-alls read it)
-        y, k = experts_forward(_group_inputs(recv_x, ones, inputs, g), key)
-        kept.append(k)
-        back.append((plan.give_back_group(y, g, ret), y))  # y lives until its rows are back
-    wait(h for h, _ in back)
-    del back
-    out = plan.combine(ret, inputs.topk_w.float().contiguous(), x.dtype) if x.shape[0] else torch.zeros_like(x)
-    rows = recv_x if _keeps_rows(key) else x.new_empty(0)
-    return out, plan.needed, EPKept(plan.tensors(), rows, tuple(kept))
-
-
-def _joined(parts: list[torch.Tensor], like: torch.Tensor | None, groups) -> torch.Tensor:
-    """The groups' gradients of a weight, one tensor in the weight's layout (one group: its own)."""
-    if len(parts) == 1 or like is None:
-        return parts[0]
-    out = torch.empty_strided(like.shape, like.stride(), dtype=parts[0].dtype, device=parts[0].device)
-    for g, p in zip(groups, parts):
-        out[g.experts].copy_(p)
-    return out
-
-
-def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name: str, key: str
-                ) -> tuple[torch.Tensor, ...]:
-    """(dx, dtopk_w, dw1, dw2, dw1_up (empty without w1_up)): the backward body. dy's rows and the router weights go
-    to the experts, which run the op's backward body on them group by group (the weights applied in its epilogue,
-    as on one GPU) and return dX~ and dS; with several groups, a group's rows go back under the next group's
-    GEMMs."""
-    if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.op)
-        ensure_context(dout.get_device())
-    x, topk_w = inputs.x, inputs.topk_w
-    plan = restore_plan(inputs.routing, _resolve_group(group_name), saved.plan)
-    recv_x = saved.recv_x if _keeps_rows(key) else plan.dispatch(plan.send(x))  # "recompute": sent again
-    w_rows = in_row_order(topk_w, plan.routing.token_slot, plan.routing.expert_token_idx.shape[0],
-                          torch.float32)  # router weights in expert order
-    w_recv = plan.dispatch(plan.in_send_order(w_rows)).view(-1, 1)
-    sending = plan.send(dout)
-    dy_recv, arrived = plan.dispatch_groups(sending)
-    dx_ret = ds_ret = None
-    grads, back = [], []
-    for g, handle, kept in zip(plan.groups, arrived, saved.ops):
-        wait([handle])
-        if g is plan.groups[-1]:
-            del sending
-        dx_recv, dw1, dw2, ds_recv, _db1, _db2, dw1_up = experts_backward(
-            part(dy_recv, g.rows), _group_inputs(recv_x, w_recv, inputs, g), kept, key)
-        if dx_ret is None:
-            dx_ret, ds_ret = plan.return_buffer(dx_recv), plan.return_buffer(ds_recv.view(-1))
-        back += [(plan.give_back_group(dx_recv, g, dx_ret), dx_recv),
-                 (plan.give_back_group(ds_recv.view(-1), g, ds_ret), ds_recv)]
-        grads.append((dw1, dw2, dw1_up))
-    wait(h for h, _ in back)
-    del back, dy_recv, recv_x
-    dw1, dw2, dw1_up = (_joined(list(p), like, plan.groups)
-                        for p, like in zip(zip(*grads), (inputs.w1, inputs.w2, inputs.w1_up)))
-    dx = plan.combine(dx_ret, None, x.dtype) if x.shape[0] else torch.zeros_like(x)
-    slot = plan.slot_LK.long()
-    dtopk_w = (ds_ret[slot.clamp(max=max(ds_ret.shape[0] - 1, 0))] if ds_ret.numel() else
-               ds_ret.new_zeros(slot.shape))
-    dtopk_w = dtopk_w.masked_fill(slot >= plan.kept, 0).to(topk_w.dtype)
-    return dx, dtopk_w, dw1, dw2, dw1_up
-
-
-# One custom-op pair for both dispatch modes, its schemas from the bundles above: torch.compile traces it
-# (capacity dispatch: fixed shapes, ep·C rows, so it compiles with fullgraph=True and runs in a CUDA graph; the
-# communication inside it, on a process group named by string), and eager mode calls its bodies directly
-# (experts.op.define_op_pair: the op's skeleton, its second instance), as the op does.
-def _forward_op(*args):
-    out, needed, saved = ep_forward(EPInputs(*args[:_N_IN]), *args[_N_IN:])
-    return (out, needed, *saved.flat())
-
-
-def _backward_op(dout, *args):
-    return ep_backward(dout, EPInputs(*args[:_N_IN]), EPKept.of(args[_N_IN:-2]), *args[-2:])
-
-
-def _forward_fake(*args):
-    inputs = EPInputs(*args[:_N_IN])
-    group_name, key, capacity, _fail, _chunks = args[_N_IN:]
-    if capacity is None:
-        raise NotImplementedError("exact dispatch under torch.compile: its row counts are read on the host")
-    x, E_loc = inputs.x, inputs.w1.shape[0]
-    R, dev = _resolve_group_size(group_name) * capacity, x.device
-    ints = dict(dtype=torch.int32, device=dev)
-    recv = OpInputs(x.new_empty(R, x.shape[1]), inputs.w1, inputs.w2, x.new_empty(R, 1, dtype=torch.float32),
-                    torch.empty(E_loc, **ints), torch.empty(E_loc + 1, **ints), torch.empty(R, **ints),
-                    torch.empty(R, 1, **ints), w1_up=inputs.w1_up)
-    longs = dict(dtype=torch.int64, device=dev)
-    plan = PlanTensors(recv.expert_counts, recv.expert_offsets, recv.expert_token_idx, recv.token_slot,
-                       send_pos=torch.empty(R, **longs), slot_LK=torch.empty(inputs.token_slot.shape, **ints),
-                       kept_rows=torch.empty(1, **ints), splits=torch.empty(0, **longs))
-    rows = recv.x if _keeps_rows(key) else x.new_empty(0)
-    return (x.new_empty(x.shape), torch.empty((), **longs), *EPKept(plan, rows, (kept_like(recv, key),)).flat())
-
-
-def _backward_fake(dout, *args):
-    i = EPInputs(*args[:_N_IN])
-    return (i.x.new_empty(i.x.shape), i.topk_w.new_empty(i.topk_w.shape), torch.empty_like(i.w1),
-            torch.empty_like(i.w2), i.x.new_empty(0) if i.w1_up is None else torch.empty_like(i.w1_up))
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:_N_IN], *output[2:])
-    ctx.tail = inputs[_N_IN:_N_IN + 2]  # group_name, key
-    ctx.set_materialize_grads(False)
-
-
-def _grads(saved: tuple, results: tuple) -> EPInputs:
-    dx, dtopk_w, dw1, dw2, dw1_up = results
-    split = EPInputs(*saved[:_N_IN]).w1_up is not None  # W1 came in two parts
-    return EPInputs(dx, dtopk_w, dw1, dw2, None, None, None, None, dw1_up if split else None)
-
-
-EP = define_op_pair("ep", _forward_op, _backward_op,
-                    fwd_schema=op_schema(EPInputs, tail=_TAIL, returns=2 + len(FLAT)),
-                    bwd_schema=op_schema("dout", EPInputs, *FLAT, tail="str group_name, str key", returns=5),
-                    setup_context=_setup_context, grads=_grads, fwd_fake=_forward_fake, bwd_fake=_backward_fake)
-
-
-def _group_name(group) -> str:
-    return (group if group is not None else dist.group.WORLD).group_name
-
-
-def _resolve_group(name: str):
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
-
-
-def _resolve_group_size(name: str) -> int:
-    return dist.get_world_size(_resolve_group(name))
-
-
+from ..routing.checks import check_expert_inputs, check_topk_idx, check_topk_weights
+from .plan import CapacityTracker
+from .transports import EPCall, capacity_rows, transport
 
 
 def check_options(config: ExpertsConfig) -> None:
@@ -353,41 +109,48 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     config = from_legacy("ep_experts", config, {})
     check_options(config)
     ep_config = check_config("ep_config", ep_config, EPConfig) or EPConfig()
+    t = transport(ep_config.transport)
     if tracker is not None and ep_config.dispatch != "capacity":
         raise ValueError("a CapacityTracker sizes capacity dispatch: it needs ep_config=EPConfig(dispatch='capacity')")
     ep = dist.get_world_size(group)
     check_expert_inputs(x, w1_local, w2_local, config.activation, masters=config.fp8)
     w1_local, w1_up = (w1_local, None) if isinstance(w1_local, torch.Tensor) else w1_local
     _check_local_experts(w1_local.shape[0], group)
-    E = w1_local.shape[0] * ep
-    routing = build_routing_index(topk_idx, E, config.index_method)
-    check_topk_weights(topk_weights, routing.token_slot)
+    E_loc = w1_local.shape[0]
+    E = E_loc * ep
+    check_topk_idx(topk_idx, E)
+    L, K = topk_idx.shape
+    check_topk_weights(topk_weights, topk_idx)
     C = None
     if ep_config.dispatch == "capacity":
         C = ep_config.capacity if ep_config.capacity is not None else tracker.capacity if tracker is not None else None
         if C is None:
-            C = -(-max(1, math.ceil(ep_config.factor * topk_idx.numel() / ep)) // 16) * 16
-        if C * ep >= 2 ** 31:  # the receiver's index addresses its ep·C rows with int32
+            C = capacity_rows(t, ep_config.factor, L, K, ep, E_loc)
+        if C * ep * t.pairs_per_row(K) >= 2 ** 31:  # the receiver's index addresses its pairs with int32
             raise ValueError(f"capacity dispatch: {C} rows per pair over {ep} ranks is more rows than a receiver's "
                              "index can address (2^31); every rank sends at most its L·K pairs: lower capacity or "
                              "capacity_factor")
     backend = choose("triton" if config.backend == "auto" else config.backend, x.device)
-    # the receiver's index has padding rows (capacity); fp8_min_rows judged as if every rank had this rank's L
-    call = (x.shape[0] * ep, topk_idx.shape[1], E)
-    key = kernel_op_key(x, config, backend, C is not None, False, call=call)
+    # the receiver's index has dropped pairs (capacity's padding; every "tokens" row's pairs held elsewhere);
+    # fp8_min_rows judged as if every rank had this rank's L
+    call = (L * ep, K, E)
+    key = kernel_op_key(x, config, backend, C is not None or t.sentinels, False, call=call)
     w1_local, w1_up, w2_local = call_weights(config.at_call(*call).fp8, x, w1_local, w1_up, w2_local)
     fail = ep_config.overflow == "error" and tracker is None
-    if ep_config.chunks > w1_local.shape[0]:
+    if ep_config.chunks > 1 and not t.chunks:
+        raise ValueError(f"EPConfig(chunks={ep_config.chunks}) pipelines groups of experts, which transport "
+                         f"{ep_config.transport!r} does not: leave chunks at 1")
+    if ep_config.chunks > E_loc:
         raise ValueError(f"EPConfig(chunks={ep_config.chunks}) groups the local experts, and this rank holds "
-                         f"{w1_local.shape[0]}: chunks must be at most that")
-    args = (*EPInputs(x, topk_weights, w1_local, w2_local, *routing.tensors(), w1_up), _group_name(group), key, C,
-            fail, ep_config.chunks)
-    # capacity dispatch is traced whole (fixed shapes); exact dispatch reads its row counts on the host, eagerly
-    traced = C is not None and torch.compiler.is_compiling()
-    out, needed = (EP.fwd(*args) if traced else EP.eager.apply(*args))[:2]
+                         f"{E_loc}: chunks must be at most that")
+    out, needed = t.run(EPCall(x, topk_idx, topk_weights, w1_local, w2_local, w1_up, _group_name(group), key, C, fail,
+                               ep_config.chunks, config.index_method, E))
     if tracker is not None:
         tracker.record(needed)
     if dropped is not None and C is not None and ep_config.overflow == "drop" and tracker is None:
-        per_dest = routing.expert_counts.view(ep, -1).sum(1)  # the rows for each destination, C of them sent
-        dropped.add_((per_dest - C).clamp(min=0).sum())
+        dropped.add_((t.rows_per_dest(topk_idx, E_loc, ep) - C).clamp(min=0).sum())
     return out
+
+
+def _group_name(group) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name

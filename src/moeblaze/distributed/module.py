@@ -19,6 +19,7 @@ from ..experts import autocast_operands, autocast_weights
 from ..nn import Experts, SharedExperts
 from ..nn.moe import describe_experts
 from .ep import check_options, check_same_on_ranks, ep_experts
+from .transports import transport
 from .plan import CapacityTracker
 
 
@@ -45,6 +46,7 @@ class ExpertParallel(nn.Module):
             raise TypeError(f"ExpertParallel wraps a routed moeblaze.nn.Experts module, got {type(experts).__name__}")
         check_options(experts.config)
         ep_config = check_config("ep_config", ep_config, EPConfig) or EPConfig()
+        transport(ep_config.transport)  # a name no transport is registered under: refused here, by name
         if tracker is not None and not isinstance(tracker, CapacityTracker):
             raise TypeError(f"tracker must be a moeblaze CapacityTracker or None, got {type(tracker).__name__}")
         if tracker is not None and ep_config.dispatch != "capacity":
@@ -91,7 +93,8 @@ class ExpertParallel(nn.Module):
                           ep_config=self.ep_config, tracker=self.tracker, dropped=self.dropped_rows)
 
     def extra_repr(self) -> str:
-        return describe_experts(self) + f", ep={self.group.size()}, dispatch={self.ep_config.dispatch}"
+        c = self.ep_config
+        return describe_experts(self) + f", ep={self.group.size()}, dispatch={c.dispatch}, transport={c.transport}"
 
 
 def routed_experts(model: nn.Module) -> list:

@@ -76,10 +76,40 @@ def part(t: torch.Tensor | None, s: slice | None) -> torch.Tensor | None:
     return t if t is None or s is None else t[s]
 
 
+def resolve_group(name: str):
+    """The process group of that name (the custom ops carry groups by name)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+class Traffic:
+    """The bytes this process's expert-parallel all-to-alls sent to other ranks (its own block, a local copy,
+    excluded), counted from the split sizes the host already holds: `sent` since the last reset(). Not counted
+    inside a torch.compile trace (the trace runs once)."""
+    sent = 0
+
+    @classmethod
+    def reset(cls) -> int:
+        """The bytes counted so far, and the count set to 0."""
+        n, cls.sent = cls.sent, 0
+        return n
+
+
+def _count(t: torch.Tensor, in_splits: list[int] | None, group) -> None:
+    if torch.compiler.is_compiling() or t.numel() == 0:
+        return
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = t.shape[0]
+    own = in_splits[rank] if in_splits is not None else rows // ep
+    Traffic.sent += (rows - own) * (t.numel() // rows) * t.element_size()
+
+
 def _all_to_all(out: torch.Tensor, t: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
                 group, async_op: bool = False):
     """t's rows split by in_splits (equal splits where None) to the ranks of group, received into out; the work
-    handle where async_op (wait on it before reading out or letting t go), else None."""
+    handle where async_op (wait on it before reading out or letting t go), else None. Counted in Traffic."""
+    _count(t, in_splits, group)
     return dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group, async_op=async_op)
 
 

@@ -1,0 +1,328 @@
+"""The "tokens" transport of expert parallelism: each token crosses once to each rank that holds one of its experts,
+the experts there gather it, and one partial sum per (token, rank) comes back: MoEBlaze's zero-buffer dataflow
+across ranks (the per-pair transport, distributed.ep, sends one row per (token, expert) pair: at top-8 over 128
+experts 4x the rows at ep = 2, 2.2x at ep = 4).
+
+Sender (every rank, its own L tokens routed to global ids topk_idx (L, K); rank d holds experts [d·E_loc,
+(d+1)·E_loc)): the (token, rank) rows in destination-major order, tokens ascending inside each destination; with
+each row go its K local expert ids (E_loc where the pair's expert is on another rank: a sentinel) and its K router
+weights, in the pair's own column k, as one (S, 2K) int32 block. Exact dispatch sends S = the rows routed (split
+sizes read on the host once per layer call, as the per-pair transport); capacity dispatch C rows per (source,
+destination) pair, a destination's tokens past C dropped (all their pairs there), padding rows all sentinels.
+Receiver: the R rows that arrive and their ids form an ordinary top-K routing with sentinels over the E_loc local
+experts (routing.index, sort-free); the op (experts.op) runs on it as on one GPU, router weights and all, so its
+combine returns one partial sum per row, the sum of that token's experts here. They go back; the sender adds each
+token's partial sums (stages.combine_slots over each rank's first pair: no atomics, a fixed order).
+Backward mirrors it: dy crosses once per (token, rank), the op's backward returns dX~'s partial sums per row and dS
+per pair (column k of the row), which go back; dx is the sender's sum of the partial sums, and the router weights'
+gradient a gather. Under checkpoint="recompute" the rows cross again in backward, once. The results equal one GPU
+within the op's rounding (the partial sums round to x's dtype before they are added), not bit for bit: the per-pair
+transport is the bitwise reference.
+Autograd: its own custom-op pair, moeblaze::ep_tokens_fwd / _bwd (experts.op.define_op_pair), schemas and fakes
+from TokenInputs and TokenKept; torch.compile traces it under capacity dispatch (fixed shapes).
+
+Memory kept per layer: the plan, O(S + L·K + R·K) int32 (send tokens, each pair's row and combine slot, the
+receiver's index and its router weights in float32); under checkpoint="preact" the received rows R·D (R <= the
+per-pair transport's rows) and the pre-activation (pairs·F); under "recompute" neither. Transient: the send and
+return buffers, S·D each.
+
+Legend: ep ranks, E_loc experts a rank, L tokens and K experts per token on this rank, S rows sent, R received, D
+hidden.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..experts.op import Kept, OpInputs, define_op_pair, experts_backward, experts_forward, kept_like, op_schema, parse
+from ..experts.stages import combine_slots
+from ..launch import ensure_context
+from ..routing import RoutingIndex, build_routing_index
+from .plan import _all_to_all, fail_if_any, resolve_group
+
+
+class TokenInputs(NamedTuple):
+    """The op's tensor inputs: x (L, D), the router weights (L, K), this rank's experts w1 (E_loc, F, D) (the gate
+    rows where w1_up holds the up rows apart) and w2 (E_loc, D, H), the global expert ids (L, K)."""
+    x: torch.Tensor
+    topk_w: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    topk_idx: torch.Tensor
+    w1_up: torch.Tensor | None = None
+
+
+class TokenPlanTensors(NamedTuple):
+    """The plan as backward gets it back: the sender's send_tok (S,) (each sent row's token), row_LK (L, K) (each
+    pair's row, S where dropped), slot_LK (L, K) (the row where this pair is its rank's first, else S), kept (1,)
+    = S, splits (2, ep) on the host (empty: capacity dispatch); the receiver's index over its R rows (with
+    sentinels) and their router weights recv_w (R, K) float32."""
+    send_tok: torch.Tensor
+    row_LK: torch.Tensor
+    slot_LK: torch.Tensor
+    kept: torch.Tensor
+    splits: torch.Tensor
+    recv_counts: torch.Tensor
+    recv_offsets: torch.Tensor
+    recv_token_idx: torch.Tensor
+    recv_slot: torch.Tensor
+    recv_w: torch.Tensor
+
+
+class TokenKept(NamedTuple):
+    """What forward hands backward: the plan, the received rows (empty under "recompute": sent again) and the op's
+    own Kept."""
+    plan: TokenPlanTensors
+    recv_x: torch.Tensor
+    op: Kept
+
+    def flat(self) -> tuple:
+        return (*self.plan, self.recv_x, *self.op)
+
+    @classmethod
+    def of(cls, flat) -> TokenKept:
+        n = len(TokenPlanTensors._fields)
+        return cls(TokenPlanTensors(*flat[:n]), flat[n], Kept(*flat[n + 1:]))
+
+
+FLAT = (*TokenPlanTensors._fields, "recv_x", *Kept._fields)
+_N_IN = len(TokenInputs._fields)
+_TAIL = "str group_name, str key, int? capacity, bool fail_on_overflow"
+
+
+def rows_sent(topk_idx: torch.Tensor, E_loc: int, ep: int) -> torch.Tensor:
+    """(ep,) int64: the (token, rank) rows this rank's routing sends to each rank (what capacity dispatch bounds)."""
+    return _hits(topk_idx, E_loc, ep).sum(0)
+
+
+def _hits(topk_idx: torch.Tensor, E_loc: int, ep: int) -> torch.Tensor:
+    """(L, ep) int64: 1 where token t has an expert on rank d."""
+    dest = topk_idx.long() // E_loc
+    return torch.zeros(topk_idx.shape[0], ep, dtype=torch.int64, device=topk_idx.device).scatter_(1, dest, 1)
+
+
+class TokenPlan:
+    """One forward call's transport: which (token, rank) rows go where, what arrives, where each pair's gradient
+    comes back (the module header). Built by communicating (the counts; in exact mode one host read), restored in
+    backward from its tensors without communicating."""
+
+    def __init__(self, topk_idx: torch.Tensor, topk_w: torch.Tensor, E_loc: int, group, capacity: int | None,
+                 fail_on_overflow: bool):
+        self.group = group
+        ep = dist.get_world_size(group)
+        L, K = topk_idx.shape
+        dev = topk_idx.device
+        dest = topk_idx.long() // E_loc
+        hit = _hits(topk_idx, E_loc, ep)
+        counts = hit.sum(0)  # (ep,) rows for each destination
+        within = hit.cumsum(0) - hit  # each (token, destination)'s place among that destination's rows
+        self.needed = counts.max() if L else counts.new_zeros(())
+        if capacity is None:
+            got = torch.empty_like(counts)
+            dist.all_to_all_single(got, counts, group=group)
+            self.splits = torch.stack([counts, got]).cpu()  # (2, ep): the one host sync
+            base = counts.cumsum(0) - counts
+            keep = hit.bool()
+        else:
+            sent = torch.stack([counts.clamp(max=capacity), counts.new_full((ep,), capacity)], 1)
+            got = torch.empty_like(sent)
+            dist.all_to_all_single(got, sent, group=group)
+            self._check_capacity(got[:, 1] != capacity, capacity, fail_on_overflow)
+            self.splits = torch.empty(0, dtype=torch.int64, device=dev)
+            base = torch.arange(ep, device=dev) * capacity
+            keep = hit.bool() & (within < capacity)
+        self._sizes(None if capacity is None else ep * capacity)
+        S = self.sent
+        row_Ld = torch.where(keep, base + within, S)  # (L, ep): each (token, destination)'s send row, S: none
+        self.row_LK = row_Ld.gather(1, dest)
+        # the combine adds each rank's partial sum once: at the pair that is the first of its row's rank
+        k = torch.arange(K, device=dev)
+        earlier = (dest[:, :, None] == dest[:, None, :]) & (k[None, :] < k[:, None])
+        self.slot_LK = torch.where(earlier.any(2), S, self.row_LK).int()
+        self.kept = torch.full((1,), S, dtype=torch.int32, device=dev)
+        tokens = torch.arange(L, device=dev)[:, None].expand(L, ep)
+        self.send_tok = torch.zeros(S + 1, dtype=torch.int64, device=dev).scatter_(0, row_Ld.flatten(),
+                                                                                tokens.flatten())[:S]
+        # each sent row's K local ids (E_loc: the pair is elsewhere or dropped) and router weights, column k for
+        # pair k, one int32 block; a dropped pair's entries land in row S, cut off
+        ids = torch.full((S + 1, K), E_loc, dtype=torch.int32, device=dev)
+        weights = torch.zeros(S + 1, K, dtype=torch.float32, device=dev)
+        cols = k.expand(L, K)
+        ids[self.row_LK, cols] = (topk_idx.long() % E_loc).int()
+        weights[self.row_LK, cols] = topk_w.float()
+        self.meta = torch.cat([ids[:S], weights[:S].view(torch.int32)], 1)
+        self.row_LK = self.row_LK.int()
+
+    def _check_capacity(self, mismatch: torch.Tensor, capacity: int, fail_on_overflow: bool) -> None:
+        """The ranks' capacities agree, and under on_overflow="error" no destination needs more: errors on every
+        rank together, before any row is sent (plan.fail_if_any)."""
+        checks = [(mismatch.any(), "capacity dispatch: the ranks use different capacities (this rank "
+                   f"{capacity} rows per pair): with different token counts per rank, pass the same capacity= on "
+                   "every rank or a CapacityTracker instead of sizing it by capacity_factor", ValueError)]
+        if fail_on_overflow:
+            if mismatch.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise ValueError("capacity dispatch: on_overflow='error' reads the overflow on the host, which a "
+                                 "CUDA graph can't: under capture use on_overflow='drop' or a CapacityTracker")
+            from .plan import CapacityOverflow
+            checks.append((self.needed > capacity, f"capacity dispatch: a destination needs more than {capacity} "
+                           "rows (raise the capacity factor, pass on_overflow='drop', or use a CapacityTracker); no "
+                           "row was sent", CapacityOverflow))
+        fail_if_any(checks, self.group, sync=fail_on_overflow)
+
+    def _sizes(self, rows: int | None) -> None:
+        """The rows sent and received and the all-to-all's split sizes: from the host's splits (exact), or `rows`
+        each way in equal splits (capacity dispatch, ep·C)."""
+        if self.splits.numel():
+            self.in_splits, self.out_splits = self.splits.tolist()
+            self.sent, self.received = sum(self.in_splits), sum(self.out_splits)
+        else:
+            self.in_splits = self.out_splits = None
+            self.sent = self.received = rows
+
+    def receive_index(self, recv_meta: torch.Tensor, E_loc: int) -> tuple[RoutingIndex, torch.Tensor]:
+        """The receiver's routing index over its R rows (their ids, sentinels dropped) and their router weights."""
+        K = recv_meta.shape[1] // 2
+        ids, weights = recv_meta[:, :K].contiguous(), recv_meta[:, K:].contiguous().view(torch.float32)
+        return build_routing_index(ids, E_loc, check=False, sentinels=True), weights
+
+    def tensors(self, recv: RoutingIndex, recv_w: torch.Tensor) -> TokenPlanTensors:
+        return TokenPlanTensors(self.send_tok, self.row_LK, self.slot_LK, self.kept, self.splits, *recv.tensors(),
+                                recv_w)
+
+    @classmethod
+    def restore(cls, group, saved: TokenPlanTensors) -> tuple[TokenPlan, RoutingIndex]:
+        plan = cls.__new__(cls)
+        plan.group, plan.needed, plan.splits = group, None, saved.splits
+        plan.send_tok, plan.row_LK, plan.slot_LK, plan.kept = saved.send_tok, saved.row_LK, saved.slot_LK, saved.kept
+        plan._sizes(saved.send_tok.shape[0])
+        recv = RoutingIndex(saved.recv_counts, saved.recv_offsets, saved.recv_token_idx, saved.recv_slot, dropped=True)
+        return plan, recv
+
+    def send(self, rows_LD: torch.Tensor) -> torch.Tensor:
+        """The send buffer of rows_LD (x or dy): each (token, rank) row once."""
+        if rows_LD.shape[0] == 0:  # no tokens here (capacity dispatch still sends its padding)
+            return rows_LD.new_zeros((self.sent,) + tuple(rows_LD.shape[1:]))
+        return rows_LD[self.send_tok]
+
+    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
+        out = rows.new_empty((self.received,) + tuple(rows.shape[1:]))
+        _all_to_all(out, rows, self.out_splits, self.in_splits, self.group)
+        return out
+
+    def give_back(self, rows: torch.Tensor) -> torch.Tensor:
+        out = rows.new_empty((self.sent,) + tuple(rows.shape[1:]))
+        _all_to_all(out, rows, self.in_splits, self.out_splits, self.group)
+        return out
+
+    def combine(self, rows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Each token's partial sums added, one per rank it reached (fp32, a fixed order)."""
+        return combine_slots(rows, self.slot_LK, None, self.kept, out_dtype)
+
+    def pair_values(self, rows_SK: torch.Tensor) -> torch.Tensor:
+        """(L, K): each pair's value from its row's column k (0 where the pair was dropped)."""
+        S = rows_SK.shape[0]
+        padded = torch.cat([rows_SK, rows_SK.new_zeros(1, rows_SK.shape[1])])
+        k = torch.arange(self.row_LK.shape[1], device=rows_SK.device)
+        return padded[self.row_LK.long().clamp(max=S), k.expand_as(self.row_LK)]
+
+
+def _op_inputs(rows: torch.Tensor, recv_w: torch.Tensor, recv: RoutingIndex, inputs: TokenInputs) -> OpInputs:
+    return OpInputs.of(rows, inputs.w1, inputs.w2, recv_w, recv, w1_up=inputs.w1_up)
+
+
+def tokens_forward(inputs: TokenInputs, group_name: str, key: str, capacity: int | None, fail_on_overflow: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, TokenKept]:
+    """(out (L, D), the most rows any destination needed (capacity dispatch's tracker), what backward keeps)."""
+    group = resolve_group(group_name)
+    x = inputs.x
+    plan = TokenPlan(inputs.topk_idx, inputs.topk_w, inputs.w1.shape[0], group, capacity, fail_on_overflow)
+    recv_x = plan.dispatch(plan.send(x))
+    recv, recv_w = plan.receive_index(plan.dispatch(plan.meta), inputs.w1.shape[0])
+    del plan.meta
+    partial, kept = experts_forward(_op_inputs(recv_x, recv_w, recv, inputs), key)
+    ret = plan.give_back(partial)  # every rank takes part, one without tokens too
+    out = plan.combine(ret, x.dtype) if x.shape[0] else torch.zeros_like(x)
+    rows = recv_x if parse(key).checkpoint != "recompute" else x.new_empty(0)
+    return out, plan.needed.to(torch.int64), TokenKept(plan.tensors(recv, recv_w), rows, kept)
+
+
+def tokens_backward(dout: torch.Tensor, inputs: TokenInputs, saved: TokenKept, group_name: str, key: str
+                    ) -> tuple[torch.Tensor, ...]:
+    """(dx, dtopk_w, dw1, dw2, dw1_up (empty without w1_up))."""
+    if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.op)
+        ensure_context(dout.get_device())
+    x, topk_w = inputs.x, inputs.topk_w
+    plan, recv = TokenPlan.restore(resolve_group(group_name), saved.plan)
+    recv_x = saved.recv_x if parse(key).checkpoint != "recompute" else plan.dispatch(plan.send(x))
+    dy_recv = plan.dispatch(plan.send(dout))
+    dx_recv, dw1, dw2, ds_recv, _db1, _db2, dw1_up = experts_backward(
+        dy_recv, _op_inputs(recv_x, saved.plan.recv_w, recv, inputs), saved.op, key)
+    del dy_recv, recv_x
+    ds_ret = plan.give_back(ds_recv.float())
+    dx_ret = plan.give_back(dx_recv)
+    dx = plan.combine(dx_ret, x.dtype) if x.shape[0] else torch.zeros_like(x)
+    dtopk_w = plan.pair_values(ds_ret).to(topk_w.dtype)
+    return dx, dtopk_w, dw1, dw2, dw1_up
+
+
+def _forward_op(*args):
+    out, needed, saved = tokens_forward(TokenInputs(*args[:_N_IN]), *args[_N_IN:])
+    return (out, needed, *saved.flat())
+
+
+def _backward_op(dout, *args):
+    return tokens_backward(dout, TokenInputs(*args[:_N_IN]), TokenKept.of(args[_N_IN:-2]), *args[-2:])
+
+
+def _forward_fake(*args):
+    inputs = TokenInputs(*args[:_N_IN])
+    group_name, key, capacity, _fail = args[_N_IN:]
+    if capacity is None:
+        raise NotImplementedError("exact dispatch under torch.compile: its row counts are read on the host")
+    x, (L, K), E_loc = inputs.x, inputs.topk_idx.shape, inputs.w1.shape[0]
+    R, dev = dist.get_world_size(resolve_group(group_name)) * capacity, x.device
+    ints, longs = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
+    recv_w = torch.empty(R, K, dtype=torch.float32, device=dev)
+    recv = OpInputs(x.new_empty(R, x.shape[1]), inputs.w1, inputs.w2, recv_w, torch.empty(E_loc, **ints),
+                    torch.empty(E_loc + 1, **ints), torch.empty(R * K, **ints), torch.empty(R, K, **ints),
+                    w1_up=inputs.w1_up)
+    plan = TokenPlanTensors(torch.empty(R, **longs), torch.empty(L, K, **ints), torch.empty(L, K, **ints),
+                            torch.empty(1, **ints), torch.empty(0, **longs), *recv[4:8], recv_w)
+    rows = recv.x if parse(key).checkpoint != "recompute" else x.new_empty(0)
+    return (x.new_empty(x.shape), torch.empty((), **longs), *TokenKept(plan, rows, kept_like(recv, key)).flat())
+
+
+def _backward_fake(dout, *args):
+    i = TokenInputs(*args[:_N_IN])
+    return (i.x.new_empty(i.x.shape), i.topk_w.new_empty(i.topk_w.shape), torch.empty_like(i.w1),
+            torch.empty_like(i.w2), i.x.new_empty(0) if i.w1_up is None else torch.empty_like(i.w1_up))
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:_N_IN], *output[2:])
+    ctx.tail = inputs[_N_IN:_N_IN + 2]  # group_name, key
+    ctx.set_materialize_grads(False)
+
+
+def _grads(saved: tuple, results: tuple) -> TokenInputs:
+    dx, dtopk_w, dw1, dw2, dw1_up = results
+    split = TokenInputs(*saved[:_N_IN]).w1_up is not None
+    return TokenInputs(dx, dtopk_w, dw1, dw2, None, dw1_up if split else None)
+
+
+EP_TOKENS = define_op_pair("ep_tokens", _forward_op, _backward_op,
+                           fwd_schema=op_schema(TokenInputs, tail=_TAIL, returns=2 + len(FLAT)),
+                           bwd_schema=op_schema("dout", TokenInputs, *FLAT, tail="str group_name, str key",
+                                                returns=5),
+                           setup_context=_setup_context, grads=_grads, fwd_fake=_forward_fake,
+                           bwd_fake=_backward_fake)
+
+
+def run(call) -> tuple[torch.Tensor, torch.Tensor]:
+    """The transport's entry (distributed.transports): (out, needed) for an EPCall."""
+    args = (*TokenInputs(call.x, call.topk_w, call.w1, call.w2, call.topk_idx, call.w1_up), call.group_name,
+            call.key, call.capacity, call.fail_on_overflow)
+    traced = call.capacity is not None and torch.compiler.is_compiling()
+    return (EP_TOKENS.fwd(*args) if traced else EP_TOKENS.eager.apply(*args))[:2]
