@@ -11,7 +11,6 @@ Memory: what moeblaze.distributed's modules state; nothing here beyond a scalar 
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -71,12 +70,16 @@ def start(device_type: str, ep: int) -> Ranks:
     return Ranks(dist.get_rank(), world, ep, device, mesh)
 
 
-def initial_capacity(capacity_factor: float, tokens: int, top_k: int, ep: int) -> int:
-    """ep_experts' capacity for `tokens` tokens per rank: ⌈factor · tokens · K / ep⌉ rounded up to 16."""
-    return -(-max(1, math.ceil(capacity_factor * tokens * top_k / ep)) // 16) * 16
+def initial_capacity(ep_config, tokens: int, top_k: int, num_experts: int, ep: int) -> int:
+    """ep_experts' capacity for `tokens` tokens per rank, by the rule ep_experts applies (its transport's mean rows
+    per destination times the capacity factor, rounded up to 16: distributed.transports.capacity_rows)."""
+    from ..distributed.transports import capacity_rows, transport
+
+    return capacity_rows(transport(ep_config.transport), ep_config.factor, tokens, top_k, ep, num_experts // ep)
 
 
-def parallelize_model(model, ranks: Ranks, ep_config, rerun: bool, tokens: int, top_k: int, bf16: bool, *,
+def parallelize_model(model, ranks: Ranks, ep_config, rerun: bool, tokens: int, top_k: int, num_experts: int,
+                      bf16: bool, *,
                       keep_gathered: bool = False, units: str = "blocks", reduce_bf16: bool = False):
     """FSDP2 (+ ep on ep_config, an EPConfig; rerun: --on-overflow rerun's CapacityTracker) on the model, under bf16
     with bf16 parameters and fp32 gradient reductions (bf16 ones with reduce_bf16); the model."""
@@ -90,7 +93,7 @@ def parallelize_model(model, ranks: Ranks, ep_config, rerun: bool, tokens: int, 
     if ranks.ep > 1:
         ep_kwargs["ep_config"] = ep_config
         if ep_config.dispatch == "capacity" and rerun:
-            ranks.tracker = CapacityTracker(initial_capacity(ep_config.factor, tokens, top_k, ranks.ep))
+            ranks.tracker = CapacityTracker(initial_capacity(ep_config, tokens, top_k, num_experts, ranks.ep))
             ep_kwargs["tracker"] = ranks.tracker
     return parallelize(model, ranks.mesh, mp_policy=mp, reshard_after_forward=not keep_gathered, units=units,
                        **ep_kwargs)

@@ -311,7 +311,7 @@ def _set_up(args, cfg, train, val, ranks) -> _Run:
             block.compile()
     if ranks is not None:
         parallel.parallelize_model(model, ranks, ep_config(args), args.on_overflow == "rerun",
-                                   args.batch_size * args.seq_len, cfg.top_k, bf16,
+                                   args.batch_size * args.seq_len, cfg.top_k, cfg.num_experts, bf16,
                                    keep_gathered=args.fsdp_keep_gathered, units=args.fsdp_units,
                                    reduce_bf16=args.fsdp_reduce_dtype == "bfloat16")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
