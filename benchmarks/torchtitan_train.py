@@ -24,8 +24,9 @@ GPU, their gradients averaged over the ranks after backward, the experts' divide
 rank's experts computed every rank's tokens), which is the gradient of the mean loss over all ranks' tokens.
 A variant NAME+exact or NAME+capacity runs moeblaze's own expert parallelism on that mesh (ep_dispatch), and
 NAME+exact/G its exact dispatch with the local experts in G groups, all-to-alls under GEMMs (ep_chunks); a suffix
-@TRANSPORT names EPConfig's transport (NAME+exact@tokens: each token once per rank). Rows of moeblaze's own EP
-carry a2a_mb_per_step, this rank's all-to-all megabytes to other ranks per timed step.
+@TRANSPORT names EPConfig's transport (NAME+exact@pairs: a row per (token, expert) pair; the default, tokens: one
+per (token, rank)). Rows of moeblaze's own EP carry a2a_mb_per_step, this rank's all-to-all megabytes to other
+ranks per timed step.
 On the CPU (no GPU): gloo, fp32 without autocast, no memory figures; a check of the code path, not a benchmark.
 
 torchtitan 0.3.0's models import two FSDP names that torch 2.11 lacks; tests/titan.py (which builds the models
@@ -72,7 +73,7 @@ def model_config(name: str, layers: int, variant: str):
     converters = None if options is None else [MoeblazeConverter.Config(experts=ExpertsConfig(**options),
                                                                         ep_dispatch=ep_dispatch or "torchtitan",
                                                                         ep_chunks=int(chunks or 1),
-                                                                        ep_transport=transport or "pairs")]
+                                                                        ep_transport=transport or "tokens")]
     config = registry(flavor, converters=converters).model
     config.layers = config.layers[:layers]
     return titan.sdpa(config)
@@ -89,19 +90,40 @@ def expert_parallel(config, ep: int):
     return model
 
 
-def average_gradients(model):
-    """After backward under --ep: the replicated parameters' gradients averaged over the ranks, the experts' (EP
-    shards, which computed every rank's tokens) divided by the number of ranks."""
-    world = dist.get_world_size()
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        if hasattr(p.grad, "to_local"):
-            p.grad.div_(world)
-        else:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG if DEVICE == "cuda" else dist.ReduceOp.SUM)
-            if DEVICE != "cuda":  # gloo has no AVG
-                p.grad.div_(world)
+class GradientAverage:
+    """Under --ep: the replicated parameters' gradients averaged over the ranks as backward makes them, as DDP
+    overlaps its all-reduces with backward (an async all-reduce per parameter from its post-accumulate hook; the LM
+    head's, whose gradients accumulate over the loss chunks, issued once they are done, under the body's backward);
+    the experts' (EP shards, which computed every rank's tokens) divided by the number of ranks. finish() waits for
+    them before the optimizer step."""
+
+    def __init__(self, model):
+        self.world, self.pending = dist.get_world_size(), []
+        head = {id(p) for p in model.lm_head.parameters()}
+        self.head = [p for p in model.lm_head.parameters() if not hasattr(p, "to_local")]
+        self.shards = [p for p in model.parameters() if hasattr(p, "to_local")]
+        for p in model.parameters():
+            if not hasattr(p, "to_local") and id(p) not in head:
+                p.register_post_accumulate_grad_hook(self._reduce)
+
+    def _reduce(self, p):
+        op = dist.ReduceOp.AVG if DEVICE == "cuda" else dist.ReduceOp.SUM  # gloo has no AVG
+        self.pending.append((p, dist.all_reduce(p.grad, op=op, async_op=True)))
+
+    def head_done(self):
+        for p in self.head:
+            if p.grad is not None:
+                self._reduce(p)
+
+    def finish(self):
+        for p, work in self.pending:
+            work.wait()
+            if DEVICE != "cuda":
+                p.grad.div_(self.world)
+        self.pending = []
+        for p in self.shards:
+            if p.grad is not None:
+                p.grad.div_(self.world)
 
 
 def build(config, ep: int = 1, keep_gathered: bool = False, reduce_dtype: str = "float32", prefetch: int = 0):
@@ -114,6 +136,7 @@ def build(config, ep: int = 1, keep_gathered: bool = False, reduce_dtype: str = 
             for p in model.parameters():  # the replicated parameters start equal on every rank
                 if not hasattr(p, "to_local"):
                     dist.broadcast(p, 0)
+        model.gradient_average = GradientAverage(model)
         return model
     with torch.device("meta"):
         model = config.build()
@@ -143,10 +166,11 @@ def batches(vocab: int, batch: int, seq: int, n: int):
         yield t[:, :-1], t[:, 1:]
 
 
-def chunked_loss_step(model, x, y, chunks: int = 8, fsdp: bool = False) -> torch.Tensor:
+def chunked_loss_step(model, x, y, chunks: int = 8, fsdp: bool = False, head_done=None) -> torch.Tensor:
     """Forward and backward of the mean cross-entropy with the LM head and loss computed chunk by chunk over the
     sequence, as torchtitan's trainer does (ChunkedLossWrapper, 8 chunks): the (B, L, vocab) logits never exist
     whole. Under FSDP2 (several GPUs) its mixed precision instead of autocast, the LM head a unit of its own.
+    head_done: called once the LM head's gradients are whole, before the body's backward.
     """
     amp = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16, enabled=DEVICE == "cuda" and not fsdp)
     model._skip_lm_head = True
@@ -161,6 +185,8 @@ def chunked_loss_step(model, x, y, chunks: int = 8, fsdp: bool = False) -> torch
         loss = loss / y.numel()
         loss.backward()
         total += loss.detach()
+    if head_done is not None:
+        head_done()
     h.backward(h_leaf.grad)
     return total
 
@@ -182,9 +208,10 @@ def train(model, opt, vocab, batch, seq, steps, warmup, ep: int = 1):
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             Traffic.reset()
-        loss = chunked_loss_step(model, x, y, fsdp=fsdp)
+        average = model.gradient_average if ep > 1 else None
+        loss = chunked_loss_step(model, x, y, fsdp=fsdp, head_done=average and average.head_done)
         if ep > 1:
-            average_gradients(model)
+            average.finish()
             dist.all_reduce(loss)
             loss /= dist.get_world_size()
         opt.step()

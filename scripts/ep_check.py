@@ -10,10 +10,12 @@ torch.compile(fullgraph=True) and captured in a CUDA graph (replayed on new inpu
     torchrun --nproc-per-node 2 scripts/ep_check.py --uneven   # must stop every rank with the capacity message
     torchrun --nproc-per-node 4 scripts/ep_check.py --only-overflow   # the overflow check alone
     torchrun --nproc-per-node 4 scripts/ep_check.py --checks-only --dispatches exact/2,exact/4   # pipelined groups
+    torchrun --nproc-per-node 2 scripts/ep_check.py --agreement   # mismatches and refused inputs: errors on every rank
 
-The tl kernels are pinned to their first autotune config (each process would otherwise tune on its own and may
-pick another); the Gluon kernels are not autotuned. Rank 0 prints one line per check and writes them to
-DIR/ep_check.txt.
+The bitwise checks run the per-pair transport (EPConfig(transport="pairs")), the bitwise reference; --agreement
+checks the other transport's first calls too. The tl kernels are pinned to their first autotune config (each process
+would otherwise tune on its own and may pick another); the Gluon kernels are not autotuned. Rank 0 prints one line
+per check and writes them to DIR/ep_check.txt.
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ def uneven(rank: int, world: int, L: int, device) -> None:
     n = (rank + 1) * L
     E_loc = w1.shape[0] // world
     out = ep_experts(x[:n].bfloat16(), idx[:n], w[:n], w1[:E_loc].contiguous(), w2[:E_loc].contiguous(),
-                     ep_config=EPConfig("capacity", capacity_factor=1.25))
+                     ep_config=EPConfig("capacity", capacity_factor=1.25, transport="pairs"))
     torch.cuda.synchronize()
     print(f"rank {rank}: UNEVEN CAPACITIES WENT ON, sum {float(out.float().sum())}", flush=True)
 
@@ -98,7 +100,7 @@ def overflow(rank: int, world: int, L: int, device) -> str:
     mine, experts = slice(rank * L, (rank + 1) * L), slice(rank * E_loc, (rank + 1) * E_loc)
     args = (x[mine].bfloat16(), idx[mine], w[mine], w1[experts].contiguous(), w2[experts].contiguous())
     try:
-        ep_experts(*args, ep_config=EPConfig("capacity", capacity=16))
+        ep_experts(*args, ep_config=EPConfig("capacity", capacity=16, transport="pairs"))
         raised = "nothing"
     except CapacityOverflow as e:
         raised = f"CapacityOverflow ({str(e)[:60]}...)"
@@ -125,8 +127,9 @@ def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: st
              w1[experts].clone().requires_grad_(), w2[experts].clone().requires_grad_()]
     launch_counts.clear()
     # room for all; "drop": capacity dispatch without a host sync ("error" reads its overflow flag on the host)
-    kw = dict(ep_config=EPConfig("capacity", capacity=L * 4, on_overflow="drop") if dispatch == "capacity" else
-              EPConfig(chunks=int(dispatch.partition("/")[2] or 1)))  # "exact/G": G groups, pipelined
+    kw = dict(ep_config=EPConfig("capacity", capacity=L * 4, on_overflow="drop", transport="pairs")
+              if dispatch == "capacity" else  # "exact/G": G groups, pipelined
+              EPConfig(chunks=int(dispatch.partition("/")[2] or 1), transport="pairs"))
     if dispatch == "capacity":  # no host sync anywhere in the layer's forward and backward
         ep_experts(local[0], idx[mine], local[1], local[2], local[3], config=config, **kw)
         torch.cuda.synchronize()
@@ -157,7 +160,7 @@ def captured(rank: int, world: int, L: int, backend: str, checkpoint: str, devic
         return (x[mine].bfloat16(), idx[mine], w[mine], w1[experts].contiguous(), w2[experts].contiguous(),
                 dy[mine].bfloat16())
 
-    kw = dict(ep_config=EPConfig("capacity", capacity=L * 4, on_overflow="drop"),
+    kw = dict(ep_config=EPConfig("capacity", capacity=L * 4, on_overflow="drop", transport="pairs"),
               config=recipe_config(checkpoint, backend))
 
     def step(fn, x, idx, w, w1, w2, dy):
@@ -198,6 +201,49 @@ def captured(rank: int, world: int, L: int, backend: str, checkpoint: str, devic
             f"{'bitwise equal to eager' if flags.item() else 'DIFFERS'} on every rank (new inputs, skewed routing)")
 
 
+def agreement(rank: int, world: int, L: int, device) -> list[str]:
+    """Each entry's first call in a fresh group, with the last rank disagreeing (a checkpoint policy) or passing
+    inputs it refuses (x one column wider): the same error on every rank, never an abort or a hang; then every rank
+    runs the agreeing call."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moeblaze.distributed import ExpertParallel
+    from moeblaze.nn import Experts
+
+    (x, idx, w, _), w1, w2 = problem(rank, world, L, "uniform", device)
+    E_loc = w1.shape[0] // world
+    mine, experts = slice(rank * L, (rank + 1) * L), slice(rank * E_loc, (rank + 1) * E_loc)
+    odd = rank == world - 1
+    lines = []
+    for entry in ("ep_experts", "ExpertParallel"):
+        for case in ("checkpoint", "x_width"):
+            group = dist.new_group(list(range(world)))  # nothing agreed in it yet
+            xm = x[mine].bfloat16()
+            config = ExpertsConfig(checkpoint="recompute" if case == "checkpoint" and odd else "preact")
+            if case == "x_width" and odd:
+                xm = torch.randn(L, x.shape[1] + 8, device=device, dtype=torch.bfloat16)
+            try:
+                if entry == "ep_experts":
+                    ep_experts(xm, idx[mine], w[mine], w1[experts], w2[experts], group=group,
+                               config=config)
+                else:
+                    mesh = init_device_mesh("cuda", (world,))
+                    layer = Experts(x.shape[1], w2.shape[2], w1.shape[0], config=config).to(device, torch.bfloat16)
+                    ExpertParallel(layer, mesh)(xm, idx[mine], w[mine])
+                said = "nothing raised"
+            except ValueError as e:
+                said = f"ValueError: {str(e)[:150]}"
+            out = ep_experts(x[mine].bfloat16(), idx[mine], w[mine], w1[experts], w2[experts],
+                             group=group)
+            torch.cuda.synchronize()
+            ok = torch.tensor([said.startswith("ValueError") and bool(torch.isfinite(out.float()).all())],
+                              device=device, dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            lines.append(f"ep={world} {entry} first call, {case} on rank {world - 1}: rank {rank} {said}; "
+                         + ("every rank raised, then ran the agreeing call" if ok.item() else "FAILED"))
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
@@ -208,6 +254,8 @@ def main():
                     help="the dispatch modes checked: exact, capacity, exact/G (the local experts in G groups)")
     ap.add_argument("--checks-only", action="store_true",
                     help="only the bitwise checks (no bandwidth sweep, overflow, compile or CUDA graph)")
+    ap.add_argument("--agreement", action="store_true",
+                    help="only the agreement checks: a mismatch and a refused input, an error on every rank")
     ap.add_argument("--uneven", action="store_true",
                     help="only capacity_factor sizing on ranks of different token counts: every rank must stop")
     args = ap.parse_args()
@@ -219,6 +267,11 @@ def main():
         kernel.configs = kernel.configs[:1]
     if args.uneven:
         return uneven(rank, world, args.tokens, device)
+    if args.agreement:
+        lines = agreement(rank, world, args.tokens, device)
+        print("\n".join(lines), flush=True)
+        dist.destroy_process_group()
+        return 1 if any("FAILED" in line for line in lines) else 0
     if args.only_overflow:
         line = overflow(rank, world, args.tokens, device)
         print(line, flush=True)

@@ -1,4 +1,5 @@
-"""Expert parallelism on CPU processes (gloo, 127.0.0.1): the receiver index's order, and the EP layer at 2 and 4
+"""Expert parallelism's per-pair transport (EPConfig(transport="pairs")) on CPU processes (gloo, 127.0.0.1): the
+receiver index's order, and the EP layer at 2 and 4
 ranks against one process over all ranks' tokens, bitwise (torch.equal) on the Triton kernels under the
 interpreter (fp32): output, dx, the router weights' gradient and each rank's expert-weight gradients, under both
 checkpoint policies and both dispatch modes (precision="fp8" and checkpoint="preact-fp8" too), with skewed
@@ -15,6 +16,14 @@ from moeblaze.experts import moe_experts
 from moeblaze.routing import build_routing_index
 
 from helpers import random_problem, random_routing, run_ranks
+
+
+def _pairs(*args, **kw) -> EPConfig:
+    """The per-pair transport's EPConfig: the one whose results equal one process bit for bit."""
+    return EPConfig(*args, transport="pairs", **kw)
+
+
+PAIRS = _pairs()
 
 
 def _cases(rank, world, errors, cases):
@@ -117,9 +126,11 @@ def _compare(rank, world, case, checkpoint, dispatch):
     out_all, g_all, dy_all = _one_process(toks, w1, w2, checkpoint)
     kw = dict(parts=case == "w1_parts")
     if dispatch.startswith("capacity"):  # 48: more than any rank sends
-        kw.update(ep_config=EPConfig("capacity", capacity=48), compiled=dispatch == "capacity_compiled")
+        kw.update(ep_config=PAIRS.replace(dispatch="capacity", capacity=48), compiled=dispatch == "capacity_compiled")
     elif dispatch.startswith("exact_chunks"):  # the local experts in groups, their all-to-alls pipelined
-        kw.update(ep_config=EPConfig(chunks=int(dispatch.removeprefix("exact_chunks"))))
+        kw.update(ep_config=PAIRS.replace(chunks=int(dispatch.removeprefix("exact_chunks"))))
+    else:
+        kw.update(ep_config=PAIRS)
     out, g, mine, experts = _ep(rank, world, toks, w1, w2, checkpoint, dy_all, **kw)
     _assert_equal((out, g), (out_all, g_all), mine, experts)
 
@@ -144,7 +155,7 @@ def _overflow(rank, world, mode):
         x, idx, w = toks[rank]
         E_loc = w1.shape[0] // world
         try:
-            ep_experts(x, idx, w, w1[:E_loc], w2[:E_loc], ep_config=EPConfig("capacity", capacity_factor=1.25))
+            ep_experts(x, idx, w, w1[:E_loc], w2[:E_loc], ep_config=_pairs("capacity", capacity_factor=1.25))
         except ValueError as e:
             assert "different capacities" in str(e) and "capacity=" in str(e), str(e)
         else:
@@ -152,13 +163,13 @@ def _overflow(rank, world, mode):
         # the same ranks then agree on an explicit capacity, and the group is still usable
         out_all, g_all, dy_all = _one_process(toks, w1, w2, "preact")
         out, g, mine, experts = _ep(rank, world, toks, w1, w2, "preact", dy_all,
-                                    ep_config=EPConfig("capacity", capacity=48))
+                                    ep_config=_pairs("capacity", capacity=48))
         _assert_equal((out, g), (out_all, g_all), mine, experts)
     elif mode == "overflow_error":
         x, idx, w = toks[rank]
         E_loc = w1.shape[0] // world
         try:
-            ep_experts(x, idx, w, w1[:E_loc], w2[:E_loc], ep_config=EPConfig("capacity", capacity=small))
+            ep_experts(x, idx, w, w1[:E_loc], w2[:E_loc], ep_config=_pairs("capacity", capacity=small))
         except CapacityOverflow as e:
             assert "needs more than 8 rows" in str(e) and "no row was sent" in str(e), str(e)
         else:
@@ -173,7 +184,7 @@ def _overflow(rank, world, mode):
         out_all, g_all, dy_all = _one_process(toks, w1, w2, "preact", dropped)
         counter = torch.zeros((), dtype=torch.int64)
         out, g, mine, experts = _ep(rank, world, toks, w1, w2, "preact", dy_all,
-                                    ep_config=EPConfig("capacity", capacity=small, on_overflow="drop"),
+                                    ep_config=_pairs("capacity", capacity=small, on_overflow="drop"),
                                     dropped=counter)
         _assert_equal((out, g), (out_all, g_all), mine, experts)
         lo = sum(len(t[0]) for t in toks[:rank])  # this rank's pairs dropped, as the count says
@@ -181,11 +192,11 @@ def _overflow(rank, world, mode):
     else:  # a tracker: the step overflows, grows and reruns to the one-process result
         tracker = CapacityTracker(small)
         out_all, g_all, dy_all = _one_process(toks, w1, w2, "recompute")
-        _ep(rank, world, toks, w1, w2, "recompute", dy_all, ep_config=EPConfig("capacity"), tracker=tracker)
+        _ep(rank, world, toks, w1, w2, "recompute", dy_all, ep_config=_pairs("capacity"), tracker=tracker)
         assert tracker.overflowed(), "the tracker missed the overflow"
         assert tracker.grow() >= max(len(t[0]) for t in toks) * 2 and tracker.capacity % 16 == 0
         out, g, mine, experts = _ep(rank, world, toks, w1, w2, "recompute", dy_all,
-                                    ep_config=EPConfig("capacity"), tracker=tracker)
+                                    ep_config=_pairs("capacity"), tracker=tracker)
         assert not tracker.overflowed()
         _assert_equal((out, g), (out_all, g_all), mine, experts)
 
@@ -277,8 +288,8 @@ def _through_the_protocol(rank, world, dispatch):
     try:
         toks, w1, w2 = _problem(world, "skewed")
         out_all, g_all, dy_all = _one_process(toks, w1, w2, "recompute")
-        kw = dict(ep_config=EPConfig("capacity", capacity=48) if dispatch == "capacity" else
-                  EPConfig(chunks=2) if dispatch == "exact_chunks2" else None)
+        kw = dict(ep_config=_pairs("capacity", capacity=48) if dispatch == "capacity" else
+                  _pairs(chunks=2) if dispatch == "exact_chunks2" else PAIRS)
         out, g, mine, experts = _ep(rank, world, toks, w1, w2, "recompute", dy_all, **kw)
     finally:
         ep_module.make_plan, ep_module.restore_plan = made, restored
@@ -330,9 +341,9 @@ def _misuse(rank, world, errors):
         ExpertParallel(Experts(16, 16, 4, config=config.replace(checkpoint=("preact", "recompute")[rank])), mesh)
     with pytest.raises(ValueError, match=what):  # a dispatch that differs: different collectives
         ExpertParallel(Experts(16, 16, 4, config=config), mesh,
-                       ep_config=EPConfig(("exact", "capacity")[rank]))
+                       ep_config=_pairs(("exact", "capacity")[rank]))
     with pytest.raises(TypeError, match="tracker must be a moeblaze CapacityTracker"):
-        ExpertParallel(Experts(16, 16, 4, config=config), mesh, ep_config=EPConfig("capacity"), tracker=16)
+        ExpertParallel(Experts(16, 16, 4, config=config), mesh, ep_config=_pairs("capacity"), tracker=16)
     # 7 experts split 4 + 3: w1_local of different sizes
     E_loc = 4 - rank
     torch.manual_seed(rank)
@@ -343,10 +354,10 @@ def _misuse(rank, world, errors):
     w1, w2 = torch.randn(3, 32, 16), torch.randn(3, 16, 16)
     with pytest.raises(ValueError, match="more rows than a receiver's index can address"):
         ep_experts(x, idx, torch.rand(5, 2), w1, w2, config=config,
-                   ep_config=EPConfig("capacity", capacity_factor=1e30))
+                   ep_config=_pairs("capacity", capacity_factor=1e30))
     # more groups than local experts
     with pytest.raises(ValueError, match=r"chunks=4\) groups the local experts, and this rank holds 3"):
-        ep_experts(x, idx, torch.rand(5, 2), w1, w2, config=config, ep_config=EPConfig(chunks=4))
+        ep_experts(x, idx, torch.rand(5, 2), w1, w2, config=config, ep_config=_pairs(chunks=4))
 
 
 def _local_experts(rank, world, errors, split):

@@ -331,7 +331,7 @@ def _set_up(args, cfg, train, val, ranks) -> _Run:
             run.say(f"--resume: the checkpoint is at step {run.step}, not before --steps {args.steps}: nothing to "
                     "train")
     layout = "" if ranks is None else f", {run.world} processes (efsdp {run.world // ranks.ep} x ep {ranks.ep}" + (
-        f", {args.ep_dispatch} dispatch)" if ranks.ep > 1 else ")")
+        f", {args.ep_dispatch} dispatch, {args.ep_transport} transport)" if ranks.ep > 1 else ")")
     run.say(f"moeblaze train: {n_params / 1e6:.2f}M parameters, {cfg.n_layers - cfg.dense_layers} MoE blocks x "
             f"{cfg.num_experts} experts (top-{cfg.top_k}, {cfg.activation})"
             + (f" after {cfg.dense_layers} dense block(s)" if cfg.dense_layers else "")
@@ -340,6 +340,8 @@ def _set_up(args, cfg, train, val, ranks) -> _Run:
                + (f" (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})" if "OMP_WAIT_POLICY" in os.environ else "")
                + f", experts on {experts_path(cfg)}"
                if device.type == "cpu" else ""))
+    if getattr(args, "layout_note", ""):
+        run.say(f"layout by rule: {args.layout_note}")
     if note := precision_note(args, cfg):
         run.say(note)
     run.say(f"unigram entropy of the corpus: {run.entropy:.3f} nats/byte (a model that ignores context)")

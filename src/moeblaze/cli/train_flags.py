@@ -128,13 +128,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     """Expert parallelism and FSDP2 under torchrun."""
     g = p.add_argument_group("several processes (torchrun --nproc-per-node N)")
-    g.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (a divisor of N and of --num-experts; "
-                   "default 1: FSDP2 alone)")
+    g.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel ranks (a divisor of N and of --num-experts; 1: FSDP2 alone; default: by "
+                        "rule, FSDP2 alone where the experts' gathered weights fit, ep = N where they don't)")
     g.add_argument("--ep-dispatch", default="exact", choices=DISPATCHES,
                    help="exact: variable all-to-all splits, one host sync per layer; capacity: fixed splits, none")
-    g.add_argument("--ep-transport", default="pairs",
-                   help="how rows cross: pairs (one row per (token, expert) pair, bitwise equal to one GPU; default) "
-                        "or tokens (one row per (token, rank): fewer bytes, equal within the op's rounding)")
+    g.add_argument("--ep-transport", default="tokens",
+                   help="how rows cross: tokens (one row per (token, rank), equal to one GPU within the op's "
+                        "rounding; default) or pairs (one row per (token, expert) pair, bitwise equal to one GPU)")
     g.add_argument("--ep-chunks", type=int, default=1,
                    help="exact dispatch: the local experts in this many groups, each group's all-to-alls under "
                         "another group's GEMMs (default 1: no overlap)")
@@ -144,12 +145,13 @@ def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                    help="capacity dispatch, when a rank needs more rows than the capacity: rerun the step with a "
                         "larger capacity (default), drop the rows past it (counted: the run says how many, "
                         "--loss-log per step), or stop with an error")
-    g.add_argument("--fsdp-keep-gathered", action="store_true",
+    g.add_argument("--fsdp-keep-gathered", nargs="?", const="yes", default="auto", choices=("auto", "yes", "no"),
                    help="keep each FSDP2 unit's gathered parameters from forward to backward (one all-gather per "
-                        "step instead of two; the memory of the full parameters)")
-    g.add_argument("--fsdp-reduce-dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="with --dtype bfloat16: the dtype of FSDP2's gradient reductions (default float32; bfloat16 "
-                        "halves the reduce-scatter's bytes and its copy-in, at bf16's precision of the sums)")
+                        "step instead of two; the memory of the full parameters); default auto: yes where they "
+                        "take at most an eighth of the GPU's memory")
+    g.add_argument("--fsdp-reduce-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="the dtype of FSDP2's gradient reductions (default auto: bfloat16 under --dtype bfloat16, "
+                        "as Megatron reduces, halving the reduce-scatter's bytes; float32 otherwise)")
     g.add_argument("--fsdp-units", default="blocks", choices=UNITS,
                    help="FSDP2 units: one per block and experts module (blocks), or the whole model as one "
                         "(model: one all-gather and reduce-scatter per step, for small models whose host time per "
@@ -210,13 +212,14 @@ def ep_config(args) -> EPConfig | None:
     config = EPConfig(args.ep_dispatch, args.capacity_factor,
                       on_overflow=None if args.on_overflow == "rerun" else args.on_overflow, chunks=args.ep_chunks,
                       transport=args.ep_transport)
-    if args.ep == 1:
+    if (args.ep or 1) == 1:
         given = [flag for flag, set_ in ((f"--ep-dispatch {args.ep_dispatch}", args.ep_dispatch != "exact"),
                                          (f"--ep-chunks {args.ep_chunks}", args.ep_chunks != 1),
-                                         (f"--ep-transport {args.ep_transport}", args.ep_transport != "pairs"))
+                                         (f"--ep-transport {args.ep_transport}", args.ep_transport != "tokens"))
                  if set_]
         if given:
-            raise ValueError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --ep > 1")
+            raise ValueError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --ep > 1"
+                             + ("" if args.ep else " (give --ep: the layout's rule chooses FSDP2 alone or ep = N)"))
         return None
     return config
 
@@ -224,8 +227,10 @@ def ep_config(args) -> EPConfig | None:
 def _check_counts(args) -> None:
     """The integer flags: positive counts, the seed, the threads (at most the cores), the optional counts."""
     for name in ("steps", "batch_size", "seq_len", "d_model", "n_layers", "n_heads", "num_experts", "top_k",
-                 "d_expert", "eval_every", "eval_batches", "save_every", "ep", "bench_warmup"):
+                 "d_expert", "eval_every", "eval_batches", "save_every", "bench_warmup"):
         check_int("--" + name.replace("_", "-"), getattr(args, name))
+    if args.ep is not None:  # None: chosen by rule once the processes are known (parallel.choose_layout)
+        check_int("--ep", args.ep)
     check_int("--seed", args.seed, minimum=0)
     check_int("--bench-steps", args.bench_steps, minimum=0)
     if args.threads is not None:
@@ -250,7 +255,7 @@ def _check_numbers(args) -> None:
 
 def _check_combinations(args) -> None:
     """Flags that need others, or that another makes unread (refused, not ignored)."""
-    if args.token_rounding and args.ep > 1:
+    if args.token_rounding and (args.ep or 1) > 1:
         raise ValueError("--token-rounding under --ep is not supported yet")
     if args.bench_trace and not (args.bench_steps and args.bench_profile):
         raise ValueError("--bench-trace keeps --bench-profile's trace: add --bench-steps N --bench-profile")

@@ -31,6 +31,11 @@ def check_args(args, val_len: int) -> ModelConfig:
         args.save = "checkpoints/moeblaze-sharded" if dist_run else "checkpoints/moeblaze.pt"
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    explicit = [f for f, on in (("--fsdp-keep-gathered", args.fsdp_keep_gathered == "yes"),
+                                ("--fsdp-reduce-dtype bfloat16", args.fsdp_reduce_dtype == "bfloat16")) if on]
+    if explicit and not dist_run:
+        raise UsageError(f"{explicit[0]} sets FSDP2, which runs under torchrun (--nproc-per-node 1 or more)")
+    args.layout_note = parallel.choose_layout(args, cfg, dist_run)
     try:
         if args.seq_len > val_len - 2:
             raise ValueError(f"--seq-len must be at most {val_len - 2} (the held-out text's length - 2), "
@@ -62,9 +67,7 @@ def check_args(args, val_len: int) -> ModelConfig:
 def _check_processes(args, experts, dist_run: bool) -> None:
     """UsageError unless the processes torchrun started (or not) run what the flags ask: FSDP2's flags under
     torchrun, --ep dividing the processes and the experts, expert parallelism on the kernels."""
-    fsdp_flags = [f for f, on in (("--fsdp-keep-gathered", args.fsdp_keep_gathered),
-                                  ("--fsdp-units model", args.fsdp_units != "blocks"),
-                                  ("--fsdp-reduce-dtype bfloat16", args.fsdp_reduce_dtype != "float32")) if on]
+    fsdp_flags = [f for f, on in (("--fsdp-units model", args.fsdp_units != "blocks"),) if on]
     if fsdp_flags and not dist_run:
         raise UsageError(f"{fsdp_flags[0]} sets FSDP2, which runs under torchrun (--nproc-per-node 1 or more)")
     if args.fsdp_reduce_dtype != "float32" and args.dtype != "bfloat16":

@@ -150,9 +150,10 @@ class EPConfig:
         chunks: under "exact", the local experts in this many groups, each group's all-to-alls running under
             another group's GEMMs (forward and backward; bitwise the same results; 1: one group, no overlap;
             transport "pairs" only).
-        transport: how rows cross (moeblaze.distributed.transports): "pairs" (one row per (token, expert) pair,
-            bitwise equal to one GPU, default) or "tokens" (one row per (token, rank), the experts there gathering
-            it: fewer bytes, equal to one GPU within the op's rounding).
+        transport: how rows cross (moeblaze.distributed.transports): "tokens" (one row per (token, rank), the
+            experts there gathering it: a quarter of the pairs' bytes at top-8 over 128 experts on 2 ranks, equal to
+            one GPU within the op's rounding; default) or "pairs" (one row per (token, expert) pair, bitwise equal to
+            one GPU).
 
     Returns:
         A frozen value; ValueError or TypeError naming the field for a choice it refuses, or for a capacity option
@@ -163,7 +164,7 @@ class EPConfig:
     capacity: int | None = None
     on_overflow: str | None = None
     chunks: int = 1
-    transport: str = "pairs"
+    transport: str = "tokens"
 
     def __post_init__(self):
         check_choice("dispatch", self.dispatch, DISPATCHES)

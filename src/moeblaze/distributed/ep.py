@@ -49,20 +49,45 @@ def check_same_on_ranks(value: int, what: str, group) -> None:
         raise ValueError(f"every rank must hold the same {what}; the ranks hold {values}")
 
 
-# process group -> the local expert counts its ranks were checked to agree on (by the group object: a name such as
-# "0" comes back with the next group after destroy_process_group, and a count agreed in the old one proves nothing)
+# process group -> the call signatures its ranks were checked to agree on (by the group object: a name such as "0"
+# comes back with the next group after destroy_process_group, and a signature agreed in the old one proves nothing)
 _AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+# what every rank of an expert-parallel group must pass alike, as the error names it
+AGREED_FIELDS = {"experts": "number of local experts (w1_local.shape[0])",
+                 "weights": "expert weights' shapes and dtype", "x": "width and dtype of x",
+                 "top_k": "top-k (topk_idx.shape[1])", "recipe": "ExpertsConfig", "ep_config": "EPConfig",
+                 "tracker": "CapacityTracker (given or not)", "inputs": "inputs' checks"}
+
+
+def check_agreement(group, **fields) -> None:
+    """ValueError on every rank of `group`, naming each field (AGREED_FIELDS) that differs and what each rank holds,
+    unless every rank passes the same values: one collective per group and set of values (a set agreed once is
+    remembered, so a training loop pays it once). A rank whose inputs were refused passes its error as `inputs`, so
+    that every rank raises it, not that rank alone while the others wait in the next collective."""
+    pg = group if group is not None else dist.group.WORLD
+    key = tuple(fields.items())
+    if key in _AGREED.get(pg, ()):
+        return
+    held = [None] * dist.get_world_size(group)
+    dist.all_gather_object(held, key, group=group)
+    refusals = [f"rank {r}'s were refused ({dict(h)['inputs']})" for r, h in enumerate(held)
+                if dict(h).get("inputs", "ok") != "ok"]
+    if refusals:
+        raise ValueError("every rank of the expert-parallel group stops: " + "; ".join(refusals))
+    differ = []
+    for name in fields:
+        values = [dict(h).get(name) for h in held]
+        if len({repr(v) for v in values}) > 1:
+            differ.append(f"the same {AGREED_FIELDS.get(name, name)}; the ranks hold {values}")
+    if differ:
+        raise ValueError("every rank of the expert-parallel group must call it with " + "; and ".join(differ))
+    _AGREED.setdefault(pg, set()).add(key)
 
 
 def _check_local_experts(E_loc: int, group) -> None:
-    """The ranks of `group` hold the same number of local experts: checked once per group and count (a collective),
-    so that a split like 4 + 3 is one clear error on every rank, not an id error on one and a broken collective on
-    the others."""
-    pg = group if group is not None else dist.group.WORLD
-    if E_loc in _AGREED.get(pg, ()) or torch.compiler.is_compiling():
-        return
-    check_same_on_ranks(E_loc, "number of local experts (w1_local.shape[0])", group)
-    _AGREED.setdefault(pg, set()).add(E_loc)
+    """The ranks of `group` hold the same number of local experts (check_agreement on that alone)."""
+    check_agreement(group, experts=E_loc)
 
 
 def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -106,21 +131,35 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     Returns:
         (L, D) in x's dtype: this rank's tokens' combined expert outputs.
     """
-    config = from_legacy("ep_experts", config, {})
-    check_options(config)
-    ep_config = check_config("ep_config", ep_config, EPConfig) or EPConfig()
-    t = transport(ep_config.transport)
-    if tracker is not None and ep_config.dispatch != "capacity":
-        raise ValueError("a CapacityTracker sizes capacity dispatch: it needs ep_config=EPConfig(dispatch='capacity')")
     ep = dist.get_world_size(group)
-    check_expert_inputs(x, w1_local, w2_local, config.activation, masters=config.fp8)
+    try:  # every check that reads this rank's arguments, its verdict then agreed with the other ranks' below
+        config = from_legacy("ep_experts", config, {})
+        check_options(config)
+        ep_config = check_config("ep_config", ep_config, EPConfig) or EPConfig()
+        t = transport(ep_config.transport)
+        if tracker is not None and not isinstance(tracker, CapacityTracker):
+            raise TypeError(f"tracker must be a moeblaze CapacityTracker or None, got {type(tracker).__name__}")
+        if tracker is not None and ep_config.dispatch != "capacity":
+            raise ValueError("a CapacityTracker sizes capacity dispatch: it needs "
+                             "ep_config=EPConfig(dispatch='capacity')")
+        check_expert_inputs(x, w1_local, w2_local, config.activation, masters=config.fp8)
+        check_topk_idx(topk_idx, (w1_local if isinstance(w1_local, torch.Tensor) else w1_local[0]).shape[0] * ep)
+        check_topk_weights(topk_weights, topk_idx)
+    except (TypeError, ValueError) as e:
+        if _AGREED.get(group if group is not None else dist.group.WORLD):
+            # the others, agreed already, make no collective here: this rank raises alone (the others' next
+            # collective then ends at the process group's timeout)
+            raise
+        check_agreement(group, inputs=f"{type(e).__name__}: {e}")  # every rank's first call makes this one: all raise
     w1_local, w1_up = (w1_local, None) if isinstance(w1_local, torch.Tensor) else w1_local
-    _check_local_experts(w1_local.shape[0], group)
     E_loc = w1_local.shape[0]
+    if not torch.compiler.is_compiling():  # (agreed in eager mode: a trace runs what the eager calls ran)
+        check_agreement(group, experts=E_loc, weights=(tuple(w1_local.shape[1:]), tuple(w2_local.shape[1:]),
+                                                       str(w1_local.dtype), w1_up is not None),
+                        x=(x.shape[1], str(x.dtype)), top_k=topk_idx.shape[1], recipe=repr(config),
+                        ep_config=repr(ep_config), tracker=tracker is not None, inputs="ok")
     E = E_loc * ep
-    check_topk_idx(topk_idx, E)
     L, K = topk_idx.shape
-    check_topk_weights(topk_weights, topk_idx)
     C = None
     if ep_config.dispatch == "capacity":
         C = ep_config.capacity if ep_config.capacity is not None else tracker.capacity if tracker is not None else None

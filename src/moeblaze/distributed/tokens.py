@@ -1,14 +1,15 @@
 """The "tokens" transport of expert parallelism: each token crosses once to each rank that holds one of its experts,
 the experts there gather it, and one partial sum per (token, rank) comes back: MoEBlaze's zero-buffer dataflow
-across ranks (the per-pair transport, distributed.ep, sends one row per (token, expert) pair: at top-8 over 128
+across ranks (the per-pair transport, distributed.pairs, sends one row per (token, expert) pair: at top-8 over 128
 experts 4x the rows at ep = 2, 2.2x at ep = 4).
 
 Sender (every rank, its own L tokens routed to global ids topk_idx (L, K); rank d holds experts [d·E_loc,
 (d+1)·E_loc)): the (token, rank) rows in destination-major order, tokens ascending inside each destination; with
 each row go its K local expert ids (E_loc where the pair's expert is on another rank: a sentinel) and its K router
-weights, in the pair's own column k, as one (S, 2K) int32 block. Exact dispatch sends S = the rows routed (split
-sizes read on the host once per layer call, as the per-pair transport); capacity dispatch C rows per (source,
-destination) pair, a destination's tokens past C dropped (all their pairs there), padding rows all sentinels.
+weights, in the pair's own column k, as one (S, 2K) float32 block (the ids exact: E_loc < 2^24). Exact dispatch
+sends S = the rows routed (split sizes read on the host once per layer call, as the per-pair transport); capacity
+dispatch C rows per (source, destination) pair, a destination's tokens past C dropped (all their pairs there),
+padding rows all sentinels.
 Receiver: the R rows that arrive and their ids form an ordinary top-K routing with sentinels over the E_loc local
 experts (routing.index, sort-free); the op (experts.op) runs on it as on one GPU, router weights and all, so its
 combine returns one partial sum per row, the sum of that token's experts here. They go back; the sender adds each
@@ -146,13 +147,13 @@ class TokenPlan:
         self.send_tok = torch.zeros(S + 1, dtype=torch.int64, device=dev).scatter_(0, row_Ld.flatten(),
                                                                                 tokens.flatten())[:S]
         # each sent row's K local ids (E_loc: the pair is elsewhere or dropped) and router weights, column k for
-        # pair k, one int32 block; a dropped pair's entries land in row S, cut off
+        # pair k, one float32 block; a dropped pair's entries land in row S, cut off
         ids = torch.full((S + 1, K), E_loc, dtype=torch.int32, device=dev)
         weights = torch.zeros(S + 1, K, dtype=torch.float32, device=dev)
         cols = k.expand(L, K)
         ids[self.row_LK, cols] = (topk_idx.long() % E_loc).int()
         weights[self.row_LK, cols] = topk_w.float()
-        self.meta = torch.cat([ids[:S], weights[:S].view(torch.int32)], 1)
+        self.meta = torch.cat([ids[:S].float(), weights[:S]], 1)  # ids < 2^24: exact in float32
         self.row_LK = self.row_LK.int()
 
     def _check_capacity(self, mismatch: torch.Tensor, capacity: int, fail_on_overflow: bool) -> None:
@@ -184,7 +185,7 @@ class TokenPlan:
     def receive_index(self, recv_meta: torch.Tensor, E_loc: int) -> tuple[RoutingIndex, torch.Tensor]:
         """The receiver's routing index over its R rows (their ids, sentinels dropped) and their router weights."""
         K = recv_meta.shape[1] // 2
-        ids, weights = recv_meta[:, :K].contiguous(), recv_meta[:, K:].contiguous().view(torch.float32)
+        ids, weights = recv_meta[:, :K].int(), recv_meta[:, K:].contiguous()
         return build_routing_index(ids, E_loc, check=False, sentinels=True), weights
 
     def tensors(self, recv: RoutingIndex, recv_w: torch.Tensor) -> TokenPlanTensors:

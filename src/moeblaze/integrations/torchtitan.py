@@ -74,12 +74,12 @@ def check_experts_config(config: ExpertsConfig | None) -> ExpertsConfig:
 
 
 def ep_config(ep_dispatch: str, capacity_factor: float | None, on_overflow: str | None,
-              ep_chunks: int = 1, ep_transport: str = "pairs") -> EPConfig | None:
+              ep_chunks: int = 1, ep_transport: str = "tokens") -> EPConfig | None:
     """The converter's expert-parallel options as moeblaze's EPConfig (None: torchtitan's dispatcher); ValueError or
     TypeError naming the option, also for one the dispatch would not read."""
     check_choice("ep_dispatch", ep_dispatch, EP_DISPATCH)
     if ep_dispatch == "torchtitan":
-        if capacity_factor is not None or on_overflow is not None or ep_chunks != 1 or ep_transport != "pairs":
+        if capacity_factor is not None or on_overflow is not None or ep_chunks != 1 or ep_transport != "tokens":
             raise ValueError("capacity_factor and on_overflow apply to ep_dispatch='capacity', ep_chunks to "
                              "ep_dispatch='exact', ep_transport to either; ep_dispatch is 'torchtitan'")
         return None
@@ -189,8 +189,8 @@ class MoeblazeConverter(ModelConfigConverter):
         """ep_dispatch="capacity": a destination needing more rows, "error" (None) or "drop" (EPConfig)."""
         ep_chunks: int = 1
         """ep_dispatch="exact": the local experts in this many groups, all-to-alls under GEMMs (EPConfig.chunks)."""
-        ep_transport: str = "pairs"
-        """moeblaze's dispatch: "pairs" (a row per (token, expert) pair) or "tokens" (a row per (token, rank))."""
+        ep_transport: str = "tokens"
+        """moeblaze's dispatch: "tokens" (a row per (token, rank)) or "pairs" (a row per (token, expert) pair)."""
 
     def __init__(self, config: Config):
         self.config = config

@@ -1,0 +1,115 @@
+"""One world: under expert parallelism a group's first call that differs between ranks (the recipe, the EPConfig, a
+tracker on one rank only) or whose inputs one rank refuses (an expert id out of range or repeated, x of the wrong
+width or dtype, weights of the wrong shape) is the same one-line error on every rank, at 2 and 4 gloo ranks, never
+a hang or an abort; and every rank, having caught it, runs the next call with agreeing inputs to one process's
+result."""
+
+import pytest
+import torch
+
+from moeblaze import EPConfig, ExpertsConfig
+from moeblaze.distributed import CapacityTracker, ep_experts
+from moeblaze.experts import moe_experts
+from moeblaze.routing import build_routing_index
+
+from helpers import random_problem, run_ranks
+
+BASE = ExpertsConfig(backend="triton")
+
+
+def _problem(world):
+    torch.manual_seed(3)
+    E, D, H, K = 2 * world, 16, 16, 2
+    toks = [random_problem(6 + r, D, H, E, K) for r in range(world)]
+    _, w1, w2, _, _ = random_problem(1, D, H, E, K)
+    return [(t[0], t[3].int(), t[4]) for t in toks], w1, w2
+
+
+def _mismatch(rank, world, case):
+    """This rank's arguments for `case`: every rank's agree but one's (the last rank's)."""
+    toks, w1, w2 = _problem(world)
+    x, idx, w = toks[rank]
+    E_loc = w1.shape[0] // world
+    odd = rank == world - 1
+    kw = dict(config=BASE, ep_config=EPConfig())
+    if case == "checkpoint":
+        kw["config"] = BASE.replace(checkpoint="recompute" if odd else "preact")
+    elif case == "activation":
+        kw["config"] = BASE.replace(precision="fp8", fp8_min_rows=0) if odd else BASE
+    elif case == "fp8_min_rows":
+        kw["config"] = BASE.replace(fp8_min_rows=1 if odd else 2048)
+    elif case == "dispatch":
+        kw["ep_config"] = EPConfig("capacity" if odd else "exact")
+    elif case == "transport":
+        kw["ep_config"] = EPConfig(transport="pairs" if odd else "tokens")
+    elif case == "chunks":
+        kw["ep_config"] = EPConfig(transport="pairs", chunks=2 if odd else 1)
+    elif case == "on_overflow":
+        kw["ep_config"] = EPConfig("capacity", capacity=4, on_overflow="drop" if odd else "error")
+    elif case == "tracker":
+        kw["ep_config"] = EPConfig("capacity")
+        kw["tracker"] = CapacityTracker(16) if odd else None
+    elif case == "id_out_of_range" and odd:
+        idx = idx.clone()
+        idx[0, 0] = 99
+    elif case == "id_repeated" and odd:
+        idx = idx.clone()
+        idx[0, 1] = idx[0, 0]
+    elif case == "x_width" and odd:
+        x = torch.randn(x.shape[0], x.shape[1] + 1)
+    elif case == "x_dtype" and odd:
+        x = x.double()
+    elif case == "weights_shape" and odd:
+        w2 = torch.randn(w2.shape[0], w2.shape[1], w2.shape[2] + 2)
+    return x, idx, w, w1[rank * E_loc:(rank + 1) * E_loc], w2[rank * E_loc:(rank + 1) * E_loc], kw
+
+
+def _one_process(world):
+    toks, w1, w2 = _problem(world)
+    x, idx, w = (torch.cat([t[i] for t in toks]) for i in range(3))
+    return moe_experts(x, build_routing_index(idx, w1.shape[0]), w, w1, w2, config=BASE)
+
+
+def _cases(rank, world, errors, cases):
+    import torch.distributed as dist
+
+    for case in cases:
+        try:
+            x, idx, w, w1, w2, kw = _mismatch(rank, world, case)
+            with pytest.raises(ValueError) as caught:
+                ep_experts(x, idx, w, w1, w2, **kw)
+            message = str(caught.value)
+            assert "\n" not in message, message
+            assert message.startswith("every rank of the expert-parallel group"), message
+            said = [None] * world  # the same words on every rank
+            dist.all_gather_object(said, message)
+            assert len(set(said)) == 1, said
+            # every rank caught it: the next call, agreeing, is one process's
+            toks, w1_all, w2_all = _problem(world)
+            E_loc = w1_all.shape[0] // world
+            x, idx, w = toks[rank]
+            out = ep_experts(x, idx, w, w1_all[rank * E_loc:(rank + 1) * E_loc],
+                             w2_all[rank * E_loc:(rank + 1) * E_loc], config=BASE)
+            lo = sum(len(t[0]) for t in toks[:rank])
+            assert torch.allclose(out, _one_process(world)[lo:lo + len(x)], rtol=1e-5, atol=1e-6)
+        except AssertionError as e:
+            errors.put(f"rank {rank}, {case}: {e}")
+
+
+RECIPES = ["checkpoint", "activation", "fp8_min_rows", "dispatch", "transport", "chunks", "on_overflow", "tracker"]
+INPUTS = ["id_out_of_range", "id_repeated", "x_width", "x_dtype", "weights_shape"]
+
+
+def _each(world, cases):
+    for case in cases:  # a fresh process group each: nothing agreed before the mismatch
+        run_ranks(_cases, world, [case], timeout_s=300)
+
+
+def test_a_recipe_that_differs_between_ranks_is_one_error_on_every_rank():
+    _each(2, RECIPES)
+    _each(4, ["checkpoint", "tracker", "dispatch"])
+
+
+def test_inputs_one_rank_refuses_are_an_error_on_every_rank():
+    _each(2, INPUTS)
+    _each(4, ["id_out_of_range", "x_width"])
