@@ -175,9 +175,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     call = (L * ep, K, E)
     key = kernel_op_key(x, config, backend, C is not None or t.sentinels, False, call=call)
     w1_local, w1_up, w2_local = call_weights(config.at_call(*call).fp8, x, w1_local, w1_up, w2_local)
-    # an overflow is an error on every rank (a host read) unless a tracker sizes C, or C is more than a source can
-    # send a destination (nothing can overflow: no read)
-    fail = ep_config.overflow == "error" and tracker is None and C is not None and C < t.max_rows(L, K, E_loc)
+    fail = ep_config.overflow == "error" and tracker is None  # an overflow an error on every rank: a host read
     if ep_config.chunks > 1 and not t.chunks:
         raise ValueError(f"EPConfig(chunks={ep_config.chunks}) pipelines groups of experts, which transport "
                          f"{ep_config.transport!r} does not: leave chunks at 1")
