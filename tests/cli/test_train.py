@@ -375,8 +375,8 @@ def test_fsdp_reduce_dtype_is_the_fsdp2_policy_s(monkeypatch):
                         lambda model, mesh, mp_policy=None, **kw: seen.append(mp_policy) or model)
     ranks = parallel.Ranks(rank=0, world=1, ep=1, device=torch.device("cpu"), mesh=None)
     for reduce_bf16 in (False, True):
-        parallel.parallelize_model("model", ranks, None, True, 16, 2, True, reduce_bf16=reduce_bf16)
-    parallel.parallelize_model("model", ranks, None, True, 16, 2, False)
+        parallel.parallelize_model("model", ranks, None, True, 16, 2, 8, True, reduce_bf16=reduce_bf16)
+    parallel.parallelize_model("model", ranks, None, True, 16, 2, 8, False)
     assert [(p.param_dtype, p.reduce_dtype) for p in seen[:2]] == [(torch.bfloat16, torch.float32),
                                                                    (torch.bfloat16, torch.bfloat16)]
     assert seen[2] is None  # float32 parameters: FSDP2's default policy
@@ -492,3 +492,40 @@ def test_fp8_weight_cache_under_fsdp2_is_refused_before_any_work(tmp_path, monke
     err = capsys.readouterr().err.strip()
     assert err.startswith("moeblaze train: error: --fp8-weight-cache: fp8_weight_cache=True under FSDP2")
     assert "\n" not in err and os.listdir(tmp_path) == []
+
+
+def test_the_parallel_layout_left_to_rule(monkeypatch):
+    """Under torchrun with no layout flag: FSDP2 alone, kept gathered, bf16 reductions where the experts' weights
+    take at most an eighth of the GPU's memory; ep = N where they don't; flags given win; off a GPU, FSDP2 regathered
+    in float32."""
+    import argparse
+
+    from moeblaze.cli import parallel
+    from moeblaze.nn import ModelConfig
+
+    cfg = ModelConfig(d_model=64, n_layers=2, num_experts=8, top_k=2, d_expert=32)
+    weights = parallel._experts_bytes(cfg, "bfloat16")
+    assert weights == 2 * 8 * (2 * 32 + 32) * 64 * 2
+
+    def args(**kw):
+        base = dict(ep=None, fsdp_keep_gathered="auto", fsdp_reduce_dtype="auto", dtype="bfloat16", device="cuda",
+                    token_rounding=None)
+        return argparse.Namespace(**{**base, **kw})
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(parallel, "_gpu_memory", lambda device: 8 * weights)  # fits: exactly an eighth
+    a = args()
+    note = parallel.choose_layout(a, cfg, True)
+    assert (a.ep, a.fsdp_keep_gathered, a.fsdp_reduce_dtype) == (1, True, "bfloat16"), note
+    assert "ep 1" in note and "kept" in note and "bfloat16" in note
+    monkeypatch.setattr(parallel, "_gpu_memory", lambda device: 8 * weights - 1)  # doesn't fit: ep = N
+    a = args()
+    parallel.choose_layout(a, cfg, True)
+    assert (a.ep, a.fsdp_keep_gathered) == (4, False)
+    a = args(ep=2, fsdp_keep_gathered="no", fsdp_reduce_dtype="float32")  # the flags win
+    assert parallel.choose_layout(a, cfg, True) == ""
+    assert (a.ep, a.fsdp_keep_gathered, a.fsdp_reduce_dtype) == (2, False, "float32")
+    monkeypatch.setattr(parallel, "_gpu_memory", lambda device: None)  # the CPU: nothing to fit in
+    a = args(device="cpu", dtype="float32")
+    parallel.choose_layout(a, cfg, True)
+    assert (a.ep, a.fsdp_keep_gathered, a.fsdp_reduce_dtype) == (1, False, "float32")

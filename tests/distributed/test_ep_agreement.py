@@ -34,10 +34,10 @@ def _mismatch(rank, world, case):
     kw = dict(config=BASE, ep_config=EPConfig())
     if case == "checkpoint":
         kw["config"] = BASE.replace(checkpoint="recompute" if odd else "preact")
-    elif case == "activation":
+    elif case == "precision":
         kw["config"] = BASE.replace(precision="fp8", fp8_min_rows=0) if odd else BASE
     elif case == "fp8_min_rows":
-        kw["config"] = BASE.replace(fp8_min_rows=1 if odd else 2048)
+        kw["config"] = BASE.replace(precision="fp8", fp8_min_rows=1 if odd else 2048)
     elif case == "dispatch":
         kw["ep_config"] = EPConfig("capacity" if odd else "exact")
     elif case == "transport":
@@ -96,7 +96,7 @@ def _cases(rank, world, errors, cases):
             errors.put(f"rank {rank}, {case}: {e}")
 
 
-RECIPES = ["checkpoint", "activation", "fp8_min_rows", "dispatch", "transport", "chunks", "on_overflow", "tracker"]
+RECIPES = ["checkpoint", "precision", "fp8_min_rows", "dispatch", "transport", "chunks", "on_overflow", "tracker"]
 INPUTS = ["id_out_of_range", "id_repeated", "x_width", "x_dtype", "weights_shape"]
 
 
