@@ -21,6 +21,13 @@ def pytest_configure(config):
     speed_up_triton_interpreter()
 
 
+@pytest.fixture(autouse=True)
+def _own_working_folder(tmp_path_factory, monkeypatch):
+    """Every test runs in a fresh empty working folder: what the clone holds (a checkpoint `moeblaze train` left in
+    checkpoints/, say) never decides a test, and nothing a test writes by a relative path lands in the clone."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 # triton.language.core's functions as imported, before any kernel ran under the interpreter
 _CORE: dict = {}
 

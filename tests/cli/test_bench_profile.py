@@ -299,3 +299,14 @@ def test_results_rows_record_no_absolute_paths():
     assert env["command"] == "python benchmarks/lab/rounding_bench.py --out out --configs E256"
     assert run_env(torch.device("cpu"), "moeblaze bench --out bench/results")["command"] == \
         "moeblaze bench --out bench/results"
+
+
+def test_profile_refuses_gluon_on_the_cpu_before_any_work(capsys):
+    """Hopper's Gluon kernels can't run under the CPU's interpreter: one line, exit 2, nothing run."""
+    from moeblaze.cli import main
+
+    assert main(["profile", "--device", "cpu", "--backend", "gluon"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "--backend gluon" in err[0] and "on the CPU use --backend triton" in err[0], err
+    assert "moeblaze profile: on the CPU" not in captured.out

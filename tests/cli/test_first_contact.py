@@ -107,3 +107,28 @@ def test_bench_on_the_cpu_measures_a_small_shape(tmp_path, capsys):
     kept = {r["impl"]: r["kept_mb"] for r in rows}
     assert kept["moeblaze"] < kept["torch_gmm"] / 10, kept  # recompute keeps the index alone
     assert "kernels run under Triton's interpreter" in capsys.readouterr().out
+
+
+def test_the_readme_commands_in_order_in_one_folder(tmp_path):
+    """The README's train command, then the tests, in one folder: the checkpoint the first leaves in checkpoints/
+    changes nothing for the second (each test works in its own folder); here the train command with a tiny step
+    count, then the test that once failed after it."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": tests}
+    train = subprocess.run([sys.executable, "-m", "moeblaze.cli", "train", "--steps", "2", "--eval-every", "2"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert train.returncode == 0, train.stderr[-2000:]
+    assert (tmp_path / "checkpoints" / "moeblaze.pt").is_file()
+    suite = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            os.path.join(tests, "cli", "test_train.py") + "::test_every_output_path_fails_up_front"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert suite.returncode == 0, suite.stdout[-3000:]
+
+
+def test_version_says_the_version_and_starts_nothing(capsys):
+    from moeblaze import __version__
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"moeblaze {__version__}"

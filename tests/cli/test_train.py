@@ -529,3 +529,39 @@ def test_the_parallel_layout_left_to_rule(monkeypatch):
     a = args(device="cpu", dtype="float32")
     parallel.choose_layout(a, cfg, True)
     assert (a.ep, a.fsdp_keep_gathered, a.fsdp_reduce_dtype) == (1, False, "float32")
+
+
+def test_save_and_overwrite_say_what_they_would_replace(tmp_path):
+    """--save naming a file that is not a checkpoint is refused by name, also with --overwrite (moeblaze replaces
+    only its own); --overwrite with nothing at --save, or with --save '', is refused: each before any work."""
+    from moeblaze.cli import main
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a checkpoint\n")
+    for extra in ([], ["--overwrite"]):
+        assert main(["train", *TINY, "--save", str(notes), *extra]) == 2
+    assert notes.read_text() == "not a checkpoint\n"
+    assert main(["train", *TINY, "--save", str(tmp_path / "none.pt"), "--overwrite"]) == 2
+    assert not (tmp_path / "none.pt").exists()
+    assert main(["train", *TINY, "--save", "", "--overwrite"]) == 2
+
+
+def test_a_capacity_tracker_checks_its_fields_where_it_is_made():
+    from moeblaze.distributed import CapacityTracker
+
+    for bad, error in ((16.5, TypeError), ("16", TypeError), (0, ValueError), (True, TypeError)):
+        with pytest.raises(error, match="capacity must be"):
+            CapacityTracker(bad)
+    with pytest.raises(ValueError, match="multiple must be"):
+        CapacityTracker(16, multiple=0)
+
+
+def test_a_refused_output_leaves_no_folder_behind(tmp_path, monkeypatch):
+    """--loss-log that can't be written is refused after --save's folder was probed: the run leaves no empty
+    checkpoints/ folder behind (nor any folder a probe made)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("")
+    assert main(["train", *TINY, "--loss-log", str(tmp_path / "file" / "l.jsonl")]) == 2
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+    assert main(["train", *TINY, "--save", "a/b/c.pt", "--loss-log", str(tmp_path / "file" / "l.jsonl")]) == 2
+    assert sorted(os.listdir(tmp_path)) == ["file"]

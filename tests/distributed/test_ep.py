@@ -334,12 +334,12 @@ def _misuse(rank, world, errors):
     with pytest.raises(ValueError, match="must be 1-D"):
         ExpertParallel(Experts(16, 16, 2 * world, config=config), mesh2d)
     mesh = init_device_mesh("cpu", (world,))
-    what = r"same experts \(number, d_model, d_expert\), ExpertsConfig and EPConfig; the ranks hold"
-    with pytest.raises(ValueError, match=what):  # 4 on one rank, 6 on the other
+    what = "every rank of the expert-parallel group must pass the same "
+    with pytest.raises(ValueError, match=what + r"number of experts; the ranks hold \[4, 6\]"):
         ExpertParallel(Experts(16, 16, 4 + 2 * rank, config=config), mesh)
-    with pytest.raises(ValueError, match=what):  # a recipe that differs: different arithmetic, said before it runs
+    with pytest.raises(ValueError, match=what + "ExpertsConfig; the ranks hold"):  # different arithmetic, said first
         ExpertParallel(Experts(16, 16, 4, config=config.replace(checkpoint=("preact", "recompute")[rank])), mesh)
-    with pytest.raises(ValueError, match=what):  # a dispatch that differs: different collectives
+    with pytest.raises(ValueError, match=what + "EPConfig; the ranks hold"):  # different collectives
         ExpertParallel(Experts(16, 16, 4, config=config), mesh,
                        ep_config=_pairs(("exact", "capacity")[rank]))
     with pytest.raises(TypeError, match="tracker must be a moeblaze CapacityTracker"):

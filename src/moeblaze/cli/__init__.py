@@ -59,6 +59,9 @@ def _flags(command: str):
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="moeblaze", description="Memory-efficient Mixture-of-Experts training. `moeblaze COMMAND "
                "--help` lists a command's flags.")
+    from .. import __version__
+
+    p.add_argument("--version", action="version", version=f"moeblaze {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, text in COMMANDS.items():
         _flags(name).add_arguments(sub.add_parser(name, help=text, formatter_class=HelpFormatter))

@@ -105,6 +105,9 @@ def check_args(args) -> ExpertsConfig:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     check_device(args.device)
     backend = backend_of(args)
+    if args.device == "cpu" and backend == "gluon":
+        raise UsageError("--backend gluon runs Hopper's (sm_90) warp-specialised kernels, which the CPU's interpreter "
+                         "can't: on the CPU use --backend triton or reference")
     if args.device == "cpu" and backend != "reference":
         if not INTERPRET:
             raise UsageError(f"--backend {backend} on the CPU runs the kernels under Triton's interpreter: set "

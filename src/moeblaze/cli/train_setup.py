@@ -95,7 +95,32 @@ def _check_processes(args, experts, dist_run: bool) -> None:
 
 def _probe_outputs(args, dist_run: bool) -> None:
     """UsageError unless every file the run will write can be written: the checkpoint, the loss log, the trace,
-    the results file (a path that fails only when first written loses the run's work)."""
+    the results file (a path that fails only when first written loses the run's work). A refusal takes away the
+    folders the probes before it made."""
+    missing = [d for d in _missing_folders(args) if not os.path.exists(d)]
+    try:
+        _probe_each(args, dist_run)
+    except UsageError:
+        for d in sorted(missing, key=len, reverse=True):  # deepest first; only those still empty
+            if os.path.isdir(d) and not os.listdir(d):
+                os.rmdir(d)
+        raise
+
+
+def _missing_folders(args) -> list[str]:
+    """Every folder on the way to an output path (the probes make those missing)."""
+    out = []
+    for path in (args.save, args.loss_log, args.bench_trace, args.results and os.path.join(args.results, "x")):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        while folder and os.path.dirname(folder) != folder:
+            out.append(folder)
+            folder = os.path.dirname(folder)
+    return out
+
+
+def _probe_each(args, dist_run: bool) -> None:
+    if args.overwrite and not args.save:
+        raise UsageError("--overwrite replaces the checkpoint at --save, and --save '' saves none: leave one out")
     if args.save and not args.bench_steps:
         _check_existing(args, dist_run)
         try:
@@ -118,6 +143,14 @@ def _check_existing(args, dist_run: bool) -> None:
     the one at --save); --resume's file must start as a checkpoint does, found before any work."""
     sharded = sharded_checkpoint_path(args.save)
     there = sharded is not None or os.path.isfile(args.save)
+    if os.path.isfile(args.save) and sharded is None:  # a file: a checkpoint only if it starts as one
+        try:
+            check_header(args.save)
+        except CheckpointError:
+            raise UsageError(f"--save: {args.save} is a file but not a moeblaze checkpoint: moeblaze replaces only "
+                             "its own checkpoints; give another path") from None
+    if args.overwrite and not there:
+        raise UsageError(f"--overwrite: there is no checkpoint at {args.save} to replace; leave --overwrite out")
     if there and not (args.resume or args.overwrite):
         raise UsageError(f"--save: {args.save} holds a checkpoint already: --resume continues it, --overwrite "
                          "replaces it, --save PATH writes another")

@@ -40,15 +40,6 @@ def check_options(config: ExpertsConfig) -> None:
                          "rows run as one call): leave it None, or bound the rows with dispatch='capacity'")
 
 
-def check_same_on_ranks(value: int, what: str, group) -> None:
-    """ValueError on every rank of `group` unless every rank passes the same value (one collective; every rank
-    of the group calls it together)."""
-    values = [None] * dist.get_world_size(group)
-    dist.all_gather_object(values, value, group=group)
-    if len(set(values)) > 1:
-        raise ValueError(f"every rank must hold the same {what}; the ranks hold {values}")
-
-
 # process group -> the call signatures its ranks were checked to agree on (by the group object: a name such as "0"
 # comes back with the next group after destroy_process_group, and a signature agreed in the old one proves nothing)
 _AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -57,7 +48,8 @@ _AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 AGREED_FIELDS = {"experts": "number of local experts (w1_local.shape[0])",
                  "weights": "expert weights' shapes and dtype", "x": "width and dtype of x",
                  "top_k": "top-k (topk_idx.shape[1])", "recipe": "ExpertsConfig", "ep_config": "EPConfig",
-                 "tracker": "CapacityTracker (given or not)", "inputs": "inputs' checks"}
+                 "tracker": "CapacityTracker (given or not)", "inputs": "inputs' checks",
+                 "num_experts": "number of experts", "shape": "d_model and d_expert"}
 
 
 def check_agreement(group, **fields) -> None:
@@ -81,7 +73,7 @@ def check_agreement(group, **fields) -> None:
         if len({repr(v) for v in values}) > 1:
             differ.append(f"the same {AGREED_FIELDS.get(name, name)}; the ranks hold {values}")
     if differ:
-        raise ValueError("every rank of the expert-parallel group must call it with " + "; and ".join(differ))
+        raise ValueError("every rank of the expert-parallel group must pass " + "; and ".join(differ))
     _AGREED.setdefault(pg, set()).add(key)
 
 

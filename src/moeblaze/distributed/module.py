@@ -18,7 +18,7 @@ from ..configs import EPConfig, check_config
 from ..experts import autocast_operands, autocast_weights
 from ..nn import Experts, SharedExperts
 from ..nn.moe import describe_experts
-from .ep import check_options, check_same_on_ranks, ep_experts
+from .ep import check_agreement, check_options, ep_experts
 from .transports import transport
 from .plan import CapacityTracker
 
@@ -62,8 +62,8 @@ class ExpertParallel(nn.Module):
         E = experts.num_experts
         # before any collective of the forward: ranks that disagree on the shape or the recipe would run different
         # collectives (a hang or an abort) or different arithmetic (silently)
-        check_same_on_ranks((E, experts.d_model, experts.d_expert, repr(experts.config), repr(ep_config)),
-                            "experts (number, d_model, d_expert), ExpertsConfig and EPConfig", ep_mesh.get_group())
+        check_agreement(ep_mesh.get_group(), num_experts=E, shape=(experts.d_model, experts.d_expert),
+                        recipe=repr(experts.config), ep_config=repr(ep_config), tracker=tracker is not None)
         if E % ep:
             raise ValueError(f"{E} experts do not split over ep = {ep} ranks")
         self.config, self.d_model, self.d_expert, self.num_experts = (experts.config, experts.d_model,

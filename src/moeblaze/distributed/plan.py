@@ -23,6 +23,7 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
+from ..args import check_int
 from ..experts.stages import combine_slots
 from ..routing import RoutingIndex, build_routing_index
 from ..routing.index import pair_experts
@@ -133,8 +134,8 @@ class CapacityTracker:
     """
 
     def __init__(self, capacity: int, group=None, multiple: int = 16):
-        if capacity < 1:
-            raise ValueError(f"capacity must be a positive number of rows, got {capacity}")
+        check_int("capacity", capacity)
+        check_int("multiple", multiple)
         self.capacity, self.group, self.multiple = capacity, group, multiple
         self.needed: torch.Tensor | None = None
 
