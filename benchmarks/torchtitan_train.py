@@ -95,13 +95,15 @@ def expert_parallel(config, ep: int):
 
 class GradientAverage:
     """Under --ep: the replicated parameters' gradients averaged over the ranks as backward makes them, as DDP
-    overlaps its all-reduces with backward (an async all-reduce per parameter from its post-accumulate hook; the LM
-    head's, whose gradients accumulate over the loss chunks, issued once they are done, under the body's backward);
-    the experts' (EP shards, which computed every rank's tokens) divided by the number of ranks. finish() waits for
-    them before the optimizer step."""
+    overlaps its all-reduces with backward (an async all-reduce per parameter from its post-accumulate hook, on a
+    process group of its own; the LM head's, whose gradients accumulate over the loss chunks, issued once they are
+    done, under the body's backward); the experts' (EP shards, which computed every rank's tokens) divided by the
+    number of ranks. finish() waits for them before the optimizer step."""
 
     def __init__(self, model):
         self.world, self.pending = dist.get_world_size(), []
+        # a communicator of its own, as DDP's: NCCL runs it beside the EP all-to-alls, not queued behind them
+        self.group = dist.new_group(list(range(self.world)))
         head = {id(p) for p in model.lm_head.parameters()}
         self.head = [p for p in model.lm_head.parameters() if not hasattr(p, "to_local")]
         self.shards = [p for p in model.parameters() if hasattr(p, "to_local")]
@@ -111,7 +113,7 @@ class GradientAverage:
 
     def _reduce(self, p):
         op = dist.ReduceOp.AVG if DEVICE == "cuda" else dist.ReduceOp.SUM  # gloo has no AVG
-        self.pending.append((p, dist.all_reduce(p.grad, op=op, async_op=True)))
+        self.pending.append((p, dist.all_reduce(p.grad, op=op, group=self.group, async_op=True)))
 
     def head_done(self):
         for p in self.head:
