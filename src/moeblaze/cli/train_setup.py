@@ -143,7 +143,8 @@ def _check_existing(args, dist_run: bool) -> None:
     the one at --save); --resume's file must start as a checkpoint does, found before any work."""
     sharded = sharded_checkpoint_path(args.save)
     there = sharded is not None or os.path.isfile(args.save)
-    if os.path.isfile(args.save) and sharded is None:  # a file: a checkpoint only if it starts as one
+    if os.path.isfile(args.save) and sharded is None and not args.resume:  # a checkpoint only if it starts as one
+        # (under --resume the header check below says so, as --resume's)
         try:
             check_header(args.save)
         except CheckpointError:
