@@ -220,3 +220,47 @@ def test_tokens_transport_overflow_is_never_silent():
 def test_each_transport_counts_the_bytes_it_sends():
     run_ranks(_cases, 2, [("traffic",)])
     run_ranks(_cases, 4, [("traffic",)])
+
+
+def _toy(rank, world, errors):
+    """A transport added through the registry alone: its run and its capacity rule are what ep_experts uses."""
+    from moeblaze.distributed import tokens, transports
+
+    calls = []
+
+    def run(call):
+        calls.append(call.capacity)
+        return tokens.run(call)
+
+    toy = transports.Transport(run, lambda K, ep, E_loc: 5.0, lambda L, K, E_loc: float("inf"), tokens.rows_sent,
+                               lambda K: K, sentinels=True)
+    if "toy" not in transports.TRANSPORTS:
+        transports.register("toy", toy)
+    toks, w1, w2 = _problem(world, "uniform")
+    toks = [tuple(t[:7] for t in tok) for tok in toks]  # as many tokens on every rank: capacity_factor sizes alike
+    _, dy = _one_process(toks, w1, w2, torch.float64, "reference")
+    got = {}
+    for name in ("tokens", "toy"):
+        got[name], _, _ = _ep(rank, world, toks, w1, w2, dy, EPConfig("capacity", capacity_factor=2.0, transport=name))
+    assert calls == [80], calls  # its rule, not the tokens transport's (16): 2.0 x 7 tokens x 5 rows, up to 16
+    for a, b in zip(got["toy"], got["tokens"]):
+        assert torch.equal(a, b)
+
+
+def test_a_transport_registered_by_name_runs_with_its_own_rule():
+    import pytest
+
+    from moeblaze.distributed import transports
+
+    with pytest.raises(ValueError, match="registered as 'tokens' already"):
+        transports.register("tokens", transports.TRANSPORTS["tokens"])
+    with pytest.raises(ValueError, match="EPConfig.transport must be one of"):
+        transports.transport("nope")
+    run_ranks(_cases_toy, 2)
+
+
+def _cases_toy(rank, world, errors):
+    try:
+        _toy(rank, world, errors)
+    except AssertionError as e:
+        errors.put(f"rank {rank}: {e}")

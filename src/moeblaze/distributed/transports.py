@@ -73,6 +73,16 @@ TRANSPORTS: dict[str, Transport] = {
 }
 
 
+def register(name: str, t: Transport) -> None:
+    """Register a transport under `name` (EPConfig(transport=name) then runs it); ValueError where the name is
+    taken."""
+    if not isinstance(t, Transport):
+        raise TypeError(f"a transport is a moeblaze.distributed.transports.Transport, got {type(t).__name__}")
+    if name in TRANSPORTS:
+        raise ValueError(f"a transport is registered as {name!r} already")
+    TRANSPORTS[name] = t
+
+
 def transport(name: str) -> Transport:
     """The transport registered under `name`; ValueError naming the registered ones otherwise."""
     if not isinstance(name, str) or name not in TRANSPORTS:
