@@ -44,6 +44,22 @@ def random_problem(L, D, H, E, K, activation="swiglu", dtype=torch.float32, skew
     return x, w1, w2, idx, w
 
 
+def rank_problems(sizes, E, D, H, K, seed, route=None):
+    """Expert-parallel test problems: each rank's (x, idx, w) for its token count in sizes (0: an empty rank) and
+    the weights of all E experts, the same on every rank (seeded). route(L), where given, chooses a rank's expert ids
+    in place of a uniform routing."""
+    torch.manual_seed(seed)
+    _, w1, w2, _, _ = random_problem(1, D, H, E, K)
+    toks = []
+    for L in sizes:
+        if L == 0:
+            toks.append((torch.randn(0, D), torch.zeros(0, K, dtype=torch.int32), torch.rand(0, K)))
+            continue
+        x, _, _, idx, w = random_problem(L, D, H, E, K)
+        toks.append((x, (idx if route is None else route(L)).int(), w))
+    return toks, w1, w2
+
+
 def check_invariants(r: RoutingIndex, idx: torch.Tensor) -> None:
     L, K = idx.shape
     E = r.num_experts

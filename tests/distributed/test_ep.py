@@ -15,7 +15,7 @@ from moeblaze.distributed.plan import CapacityOverflow
 from moeblaze.experts import moe_experts
 from moeblaze.routing import build_routing_index
 
-from helpers import random_problem, random_routing, run_ranks
+from helpers import rank_problems, random_routing, run_ranks
 
 
 def _pairs(*args, **kw) -> EPConfig:
@@ -40,25 +40,23 @@ def _cases(rank, world, errors, cases):
 
 def _problem(world, case):
     """Every rank's tokens (a list of (x, idx, w)) and the weights of all E experts; the same on every rank."""
-    torch.manual_seed(7)
     E, D, H, K = (3 if case == "three_local" else 2) * world, 16, 16, 2  # "three_local": 3 experts a rank
     # "w1_parts": "uniform", W1's gate and up rows passed as two tensors
     sizes = [9 + 4 * r for r in range(world)]
     if case == "empty_rank":
         sizes[-1] = 0
-    _, w1, w2, _, _ = random_problem(1, D, H, E, K)
-    toks = []
-    for L in sizes:
-        if L == 0:
-            toks.append((torch.randn(0, D), torch.zeros(0, K, dtype=torch.int32), torch.rand(0, K)))
-            continue
-        x, _, _, idx, w = random_problem(L, D, H, E, K)
-        if case == "skewed":  # every token to the first rank's experts: the others receive nothing
-            idx = random_routing(L, 2, K)
-        elif case == "empty_experts":  # experts 1 and E - 1 never chosen
-            pool = torch.tensor([e for e in range(E) if e not in (1, E - 1)])
-            idx = torch.stack([pool[torch.randperm(len(pool))[:K]] for _ in range(L)]).int()
-        toks.append((x.half() if case == "masters" else x, idx.int(), w))  # "masters": float16 x, float32 weights
+    route = None
+    if case == "skewed":  # every token to the first rank's experts: the others receive nothing
+        def route(L):
+            return random_routing(L, 2, K)
+    elif case == "empty_experts":  # experts 1 and E - 1 never chosen
+        pool = torch.tensor([e for e in range(E) if e not in (1, E - 1)])
+
+        def route(L):
+            return torch.stack([pool[torch.randperm(len(pool))[:K]] for _ in range(L)])
+    toks, w1, w2 = rank_problems(sizes, E, D, H, K, seed=7, route=route)
+    if case == "masters":  # float16 x, float32 weights
+        toks = [(x.half(), idx, w) for x, idx, w in toks]
     return toks, w1, w2
 
 

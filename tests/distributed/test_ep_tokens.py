@@ -15,27 +15,17 @@ from moeblaze.distributed.plan import CapacityOverflow, Traffic
 from moeblaze.experts import moe_experts
 from moeblaze.routing import build_routing_index
 
-from helpers import assert_within_torch_error, random_problem, random_routing, run_ranks
+from helpers import assert_within_torch_error, rank_problems, random_routing, run_ranks
 
 
 def _problem(world, case, K=3):
     """Every rank's (x, idx, w) and the weights of all E experts (4 a rank), the same on every rank."""
-    torch.manual_seed(11)
-    E, D, H = 4 * world, 16, 16
     sizes = [7 + 5 * r for r in range(world)]  # uneven
     if case == "empty_rank":
         sizes[-1] = 0
-    _, w1, w2, _, _ = random_problem(1, D, H, E, K)
-    toks = []
-    for L in sizes:
-        if L == 0:
-            toks.append((torch.randn(0, D), torch.zeros(0, K, dtype=torch.int32), torch.rand(0, K)))
-            continue
-        x, _, _, idx, w = random_problem(L, D, H, E, K)
-        if case == "one_rank":  # every token's experts on rank 0: rank 0 gets one row per token, the others none
-            idx = random_routing(L, 4, K)
-        toks.append((x, idx.int(), w))
-    return toks, w1, w2
+    # "one_rank": every token's experts on rank 0: rank 0 gets one row per token, the others none
+    route = (lambda L: random_routing(L, 4, K)) if case == "one_rank" else None
+    return rank_problems(sizes, 4 * world, 16, 16, K, seed=11, route=route)
 
 
 def _all(toks, i):

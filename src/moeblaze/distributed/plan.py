@@ -384,20 +384,7 @@ class CapacityPlan(_Rows):
         dist.all_to_all_single(got, sent, group=group)
         recv_counts = got[:, :E_loc]
         self.needed = (per_dest.max() if P else per_dest.new_zeros(())).to(torch.int64)
-        mismatch = (got[:, E_loc] != capacity).any()
-        mismatched = ("capacity dispatch: the ranks use different capacities (this rank "
-                      f"{capacity} rows per pair): with different token counts per rank, pass the same capacity= on "
-                      "every rank or a CapacityTracker instead of sizing it by capacity_factor")
-        checks = [(mismatch, mismatched, ValueError)]
-        if fail_on_overflow:  # a Python error on every rank, read on the host: not in a CUDA graph
-            if mismatch.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise ValueError("capacity dispatch: on_overflow='error' reads the overflow on the host (a Python "
-                                 "error on every rank), which a CUDA graph can't: under capture use "
-                                 "on_overflow='drop' (the dropped rows counted) or a CapacityTracker")
-            checks.append((self.needed > capacity, f"capacity dispatch: a destination needs more than {capacity} "
-                           "rows (raise the capacity factor, pass on_overflow='drop', or use a CapacityTracker); no "
-                           "row was sent", CapacityOverflow))
-        fail_if_any(checks, group, sync=fail_on_overflow)
+        capacity_checks(got[:, E_loc] != capacity, self.needed, capacity, fail_on_overflow, group)
         self.splits = torch.empty(0, dtype=torch.int64, device=dev)
         first = routing.expert_offsets[:-1].view(ep, E_loc)[:, 0].to(torch.int64)  # each destination's first row
         j = torch.arange(capacity, device=dev)
@@ -435,6 +422,26 @@ class CapacityPlan(_Rows):
 class CapacityOverflow(RuntimeError):
     """Capacity dispatch under on_overflow="error": a destination needed more rows than the capacity. Raised on
     every rank together, before any row is sent: the job can catch it, save, and go on with a larger capacity."""
+
+
+def capacity_checks(mismatch: torch.Tensor, needed: torch.Tensor, capacity: int, fail_on_overflow: bool,
+                    group) -> None:
+    """Capacity dispatch's checks, before any row is sent, as errors on every rank together (fail_if_any): the
+    ranks' capacities agree (mismatch: this rank got another capacity from some rank), and under
+    on_overflow="error" (fail_on_overflow) no destination needs more than `capacity` rows (needed: the most one
+    needs from this rank)."""
+    checks = [(mismatch.any(), "capacity dispatch: the ranks use different capacities (this rank "
+               f"{capacity} rows per pair): with different token counts per rank, pass the same capacity= on every "
+               "rank or a CapacityTracker instead of sizing it by capacity_factor", ValueError)]
+    if fail_on_overflow:  # a Python error on every rank, read on the host: not in a CUDA graph
+        if mismatch.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError("capacity dispatch: on_overflow='error' reads the overflow on the host (a Python error "
+                             "on every rank), which a CUDA graph can't: under capture use on_overflow='drop' (the "
+                             "dropped rows counted) or a CapacityTracker")
+        checks.append((needed > capacity, f"capacity dispatch: a destination needs more than {capacity} rows (raise "
+                       "the capacity factor, pass on_overflow='drop', or use a CapacityTracker); no row was sent",
+                       CapacityOverflow))
+    fail_if_any(checks, group, sync=fail_on_overflow)
 
 
 def fail_if_any(checks: list, group, sync: bool = False) -> None:

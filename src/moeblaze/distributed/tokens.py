@@ -41,7 +41,7 @@ from ..experts.op import Kept, OpInputs, define_op_pair, experts_backward, exper
 from ..experts.stages import combine_slots
 from ..launch import ensure_context
 from ..routing import RoutingIndex, build_routing_index
-from .plan import _all_to_all, fail_if_any, resolve_group
+from .plan import _all_to_all, capacity_checks, resolve_group
 
 
 class TokenInputs(NamedTuple):
@@ -95,13 +95,12 @@ _TAIL = "str group_name, str key, int? capacity, bool fail_on_overflow"
 
 def rows_sent(topk_idx: torch.Tensor, E_loc: int, ep: int) -> torch.Tensor:
     """(ep,) int64: the (token, rank) rows this rank's routing sends to each rank (what capacity dispatch bounds)."""
-    return _hits(topk_idx, E_loc, ep).sum(0)
+    return _hits(topk_idx.long() // E_loc, ep).sum(0)
 
 
-def _hits(topk_idx: torch.Tensor, E_loc: int, ep: int) -> torch.Tensor:
-    """(L, ep) int64: 1 where token t has an expert on rank d."""
-    dest = topk_idx.long() // E_loc
-    return torch.zeros(topk_idx.shape[0], ep, dtype=torch.int64, device=topk_idx.device).scatter_(1, dest, 1)
+def _hits(dest: torch.Tensor, ep: int) -> torch.Tensor:
+    """(L, ep) int64: 1 where token t has an expert on rank d (dest (L, K): each pair's rank)."""
+    return torch.zeros(dest.shape[0], ep, dtype=torch.int64, device=dest.device).scatter_(1, dest, 1)
 
 
 class TokenPlan:
@@ -116,7 +115,7 @@ class TokenPlan:
         L, K = topk_idx.shape
         dev = topk_idx.device
         dest = topk_idx.long() // E_loc
-        hit = _hits(topk_idx, E_loc, ep)
+        hit = _hits(dest, ep)
         counts = hit.sum(0)  # (ep,) rows for each destination
         within = hit.cumsum(0) - hit  # each (token, destination)'s place among that destination's rows
         self.needed = counts.max() if L else counts.new_zeros(())
@@ -130,7 +129,7 @@ class TokenPlan:
             sent = torch.stack([counts.clamp(max=capacity), counts.new_full((ep,), capacity)], 1)
             got = torch.empty_like(sent)
             dist.all_to_all_single(got, sent, group=group)
-            self._check_capacity(got[:, 1] != capacity, capacity, fail_on_overflow)
+            capacity_checks(got[:, 1] != capacity, self.needed, capacity, fail_on_overflow, group)
             self.splits = torch.empty(0, dtype=torch.int64, device=dev)
             base = torch.arange(ep, device=dev) * capacity
             keep = hit.bool() & (within < capacity)
@@ -155,22 +154,6 @@ class TokenPlan:
         weights[self.row_LK, cols] = topk_w.float()
         self.meta = torch.cat([ids[:S].float(), weights[:S]], 1)  # ids < 2^24: exact in float32
         self.row_LK = self.row_LK.int()
-
-    def _check_capacity(self, mismatch: torch.Tensor, capacity: int, fail_on_overflow: bool) -> None:
-        """The ranks' capacities agree, and under on_overflow="error" no destination needs more: errors on every
-        rank together, before any row is sent (plan.fail_if_any)."""
-        checks = [(mismatch.any(), "capacity dispatch: the ranks use different capacities (this rank "
-                   f"{capacity} rows per pair): with different token counts per rank, pass the same capacity= on "
-                   "every rank or a CapacityTracker instead of sizing it by capacity_factor", ValueError)]
-        if fail_on_overflow:
-            if mismatch.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise ValueError("capacity dispatch: on_overflow='error' reads the overflow on the host, which a "
-                                 "CUDA graph can't: under capture use on_overflow='drop' or a CapacityTracker")
-            from .plan import CapacityOverflow
-            checks.append((self.needed > capacity, f"capacity dispatch: a destination needs more than {capacity} "
-                           "rows (raise the capacity factor, pass on_overflow='drop', or use a CapacityTracker); no "
-                           "row was sent", CapacityOverflow))
-        fail_if_any(checks, self.group, sync=fail_on_overflow)
 
     def _sizes(self, rows: int | None) -> None:
         """The rows sent and received and the all-to-all's split sizes: from the host's splits (exact), or `rows`
