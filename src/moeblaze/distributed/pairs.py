@@ -34,7 +34,7 @@ Dispatch modes:
 Autograd: one custom-op pair, moeblaze::ep_fwd / ep_bwd (EP), for both modes, its schemas and fakes derived from
 EPInputs, EPKept and the op's Kept (experts.op); its bodies are the collectives around the op's own forward and
 backward bodies on the received rows. torch.compile traces it under capacity dispatch; eager mode calls its bodies
-directly, as the op does (experts.op.define_op_pair builds both pairs: EP is the op skeleton's second instance). The
+directly, as the op does (distributed.ep_op derives it from EPInputs, EPKept and the bodies, as for tokens). The
 op's router-weight factor stays inside the op's backward (the sender combines with the weights in forward, the
 receiver applies them in dA''s epilogue), which is what makes each rank bitwise equal to one GPU.
 Memory kept per layer, beyond the routing indexes (O(L·K + R) int32) and the tile schedule: under
@@ -52,11 +52,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..experts.op import (Kept, OpInputs, define_op_pair, experts_backward, experts_forward, kept_like, op_schema,
-                          parse)
+from ..experts.op import Kept, OpInputs, experts_backward, experts_forward, kept_like, parse
 from ..launch import ensure_context
 from ..routing import RoutingIndex, build_routing_index
 from ..routing.index import in_row_order
+from .ep_op import define_ep_op, grad_fakes, run_ep_op
 from .plan import Group, PlanTensors, make_plan, part, resolve_group, restore_plan, wait
 
 
@@ -198,16 +198,7 @@ def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name:
 # One custom-op pair for both dispatch modes, its schemas from the bundles above: torch.compile traces it
 # (capacity dispatch: fixed shapes, ep·C rows, so it compiles with fullgraph=True and runs in a CUDA graph; the
 # communication inside it, on a process group named by string), and eager mode calls its bodies directly
-# (experts.op.define_op_pair: the op's skeleton, its second instance), as the op does.
-def _forward_op(*args):
-    out, needed, saved = ep_forward(EPInputs(*args[:_N_IN]), *args[_N_IN:])
-    return (out, needed, *saved.flat())
-
-
-def _backward_op(dout, *args):
-    return ep_backward(dout, EPInputs(*args[:_N_IN]), EPKept.of(args[_N_IN:-2]), *args[-2:])
-
-
+# (distributed.ep_op, over experts.op.define_op_pair: the op's skeleton), as the op does.
 def _forward_fake(*args):
     inputs = EPInputs(*args[:_N_IN])
     group_name, key, capacity, _fail, _chunks = args[_N_IN:]
@@ -227,28 +218,8 @@ def _forward_fake(*args):
     return (x.new_empty(x.shape), torch.empty((), **longs), *EPKept(plan, rows, (kept_like(recv, key),)).flat())
 
 
-def _backward_fake(dout, *args):
-    i = EPInputs(*args[:_N_IN])
-    return (i.x.new_empty(i.x.shape), i.topk_w.new_empty(i.topk_w.shape), torch.empty_like(i.w1),
-            torch.empty_like(i.w2), i.x.new_empty(0) if i.w1_up is None else torch.empty_like(i.w1_up))
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:_N_IN], *output[2:])
-    ctx.tail = inputs[_N_IN:_N_IN + 2]  # group_name, key
-    ctx.set_materialize_grads(False)
-
-
-def _grads(saved: tuple, results: tuple) -> EPInputs:
-    dx, dtopk_w, dw1, dw2, dw1_up = results
-    split = EPInputs(*saved[:_N_IN]).w1_up is not None  # W1 came in two parts
-    return EPInputs(dx, dtopk_w, dw1, dw2, None, None, None, None, dw1_up if split else None)
-
-
-EP = define_op_pair("ep", _forward_op, _backward_op,
-                    fwd_schema=op_schema(EPInputs, tail=_TAIL, returns=2 + len(FLAT)),
-                    bwd_schema=op_schema("dout", EPInputs, *FLAT, tail="str group_name, str key", returns=5),
-                    setup_context=_setup_context, grads=_grads, fwd_fake=_forward_fake, bwd_fake=_backward_fake)
+EP = define_ep_op("ep", EPInputs, FLAT, EPKept, ep_forward, ep_backward, tail=_TAIL, fwd_fake=_forward_fake,
+                  bwd_fake=grad_fakes(EPInputs))
 
 
 def rows_sent(topk_idx: torch.Tensor, E_loc: int, ep: int) -> torch.Tensor:
@@ -263,6 +234,4 @@ def run(call) -> tuple[torch.Tensor, torch.Tensor]:
     routing = build_routing_index(call.topk_idx, call.num_experts, call.index_method, check=False)
     args = (*EPInputs(call.x, call.topk_w, call.w1, call.w2, *routing.tensors(), call.w1_up), call.group_name,
             call.key, call.capacity, call.fail_on_overflow, call.chunks)
-    # capacity dispatch is traced whole (fixed shapes); exact dispatch reads its row counts on the host, eagerly
-    traced = call.capacity is not None and torch.compiler.is_compiling()
-    return (EP.fwd(*args) if traced else EP.eager.apply(*args))[:2]
+    return run_ep_op(EP, args, call.capacity)

@@ -19,7 +19,7 @@ per pair (column k of the row), which go back; dx is the sender's sum of the par
 gradient a gather. Under checkpoint="recompute" the rows cross again in backward, once. The results equal one GPU
 within the op's rounding (the partial sums round to x's dtype before they are added), not bit for bit: the per-pair
 transport is the bitwise reference.
-Autograd: its own custom-op pair, moeblaze::ep_tokens_fwd / _bwd (experts.op.define_op_pair), schemas and fakes
+Autograd: its own custom-op pair, moeblaze::ep_tokens_fwd / _bwd (distributed.ep_op), schemas and fakes
 from TokenInputs and TokenKept; torch.compile traces it under capacity dispatch (fixed shapes).
 
 Memory kept per layer: the plan, O(S + L·K + R·K) int32 (send tokens, each pair's row and combine slot, the
@@ -37,10 +37,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..experts.op import Kept, OpInputs, define_op_pair, experts_backward, experts_forward, kept_like, op_schema, parse
+from ..experts.op import Kept, OpInputs, experts_backward, experts_forward, kept_like, parse
 from ..experts.stages import combine_slots
 from ..launch import ensure_context
 from ..routing import RoutingIndex, build_routing_index
+from .ep_op import define_ep_op, grad_fakes, run_ep_op
 from .plan import _all_to_all, capacity_checks, resolve_group
 
 
@@ -251,15 +252,6 @@ def tokens_backward(dout: torch.Tensor, inputs: TokenInputs, saved: TokenKept, g
     return dx, dtopk_w, dw1, dw2, dw1_up
 
 
-def _forward_op(*args):
-    out, needed, saved = tokens_forward(TokenInputs(*args[:_N_IN]), *args[_N_IN:])
-    return (out, needed, *saved.flat())
-
-
-def _backward_op(dout, *args):
-    return tokens_backward(dout, TokenInputs(*args[:_N_IN]), TokenKept.of(args[_N_IN:-2]), *args[-2:])
-
-
 def _forward_fake(*args):
     inputs = TokenInputs(*args[:_N_IN])
     group_name, key, capacity, _fail = args[_N_IN:]
@@ -278,35 +270,12 @@ def _forward_fake(*args):
     return (x.new_empty(x.shape), torch.empty((), **longs), *TokenKept(plan, rows, kept_like(recv, key)).flat())
 
 
-def _backward_fake(dout, *args):
-    i = TokenInputs(*args[:_N_IN])
-    return (i.x.new_empty(i.x.shape), i.topk_w.new_empty(i.topk_w.shape), torch.empty_like(i.w1),
-            torch.empty_like(i.w2), i.x.new_empty(0) if i.w1_up is None else torch.empty_like(i.w1_up))
-
-
-def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:_N_IN], *output[2:])
-    ctx.tail = inputs[_N_IN:_N_IN + 2]  # group_name, key
-    ctx.set_materialize_grads(False)
-
-
-def _grads(saved: tuple, results: tuple) -> TokenInputs:
-    dx, dtopk_w, dw1, dw2, dw1_up = results
-    split = TokenInputs(*saved[:_N_IN]).w1_up is not None
-    return TokenInputs(dx, dtopk_w, dw1, dw2, None, dw1_up if split else None)
-
-
-EP_TOKENS = define_op_pair("ep_tokens", _forward_op, _backward_op,
-                           fwd_schema=op_schema(TokenInputs, tail=_TAIL, returns=2 + len(FLAT)),
-                           bwd_schema=op_schema("dout", TokenInputs, *FLAT, tail="str group_name, str key",
-                                                returns=5),
-                           setup_context=_setup_context, grads=_grads, fwd_fake=_forward_fake,
-                           bwd_fake=_backward_fake)
+EP_TOKENS = define_ep_op("ep_tokens", TokenInputs, FLAT, TokenKept, tokens_forward, tokens_backward, tail=_TAIL,
+                         fwd_fake=_forward_fake, bwd_fake=grad_fakes(TokenInputs))
 
 
 def run(call) -> tuple[torch.Tensor, torch.Tensor]:
     """The transport's entry (distributed.transports): (out, needed) for an EPCall."""
     args = (*TokenInputs(call.x, call.topk_w, call.w1, call.w2, call.topk_idx, call.w1_up), call.group_name,
             call.key, call.capacity, call.fail_on_overflow)
-    traced = call.capacity is not None and torch.compiler.is_compiling()
-    return (EP_TOKENS.fwd(*args) if traced else EP_TOKENS.eager.apply(*args))[:2]
+    return run_ep_op(EP_TOKENS, args, call.capacity)
