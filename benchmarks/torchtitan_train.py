@@ -23,7 +23,8 @@ which torch 2.11's FSDP2 can't take): the other parameters are replicated in fp3
 GPU, their gradients averaged over the ranks after backward, the experts' divided by the number of ranks (each
 rank's experts computed every rank's tokens), which is the gradient of the mean loss over all ranks' tokens.
 A variant NAME+exact or NAME+capacity runs moeblaze's own expert parallelism on that mesh (ep_dispatch), and
-NAME+exact/G its exact dispatch with the local experts in G groups, all-to-alls under GEMMs (ep_chunks);
+NAME+DISPATCH/P the all-to-alls in P parts, each under another part's GEMMs (ep_chunks: the tokens transport's
+rows split; @pairs: exact dispatch's local experts in P groups);
 NAME+capacity-drop capacity dispatch with on_overflow="drop" (no host read of an overflow flag); a suffix
 @TRANSPORT names EPConfig's transport (NAME+exact@pairs: a row per (token, expert) pair; the default, tokens: one
 per (token, rank)). Rows of moeblaze's own EP carry a2a_mb_per_step, this rank's all-to-all megabytes to other

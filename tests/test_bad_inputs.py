@@ -154,7 +154,6 @@ CASES = [
     ("EPConfig('capacity', on_overflow='ignore')", ValueError),
     ("EPConfig(capacity_factor=2.0)", ValueError),  # exact dispatch reads no capacity option
     ("EPConfig(chunks=0)", ValueError),
-    ("EPConfig('capacity', chunks=2)", ValueError),  # capacity dispatch is one group
     ("ep_experts(x, idx, w, w1, w2, config=ExpertsConfig(chunk_tokens=4))", ValueError),
     ("ep_experts(x, idx, w, w1, w2, dispatch='alltoall')", TypeError),  # keyword options: EPConfig holds them
     ("load_checkpoint(damaged)", ValueError),

@@ -356,6 +356,10 @@ def _misuse(rank, world, errors):
     # more groups than local experts
     with pytest.raises(ValueError, match=r"chunks=4\) groups the local experts, and this rank holds 3"):
         ep_experts(x, idx, torch.rand(5, 2), w1, w2, config=config, ep_config=_pairs(chunks=4))
+    # the per-pair transport's expert groups under capacity dispatch (one group: its fixed shapes)
+    with pytest.raises(ValueError, match=r"transport 'pairs' pipelines under dispatch 'exact' only, and dispatch is "
+                       "'capacity'"):
+        ep_experts(x, idx, torch.rand(5, 2), w1, w2, config=config, ep_config=_pairs("capacity", chunks=2))
 
 
 def _local_experts(rank, world, errors, split):

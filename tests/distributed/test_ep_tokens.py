@@ -83,11 +83,13 @@ def _within_bound(got, same, exact, mine, experts):
 
 
 def _compare(rank, world, case, checkpoint, dispatch):
+    """dispatch: "exact" or "capacity" (64 rows a pair), "capacity_compiled" (traced whole), "/P": in P parts."""
     toks, w1, w2 = _problem(world, case)
     exact, dy = _one_process(toks, w1, w2, torch.float64, "reference")
     same, _ = _one_process(toks, w1, w2, torch.float32, "reference")
+    dispatch, _, parts = dispatch.partition("/")
     capacity = dict(capacity=64) if dispatch.startswith("capacity") else {}
-    ep_config = EPConfig("capacity" if capacity else "exact", transport="tokens", **capacity)
+    ep_config = EPConfig("capacity" if capacity else "exact", transport="tokens", chunks=int(parts or 1), **capacity)
     got, mine, experts = _ep(rank, world, toks, w1, w2, dy, ep_config,
                              ExpertsConfig(backend="triton", checkpoint=checkpoint), parts=case == "w1_parts",
                              compiled=dispatch == "capacity_compiled")
@@ -110,9 +112,9 @@ def _fp8(rank, world, checkpoint, dispatch):
         assert (a - b).abs().max() <= 8 * torch.finfo(torch.float32).eps * b.abs().max().clamp_min(1), name
 
 
-def _traffic(rank, world):
+def _traffic(rank, world, parts=1):
     """Both transports' bytes, counted as they send, summed over the ranks: "tokens" sends each (token, rank) row
-    once, "pairs" each pair; each equals the count from the routing itself."""
+    once (in `parts` parts: the same rows), "pairs" each pair; each equals the count from the routing itself."""
     import torch.distributed as dist
 
     toks, w1, w2 = _problem(world, "uniform", K=4)
@@ -128,7 +130,7 @@ def _traffic(rank, world):
     sent = []
     for transport in ("pairs", "tokens"):
         Traffic.reset()
-        _ep(rank, world, toks, w1, w2, dy, EPConfig(transport=transport))
+        _ep(rank, world, toks, w1, w2, dy, EPConfig(transport=transport, chunks=parts if transport == "tokens" else 1))
         sent.append(Traffic.reset())
     sent = torch.tensor(sent)
     for t in (sent, want):
@@ -138,8 +140,10 @@ def _traffic(rank, world):
 
 
 def _overflow(rank, world, mode):
+    """mode: "error", "drop" or "tracker"; "drop/P": in P parts (the same rows dropped)."""
     toks, w1, w2 = _problem(world, "one_rank")  # rank 0 gets one row per token from every rank
     small = 8
+    mode, _, parts = mode.partition("/")
     x, idx, w = toks[rank]
     E_loc = w1.shape[0] // world
     if mode == "error":
@@ -159,7 +163,8 @@ def _overflow(rank, world, mode):
         same, _ = _one_process(toks, w1, w2, torch.float32, "reference", dropped)
         counter = torch.zeros((), dtype=torch.int64)
         got, mine, experts = _ep(rank, world, toks, w1, w2, dy,
-                                 EPConfig("capacity", capacity=small, on_overflow="drop", transport="tokens"),
+                                 EPConfig("capacity", capacity=small, on_overflow="drop", transport="tokens",
+                                          chunks=int(parts or 1)),
                                  dropped=counter)
         _within_bound(got, same, exact, mine, experts)
         assert int(counter) == max(0, len(x) - small), (int(counter), rank)
@@ -175,11 +180,25 @@ def _overflow(rank, world, mode):
     _within_bound(got, same, exact, mine, experts)
 
 
+def _parts_traced(rank, world):
+    """Parts pipeline eagerly: under torch.compile a clear error, not a wrong graph."""
+    toks, w1, w2 = _problem(world, "uniform")
+    _, dy = _one_process(toks, w1, w2, torch.float64, "reference")
+    try:
+        _ep(rank, world, toks, w1, w2, dy, EPConfig("capacity", capacity=64, transport="tokens", chunks=2),
+            compiled=True)
+    except Exception as e:  # torch.compile wraps what the traced code raises
+        assert "chunks=2) pipelines the tokens transport eagerly" in str(e), str(e)
+    else:
+        raise AssertionError("parts under torch.compile went on")
+
+
 def _cases(rank, world, errors, cases):
     for case in cases:
         try:
             kind, *args = case
-            {"compare": _compare, "fp8": _fp8, "traffic": _traffic, "overflow": _overflow}[kind](rank, world, *args)
+            {"compare": _compare, "fp8": _fp8, "traffic": _traffic, "overflow": _overflow,
+             "parts_traced": _parts_traced}[kind](rank, world, *args)
         except AssertionError as e:
             errors.put(f"rank {rank}, {case}: {e}")
 
@@ -254,3 +273,17 @@ def _cases_toy(rank, world, errors):
         _toy(rank, world, errors)
     except AssertionError as e:
         errors.put(f"rank {rank}: {e}")
+
+
+def test_tokens_transport_in_parts_equals_one_process():
+    """EPConfig(chunks=P): each destination's rows in P parts, each part's all-to-alls issued without waiting and
+    its experts run part by part (the weights' gradients summed over the parts): one process's results within the
+    bound, exact and capacity dispatch, parts of unequal and of no rows, the same bytes, the same drops."""
+    run_ranks(_cases, 2, [("compare", "uniform", "preact", "exact/2"),
+                          ("compare", "uniform", "recompute", "capacity/3"),
+                          ("compare", "empty_rank", "preact", "exact/2"),
+                          ("compare", "one_rank", "recompute", "exact/3"),
+                          ("compare", "w1_parts", "preact", "capacity/2"), ("traffic", 3), ("overflow", "drop/2"),
+                          ("parts_traced",)])
+    run_ranks(_cases, 4, [("compare", "uniform", "preact", "capacity/2"),
+                          ("compare", "empty_rank", "recompute", "exact/3")])

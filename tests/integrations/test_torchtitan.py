@@ -132,8 +132,8 @@ def test_dcp_checkpoints_interchange(tmp_path):
     (lambda: MoeblazeConverter.Config(ep_dispatch="capacity", on_overflow="grow"), "on_overflow"),
     (lambda: MoeblazeConverter.Config(ep_dispatch="capacity", capacity_factor=0.0), "capacity_factor"),
     (lambda: MoeblazeConverter.Config(experts=ExpertsConfig(backend="reference"), ep_dispatch="exact"), "reference"),
-    (lambda: MoeblazeConverter.Config(ep_chunks=2), "ep_chunks to ep_dispatch='exact'"),
-    (lambda: MoeblazeConverter.Config(ep_dispatch="capacity", ep_chunks=2), "chunks=2 applies to dispatch='exact'"),
+    (lambda: MoeblazeConverter.Config(ep_chunks=2), "ep_chunks and ep_transport to moeblaze's dispatch"),
+    (lambda: MoeblazeConverter.Config(ep_dispatch="capacity", ep_chunks=0), "chunks"),
 ])
 def test_converter_options_are_checked(make, message):
     with pytest.raises((ValueError, TypeError), match=message):

@@ -137,8 +137,8 @@ def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                    help="how rows cross: tokens (one row per (token, rank), equal to one GPU within the op's "
                         "rounding; default) or pairs (one row per (token, expert) pair, bitwise equal to one GPU)")
     g.add_argument("--ep-chunks", type=int, default=1,
-                   help="exact dispatch: the local experts in this many groups, each group's all-to-alls under "
-                        "another group's GEMMs (default 1: no overlap)")
+                   help="the all-to-alls in this many parts, each part's under another part's GEMMs (tokens: each "
+                        "rank's rows split; pairs, exact dispatch: the local experts grouped; default 1: no overlap)")
     g.add_argument("--capacity-factor", type=float, default=None,
                    help="capacity dispatch: rows per pair of ranks = factor x tokens x top-k / ep (default 1.25)")
     g.add_argument("--on-overflow", default="rerun", choices=ON_OVERFLOW,

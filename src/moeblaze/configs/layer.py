@@ -147,9 +147,10 @@ class EPConfig:
         capacity_factor: under "capacity", the rows per pair as a multiple of the mean, rounded up to 16 (None: 1.25).
         capacity: under "capacity", the rows per pair outright (None: from capacity_factor; not both).
         on_overflow: under "capacity", a destination needing more rows: "error" (None: the default) or "drop".
-        chunks: under "exact", the local experts in this many groups, each group's all-to-alls running under
-            another group's GEMMs (forward and backward; bitwise the same results; 1: one group, no overlap;
-            transport "pairs" only).
+        chunks: the all-to-alls in this many parts, each part's running under another part's GEMMs (forward and
+            backward; 1: no overlap). Transport "tokens": each destination's rows in that many parts (exact or
+            capacity dispatch; eager only); "pairs": under "exact", the local experts in that many groups (bitwise
+            the same results).
         transport: how rows cross (moeblaze.distributed.transports): "tokens" (one row per (token, rank), the
             experts there gathering it: a quarter of the pairs' bytes at top-8 over 128 experts on 2 ranks, equal to
             one GPU within the op's rounding; default) or "pairs" (one row per (token, expert) pair, bitwise equal to
@@ -171,10 +172,6 @@ class EPConfig:
         check_int("chunks", self.chunks)
         if not isinstance(self.transport, str) or not self.transport:
             raise TypeError(f"transport must be a transport's name (a str), got {self.transport!r}")
-        if self.chunks > 1 and self.dispatch != "exact":
-            raise ValueError(f"chunks={self.chunks} applies to dispatch='exact' only (capacity dispatch is one "
-                             "group: its fixed shapes are what torch.compile and CUDA graphs take); dispatch is "
-                             f"{self.dispatch!r}")
         if self.capacity_factor is not None:
             object.__setattr__(self, "capacity_factor", check_positive("capacity_factor", self.capacity_factor))
         if self.capacity is not None:

@@ -168,10 +168,11 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     key = kernel_op_key(x, config, backend, C is not None or t.sentinels, False, call=call)
     w1_local, w1_up, w2_local = call_weights(config.at_call(*call).fp8, x, w1_local, w1_up, w2_local)
     fail = ep_config.overflow == "error" and tracker is None  # an overflow an error on every rank: a host read
-    if ep_config.chunks > 1 and not t.chunks:
-        raise ValueError(f"EPConfig(chunks={ep_config.chunks}) pipelines groups of experts, which transport "
-                         f"{ep_config.transport!r} does not: leave chunks at 1")
-    if ep_config.chunks > E_loc:
+    if ep_config.chunks > 1 and ep_config.dispatch not in t.chunks:
+        raise ValueError(f"EPConfig(chunks={ep_config.chunks}): transport {ep_config.transport!r} pipelines "
+                         + (f"under dispatch {' or '.join(map(repr, t.chunks))} only" if t.chunks else "nothing")
+                         + f", and dispatch is {ep_config.dispatch!r}: leave chunks at 1")
+    if ep_config.chunks > E_loc and t.expert_chunks:
         raise ValueError(f"EPConfig(chunks={ep_config.chunks}) groups the local experts, and this rank holds "
                          f"{E_loc}: chunks must be at most that")
     out, needed = t.run(EPCall(x, topk_idx, topk_weights, w1_local, w2_local, w1_up, _group_name(group), key, C, fail,

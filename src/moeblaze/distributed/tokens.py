@@ -42,7 +42,7 @@ from ..experts.stages import combine_slots
 from ..launch import ensure_context
 from ..routing import RoutingIndex, build_routing_index
 from .ep_op import define_ep_op, grad_fakes, run_ep_op
-from .plan import _all_to_all, capacity_checks, resolve_group
+from .plan import _all_to_all, capacity_checks, resolve_group, wait
 
 
 class TokenInputs(NamedTuple):
@@ -75,28 +75,38 @@ class TokenPlanTensors(NamedTuple):
 
 class TokenKept(NamedTuple):
     """What forward hands backward: the plan, the received rows (empty under "recompute": sent again) and the op's
-    own Kept."""
+    own Kept, one per part (through the custom ops flat; their schemas name one part: the traced path has one)."""
     plan: TokenPlanTensors
     recv_x: torch.Tensor
-    op: Kept
+    ops: tuple[Kept, ...]
 
     def flat(self) -> tuple:
-        return (*self.plan, self.recv_x, *self.op)
+        return (*self.plan, self.recv_x, *(t for kept in self.ops for t in kept))
 
     @classmethod
     def of(cls, flat) -> TokenKept:
-        n = len(TokenPlanTensors._fields)
-        return cls(TokenPlanTensors(*flat[:n]), flat[n], Kept(*flat[n + 1:]))
+        n, m = len(TokenPlanTensors._fields), len(Kept._fields)
+        rest = flat[n + 1:]
+        return cls(TokenPlanTensors(*flat[:n]), flat[n], tuple(Kept(*rest[i:i + m]) for i in range(0, len(rest), m)))
 
 
 FLAT = (*TokenPlanTensors._fields, "recv_x", *Kept._fields)
 _N_IN = len(TokenInputs._fields)
-_TAIL = "str group_name, str key, int? capacity, bool fail_on_overflow"
+_TAIL = "str group_name, str key, int? capacity, bool fail_on_overflow, int parts"
 
 
 def rows_sent(topk_idx: torch.Tensor, E_loc: int, ep: int) -> torch.Tensor:
     """(ep,) int64: the (token, rank) rows this rank's routing sends to each rank (what capacity dispatch bounds)."""
     return _hits(topk_idx.long() // E_loc, ep).sum(0)
+
+
+def _blocks(splits: list[list[int]]) -> list[slice]:
+    """Each part's block of a part-major buffer, from the parts' split sizes."""
+    out, at = [], 0
+    for sizes in splits:
+        out.append(slice(at, at + sum(sizes)))
+        at += sum(sizes)
+    return out
 
 
 def _hits(dest: torch.Tensor, ep: int) -> torch.Tensor:
@@ -110,8 +120,8 @@ class TokenPlan:
     backward from its tensors without communicating."""
 
     def __init__(self, topk_idx: torch.Tensor, topk_w: torch.Tensor, E_loc: int, group, capacity: int | None,
-                 fail_on_overflow: bool):
-        self.group = group
+                 fail_on_overflow: bool, parts: int = 1):
+        self.group, self.parts = group, parts
         ep = dist.get_world_size(group)
         L, K = topk_idx.shape
         dev = topk_idx.device
@@ -124,7 +134,7 @@ class TokenPlan:
             got = torch.empty_like(counts)
             dist.all_to_all_single(got, counts, group=group)
             self.splits = torch.stack([counts, got]).cpu()  # (2, ep): the one host sync
-            base = counts.cumsum(0) - counts
+            block = counts  # each destination's rows
             keep = hit.bool()
         else:
             sent = torch.stack([counts.clamp(max=capacity), counts.new_full((ep,), capacity)], 1)
@@ -132,11 +142,19 @@ class TokenPlan:
             dist.all_to_all_single(got, sent, group=group)
             capacity_checks(got[:, 1] != capacity, self.needed, capacity, fail_on_overflow, group)
             self.splits = torch.empty(0, dtype=torch.int64, device=dev)
-            base = torch.arange(ep, device=dev) * capacity
+            block = counts.new_full((ep,), capacity)
             keep = hit.bool() & (within < capacity)
-        self._sizes(None if capacity is None else ep * capacity)
+        self._sizes(None if capacity is None else capacity)
+        # the send buffer part-major: part p holds sub-block p of every destination's block (its rows
+        # [p·n / P, (p + 1)·n / P), n the block's rows), destination after destination
+        bounds = torch.arange(parts + 1, device=dev)[:, None] * block[None, :] // parts  # (P + 1, ep)
+        size = (bounds[1:] - bounds[:-1]).flatten()
+        base = (size.cumsum(0) - size).view(parts, ep)
+        part = ((within + 1) * parts - 1).div(block.clamp(min=1), rounding_mode="floor").clamp(0, parts - 1)
+        d = torch.arange(ep, device=dev).expand(L, ep)
+        base = base[part, d] + within - bounds[part, d]
         S = self.sent
-        row_Ld = torch.where(keep, base + within, S)  # (L, ep): each (token, destination)'s send row, S: none
+        row_Ld = torch.where(keep, base, S)  # (L, ep): each (token, destination)'s send row, S: none
         self.row_LK = row_Ld.gather(1, dest)
         # the combine adds each rank's partial sum once: at the pair that is the first of its row's rank
         k = torch.arange(K, device=dev)
@@ -156,15 +174,21 @@ class TokenPlan:
         self.meta = torch.cat([ids[:S].float(), weights[:S]], 1)  # ids < 2^24: exact in float32
         self.row_LK = self.row_LK.int()
 
-    def _sizes(self, rows: int | None) -> None:
-        """The rows sent and received and the all-to-all's split sizes: from the host's splits (exact), or `rows`
-        each way in equal splits (capacity dispatch, ep·C)."""
+    def _sizes(self, capacity: int | None) -> None:
+        """The rows sent and received, each part's split sizes and its blocks of the send and receive buffers: from
+        the host's splits (exact), or capacity dispatch's C rows per destination in equal splits."""
+        ep, P = dist.get_world_size(self.group), self.parts
         if self.splits.numel():
-            self.in_splits, self.out_splits = self.splits.tolist()
-            self.sent, self.received = sum(self.in_splits), sum(self.out_splits)
+            n_in, n_out = self.splits.tolist()
         else:
-            self.in_splits = self.out_splits = None
-            self.sent = self.received = rows
+            n_in = n_out = [capacity] * ep
+        cut = (lambda n, p: [(p + 1) * c // P - p * c // P for c in n])
+        self.in_splits = [cut(n_in, p) for p in range(P)]
+        self.out_splits = [cut(n_out, p) for p in range(P)]
+        self.send_blocks, self.recv_blocks = _blocks(self.in_splits), _blocks(self.out_splits)
+        self.sent, self.received = sum(n_in), sum(n_out)
+        if not self.splits.numel():
+            self.in_splits = self.out_splits = [None] * P  # equal splits
 
     def receive_index(self, recv_meta: torch.Tensor, E_loc: int) -> tuple[RoutingIndex, torch.Tensor]:
         """The receiver's routing index over its R rows (their ids, sentinels dropped) and their router weights."""
@@ -172,18 +196,25 @@ class TokenPlan:
         ids, weights = recv_meta[:, :K].int(), recv_meta[:, K:].contiguous()
         return build_routing_index(ids, E_loc, check=False, sentinels=True), weights
 
-    def tensors(self, recv: RoutingIndex, recv_w: torch.Tensor) -> TokenPlanTensors:
-        return TokenPlanTensors(self.send_tok, self.row_LK, self.slot_LK, self.kept, self.splits, *recv.tensors(),
-                                recv_w)
+    def tensors(self, recvs: list[RoutingIndex], recv_w: torch.Tensor) -> TokenPlanTensors:
+        """The plan's tensors, the parts' receiver indexes one after another."""
+        idx = [r.tensors() for r in recvs]
+        joined = idx[0] if len(idx) == 1 else tuple(torch.cat(ts) for ts in zip(*idx))
+        return TokenPlanTensors(self.send_tok, self.row_LK, self.slot_LK, self.kept, self.splits, *joined, recv_w)
 
     @classmethod
-    def restore(cls, group, saved: TokenPlanTensors) -> tuple[TokenPlan, RoutingIndex]:
+    def restore(cls, group, saved: TokenPlanTensors) -> tuple[TokenPlan, list[RoutingIndex]]:
         plan = cls.__new__(cls)
         plan.group, plan.needed, plan.splits = group, None, saved.splits
+        plan.parts = saved.recv_offsets.shape[0] - saved.recv_counts.shape[0]  # (E_loc + 1) a part against E_loc
         plan.send_tok, plan.row_LK, plan.slot_LK, plan.kept = saved.send_tok, saved.row_LK, saved.slot_LK, saved.kept
-        plan._sizes(saved.send_tok.shape[0])
-        recv = RoutingIndex(saved.recv_counts, saved.recv_offsets, saved.recv_token_idx, saved.recv_slot, dropped=True)
-        return plan, recv
+        plan._sizes(saved.send_tok.shape[0] // dist.get_world_size(group))
+        E_loc, K = saved.recv_counts.shape[0] // plan.parts, saved.recv_slot.shape[1]
+        rows = [b.stop - b.start for b in plan.recv_blocks]
+        sizes = ([E_loc] * plan.parts, [E_loc + 1] * plan.parts, [r * K for r in rows], rows)
+        recvs = [RoutingIndex(*ts, dropped=True) for ts in zip(*(t.split(n) for t, n in zip(
+            (saved.recv_counts, saved.recv_offsets, saved.recv_token_idx, saved.recv_slot), sizes)))]
+        return plan, recvs
 
     def send(self, rows_LD: torch.Tensor) -> torch.Tensor:
         """The send buffer of rows_LD (x or dy): each (token, rank) row once."""
@@ -191,15 +222,25 @@ class TokenPlan:
             return rows_LD.new_zeros((self.sent,) + tuple(rows_LD.shape[1:]))
         return rows_LD[self.send_tok]
 
-    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
+    def dispatch_parts(self, rows: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """A send buffer's rows to their ranks, part by part, each all-to-all issued without waiting where there
+        are several parts: the receive buffer and a handle per part (wait on it before reading its block; keep
+        rows until then)."""
         out = rows.new_empty((self.received,) + tuple(rows.shape[1:]))
-        _all_to_all(out, rows, self.out_splits, self.in_splits, self.group)
+        later = self.parts > 1
+        return out, [_all_to_all(out[r], rows[s], o, i, self.group, later)
+                     for r, s, i, o in zip(self.recv_blocks, self.send_blocks, self.in_splits, self.out_splits)]
+
+    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
+        out, handles = self.dispatch_parts(rows)
+        wait(handles)
         return out
 
-    def give_back(self, rows: torch.Tensor) -> torch.Tensor:
-        out = rows.new_empty((self.sent,) + tuple(rows.shape[1:]))
-        _all_to_all(out, rows, self.in_splits, self.out_splits, self.group)
-        return out
+    def give_back_part(self, rows: torch.Tensor, p: int, into: torch.Tensor):
+        """Part p's received rows back to their senders, into its block of the return buffer `into`: a handle
+        (keep rows until it is waited on) or None."""
+        return _all_to_all(into[self.send_blocks[p]], rows, self.in_splits[p], self.out_splits[p], self.group,
+                           self.parts > 1)
 
     def combine(self, rows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Each token's partial sums added, one per rank it reached (fp32, a fixed order)."""
@@ -217,44 +258,63 @@ def _op_inputs(rows: torch.Tensor, recv_w: torch.Tensor, recv: RoutingIndex, inp
     return OpInputs.of(rows, inputs.w1, inputs.w2, recv_w, recv, w1_up=inputs.w1_up)
 
 
-def tokens_forward(inputs: TokenInputs, group_name: str, key: str, capacity: int | None, fail_on_overflow: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor, TokenKept]:
-    """(out (L, D), the most rows any destination needed (capacity dispatch's tracker), what backward keeps)."""
+def tokens_forward(inputs: TokenInputs, group_name: str, key: str, capacity: int | None, fail_on_overflow: bool,
+                   parts: int = 1) -> tuple[torch.Tensor, torch.Tensor, TokenKept]:
+    """(out (L, D), the most rows any destination needed (capacity dispatch's tracker), what backward keeps). With
+    several parts, part p's experts run while part p + 1's rows arrive and part p - 1's partial sums go back."""
     group = resolve_group(group_name)
-    x = inputs.x
-    plan = TokenPlan(inputs.topk_idx, inputs.topk_w, inputs.w1.shape[0], group, capacity, fail_on_overflow)
-    recv_x = plan.dispatch(plan.send(x))
-    recv, recv_w = plan.receive_index(plan.dispatch(plan.meta), inputs.w1.shape[0])
-    del plan.meta
-    partial, kept = experts_forward(_op_inputs(recv_x, recv_w, recv, inputs), key)
-    ret = plan.give_back(partial)  # every rank takes part, one without tokens too
+    x, E_loc = inputs.x, inputs.w1.shape[0]
+    plan = TokenPlan(inputs.topk_idx, inputs.topk_w, E_loc, group, capacity, fail_on_overflow, parts)
+    meta, meta_arrived = plan.dispatch_parts(plan.meta)
+    sending = plan.send(x)
+    recv_x, arrived = plan.dispatch_parts(sending)
+    ret = x.new_empty((plan.sent, x.shape[1]))
+    recvs, weights, kept, back = [], [], [], []
+    for p, block in enumerate(plan.recv_blocks):
+        wait([meta_arrived[p], arrived[p]])
+        recv, recv_w = plan.receive_index(meta[block], E_loc)
+        partial, k = experts_forward(_op_inputs(recv_x[block], recv_w, recv, inputs), key)
+        recvs.append(recv), weights.append(recv_w), kept.append(k)
+        back.append((plan.give_back_part(partial, p, ret), partial))  # every rank takes part, one without tokens too
+    wait(h for h, _ in back)
+    del back, sending, plan.meta
     out = plan.combine(ret, x.dtype) if x.shape[0] else torch.zeros_like(x)
     rows = recv_x if parse(key).checkpoint != "recompute" else x.new_empty(0)
-    return out, plan.needed.to(torch.int64), TokenKept(plan.tensors(recv, recv_w), rows, kept)
+    return out, plan.needed.to(torch.int64), TokenKept(plan.tensors(recvs, torch.cat(weights)), rows, tuple(kept))
 
 
 def tokens_backward(dout: torch.Tensor, inputs: TokenInputs, saved: TokenKept, group_name: str, key: str
                     ) -> tuple[torch.Tensor, ...]:
-    """(dx, dtopk_w, dw1, dw2, dw1_up (empty without w1_up))."""
+    """(dx, dtopk_w, dw1, dw2, dw1_up (empty without w1_up)). With several parts, part p's backward GEMMs run while
+    part p + 1's dy arrives and part p - 1's dX partial sums and dS go back; the weights' gradients are the parts'
+    sum."""
     if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.op)
         ensure_context(dout.get_device())
     x, topk_w = inputs.x, inputs.topk_w
-    plan, recv = TokenPlan.restore(resolve_group(group_name), saved.plan)
+    plan, recvs = TokenPlan.restore(resolve_group(group_name), saved.plan)
     recv_x = saved.recv_x if parse(key).checkpoint != "recompute" else plan.dispatch(plan.send(x))
-    dy_recv = plan.dispatch(plan.send(dout))
-    dx_recv, dw1, dw2, ds_recv, _db1, _db2, dw1_up = experts_backward(
-        dy_recv, _op_inputs(recv_x, saved.plan.recv_w, recv, inputs), saved.op, key)
-    del dy_recv, recv_x
-    ds_ret = plan.give_back(ds_recv.float())
-    dx_ret = plan.give_back(dx_recv)
+    sending = plan.send(dout)
+    dy_recv, arrived = plan.dispatch_parts(sending)
+    dx_ret = dout.new_empty((plan.sent, dout.shape[1]))
+    ds_ret = torch.empty(plan.sent, topk_w.shape[1], dtype=torch.float32, device=dout.device)
+    dw, back = None, []
+    for p, (block, recv, kept) in enumerate(zip(plan.recv_blocks, recvs, saved.ops)):
+        wait([arrived[p]])
+        dx_recv, dw1, dw2, ds_recv, _db1, _db2, dw1_up = experts_backward(
+            dy_recv[block], _op_inputs(recv_x[block], saved.plan.recv_w[block], recv, inputs), kept, key)
+        ds_recv = ds_recv.float()
+        back += [(plan.give_back_part(dx_recv, p, dx_ret), dx_recv), (plan.give_back_part(ds_recv, p, ds_ret), ds_recv)]
+        dw = (dw1, dw2, dw1_up) if dw is None else tuple(a.add_(b) for a, b in zip(dw, (dw1, dw2, dw1_up)))
+    wait(h for h, _ in back)
+    del back, dy_recv, recv_x, sending
     dx = plan.combine(dx_ret, x.dtype) if x.shape[0] else torch.zeros_like(x)
     dtopk_w = plan.pair_values(ds_ret).to(topk_w.dtype)
-    return dx, dtopk_w, dw1, dw2, dw1_up
+    return dx, dtopk_w, *dw
 
 
 def _forward_fake(*args):
     inputs = TokenInputs(*args[:_N_IN])
-    group_name, key, capacity, _fail = args[_N_IN:]
+    group_name, key, capacity, _fail, _parts = args[_N_IN:]
     if capacity is None:
         raise NotImplementedError("exact dispatch under torch.compile: its row counts are read on the host")
     x, (L, K), E_loc = inputs.x, inputs.topk_idx.shape, inputs.w1.shape[0]
@@ -267,7 +327,7 @@ def _forward_fake(*args):
     plan = TokenPlanTensors(torch.empty(R, **longs), torch.empty(L, K, **ints), torch.empty(L, K, **ints),
                             torch.empty(1, **ints), torch.empty(0, **longs), *recv[4:8], recv_w)
     rows = recv.x if parse(key).checkpoint != "recompute" else x.new_empty(0)
-    return (x.new_empty(x.shape), torch.empty((), **longs), *TokenKept(plan, rows, kept_like(recv, key)).flat())
+    return (x.new_empty(x.shape), torch.empty((), **longs), *TokenKept(plan, rows, (kept_like(recv, key),)).flat())
 
 
 EP_TOKENS = define_ep_op("ep_tokens", TokenInputs, FLAT, TokenKept, tokens_forward, tokens_backward, tail=_TAIL,
@@ -276,6 +336,9 @@ EP_TOKENS = define_ep_op("ep_tokens", TokenInputs, FLAT, TokenKept, tokens_forwa
 
 def run(call) -> tuple[torch.Tensor, torch.Tensor]:
     """The transport's entry (distributed.transports): (out, needed) for an EPCall."""
+    if call.chunks > 1 and torch.compiler.is_compiling():
+        raise ValueError(f"EPConfig(chunks={call.chunks}) pipelines the tokens transport eagerly; under torch.compile "
+                         "use chunks=1 (the traced op is one part)")
     args = (*TokenInputs(call.x, call.topk_w, call.w1, call.w2, call.topk_idx, call.w1_up), call.group_name,
-            call.key, call.capacity, call.fail_on_overflow)
+            call.key, call.capacity, call.fail_on_overflow, call.chunks)
     return run_ep_op(EP_TOKENS, args, call.capacity)

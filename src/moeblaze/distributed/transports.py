@@ -6,8 +6,10 @@ capacity (capacity_rows, from the transport's mean rows per destination), the ov
 on_overflow="error" unless a CapacityTracker sizes the capacity).
 
   pairs   one row per (token, expert) pair (distributed.pairs): each rank's results equal one GPU's bit for bit.
+          chunks = G (exact dispatch): the local experts in G groups, a group's all-to-alls under another's GEMMs.
   tokens  one row per (token, rank), the experts there gathering it and one partial sum returned
-          (distributed.tokens): equal to one GPU within the op's rounding; fewer bytes wherever K > 1.
+          (distributed.tokens): equal to one GPU within the op's rounding; fewer bytes wherever K > 1. chunks = P:
+          each destination's rows in P parts, a part's all-to-alls under another part's GEMMs.
 """
 from __future__ import annotations
 
@@ -46,14 +48,16 @@ class Transport(NamedTuple):
     destination, max_rows(L, K, E_loc) (math.inf: no bound taken), the rows this rank's routing sends each
     destination, rows_per_dest(topk_idx, E_loc, ep) -> (ep,) (no host sync), the pairs each received row carries
     in the receiver's index (pairs_per_row(K)), whether that index always holds dropped pairs (sentinels), and
-    whether it takes EPConfig.chunks (pipelined expert groups)."""
+    the dispatch modes in which it takes EPConfig.chunks (chunks: the all-to-alls pipelined under the GEMMs) and
+    whether those chunks group the local experts (so that there can be no more of them than local experts)."""
     run: Callable
     mean_rows: Callable[[int, int, int], float]
     max_rows: Callable[[int, int, int], float]
     rows_per_dest: Callable
     pairs_per_row: Callable[[int], int]
     sentinels: bool = False
-    chunks: bool = False
+    chunks: tuple[str, ...] = ()
+    expert_chunks: bool = False
 
 
 def _hit_fraction(K: int, ep: int, E_loc: int) -> float:
@@ -67,9 +71,9 @@ def _hit_fraction(K: int, ep: int, E_loc: int) -> float:
 
 TRANSPORTS: dict[str, Transport] = {
     "pairs": Transport(pairs.run, lambda K, ep, E_loc: K / ep, lambda L, K, E_loc: math.inf, pairs.rows_sent,
-                       lambda K: 1, chunks=True),
+                       lambda K: 1, chunks=("exact",), expert_chunks=True),
     "tokens": Transport(tokens.run, _hit_fraction, lambda L, K, E_loc: L, tokens.rows_sent, lambda K: K,
-                        sentinels=True),
+                        sentinels=True, chunks=("exact", "capacity")),
 }
 
 

@@ -80,8 +80,8 @@ def ep_config(ep_dispatch: str, capacity_factor: float | None, on_overflow: str 
     check_choice("ep_dispatch", ep_dispatch, EP_DISPATCH)
     if ep_dispatch == "torchtitan":
         if capacity_factor is not None or on_overflow is not None or ep_chunks != 1 or ep_transport != "tokens":
-            raise ValueError("capacity_factor and on_overflow apply to ep_dispatch='capacity', ep_chunks to "
-                             "ep_dispatch='exact', ep_transport to either; ep_dispatch is 'torchtitan'")
+            raise ValueError("capacity_factor and on_overflow apply to ep_dispatch='capacity', ep_chunks and "
+                             "ep_transport to moeblaze's dispatch ('exact' or 'capacity'); ep_dispatch is 'torchtitan'")
         return None
     return EPConfig(dispatch=ep_dispatch, capacity_factor=capacity_factor, on_overflow=on_overflow, chunks=ep_chunks,
                     transport=ep_transport)
@@ -188,7 +188,7 @@ class MoeblazeConverter(ModelConfigConverter):
         on_overflow: str | None = None
         """ep_dispatch="capacity": a destination needing more rows, "error" (None) or "drop" (EPConfig)."""
         ep_chunks: int = 1
-        """ep_dispatch="exact": the local experts in this many groups, all-to-alls under GEMMs (EPConfig.chunks)."""
+        """moeblaze's dispatch: the all-to-alls in this many parts, each under another part's GEMMs (EPConfig.chunks)."""
         ep_transport: str = "tokens"
         """moeblaze's dispatch: "tokens" (a row per (token, rank)) or "pairs" (a row per (token, expert) pair)."""
 
