@@ -330,3 +330,30 @@ def test_fp8_under_autocast_takes_the_float32_stacks_as_masters():
     not take torch's autocast (Megatron trains bf16 parameters); the masters' gradients are tested at the op
     (tests/experts/test_fp8_masters.py)."""
     run_ranks(_fp8_under_autocast, 1)
+
+
+def _disagreeing_layers(rank, world, found, field):
+    """A layer spec that differs across the expert-parallel ranks (the dispatch, the recipe, moeblaze's EP dispatch):
+    one ValueError naming it on every rank when the layer is built, before any collective of a forward could wait
+    on the other ranks' different ones; then agreeing specs build."""
+    mc.init(ep=world)
+    config = mc.transformer_config()
+    odd = rank % 2 == 1
+    kw = {"dispatch": dict(dispatch="megatron" if odd else "moeblaze"),
+          "recipe": dict(experts=ExpertsConfig(backend="triton", checkpoint="recompute" if odd else "preact")),
+          "ep_config": dict(ep=EPConfig("capacity") if odd else None)}[field]
+    try:
+        mc.build(mc.moeblaze_mlp(4, **kw), config)
+    except ValueError as e:
+        if "every rank of the expert-parallel group must pass the same" not in str(e):
+            found.put((rank, field, f"not the agreement's error: {e}"))
+    else:
+        found.put((rank, field, "built"))
+    mc.build(mc.moeblaze_mlp(4, experts=ExpertsConfig(backend="triton")), config)  # the group goes on
+    mc.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layers_that_differ_across_ranks_are_one_error_on_every_rank(world):
+    for field in ("dispatch", "recipe", "ep_config"):
+        run_ranks(_disagreeing_layers, world, field)

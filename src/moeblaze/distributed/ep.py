@@ -49,7 +49,8 @@ AGREED_FIELDS = {"experts": "number of local experts (w1_local.shape[0])",
                  "weights": "expert weights' shapes and dtype", "x": "width and dtype of x",
                  "top_k": "top-k (topk_idx.shape[1])", "recipe": "ExpertsConfig", "ep_config": "EPConfig",
                  "tracker": "CapacityTracker (given or not)", "inputs": "inputs' checks",
-                 "num_experts": "number of experts", "shape": "d_model and d_expert"}
+                 "num_experts": "number of experts", "shape": "d_model and d_expert",
+                 "dispatch": "Megatron layer's dispatch (get_moeblaze_gpt_layer_spec's dispatch=)"}
 
 
 def check_agreement(group, **fields) -> None:
