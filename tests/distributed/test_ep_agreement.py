@@ -113,3 +113,31 @@ def test_a_recipe_that_differs_between_ranks_is_one_error_on_every_rank():
 def test_inputs_one_rank_refuses_are_an_error_on_every_rank():
     _each(2, INPUTS)
     _each(4, ["id_out_of_range"])
+
+
+def _refused_after_construction(rank, world, errors):
+    """ExpertParallel agrees when built (one collective in its group); a first forward whose inputs one rank refuses
+    is still that rank's error on every rank, not a rank raising alone while the others wait."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moeblaze.distributed import ExpertParallel
+    from moeblaze.nn import Experts
+
+    toks, w1, w2 = _problem(world)
+    x, idx, w = toks[rank]
+    mesh = init_device_mesh("cpu", (world,))
+    layer = ExpertParallel(Experts(x.shape[1], w2.shape[2], w1.shape[0], config=BASE), mesh)
+    if rank == world - 1:
+        x = torch.randn(x.shape[0], x.shape[1] + 1)
+    try:
+        layer(x, idx, w)
+    except ValueError as e:
+        if not str(e).startswith("every rank of the expert-parallel group stops"):
+            errors.put(f"rank {rank}: {e}")
+    else:
+        errors.put(f"rank {rank}: nothing raised")
+
+
+def test_inputs_refused_after_the_layer_agreed_when_built_are_an_error_on_every_rank():
+    for world in (2, 4):
+        run_ranks(_refused_after_construction, world, timeout_s=300)

@@ -50,7 +50,8 @@ AGREED_FIELDS = {"experts": "number of local experts (w1_local.shape[0])",
                  "top_k": "top-k (topk_idx.shape[1])", "recipe": "ExpertsConfig", "ep_config": "EPConfig",
                  "tracker": "CapacityTracker (given or not)", "inputs": "inputs' checks",
                  "num_experts": "number of experts", "shape": "d_model and d_expert",
-                 "dispatch": "Megatron layer's dispatch (get_moeblaze_gpt_layer_spec's dispatch=)"}
+                 "dispatch": "Megatron layer's dispatch (get_moeblaze_gpt_layer_spec's dispatch=)",
+                 "entry": "entry point"}
 
 
 def check_agreement(group, **fields) -> None:
@@ -139,16 +140,21 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
         check_topk_idx(topk_idx, (w1_local if isinstance(w1_local, torch.Tensor) else w1_local[0]).shape[0] * ep)
         check_topk_weights(topk_weights, topk_idx)
     except (TypeError, ValueError) as e:
-        if _AGREED.get(group if group is not None else dist.group.WORLD):
-            # the others, agreed already, make no collective here: this rank raises alone (the others' next
-            # collective then ends at the process group's timeout)
+        pg = group if group is not None else dist.group.WORLD
+        if any(dict(k).get("entry") == "ep_experts" for k in _AGREED.get(pg, ())):
+            # the others, past a first ep_experts call in this group, make no collective here: this rank raises
+            # alone (the others' next collective then ends at the process group's timeout). Another entry's
+            # agreement in the group (ExpertParallel's, a Megatron layer's, when built) doesn't count: the others'
+            # first ep_experts call still makes the one below
             raise
-        check_agreement(group, inputs=f"{type(e).__name__}: {e}")  # every rank's first call makes this one: all raise
+        # every rank's first call makes this one: all raise
+        check_agreement(group, entry="ep_experts", inputs=f"{type(e).__name__}: {e}")
     w1_local, w1_up = (w1_local, None) if isinstance(w1_local, torch.Tensor) else w1_local
     E_loc = w1_local.shape[0]
     if not torch.compiler.is_compiling():  # (agreed in eager mode: a trace runs what the eager calls ran)
-        check_agreement(group, experts=E_loc, weights=(tuple(w1_local.shape[1:]), tuple(w2_local.shape[1:]),
-                                                       str(w1_local.dtype), w1_up is not None),
+        check_agreement(group, entry="ep_experts", experts=E_loc,
+                        weights=(tuple(w1_local.shape[1:]), tuple(w2_local.shape[1:]), str(w1_local.dtype),
+                                 w1_up is not None),
                         x=(x.shape[1], str(x.dtype)), top_k=topk_idx.shape[1], recipe=repr(config),
                         ep_config=repr(ep_config), tracker=tracker is not None, inputs="ok")
     E = E_loc * ep

@@ -188,7 +188,7 @@ class MoeblazeConverter(ModelConfigConverter):
         on_overflow: str | None = None
         """ep_dispatch="capacity": a destination needing more rows, "error" (None) or "drop" (EPConfig)."""
         ep_chunks: int = 1
-        """moeblaze's dispatch: the all-to-alls in this many parts, each under another part's GEMMs (EPConfig.chunks)."""
+        """moeblaze's dispatch: the all-to-alls in this many parts, each under another's GEMMs (EPConfig.chunks)."""
         ep_transport: str = "tokens"
         """moeblaze's dispatch: "tokens" (a row per (token, rank)) or "pairs" (a row per (token, expert) pair)."""
 
