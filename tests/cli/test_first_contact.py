@@ -80,6 +80,12 @@ def test_a_precision_the_run_cannot_use_is_said(capsys):
     assert "fp8_min_rows=0 applies to precision='fp8'" in capsys.readouterr().err
 
 
+def test_the_deprecated_impl_flag_says_so_once(capsys):
+    assert main(["train", *TINY, "--save", "", "--impl", "reference"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("note: --impl is deprecated and goes in 0.3: say --backend reference") == 1, err
+
+
 def test_dense_layers_leave_a_moe_layer(capsys):
     assert main(["train", *TINY, "--save", "", "--dense-layers", "1"]) == 2
     assert "dense_layers must be < n_layers (1)" in capsys.readouterr().err

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..configs import ACTIVATIONS, BACKENDS, CHECKPOINTS, PRECISIONS, ExpertsConfig, check_layer, fold_impl
+from ..configs import ACTIVATIONS, BACKENDS, CHECKPOINTS, PRECISIONS, ExpertsConfig, check_layer
 from . import UsageError
 
 
@@ -41,7 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def backend_of(args) -> str:
     """ExpertsConfig.backend of --backend (and the deprecated --impl folded into it)."""
-    return fold_impl(args.impl, args.backend) if args.impl is not None else args.backend
+    from .train_flags import backend_flag
+
+    return backend_flag(args)
 
 
 def check_flags(args) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 
 from ..args import check_choice, check_int
 from ..configs import (ACTIVATIONS, BACKENDS, CHECKPOINTS, DISPATCHES, INDEX_METHODS, OVERFLOW, PRECISIONS, ROUTERS,
@@ -47,9 +48,18 @@ def add_experts_arguments(p) -> None:
                    help="the routing index's build: auto (default), dense (sort-free) or sort")
 
 
+def backend_flag(args: argparse.Namespace) -> str:
+    """ExpertsConfig.backend of --backend, and of the deprecated --impl folded into it (once, into args: one note on
+    stderr however often the recipe is read)."""
+    if args.impl is not None:
+        args.backend, args.impl = fold_impl(args.impl, args.backend), None
+        print(f"note: --impl is deprecated and goes in 0.3: say --backend {args.backend}", file=sys.stderr)
+    return args.backend
+
+
 def experts_config(args: argparse.Namespace) -> ExpertsConfig:
     """The recipe the flags of add_experts_arguments say (ValueError or TypeError naming the choice)."""
-    backend = fold_impl(args.impl, args.backend) if args.impl is not None else args.backend
+    backend = backend_flag(args)
     return ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy, backend=backend,
                          precision=args.precision, fp8_weight_cache=args.fp8_weight_cache,
                          fp8_min_rows=args.fp8_min_rows,
