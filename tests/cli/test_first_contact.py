@@ -44,6 +44,16 @@ def test_train_help_is_grouped():
     assert loose == [], loose
 
 
+def test_bench_help_is_grouped():
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+    titles = [g.title for g in sub._action_groups if g._group_actions]
+    for title in ("timing", "the token sweep (--scale)", "end to end in transformers models (--hf)", "results"):
+        assert title in titles, titles
+    loose = [a.option_strings[0] for g in sub._action_groups if g.title == "options" for a in g._group_actions
+             if a.option_strings[0] != "-h"]
+    assert loose == [], loose
+
+
 def test_a_run_never_replaces_a_checkpoint_unasked(tmp_path, capsys):
     path = tmp_path / "ck.pt"
     assert main(["train", *TINY, "--save", str(path)]) == 0

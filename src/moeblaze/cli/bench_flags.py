@@ -14,63 +14,69 @@ from . import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--configs", default=None,
+    g = p.add_argument_group("one layer (the default): the configs and implementations timed")
+    g.add_argument("--configs", default=None,
                    help="comma list of named configs (L,d,h,E,K): "
                         + "; ".join(f"{k} {','.join(map(str, v))}" for k, v in CONFIGS.items())
                         + ". Default all five on a GPU, unless --config, --scale or --dispatch is given; on the CPU "
                         + f"{CPU_CONFIG[0]} {','.join(map(str, CPU_CONFIG[1]))}, a shape the interpreter runs in "
                         "seconds")
-    p.add_argument("--config", action="append", default=[], metavar="L,d,h,E,K", help="extra config (repeatable)")
-    p.add_argument("--impls", default=None,
+    g.add_argument("--config", action="append", default=[], metavar="L,d,h,E,K", help="extra config (repeatable)")
+    g.add_argument("--impls", default=None,
                    help=f"comma list from {','.join(IMPLS)} (default: all available but the moeblaze-<backend> ones, "
                         "which pin moeblaze to one backend)")
-    p.add_argument("--policies", default=None,
+    g.add_argument("--policies", default=None,
                    help="moeblaze policies: preact, recompute, preact-fp8, and their token-chunked variants "
                         "preact-chunked, recompute-chunked, preact-fp8-chunked (default: preact,recompute; with "
                         "--scale also recompute-chunked)")
-    p.add_argument("--precision", default="native", choices=("native", "fp8"),
+    g.add_argument("--precision", default="native", choices=("native", "fp8"),
                    help="fp8: add moeblaze-fp8 (precision=\"fp8\", policies preact and preact-fp8 unless --policies "
                         "names others) to the implementations, beside the peers' bf16")
-    p.add_argument("--activation", default="swiglu", help="the experts' activation")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+    g.add_argument("--activation", default="swiglu", help="the experts' activation")
+    g.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--device", default=None, choices=("cpu", "cuda"),
+    g.add_argument("--device", default=None, choices=("cpu", "cuda"),
                    help="where to run (default: cuda where a GPU is available, else cpu)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 3; 0 on the CPU)")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per round (default 10; 1 on the CPU)")
-    p.add_argument("--no-ref", action="store_true", help="skip the fp32 reference errors")
-    p.add_argument("--stall-s", type=float, default=300,
+    t = p.add_argument_group("timing")
+    t.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 3; 0 on the CPU)")
+    t.add_argument("--iters", type=int, default=None, help="timed calls per round (default 10; 1 on the CPU)")
+    t.add_argument("--no-ref", action="store_true", help="skip the fp32 reference errors")
+    t.add_argument("--stall-s", type=float, default=300,
                    help="print every thread's stack (to stderr) when one implementation's compile and checks "
                         "run longer than this, to show where it hangs; the run goes on (0: off)")
-    p.add_argument("--gpu-busy", action="store_true",
+    t.add_argument("--gpu-busy", action="store_true",
                    help="also record gpu_busy_ms: the kernels' own time in one step (host overhead = step - busy)")
-    p.add_argument("--scale", action="store_true", help="tokens from --min-tokens doubling until OOM or --max-tokens")
-    p.add_argument("--scale-config", default="E", help="config whose d,h,E,K the scaling sweep uses")
-    p.add_argument("--min-tokens", type=int, default=8192, help="--scale: the first token count")
-    p.add_argument("--max-tokens", type=int, default=2 ** 21, help="--scale: the last token count")
-    p.add_argument("--dispatch", action="store_true", help="time the routing index builders")
-    p.add_argument("--dispatch-L", default="32768,524288,2097152", help="--dispatch: token counts")
-    p.add_argument("--dispatch-E", default="8,16,64,256", help="--dispatch: expert counts")
-    p.add_argument("--dispatch-K", default="1,2,8", help="--dispatch: top-k values")
-    p.add_argument("--hf", default=None, metavar="MODELS",
+    s = p.add_argument_group("the token sweep (--scale)")
+    s.add_argument("--scale", action="store_true", help="tokens from --min-tokens doubling until OOM or --max-tokens")
+    s.add_argument("--scale-config", default="E", help="config whose d,h,E,K the scaling sweep uses")
+    s.add_argument("--min-tokens", type=int, default=8192, help="--scale: the first token count")
+    s.add_argument("--max-tokens", type=int, default=2 ** 21, help="--scale: the last token count")
+    x = p.add_argument_group("the routing index builders (--dispatch)")
+    x.add_argument("--dispatch", action="store_true", help="time the routing index builders")
+    x.add_argument("--dispatch-L", default="32768,524288,2097152", help="--dispatch: token counts")
+    x.add_argument("--dispatch-E", default="8,16,64,256", help="--dispatch: expert counts")
+    x.add_argument("--dispatch-K", default="1,2,8", help="--dispatch: top-k values")
+    h = p.add_argument_group("end to end in transformers models (--hf)")
+    h.add_argument("--hf", default=None, metavar="MODELS",
                    help="end to end: train transformers models (comma list of qwen3-30b-a3b, olmoe-1b-7b, "
                         "mixtral-8x7b, gpt-oss-20b; published configs, random weights, fewer layers) with AdamW in "
                         "bf16 on each experts backend (--hf-backends); see moeblaze.bench.hf")
-    p.add_argument("--hf-backends", default=",".join(HF_BACKENDS),
+    h.add_argument("--hf-backends", default=",".join(HF_BACKENDS),
                    help="experts backends for --hf; also sonicmoe-adapter (SonicMoE's own API from its wheel, for "
                         "where transformers' sonicmoe backend can't fetch its kernels)")
-    p.add_argument("--hf-layers", type=int, default=None, help="layers per model for --hf (default: bench.hf.LAYERS)")
-    p.add_argument("--seq", type=int, default=4096, help="sequence length for --hf")
-    p.add_argument("--batch", type=int, default=1, help="sequences per step for --hf")
-    p.add_argument("--hf-steps", type=int, default=10, help="timed steps for --hf (after --warmup)")
-    p.add_argument("--hf-profile", action="store_true",
+    h.add_argument("--hf-layers", type=int, default=None, help="layers per model for --hf (default: bench.hf.LAYERS)")
+    h.add_argument("--seq", type=int, default=4096, help="sequence length for --hf")
+    h.add_argument("--batch", type=int, default=1, help="sequences per step for --hf")
+    h.add_argument("--hf-steps", type=int, default=10, help="timed steps for --hf (after --warmup)")
+    h.add_argument("--hf-profile", action="store_true",
                    help="for --hf: one more step per backend under torch.profiler (GPU busy time, top kernels)")
-    p.add_argument("--max-batch", type=int, default=0, metavar="LIMIT",
+    h.add_argument("--max-batch", type=int, default=0, metavar="LIMIT",
                    help="for --hf: also find each backend's largest batch up to LIMIT sequences (0: skip)")
-    p.add_argument("--out", default="bench-results",
+    o = p.add_argument_group("results")
+    o.add_argument("--out", default="bench-results",
                    help="results folder (default bench-results, in the working directory)")
-    p.add_argument("--plot", action="store_true", help="write PNG charts next to the results")
-    p.add_argument("--report", default=None, metavar="docs/results.md",
+    o.add_argument("--plot", action="store_true", help="write PNG charts next to the results")
+    o.add_argument("--report", default=None, metavar="docs/results.md",
                    help="only regenerate that page's generated results (between its markers) from the --out folder, "
                         "measure nothing")
 
