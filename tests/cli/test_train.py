@@ -565,3 +565,17 @@ def test_a_refused_output_leaves_no_folder_behind(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["file"]
     assert main(["train", *TINY, "--save", "a/b/c.pt", "--loss-log", str(tmp_path / "file" / "l.jsonl")]) == 2
     assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_the_header_names_the_kernels_expert_parallelism_runs():
+    """Under --ep the experts run on the Triton kernels (backend auto resolves to them), which the CPU header says;
+    on one process auto is the PyTorch reference there."""
+    from dataclasses import replace
+
+    from moeblaze import ExpertsConfig, ModelConfig
+    from moeblaze.cli.train_setup import experts_path
+
+    cfg = ModelConfig()
+    assert experts_path(cfg, 1).startswith("the PyTorch reference")
+    assert experts_path(cfg, 2).startswith("the Triton kernels")
+    assert experts_path(replace(cfg, experts=ExpertsConfig(backend="reference")), 2).startswith("the PyTorch reference")

@@ -338,7 +338,7 @@ def _set_up(args, cfg, train, val, ranks) -> _Run:
             + f", corpus {len(train) + len(val):,} bytes, device {device.type}{layout}"
             + (f", {torch.get_num_threads()} CPU thread(s)"
                + (f" (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})" if "OMP_WAIT_POLICY" in os.environ else "")
-               + f", experts on {experts_path(cfg)}"
+               + f", experts on {experts_path(cfg, 1 if ranks is None else ranks.ep)}"
                if device.type == "cpu" else ""))
     if getattr(args, "layout_note", ""):
         run.say(f"layout by rule: {args.layout_note}")

@@ -88,9 +88,11 @@ def _check_processes(args, experts, dist_run: bool) -> None:
             raise UsageError(f"--ep {args.ep} must divide the number of processes ({world})")
         if args.num_experts % args.ep:
             raise UsageError(f"--ep {args.ep} must divide --num-experts ({args.num_experts})")
-        if experts.backend == "reference" or (args.device != "cuda" and not INTERPRET):
-            raise UsageError("--ep runs the experts on the Triton kernels: --device cuda (or TRITON_INTERPRET=1 set "
-                             "before the command starts), not --backend reference")
+        if experts.backend == "reference":
+            raise UsageError("--ep runs the experts on the Triton kernels, not --backend reference")
+        if args.device != "cuda" and not INTERPRET:
+            raise UsageError("--ep runs the experts on the Triton kernels: --device cuda, or on the CPU "
+                             "TRITON_INTERPRET=1 set before the command starts")
 
 
 def _probe_outputs(args, dist_run: bool) -> None:
@@ -179,9 +181,10 @@ def precision_note(args, cfg) -> str:
             "runs e4m3 at any size)")
 
 
-def experts_path(cfg) -> str:
-    """Which code computes the experts on the CPU, as the recipe resolves there."""
+def experts_path(cfg, ep: int = 1) -> str:
+    """Which code computes the experts on the CPU, as the recipe resolves there (expert parallelism, ep > 1, runs
+    the kernels under backend auto)."""
     from ..env import INTERPRET
-    if cfg.experts.backend in ("reference", "auto"):
+    if cfg.experts.backend == "reference" or (cfg.experts.backend == "auto" and ep == 1):
         return "the PyTorch reference (the Triton kernels run with --device cuda)"
     return "the Triton kernels under the interpreter" if INTERPRET else "the Triton kernels"
