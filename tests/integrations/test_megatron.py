@@ -224,6 +224,23 @@ def test_refused_recipes_and_spec_options():
         get_moeblaze_gpt_layer_spec(4, dispatch="megatron", ep=EPConfig())
     with pytest.raises(TypeError, match="ExpertsConfig"):
         get_moeblaze_gpt_layer_spec(4, experts={"checkpoint": "recompute"})
+    for bad, error in ((0, ValueError), (-4, ValueError), ("4", TypeError), (4.0, TypeError)):
+        with pytest.raises(error, match="num_experts"):
+            get_moeblaze_gpt_layer_spec(bad)
+    with pytest.raises(ValueError, match="moe_grouped_gemm=True builds Megatron's grouped-GEMM experts"):
+        get_moeblaze_gpt_layer_spec(4, moe_grouped_gemm=True)
+    get_moeblaze_gpt_layer_spec(4, moe_grouped_gemm=False)  # what it builds anyway: taken
+
+
+def test_use_te_without_transformer_engine_is_refused_by_name():
+    import importlib.util
+
+    from moeblaze.integrations.megatron import get_moeblaze_gpt_layer_spec
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("TransformerEngine is installed here")
+    with pytest.raises(ValueError, match="use_te=True starts from Megatron's TransformerEngine spec"):
+        get_moeblaze_gpt_layer_spec(4, use_te=True)
 
 
 def _recipe_refusals(rank, world, found):

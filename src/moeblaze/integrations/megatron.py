@@ -42,11 +42,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 
 import torch
 import torch.nn.functional as F
 
-from ..args import check_choice
+from ..args import check_choice, check_int
 from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config
 from ..experts import autocast_operands, autocast_weights, moe_experts
 from ..routing import build_routing_index
@@ -312,10 +313,18 @@ def get_moeblaze_gpt_layer_spec(num_experts: int, *, experts: ExpertsConfig = DE
     Returns:
         The TransformerLayer spec, for GPTModel(transformer_layer_spec=...).
     """
+    check_int("num_experts", num_experts)
     check_choice("dispatch", dispatch, DISPATCH)
     check_config("experts", experts, ExpertsConfig)
     if check_config("ep", ep, EPConfig) is not None and dispatch != "moeblaze":
         raise ValueError("ep is moeblaze's expert-parallel dispatch: it applies to dispatch='moeblaze'")
+    if spec_kwargs.pop("moe_grouped_gemm", False):
+        raise ValueError("moe_grouped_gemm=True builds Megatron's grouped-GEMM experts (TEGroupedMLP, GroupedMLP), "
+                         "whose parameters moeblaze's layer doesn't compute: leave it out (moeblaze's experts are one "
+                         "grouped launch over SequentialMLP's parameters)")
+    if use_te and importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError("use_te=True starts from Megatron's TransformerEngine spec, and TransformerEngine is not "
+                         "installed: install it (pip install transformer-engine[pytorch]) or leave use_te out")
     from megatron.core.models.gpt import gpt_layer_specs
     make = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec if use_te
             else gpt_layer_specs.get_gpt_layer_local_spec)
