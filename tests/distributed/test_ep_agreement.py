@@ -145,3 +145,40 @@ def _refused_after_construction(rank, world, errors):
 def test_inputs_refused_after_the_layer_agreed_when_built_are_an_error_on_every_rank():
     for world in (2, 4):
         run_ranks(_refused_after_construction, world, timeout_s=300)
+
+
+def _refused_later(rank, world, errors, ep_config):
+    """After the group has agreed (a first call that ran), a call whose inputs one rank refuses: that rank makes the
+    transport's first exchange with its verdict set, so every rank stops there (the refused rank with its own error,
+    the others with the transport's), and the next agreeing call runs."""
+    from moeblaze.distributed.plan import REFUSED
+
+    toks, w1, w2 = _problem(world)
+    E_loc = w1.shape[0] // world
+    x, idx, w = toks[rank]
+    mine = w1[rank * E_loc:(rank + 1) * E_loc], w2[rank * E_loc:(rank + 1) * E_loc]
+    ep_experts(x, idx, w, *mine, config=BASE, ep_config=ep_config)  # agreed
+    bad = torch.randn(x.shape[0], x.shape[1] + 1) if rank == world - 1 else x
+    try:
+        ep_experts(bad, idx, w, *mine, config=BASE, ep_config=ep_config)
+    except ValueError as e:
+        want = "hidden size mismatch" if rank == world - 1 else REFUSED
+        if want not in str(e):
+            errors.put(f"rank {rank}, {ep_config}: {e}")
+    else:
+        errors.put(f"rank {rank}, {ep_config}: nothing raised")
+    out = ep_experts(x, idx, w, *mine, config=BASE, ep_config=ep_config)  # the group goes on
+    lo = sum(len(t[0]) for t in toks[:rank])
+    assert_within_torch_error(out, _one_process(world, torch.float32)[lo:lo + len(x)],
+                              _one_process(world, torch.float64)[lo:lo + len(x)])
+
+
+@pytest.mark.parametrize("ep_config", [EPConfig(), EPConfig("capacity", capacity=32),
+                                       EPConfig("capacity", capacity=32, on_overflow="drop"),
+                                       EPConfig(transport="pairs"),
+                                       EPConfig("capacity", capacity=32, transport="pairs")],
+                         ids=["tokens-exact", "tokens-capacity", "tokens-drop", "pairs-exact", "pairs-capacity"])
+def test_inputs_refused_after_the_group_agreed_stop_every_rank(ep_config):
+    run_ranks(_refused_later, 2, ep_config, timeout_s=300)
+    if ep_config.transport == "tokens" and ep_config.dispatch == "exact":
+        run_ranks(_refused_later, 4, ep_config, timeout_s=300)

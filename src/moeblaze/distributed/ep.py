@@ -24,7 +24,7 @@ from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config, from_legac
 from ..experts import call_weights, kernel_op_key
 from ..experts.dispatch import choose
 from ..routing.checks import check_expert_inputs, check_topk_idx, check_topk_weights
-from .plan import CapacityTracker
+from .plan import CapacityTracker, refuse
 from .transports import EPCall, capacity_rows, transport
 
 
@@ -43,6 +43,9 @@ def check_options(config: ExpertsConfig) -> None:
 # process group -> the call signatures its ranks were checked to agree on (by the group object: a name such as "0"
 # comes back with the next group after destroy_process_group, and a signature agreed in the old one proves nothing)
 _AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# process group -> its last agreed ep_experts call's (local experts, EPConfig, device): what a rank refusing its inputs
+# in a later call shapes the transport's first exchange by (_refuse)
+_LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # what every rank of an expert-parallel group must pass alike, as the error names it
 AGREED_FIELDS = {"experts": "number of local experts (w1_local.shape[0])",
@@ -142,10 +145,11 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     except (TypeError, ValueError) as e:
         pg = group if group is not None else dist.group.WORLD
         if any(dict(k).get("entry") == "ep_experts" for k in _AGREED.get(pg, ())):
-            # the others, past a first ep_experts call in this group, make no collective here: this rank raises
-            # alone (the others' next collective then ends at the process group's timeout). Another entry's
-            # agreement in the group (ExpertParallel's, a Megatron layer's, when built) doesn't count: the others'
-            # first ep_experts call still makes the one below
+            # the others, past a first ep_experts call in this group, make no agreement collective here: this rank
+            # makes their transport's first exchange, as the group's last call made it, with its verdict set, so
+            # that they stop there with it (plan.REFUSED). Another entry's agreement in the group (ExpertParallel's,
+            # a Megatron layer's, when built) doesn't count: the others' first ep_experts call makes the one below
+            _refuse(group, pg, ep)
             raise
         # every rank's first call makes this one: all raise
         check_agreement(group, entry="ep_experts", inputs=f"{type(e).__name__}: {e}")
@@ -157,6 +161,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
                                  w1_up is not None),
                         x=(x.shape[1], str(x.dtype)), top_k=topk_idx.shape[1], recipe=repr(config),
                         ep_config=repr(ep_config), tracker=tracker is not None, inputs="ok")
+        _LAST[group if group is not None else dist.group.WORLD] = (E_loc, ep_config, x.device)
     E = E_loc * ep
     L, K = topk_idx.shape
     C = None
@@ -189,6 +194,19 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     if dropped is not None and C is not None and ep_config.overflow == "drop" and tracker is None:
         dropped.add_((t.rows_per_dest(topk_idx, E_loc, ep) - C).clamp(min=0).sum())
     return out
+
+
+def _refuse(group, pg, ep: int) -> None:
+    """This rank's side of the transport's first exchange with its verdict set, shaped as the group's last agreed
+    call's (its local experts and dispatch): where the other ranks make the same call again, they stop there too.
+    Nothing where the transport declares no first exchange (this rank then raises alone)."""
+    last = _LAST.get(pg)
+    if last is None:
+        return
+    E_loc, ep_config, device = last
+    shape = transport(ep_config.transport).first_exchange
+    if shape is not None:
+        refuse(group, shape(ep, E_loc, None if ep_config.dispatch == "exact" else 1), device)
 
 
 def _group_name(group) -> str:

@@ -222,6 +222,12 @@ EP = define_ep_op("ep", EPInputs, FLAT, EPKept, ep_forward, ep_backward, tail=_T
                   bwd_fake=grad_fakes(EPInputs))
 
 
+def first_exchange(ep: int, E_loc: int, capacity: int | None) -> tuple[int, ...]:
+    """The shape of this transport's first exchange (plan.refuse): the per-expert counts, and capacity dispatch's
+    capacity."""
+    return (ep, E_loc) if capacity is None else (ep, E_loc + 1)
+
+
 def rows_sent(topk_idx: torch.Tensor, E_loc: int, ep: int) -> torch.Tensor:
     """(ep,) int64: the (token, expert) rows this rank's routing sends to each rank."""
     dest = topk_idx.reshape(-1).long() // E_loc

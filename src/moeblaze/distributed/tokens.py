@@ -42,7 +42,7 @@ from ..experts.stages import combine_slots
 from ..launch import ensure_context
 from ..routing import RoutingIndex, build_routing_index
 from .ep_op import define_ep_op, grad_fakes, run_ep_op
-from .plan import _all_to_all, capacity_checks, resolve_group, wait
+from .plan import REFUSED, _all_to_all, capacity_checks, exchange, resolve_group, wait
 
 
 class TokenInputs(NamedTuple):
@@ -95,6 +95,11 @@ _N_IN = len(TokenInputs._fields)
 _TAIL = "str group_name, str key, int? capacity, bool fail_on_overflow, int parts"
 
 
+def first_exchange(ep: int, E_loc: int, capacity: int | None) -> tuple[int, ...]:
+    """The shape of this transport's first exchange (plan.refuse): the counts, and capacity dispatch's capacity."""
+    return (ep,) if capacity is None else (ep, 2)
+
+
 def rows_sent(topk_idx: torch.Tensor, E_loc: int, ep: int) -> torch.Tensor:
     """(ep,) int64: the (token, rank) rows this rank's routing sends to each rank (what capacity dispatch bounds)."""
     return _hits(topk_idx.long() // E_loc, ep).sum(0)
@@ -131,16 +136,17 @@ class TokenPlan:
         within = hit.cumsum(0) - hit  # each (token, destination)'s place among that destination's rows
         self.needed = counts.max() if L else counts.new_zeros(())
         if capacity is None:
-            got = torch.empty_like(counts)
-            dist.all_to_all_single(got, counts, group=group)
-            self.splits = torch.stack([counts, got]).cpu()  # (2, ep): the one host sync
+            got, verdicts = exchange(counts, group)
+            host = torch.stack([counts, got, verdicts]).cpu()  # the one host sync
+            if host[2].any():
+                raise ValueError(REFUSED)
+            self.splits = host[:2]  # (2, ep)
             block = counts  # each destination's rows
             keep = hit.bool()
         else:
             sent = torch.stack([counts.clamp(max=capacity), counts.new_full((ep,), capacity)], 1)
-            got = torch.empty_like(sent)
-            dist.all_to_all_single(got, sent, group=group)
-            capacity_checks(got[:, 1] != capacity, self.needed, capacity, fail_on_overflow, group)
+            got, verdicts = exchange(sent, group)
+            capacity_checks(got[:, 1] != capacity, self.needed, capacity, fail_on_overflow, group, verdicts)
             self.splits = torch.empty(0, dtype=torch.int64, device=dev)
             block = counts.new_full((ep,), capacity)
             keep = hit.bool() & (within < capacity)

@@ -49,7 +49,9 @@ class Transport(NamedTuple):
     destination, rows_per_dest(topk_idx, E_loc, ep) -> (ep,) (no host sync), the pairs each received row carries
     in the receiver's index (pairs_per_row(K)), whether that index always holds dropped pairs (sentinels), and
     the dispatch modes in which it takes EPConfig.chunks (chunks: the all-to-alls pipelined under the GEMMs) and
-    whether those chunks group the local experts (so that there can be no more of them than local experts)."""
+    whether those chunks group the local experts (so that there can be no more of them than local experts), and
+    the shape of its first exchange, first_exchange(ep, E_loc, capacity) (plan.exchange: a rank that refuses its
+    inputs makes it, so that the others stop with it; None: that rank raises alone)."""
     run: Callable
     mean_rows: Callable[[int, int, int], float]
     max_rows: Callable[[int, int, int], float]
@@ -58,6 +60,7 @@ class Transport(NamedTuple):
     sentinels: bool = False
     chunks: tuple[str, ...] = ()
     expert_chunks: bool = False
+    first_exchange: Callable | None = None
 
 
 def _hit_fraction(K: int, ep: int, E_loc: int) -> float:
@@ -71,9 +74,9 @@ def _hit_fraction(K: int, ep: int, E_loc: int) -> float:
 
 TRANSPORTS: dict[str, Transport] = {
     "pairs": Transport(pairs.run, lambda K, ep, E_loc: K / ep, lambda L, K, E_loc: math.inf, pairs.rows_sent,
-                       lambda K: 1, chunks=("exact",), expert_chunks=True),
+                       lambda K: 1, chunks=("exact",), expert_chunks=True, first_exchange=pairs.first_exchange),
     "tokens": Transport(tokens.run, _hit_fraction, lambda L, K, E_loc: L, tokens.rows_sent, lambda K: K,
-                        sentinels=True, chunks=("exact", "capacity")),
+                        sentinels=True, chunks=("exact", "capacity"), first_exchange=tokens.first_exchange),
 }
 
 
