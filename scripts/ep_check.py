@@ -203,8 +203,8 @@ def captured(rank: int, world: int, L: int, backend: str, checkpoint: str, devic
 
 def agreement(rank: int, world: int, L: int, device) -> list[str]:
     """Each entry's first call in a fresh group, with the last rank disagreeing (a checkpoint policy) or passing
-    inputs it refuses (x one column wider): the same error on every rank, never an abort or a hang; then every rank
-    runs the agreeing call."""
+    inputs it refuses (x one column wider), and ep_experts' second call with such inputs (x_width_later): an error on
+    every rank, never an abort or a hang; then every rank runs the agreeing call."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from moeblaze.distributed import ExpertParallel
@@ -216,11 +216,13 @@ def agreement(rank: int, world: int, L: int, device) -> list[str]:
     odd = rank == world - 1
     lines = []
     for entry in ("ep_experts", "ExpertParallel"):
-        for case in ("checkpoint", "x_width"):
+        for case in ("checkpoint", "x_width") + (("x_width_later",) if entry == "ep_experts" else ()):
             group = dist.new_group(list(range(world)))  # nothing agreed in it yet
             xm = x[mine].bfloat16()
             config = ExpertsConfig(checkpoint="recompute" if case == "checkpoint" and odd else "preact")
-            if case == "x_width" and odd:
+            if case == "x_width_later":  # a call that agrees first: the refusal comes in the group's second call
+                ep_experts(xm, idx[mine], w[mine], w1[experts], w2[experts], group=group, config=config)
+            if case.startswith("x_width") and odd:
                 xm = torch.randn(L, x.shape[1] + 8, device=device, dtype=torch.bfloat16)
             try:
                 if entry == "ep_experts":
@@ -239,7 +241,7 @@ def agreement(rank: int, world: int, L: int, device) -> list[str]:
             ok = torch.tensor([said.startswith("ValueError") and bool(torch.isfinite(out.float()).all())],
                               device=device, dtype=torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-            lines.append(f"ep={world} {entry} first call, {case} on rank {world - 1}: rank {rank} {said}; "
+            lines.append(f"ep={world} {entry}, {case} on rank {world - 1}: rank {rank} {said}; "
                          + ("every rank raised, then ran the agreeing call" if ok.item() else "FAILED"))
     return lines
 
