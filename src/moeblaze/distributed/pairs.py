@@ -56,7 +56,7 @@ from ..experts.op import Kept, OpInputs, experts_backward, experts_forward, kept
 from ..launch import ensure_context
 from ..routing import RoutingIndex, build_routing_index
 from ..routing.index import in_row_order
-from .ep_op import define_ep_op, grad_fakes, run_ep_op
+from .ep_op import EPOptions, declare_ep_op, run_ep_op
 from .plan import Group, PlanTensors, make_plan, part, resolve_group, restore_plan, wait
 
 
@@ -81,28 +81,11 @@ class EPInputs(NamedTuple):
 
 class EPKept(NamedTuple):
     """What the forward hands the backward: the transport's tensors (plan.PlanTensors), the received rows (empty
-    under "recompute": sent again) and the op's own Kept, one per group of local experts (plan.Group). Through the
-    custom ops they travel flat (flat(), of()): their schemas are FLAT's fields (one group: the traced path,
-    capacity dispatch, has one)."""
+    under "recompute": sent again) and the op's own Kept, one per group of local experts (plan.Group): a repeated
+    group, which the custom ops' schemas name once (the traced path, capacity dispatch, has one)."""
     plan: PlanTensors
     recv_x: torch.Tensor
     ops: tuple[Kept, ...]
-
-    def flat(self) -> tuple:
-        return (*self.plan, self.recv_x, *(t for kept in self.ops for t in kept))
-
-    @classmethod
-    def of(cls, flat) -> EPKept:
-        n, m = len(PlanTensors._fields), len(Kept._fields)
-        rest = flat[n + 1:]
-        return cls(PlanTensors(*flat[:n]), flat[n], tuple(Kept(*rest[i:i + m]) for i in range(0, len(rest), m)))
-
-
-FLAT = (*PlanTensors._fields, "recv_x", *Kept._fields)  # EPKept's tensors, in the custom ops' schemas
-
-
-_N_IN = len(EPInputs._fields)
-_TAIL = "str group_name, str key, int? capacity, bool fail_on_overflow, int chunks"
 
 
 def _keeps_rows(key: str) -> bool:
@@ -116,16 +99,15 @@ def _group_inputs(rows: torch.Tensor, weights: torch.Tensor, inputs: EPInputs, g
                        part(weights, g.rows), g.recv, w1_up=part(inputs.w1_up, g.experts))
 
 
-def ep_forward(inputs: EPInputs, group_name: str, key: str, capacity: int | None, fail_on_overflow: bool,
-               chunks: int = 1) -> tuple[torch.Tensor, torch.Tensor, EPKept]:
+def ep_forward(inputs: EPInputs, o: EPOptions) -> tuple[torch.Tensor, torch.Tensor, EPKept]:
     """(out (L, D), the most rows any destination needed (capacity mode; 0 in exact mode), what backward keeps):
     the forward body. The experts run as the op's forward body on the received rows, group by group (plan.Group),
     with unit weights: their rows go back as Y itself and the sender combines them with its router weights, as on
     one GPU. With several groups each group's GEMMs run while the next group's rows arrive and the previous
     group's go back."""
-    group = resolve_group(group_name)
+    group, key = resolve_group(o.group_name), o.key
     x = inputs.x
-    plan = make_plan(inputs.routing, dist.get_world_size(group), group, capacity, fail_on_overflow, chunks)
+    plan = make_plan(inputs.routing, dist.get_world_size(group), group, o.capacity, o.fail_on_overflow, o.chunks)
     sending = plan.send(x)
     recv_x, arrived = plan.dispatch_groups(sending)
     ones = recv_x.new_ones(recv_x.shape[0], 1, dtype=torch.float32)
@@ -154,16 +136,15 @@ def _joined(parts: list[torch.Tensor], like: torch.Tensor | None, groups) -> tor
     return out
 
 
-def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name: str, key: str
-                ) -> tuple[torch.Tensor, ...]:
+def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, o: EPOptions) -> tuple[torch.Tensor, ...]:
     """(dx, dtopk_w, dw1, dw2, dw1_up (empty without w1_up)): the backward body. dy's rows and the router weights go
     to the experts, which run the op's backward body on them group by group (the weights applied in its epilogue,
     as on one GPU) and return dX~ and dS; with several groups, a group's rows go back under the next group's
     GEMMs."""
     if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.op)
         ensure_context(dout.get_device())
-    x, topk_w = inputs.x, inputs.topk_w
-    plan = restore_plan(inputs.routing, resolve_group(group_name), saved.plan)
+    x, topk_w, key = inputs.x, inputs.topk_w, o.key
+    plan = restore_plan(inputs.routing, resolve_group(o.group_name), saved.plan)
     recv_x = saved.recv_x if _keeps_rows(key) else plan.dispatch(plan.send(x))  # "recompute": sent again
     w_rows = in_row_order(topk_w, plan.routing.token_slot, plan.routing.expert_token_idx.shape[0],
                           torch.float32)  # router weights in expert order
@@ -198,10 +179,9 @@ def ep_backward(dout: torch.Tensor, inputs: EPInputs, saved: EPKept, group_name:
 # One custom-op pair for both dispatch modes, its schemas from the bundles above: torch.compile traces it
 # (capacity dispatch: fixed shapes, ep·C rows, so it compiles with fullgraph=True and runs in a CUDA graph; the
 # communication inside it, on a process group named by string), and eager mode calls its bodies directly
-# (distributed.ep_op, over experts.op.define_op_pair: the op's skeleton), as the op does.
-def _forward_fake(*args):
-    inputs = EPInputs(*args[:_N_IN])
-    group_name, key, capacity, _fail, _chunks = args[_N_IN:]
+# (distributed.ep_op, declared as moeblaze.declare.Op, as the experts op is).
+def _forward_fake(inputs: EPInputs, o: EPOptions):
+    group_name, key, capacity = o.group_name, o.key, o.capacity
     if capacity is None:
         raise NotImplementedError("exact dispatch under torch.compile: its row counts are read on the host")
     x, E_loc = inputs.x, inputs.w1.shape[0]
@@ -215,11 +195,10 @@ def _forward_fake(*args):
                        send_pos=torch.empty(R, **longs), slot_LK=torch.empty(inputs.token_slot.shape, **ints),
                        kept_rows=torch.empty(1, **ints), splits=torch.empty(0, **longs))
     rows = recv.x if _keeps_rows(key) else x.new_empty(0)
-    return (x.new_empty(x.shape), torch.empty((), **longs), *EPKept(plan, rows, (kept_like(recv, key),)).flat())
+    return x.new_empty(x.shape), torch.empty((), **longs), EPKept(plan, rows, (kept_like(recv, key),))
 
 
-EP = define_ep_op("ep", EPInputs, FLAT, EPKept, ep_forward, ep_backward, tail=_TAIL, fwd_fake=_forward_fake,
-                  bwd_fake=grad_fakes(EPInputs))
+EP = declare_ep_op("ep", EPInputs, EPKept, ep_forward, ep_backward, _forward_fake)
 
 
 def first_exchange(ep: int, E_loc: int, capacity: int | None) -> tuple[int, ...]:
@@ -238,6 +217,6 @@ def run(call) -> tuple[torch.Tensor, torch.Tensor]:
     """The transport's entry (distributed.transports): (out, needed) for an EPCall. The sender's routing index over
     all E experts is built here (its rows are the send order)."""
     routing = build_routing_index(call.topk_idx, call.num_experts, call.index_method, check=False)
-    args = (*EPInputs(call.x, call.topk_w, call.w1, call.w2, *routing.tensors(), call.w1_up), call.group_name,
-            call.key, call.capacity, call.fail_on_overflow, call.chunks)
-    return run_ep_op(EP, args, call.capacity)
+    inputs = EPInputs(call.x, call.topk_w, call.w1, call.w2, *routing.tensors(), call.w1_up)
+    return run_ep_op(EP, inputs, EPOptions(call.group_name, call.key, call.capacity, call.fail_on_overflow,
+                                           call.chunks))

@@ -41,7 +41,7 @@ from ..experts.op import Kept, OpInputs, experts_backward, experts_forward, kept
 from ..experts.stages import combine_slots
 from ..launch import ensure_context
 from ..routing import RoutingIndex, build_routing_index
-from .ep_op import define_ep_op, grad_fakes, run_ep_op
+from .ep_op import EPOptions, declare_ep_op, run_ep_op
 from .plan import REFUSED, _all_to_all, capacity_checks, exchange, resolve_group, wait
 
 
@@ -79,20 +79,6 @@ class TokenKept(NamedTuple):
     plan: TokenPlanTensors
     recv_x: torch.Tensor
     ops: tuple[Kept, ...]
-
-    def flat(self) -> tuple:
-        return (*self.plan, self.recv_x, *(t for kept in self.ops for t in kept))
-
-    @classmethod
-    def of(cls, flat) -> TokenKept:
-        n, m = len(TokenPlanTensors._fields), len(Kept._fields)
-        rest = flat[n + 1:]
-        return cls(TokenPlanTensors(*flat[:n]), flat[n], tuple(Kept(*rest[i:i + m]) for i in range(0, len(rest), m)))
-
-
-FLAT = (*TokenPlanTensors._fields, "recv_x", *Kept._fields)
-_N_IN = len(TokenInputs._fields)
-_TAIL = "str group_name, str key, int? capacity, bool fail_on_overflow, int parts"
 
 
 def first_exchange(ep: int, E_loc: int, capacity: int | None) -> tuple[int, ...]:
@@ -264,13 +250,12 @@ def _op_inputs(rows: torch.Tensor, recv_w: torch.Tensor, recv: RoutingIndex, inp
     return OpInputs.of(rows, inputs.w1, inputs.w2, recv_w, recv, w1_up=inputs.w1_up)
 
 
-def tokens_forward(inputs: TokenInputs, group_name: str, key: str, capacity: int | None, fail_on_overflow: bool,
-                   parts: int = 1) -> tuple[torch.Tensor, torch.Tensor, TokenKept]:
+def tokens_forward(inputs: TokenInputs, o: EPOptions) -> tuple[torch.Tensor, torch.Tensor, TokenKept]:
     """(out (L, D), the most rows any destination needed (capacity dispatch's tracker), what backward keeps). With
     several parts, part p's experts run while part p + 1's rows arrive and part p - 1's partial sums go back."""
-    group = resolve_group(group_name)
+    group, key = resolve_group(o.group_name), o.key
     x, E_loc = inputs.x, inputs.w1.shape[0]
-    plan = TokenPlan(inputs.topk_idx, inputs.topk_w, E_loc, group, capacity, fail_on_overflow, parts)
+    plan = TokenPlan(inputs.topk_idx, inputs.topk_w, E_loc, group, o.capacity, o.fail_on_overflow, o.chunks)
     meta, meta_arrived = plan.dispatch_parts(plan.meta)
     sending = plan.send(x)
     recv_x, arrived = plan.dispatch_parts(sending)
@@ -289,7 +274,7 @@ def tokens_forward(inputs: TokenInputs, group_name: str, key: str, capacity: int
     return out, plan.needed.to(torch.int64), TokenKept(plan.tensors(recvs, torch.cat(weights)), rows, tuple(kept))
 
 
-def tokens_backward(dout: torch.Tensor, inputs: TokenInputs, saved: TokenKept, group_name: str, key: str
+def tokens_backward(dout: torch.Tensor, inputs: TokenInputs, saved: TokenKept, o: EPOptions
                     ) -> tuple[torch.Tensor, ...]:
     """(dx, dtopk_w, dw1, dw2, dw1_up (empty without w1_up)). With several parts, part p's backward GEMMs run while
     part p + 1's dy arrives and part p - 1's dX partial sums and dS go back; the weights' gradients are the parts'
@@ -297,7 +282,8 @@ def tokens_backward(dout: torch.Tensor, inputs: TokenInputs, saved: TokenKept, g
     if dout.is_cuda:  # autograd runs backward on a thread of its own (see experts.op)
         ensure_context(dout.get_device())
     x, topk_w = inputs.x, inputs.topk_w
-    plan, recvs = TokenPlan.restore(resolve_group(group_name), saved.plan)
+    key = o.key
+    plan, recvs = TokenPlan.restore(resolve_group(o.group_name), saved.plan)
     recv_x = saved.recv_x if parse(key).checkpoint != "recompute" else plan.dispatch(plan.send(x))
     sending = plan.send(dout)
     dy_recv, arrived = plan.dispatch_parts(sending)
@@ -318,9 +304,8 @@ def tokens_backward(dout: torch.Tensor, inputs: TokenInputs, saved: TokenKept, g
     return dx, dtopk_w, *dw
 
 
-def _forward_fake(*args):
-    inputs = TokenInputs(*args[:_N_IN])
-    group_name, key, capacity, _fail, _parts = args[_N_IN:]
+def _forward_fake(inputs: TokenInputs, o: EPOptions):
+    group_name, key, capacity = o.group_name, o.key, o.capacity
     if capacity is None:
         raise NotImplementedError("exact dispatch under torch.compile: its row counts are read on the host")
     x, (L, K), E_loc = inputs.x, inputs.topk_idx.shape, inputs.w1.shape[0]
@@ -331,13 +316,12 @@ def _forward_fake(*args):
                     torch.empty(E_loc + 1, **ints), torch.empty(R * K, **ints), torch.empty(R, K, **ints),
                     w1_up=inputs.w1_up)
     plan = TokenPlanTensors(torch.empty(R, **longs), torch.empty(L, K, **ints), torch.empty(L, K, **ints),
-                            torch.empty(1, **ints), torch.empty(0, **longs), *recv[4:8], recv_w)
+                            torch.empty(1, **ints), torch.empty(0, **longs), *recv.routing.tensors(), recv_w)
     rows = recv.x if parse(key).checkpoint != "recompute" else x.new_empty(0)
-    return (x.new_empty(x.shape), torch.empty((), **longs), *TokenKept(plan, rows, (kept_like(recv, key),)).flat())
+    return x.new_empty(x.shape), torch.empty((), **longs), TokenKept(plan, rows, (kept_like(recv, key),))
 
 
-EP_TOKENS = define_ep_op("ep_tokens", TokenInputs, FLAT, TokenKept, tokens_forward, tokens_backward, tail=_TAIL,
-                         fwd_fake=_forward_fake, bwd_fake=grad_fakes(TokenInputs))
+EP_TOKENS = declare_ep_op("ep_tokens", TokenInputs, TokenKept, tokens_forward, tokens_backward, _forward_fake)
 
 
 def run(call) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,6 +329,6 @@ def run(call) -> tuple[torch.Tensor, torch.Tensor]:
     if call.chunks > 1 and torch.compiler.is_compiling():
         raise ValueError(f"EPConfig(chunks={call.chunks}) pipelines the tokens transport eagerly; under torch.compile "
                          "use chunks=1 (the traced op is one part)")
-    args = (*TokenInputs(call.x, call.topk_w, call.w1, call.w2, call.topk_idx, call.w1_up), call.group_name,
-            call.key, call.capacity, call.fail_on_overflow, call.chunks)
-    return run_ep_op(EP_TOKENS, args, call.capacity)
+    inputs = TokenInputs(call.x, call.topk_w, call.w1, call.w2, call.topk_idx, call.w1_up)
+    return run_ep_op(EP_TOKENS, inputs, EPOptions(call.group_name, call.key, call.capacity, call.fail_on_overflow,
+                                                  call.chunks))

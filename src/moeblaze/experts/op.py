@@ -61,10 +61,11 @@ Legend: L tokens, D hidden, H expert intermediate, F rows of W1 per expert, E ex
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
+from ..declare import Op
 from ..launch import ensure_context
 from ..reference.fp8 import FP8
 from ..routing import RoutingIndex
@@ -92,7 +93,7 @@ class OpKey(NamedTuple):
         return ",".join(v if isinstance(v, str) else str(int(v)) for v in self)
 
     @property
-    def gemms(self):
+    def gemms(self) -> Gemms:
         return Fp8Gemms(self) if self.fp8 else NativeGemms(self)
 
 
@@ -100,6 +101,26 @@ class OpKey(NamedTuple):
 def parse(key: str) -> OpKey:
     a, c, b, *flags = key.split(",")
     return OpKey(a, c, b, *(f == "1" for f in flags))
+
+
+class Gemms(Protocol):
+    """A GEMM set the op's bodies run on, over one call's RowPlan: NativeGemms (the inputs' dtype) and
+    experts.fp8.Fp8Gemms (the four data GEMMs on e4m3). Each is built from the call's OpKey."""
+
+    def up(self, plan: RowPlan, x_LD, inputs: OpInputs, keep: bool) -> tuple:
+        """(preact (empty unless keep), act, preact in e4m3 with its scales where the pass made it, else None)."""
+
+    def preact(self, plan: RowPlan, x_LD, inputs: OpInputs) -> torch.Tensor:
+        """preact recomputed in backward ("recompute")."""
+
+    def down(self, plan: RowPlan, act_RH, w2_EDH, dtype: torch.dtype) -> torch.Tensor:
+        """Y (R, D) in dtype."""
+
+    def dact(self, plan: RowPlan, dy_LD, w2_EDH, preact_RF, preact_scale, topk_w_LK, overwrite: bool) -> tuple:
+        """(dH, s·A, dS, dH in e4m3 with its scales where the pass made it, else None)."""
+
+    def dx_rows(self, plan: RowPlan, dpreact_RF, dpreact_q, inputs: OpInputs) -> torch.Tensor:
+        """dX~ (R, D)."""
 
 
 class NativeGemms:
@@ -179,12 +200,6 @@ class OpInputs(NamedTuple):
         """F: W1's rows per expert, both parts."""
         return self.w1.shape[1] + (0 if self.w1_up is None else self.w1_up.shape[1])
 
-    def grads(self, grads: tuple) -> tuple:
-        """The gradient of each field (None where it takes none, or is absent) from the backward body's outputs (one
-        per DIFFERENTIABLE field)."""
-        g = dict(zip(DIFFERENTIABLE, grads))
-        return tuple(g[f] if f in g and v is not None else None for f, v in zip(self._fields, self))
-
 
 DIFFERENTIABLE = ("x", "w1", "w2", "topk_w", "b1", "b2", "w1_up")  # the backward body's outputs, in this order
 
@@ -202,18 +217,6 @@ class Kept(NamedTuple):
     def plan(self, inputs: OpInputs) -> RowPlan:
         return RowPlan(inputs.expert_token_idx, inputs.expert_offsets, inputs.token_slot, self.tile_expert,
                        self.tile_row, self.tiles_used)
-
-
-def op_schema(*groups: type | str, tail: str = "str key", returns: int) -> str:
-    """A custom op's schema from NamedTuple groups of tensor fields (a field defaulting to None is optional) and
-    plain tensor arguments (str: their names), then `tail` (the non-tensor arguments), returning `returns` tensors."""
-    args = []
-    for g in groups:
-        if isinstance(g, str):
-            args.append(f"Tensor {g}")
-            continue
-        args += [("Tensor? " if g._field_defaults.get(f, 0) is None else "Tensor ") + f for f in g._fields]
-    return f"({', '.join(args + [tail])}) -> ({', '.join(['Tensor'] * returns)})"
 
 
 def experts_forward(inputs: OpInputs, key: str) -> tuple[torch.Tensor, Kept]:
@@ -245,11 +248,6 @@ def _kept(preact_RF: torch.Tensor, preact_q, r: OpKey) -> tuple[torch.Tensor, to
     return preact_RF, none
 
 
-def _forward_op(*args):
-    out, kept = experts_forward(OpInputs(*args[:-1]), args[-1])
-    return (out, *kept)
-
-
 def kept_like(inputs: OpInputs, key: str) -> Kept:
     """Kept's shapes for these inputs (no data): the fakes' rule, here and in expert parallelism."""
     r, x = parse(key), inputs.x
@@ -262,9 +260,8 @@ def kept_like(inputs: OpInputs, key: str) -> Kept:
     return Kept(preact, scale, torch.empty(tiles, **ints), torch.empty(tiles, **ints), torch.empty(1, **ints))
 
 
-def _forward_fake(*args):
-    inputs = OpInputs(*args[:-1])
-    return (inputs.x.new_empty(inputs.x.shape), *kept_like(inputs, args[-1]))
+def _forward_fake(inputs: OpInputs, options: OpOptions) -> tuple[torch.Tensor, Kept]:
+    return inputs.x.new_empty(inputs.x.shape), kept_like(inputs, options.key)
 
 
 TAIL_ROWS = 256  # >= the row block (BLOCK_K) of every weight-gradient kernel (experts.tl.configs, gluon_sm90)
@@ -341,13 +338,6 @@ def experts_backward(dy_LD: torch.Tensor, inputs: OpInputs, kept: Kept, key: str
     return dx, dw1, dw2, dtopk_w, *(_grad_or_empty(g, x_LD) for g in (db1, db2, dw1_up))
 
 
-_N_IN = len(OpInputs._fields)
-
-
-def _backward_op(dy, *args):
-    return experts_backward(dy, OpInputs(*args[:_N_IN]), Kept(*args[_N_IN:-1]), args[-1])
-
-
 def _graph_kept() -> bool:
     """Whether the running backward keeps the graph for another (retain_graph, create_graph); True where this torch
     cannot say."""
@@ -355,89 +345,22 @@ def _graph_kept() -> bool:
     return True if kept is None else bool(kept())
 
 
-def _eager_backward_op(dy, *args):
-    """_backward_op for the eager Function: its saved preact is read by no one after this call unless the graph is
-    kept (the custom op's schema declares no mutation, so its backward never writes over an input)."""
-    return experts_backward(dy, OpInputs(*args[:_N_IN]), Kept(*args[_N_IN:-1]), args[-1],
-                            overwrite_kept=not _graph_kept())
+class OpOptions(NamedTuple):
+    """The op's non-tensor options: the call's OpKey as text."""
+    key: str
 
 
-def _backward_fake(dy, *args):
-    inputs = OpInputs(*args[:_N_IN])
-    none = inputs.x.new_empty(0)
-    return (inputs.x.new_empty(inputs.x.shape), torch.empty_like(inputs.w1), torch.empty_like(inputs.w2),
-            inputs.topk_w.new_empty(inputs.topk_w.shape), *(none if t is None else torch.empty_like(t)
-                                                             for t in (inputs.b1, inputs.b2, inputs.w1_up)))
-
-
-def _setup_context(ctx, inputs, output):
-    # backward needs no counts (the tile schedule holds them): an empty tensor in their place
-    saved = OpInputs(*inputs[:-1])
-    ctx.save_for_backward(*saved._replace(expert_counts=saved.expert_counts.new_empty(0)), *output[1:])
-    ctx.tail = inputs[-1:]  # the key
-    # preact is saved state, never used downstream: don't let autograd fill an (R, F) zero gradient for it
-    ctx.set_materialize_grads(False)
-
-
-def _grads(saved: tuple, results: tuple) -> tuple:
-    return OpInputs(*saved[:_N_IN]).grads(results)
-
-
-class OpPair(NamedTuple):
-    """A custom-op pair and the eager autograd.Function over the same bodies: the op skeleton's autograd
-    (define_op_pair), written once for the experts op and for expert parallelism's op around it."""
-    fwd: object
-    bwd: object
-    eager: type
-
-
-def define_op_pair(name: str, forward_op, backward_op, *, fwd_schema: str, bwd_schema: str, setup_context, grads,
-                   fwd_fake, bwd_fake, eager_backward_op=None) -> OpPair:
-    """moeblaze::{name}_fwd and moeblaze::{name}_bwd from their bodies, schemas and fakes, the autograd that joins
-    them, and the eager Function (eager_function). forward_op returns (result, *rest): the first output is the result,
-    the others saved state or side outputs; setup_context(ctx, inputs, output) saves what backward reads and sets
-    ctx.tail, the non-tensor arguments backward_op takes after the saved tensors; grads(saved, results) maps
-    backward_op's results to one gradient per tensor input, and every argument past them (the schema's tail) gets
-    None. eager_backward_op: the eager Function's backward body, where it differs (default backward_op)."""
-    fwd = torch.library.custom_op(f"moeblaze::{name}_fwd", forward_op, mutates_args=(), schema=fwd_schema)
-    bwd = torch.library.custom_op(f"moeblaze::{name}_bwd", backward_op, mutates_args=(), schema=bwd_schema)
-    fwd.register_fake(fwd_fake)
-    bwd.register_fake(bwd_fake)
-    n_args = fwd_schema[:fwd_schema.index(") ->")].count(",") + 1  # the forward's arguments, each answered
-
-    def backward_with(op):
-        def backward(ctx, dout, *_state_outputs):
-            if dout is None:  # the result took no part in the loss
-                return (None,) * n_args
-            saved = ctx.saved_tensors  # once: activation checkpointing unpacks each saved tensor once only
-            g = grads(saved, op(dout.contiguous(), *saved, *ctx.tail))
-            return (*g, *(None,) * (n_args - len(g)))
-        return backward
-
-    fwd.register_autograd(backward_with(bwd), setup_context=setup_context)
-    eager = eager_function(f"_Eager_{name}", forward_op, setup_context, backward_with(eager_backward_op or backward_op))
-    return OpPair(fwd, bwd, eager)
-
-
-def eager_function(name: str, forward_body, setup_context, backward) -> type:
-    """A custom op's autograd outside torch.compile: an autograd.Function over the same bodies, context and
-    backward, called directly rather than through the dispatcher (which costs ~50 µs of host time a step). The
-    op's first output is the result; the others are saved state."""
-
-    def forward(ctx, *inputs):
-        output = forward_body(*inputs)
-        setup_context(ctx, inputs, output)
-        ctx.mark_non_differentiable(*output[1:])
-        return output
-
-    return type(name, (torch.autograd.Function,), dict(forward=staticmethod(forward), backward=staticmethod(backward)))
-
-
-EXPERTS = define_op_pair("experts", _forward_op, _backward_op,
-                         fwd_schema=op_schema(OpInputs, returns=1 + len(Kept._fields)),
-                         bwd_schema=op_schema("dy", OpInputs, Kept, returns=len(DIFFERENTIABLE)),
-                         setup_context=_setup_context, grads=_grads, fwd_fake=_forward_fake, bwd_fake=_backward_fake,
-                         eager_backward_op=_eager_backward_op)
+# The op declared once (moeblaze.declare): its custom-op pair, what torch.compile traces, and the eager Function.
+# Backward needs no counts (the tile schedule holds them): an empty tensor is kept in their place. The eager
+# Function's saved preact is read by no one after its backward unless the graph is kept (the custom op's schema
+# declares no mutation, so its backward never writes over an input).
+EXPERTS = Op("experts", inputs=OpInputs, kept=Kept, options=OpOptions, results=("out",), grads=DIFFERENTIABLE,
+             forward=lambda inputs, o: experts_forward(inputs, o.key),
+             backward=lambda dy, inputs, kept, o: experts_backward(dy, inputs, kept, o.key),
+             forward_fake=_forward_fake, contiguous=("x", "topk_w"),
+             save=lambda i: i._replace(expert_counts=i.expert_counts.new_empty(0)),
+             eager_backward=lambda dy, inputs, kept, o: experts_backward(dy, inputs, kept, o.key,
+                                                                          overwrite_kept=not _graph_kept()))
 
 
 def fused_experts(inputs: OpInputs, key: str) -> torch.Tensor:
@@ -447,4 +370,4 @@ def fused_experts(inputs: OpInputs, key: str) -> torch.Tensor:
     dense = tuple(t for t in inputs if t is not None)
     if torch.overrides.has_torch_function(dense):
         return torch.overrides.handle_torch_function(fused_experts, dense, inputs, key)
-    return (EXPERTS.fwd(*inputs, key) if torch.compiler.is_compiling() else EXPERTS.eager.apply(*inputs, key))[0]
+    return EXPERTS(inputs, OpOptions(key))[0]
