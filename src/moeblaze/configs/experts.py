@@ -43,6 +43,24 @@ BACKENDS = ("auto", "reference", "triton", *LAUNCH_BACKENDS[1:])  # ExpertsConfi
 PRECISIONS = ("native", "fp8")
 INDEX_METHODS = ("auto", "dense", "sort")
 FP8_MIN_ROWS = 2048  # ExpertsConfig.fp8_min_rows's default (docs/performance.md has the crossover it comes from)
+_REGISTERED: list[str] = []  # kernel backends registered beyond the built-in ones (experts.backends.register)
+
+
+def add_launch_backend(name: str) -> None:
+    """Make a registered kernel backend's name a choice of ExpertsConfig.backend (experts.backends.register)."""
+    if name not in LAUNCH_BACKENDS and name not in _REGISTERED:
+        _REGISTERED.append(name)
+
+
+def launch_backends() -> tuple[str, ...]:
+    """What one kernel launch may run on: "auto" and every registered kernel backend."""
+    return (*LAUNCH_BACKENDS, *_REGISTERED)
+
+
+def backends() -> tuple[str, ...]:
+    """ExpertsConfig.backend's choices: BACKENDS and every kernel backend registered beyond them."""
+    return (*BACKENDS, *_REGISTERED)
+
 
 @dataclass(frozen=True)
 class ExpertsConfig:
@@ -73,7 +91,7 @@ class ExpertsConfig:
     def __post_init__(self):
         check_choice("activation", self.activation, ACTIVATIONS)
         check_choice("checkpoint", self.checkpoint, CHECKPOINTS)
-        check_choice("backend", self.backend, BACKENDS)
+        check_choice("backend", self.backend, backends())
         check_choice("precision", self.precision, PRECISIONS)
         check_bool("fp8_weight_cache", self.fp8_weight_cache)
         if self.fp8_weight_cache and self.precision != "fp8":
@@ -133,7 +151,7 @@ LEGACY = ("activation", "checkpoint", "impl", "backend", "precision", "fp8_weigh
 def fold_impl(impl: str, backend: str) -> str:
     """0.1's two axes (impl: auto, triton, reference; backend: auto, tl, gluon) as ExpertsConfig's one backend."""
     check_choice("impl", impl, ("auto", "triton", "reference"))
-    check_choice("backend", backend, LAUNCH_BACKENDS if impl != "auto" else BACKENDS)
+    check_choice("backend", backend, launch_backends() if impl != "auto" else backends())
     if impl == "reference":
         if backend != "auto":
             raise ValueError(f"impl='reference' runs no kernel: backend={backend!r} would not be read")

@@ -2,8 +2,8 @@
 operands (DeepSeek-V3's recipe, reference.fp8's quantizers): the arithmetic of the reference's emulation
 (moe_experts_reference with ExpertsConfig(precision="fp8")) on the kernels, every quantization one pass
 (experts.quant).
-Each fp8 GEMM (fp8_rows_gemm below) runs on the Hopper kernel (gluon_sm90.fp8) where experts.dispatch takes
-its operands, on the portable one (tl.fp8) elsewhere.
+Each fp8 GEMM (the kernel backends' fp8_rows stage, fp8_rows_gemm below) runs on the Hopper kernel
+(gluon_sm90.fp8) where experts.dispatch finds it takes its operands, on the portable one (tl.fp8) elsewhere.
 
 Forward:   x_q = q(x) by token;  H = x_q[token] · q(W1[e])ᵀ (+ b1[e])   (fp8_rows_gemm, gathered; the bias a pass)
            q(A) = q(SiLU(gate)·up) from H in one pass (other activations: act(H) in torch, then q); under
@@ -41,10 +41,9 @@ import torch
 
 from ..reference import apply_activation
 from ..reference.fp8 import FP8, GROUP
-from . import dispatch, gluon_sm90, stages, tl
+from . import dispatch, stages, tl
 from .stages import RowPlan
 from . import quant
-from .tl.fp8 import fp8_rows_gemm
 
 
 def check_fp8_supported(x: torch.Tensor) -> None:
@@ -148,11 +147,8 @@ def _weight(w_ENK: torch.Tensor, cache: bool, transposed: bool = False):
 
 def _rows(plan: RowPlan, a_q, w_q, out_dtype, backend, token=None):
     """C[rows] = q(A)[token[rows] if token is given, else rows] · q(W[e])ᵀ: (a_q, a_scale), (w_q, w_scale); on the
-    Hopper kernel where experts.dispatch takes the operands, else on tl."""
-    gemm = fp8_rows_gemm
-    if dispatch.fp8_rows(backend, a_q[0], w_q[0], out_dtype) == "gluon":
-        gemm = gluon_sm90.fp8_rows_gemm
-    return gemm(*a_q, *w_q, plan.num_rows, plan.offsets_E1, plan.sched, token, out_dtype=out_dtype)
+    Hopper kernel where it takes the operands (experts.dispatch), else on tl."""
+    return dispatch.launch("fp8_rows", backend, a_q[0].device, plan, a_q, w_q, out_dtype, token)
 
 
 def _act_quantized(preact, activation, interleaved):

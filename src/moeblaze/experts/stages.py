@@ -24,59 +24,11 @@ K top-k, R = L·K routed rows (the (token, expert) pairs in expert order).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..routing import RoutingIndex
-from ..routing.index import in_row_order, pair_experts
-from . import dispatch, gluon_sm90, quant, tl
-from .schedule import BLOCK_M, tile_schedule
-
-
-@dataclass(frozen=True)
-class RowPlan:
-    """The R routed rows of one routing in expert order, and the tile schedule every expert GEMM walks.
-
-    token_R: expert_token_idx (each row's token); offsets_E1: expert e owns rows [offsets[e], offsets[e+1]);
-    token_slot_LK: the row of pair (t, k); tile_expert, tile_row, tiles_used: the schedule (experts.schedule).
-    """
-    token_R: torch.Tensor
-    offsets_E1: torch.Tensor
-    token_slot_LK: torch.Tensor
-    tile_expert: torch.Tensor
-    tile_row: torch.Tensor
-    tiles_used: torch.Tensor
-
-    @classmethod
-    def build(cls, routing: RoutingIndex, block_m: int = BLOCK_M) -> RowPlan:
-        """The plan of a routing index: its arrays and a fresh tile schedule (one launch)."""
-        sched = tile_schedule(routing.expert_counts, routing.expert_offsets, routing.expert_token_idx.shape[0],
-                              block_m)
-        return cls(routing.expert_token_idx, routing.expert_offsets, routing.token_slot, *sched)
-
-    @property
-    def sched(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.tile_expert, self.tile_row, self.tiles_used
-
-    @property
-    def kept(self) -> torch.Tensor:
-        """(1,) int32: rows [0, kept) belong to experts; the rest are dropped pairs (routing.index's sentinels)."""
-        return self.offsets_E1[-1:]
-
-    @property
-    def pair_expert(self) -> torch.Tensor:
-        """(L, K) int32: the expert of each pair (E for dropped pairs), from its row and the offsets."""
-        return pair_experts(self.offsets_E1, self.token_slot_LK)
-
-    @property
-    def num_rows(self) -> int:
-        return self.token_R.shape[0]
-
-
-def whole_w1(w1_EFD: torch.Tensor, w1_up: torch.Tensor | None) -> torch.Tensor:
-    """W1 (E, F, D): w1 itself, or [gate rows | up rows] where the up rows come apart (a transient copy)."""
-    return w1_EFD if w1_up is None else torch.cat((w1_EFD, w1_up), 1)
+from ..routing.index import in_row_order
+from . import dispatch, tl
+from .schedule import RowPlan, whole_w1  # noqa: F401  (the stages' plan, imported from here too)
 
 
 def up(plan: RowPlan, x_LD, w1_EFD, activation: str, store_preact: bool = True, store_act: bool = True, *,
@@ -84,32 +36,19 @@ def up(plan: RowPlan, x_LD, w1_EFD, activation: str, store_preact: bool = True, 
     """(preact (R, F), act (R, H)) with the bias b1 (E, F) where given; an empty tensor for one not stored.
     preact's gate/up columns follow W1's rows (interleaved: gate at even rows). w1_up: W1's up rows, where w1_EFD
     holds only the gate rows (read in place on Gluon; concatenated for tl, a transient copy)."""
-    plain = b1_EF is None and not interleaved
-    if dispatch.up(backend, x_LD, w1_EFD, activation, plain, w1_up) == "gluon":
-        preact, act = gluon_sm90.up_swiglu(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched, w1_up=w1_up,
-                                           store_preact=store_preact, store_act=store_act)
-        return (preact if store_preact else x_LD.new_empty(0)), (act if store_act else x_LD.new_empty(0))
-    w1_EFD = whole_w1(w1_EFD, w1_up)
-    return tl.up(x_LD, w1_EFD, plan.token_R, plan.offsets_E1, plan.sched, activation, store_preact, store_act,
-                 b1_EF=b1_EF, interleaved=interleaved)
+    return dispatch.launch("up", backend, x_LD.device, plan, x_LD, w1_EFD, activation, store_preact, store_act,
+                           b1_EF=b1_EF, interleaved=interleaved, w1_up=w1_up)
 
 
 def down(plan: RowPlan, act_RH, w2_EDH, backend: str = "auto") -> torch.Tensor:
     """Y (R, D) = act[rows of e] @ W2[e]ᵀ."""
-    if dispatch.rows("down", backend, act_RH, w2_EDH) == "gluon":
-        return gluon_sm90.rows_gemm(act_RH, w2_EDH, plan.offsets_E1, plan.sched)
-    return tl.rows_gemm(act_RH, w2_EDH, (w2_EDH.stride(0), w2_EDH.stride(2), w2_EDH.stride(1)), w2_EDH.shape[1],
-                        plan.offsets_E1, plan.sched)
+    return dispatch.launch("down", backend, act_RH.device, plan, act_RH, w2_EDH)
 
 
 def dx_rows(plan: RowPlan, dpreact_RF, w1_EFD, backend: str = "auto", *, w1_up=None) -> torch.Tensor:
     """dX~ (R, D) = dH[rows of e] @ W1[e]. w1_up: W1's up rows, where w1_EFD holds only the gate rows (read in place
     on Gluon; concatenated for tl, a transient copy)."""
-    if dispatch.rows("dx_rows", backend, dpreact_RF, w1_EFD, w1_up) == "gluon":
-        return gluon_sm90.rows_gemm(dpreact_RF, w1_EFD, plan.offsets_E1, plan.sched, kn=True, w_up=w1_up)
-    w1_EFD = whole_w1(w1_EFD, w1_up)
-    return tl.rows_gemm(dpreact_RF, w1_EFD, (w1_EFD.stride(0), w1_EFD.stride(1), w1_EFD.stride(2)), w1_EFD.shape[2],
-                        plan.offsets_E1, plan.sched)
+    return dispatch.launch("dx_rows", backend, dpreact_RF.device, plan, dpreact_RF, w1_EFD, w1_up=w1_up)
 
 
 def combine(plan: RowPlan, rows_RD, weights_LK: torch.Tensor | None, out_dtype: torch.dtype,
@@ -133,15 +72,8 @@ def down_bwd(plan: RowPlan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, act
     term, which bias_grads adds). preact in e4m3 comes with its 1 x 128 scales (preact_scale) and dpreact is then
     a buffer of its own, in the io dtype: the Gluon path reads H back inside the dH pass, the tl one into dpreact
     first (one pass) and computes dH over it."""
-    if dispatch.down_bwd(backend, dy_LD, w2_EDH, preact_RF) == "gluon":
-        # dA' by the gathering GEMM into the s·A buffer, then the epilogue as its own pass, which overwrites dA'
-        # with s·A (a fused epilogue leaves the tensor cores idle at ~60% of the rate)
-        act_scaled = gluon_sm90.gathered_rows_gemm(dy_LD, w2_EDH, plan.token_R, plan.offsets_E1, plan.sched)
-        return act_scaled, act_bwd(plan, act_scaled, preact_RF, topk_w_LK, dpreact_RF, act_scaled, activation,
-                                   interleaved=interleaved, preact_scale=preact_scale)
-    if preact_scale is not None:
-        preact_RF = quant.dequantize_rows(preact_RF, preact_scale, dpreact_RF.dtype, out=dpreact_RF)
-    return tl.down_bwd(dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF, plan, activation, interleaved=interleaved)
+    return dispatch.launch("down_bwd", backend, dy_LD.device, plan, dy_LD, w2_EDH, preact_RF, topk_w_LK, dpreact_RF,
+                           activation, interleaved=interleaved, preact_scale=preact_scale)
 
 
 def act_bwd(plan: RowPlan, dact_RH, preact_RF, topk_w_LK, dpreact_RF, act_scaled_RH, activation: str, *,
@@ -158,15 +90,7 @@ def weight_grad(plan: RowPlan, p, q, out, gather_p: bool, backend: str = "auto",
     P = p[token] if gather_p, else Q = q[token] (the other side row by row). out_up: dW's last rows apart (dW1's up
     rows, P's last columns), dW[e] = [out[e]; out_up[e]]: one launch storing to both on Gluon; on tl, dW whole into
     a transient and copied to the parts (the same tiles as for one W1, so the same bits). Returns out."""
-    if dispatch.weight_grad(backend, p, q, out, gather_p, out_up) == "gluon":
-        return gluon_sm90.weight_grad(p, q, plan.token_R, plan.offsets_E1, out, gather_p, out_up=out_up)
-    if out_up is None:
-        return tl.weight_grad(p, q, out, plan.token_R, plan.offsets_E1, gather_p)
-    whole = tl.weight_grad(p, q, out.new_empty(out.shape[0], out.shape[1] + out_up.shape[1], out.shape[2]),
-                           plan.token_R, plan.offsets_E1, gather_p)
-    out.copy_(whole[:, :out.shape[1]])
-    out_up.copy_(whole[:, out.shape[1]:])
-    return out
+    return dispatch.launch("weight_grad", backend, p.device, plan, p, q, out, gather_p, out_up=out_up)
 
 
 def bias_grads(plan: RowPlan, dy_LD, dpreact_RF, topk_w_LK, b1_EF, b2_ED, backend: str = "auto"
