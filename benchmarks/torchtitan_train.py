@@ -63,7 +63,7 @@ VARIANTS = {"default": None, "preact": dict(checkpoint="preact"), "recompute": d
 def model_config(name: str, layers: int, variant: str):
     import importlib
 
-    from moeblaze import ExpertsConfig
+    from moeblaze import EPConfig, ExpertsConfig
     from moeblaze.integrations.torchtitan import MoeblazeConverter
 
     family, flavor = FLAVORS[name]
@@ -73,11 +73,9 @@ def model_config(name: str, layers: int, variant: str):
     ep_dispatch, _, chunks = ep_dispatch.partition("/")
     ep_dispatch, _, overflow = ep_dispatch.partition("-")  # capacity-drop: on_overflow="drop", no host read
     options = VARIANTS[base]
-    converters = None if options is None else [MoeblazeConverter.Config(experts=ExpertsConfig(**options),
-                                                                        ep_dispatch=ep_dispatch or "torchtitan",
-                                                                        ep_chunks=int(chunks or 1),
-                                                                        ep_transport=transport or "tokens",
-                                                                        on_overflow=overflow or None)]
+    ep = None if not ep_dispatch else EPConfig(dispatch=ep_dispatch, chunks=int(chunks or 1),
+                                               transport=transport or "tokens", on_overflow=overflow or None)
+    converters = None if options is None else [MoeblazeConverter.Config(experts=ExpertsConfig(**options), ep=ep)]
     config = registry(flavor, converters=converters).model
     config.layers = config.layers[:layers]
     return titan.sdpa(config)

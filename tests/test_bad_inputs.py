@@ -138,11 +138,9 @@ CASES = [
     ("moe_experts(x, routing, w, (w1,), w2)", ValueError),  # W1 in one part, as a 1-tuple
     ("build_routing_index(idx, 4.0)", TypeError),
     ("configure(torch.nn.Linear(4, 4), ExpertsConfig(activation='gelu'))", ValueError),  # read from the model
-    ("converter(on_overflow='bogus')", ValueError),  # the default dispatch reads no capacity option
-    ("converter(capacity_factor=-1.0)", ValueError),
-    ("converter(ep_dispatch='capacity', capacity_factor=float('inf'))", ValueError),
-    ("converter(ep_dispatch='capacity', capacity_factor='2')", TypeError),
-    ("converter(ep_dispatch='deepep')", ValueError),
+    ("converter(ep='exact')", TypeError),  # moeblaze's expert parallelism is an EPConfig
+    ("converter(ep_dispatch='exact')", TypeError),  # the flat fields of before
+    ("converter(ep=EPConfig('capacity', capacity_factor='2'))", TypeError),
     ("ExpertParallel(layer.experts, None)", TypeError),
     ("ExpertParallel(layer.experts, None, ep_config='capacity')", TypeError),
     ("ExpertParallel(layer.experts, None, ep_config=EPConfig('capacity', capacity_factor=float('inf')))", ValueError),

@@ -121,13 +121,16 @@ def test_the_public_api_states_its_arguments_and_what_it_returns():
     "Args:" (by name: none missing, none that is not a parameter), and the functions and modules what they return
     ("Returns:")."""
     import importlib
+    import importlib.util
     import inspect
     import re
 
     import torch
 
     problems, seen = [], set()
-    for name in PUBLIC + ["moeblaze.configs"]:
+    integrations = [f"moeblaze.integrations.{host}" for host in ("transformers", "torchtitan", "megatron")
+                    if importlib.util.find_spec(host)]  # each where its host is installed (the [test] extra)
+    for name in PUBLIC + ["moeblaze.configs"] + integrations:
         module = importlib.import_module(name)
         for export in module.__all__:
             obj = getattr(module, export)

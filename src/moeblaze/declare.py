@@ -67,6 +67,7 @@ class Layout:
                 raise TypeError(f"{bundle.__name__}.{f}: {hint!r} is not a tensor, an optional tensor or a bundle")
         self.width = len(self.names)  # one instance's leaves
         self.repeated = bool(self.fields) and self.fields[-1][1] == "repeated"
+        self.plain = all(kind in ("tensor", "optional") for _f, kind, _s in self.fields)  # the bundle is its leaves
 
     def _leaf(self, f: str, kind: str, name: str, optional: bool):
         self.fields.append((f, kind, None))
@@ -84,6 +85,8 @@ class Layout:
         return [("Tensor? " if o else "Tensor ") + n for n, o in zip(self.names, self.optional)]
 
     def flatten(self, value) -> tuple:
+        if self.plain:
+            return tuple(value)
         out = []
         for (_f, kind, sub), v in zip(self.fields, value):
             if kind in ("tensor", "optional"):
@@ -96,6 +99,8 @@ class Layout:
 
     def unflatten(self, flat) -> tuple:
         """The bundle from exactly its flat tensors (a repeated group takes all that remain)."""
+        if self.plain:
+            return self.bundle._make(flat)  # TypeError for a wrong count
         value, i = [], 0
         for _f, kind, sub in self.fields:
             if kind in ("tensor", "optional"):
@@ -157,7 +162,13 @@ class Op:
         unknown = set(grads) - plain
         if unknown:
             raise TypeError(f"{name}: gradients of {sorted(unknown)}, which are not tensor inputs")
-        self._forward, self._backward, self._save = forward, backward, save or (lambda i: i)
+        self._forward, self._backward, self._save = forward, backward, save
+        # each input leaf's gradient: its index in the backward's results, or None (nested leaves take none)
+        leaf_fields = [f for f, kind, sub in self.inputs.fields for _ in range(1 if sub is None else sub.width)]
+        plain_leaf = [kind in ("tensor", "optional") for _f, kind, sub in self.inputs.fields
+                      for _ in range(1 if sub is None else sub.width)]
+        self._grad_slots = tuple(grads.index(f) if p and f in grads else None
+                                 for f, p in zip(leaf_fields, plain_leaf))
         n_opt = len(options._fields)
         self._n_in, self._n_opt = self.inputs.width, n_opt
         opts = _options_schema(options)
@@ -219,27 +230,21 @@ class Op:
         return tuple(out)
 
     def _setup_context(self, ctx, inputs, output):  # torch.library passes these by name
-        bundle, options = self._split_fwd(inputs)
-        ctx.save_for_backward(*self.inputs.flatten(self._save(bundle)), *output[len(self.results):])
-        ctx.options = options
+        n = self._n_in
+        saved = inputs[:n] if self._save is None else self.inputs.flatten(self._save(self.inputs.unflatten(inputs[:n])))
+        ctx.save_for_backward(*saved, *output[len(self.results):])
+        ctx.options = inputs[n:]
         ctx.set_materialize_grads(False)  # kept state is never differentiated: no zero gradients made for it
 
     def _autograd_backward(self, body):
-        n_args = self._n_in + self._n_opt
+        n_args, slots = self._n_in + self._n_opt, self._grad_slots
 
         def backward(ctx, dout, *_side_outputs):
             if dout is None:  # the result took no part in the loss
                 return (None,) * n_args
             saved = ctx.saved_tensors  # once: activation checkpointing unpacks each saved tensor once only
             results = body(dout.contiguous(), *saved, *ctx.options)
-            given = dict(zip(self.grads, results))
-            inputs = self.inputs.unflatten(saved[:self._n_in])
-            grads = []
-            for (f, kind, sub), v in zip(self.inputs.fields, inputs):
-                if kind in ("tensor", "optional"):
-                    grads.append(given[f] if f in given and v is not None else None)
-                else:
-                    grads += [None] * (sub.width if kind == "nested" else 0)
+            grads = tuple(None if j is None or t is None else results[j] for j, t in zip(slots, saved))
             return (*grads, *(None,) * self._n_opt)
         return backward
 

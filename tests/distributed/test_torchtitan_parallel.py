@@ -64,13 +64,14 @@ def _compare_gradients(rank, errors, default, ours) -> None:
             errors.put(f"rank {rank}: {name}'s gradient differs by {err}")
 
 
-def _body(rank, world, errors, ep, folder, ep_dispatch="torchtitan"):
-    from moeblaze import ExpertsConfig
+def _body(rank, world, errors, ep, folder, dispatch=None):
+    from moeblaze import EPConfig, ExpertsConfig
     from moeblaze.integrations.torchtitan import MoeblazeConverter, MoeblazeRoutedExperts
     from titan import fp32_default
 
     default = fp32_default(_parallelized([], world, ep, folder))
-    ours = _parallelized([MoeblazeConverter.Config(experts=ExpertsConfig(backend="triton"), ep_dispatch=ep_dispatch)],
+    moeblaze_ep = None if dispatch is None else EPConfig(dispatch=dispatch)  # None: torchtitan's dispatcher
+    ours = _parallelized([MoeblazeConverter.Config(experts=ExpertsConfig(backend="triton"), ep=moeblaze_ep)],
                          world, ep, folder)
     routed = [m for m in ours.modules() if isinstance(m, MoeblazeRoutedExperts)]
     if not routed or any((m.token_dispatcher.ep_mesh is not None) != (ep > 1) for m in routed):
@@ -100,8 +101,8 @@ def test_fsdp2_and_expert_parallelism_equal_torchtitans_experts(ep, tmp_path):
 
 @pytest.mark.parametrize("dispatch", ["exact", "capacity"])
 def test_moeblazes_own_expert_parallelism_on_torchtitans_ep_mesh(dispatch, tmp_path):
-    """ep_dispatch="exact"/"capacity": moeblaze's ep_experts over torchtitan's EP mesh in place of its dispatcher
-    (no row dropped at these sizes, capacity 1.25x)."""
+    """ep=EPConfig(dispatch="exact"/"capacity"): moeblaze's ep_experts over torchtitan's EP mesh in place of its
+    dispatcher (no row dropped at these sizes, capacity 1.25x)."""
     run_ranks(_body, 2, 2, str(tmp_path), dispatch)
 
 

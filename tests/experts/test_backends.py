@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moeblaze import ExpertsConfig
-from moeblaze.experts import backends, launch_counts, moe_experts
+from moeblaze.experts import backends, dispatch, launch_counts, moe_experts
 from moeblaze.experts.tl import launchers as tl
 from moeblaze.reference import apply_activation, is_gated
 from moeblaze.routing import build_routing_index
@@ -92,6 +92,7 @@ def registered():
     backends._REGISTRY.clear()
     backends._REGISTRY.update(before)
     configs._REGISTERED[:] = names
+    dispatch.resolve.cache_clear()
 
 
 @pytest.mark.parametrize("activation,checkpoint", [("swiglu", "preact"), ("gelu", "recompute")])

@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import moeblaze.experts  # routed_call's moe_experts: what the integrations' calls reach
+
 pytest.importorskip("megatron.core")
 
 from helpers import assert_within_torch_error, run_ranks  # noqa: E402
@@ -320,22 +322,20 @@ def test_the_cuda_stand_ins_are_gone_after_a_test():
 
 
 def _fp8_under_autocast(rank, world, found):
-    from moeblaze.integrations import megatron
-
     mc.init(ep=world)
     fp8 = ExpertsConfig(backend="triton", precision="fp8", fp8_min_rows=0)
     ours = mc.build(mc.moeblaze_mlp(4, experts=fp8), mc.transformer_config(hidden_size=128))
-    seen, real = [], megatron.moe_experts
+    seen, real = [], moeblaze.experts.moe_experts
 
     def spy(x, routing, weights, w1, w2, *args, **kw):
         seen.append((x.dtype, w1.dtype, w2.dtype))
         return real(x, routing, weights, w1, w2, *args, **kw)
-    megatron.moe_experts = spy
+    moeblaze.experts.moe_experts = spy
     try:
         with torch.autocast("cpu", dtype=torch.float16):
             out, _ = ours(torch.randn(T, B, 128))
     finally:
-        megatron.moe_experts = real
+        moeblaze.experts.moe_experts = real
     if seen != [(torch.float16, torch.float32, torch.float32)] or not out.isfinite().all():
         found.put(("the op's operands", seen))
     mc.destroy()

@@ -10,10 +10,12 @@ import types
 import pytest
 import torch
 
+import moeblaze.experts  # routed_call's moe_experts: what the integrations' calls reach
+
 torchtitan = pytest.importorskip("torchtitan")
 from torchtitan.models import llama3, qwen3  # noqa: E402
 
-from moeblaze import ExpertsConfig  # noqa: E402
+from moeblaze import EPConfig, ExpertsConfig  # noqa: E402
 from moeblaze.integrations.torchtitan import MoeblazeConverter, MoeblazeRoutedExperts  # noqa: E402
 from helpers import rel_err  # noqa: E402
 from titan import build, fp32_default, model_config  # noqa: E402
@@ -128,12 +130,13 @@ def test_dcp_checkpoints_interchange(tmp_path):
     (lambda: MoeblazeConverter.Config(experts=ExpertsConfig(precision="fp8", fp8_weight_cache=True)),
      "fp8_weight_cache"),
     (lambda: MoeblazeConverter.Config(experts="recompute"), "ExpertsConfig"),
-    (lambda: MoeblazeConverter.Config(ep_dispatch="deepep"), "ep_dispatch"),
-    (lambda: MoeblazeConverter.Config(ep_dispatch="capacity", on_overflow="grow"), "on_overflow"),
-    (lambda: MoeblazeConverter.Config(ep_dispatch="capacity", capacity_factor=0.0), "capacity_factor"),
-    (lambda: MoeblazeConverter.Config(experts=ExpertsConfig(backend="reference"), ep_dispatch="exact"), "reference"),
-    (lambda: MoeblazeConverter.Config(ep_chunks=2), "ep_chunks and ep_transport to moeblaze's dispatch"),
-    (lambda: MoeblazeConverter.Config(ep_dispatch="capacity", ep_chunks=0), "chunks"),
+    (lambda: MoeblazeConverter.Config(ep="exact"), "ep must be a moeblaze.EPConfig"),
+    (lambda: MoeblazeConverter.Config(ep=EPConfig(dispatch="deepep")), "dispatch"),
+    (lambda: MoeblazeConverter.Config(ep=EPConfig(dispatch="capacity", on_overflow="grow")), "on_overflow"),
+    (lambda: MoeblazeConverter.Config(ep=EPConfig(dispatch="capacity", capacity_factor=0.0)), "capacity_factor"),
+    (lambda: MoeblazeConverter.Config(experts=ExpertsConfig(backend="reference"), ep=EPConfig()), "reference"),
+    (lambda: MoeblazeConverter.Config(ep=EPConfig(dispatch="capacity", chunks=0)), "chunks"),
+    (lambda: MoeblazeConverter.Config(ep_dispatch="exact"), "ep_dispatch"),  # the flat fields of before: EPConfig
 ])
 def test_converter_options_are_checked(make, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -164,7 +167,7 @@ def test_tensor_parallelism_is_refused_by_name():
 def test_moeblaze_ep_refuses_experts_the_ep_mesh_did_not_shard():
     """ep_dispatch="exact" on an EP mesh of 2 whose rank holds all 8 experts (a model config built without
     update_from_config(parallelism)): one clear error, not every row sent to rank 0."""
-    ours = build(model_config("qwen3", [MoeblazeConverter.Config(ep_dispatch="exact")]))
+    ours = build(model_config("qwen3", [MoeblazeConverter.Config(ep=EPConfig())]))
     for m in ours.modules():
         if isinstance(m, MoeblazeRoutedExperts):
             m.token_dispatcher.ep_mesh = types.SimpleNamespace(size=lambda: 2, get_group=lambda: None)
@@ -199,16 +202,14 @@ def test_torchtitans_block_compile_with_moeblaze_inside():
 def test_fp8_under_autocast_quantizes_the_float32_parameters_where_they_lie(monkeypatch):
     """Under autocast (CPU, float16) with precision="fp8" the op gets x in float16 and w1, w3 and w2 as the float32
     parameters themselves, not half-precision copies; their gradients come back float32."""
-    import moeblaze.integrations.torchtitan as mtt
-
     model = build(model_config("qwen3", [MoeblazeConverter.Config(
         experts=ExpertsConfig(precision="fp8", fp8_min_rows=0, backend="triton"))], narrow=True))
-    seen, real = [], mtt.moe_experts
+    seen, real = [], moeblaze.experts.moe_experts
 
-    def spy(x, routing, weights, w1, w2, **kw):
+    def spy(x, routing, weights, w1, w2, *args, **kw):
         seen.append((x.dtype, w1[0].dtype, w1[1].dtype, w2.dtype, w1[0].data_ptr()))
-        return real(x, routing, weights, w1, w2, **kw)
-    monkeypatch.setattr(mtt, "moe_experts", spy)
+        return real(x, routing, weights, w1, w2, *args, **kw)
+    monkeypatch.setattr(moeblaze.experts, "moe_experts", spy)
     x, y = tokens(model.tok_embeddings.num_embeddings)
     with torch.autocast("cpu", dtype=torch.float16):
         logits = model(x)

@@ -7,6 +7,8 @@ import warnings
 import pytest
 import torch
 
+import moeblaze.experts  # routed_call's moe_experts: what the integrations' calls reach
+
 transformers = pytest.importorskip("transformers", minversion="5.0")
 import moeblaze.integrations.transformers as mbt  # noqa: E402
 from moeblaze import ExpertsConfig  # noqa: E402
@@ -83,8 +85,8 @@ def test_models_match_eager_experts(monkeypatch, name, impl, poison_alloc):
     n = mbt.configure(model, ExpertsConfig(backend=impl, checkpoint=checkpoint))
     assert n == sum(1 for m in model.modules() if hasattr(m, "gate_up_proj")) > 0
     calls = []
-    real = mbt.moe_experts
-    monkeypatch.setattr(mbt, "moe_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = moeblaze.experts.moe_experts
+    monkeypatch.setattr(moeblaze.experts, "moe_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
     launch_counts.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no fallback: every experts module ran on moeblaze
@@ -133,8 +135,8 @@ def test_weights_are_used_in_place_never_copied(monkeypatch):
     model = build("qwen3_moe")
     experts = model.model.layers[0].mlp.experts
     seen = []
-    real = mbt.moe_experts
-    monkeypatch.setattr(mbt, "moe_experts", lambda x, r, w, w1, w2, *a, **k: seen.append((w1, w2)) or
+    real = moeblaze.experts.moe_experts
+    monkeypatch.setattr(moeblaze.experts, "moe_experts", lambda x, r, w, w1, w2, *a, **k: seen.append((w1, w2)) or
                         real(x, r, w, w1, w2, *a, **k))
     model.set_experts_implementation("moeblaze")
     model(torch.randint(0, 64, (1, 8)))
@@ -147,9 +149,9 @@ def test_gpt_oss_weights_are_read_through_views_and_reach_the_clamps(monkeypatch
     model = build("gpt_oss")
     experts = model.model.layers[0].mlp.experts
     seen = []
-    real = mbt.moe_experts
-    monkeypatch.setattr(mbt, "moe_experts", lambda x, r, w, w1, w2, b1, b2, **k: seen.append((x, w1, w2, b1, b2, k))
-                        or real(x, r, w, w1, w2, b1, b2, **k))
+    real = moeblaze.experts.moe_experts
+    monkeypatch.setattr(moeblaze.experts, "moe_experts", lambda x, r, w, w1, w2, b1, b2, **k:
+                        seen.append((x, w1, w2, b1, b2, k)) or real(x, r, w, w1, w2, b1, b2, **k))
     model.set_experts_implementation("moeblaze")
     model(torch.randint(0, 64, (2, 12)))
     x, w1, w2, b1, b2, k = seen[0]
@@ -212,7 +214,7 @@ def test_what_moeblaze_cannot_compute_falls_back_with_one_warning(monkeypatch, c
         model = build("qwen3_moe")
         monkeypatch.setattr(type(model.model.layers[0].mlp.experts), "_apply_gate", _custom_gate)
     monkeypatch.setattr(mbt, "_warned", set())
-    monkeypatch.setattr(mbt, "moe_experts", lambda *a, **k: pytest.fail("moeblaze computed what it can't"))
+    monkeypatch.setattr(moeblaze.experts, "moe_experts", lambda *a, **k: pytest.fail("moeblaze computed what it can't"))
     ids = torch.randint(0, 64, (2, 12))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -232,7 +234,8 @@ def test_settings_are_checked_and_reach_the_call(monkeypatch):
         mbt.configure(model, {"checkpoint": "recompute"})
     mbt.configure(model, ExpertsConfig(checkpoint="recompute", chunk_tokens=5, backend="tl"))
     seen = []
-    monkeypatch.setattr(mbt, "moe_experts", lambda *a, **k: seen.append(k["config"]) or torch.zeros_like(a[0]))
+    monkeypatch.setattr(moeblaze.experts, "moe_experts",
+                        lambda *a, **k: seen.append(k["config"]) or torch.zeros_like(a[0]))
     model.set_experts_implementation("moeblaze")
     model(torch.randint(0, 64, (1, 8)))
     assert seen and {(c.checkpoint, c.chunk_tokens, c.backend) for c in seen} == {("recompute", 5, "tl")}
@@ -293,12 +296,12 @@ def test_fp8_under_autocast_quantizes_the_float32_parameters_where_they_lie(monk
     model = build("gpt_oss", hidden_size=128)
     mbt.configure(model, ExpertsConfig(precision="fp8", fp8_min_rows=0, backend="triton"))
     model.set_experts_implementation("moeblaze")
-    seen, real = [], mbt.moe_experts
+    seen, real = [], moeblaze.experts.moe_experts
 
     def spy(x, routing, weights, w1, w2, b1=None, b2=None, **kw):
         seen.append((x.dtype, w1.dtype, w2.dtype, b1.dtype, b2.dtype, w1.untyped_storage().data_ptr()))
         return real(x, routing, weights, w1, w2, b1, b2, **kw)
-    monkeypatch.setattr(mbt, "moe_experts", spy)
+    monkeypatch.setattr(moeblaze.experts, "moe_experts", spy)
     ids = torch.randint(0, 64, (2, 12))
     with torch.autocast("cpu", dtype=torch.float16):
         loss = model(ids, labels=ids).loss

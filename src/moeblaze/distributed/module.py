@@ -9,13 +9,15 @@ ep_experts (distributed.ep: the data flow and the memory contract) with the modu
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..configs import EPConfig, check_config
-from ..experts import autocast_operands, autocast_weights
+from ..experts import routed_call
 from ..nn import Experts, SharedExperts
 from ..nn.moe import describe_experts
 from .ep import check_agreement, check_options, ep_experts
@@ -88,9 +90,9 @@ class ExpertParallel(nn.Module):
     def forward(self, x_LD, topk_idx, topk_weights, routing=None):
         if routing is not None:
             raise NotImplementedError("a prebuilt routing index (token rounding) under expert parallelism")
-        (x_LD,), (w1, w2) = autocast_operands(x_LD), autocast_weights(self.config, *self.weights())
-        return ep_experts(x_LD, topk_idx, topk_weights, w1, w2, group=self.group, config=self.config,
-                          ep_config=self.ep_config, tracker=self.tracker, dropped=self.dropped_rows)
+        across = functools.partial(ep_experts, group=self.group, config=self.config, ep_config=self.ep_config,
+                                   tracker=self.tracker, dropped=self.dropped_rows)
+        return routed_call(x_LD, topk_idx, topk_weights, *self.weights(), config=self.config, across=across)
 
     def extra_repr(self) -> str:
         c = self.ep_config

@@ -1,9 +1,10 @@
 """The experts op: `moe_experts`, the functional MoE expert computation over the reference or the fused kernels.
 
-Package map: op (the custom-op pair and autograd over the bodies, written once over a GEMM strategy), fp8 (the e4m3
-strategy and its weight cache), quant (the one-pass e4m3 quantizers every backend uses), stages (the documented
-stage API), dispatch (which backend runs each launch), schedule (the device-built tile schedule), tl/ (the portable
-Triton kernels), gluon_sm90/ (the Hopper warp-specialised kernels).
+Package map: op (the op declared over its bodies, written once over a GEMM strategy), fp8 (the e4m3 strategy and its
+weight cache), quant (the one-pass e4m3 quantizers every backend uses), stages (the documented stage API), backends
+(the kernel backends by name, each with its operand checks), dispatch (which backend runs each launch), schedule
+(the device-built tile schedule and the row plan), tl/ (the portable Triton kernels), gluon_sm90/ (the Hopper
+warp-specialised kernels). routed_call is the one call every host (nn, distributed, the integrations) makes.
 
 Memory contract: see experts.op (the pre-activation under checkpoint="preact", in e4m3 under "preact-fp8",
 nothing but the routing index and the tile schedule under "recompute"); chunk_tokens bounds every transient by a
@@ -157,4 +158,48 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     return fused_experts(OpInputs.of(x, w1, w2, topk_weights, routing, b1=b1, b2=b2, w1_up=w1_up), key)
 
 
-__all__ = ["ExpertsConfig", "autocast_weights", "clear_weight_cache", "launch_counts", "moe_experts"]
+def routed_call(x: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor,
+                   w1: torch.Tensor | tuple[torch.Tensor, torch.Tensor], w2: torch.Tensor,
+                   b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, *,
+                   config: ExpertsConfig = DEFAULT, routing: RoutingIndex | None = None, sentinels: bool = False,
+                   interleaved: bool = False, across=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The routed-experts call every host makes (nn.Experts, distributed.ExpertParallel, the transformers,
+    torchtitan and Megatron integrations), written once: x and the biases in autocast's dtype where it is on (like
+    nn.Linear), the weights as autocast_weights takes them, then the experts, and the result in out_dtype.
+
+    Args:
+        x: (L, D) tokens.
+        topk_idx: (L, K) expert ids (None where routing is given).
+        topk_weights: (L, K) router weights.
+        w1, w2, b1, b2: as moe_experts takes them (this rank's experts under expert parallelism).
+        config: the recipe, a moeblaze.ExpertsConfig.
+        routing: a prebuilt RoutingIndex (token rounding's) instead of one built from topk_idx.
+        sentinels: ids >= the experts' count are pairs that add nothing (skipped) rather than errors.
+        interleaved: gate and up rows of w1 alternate (gpt-oss's layout).
+        across: expert parallelism: a callable (x, topk_idx, topk_weights, w1, w2) -> (L, D) that runs the experts
+            across ranks (distributed.ep_experts bound to its group and EPConfig); None: this rank's experts on a
+            routing index.
+        out_dtype: the result's dtype (None: the dtype the experts computed in).
+
+    Returns:
+        (L, D): sum over k of topk_weights[t, k] · expert(topk_idx[t, k])(x[t]).
+    """
+    x_, b1, b2 = autocast_operands(x, b1, b2)
+    parts = w1 if isinstance(w1, tuple) else (w1,)
+    *parts, w2 = autocast_weights(config, *parts, w2)
+    w1 = tuple(parts) if len(parts) > 1 else parts[0]
+    if across is not None:
+        if b1 is not None or b2 is not None or routing is not None:
+            raise NotImplementedError("expert biases or a prebuilt routing index under expert parallelism")
+        out = across(x_, topk_idx, topk_weights, w1, w2)
+    else:
+        if routing is None:
+            E = parts[0].shape[0]
+            routing = build_routing_index(topk_idx, E, config.index_method, check=False, sentinels=sentinels)
+        out = moe_experts(x_, routing, topk_weights, w1, w2, b1, b2, config=config, interleaved=interleaved,
+                          check=False)
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+__all__ = ["ExpertsConfig", "autocast_weights", "clear_weight_cache", "launch_counts", "moe_experts",
+           "routed_call"]

@@ -57,6 +57,11 @@ class KernelBackend(Protocol):
 
 
 _REGISTRY: dict[str, KernelBackend] = {}
+_LISTENERS: list = []  # called after each registration (experts.dispatch's cached resolution)
+
+
+def on_register(listener) -> None:
+    _LISTENERS.append(listener)
 
 
 def register(backend: KernelBackend) -> KernelBackend:
@@ -68,6 +73,8 @@ def register(backend: KernelBackend) -> KernelBackend:
         raise TypeError(f"a kernel backend needs a name and {', '.join(missing) or 'every stage'}")
     _REGISTRY[backend.name] = backend
     add_launch_backend(backend.name)
+    for listener in _LISTENERS:
+        listener()
     return backend
 
 

@@ -15,6 +15,7 @@ Memory: none (a counter of a few entries).
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import torch
@@ -45,8 +46,10 @@ def choose(backend: str, device: torch.device) -> str:
     return resolve("auto" if backend == "triton" else backend, device)
 
 
+@functools.lru_cache(maxsize=64)
 def resolve(backend: str, device: torch.device) -> str:
-    """The kernel backend of the launches of one call on `device` (see the module header)."""
+    """The kernel backend of the launches of one call on `device` (see the module header); cached per (backend,
+    device) until a backend is registered."""
     check_backend(backend)
     if backend == "auto":
         return backends.auto(device)
@@ -57,11 +60,14 @@ def resolve(backend: str, device: torch.device) -> str:
     return backend
 
 
+backends.on_register(resolve.cache_clear)
+
+
 def launch(stage: str, backend: str, device: torch.device, *args, **kwargs):
     """One launch of `stage` (experts.backends.STAGES) with the stage's arguments: on the backend a call resolved
     to where it takes them (its takes_<stage>, asked only then), on tl otherwise; counted."""
     b = backends.get(resolve(backend, device))
-    if b.name != "tl" and not getattr(b, f"takes_{stage}")(*args, **kwargs):
+    if b.name != "tl" and not getattr(b, "takes_" + stage)(*args, **kwargs):
         b = backends.get("tl")
     launch_counts[stage, b.name] += 1
     return getattr(b, stage)(*args, **kwargs)

@@ -49,8 +49,7 @@ import torch.nn.functional as F
 
 from ..args import check_choice, check_int
 from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config
-from ..experts import autocast_operands, autocast_weights, moe_experts
-from ..routing import build_routing_index
+from ..experts import autocast_operands, autocast_weights, routed_call
 
 try:
     from megatron.core.activations import squared_relu
@@ -88,7 +87,15 @@ def _graph_scopes(config) -> list[str]:
 
 def check_megatron_config(config, dispatch: str) -> None:
     """ValueError naming the option unless moeblaze computes this Megatron TransformerConfig's MoE layer as Megatron
-    would (the module header's refusals)."""
+    would (the module header's refusals).
+
+    Args:
+        config: Megatron's TransformerConfig.
+        dispatch: "megatron" (its dispatcher around moeblaze's experts) or "moeblaze" (moeblaze's layer).
+
+    Returns:
+        None.
+    """
     check_choice("dispatch", dispatch, DISPATCH)
     refusals = [
         ((getattr(config, "expert_tensor_parallel_size", None) or 1) > 1,
@@ -178,7 +185,18 @@ class _Recipe:
 class MoeblazeSequentialMLP(SequentialMLP):
     """Megatron's SequentialMLP (its parameters, names and sharded_state_dict) computed by moeblaze's op: called by
     Megatron's dispatcher on the permuted rows (dispatch="megatron"), or by MoeblazeMoELayer on the tokens and the
-    routing index (dispatch="moeblaze")."""
+    routing index (dispatch="moeblaze").
+
+    Args:
+        num_local_experts: this rank's experts.
+        config: Megatron's TransformerConfig (check_megatron_config).
+        moeblaze: the experts' recipe, a moeblaze.ExpertsConfig.
+        dispatch: "megatron" or "moeblaze" (above).
+
+    Returns:
+        A module whose forward(permuted_tokens, tokens_per_expert, permuted_probs) returns (output, None) as
+        SequentialMLP's does.
+    """
 
     def __init__(self, num_local_experts, config, *args, moeblaze: ExpertsConfig = DEFAULT,
                  dispatch: str = "megatron", **kwargs):
@@ -207,14 +225,13 @@ class MoeblazeSequentialMLP(SequentialMLP):
         stacked = [_stack(p) for p in parts]
         x, *biases = autocast_operands(x_TD, *stacked[2:])
         operands = [*autocast_weights(config, *stacked[:2]), *biases]  # fp8: float32 stacks stay float32
-        with _restacked(dict(zip(operands, parts))):
-            if group is not None:
-                from ..distributed import ep_experts
-                out = ep_experts(x, ids_TK, weights, *operands[:2], group=group, config=config, ep_config=ep)
-            else:
-                routing = build_routing_index(ids_TK, len(w1s), config.index_method, check=False, sentinels=sentinels)
-                out = moe_experts(x, routing, weights, *operands, config=config, check=False)
-        return out.to(x_TD.dtype)
+        across = None
+        if group is not None:
+            from ..distributed import ep_experts
+            across = functools.partial(ep_experts, group=group, config=config, ep_config=ep)
+        with _restacked(dict(zip(operands, parts))):  # the operands as cast here: routed_call casts none again
+            return routed_call(x, ids_TK, weights, *operands, config=config, sentinels=sentinels, across=across,
+                                  out_dtype=x_TD.dtype)
 
     def forward(self, permuted_TD: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor,
                 **_):
@@ -228,7 +245,17 @@ class MoeblazeSequentialMLP(SequentialMLP):
 
 class MoeblazeMoELayer(MoELayer):
     """Megatron's MoELayer with permute -> experts -> unpermute (and, under expert parallelism, its dispatcher)
-    replaced by moeblaze's op on the routing index (the module header)."""
+    replaced by moeblaze's op on the routing index (the module header). Megatron's spec builds it
+    (get_moeblaze_gpt_layer_spec); the ranks of an expert-parallel group check that they agree when it is built.
+
+    Args:
+        config: Megatron's TransformerConfig (check_megatron_config).
+        moeblaze: the experts' recipe, a moeblaze.ExpertsConfig.
+        ep: under expert parallelism, moeblaze's own (a moeblaze.EPConfig; None: its exact dispatch).
+
+    Returns:
+        A module whose forward(hidden_states) returns (output, None) as Megatron's MoELayer does.
+    """
 
     def __init__(self, config, *args, moeblaze: ExpertsConfig = DEFAULT, ep: EPConfig | None = None, **kwargs):
         check_megatron_config(config, "moeblaze")

@@ -37,17 +37,15 @@ backward, never kept).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 import torch
 
-from ..args import check_choice
-from ..configs import DEFAULT, DISPATCHES, EPConfig, ExpertsConfig, check_config
+from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config
 from ..distributed.ep import check_options
-from ..experts import autocast_operands, autocast_weights, moe_experts
-from ..routing import build_routing_index
+from ..experts import routed_call
 
-EP_DISPATCH = ("torchtitan", *DISPATCHES)
 
 try:
     from torch.distributed.tensor import DTensor
@@ -73,26 +71,20 @@ def check_experts_config(config: ExpertsConfig | None) -> ExpertsConfig:
     return config
 
 
-def ep_config(ep_dispatch: str, capacity_factor: float | None, on_overflow: str | None,
-              ep_chunks: int = 1, ep_transport: str = "tokens") -> EPConfig | None:
-    """The converter's expert-parallel options as moeblaze's EPConfig (None: torchtitan's dispatcher); ValueError or
-    TypeError naming the option, also for one the dispatch would not read."""
-    check_choice("ep_dispatch", ep_dispatch, EP_DISPATCH)
-    if ep_dispatch == "torchtitan":
-        if capacity_factor is not None or on_overflow is not None or ep_chunks != 1 or ep_transport != "tokens":
-            raise ValueError("capacity_factor and on_overflow apply to ep_dispatch='capacity', ep_chunks and "
-                             "ep_transport to moeblaze's dispatch ('exact' or 'capacity'); ep_dispatch is 'torchtitan'")
-        return None
-    return EPConfig(dispatch=ep_dispatch, capacity_factor=capacity_factor, on_overflow=on_overflow, chunks=ep_chunks,
-                    transport=ep_transport)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
 class MoeblazeGroupedExperts(GroupedExperts):
-    """torchtitan's GroupedExperts (its parameters w1_EFD, w2_EDF, w3_EFD) computed by moeblaze's op."""
+    """torchtitan's GroupedExperts (its parameters w1_EFD, w2_EDF, w3_EFD) computed by moeblaze's op.
+
+    Args:
+        config: its Config: GroupedExperts.Config's fields and `experts`, the recipe (a moeblaze.ExpertsConfig).
+
+    Returns:
+        A module whose forward(x_RD, num_tokens_per_expert_E) runs rows grouped by expert as GroupedExperts' does, and
+        whose routed(x, expert_ids, scores) runs tokens on their top-k experts.
+    """
 
     @dataclass(kw_only=True, slots=True)
     class Config(GroupedExperts.Config):
@@ -102,19 +94,15 @@ class MoeblazeGroupedExperts(GroupedExperts):
         super().__init__(config)
         self.moeblaze_config = check_experts_config(config.experts)
 
-    def operands(self, x_TD: torch.Tensor) -> tuple:
-        """(x, w1, w2, w3) as the op takes them: this rank's experts (the EP shard's local part), in autocast's
-        dtype where it is on."""
-        return (*autocast_operands(x_TD), *autocast_weights(self.moeblaze_config, _local(self.w1_EFD),
-                                                             _local(self.w2_EDF), _local(self.w3_EFD)))
+    def weights(self) -> tuple:
+        """(w1, w2, w3): this rank's experts (the EP shard's local part)."""
+        return _local(self.w1_EFD), _local(self.w2_EDF), _local(self.w3_EFD)
 
     def routed(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, scores_TK: torch.Tensor) -> torch.Tensor:
         """sum_k scores[t, k] · expert_{ids[t, k]}(x[t]): (T, D) in x's dtype."""
-        x, w1, w2, w3 = self.operands(x_TD)
-        config = self.moeblaze_config
-        routing = build_routing_index(expert_ids_TK, w1.shape[0], config.index_method, check=False)
-        out = moe_experts(x, routing, scores_TK.to(torch.float32), (w1, w3), w2, config=config, check=False)
-        return out.to(x_TD.dtype)
+        w1, w2, w3 = self.weights()
+        return routed_call(x_TD, expert_ids_TK, scores_TK.to(torch.float32), (w1, w3), w2,
+                              config=self.moeblaze_config, out_dtype=x_TD.dtype)
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         """GroupedExperts' call on rows grouped by expert (what torchtitan's dispatchers hand over): each row
@@ -126,7 +114,15 @@ class MoeblazeGroupedExperts(GroupedExperts):
 
 class MoeblazeRoutedExperts(RoutedExperts):
     """torchtitan's RoutedExperts: without an EP mesh, moeblaze's fused op on the routing index (no dispatch,
-    no routed-token copy, no scatter_add); with one, torchtitan's dispatcher around moeblaze's experts."""
+    no routed-token copy, no scatter_add); with one, torchtitan's dispatcher around moeblaze's experts, or
+    moeblaze's own expert parallelism where the Config's `ep` is a moeblaze.EPConfig.
+
+    Args:
+        config: its Config: RoutedExperts.Config's fields and `ep` (None or a moeblaze.EPConfig).
+
+    Returns:
+        A module whose forward takes and returns what RoutedExperts' does.
+    """
 
     @dataclass(kw_only=True, slots=True)
     class Config(RoutedExperts.Config):
@@ -157,14 +153,15 @@ class MoeblazeRoutedExperts(RoutedExperts):
         from ..distributed import ep_experts
 
         inner = self.inner_experts
-        x, w1, w2, w3 = inner.operands(x_TD)
+        w1, w2, w3 = inner.weights()
         if w1.shape[0] * mesh.size() != inner.num_experts:
             raise RuntimeError(f"this rank holds {w1.shape[0]} of {inner.num_experts} experts over an EP mesh of "
                                f"{mesh.size()}: torchtitan's expert parallelism did not shard them (was the model "
                                "config's update_from_config called with the parallelism before building?)")
-        out = ep_experts(x, ids_TK, scores_TK.to(torch.float32), (w1, w3), w2, group=mesh.get_group(),
-                         config=inner.moeblaze_config, ep_config=self.ep)
-        return out.to(x_TD.dtype)
+        across = functools.partial(ep_experts, group=mesh.get_group(), config=inner.moeblaze_config,
+                                   ep_config=self.ep)
+        return routed_call(x_TD, ids_TK, scores_TK.to(torch.float32), (w1, w3), w2, config=inner.moeblaze_config,
+                              across=across, out_dtype=x_TD.dtype)
 
     def parallelize(self, parallel_dims) -> None:
         if parallel_dims.tp_enabled or getattr(parallel_dims, "etp_enabled", False):
@@ -174,29 +171,26 @@ class MoeblazeRoutedExperts(RoutedExperts):
 
 
 class MoeblazeConverter(ModelConfigConverter):
-    """A torchtitan model converter: every MoE layer's routed experts on moeblaze (see the module header)."""
+    """A torchtitan model converter: every MoE layer's routed experts on moeblaze (see the module header).
+
+    Args:
+        config: its Config: `experts` (the recipe, a moeblaze.ExpertsConfig) and `ep` (under expert parallelism,
+            None: torchtitan's dispatcher; a moeblaze.EPConfig: moeblaze's own).
+    """
 
     @dataclass(kw_only=True, slots=True)
     class Config(ModelConfigConverter.Config):
         experts: ExpertsConfig = DEFAULT
         """moeblaze's recipe for the experts: checkpoint policy, backend, precision, chunk_tokens, index_method."""
-        ep_dispatch: str = "torchtitan"
-        """Under expert parallelism: "torchtitan" (its all-to-all dispatcher feeds moeblaze's op the received rows)
-        or moeblaze's own ("exact": every routed row; "capacity": a fixed number of rows per pair of ranks)."""
-        capacity_factor: float | None = None
-        """ep_dispatch="capacity": rows per pair of ranks, as a multiple of the mean (None: 1.25; EPConfig)."""
-        on_overflow: str | None = None
-        """ep_dispatch="capacity": a destination needing more rows, "error" (None) or "drop" (EPConfig)."""
-        ep_chunks: int = 1
-        """moeblaze's dispatch: the all-to-alls in this many parts, each under another's GEMMs (EPConfig.chunks)."""
-        ep_transport: str = "tokens"
-        """moeblaze's dispatch: "tokens" (a row per (token, rank)) or "pairs" (a row per (token, expert) pair)."""
+        ep: EPConfig | None = None
+        """Under expert parallelism, who moves the rows: None, torchtitan's all-to-all dispatcher (it feeds
+        moeblaze's op the received rows), or moeblaze's own, as a moeblaze.EPConfig (dispatch "exact" or
+        "capacity", capacity_factor, on_overflow, chunks, transport)."""
 
     def __init__(self, config: Config):
         self.config = config
         self.experts = check_experts_config(config.experts)
-        self.ep = ep_config(config.ep_dispatch, config.capacity_factor, config.on_overflow, config.ep_chunks,
-                            config.ep_transport)
+        self.ep = check_config("ep", config.ep, EPConfig)
         if self.ep is not None:
             check_options(self.experts)
 

@@ -34,10 +34,9 @@ import weakref
 
 import torch
 
-from ..experts import autocast_operands, autocast_weights, moe_experts
+from ..experts import routed_call
 from ..configs import DEFAULT, ExpertsConfig, from_legacy
 from ..reference import CLAMP_ALPHA, CLAMP_LIMIT
-from ..routing import build_routing_index
 from ..routing.checks import fail_if
 
 MIN_VERSION = "5.0"
@@ -71,7 +70,14 @@ def _interface():
 
 def register() -> None:
     """Register experts_forward as transformers' experts implementation "moeblaze" (idempotent), and have a model
-    built with it that has no experts module say so (_warn_when_nothing_runs)."""
+    built with it that has no experts module say so (_warn_when_nothing_runs). Importing this module calls it.
+
+    Args:
+        (none)
+
+    Returns:
+        None.
+    """
     _interface().ExpertsInterface.register(NAME, experts_forward)
     from transformers import PreTrainedModel
 
@@ -107,7 +113,15 @@ def configure(model: torch.nn.Module, config: ExpertsConfig | None = None, **leg
     """Run every experts module of `model` with the recipe `config` (moeblaze.ExpertsConfig, its activation left
     unset: each module's own is read from it, as activation_of says, and another is refused); the number of experts
     modules set.
-    0.1's keyword options (checkpoint=, impl=, ...) still work, with a DeprecationWarning."""
+    0.1's keyword options (checkpoint=, impl=, ...) still work, with a DeprecationWarning.
+
+    Args:
+        model: a transformers model, or one experts module.
+        config: the recipe, a moeblaze.ExpertsConfig without an activation (None: the default recipe).
+
+    Returns:
+        The number of experts modules that will run it (once the model runs experts_implementation "moeblaze").
+    """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"configure takes a transformers model or experts module (a torch.nn.Module), got "
                         f"{type(model).__name__}")
@@ -150,7 +164,14 @@ def _gpt_oss_gate():
 def activation_of(module) -> tuple[tuple[str, bool] | None, str | None]:
     """((moeblaze activation, interleaved), None) for a module moeblaze computes exactly, else (None, the reason
     it can't). Biases and transposed weights are read as they are; gpt-oss's gate function is the clamped SwiGLU
-    over interleaved gate/up columns."""
+    over interleaved gate/up columns.
+
+    Args:
+        module: a transformers experts module.
+
+    Returns:
+        ((activation, interleaved), None) where moeblaze computes it, else (None, why not).
+    """
     moe = _interface()
     if getattr(module, "has_post_expert_norm", False):
         return None, "a post-expert norm"
@@ -204,20 +225,30 @@ def _weights(module):
 
 def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts call on moeblaze: (T, H) in hidden_states' dtype, the weights applied and summed."""
+    """transformers' experts call on moeblaze (the implementation "moeblaze" registers), falling back to the eager
+    experts, with a warning once per reason, for a module moeblaze can't compute (activation_of).
+
+    Args:
+        module: the experts module (its weights, biases, activation and moeblaze_config).
+        hidden_states: (T, H) tokens.
+        top_k_index: (T, K) expert ids; ids >= the module's experts are expert parallelism's sentinels (skipped).
+        top_k_weights: (T, K) router weights.
+
+    Returns:
+        (T, H) in hidden_states' dtype: the weights applied and summed.
+    """
     spec, reason = activation_of(module)
     if reason is not None:
         return _fallback(module, reason, hidden_states, top_k_index, top_k_weights)
     activation, interleaved = spec
     config = _with_activation(getattr(module, "moeblaze_config", DEFAULT), activation)
-    w1, w2, b1, b2 = _weights(module)
-    (x, b1, b2), (w1, w2) = autocast_operands(hidden_states, b1, b2), autocast_weights(config, w1, w2)
     # ids >= num_experts are expert parallelism's sentinels (skipped); a negative one is refused, as eager does
     fail_if((top_k_index < 0).any(), f"an expert id is negative: the ids must be in [0, {module.num_experts}), or "
             f">= {module.num_experts} for pairs another rank's experts take (skipped)")
-    routing = build_routing_index(top_k_index, module.num_experts, config.index_method, check=False, sentinels=True)
-    out = moe_experts(x, routing, top_k_weights, w1, w2, b1, b2, config=config, interleaved=interleaved, check=False)
-    return out.to(hidden_states.dtype)
+    return routed_call(hidden_states, top_k_index, top_k_weights, *_weights(module), config=config, sentinels=True,
+                          interleaved=interleaved, out_dtype=hidden_states.dtype)
 
 
 register()
+
+__all__ = ["activation_of", "configure", "experts_forward", "register"]

@@ -19,10 +19,10 @@ import torch.nn as nn
 from ..args import check_int
 from ..configs import (DEFAULT, ExpertsConfig, RoundingConfig, RouterConfig, SharedConfig, check_layer, from_legacy,
                        layer_configs)
-from ..experts import autocast_operands, autocast_weights, moe_experts
+from ..experts import routed_call
 from ..experts.schedule import BLOCK_M
 from ..reference import up_width
-from ..routing import TopKRouter, build_routing_index, round_to_index
+from ..routing import TopKRouter, round_to_index
 from ..routing.index import count_per_expert
 from ..routing.rounding import default_max_experts, rounded_rows_bound
 from ..routing.checks import fail_if
@@ -73,19 +73,11 @@ class Experts(nn.Module):
         """(w1, w2) as this process computes with them."""
         return self.w1, self.w2
 
-    def operands(self, x_LD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x, w1, w2) as the kernels take them: in the autocast dtype where autocast is on, like nn.Linear (under
-        precision="fp8" float32 weights stay as they are: experts.autocast_weights)."""
-        return (*autocast_operands(x_LD), *autocast_weights(self.config, *self.weights()))
-
     def forward(self, x_LD: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor,
                 routing=None) -> torch.Tensor:
         """routing: a prebuilt RoutingIndex (token rounding's, with topk_weights in its table's layout) instead of
         one built from topk_idx."""
-        x_LD, w1, w2 = self.operands(x_LD)
-        if routing is None:
-            routing = build_routing_index(topk_idx, self.num_experts, self.config.index_method, check=False)
-        return moe_experts(x_LD, routing, topk_weights, w1, w2, config=self.config, check=False)
+        return routed_call(x_LD, topk_idx, topk_weights, *self.weights(), config=self.config, routing=routing)
 
     def extra_repr(self) -> str:
         return describe_experts(self)
