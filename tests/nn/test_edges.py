@@ -48,11 +48,11 @@ def test_layer_compiles_with_fullgraph_and_matches_eager(impl):
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)  # a graph break raises here
     eager = layer(x)
     for a, b in zip(compiled, eager):
-        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+        assert torch.equal(a, b)  # aot_eager runs the same ATen ops as eager: the same bits
     g_c = torch.autograd.grad(compiled.out.square().sum() + compiled.aux_loss, (x, layer.w1, layer.router.weight))
     g_e = torch.autograd.grad(eager.out.square().sum() + eager.aux_loss, (x, layer.w1, layer.router.weight))
     for a, b in zip(g_c, g_e):
-        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+        assert torch.equal(a, b)  # aot_eager runs the same ATen ops as eager: the same bits
 
 
 def _python(code: str, env_interpret: bool) -> subprocess.CompletedProcess:
