@@ -155,37 +155,17 @@ class Op:
                  save: Callable | None = None, eager_backward: Callable | None = None,
                  contiguous: tuple[str, ...] = ()):
         self.name, self.inputs, self.kept = name, Layout(inputs), Layout(kept)
-        if self.inputs.repeated:
-            raise TypeError(f"{name}: the inputs have no repeated group (the options follow them)")
         self.options, self.results, self.grads = options, results, grads
-        plain = {f for f, kind, _ in self.inputs.fields if kind in ("tensor", "optional")}
-        unknown = set(grads) - plain
-        if unknown:
-            raise TypeError(f"{name}: gradients of {sorted(unknown)}, which are not tensor inputs")
         self._forward, self._backward, self._save = forward, backward, save
-        # each input leaf's gradient: its index in the backward's results, or None (nested leaves take none)
-        leaf_fields = [f for f, kind, sub in self.inputs.fields for _ in range(1 if sub is None else sub.width)]
-        plain_leaf = [kind in ("tensor", "optional") for _f, kind, sub in self.inputs.fields
-                      for _ in range(1 if sub is None else sub.width)]
-        self._grad_slots = tuple(grads.index(f) if p and f in grads else None
-                                 for f, p in zip(leaf_fields, plain_leaf))
-        n_opt = len(options._fields)
-        self._n_in, self._n_opt = self.inputs.width, n_opt
-        opts = _options_schema(options)
-        fwd_args = self.inputs.schema() + opts
-        bwd_args = ["Tensor dout"] + self.inputs.schema() + self.kept.schema() + opts
-        names = [a.split()[-1] for a in bwd_args]
-        if len(set(names)) != len(names):
-            raise TypeError(f"{name}: the schemas' names repeat: {sorted(n for n in set(names) if names.count(n) > 1)}")
-
-        def returns(n: int) -> str:
-            return ", ".join(["Tensor"] * n)
-        self.fwd = torch.library.custom_op(
-            f"moeblaze::{name}_fwd", self._forward_op, mutates_args=(),
-            schema=f"({', '.join(fwd_args)}) -> ({returns(len(results) + self.kept.width)})")
-        self.bwd = torch.library.custom_op(
-            f"moeblaze::{name}_bwd", self._backward_op, mutates_args=(),
-            schema=f"({', '.join(bwd_args)}) -> ({returns(len(grads))})")
+        self._n_in, self._n_opt = self.inputs.width, len(options._fields)
+        self._grad_slots = self._slots(grads)
+        fwd_args, bwd_args = self._schemas()
+        tensors = ", ".join(["Tensor"] * (len(results) + self.kept.width))
+        self.fwd = torch.library.custom_op(f"moeblaze::{name}_fwd", self._forward_op, mutates_args=(),
+                                           schema=f"({', '.join(fwd_args)}) -> ({tensors})")
+        tensors = ", ".join(["Tensor"] * len(grads))
+        self.bwd = torch.library.custom_op(f"moeblaze::{name}_bwd", self._backward_op, mutates_args=(),
+                                           schema=f"({', '.join(bwd_args)}) -> ({tensors})")
         self.fwd.register_fake(lambda *args: self._flat_forward(forward_fake, args))
         like = {f: f not in contiguous for f in grads}
         self.bwd.register_fake(lambda dout, *args: self._grad_fakes(dout, args, like))
@@ -194,6 +174,32 @@ class Op:
             lambda dout, *args: eager_backward(dout, *self._split_bwd(args)))
         self.eager = _eager_function(f"_Eager_{name}", self._forward_op, self._setup_context,
                                      self._autograd_backward(eager_body))
+
+    def _slots(self, grads: tuple[str, ...]) -> tuple:
+        """Each input leaf's gradient: its index in the backward's results, or None (nested leaves take none)."""
+        if self.inputs.repeated:
+            raise TypeError(f"{self.name}: the inputs have no repeated group (the options follow them)")
+        slots, known = [], set()
+        for f, kind, sub in self.inputs.fields:
+            if kind in ("tensor", "optional"):
+                known.add(f)
+                slots.append(grads.index(f) if f in grads else None)
+            else:
+                slots += [None] * sub.width
+        if set(grads) - known:
+            raise TypeError(f"{self.name}: gradients of {sorted(set(grads) - known)}, which are not tensor inputs")
+        return tuple(slots)
+
+    def _schemas(self) -> tuple[list[str], list[str]]:
+        """The forward's and the backward's arguments; TypeError where a name repeats."""
+        opts = _options_schema(self.options)
+        fwd_args = self.inputs.schema() + opts
+        bwd_args = ["Tensor dout"] + self.inputs.schema() + self.kept.schema() + opts
+        names = [a.split()[-1] for a in bwd_args]
+        if len(set(names)) != len(names):
+            raise TypeError(f"{self.name}: the schemas' names repeat: "
+                            f"{sorted(n for n in set(names) if names.count(n) > 1)}")
+        return fwd_args, bwd_args
 
     def __call__(self, inputs, options, traced: bool | None = None) -> tuple[torch.Tensor, ...]:
         """The results: through the custom op where traced (default: under torch.compile), else the eager
