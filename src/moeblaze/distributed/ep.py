@@ -129,7 +129,42 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
         (L, D) in x's dtype: this rank's tokens' combined expert outputs.
     """
     ep = dist.get_world_size(group)
-    try:  # every check that reads this rank's arguments, its verdict then agreed with the other ranks' below
+    config, ep_config, t = _checked(x, topk_idx, topk_weights, w1_local, w2_local, group, config, ep_config, tracker)
+    w1_local, w1_up = (w1_local, None) if isinstance(w1_local, torch.Tensor) else w1_local
+    E_loc = w1_local.shape[0]
+    if not torch.compiler.is_compiling():  # (agreed in eager mode: a trace runs what the eager calls ran)
+        check_agreement(group, entry="ep_experts", experts=E_loc,
+                        weights=(tuple(w1_local.shape[1:]), tuple(w2_local.shape[1:]), str(w1_local.dtype),
+                                 w1_up is not None),
+                        x=(x.shape[1], str(x.dtype)), top_k=topk_idx.shape[1], recipe=repr(config),
+                        ep_config=repr(ep_config), tracker=tracker is not None, inputs="ok")
+        _LAST[group if group is not None else dist.group.WORLD] = (E_loc, ep_config, x.device)
+    E = E_loc * ep
+    L, K = topk_idx.shape
+    C = _capacity(t, ep_config, tracker, L, K, ep, E_loc)
+    backend = choose("triton" if config.backend == "auto" else config.backend, x.device)
+    # the receiver's index has dropped pairs (capacity's padding; every "tokens" row's pairs held elsewhere);
+    # fp8_min_rows judged as if every rank had this rank's L
+    call = (L * ep, K, E)
+    key = kernel_op_key(x, config, backend, C is not None or t.sentinels, False, call=call)
+    w1_local, w1_up, w2_local = call_weights(config.at_call(*call).fp8, x, w1_local, w1_up, w2_local)
+    fail = ep_config.overflow == "error" and tracker is None  # an overflow an error on every rank: a host read
+    _check_chunks(t, ep_config, E_loc)
+    out, needed = t.run(EPCall(x, topk_idx, topk_weights, w1_local, w2_local, w1_up, _group_name(group), key, C, fail,
+                               ep_config.chunks, config.index_method, E))
+    if tracker is not None:
+        tracker.record(needed)
+    if dropped is not None and C is not None and ep_config.overflow == "drop" and tracker is None:
+        dropped.add_((t.rows_per_dest(topk_idx, E_loc, ep) - C).clamp(min=0).sum())
+    return out
+
+
+def _checked(x, topk_idx, topk_weights, w1_local, w2_local, group, config, ep_config, tracker):
+    """(config, ep_config, the transport) of an ep_experts call, after every check that reads this rank's
+    arguments; a refusal raises on every rank (the group's first call agrees on the verdict; a later one makes the
+    transport's first exchange with it set)."""
+    ep = dist.get_world_size(group)
+    try:
         config = from_legacy("ep_experts", config, {})
         check_options(config)
         ep_config = check_config("ep_config", ep_config, EPConfig) or EPConfig()
@@ -153,33 +188,26 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
             raise
         # every rank's first call makes this one: all raise
         check_agreement(group, entry="ep_experts", inputs=f"{type(e).__name__}: {e}")
-    w1_local, w1_up = (w1_local, None) if isinstance(w1_local, torch.Tensor) else w1_local
-    E_loc = w1_local.shape[0]
-    if not torch.compiler.is_compiling():  # (agreed in eager mode: a trace runs what the eager calls ran)
-        check_agreement(group, entry="ep_experts", experts=E_loc,
-                        weights=(tuple(w1_local.shape[1:]), tuple(w2_local.shape[1:]), str(w1_local.dtype),
-                                 w1_up is not None),
-                        x=(x.shape[1], str(x.dtype)), top_k=topk_idx.shape[1], recipe=repr(config),
-                        ep_config=repr(ep_config), tracker=tracker is not None, inputs="ok")
-        _LAST[group if group is not None else dist.group.WORLD] = (E_loc, ep_config, x.device)
-    E = E_loc * ep
-    L, K = topk_idx.shape
-    C = None
-    if ep_config.dispatch == "capacity":
-        C = ep_config.capacity if ep_config.capacity is not None else tracker.capacity if tracker is not None else None
-        if C is None:
-            C = capacity_rows(t, ep_config.factor, L, K, ep, E_loc)
-        if C * ep * t.pairs_per_row(K) >= 2 ** 31:  # the receiver's index addresses its pairs with int32
-            raise ValueError(f"capacity dispatch: {C} rows per pair over {ep} ranks is more rows than a receiver's "
-                             "index can address (2^31); every rank sends at most its L·K pairs: lower capacity or "
-                             "capacity_factor")
-    backend = choose("triton" if config.backend == "auto" else config.backend, x.device)
-    # the receiver's index has dropped pairs (capacity's padding; every "tokens" row's pairs held elsewhere);
-    # fp8_min_rows judged as if every rank had this rank's L
-    call = (L * ep, K, E)
-    key = kernel_op_key(x, config, backend, C is not None or t.sentinels, False, call=call)
-    w1_local, w1_up, w2_local = call_weights(config.at_call(*call).fp8, x, w1_local, w1_up, w2_local)
-    fail = ep_config.overflow == "error" and tracker is None  # an overflow an error on every rank: a host read
+    return config, ep_config, t
+
+
+def _capacity(t, ep_config: EPConfig, tracker, L: int, K: int, ep: int, E_loc: int) -> int | None:
+    """Capacity dispatch's rows per (source, destination) pair (None: exact dispatch): the EPConfig's, the
+    tracker's, or from capacity_factor and the transport's mean rows."""
+    if ep_config.dispatch != "capacity":
+        return None
+    C = ep_config.capacity if ep_config.capacity is not None else tracker.capacity if tracker is not None else None
+    if C is None:
+        C = capacity_rows(t, ep_config.factor, L, K, ep, E_loc)
+    if C * ep * t.pairs_per_row(K) >= 2 ** 31:  # the receiver's index addresses its pairs with int32
+        raise ValueError(f"capacity dispatch: {C} rows per pair over {ep} ranks is more rows than a receiver's "
+                         "index can address (2^31); every rank sends at most its L·K pairs: lower capacity or "
+                         "capacity_factor")
+    return C
+
+
+def _check_chunks(t, ep_config: EPConfig, E_loc: int) -> None:
+    """EPConfig.chunks where the transport pipelines under this dispatch, and no more expert groups than experts."""
     if ep_config.chunks > 1 and ep_config.dispatch not in t.chunks:
         raise ValueError(f"EPConfig(chunks={ep_config.chunks}): transport {ep_config.transport!r} pipelines "
                          + (f"under dispatch {' or '.join(map(repr, t.chunks))} only" if t.chunks else "nothing")
@@ -187,13 +215,6 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     if ep_config.chunks > E_loc and t.expert_chunks:
         raise ValueError(f"EPConfig(chunks={ep_config.chunks}) groups the local experts, and this rank holds "
                          f"{E_loc}: chunks must be at most that")
-    out, needed = t.run(EPCall(x, topk_idx, topk_weights, w1_local, w2_local, w1_up, _group_name(group), key, C, fail,
-                               ep_config.chunks, config.index_method, E))
-    if tracker is not None:
-        tracker.record(needed)
-    if dropped is not None and C is not None and ep_config.overflow == "drop" and tracker is None:
-        dropped.add_((t.rows_per_dest(topk_idx, E_loc, ep) - C).clamp(min=0).sum())
-    return out
 
 
 def _refuse(group, pg, ep: int) -> None:
