@@ -50,8 +50,9 @@ for s in $steps; do
   case $s in
     tests) $limit python3 -m pytest -m gpu ${GPU_TESTS:-tests/gpu} -p no:logging --durations=20 ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" ;;
     dispatch) $limit python3 -m moeblaze.cli bench --dispatch --out "$OUT" ;;
-    layer) $limit python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --plot --out "$OUT" ;;
-    scale) $limit python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --plot --out "$OUT" ;;
+    layer) $limit python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --out "$OUT" && python3 benchmarks/report.py "$OUT" --plot ;;
+    scale) $limit python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --out "$OUT" \
+             && python3 benchmarks/report.py "$OUT" --plot ;;
     rounding) $limit python3 benchmarks/lab/rounding_bench.py --out "$OUT" ${ROUNDING_ARGS:-} ;;
     quality|fp8train)  # scripts/train_compare.py's routing or fp8 study, its logs packed into one archive
              study=$([ $s = quality ] && echo routing || echo fp8)

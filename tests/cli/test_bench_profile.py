@@ -4,13 +4,17 @@ import glob
 import json
 import os
 import re
+import sys
 
 import pytest
 import torch
 
 from moeblaze.bench import harness
 from moeblaze.cli import main
-from moeblaze.cli.report import START, END, results_markdown, update_report
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import report  # noqa: E402  (benchmarks/report.py: the charts and the results page, outside the package)
+from report import START, END, results_markdown, update_report  # noqa: E402
 
 ROW_FIELDS = {"impl", "policy", "L", "d", "h", "E", "K", "activation", "dtype", "fwd_ms", "step_ms", "host_ms",
               "kept_mb", "peak_mb", "tflops", "rel_err", "gpu", "torch", "triton", "git_sha", "run_id", "command",
@@ -25,7 +29,8 @@ def read_rows(out):
 def test_layer_bench_rows_schema_and_plot(tmp_path):
     out = str(tmp_path)
     assert main(["bench", "--config", "48,32,16,4,2", "--impls", "moeblaze,reference,torch_gmm", "--out", out,
-                 "--warmup", "0", "--iters", "1", "--plot"]) == 0
+                 "--warmup", "0", "--iters", "1"]) == 0
+    assert report.main([out, "--plot"]) == 0
     rows = read_rows(out)
     assert [(r["impl"], r["policy"]) for r in rows] == [("moeblaze", "preact"), ("moeblaze", "recompute"),
                                                        ("reference", "-"), ("torch_gmm", "-")]
@@ -89,7 +94,8 @@ def test_scale_records_oom_and_keeps_going(tmp_path, monkeypatch):
     monkeypatch.setitem(harness.IMPLS, "torch_gmm", (lambda: True, ("-",), oom_past_64_tokens))
     out = str(tmp_path)
     main(["bench", "--scale", "--scale-config", "0,32,16,4,2", "--min-tokens", "32", "--max-tokens", "256",
-          "--impls", "reference,torch_gmm", "--out", out, "--warmup", "0", "--iters", "1", "--plot"])
+          "--impls", "reference,torch_gmm", "--out", out, "--warmup", "0", "--iters", "1"])
+    report.main([out, "--plot"])
     rows = read_rows(out)
     gmm = [(r["L"], r["status"]) for r in rows if r["impl"] == "torch_gmm"]
     assert gmm == [(32, "ok"), (64, "ok"), (128, "oom")]  # stops after its first oom
@@ -183,7 +189,7 @@ def test_readme_results_section(tmp_path):
 
 def test_the_headline_comes_from_the_newest_run_with_every_series(tmp_path):
     """The front page's chart: the newest run that measured every headline series at each of its configs."""
-    from moeblaze.cli.report import HEADLINE, headline_run, plot_headline
+    from report import HEADLINE, headline_run, plot_headline
 
     def rows(run, date, series):
         return [dict(mode="layer", impl=i, policy=p, L=64, d=32, h=16, E=4, K=2, dtype="bfloat16", gpu="G",
@@ -241,7 +247,7 @@ def test_stage_times_cover_every_launch_of_a_step():
 
 
 def test_results_take_the_newest_run_beside_sonicmoe():
-    from moeblaze.cli.report import latest_rows
+    from report import latest_rows
 
     def row(impl, run, date, step):
         return dict(mode="layer", impl=impl, policy="preact" if impl == "moeblaze" else "-", L=64, d=32, h=16, E=4,
@@ -254,7 +260,6 @@ def test_results_take_the_newest_run_beside_sonicmoe():
 
 
 def test_results_compare_each_repeat_with_sonicmoe_of_the_same_repeat():
-    from moeblaze.cli.report import results_markdown
 
     def row(impl, step):
         return dict(mode="layer", impl=impl, policy="preact" if impl == "moeblaze" else "-", L=64, d=32, h=16, E=4,
@@ -273,7 +278,6 @@ def test_results_compare_each_repeat_with_sonicmoe_of_the_same_repeat():
 
 
 def test_results_list_peers_from_other_runs_beside_their_own_baseline():
-    from moeblaze.cli.report import results_markdown
 
     def row(impl, run, date, step, policy="-"):
         return dict(mode="layer", impl=impl, policy=policy, L=64, d=32, h=16, E=4, K=2, activation="swiglu",

@@ -22,7 +22,11 @@ from ..experts import launch_counts
 from . import UsageError, check_device
 from .bench_flags import check_flags
 from .checkpoint import CheckpointError, probe_writable
-from .report import slug
+
+
+def slug(name: str) -> str:
+    """A results file's name from its GPU's: lower case, runs of other characters as "-"."""
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
 
 
 def run_env(device: torch.device, command: str | None = None) -> dict:
@@ -209,10 +213,6 @@ def _cpu_note(args) -> str:
 
 
 def run(args):
-    if args.report:
-        from .report import update_report
-        update_report(args.report, args.out)
-        return
     check_args(args)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -235,10 +235,6 @@ def run(args):
         del p, ref
     if args.scale:
         _run_scale(rec, args, device, dtype)
-    if args.plot:
-        from .report import plot_run
-        for path in plot_run(rec.rows, os.path.dirname(rec.path) or "."):
-            print(f"plot: {path}")
 
 
 def _run_dispatch(rec, args, device) -> None:

@@ -75,10 +75,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("results")
     o.add_argument("--out", default="bench-results",
                    help="results folder (default bench-results, in the working directory)")
-    o.add_argument("--plot", action="store_true", help="write PNG charts next to the results")
-    o.add_argument("--report", default=None, metavar="docs/results.md",
-                   help="only regenerate that page's generated results (between its markers) from the --out folder, "
-                        "measure nothing")
 
 
 def check_flags(args) -> None:

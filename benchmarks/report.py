@@ -1,6 +1,12 @@
-"""Charts and the README's Results section, made from the benchmark's JSON lines."""
+"""Charts and the results page's generated section, made from `moeblaze bench`'s JSON lines (outside the
+package: plotting is the lab's, not the library's).
+
+    python benchmarks/report.py RESULTS_DIR --plot                 PNG charts of the latest run, beside its rows
+    python benchmarks/report.py RESULTS_DIR --report docs/results.md   that page's generated results and charts
+"""
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -29,14 +35,14 @@ def _cfg(r: dict) -> str:
 
 def _cfg_order(cfg: str) -> tuple:
     """Named configs A-E first, in their order, then the others."""
-    from ..bench.names import CONFIGS
+    from moeblaze.bench.names import CONFIGS
 
     named = [",".join(map(str, c)) for c in CONFIGS.values()]
     return (named.index(cfg), "") if cfg in named else (len(named), cfg)
 
 
 def slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")  # as moeblaze bench names its files
 
 
 def plot_run(rows: list[dict], out_dir: str, name: str | None = None) -> list[str]:
@@ -125,7 +131,7 @@ def plot_headline(rows: list[dict], path: str) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..bench.names import CONFIGS
+    from moeblaze.bench.names import CONFIGS
 
     run = headline_run(rows)
     if not run:
@@ -319,3 +325,26 @@ def update_report(report: str, results_dir: str) -> None:
     with open(report, "w") as f:
         f.write(text)
     print(f"updated the generated results of {report}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", help="the folder of moeblaze bench's rows (its --out)")
+    ap.add_argument("--plot", action="store_true", help="PNG charts of the latest run's rows, beside them")
+    ap.add_argument("--report", metavar="docs/results.md",
+                    help="regenerate that page's generated results (between its markers) and the charts it shows")
+    args = ap.parse_args(argv)
+    if not (args.plot or args.report):
+        ap.error("say --plot, --report FILE or both")
+    if args.plot:
+        rows = load_rows(args.results)
+        run_id = rows[-1]["run_id"] if rows else None
+        for path in plot_run([r for r in rows if r.get("run_id") == run_id], args.results):
+            print(f"plot: {path}")
+    if args.report:
+        update_report(args.report, args.results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
