@@ -164,6 +164,31 @@ def test_two_ranks_a_save_killed_at_any_step_of_rank_0_leaves_a_checkpoint_that_
     run_ranks(_two_ranks, 2, str(tmp_path), inside, timeout_s=300)
 
 
+def _views_differ(rank, world, errors, root):
+    """Rank 0 sees a complete CK.tmp (step 2) beside CK (step 1); rank 1 lists the folders before CK.tmp appears
+    (a killed run's rank still renaming, a file system's lag): both load rank 0's choice, the same step."""
+    import torch.distributed as dist
+
+    path = os.path.join(root, "ck")
+    ck.save_sharded(os.path.join(root, "newer"), _state(2), rank)
+    ck.save_sharded(path, _state(1), rank)
+    if rank == 0:
+        os.replace(os.path.join(root, "newer"), path + ".tmp")
+    dist.barrier()
+    with pytest.MonkeyPatch.context() as m:
+        if rank == 1:
+            m.setattr(ck, "sharded_candidates", lambda p: [p])
+        state = _state(0)
+        folder = ck.load_newest_sharded(path, state, rank)
+    got = int(state["train"]["step"])
+    if (os.path.basename(folder), got) != ("ck.tmp", 2) or not torch.equal(state["w"], torch.full((64,), 2.0)):
+        errors.put(f"rank {rank} loaded step {got} from {folder}")
+
+
+def test_ranks_that_see_the_folders_differently_load_the_same_checkpoint(tmp_path):
+    run_ranks(_views_differ, 2, str(tmp_path), timeout_s=300)
+
+
 def test_resume_beside_a_half_deleted_old_folder(tmp_path, monkeypatch, capsys):
     """The repro: a complete sharded checkpoint CK and, beside it, CK.old with some of its shards and no manifest
     (an earlier version's save killed inside its last delete): train --resume resumes from CK, and its save

@@ -178,9 +178,16 @@ def sharded_checkpoint_path(path: str) -> str | None:
 
 def load_newest_sharded(path: str, state: dict, rank: int) -> str:
     """load_sharded from the newest folder of `path`'s save that verifies (a killed save may have left a newer or
-    an older one than `path`); that folder. CheckpointError on every rank, naming what was wrong, if none does."""
+    an older one than `path`); that folder. CheckpointError on every rank, naming what was wrong, if none does.
+    Rank 0's view of the folders decides for every rank (broadcast): ranks that list them at different moments (a
+    killed run's processes still renaming, a file system's lag) would otherwise load different folders."""
+    import torch.distributed as dist
+
+    found = [sharded_candidates(path) if rank == 0 else None]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(found, src=0)
     problems = []
-    for folder in sharded_candidates(path):
+    for folder in found[0]:
         try:
             load_sharded(folder, state, rank)
             return folder

@@ -321,7 +321,10 @@ def _set_up(args, cfg, train, val, ranks) -> _Run:
                functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext,
                save, bool(save) and sharded_save(save, ranks is not None), n_params,
                unigram_entropy(torch.cat([train, val])))
-    found = (sharded_checkpoint_path(save) is not None) if run.sharded else os.path.exists(save)
+    found = [(sharded_checkpoint_path(save) is not None) if run.sharded else os.path.exists(save)]
+    if ranks is not None:  # rank 0's view decides: every rank resumes, or none (checkpoint.load_newest_sharded)
+        torch.distributed.broadcast_object_list(found, src=0)
+    found = found[0]
     if args.resume and not found:
         run.say(f"--resume: no checkpoint at {save}; starting from step 0")
     elif args.resume:
