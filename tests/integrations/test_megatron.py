@@ -191,7 +191,11 @@ REFUSED = {
     "moe_expert_capacity_factor": dict(moe_expert_capacity_factor=1.0),
     "activation_func_clamp_value": dict(activation_func_clamp_value=7.0),
     "activation_func": dict(activation_func=torch.tanh),
-}
+    "moe_shared_expert_overlap": dict(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True,
+                                      moe_token_dispatcher_type="alltoall"),
+    "moe_token_dispatcher_type='flex'": dict(moe_token_dispatcher_type="flex"),
+    "moe_latent_size": dict(moe_latent_size=16),
+}  # TE's fp8/fp4 recipes: Megatron's TransformerConfig itself needs TransformerEngine for them (not on the CPU)
 
 
 def _refusals(rank, world, found, names):

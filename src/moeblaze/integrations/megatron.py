@@ -30,7 +30,8 @@ recipes (moeblaze's ExpertsConfig(precision="fp8") instead), moe_layer_recompute
 "recompute") instead), CUDA-graph capture of the MoE layer, overlap_moe_expert_parallel_comm, moe_latent_size,
 moe_apply_probs_on_input, an activation clamp or GLU offset, experts other than SequentialMLP (TEGroupedMLP: the
 spec picks SequentialMLP); with dispatch="moeblaze" also capacity drops (moe_expert_capacity_factor),
-moe_shared_expert_overlap (a dispatcher feature), tensor parallelism > 1, and biases under expert parallelism.
+moe_shared_expert_overlap (a dispatcher feature), the flex dispatcher (moeblaze moves the tokens itself), tensor
+parallelism > 1, and biases under expert parallelism.
 
 Memory contract: per layer call, the routing index (O(T·K) int32) and what moe_experts keeps under the checkpoint
 policy. Megatron keeps each expert's weights apart; the op's (E, F, D) and (E, D, H) operands are stacked per call
@@ -120,6 +121,9 @@ def check_megatron_config(config, dispatch: str) -> None:
              "use dispatch='megatron' for Megatron's capacity, or moeblaze's EPConfig(dispatch='capacity')"),
             (bool(config.moe_shared_expert_overlap),
              "moe_shared_expert_overlap is a Megatron dispatcher's feature: use dispatch='megatron'"),
+            (getattr(config, "moe_token_dispatcher_type", None) == "flex",
+             "moe_token_dispatcher_type='flex' (DeepEP, HybridEP) would be built and never run: dispatch='moeblaze' "
+             "moves the tokens itself; use dispatch='megatron' to keep Megatron's flex dispatcher"),
             (config.tensor_model_parallel_size > 1,
              "tensor_model_parallel_size > 1 with dispatch='moeblaze': use dispatch='megatron' (its dispatcher "
              "gathers the sequence-parallel tokens)"),
