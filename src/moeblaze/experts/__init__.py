@@ -23,7 +23,7 @@ from ..routing.checks import check_expert_inputs, check_topk_weights
 from .dispatch import choose, launch_counts
 from .fp8 import check_fp8_supported, clear_weight_cache
 from .op import OpInputs, OpKey, fused_experts
-from .stages import whole_w1
+from .schedule import whole_w1
 
 def check_kernel_dtype(x: torch.Tensor) -> None:
     """TypeError unless the kernels compute x's dtype right where x is: float16, bfloat16 or float32, and under

@@ -71,8 +71,7 @@ from ..reference.fp8 import FP8
 from ..routing import RoutingIndex
 from . import stages
 from .fp8 import Fp8Gemms
-from .schedule import BLOCK_M
-from .stages import RowPlan, whole_w1
+from .schedule import BLOCK_M, RowPlan, whole_w1
 from .quant import quantize_rows
 
 

@@ -28,7 +28,7 @@ import torch
 
 from ..routing.index import in_row_order
 from . import dispatch, tl
-from .schedule import RowPlan, whole_w1  # noqa: F401  (the stages' plan, imported from here too)
+from .schedule import RowPlan
 
 
 def up(plan: RowPlan, x_LD, w1_EFD, activation: str, store_preact: bool = True, store_act: bool = True, *,
