@@ -338,7 +338,7 @@ def main(argv=None) -> int:
         ap.error("say --plot, --report FILE or both")
     if args.plot:
         rows = load_rows(args.results)
-        run_id = rows[-1]["run_id"] if rows else None
+        run_id = max(rows, key=lambda r: r["date"])["run_id"] if rows else None  # the newest run, any GPU's file
         for path in plot_run([r for r in rows if r.get("run_id") == run_id], args.results):
             print(f"plot: {path}")
     if args.report:
