@@ -36,7 +36,9 @@ def declare_ep_op(name: str, inputs: type, kept: type, forward: Callable, backwa
               forward_fake=forward_fake, contiguous=("x", "topk_w"))
 
 
-def run_ep_op(op: Op, inputs, options: EPOptions) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, needed): capacity dispatch traced whole under torch.compile (fixed shapes); otherwise eagerly (exact
-    dispatch reads its row counts on the host)."""
-    return op(inputs, options, traced=options.capacity is not None and torch.compiler.is_compiling())
+def run_ep_op(op: Op, inputs, call) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, needed) of a transport's op on its inputs, with the options of an EPCall (distributed.transports):
+    capacity dispatch traced whole under torch.compile (fixed shapes); otherwise eagerly (exact dispatch reads its
+    row counts on the host)."""
+    options = EPOptions(call.group_name, call.key, call.capacity, call.fail_on_overflow, call.chunks)
+    return op(inputs, options, traced=call.capacity is not None and torch.compiler.is_compiling())

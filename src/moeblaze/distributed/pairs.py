@@ -218,5 +218,4 @@ def run(call) -> tuple[torch.Tensor, torch.Tensor]:
     all E experts is built here (its rows are the send order)."""
     routing = build_routing_index(call.topk_idx, call.num_experts, call.index_method, check=False)
     inputs = EPInputs(call.x, call.topk_w, call.w1, call.w2, *routing.tensors(), call.w1_up)
-    return run_ep_op(EP, inputs, EPOptions(call.group_name, call.key, call.capacity, call.fail_on_overflow,
-                                           call.chunks))
+    return run_ep_op(EP, inputs, call)

@@ -330,5 +330,4 @@ def run(call) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"EPConfig(chunks={call.chunks}) pipelines the tokens transport eagerly; under torch.compile "
                          "use chunks=1 (the traced op is one part)")
     inputs = TokenInputs(call.x, call.topk_w, call.w1, call.w2, call.topk_idx, call.w1_up)
-    return run_ep_op(EP_TOKENS, inputs, EPOptions(call.group_name, call.key, call.capacity, call.fail_on_overflow,
-                                                  call.chunks))
+    return run_ep_op(EP_TOKENS, inputs, call)
