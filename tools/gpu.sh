@@ -53,13 +53,13 @@ for s in $steps; do
     layer) $limit python3 -m moeblaze.cli bench ${BENCH_ARGS:-} --out "$OUT" && python3 benchmarks/report.py "$OUT" --plot ;;
     scale) $limit python3 -m moeblaze.cli bench --scale --impls ${SCALE_IMPLS:-moeblaze,torch_gmm,sonicmoe} --out "$OUT" \
              && python3 benchmarks/report.py "$OUT" --plot ;;
-    rounding) $limit python3 benchmarks/lab/rounding_bench.py --out "$OUT" ${ROUNDING_ARGS:-} ;;
+    rounding) $limit python3 benchmarks/experiments/rounding/rounding_bench.py --out "$OUT" ${ROUNDING_ARGS:-} ;;
     quality|fp8train)  # scripts/train_compare.py's routing or fp8 study, its logs packed into one archive
              study=$([ $s = quality ] && echo routing || echo fp8)
              $limit python3 scripts/train_compare.py run --study $study --out "$OUT/$study-training" ${QUALITY_ARGS:-}
              r=$?; tar czf "$OUT/$study-training.tar.gz" -C "$OUT" $study-training && rm -rf "$OUT/$study-training"
              (exit $r) ;;
-    fp8roof) $limit python3 benchmarks/lab/fp8_roofline.py --out "$OUT" ${FP8ROOF_ARGS:-} ;;
+    fp8roof) $limit python3 benchmarks/experiments/fp8/fp8_roofline.py --out "$OUT" ${FP8ROOF_ARGS:-} ;;
     ab) $limit python3 tools/ab_compare.py ${AB_ARGS:-} 2>&1 | tee "$OUT/ab.log" ;;
     profile) for c in ${PROFILE_CONFIGS:-8192,1024,4096,16,2}; do IFS=, read L d h E K <<< "$c"; python3 -m moeblaze.cli profile --kernels --tokens $L --d-model $d --d-expert $h --num-experts $E --top-k $K ${PROFILE_ARGS:-} || exit 1; done 2>&1 | tee "$OUT/profile.log" ;;
     *) echo "unknown step $s"; false ;;

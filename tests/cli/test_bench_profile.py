@@ -299,8 +299,8 @@ def test_results_rows_record_no_absolute_paths():
     from moeblaze.cli.bench import run_env
 
     env = run_env(torch.device("cpu"),
-                  "python benchmarks/lab/rounding_bench.py --out /some/machine/out/ --configs E256")
-    assert env["command"] == "python benchmarks/lab/rounding_bench.py --out out --configs E256"
+                  "python benchmarks/experiments/rounding/rounding_bench.py --out /some/machine/out/ --configs E256")
+    assert env["command"] == "python benchmarks/experiments/rounding/rounding_bench.py --out out --configs E256"
     assert run_env(torch.device("cpu"), "moeblaze bench --out bench/results")["command"] == \
         "moeblaze bench --out bench/results"
 

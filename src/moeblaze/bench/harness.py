@@ -197,7 +197,7 @@ def timed_rounds(fns: dict, device: torch.device, iters: int, min_s: float | Non
     take turns, `iters` calls each per round, and on GPUs rounds repeat until every fn has had min_s
     (default MEASURE_S) seconds: under sustained load an H200 runs at its power cap and its clock
     settles over a fraction of a second, so a short burst times a clock that training never sees, and
-    taking turns gives every fn the same drift (benchmarks/NOTES.md). One fn's failure (out of memory, say)
+    taking turns gives every fn the same drift (docs/notes/). One fn's failure (out of memory, say)
     never stops the others."""
     cuda = device.type == "cuda"
     min_s = (MEASURE_S if min_s is None else min_s) if cuda else 0.0

@@ -16,7 +16,7 @@ here, by name.
                       e4m3; a call below it runs precision="native" (at_call). The weights are quantized per call,
                       a cost of E·F·D that the e4m3 GEMMs repay only over enough rows: on an H100, e4m3 against
                       bf16 was 0.68-1.01x at 512-1536 rows per expert (1.09x at one shape of 1536) and 1.10-1.14x
-                      at 2048 and more (benchmarks/NOTES.md). 0: e4m3 at every size
+                      at 2048 and more (docs/notes/). 0: e4m3 at every size
     fp8_weight_cache  (fp8) each weight's e4m3 copies kept until the weight changes, instead of made where used
     chunk_tokens      run the experts on chunks of this many tokens, each with its own routing index, so that every
                       (L·K, ·) transient scales with the chunk (None: one chunk)

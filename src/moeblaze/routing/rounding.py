@@ -318,8 +318,8 @@ def round_to_index(logits_LE: torch.Tensor, topk_idx_LK: torch.Tensor, topk_weig
     what it runs on CPU tensors (ties there as round_tokens_fast's top-k breaks them). Transient: the (E, L) fp32
     selection keys and the (L, E) uint8 mask, about as much as the router's (L, E) scores. The kernels' token
     tiles are a half (keys) and a quarter (weights) of the index's: at the full tile ptxas spills registers (the
-    keys kernel took 240 µs instead of 19 at config C, benchmarks/lab/rounding_lab.py). check=False skips the checks
-    of the ids' and weights' values (a router's own output, as MoELayer passes it).
+    keys kernel took 240 µs instead of 19 at config C, benchmarks/experiments/rounding/rounding_lab.py).
+    check=False skips the checks of the ids' and weights' values (a router's own output, as MoELayer passes it).
 
     Args:
         logits_LE: (L, E) float logits of the router that chose topk_idx.

@@ -14,7 +14,7 @@ tile (split): each releases a stage and stores its rows on its own, and the seco
 issued its first MMAs, so that one's promotions run beside the other's MMAs. As one 8-warp partition (split=False,
 and fp32 C, which spills split) the two warpgroups issued, waited and promoted in step, and an ncu profile at D
 had the tensor pipe active 48-61% of cycles; split runs the four GEMMs of B, D and E in 0.72-0.87x the time
-(benchmarks/NOTES.md). Each partition stores through two staging buffers, so that a tile's second half does not
+(docs/notes/). Each partition stores through two staging buffers, so that a tile's second half does not
 wait for the first half's store, and loads the next tile's schedule entry and token ids as a tile begins (a
 tile's first promotion then waits for one load of its A scales, not for the chain schedule -> token ids ->
 scales).

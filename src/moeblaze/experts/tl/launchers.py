@@ -147,7 +147,7 @@ def act_bwd(dact_RH, preact, token_R, token_slot_LK, topk_w_LK, dpreact, act_sca
     dq, dqs = dpreact_q if quant_dh else (dpreact, scale)
     K = token_slot_LK.shape[1]  # a token-rounded routing's table is wider (WIDE): read a row's places at once
     # rows a program x 256 columns (whole 128-column groups, which QUANT_DH needs) and warps, by
-    # the fp8 kernel lab of benchmarks/NOTES.md (configs D, B, E, H200): quantizing dH, 2 rows on 2 warps, 0.80-0.85x
+    # the fp8 kernel lab of docs/notes/ (configs D, B, E, H200): quantizing dH, 2 rows on 2 warps, 0.80-0.85x
     # the time of 8 rows on 4 at D, B and E; without, 4 rows on 4 warps, 0.96-0.99x (16 rows or 8 warps: no faster)
     block_r, block_h = (4, 128) if INTERPRET else (block_r or (2 if quant_dh else 4), 256)
     num_warps = num_warps or (2 if quant_dh else 4)

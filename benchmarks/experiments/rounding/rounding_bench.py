@@ -12,8 +12,9 @@ Token rounding against plain top-k on one GPU, bf16, at configs C and D and (163
   router   the router's logits, forward + backward, on the layer's x: bf16 GEMMs accumulating in fp32 (what the
            layer runs) against fp32 GEMMs on fp32 copies (what it ran before); rows name the way, not a routing
 
-    python benchmarks/lab/rounding_bench.py [--out DIR] [--configs E256,D,C] [--routings top-k,nr-f,up,down]
-                                            [--no-peers] [--clocks] [--profile [--profile-steps N] | --host-profile]
+    python benchmarks/experiments/rounding/rounding_bench.py [--out DIR] [--configs E256,D,C]
+                                            [--routings top-k,nr-f,up,down] [--no-peers] [--clocks]
+                                            [--profile [--profile-steps N] | --host-profile]
 
 Routing: a fresh router's (logits ~ N(0, 1), softmax top-k, renormalized). Each step is timed in turns with the
 others (CUDA events, rounds until each has had a second: moeblaze.bench.harness). "useful TF/s" counts the GEMM
@@ -184,7 +185,8 @@ def main():
     except ImportError:
         have_sonic = False
     rows = []
-    meta = run_env(torch.device("cuda"), shlex.join(["python", "benchmarks/lab/rounding_bench.py", *sys.argv[1:]]))
+    command = shlex.join(["python", "benchmarks/experiments/rounding/rounding_bench.py", *sys.argv[1:]])
+    meta = run_env(torch.device("cuda"), command)
     for name in args.configs.split(","):
         L, d, h, E, K = SHAPES[name]
         g = torch.Generator().manual_seed(0)

@@ -15,7 +15,9 @@ K=h) as one plain GEMM and as a grouped GEMM over E equal groups, bf16 against e
   moeblaze-fp8-gather, moeblaze-fp8-tma   (Hopper) moeblaze's Gluon fp8 row GEMM over the E groups, A read through
                its gathering loader (the identity as tokens) or by TMA (tma_a: how A in place runs)
 
-    python benchmarks/lab/fp8_roofline.py [--out DIR] [--configs B,D,E]    (one JSON row per (config, gemm, impl))
+    python benchmarks/experiments/fp8/fp8_roofline.py [--out DIR] [--configs B,D,E]
+
+One JSON row per (config, gemm, impl).
 """
 from __future__ import annotations
 
@@ -146,7 +148,8 @@ def main():
     ap.add_argument("--configs", default="B,D,E")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    meta = run_env(torch.device("cuda"), shlex.join(["python", "benchmarks/lab/fp8_roofline.py", *sys.argv[1:]]))
+    command = shlex.join(["python", "benchmarks/experiments/fp8/fp8_roofline.py", *sys.argv[1:]])
+    meta = run_env(torch.device("cuda"), command)
     rows = []
     for name in args.configs.split(","):
         L, d, h, E, K = CONFIGS[name]

@@ -12,7 +12,7 @@ inputs: what any fp8 kernel's error is measured against. Runs anywhere (CPU by d
   layer  moeblaze.reference.moe_experts_reference with ExpertsConfig(precision="fp8"), (checkpoint="preact-fp8")
          and both against the fp32 layer: output and every gradient
 
-    python benchmarks/lab/fp8_accuracy.py [--out DIR] [--device cpu]
+    python benchmarks/experiments/fp8/fp8_accuracy.py [--out DIR] [--device cpu]
 
 Metrics: relative L2 error, cosine similarity, and DeepGEMM's calc_diff = 1 - 2 Σxy / Σ(x² + y²). One JSON row each
 in DIR/fp8_accuracy.jsonl, and a markdown table on stdout.
@@ -82,7 +82,8 @@ def main():
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    env = run_env(torch.device(args.device), shlex.join(["python", "benchmarks/lab/fp8_accuracy.py", *sys.argv[1:]]))
+    command = shlex.join(["python", "benchmarks/experiments/fp8/fp8_accuracy.py", *sys.argv[1:]])
+    env = run_env(torch.device(args.device), command)
     rows = [{**key, **metrics(got, want), "device": args.device, **env}
             for key, got, want in (*gemm_cases(args.device), *layer_cases(args.device))]
     with open(os.path.join(args.out, "fp8_accuracy.jsonl"), "w") as f:

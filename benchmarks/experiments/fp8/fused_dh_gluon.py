@@ -23,7 +23,7 @@ needs no warps in flight; shared memory allows a 16 KB chunk beside 3 operand st
 more warps on it at fewer registers, or the two passes overlapped on two streams (the act pass is HBM-bound at
 2.8 TB/s, the GEMM tensor-bound).
 
-    python benchmarks/lab/fused_dh_gluon.py [--configs B,D,E,A,C]      (Hopper)
+    python benchmarks/experiments/fp8/fused_dh_gluon.py [--configs B,D,E,A,C]      (Hopper)
 """
 from __future__ import annotations
 

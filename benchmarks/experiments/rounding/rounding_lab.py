@@ -10,7 +10,7 @@ and radix digit widths (each call after a copy that restores the token-choice ma
 torch.topk of the same keys for scale. A diagnostic for choosing the launch settings in
 moeblaze.routing.rounding; it prints, it writes no result rows.
 
-    python benchmarks/lab/rounding_lab.py
+    python benchmarks/experiments/rounding/rounding_lab.py
 """
 import torch
 

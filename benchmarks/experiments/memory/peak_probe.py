@@ -1,7 +1,8 @@
 """What is allocated at the peak of one training step of the layer benchmark: the allocator's history over one
 forward+backward, replayed to the peak, the live blocks there listed by size with the moeblaze frame that made them.
 
-usage: python benchmarks/lab/peak_probe.py [--configs E,D] [--impls moeblaze,moeblaze-fp8] [--policy preact]
+usage: python benchmarks/experiments/memory/peak_probe.py [--configs E,D] [--impls moeblaze,moeblaze-fp8]
+                                                           [--policy preact]
 """
 from __future__ import annotations
 
