@@ -218,7 +218,7 @@ def test_profile_numbers(capsys):
     profile_flags.add_arguments(p)
     args = p.parse_args(["--tokens", "64", "--d-model", "32", "--d-expert", "32", "--num-experts", "4",
                          "--impl", "triton"])
-    res = profile.run(args)
+    res = profile.run(profile_flags.check_flags(args))
     ours, conv = res["moeblaze"], res["torch_gmm"]
     # moeblaze keeps H (64·2 pairs x 64 fp32), three index arrays (token ids and slots of the 128 pairs,
     # 5 offsets) and the tile schedule (2 x (128 // 16 + 4) tiles + the used count); the conventional

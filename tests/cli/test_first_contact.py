@@ -103,8 +103,8 @@ def test_dense_layers_leave_a_moe_layer(capsys):
 
 def test_bench_and_profile_on_the_cpu_turn_the_interpreter_on():
     """Set before triton loads, where nothing set it and no GPU runs the command."""
-    code = ("import argparse, os\nfrom moeblaze.cli import interpret_on_the_cpu\n"
-            "interpret_on_the_cpu(argparse.Namespace(device='cpu'))\n"
+    code = ("import os\nfrom moeblaze.cli import interpret_on_the_cpu\n"
+            "interpret_on_the_cpu('cpu')\n"
             "print(os.environ.get('TRITON_INTERPRET'))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

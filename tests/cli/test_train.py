@@ -14,6 +14,8 @@ import torch
 
 from moeblaze import RouterConfig
 from moeblaze.cli import main, parallel, train, train_flags
+from moeblaze.cli.train_config import Machine, Parallel, TrainConfig
+from moeblaze.nn import ModelConfig
 from moeblaze.cli.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from moeblaze.cli.data import builtin_corpus, split_corpus, unigram_entropy
 
@@ -27,7 +29,7 @@ def args_for(tmp_path, **over):
                 device="cpu")
     for k, v in {**base, **over}.items():
         setattr(a, k, v)
-    return a
+    return train_flags.check_flags(a)
 
 
 def test_corpus_is_builtin_and_entropy_is_sane():
@@ -374,9 +376,10 @@ def test_fsdp_reduce_dtype_is_the_fsdp2_policy_s(monkeypatch):
     monkeypatch.setattr(moeblaze.distributed, "parallelize",
                         lambda model, mesh, mp_policy=None, **kw: seen.append(mp_policy) or model)
     ranks = parallel.Ranks(rank=0, world=1, ep=1, device=torch.device("cpu"), mesh=None)
-    for reduce_bf16 in (False, True):
-        parallel.parallelize_model("model", ranks, None, True, 16, 2, 8, True, reduce_bf16=reduce_bf16)
-    parallel.parallelize_model("model", ranks, None, True, 16, 2, 8, False)
+    cfg = ModelConfig(d_model=64, n_layers=2, num_experts=8, top_k=2, d_expert=32)
+    for dtype, reduce in (("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float32", "float32")):
+        parallel.parallelize_model("model", ranks, TrainConfig("small", cfg, machine=Machine(dtype=dtype),
+                                                               parallel=Parallel(reduce_dtype=reduce)))
     assert [(p.param_dtype, p.reduce_dtype) for p in seen[:2]] == [(torch.bfloat16, torch.float32),
                                                                    (torch.bfloat16, torch.bfloat16)]
     assert seen[2] is None  # float32 parameters: FSDP2's default policy
@@ -499,37 +502,33 @@ def test_the_parallel_layout_left_to_rule(monkeypatch):
     """Under torchrun with no layout flag: FSDP2 alone, kept gathered, bf16 reductions where the experts' weights
     take at most an eighth of the GPU's memory; ep = N where they don't; flags given win; off a GPU, FSDP2 regathered
     in float32."""
-    import argparse
-
     from moeblaze.cli import parallel
-    from moeblaze.nn import ModelConfig
 
     cfg = ModelConfig(d_model=64, n_layers=2, num_experts=8, top_k=2, d_expert=32)
     weights = parallel._experts_bytes(cfg, "bfloat16")
     assert weights == 2 * 8 * (2 * 32 + 32) * 64 * 2
 
-    def args(**kw):
-        base = dict(ep=None, fsdp_keep_gathered="auto", fsdp_reduce_dtype="auto", dtype="bfloat16", device="cuda",
-                    token_rounding=None)
-        return argparse.Namespace(**{**base, **kw})
+    def config(**kw):
+        par = dict(ep=None, keep_gathered="auto", reduce_dtype="auto")
+        mach = dict(dtype="bfloat16", device="cuda")
+        par.update({k: v for k, v in kw.items() if k in par})
+        mach.update({k: v for k, v in kw.items() if k in mach})
+        return TrainConfig("small", cfg, machine=Machine(**mach), parallel=Parallel(**par))
 
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setattr(parallel, "_gpu_memory", lambda device: 8 * weights)  # fits: exactly an eighth
-    a = args()
-    note = parallel.choose_layout(a, cfg, True)
-    assert (a.ep, a.fsdp_keep_gathered, a.fsdp_reduce_dtype) == (1, True, "bfloat16"), note
+    a, note = parallel.choose_layout(config(), True)
+    assert (a.parallel.ep, a.parallel.keep_gathered, a.parallel.reduce_dtype) == (1, True, "bfloat16"), note
     assert "ep 1" in note and "kept" in note and "bfloat16" in note
     monkeypatch.setattr(parallel, "_gpu_memory", lambda device: 8 * weights - 1)  # doesn't fit: ep = N
-    a = args()
-    parallel.choose_layout(a, cfg, True)
-    assert (a.ep, a.fsdp_keep_gathered) == (4, False)
-    a = args(ep=2, fsdp_keep_gathered="no", fsdp_reduce_dtype="float32")  # the flags win
-    assert parallel.choose_layout(a, cfg, True) == ""
-    assert (a.ep, a.fsdp_keep_gathered, a.fsdp_reduce_dtype) == (2, False, "float32")
+    a, _ = parallel.choose_layout(config(), True)
+    assert (a.parallel.ep, a.parallel.keep_gathered) == (4, False)
+    a, note = parallel.choose_layout(config(ep=2, keep_gathered="no", reduce_dtype="float32"), True)  # the flags win
+    assert note == ""
+    assert (a.parallel.ep, a.parallel.keep_gathered, a.parallel.reduce_dtype) == (2, False, "float32")
     monkeypatch.setattr(parallel, "_gpu_memory", lambda device: None)  # the CPU: nothing to fit in
-    a = args(device="cpu", dtype="float32")
-    parallel.choose_layout(a, cfg, True)
-    assert (a.ep, a.fsdp_keep_gathered, a.fsdp_reduce_dtype) == (1, False, "float32")
+    a, _ = parallel.choose_layout(config(device="cpu", dtype="float32"), True)
+    assert (a.parallel.ep, a.parallel.keep_gathered, a.parallel.reduce_dtype) == (1, False, "float32")
 
 
 def test_save_and_overwrite_say_what_they_would_replace(tmp_path):

@@ -22,7 +22,7 @@ def _log(tmp_path, name, **over):
                 loss_log=str(log))
     for k, v in {**base, **over}.items():
         setattr(a, k, v)
-    train.run(a)
+    train.run(train_flags.check_flags(a))
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 

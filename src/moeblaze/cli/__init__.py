@@ -111,12 +111,12 @@ def wait_passively_when_busy() -> None:
         os.environ["OMP_WAIT_POLICY"] = "passive"
 
 
-def interpret_on_the_cpu(args) -> None:
+def interpret_on_the_cpu(device: str | None) -> None:
     """TRITON_INTERPRET=1 for a bench or profile run on the CPU, so that it shows the kernels (under Triton's
     interpreter) rather than the reference alone: set before triton loads (it reads it once), where nothing set it."""
-    if "TRITON_INTERPRET" in os.environ or "triton" in sys.modules or args.device == "cuda":
+    if "TRITON_INTERPRET" in os.environ or "triton" in sys.modules or device == "cuda":
         return
-    if args.device is None:
+    if device is None:
         import torch  # loads no triton
 
         if torch.cuda.is_available():
@@ -136,11 +136,11 @@ def main(argv=None) -> int:
         sub = _subparser(p, args.command)
         sub.error(_unrecognized(sub, extra))
     try:
-        _flags(args.command).check_flags(args)  # before torch loads; run checks them again with the machine's
+        config = _flags(args.command).check_flags(args)  # before torch loads; run checks it with the machine's
         wait_passively_when_busy()
         if args.command in ("bench", "profile"):
-            interpret_on_the_cpu(args)
-        importlib.import_module(f"{__name__}.{args.command}").run(args)
+            interpret_on_the_cpu(config.device)
+        importlib.import_module(f"{__name__}.{args.command}").run(config)
     except UsageError as e:
         print(f"moeblaze {args.command}: error: {e}", file=sys.stderr)
         return 2

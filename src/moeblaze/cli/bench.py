@@ -3,6 +3,7 @@ importable here, in one run; `--scale` (tokens until out of memory), `--dispatch
 builders); rows appended as JSON lines to <--out>/<gpu>.jsonl, sharing one run_id."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import faulthandler
 import json
@@ -17,10 +18,9 @@ import torch
 
 from ..bench.harness import (IMPLS, available_impls, make_problem, prepare, reference_grads, time_dispatch,
                              time_interleaved)
-from ..bench.names import CONFIGS, CPU_CONFIG
 from ..experts import launch_counts
 from . import UsageError, check_device
-from .bench_flags import check_flags
+from .bench_flags import BenchConfig, Dispatch
 from .checkpoint import CheckpointError, probe_writable
 
 
@@ -92,19 +92,19 @@ def _status(e: BaseException) -> str:
     return "oom" if _oom(e) else f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
-def _run_config(rec, pairs, p, ref, args, mode="layer"):
+def _run_config(rec, pairs, p, ref, config: BenchConfig, mode="layer"):
     """Every (impl, policy) on one problem: each compiled, checked and its memory measured, then all
     timed in interleaved rounds (harness.time_interleaved), so their ratios share the GPU's state.
     A failure is reported in its row and never stops the others."""
     prepared, failed = {}, {}
     for pair in pairs:
         t0 = time.perf_counter()
-        if args.stall_s > 0:
-            faulthandler.dump_traceback_later(args.stall_s, exit=False)
+        if config.stall_s > 0:
+            faulthandler.dump_traceback_later(config.stall_s, exit=False)
         try:
             call = IMPLS[pair[0]][2](p, pair[1])
             launch_counts.clear()
-            res = prepare(call, p, ref, args.warmup, busy=args.gpu_busy)
+            res = prepare(call, p, ref, config.warmup, busy=config.gpu_busy)
             if pair[0].startswith("moeblaze"):  # which backend each stage of ours ran on (experts.dispatch)
                 res["launches"] = sorted(f"{stage}:{backend}" for stage, backend in launch_counts)
             prepared[pair] = (call, res)
@@ -119,7 +119,7 @@ def _run_config(rec, pairs, p, ref, args, mode="layer"):
     times = {}
     if prepared:
         t0 = time.perf_counter()
-        times = time_interleaved({pair: call for pair, (call, _) in prepared.items()}, p, args.iters)
+        times = time_interleaved({pair: call for pair, (call, _) in prepared.items()}, p, config.iters)
         print(f"  timed in interleaved rounds ({time.perf_counter() - t0:.0f} s)", flush=True)
     rows = []
     for pair in pairs:
@@ -135,7 +135,7 @@ def _run_config(rec, pairs, p, ref, args, mode="layer"):
     return rows
 
 
-def _run_hf(rec, args, device) -> None:
+def _run_hf(rec, config: BenchConfig, device) -> None:
     """--hf: every model on every backend (bench.hf), rows recorded with mode "hf", then the Markdown table."""
     from ..bench import hf
 
@@ -149,17 +149,18 @@ def _run_hf(rec, args, device) -> None:
         for kernel, ms, count in row.get("profile", {}).get("top", []):
             print(f"      {ms:8.2f} ms {count:5d}x  {kernel}", flush=True)
 
-    for name in args.hf.split(","):
-        print(f"model {name}: {args.hf_layers or hf.LAYERS[name]} layers, batch {args.batch} x {args.seq}", flush=True)
-        hf.run_model(name, args.hf_backends.split(","), args.hf_layers, args.batch, args.seq, args.warmup,
-                     args.hf_steps, find_max=args.max_batch > 0, max_limit=args.max_batch, device=device,
-                     report=report, profile=args.hf_profile)
+    run = config.hf
+    for name in run.models:
+        print(f"model {name}: {run.layers or hf.LAYERS[name]} layers, batch {run.batch} x {run.seq}", flush=True)
+        hf.run_model(name, list(run.backends), run.layers, run.batch, run.seq, config.warmup, run.steps,
+                     find_max=run.max_batch > 0, max_limit=run.max_batch, device=device, report=report,
+                     profile=run.profile)
     print(hf.markdown(rows))
 
 
-def _impl_policies(args, scale=False):
-    names = available_impls(args.impls.split(",") if args.impls else None)
-    if args.precision == "fp8" and "moeblaze-fp8" not in names:
+def _impl_policies(config: BenchConfig, scale=False):
+    names = available_impls(list(config.impls) if config.impls else None)
+    if config.precision == "fp8" and "moeblaze-fp8" not in names:
         if not available_impls(["moeblaze-fp8"]):
             raise UsageError("--precision fp8 needs fp8 tensor cores (sm_89 or later) or Triton's interpreter")
         names.append("moeblaze-fp8")
@@ -168,42 +169,32 @@ def _impl_policies(args, scale=False):
         pols = IMPLS[n][1]
         if n.startswith("moeblaze"):
             chunked = ("recompute-chunked",) if scale else ()
-            pols = tuple(args.policies.split(",")) if args.policies else pols + chunked
+            pols = config.policies or pols + chunked
         out += [(n, pol) for pol in pols]
     return out
 
 
-def _configs(args):
-    given = args.scale or args.dispatch or args.config
-    if args.device == "cpu" and args.configs is None and not given:
-        return [CPU_CONFIG]
-    names = args.configs if args.configs is not None else ("" if given else ",".join(CONFIGS))
-    cfgs = [(n, CONFIGS[n]) for n in names.split(",") if n]
-    cfgs += [(c, tuple(int(v) for v in c.split(","))) for c in args.config]
-    return cfgs
-
-
-def check_args(args) -> None:
-    """UsageError naming the flag, before any work: the flags' own checks (bench_flags.check_flags), the device,
-    the results folder; fills --device."""
-    check_flags(args)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_device(args.device)
-    cpu = args.device == "cpu"
-    args.warmup = (0 if cpu else 3) if args.warmup is None else args.warmup
-    args.iters = (1 if cpu else 10) if args.iters is None else args.iters
+def check_run(config: BenchConfig) -> BenchConfig:
+    """The run after the machine's checks (UsageError naming the flag, before any work): the device, the results
+    folder; with the device, warmup and iters the flags left to it decided."""
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)
+    cpu = device == "cpu"
+    config = dataclasses.replace(config, device=device,
+                                 warmup=(0 if cpu else 3) if config.warmup is None else config.warmup,
+                                 iters=(1 if cpu else 10) if config.iters is None else config.iters)
     try:  # the results folder, probed now: a path that fails only when the first row is written loses the run
-        probe_writable(os.path.join(args.out, "results.probe"), "results file")
+        probe_writable(os.path.join(config.out, "results.probe"), "results file")
     except CheckpointError as e:
         raise UsageError(f"--out: {e}") from None
-    if device_note := _cpu_note(args):
+    if device_note := _cpu_note(device):
         print(device_note, flush=True)
+    return config
 
 
-def _cpu_note(args) -> str:
+def _cpu_note(device: str) -> str:
     """What runs on the CPU: said once, so that a CPU run's times are not mistaken for the kernels' speed."""
-    if args.device != "cpu":
+    if device != "cpu":
         return ""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return ("moeblaze bench: on the CPU without Triton's interpreter moeblaze's kernels can't run, so only the "
@@ -212,36 +203,37 @@ def _cpu_note(args) -> str:
             "backward is theirs, the times are the interpreter's (the kernels' speed needs a CUDA GPU)")
 
 
-def run(args):
-    check_args(args)
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    rec = Recorder(args.out, run_env(device))
+def run(config: BenchConfig):
+    """Time what `config` says (bench_flags.check_flags builds it from flags)."""
+    config = check_run(config)
+    device = torch.device(config.device)
+    dtype = getattr(torch, config.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    rec = Recorder(config.out, run_env(device))
     print(f"moeblaze bench: run {rec.env['run_id']} on {rec.env['gpu']}, torch {rec.env['torch']}, "
           f"triton {rec.env['triton']}; rows -> {rec.path}", flush=True)
-    if args.hf:
-        _run_hf(rec, args, device)
+    if config.hf:
+        _run_hf(rec, config, device)
         return
-    pairs = _impl_policies(args)
-    if args.dispatch:
-        _run_dispatch(rec, args, device)
-    for name, (L, d, h, E, K) in _configs(args):
-        print(f"config {name}: L={L} d={d} h={h} E={E} K={K} {args.activation} {dtype}", flush=True)
+    pairs = _impl_policies(config)
+    if config.dispatch:
+        _run_dispatch(rec, config.dispatch, device)
+    for name, (L, d, h, E, K) in config.layer_configs():
+        print(f"config {name}: L={L} d={d} h={h} E={E} K={K} {config.activation} {dtype}", flush=True)
         t0 = time.perf_counter()
-        p = make_problem(L, d, h, E, K, args.activation, dtype=dtype, device=device)
-        ref = None if args.no_ref else reference_grads(p)
+        p = make_problem(L, d, h, E, K, config.activation, dtype=dtype, device=device)
+        ref = reference_grads(p) if config.reference else None
         print(f"  inputs and fp32 reference ready ({time.perf_counter() - t0:.0f} s)", flush=True)
-        _run_config(rec, pairs, p, ref, args)
+        _run_config(rec, pairs, p, ref, config)
         del p, ref
-    if args.scale:
-        _run_scale(rec, args, device, dtype)
+    if config.scale:
+        _run_scale(rec, config, device, dtype)
 
 
-def _run_dispatch(rec, args, device) -> None:
+def _run_dispatch(rec, sweep: Dispatch, device) -> None:
     """--dispatch: the routing index builders at every (L, E, K) of the flags, a row each."""
-    for L in map(int, args.dispatch_L.split(",")):
-        for E in map(int, args.dispatch_E.split(",")):
-            for K in (k for k in map(int, args.dispatch_K.split(",")) if k <= E):
+    for L in sweep.L:
+        for E in sweep.E:
+            for K in (k for k in sweep.K if k <= E):
                 try:
                     ms = time_dispatch(L, E, K, device)
                     status = "ok"
@@ -253,16 +245,16 @@ def _run_dispatch(rec, args, device) -> None:
                       + (f" | sort/dense {sp:.2f}x" if sp else "") + f" | {row['status']}", flush=True)
 
 
-def _run_scale(rec, args, device, dtype) -> None:
+def _run_scale(rec, config: BenchConfig, device, dtype) -> None:
     """--scale: tokens doubling from --min-tokens, each implementation alone until it runs out of memory."""
-    _, d, h, E, K = CONFIGS.get(args.scale_config) or tuple(int(v) for v in args.scale_config.split(","))
-    pairs = _impl_policies(args, scale=True)
+    _, d, h, E, K = config.scale.shape
+    pairs = _impl_policies(config, scale=True)
     alive = dict.fromkeys(pairs, True)
-    L = args.min_tokens
-    while L <= args.max_tokens and any(alive.values()):
+    L = config.scale.min_tokens
+    while L <= config.scale.max_tokens and any(alive.values()):
         print(f"scale: L={L} d={d} h={h} E={E} K={K}", flush=True)
         try:
-            p = make_problem(L, d, h, E, K, args.activation, dtype=dtype, device=device, n_sets=1)
+            p = make_problem(L, d, h, E, K, config.activation, dtype=dtype, device=device, n_sets=1)
         except Exception as e:
             if not _oom(e):
                 raise
@@ -270,7 +262,7 @@ def _run_scale(rec, args, device, dtype) -> None:
             break
         for pair in pairs:
             if alive[pair]:
-                row = _run_config(rec, [pair], p, None, args, "scale")[0]  # each alone, to its own limit
+                row = _run_config(rec, [pair], p, None, config, "scale")[0]  # each alone, to its own limit
                 alive[pair] = row["status"] == "ok"
         del p
         L *= 2

@@ -7,6 +7,7 @@ Memory: none beyond the parsed arguments.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from ..bench.names import CONFIGS, CPU_CONFIG, HF_BACKENDS, IMPLS
 from ..configs import ACTIVATIONS, CHECKPOINTS
@@ -77,9 +78,105 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="results folder (default bench-results, in the working directory)")
 
 
-def check_flags(args) -> None:
-    """UsageError naming the flag unless every flag is well formed: the configs, the implementations, the policies,
-    the counts. Torch-free."""
+@dataclass(frozen=True)
+class Scale:
+    """--scale: the config's d, h, E, K at tokens doubling from `min_tokens` until out of memory or `max_tokens`."""
+    shape: tuple[int, ...]
+    min_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """--dispatch: the routing index builders at every (L, E, K) of these (K <= E)."""
+    L: tuple[int, ...]
+    E: tuple[int, ...]
+    K: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HF:
+    """--hf: transformers models trained end to end on each experts backend (moeblaze.bench.hf)."""
+    models: tuple[str, ...]
+    backends: tuple[str, ...]
+    layers: int | None
+    seq: int
+    batch: int
+    steps: int
+    profile: bool
+    max_batch: int
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One `moeblaze bench` run. `configs` None: the device's default (all five named ones on a GPU, a small one on
+    the CPU); device, warmup and iters None: the machine's (cli/bench.py resolves them)."""
+    configs: tuple[tuple[str, tuple[int, ...]], ...] | None
+    impls: tuple[str, ...] | None
+    policies: tuple[str, ...] | None
+    precision: str
+    activation: str
+    dtype: str | None
+    device: str | None
+    warmup: int | None
+    iters: int | None
+    reference: bool  # the fp32 reference's errors (--no-ref: off)
+    stall_s: float
+    gpu_busy: bool
+    scale: Scale | None
+    dispatch: Dispatch | None
+    hf: HF | None
+    out: str
+
+    def layer_configs(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The (name, (L, d, h, E, K)) the layer is timed at."""
+        if self.configs is not None:
+            return list(self.configs)
+        return [CPU_CONFIG] if self.device == "cpu" else list(CONFIGS.items())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+def bench_config(args) -> BenchConfig:
+    """The flags as a BenchConfig (after check_flags's checks)."""
+    given = args.scale or args.dispatch or args.config
+    configs = None
+    if args.configs is not None or given:
+        configs = tuple((n, CONFIGS[n]) for n in (args.configs or "").split(",") if n)
+        configs += tuple((c, _ints(c)) for c in args.config)
+    return BenchConfig(
+        configs=configs, impls=tuple(args.impls.split(",")) if args.impls else None,
+        policies=tuple(args.policies.split(",")) if args.policies else None, precision=args.precision,
+        activation=args.activation, dtype=args.dtype, device=args.device, warmup=args.warmup, iters=args.iters,
+        reference=not args.no_ref, stall_s=args.stall_s, gpu_busy=args.gpu_busy,
+        scale=Scale(CONFIGS.get(args.scale_config) or _ints(args.scale_config), args.min_tokens, args.max_tokens)
+        if args.scale else None,
+        dispatch=Dispatch(_ints(args.dispatch_L), _ints(args.dispatch_E), _ints(args.dispatch_K))
+        if args.dispatch else None,
+        hf=HF(tuple(args.hf.split(",")), tuple(args.hf_backends.split(",")), args.hf_layers, args.seq, args.batch,
+              args.hf_steps, args.hf_profile, args.max_batch) if args.hf else None,
+        out=args.out)
+
+
+def check_flags(args) -> BenchConfig:
+    """The run the flags say, after every check that reads only them (UsageError naming the flag): the configs, the
+    implementations, the policies, the counts. Torch-free."""
+    _check_shapes(args)
+    _check_names(args)
+    for flag in ("warmup", "iters", "min_tokens", "max_tokens"):
+        if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "warmup" else 1):
+            raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    for flag in ("dispatch_L", "dispatch_E", "dispatch_K"):
+        if not all(v.isdigit() and int(v) > 0 for v in getattr(args, flag).split(",")):
+            raise UsageError(f"--{flag.replace('_', '-')}: expected a comma list of positive integers, got "
+                             f"{getattr(args, flag)!r}")
+    return bench_config(args)
+
+
+def _check_shapes(args) -> None:
+    """--configs names known configs; --config and --scale-config are L,d,h,E,K."""
     for name in (args.configs or "").split(","):
         if name and name not in CONFIGS:
             raise UsageError(f"--configs: unknown config {name!r}; the named ones are {','.join(CONFIGS)} "
@@ -92,15 +189,15 @@ def check_flags(args) -> None:
                 or int(parts[4]) > int(parts[3])):
             flag = "--config" if c in args.config else "--scale-config"
             raise UsageError(f"{flag}: expected L,d,h,E,K (positive integers, K <= E), got {c!r}")
+
+
+def _check_names(args) -> None:
+    """The activation, the policies and the implementations are ones moeblaze bench has."""
     if args.activation not in ACTIVATIONS:
         raise UsageError(f"--activation must be one of {','.join(ACTIVATIONS)}, got {args.activation!r}")
     policies = CHECKPOINTS + tuple(c + "-chunked" for c in CHECKPOINTS)
-    for name in (args.policies or "").split(","):
-        if name and name not in policies:
-            raise UsageError(f"--policies: unknown policy {name!r}; one of {','.join(policies)}")
-    for name in (args.impls or "").split(","):
-        if name and name not in IMPLS:
-            raise UsageError(f"--impls: unknown implementation {name!r}; one of {','.join(IMPLS)}")
-    for flag in ("warmup", "iters", "min_tokens", "max_tokens"):
-        if getattr(args, flag) is not None and getattr(args, flag) < (0 if flag == "warmup" else 1):
-            raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    for flag, names, known in (("--policies", args.policies, policies), ("--impls", args.impls, IMPLS)):
+        for name in (names or "").split(","):
+            if name and name not in known:
+                kind = "policy" if flag == "--policies" else "implementation"
+                raise UsageError(f"{flag}: unknown {kind} {name!r}; one of {','.join(known)}")

@@ -66,19 +66,20 @@ class GraphedStep:
                                  "same shapes")
 
 
-def check_graphable(args) -> None:
-    """UsageError unless --cuda-graph can capture the step these flags make: a GPU, and nothing in the step that
+def check_graphable(config) -> None:
+    """UsageError unless --cuda-graph can capture the step this run makes: a GPU, and nothing in the step that
     reads the device from the host or keeps Python state across steps."""
-    if args.ep > 1 and args.ep_dispatch == "exact":
+    par, machine = config.parallel, config.machine
+    if par.ep > 1 and par.transport.dispatch == "exact":
         raise UsageError("--cuda-graph: --ep-dispatch exact reads each layer's split sizes on the host every step; "
                          "use --ep-dispatch capacity with --on-overflow drop")
-    if args.ep > 1 and args.on_overflow in ("rerun", "error"):
-        raise UsageError(f"--cuda-graph: --on-overflow {args.on_overflow} reads the overflow flag on the host every "
+    if par.ep > 1 and par.on_overflow in ("rerun", "error"):
+        raise UsageError(f"--cuda-graph: --on-overflow {par.on_overflow} reads the overflow flag on the host every "
                          "step; use --on-overflow drop (the dropped rows counted and reported)")
-    if args.fp8_weight_cache:
+    if config.model.experts.fp8_weight_cache:
         raise UsageError("--cuda-graph: --fp8-weight-cache decides on the host, once a step, whether the weights "
                          "changed; leave it off (the graph quantizes them every step)")
-    if args.compile:
+    if machine.compile:
         raise UsageError("--cuda-graph with --compile is not supported yet: use one of them")
-    if args.device != "cuda":
+    if machine.device != "cuda":
         raise UsageError("--cuda-graph needs --device cuda")

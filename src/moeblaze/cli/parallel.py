@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .train_flags import ep_config
 
 
 def launched() -> bool:
@@ -70,35 +69,37 @@ def start(device_type: str, ep: int) -> Ranks:
     return Ranks(dist.get_rank(), world, ep, device, mesh)
 
 
-def choose_layout(args, cfg, dist_run: bool) -> str:
-    """The parallel layout the flags leave to rule, set on args: --ep (None: FSDP2 alone where the experts' gathered
-    weights take at most an eighth of the GPU's memory, measured 1.01 of one GPU's rate at 2 H200s against 0.89 for
-    ep = 2; else ep = N, the experts then never gathered), --fsdp-keep-gathered auto (yes where they fit so, at
-    efsdp > 1) and --fsdp-reduce-dtype auto (bfloat16 under --dtype bfloat16, Megatron's default). Returns the
-    header's note on what the rule chose ("" where the flags said it all)."""
+def choose_layout(config, dist_run: bool):
+    """(config, note): the config with the parallel layout its flags left to rule decided: ep (None: FSDP2 alone
+    where the experts' gathered weights take at most an eighth of the GPU's memory, measured 1.01 of one GPU's rate
+    at 2 H200s against 0.89 for ep = 2; else ep = N, the experts then never gathered), keep_gathered "auto" (yes
+    where they fit so, at efsdp > 1) and reduce_dtype "auto" (bfloat16 under --dtype bfloat16, Megatron's
+    default); the note says what the rule chose ("" where the flags said it all)."""
+    cfg, par, machine = config.model, config.parallel, config.machine
     world = int(os.environ.get("WORLD_SIZE", "1")) if dist_run else 1
     chose = []
-    if args.fsdp_reduce_dtype == "auto":
-        args.fsdp_reduce_dtype = "bfloat16" if dist_run and args.dtype == "bfloat16" else "float32"
+    reduce_dtype, ep, keep = par.reduce_dtype, par.ep, par.keep_gathered
+    if reduce_dtype == "auto":
+        reduce_dtype = "bfloat16" if dist_run and machine.bf16 else "float32"
         if dist_run:
-            chose.append(f"{args.fsdp_reduce_dtype} gradient reductions")
-    weights = _experts_bytes(cfg, args.dtype)
-    memory = _gpu_memory(args.device)
+            chose.append(f"{reduce_dtype} gradient reductions")
+    weights = _experts_bytes(cfg, machine.dtype)
+    memory = _gpu_memory(machine.device)
     fits = memory is not None and weights <= memory / 8
-    if args.ep is None:
-        splits = dist_run and world > 1 and cfg.num_experts % world == 0 and not args.token_rounding
-        args.ep = world if splits and memory is not None and not fits else 1
+    if ep is None:
+        splits = dist_run and world > 1 and cfg.num_experts % world == 0 and cfg.rounding is None
+        ep = world if splits and memory is not None and not fits else 1
         if dist_run and world > 1:
-            chose.append(f"ep {args.ep}: the experts' weights, {weights / 2 ** 30:.1f} GiB, "
+            chose.append(f"ep {ep}: the experts' weights, {weights / 2 ** 30:.1f} GiB, "
                          + ("fit" if fits else "don't fit" if memory is not None else "no GPU to fit")
                          + " in an eighth of the GPU's memory")
-    if args.fsdp_keep_gathered == "auto":
-        args.fsdp_keep_gathered = bool(dist_run and fits and world // args.ep > 1)
-        if dist_run and world // args.ep > 1:
-            chose.append("gathered weights kept to backward" if args.fsdp_keep_gathered else "weights regathered")
+    if keep == "auto":
+        keep = bool(dist_run and fits and world // ep > 1)
+        if dist_run and world // ep > 1:
+            chose.append("gathered weights kept to backward" if keep else "weights regathered")
     else:
-        args.fsdp_keep_gathered = args.fsdp_keep_gathered == "yes"
-    return "; ".join(chose)
+        keep = keep in ("yes", True)
+    return config.replace(parallel=dict(ep=ep, keep_gathered=keep, reduce_dtype=reduce_dtype)), "; ".join(chose)
 
 
 def _experts_bytes(cfg, dtype: str) -> int:
@@ -124,25 +125,25 @@ def initial_capacity(ep_config, tokens: int, top_k: int, num_experts: int, ep: i
     return capacity_rows(transport(ep_config.transport), ep_config.factor, tokens, top_k, ep, num_experts // ep)
 
 
-def parallelize_model(model, ranks: Ranks, ep_config, rerun: bool, tokens: int, top_k: int, num_experts: int,
-                      bf16: bool, *,
-                      keep_gathered: bool = False, units: str = "blocks", reduce_bf16: bool = False):
-    """FSDP2 (+ ep on ep_config, an EPConfig; rerun: --on-overflow rerun's CapacityTracker) on the model, under bf16
-    with bf16 parameters and fp32 gradient reductions (bf16 ones with reduce_bf16); the model."""
+def parallelize_model(model, ranks: Ranks, config):
+    """FSDP2 (+ ep on the config's EPConfig; --on-overflow rerun's CapacityTracker under capacity dispatch) on the
+    model, under bf16 with bf16 parameters and the config's gradient reductions; the model."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from ..distributed import CapacityTracker, parallelize
 
-    reduce = torch.bfloat16 if reduce_bf16 else torch.float32
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce) if bf16 else None
+    par, cfg = config.parallel, config.model
+    reduce = torch.bfloat16 if par.reduce_dtype == "bfloat16" else torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce) if config.machine.bf16 else None
     ep_kwargs = {}
     if ranks.ep > 1:
-        ep_kwargs["ep_config"] = ep_config
-        if ep_config.dispatch == "capacity" and rerun:
-            ranks.tracker = CapacityTracker(initial_capacity(ep_config, tokens, top_k, num_experts, ranks.ep))
+        ep_kwargs["ep_config"] = par.transport
+        if par.transport.dispatch == "capacity" and par.rerun:
+            ranks.tracker = CapacityTracker(initial_capacity(par.transport, config.schedule.tokens, cfg.top_k,
+                                                             cfg.num_experts, ranks.ep))
             ep_kwargs["tracker"] = ranks.tracker
-    return parallelize(model, ranks.mesh, mp_policy=mp, reshard_after_forward=not keep_gathered, units=units,
-                       **ep_kwargs)
+    return parallelize(model, ranks.mesh, mp_policy=mp, reshard_after_forward=not par.keep_gathered,
+                       units=par.units, **ep_kwargs)
 
 
 def until_no_overflow(ranks: Ranks | None, fn, log, model=None):
@@ -250,7 +251,7 @@ def profile_split(step_fn, finish_fn, device: torch.device, trace: str | None = 
     return split
 
 
-def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_params: int, profile_fns) -> dict:
+def bench_row(config, ranks: Ranks | None, timer: StepTimer, loss: float, n_params: int, profile_fns) -> dict:
     """The results row of a --bench-steps run (every rank calls it; rank 0 writes it to the results file)."""
     import shlex
     import statistics
@@ -258,36 +259,38 @@ def bench_row(args, cfg, ranks: Ranks | None, timer: StepTimer, loss: float, n_p
 
     from .bench import Recorder, run_env
 
-    device = ranks.device if ranks else torch.device(args.device)
+    sched, par, machine, bench = config.schedule, config.parallel, config.machine, config.bench
+    device = ranks.device if ranks else torch.device(machine.device)
     step_ms = statistics.median(timer.times_ms())
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else 0.0
     if ranks is not None:
         both = ranks.max(torch.tensor([step_ms, peak], dtype=torch.float64, device=device))
         step_ms, peak = float(both[0]), float(both[1])
     world, ep = (ranks.world, ranks.ep) if ranks else (1, 1)
-    tokens = args.batch_size * args.seq_len
-    row = dict(mode="train", preset=args.preset, model=cfg.to_dict(), world=world, ep=ep, efsdp=world // ep,
-               dispatch=args.ep_dispatch if ep > 1 else "-", transport=args.ep_transport if ep > 1 else "-",
+    tokens = sched.tokens
+    row = dict(mode="train", preset=config.preset, model=config.model.to_dict(), world=world, ep=ep,
+               efsdp=world // ep, dispatch=par.transport.dispatch if ep > 1 else "-",
+               transport=par.transport.transport if ep > 1 else "-",
                a2a_mb_per_step=round(timer.a2a_bytes / max(1, len(timer.marks)) / 2 ** 20, 2),
-               keep_gathered=bool(ranks and args.fsdp_keep_gathered),
-               fsdp_units=args.fsdp_units if ranks else "-", ep_chunks=args.ep_chunks, compiled=args.compile,
-               reduce_dtype=args.fsdp_reduce_dtype if ranks else "-",
-               cuda_graph=args.cuda_graph,
-               dtype=args.dtype, batch_per_gpu=args.batch_size,
-               seq=args.seq_len, tokens_per_gpu=tokens, params_m=round(n_params / 1e6, 1),
-               steps=args.bench_steps, warmup=args.bench_warmup, step_ms=round(step_ms, 3),
+               keep_gathered=bool(ranks and par.keep_gathered),
+               fsdp_units=par.units if ranks else "-", ep_chunks=par.transport.chunks, compiled=machine.compile,
+               reduce_dtype=par.reduce_dtype if ranks else "-",
+               cuda_graph=machine.cuda_graph,
+               dtype=machine.dtype, batch_per_gpu=sched.batch_size,
+               seq=sched.seq_len, tokens_per_gpu=tokens, params_m=round(n_params / 1e6, 1),
+               steps=bench.steps, warmup=bench.warmup, step_ms=round(step_ms, 3),
                tokens_s_per_gpu=round(tokens / step_ms * 1e3, 1), peak_gb=round(peak, 3), loss=loss,
                status="ok")
-    if ep > 1 and args.ep_dispatch == "capacity":
-        row.update(capacity_factor=ep_config(args).factor, on_overflow=args.on_overflow,
+    if ep > 1 and par.transport.dispatch == "capacity":
+        row.update(capacity_factor=par.transport.factor, on_overflow=par.on_overflow,
                    capacity=ranks.tracker.capacity if ranks.tracker is not None else None)
     if profile_fns is not None:
-        trace = args.bench_trace and args.bench_trace + (f".rank{ranks.rank}" if ranks and ranks.rank else "")
+        trace = bench.trace and bench.trace + (f".rank{ranks.rank}" if ranks and ranks.rank else "")
         row["split"] = profile_split(*profile_fns, device, trace)
     launcher = f"torchrun --nproc-per-node {world} -m moeblaze.cli " if ranks else "moeblaze "
     env = run_env(device, launcher + shlex.join(sys.argv[1:]))
     if ranks is None or ranks.main:
-        row = Recorder(args.results, env).add(row)
+        row = Recorder(bench.results, env).add(row)
     return row
 
 

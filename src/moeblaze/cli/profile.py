@@ -7,6 +7,7 @@ The same input then goes through the conventional pipeline (torch_gmm) for compa
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -16,10 +17,9 @@ from ..bench.harness import kernel_times
 from ..bench.memory import SavedTensorCounter
 from ..bench.stages import compiled_resources, stage_times
 from ..experts import moe_experts
-from ..configs import ExpertsConfig
 from ..env import INTERPRET
 from . import UsageError, check_device
-from .profile_flags import backend_of, check_flags
+from .profile_flags import ProfileConfig
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import build_routing_index
 
@@ -96,47 +96,48 @@ def _print(title: str, r: dict, top: int = 12) -> None:
     print(f"  step time (first, includes warm-up effects): {r['ms']:.1f} ms")
 
 
-def check_args(args) -> ExpertsConfig:
-    """The experts' recipe of the flags, after every flag is checked (UsageError naming it), before any work: the
-    flags' own checks (profile_flags.check_flags), then the device; fills --device; on the CPU, says which path
-    runs (`moeblaze profile` on the CPU runs the kernels under Triton's interpreter: cli.main sets it)."""
-    check_flags(args)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_device(args.device)
-    backend = backend_of(args)
-    if args.device == "cpu" and backend == "gluon":
+def check_run(config: ProfileConfig) -> ProfileConfig:
+    """The run after the device's checks (UsageError naming the flag), before any work, with what the flags left to
+    the machine decided: the device, the sizes, the backend (on the CPU the kernels run under Triton's interpreter,
+    which cli.main turns on; it says which path runs)."""
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)
+    cpu = device == "cpu"
+    backend = _cpu_backend(config.experts.backend) if cpu else config.experts.backend
+    return dataclasses.replace(
+        config, device=device, experts=dataclasses.replace(config.experts, backend=backend),
+        dtype=config.dtype or ("float32" if cpu else "bfloat16"), tokens=config.tokens or (256 if cpu else 4096),
+        d_model=config.d_model or (64 if cpu else 1024), d_expert=config.d_expert or (128 if cpu else 2048))
+
+
+def _cpu_backend(backend: str) -> str:
+    """The backend a CPU run takes (the kernels under Triton's interpreter, or the reference), said in one line."""
+    if backend == "gluon":
         raise UsageError("--backend gluon runs Hopper's (sm_90) warp-specialised kernels, which the CPU's interpreter "
                          "can't: on the CPU use --backend triton or reference")
-    if args.device == "cpu" and backend != "reference":
+    if backend != "reference":
         if not INTERPRET:
             raise UsageError(f"--backend {backend} on the CPU runs the kernels under Triton's interpreter: set "
                              "TRITON_INTERPRET=1 before the command starts")
         backend = "triton" if backend == "auto" else backend  # auto alone would take the reference off CUDA
-    if args.device == "cpu":
-        path = "the PyTorch reference runs" if backend == "reference" else "the kernels run under Triton's interpreter"
-        print(f"moeblaze profile: on the CPU {path} (the kernels' own speed needs a CUDA GPU)", flush=True)
-    try:
-        return ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy, backend=backend,
-                             precision=args.precision)
-    except (TypeError, ValueError) as e:
-        raise UsageError(str(e)) from None
+    path = "the PyTorch reference runs" if backend == "reference" else "the kernels run under Triton's interpreter"
+    print(f"moeblaze profile: on the CPU {path} (the kernels' own speed needs a CUDA GPU)", flush=True)
+    return backend
 
 
-def run(args) -> dict:
-    experts = check_args(args)
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+def run(config: ProfileConfig) -> dict:
+    """Profile what `config` says (profile_flags.check_flags builds it from flags)."""
+    config = check_run(config)
+    experts, E, K, act = config.experts, config.num_experts, config.top_k, config.experts.activation
+    device, dtype = torch.device(config.device), getattr(torch, config.dtype)
     cuda = device.type == "cuda"
-    L = args.tokens or (4096 if cuda else 256)
-    d = args.d_model or (1024 if cuda else 64)
-    h = args.d_expert or (2048 if cuda else 128)
+    L, d, h = config.tokens, config.d_model, config.d_expert
     torch.manual_seed(0)
     results = {}
-    if args.target == "model":
+    if config.target == "model":
         seq = min(L, 256)
-        cfg = ModelConfig(max_seq_len=seq, d_model=d, n_layers=2, n_heads=max(1, d // 64), num_experts=args.num_experts,
-                          top_k=args.top_k, d_expert=h, experts=experts)
+        cfg = ModelConfig(max_seq_len=seq, d_model=d, n_layers=2, n_heads=max(1, d // 64), num_experts=E, top_k=K,
+                          d_expert=h, experts=experts)
         model = MoEModel(cfg).to(device, dtype)
         idx = torch.randint(0, 256, (max(1, L // seq), seq), device=device)
 
@@ -148,10 +149,10 @@ def run(args) -> dict:
         model.zero_grad(set_to_none=True)
         results["moeblaze"] = profile_step(model, loss_fn, [idx], device)
         _print(f"MoEModel ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters), {idx.numel()} tokens, "
-               f"{dtype}, {device}, experts backend={experts.backend}, checkpoint={args.checkpoint_policy}",
+               f"{dtype}, {device}, experts backend={experts.backend}, checkpoint={experts.checkpoint}",
                results["moeblaze"])
         return results
-    layer = MoELayer(d, h, args.num_experts, args.top_k, experts=experts.native())
+    layer = MoELayer(d, h, E, K, experts=experts.native())
     layer = layer.to(device, dtype)
     x = torch.randn(L, d, device=device, dtype=dtype, requires_grad=True)
     with torch.no_grad():
@@ -160,34 +161,34 @@ def run(args) -> dict:
     dy = torch.randn(L, d, device=device, dtype=torch.float32)  # (out * dy).sum() saves only dy, an input
 
     def ours():
-        routing = build_routing_index(r.topk_idx, args.num_experts, check=False)
+        routing = build_routing_index(r.topk_idx, E, check=False)
         return (moe_experts(x, routing, routing_w, layer.w1, layer.w2, config=experts, check=False).float() * dy).sum()
 
     def conventional():
-        return (torch_gmm_experts(x, r.topk_idx, routing_w, layer.w1, layer.w2, args.activation).float() * dy).sum()
+        return (torch_gmm_experts(x, r.topk_idx, routing_w, layer.w1, layer.w2, act).float() * dy).sum()
 
-    head = f"L={L} d={d} h={h} E={args.num_experts} K={args.top_k} {args.activation} {dtype} on {device}"
+    head = f"L={L} d={d} h={h} E={E} K={K} {act} {dtype} on {device}"
     profile_step(None, ours, [x, routing_w, dy], device)  # warm-up (kernel compilation)
     results["moeblaze"] = profile_step(layer, ours, [x, routing_w, dy], device)
-    _print(f"moeblaze experts (backend={experts.backend}, checkpoint={args.checkpoint_policy}, "
-           f"precision={args.precision}), "
+    _print(f"moeblaze experts (backend={experts.backend}, checkpoint={experts.checkpoint}, "
+           f"precision={experts.precision}), "
            f"{head}", results["moeblaze"])
-    if args.kernels and cuda:
+    if config.kernels and cuda:
         _drop_grads(layer, x, routing_w)  # else the table would hold the adds into the earlier steps' .grad
         _print_kernels("moeblaze", kernel_times(lambda: ours().backward()))
-        if experts.kernels and args.precision == "native":  # the stage table times the bf16 launches
+        if experts.kernels and experts.precision == "native":  # the stage table times the bf16 launches
             launch = experts.backend if experts.backend in ("tl", "gluon") else "auto"
-            _print_stages(stage_times(L, d, h, args.num_experts, args.top_k, args.activation, dtype=dtype,
+            _print_stages(stage_times(L, d, h, E, K, act, dtype=dtype,
                                       device=device, backend=launch))
             _print_resources(compiled_resources())
-    if not args.no_compare:
+    if config.compare:
         try:
             profile_step(None, conventional, [x, routing_w, dy], device)
             results["torch_gmm"] = profile_step(layer, conventional, [x, routing_w, dy], device)
             _print("conventional pipeline (argsort, gather, torch._grouped_mm, unfused activation, scatter-add), "
                    f"{head}",
                    results["torch_gmm"])
-            if args.kernels and cuda:
+            if config.kernels and cuda:
                 _drop_grads(layer, x, routing_w)
                 _print_kernels("conventional", kernel_times(lambda: conventional().backward()))
             if experts.kernels:

@@ -7,6 +7,7 @@ Memory: none beyond the parsed arguments.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from ..configs import ACTIVATIONS, BACKENDS, CHECKPOINTS, PRECISIONS, ExpertsConfig, check_layer
 from . import UsageError
@@ -39,6 +40,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="deprecated: --backend (impl triton is --backend triton, reference --backend reference)")
 
 
+@dataclass(frozen=True)
+class ProfileConfig:
+    """One `moeblaze profile` run: a layer of `tokens` tokens (or the small model on batch x seq = tokens) with the
+    experts' recipe `experts`. tokens, d_model, d_expert, device and dtype None: the machine's (cli/profile.py)."""
+    target: str
+    tokens: int | None
+    d_model: int | None
+    d_expert: int | None
+    num_experts: int
+    top_k: int
+    experts: ExpertsConfig
+    device: str | None
+    dtype: str | None
+    compare: bool  # the conventional pipeline beside it (--no-compare: off)
+    kernels: bool
+
+
 def backend_of(args) -> str:
     """ExpertsConfig.backend of --backend (and the deprecated --impl folded into it)."""
     from .train_flags import backend_flag
@@ -46,16 +64,18 @@ def backend_of(args) -> str:
     return backend_flag(args)
 
 
-def check_flags(args) -> None:
-    """UsageError naming the flag unless every flag is well formed and the experts' recipe they say is one
-    ExpertsConfig takes. Torch-free."""
+def check_flags(args) -> ProfileConfig:
+    """The run the flags say, after every check that reads only them (UsageError naming the flag): well formed, and
+    the experts' recipe one ExpertsConfig takes. Torch-free."""
     for flag in ("tokens", "d_model", "d_expert", "num_experts", "top_k"):
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be a positive integer, got {v}")
     try:
         check_layer(args.num_experts, args.top_k)
-        ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy, backend=backend_of(args),
-                      precision=args.precision)
+        experts = ExpertsConfig(activation=args.activation, checkpoint=args.checkpoint_policy,
+                                backend=backend_of(args), precision=args.precision)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
+    return ProfileConfig(args.target, args.tokens, args.d_model, args.d_expert, args.num_experts, args.top_k,
+                         experts, args.device, args.dtype, not args.no_compare, args.kernels)

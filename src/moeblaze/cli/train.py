@@ -38,36 +38,36 @@ from .checkpoint import (CheckpointError, load_checkpoint, load_sharded, save_ch
                          load_newest_sharded, sharded_checkpoint_path)
 from .data import builtin_corpus, random_batch, split_corpus, unigram_entropy
 from .graph_step import GraphedStep
-from .train_flags import ep_config
-from .train_setup import check_args, experts_path, precision_note, sharded_save
+from .train_config import Schedule, TrainConfig
+from .train_setup import check_run, experts_path, precision_note, sharded_save
 
 __all__ = ["run"]
 
 
-def _batch(data, args, gen, ranks):
+def _batch(data, sched: Schedule, gen, ranks):
     """This process's (inputs, targets): under torchrun, its slice of the global batch one generator draws."""
-    n = args.batch_size * (ranks.world if ranks else 1)
-    x, y = random_batch(data, n, args.seq_len, gen)
+    n = sched.batch_size * (ranks.world if ranks else 1)
+    x, y = random_batch(data, n, sched.seq_len, gen)
     if ranks is not None:
-        x, y = (t[ranks.rank * args.batch_size:(ranks.rank + 1) * args.batch_size] for t in (x, y))
+        x, y = (t[ranks.rank * sched.batch_size:(ranks.rank + 1) * sched.batch_size] for t in (x, y))
     return x, y
 
 
 @torch.no_grad()
-def evaluate(model, val, args, device, ctx, ranks=None) -> float:
+def evaluate(model, val, sched: Schedule, device, ctx, ranks=None) -> float:
     """The mean validation loss over --eval-batches fixed batches (over every rank's slice under torchrun)."""
     model.eval()
     gen = torch.Generator().manual_seed(1234)
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for _ in range(args.eval_batches):
-        x, y = _batch(val, args, gen, ranks)
+    for _ in range(sched.eval_batches):
+        x, y = _batch(val, sched, gen, ranks)
         with ctx():
             logits, _, _ = model(x.to(device))
         total += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten())
     model.train()
     if ranks is not None:
         total = ranks.mean(total)
-    return float(total) / args.eval_batches
+    return float(total) / sched.eval_batches
 
 
 def _train_state(model, opt, step: int, gen, cfg, sharded: bool):
@@ -146,11 +146,11 @@ def _check_shapes(saved: dict, current: dict) -> None:
                              f"{tuple(t.shape)}")
 
 
-def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
-    """The step of the checkpoint at --save, loaded into model, opt and gen (SystemExit if it can't be)."""
-    if not sharded_save(args.save, ranks is not None):
+def _resume(save: str, model, opt, gen, cfg, device, ranks) -> int:
+    """The step of the checkpoint at `save`, loaded into model, opt and gen (SystemExit if it can't be)."""
+    if not sharded_save(save, ranks is not None):
         try:
-            ck = load_checkpoint(args.save, map_location=device)
+            ck = load_checkpoint(save, map_location=device)
         except CheckpointError as e:
             raise UsageError(f"--resume: {e}") from None
         _check_single_file(ck)
@@ -166,10 +166,10 @@ def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
     state["train"]["config"] = ""
     rank = ranks.rank if ranks else 0
     try:  # the config first, alone: a checkpoint of another shape is refused by name before any tensor is read
-        folder = load_newest_sharded(args.save, {"train": state["train"]}, rank)
+        folder = load_newest_sharded(save, {"train": state["train"]}, rank)
     except CheckpointError as e:
         raise UsageError(f"--resume: {e}") from None
-    if folder != args.save.rstrip("/" + os.sep):
+    if folder != save.rstrip("/" + os.sep):
         if rank == 0:
             print(f"--resume: reading {folder} (left by a save that was stopped before it finished)")
     try:
@@ -183,13 +183,14 @@ def _resume(args, model, opt, gen, cfg, device, ranks) -> int:
     return int(state["train"]["step"])
 
 
-def run(args) -> dict:
+def run(config: TrainConfig) -> dict:
+    """Train (or time, under --bench-steps) the run `config` says (train_flags.check_flags builds it from flags)."""
     train, val = split_corpus(builtin_corpus())
-    cfg = check_args(args, len(val))
-    ranks = parallel.start(args.device, args.ep) if parallel.launched() else None
+    config, note = check_run(config, len(val))
+    ranks = parallel.start(config.machine.device, config.parallel.ep) if parallel.launched() else None
     done = False
     try:
-        out = _run(args, cfg, train, val, ranks)
+        out = _run(config, note, train, val, ranks)
         done = True
         return out
     except CapacityOverflow as e:  # said on every rank in one line (the default --on-overflow rerun never raises it)
@@ -199,26 +200,26 @@ def run(args) -> dict:
             parallel.finish(done)
 
 
-def _run(args, cfg, train, val, ranks) -> dict:
+def _run(config: TrainConfig, note: str, train, val, ranks) -> dict:
     """Set-up, the training loop, the end (the loss log, the final validation or the benchmark row)."""
-    run = _set_up(args, cfg, train, val, ranks)
-    graphed = GraphedStep(lambda x, y: (*run.train_step(x, y), run.clip())) if args.cuda_graph else None
+    run = _set_up(config, note, train, val, ranks)
+    graphed = GraphedStep(lambda x, y: (*run.train_step(x, y), run.clip())) if config.machine.cuda_graph else None
     record = _Record(run)
     timer = parallel.StepTimer(run.device) if run.bench else None
     loss, val_loss, evals, saved_step = _loop(run, train, val, graphed, record, timer)
     if saved_step:
         run.say(f"checkpoint of step {saved_step} saved to {run.save} (--resume continues from it)")
-    if args.loss_log and run.main:
-        record.write(args.loss_log, evals)
+    if config.outputs.loss_log and run.main:
+        record.write(config.outputs.loss_log, evals)
     record.say_drops(run)
     final_loss = float(ranks.mean(loss.detach()) if ranks else loss.detach())
     if run.bench:
         def batch():
-            return tuple(t.to(run.device) for t in _batch(train, args, run.gen, ranks))
+            return tuple(t.to(run.device) for t in _batch(train, config.schedule, run.gen, ranks))
         profiled = ((lambda: graphed(*batch()), run.opt.step) if graphed is not None else
                     (lambda: run.train_step(*batch()), lambda: (run.clip(), run.opt.step())))
-        row = parallel.bench_row(args, cfg, ranks, timer, final_loss, run.n_params,
-                                 profiled if args.bench_profile else None)
+        row = parallel.bench_row(config, ranks, timer, final_loss, run.n_params,
+                                 profiled if config.bench.profile else None)
         run.say(parallel.format_row(row))
         return row
     if math.isnan(val_loss):
@@ -236,8 +237,8 @@ def _quiet(*_args, **_kwargs) -> None:
 @dataclass
 class _Run:
     """What set-up makes for the loop and the end: the run's model, optimizer, data generator and schedule."""
-    args: object
-    cfg: ModelConfig
+    config: TrainConfig
+    cfg: ModelConfig  # config.model
     ranks: object  # parallel.Ranks under torchrun, else None
     device: torch.device
     model: torch.nn.Module
@@ -253,11 +254,12 @@ class _Run:
 
     @property
     def bench(self) -> bool:
-        return self.args.bench_steps > 0
+        return self.config.bench.steps > 0
 
     @property
     def last(self) -> int:
-        return self.args.bench_warmup + self.args.bench_steps if self.bench else self.args.steps
+        bench = self.config.bench
+        return bench.warmup + bench.steps if self.bench else self.config.schedule.steps
 
     @property
     def world(self) -> int:
@@ -273,7 +275,7 @@ class _Run:
 
     def lr_at(self, s: int) -> float:
         """Linear warm-up over a 20th of the run, then cosine to 0."""
-        last, lr = self.last, self.args.lr
+        last, lr = self.last, self.config.schedule.lr
         warm = max(1, last // 20)
         if s < warm:
             return lr * (s + 1) / warm
@@ -290,70 +292,83 @@ class _Run:
         with self.ctx():
             logits, aux, z = self.model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        total = loss + self.args.aux_loss_coef * aux + self.args.z_loss_coef * z
+        sched = self.config.schedule
+        total = loss + sched.aux_loss_coef * aux + sched.z_loss_coef * z
         self.opt.zero_grad(set_to_none=True)
         (total / self.world).backward()  # under FSDP2 every unit sums: the gradient of the global mean
         return loss, aux, total
 
 
-def _set_up(args, cfg, train, val, ranks) -> _Run:
+def _set_up(config: TrainConfig, note: str, train, val, ranks) -> _Run:
     """The model (compiled, parallelized under torchrun), its optimizer, the data generator, the state of --resume,
     and the run's first lines."""
-    device = ranks.device if ranks else torch.device(args.device)
-    if device.type == "cpu" and (args.threads is not None or "OMP_NUM_THREADS" not in os.environ):
-        torch.set_num_threads(args.threads or min(2, torch.get_num_threads()))  # torch's default: the usable cores
-    torch.manual_seed(args.seed)
+    cfg, machine, sched = config.model, config.machine, config.schedule
+    device = ranks.device if ranks else torch.device(machine.device)
+    if device.type == "cpu" and (machine.threads is not None or "OMP_NUM_THREADS" not in os.environ):
+        torch.set_num_threads(machine.threads or min(2, torch.get_num_threads()))  # torch's default: the usable cores
+    torch.manual_seed(sched.seed)
     model = MoEModel(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    bf16 = args.dtype == "bfloat16"
-    if args.compile:
+    if machine.compile:
         for block in model.blocks:
             block.compile()
     if ranks is not None:
-        parallel.parallelize_model(model, ranks, ep_config(args), args.on_overflow == "rerun",
-                                   args.batch_size * args.seq_len, cfg.top_k, cfg.num_experts, bf16,
-                                   keep_gathered=args.fsdp_keep_gathered, units=args.fsdp_units,
-                                   reduce_bf16=args.fsdp_reduce_dtype == "bfloat16")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+        parallel.parallelize_model(model, ranks, config)
+    opt = torch.optim.AdamW(model.parameters(), lr=sched.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=True)  # one kernel for every parameter (DTensors too; on the CPU 6x the loop's speed)
-    save = "" if args.bench_steps > 0 else args.save
-    run = _Run(args, cfg, ranks, device, model, opt, torch.Generator().manual_seed(args.seed),
-               functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext,
+    save = "" if config.bench.steps > 0 else config.outputs.save
+    run = _Run(config, cfg, ranks, device, model, opt, torch.Generator().manual_seed(sched.seed),
+               functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16) if machine.bf16
+               else contextlib.nullcontext,
                save, bool(save) and sharded_save(save, ranks is not None), n_params,
                unigram_entropy(torch.cat([train, val])))
-    found = [(sharded_checkpoint_path(save) is not None) if run.sharded else os.path.exists(save)]
-    if ranks is not None:  # rank 0's view decides: every rank resumes, or none (checkpoint.load_newest_sharded)
-        torch.distributed.broadcast_object_list(found, src=0)
-    found = found[0]
-    if args.resume and not found:
-        run.say(f"--resume: no checkpoint at {save}; starting from step 0")
-    elif args.resume:
-        run.step = _resume(args, model, opt, run.gen, cfg, device, ranks)
-        run.say(f"resumed from {save} at step {run.step}")
-        if run.step >= args.steps:
-            run.say(f"--resume: the checkpoint is at step {run.step}, not before --steps {args.steps}: nothing to "
-                    "train")
-    layout = "" if ranks is None else f", {run.world} processes (efsdp {run.world // ranks.ep} x ep {ranks.ep}" + (
-        f", {args.ep_dispatch} dispatch, {args.ep_transport} transport)" if ranks.ep > 1 else ")")
-    run.say(f"moeblaze train: {n_params / 1e6:.2f}M parameters, {cfg.n_layers - cfg.dense_layers} MoE blocks x "
-            f"{cfg.num_experts} experts (top-{cfg.top_k}, {cfg.activation})"
-            + (f" after {cfg.dense_layers} dense block(s)" if cfg.dense_layers else "")
-            + f", corpus {len(train) + len(val):,} bytes, device {device.type}{layout}"
-            + (f", {torch.get_num_threads()} CPU thread(s)"
-               + (f" (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})" if "OMP_WAIT_POLICY" in os.environ else "")
-               + f", experts on {experts_path(cfg, 1 if ranks is None else ranks.ep)}"
-               if device.type == "cpu" else ""))
-    if getattr(args, "layout_note", ""):
-        run.say(f"layout by rule: {args.layout_note}")
-    if note := precision_note(args, cfg):
+    _resume_if_asked(run)
+    run.say(_header(run, len(train) + len(val)))
+    if note:
+        run.say(f"layout by rule: {note}")
+    if note := precision_note(config):
         run.say(note)
     run.say(f"unigram entropy of the corpus: {run.entropy:.3f} nats/byte (a model that ignores context)")
     return run
 
 
+def _resume_if_asked(run: _Run) -> None:
+    """Under --resume, the checkpoint at --save loaded (where there is one: rank 0's view decides, every rank
+    resumes or none, checkpoint.load_newest_sharded)."""
+    if not run.config.outputs.resume:
+        return
+    save = run.save
+    found = [(sharded_checkpoint_path(save) is not None) if run.sharded else os.path.exists(save)]
+    if run.ranks is not None:
+        torch.distributed.broadcast_object_list(found, src=0)
+    if not found[0]:
+        run.say(f"--resume: no checkpoint at {save}; starting from step 0")
+        return
+    run.step = _resume(save, run.model, run.opt, run.gen, run.cfg, run.device, run.ranks)
+    run.say(f"resumed from {save} at step {run.step}")
+    steps = run.config.schedule.steps
+    if run.step >= steps:
+        run.say(f"--resume: the checkpoint is at step {run.step}, not before --steps {steps}: nothing to train")
+
+
+def _header(run: _Run, corpus: int) -> str:
+    """The run's first line: the model, the corpus, the device and the layout."""
+    cfg, ranks, par = run.cfg, run.ranks, run.config.parallel
+    layout = "" if ranks is None else f", {run.world} processes (efsdp {run.world // ranks.ep} x ep {ranks.ep}" + (
+        f", {par.transport.dispatch} dispatch, {par.transport.transport} transport)" if ranks.ep > 1 else ")")
+    cpu = (f", {torch.get_num_threads()} CPU thread(s)"
+           + (f" (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})" if "OMP_WAIT_POLICY" in os.environ else "")
+           + f", experts on {experts_path(cfg, 1 if ranks is None else ranks.ep)}")
+    return (f"moeblaze train: {run.n_params / 1e6:.2f}M parameters, {cfg.n_layers - cfg.dense_layers} MoE blocks x "
+            f"{cfg.num_experts} experts (top-{cfg.top_k}, {cfg.activation})"
+            + (f" after {cfg.dense_layers} dense block(s)" if cfg.dense_layers else "")
+            + f", corpus {corpus:,} bytes, device {run.device.type}{layout}"
+            + (cpu if run.device.type == "cpu" else ""))
+
+
 def _validate(run: _Run, val, graphed, log) -> float:
-    v = parallel.until_no_overflow(run.ranks, lambda: evaluate(run.model, val, run.args, run.device, run.ctx,
-                                                               run.ranks), log, run.model)
+    v = parallel.until_no_overflow(run.ranks, lambda: evaluate(run.model, val, run.config.schedule, run.device,
+                                                               run.ctx, run.ranks), log, run.model)
     if graphed is not None:  # the graph runs no FSDP2 hooks: what evaluation left gathered would go stale
         parallel.reshard(run.model)
     return v
@@ -365,7 +380,8 @@ def _loop(run: _Run, train, val, graphed, record, timer):
     checkpoint this run wrote last (0: none))."""
     from tqdm import tqdm
 
-    args, ranks, device, step = run.args, run.ranks, run.device, run.step
+    sched, ranks, device, step = run.config.schedule, run.ranks, run.device, run.step
+    warmup, save_every = run.config.bench.warmup, run.config.outputs.save_every
     biased = run.cfg.router.expert_bias  # routers to update after each step (no walk else)
     val_loss, evals, saved_step, wrote = float("nan"), [], step, False  # saved_step: the resumed one's at first
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # the first step whose loss was not finite
@@ -377,8 +393,8 @@ def _loop(run: _Run, train, val, graphed, record, timer):
     while step < run.last:
         for g in run.opt.param_groups:
             g["lr"] = run.lr_at(step)
-        x, y = (t.to(device) for t in _batch(train, args, run.gen, ranks))
-        timed = timer is not None and step >= args.bench_warmup
+        x, y = (t.to(device) for t in _batch(train, sched, run.gen, ranks))
+        timed = timer is not None and step >= warmup
         if timed:
             timer.start()
         if graphed is not None:
@@ -397,8 +413,8 @@ def _loop(run: _Run, train, val, graphed, record, timer):
         tokens += x.numel()
         bar.update(1)
         first_bad = torch.where((first_bad < 0) & ~torch.isfinite(total.detach()), step, first_bad)
-        evaluate_now = not run.bench and (step % args.eval_every == 0 or step == run.last)
-        save_now = bool(run.save) and (step % args.save_every == 0 or step == run.last)
+        evaluate_now = not run.bench and (step % sched.eval_every == 0 or step == run.last)
+        save_now = bool(run.save) and (step % save_every == 0 or step == run.last)
         if step % 10 == 0 or evaluate_now or save_now or step == run.last:  # a host read: check before keeping
             _stop_if_diverged(run, first_bad, step, saved_step, bar)
         if step % 10 == 0 or step == run.last:
@@ -446,14 +462,15 @@ class _Record:
     def __init__(self, run: _Run):
         self.run, self.first = run, run.step + 1
         self.losses, self.norms, self.loads, self.shares, self.drops = [], [], [], [], []
-        self.moe_layers = [m for m in run.model.modules() if isinstance(m, MoELayer)] if run.args.loss_log else []
+        self.moe_layers = ([m for m in run.model.modules() if isinstance(m, MoELayer)] if run.config.outputs.loss_log
+                           else [])
         for m in self.moe_layers:
             m.track_load = True
         self.droppers = [m for m in run.model.modules() if getattr(m, "dropped_rows", None) is not None]
         self.dropped = torch.zeros((), dtype=torch.int64, device=run.device)
 
     def step(self, loss, grad_norm, x) -> None:
-        ranks, log = self.run.ranks, bool(self.run.args.loss_log)
+        ranks, log = self.run.ranks, bool(self.run.config.outputs.loss_log)
         if self.droppers:
             dropped = torch.stack([m.dropped_rows for m in self.droppers]).sum()
             for m in self.droppers:

@@ -17,6 +17,7 @@ from ..configs import (ACTIVATIONS, BACKENDS, CHECKPOINTS, DISPATCHES, INDEX_MET
                        fold_impl)
 from . import UsageError
 from .presets import EXTRAS, PRESETS, SHAPE
+from .train_config import Bench, Machine, Outputs, Parallel, Schedule, TrainConfig
 
 ON_OVERFLOW = ("rerun", *OVERFLOW)  # --on-overflow: EPConfig's, or rerun the step with a larger capacity
 
@@ -182,9 +183,10 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    "per run in <gpu>.jsonl)")
 
 
-def check_flags(args) -> ModelConfig:
-    """The model config of the flags, after every check that reads only the flags (UsageError naming the flag or the
-    config's field otherwise); fills the flags left unset from --preset. Torch-free."""
+def check_flags(args) -> TrainConfig:
+    """The run the flags say, after every check that reads only the flags (UsageError naming the flag or the
+    config's field otherwise); the flags left unset take --preset's values. Torch-free. The command line's only
+    reader: what follows takes the config."""
     preset = PRESETS[args.preset]
     for name in SHAPE:
         if getattr(args, name, None) is None:
@@ -196,11 +198,27 @@ def check_flags(args) -> ModelConfig:
         _check_counts(args)
         _check_numbers(args)
         _check_combinations(args)
-        cfg = model_config(args)
-        ep_config(args)
+        return train_config(args)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
-    return cfg
+
+
+def train_config(args) -> TrainConfig:
+    """The flags as a TrainConfig (ValueError or TypeError naming the flag or field)."""
+    return TrainConfig(
+        preset=args.preset, model=model_config(args),
+        schedule=Schedule(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                          aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef,
+                          eval_every=args.eval_every, eval_batches=args.eval_batches, seed=args.seed),
+        machine=Machine(device=args.device, dtype=args.dtype, threads=args.threads, compile=args.compile,
+                        cuda_graph=args.cuda_graph),
+        parallel=Parallel(ep=args.ep, transport=ep_config(args), on_overflow=args.on_overflow,
+                          keep_gathered=args.fsdp_keep_gathered, reduce_dtype=args.fsdp_reduce_dtype,
+                          units=args.fsdp_units),
+        outputs=Outputs(save=args.save, save_every=args.save_every, resume=args.resume, overwrite=args.overwrite,
+                        loss_log=args.loss_log),
+        bench=Bench(steps=args.bench_steps, warmup=args.bench_warmup, profile=args.bench_profile,
+                    trace=args.bench_trace, results=args.results))
 
 
 def model_config(args) -> ModelConfig:
@@ -213,9 +231,10 @@ def model_config(args) -> ModelConfig:
                        dense_layers=args.dense_layers or 0)
 
 
-def ep_config(args) -> EPConfig | None:
-    """The flags' expert parallelism (None at --ep 1): --on-overflow rerun is the command's own (a CapacityTracker
-    and a rerun of the step), EPConfig's overflow unset then."""
+def ep_config(args) -> EPConfig:
+    """The flags' expert-parallel transport, used where ep > 1 (the layout's rule may choose ep = N under
+    --ep unset); refused where --ep 1 is given with a transport flag. --on-overflow rerun is the command's own (a
+    CapacityTracker and a rerun of the step): EPConfig's overflow unset then."""
     if args.on_overflow != "rerun" and args.ep_dispatch != "capacity":
         raise ValueError(f"--on-overflow {args.on_overflow} applies to --ep-dispatch capacity, which this run does not "
                          "use")
@@ -230,7 +249,6 @@ def ep_config(args) -> EPConfig | None:
         if given:
             raise ValueError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --ep > 1"
                              + ("" if args.ep else " (give --ep: the layout's rule chooses FSDP2 alone or ep = N)"))
-        return None
     return config
 
 

@@ -1,8 +1,8 @@
-"""The checks of `moeblaze train` that ask the machine, after cli/train_flags.py's checks of the flags alone: the
-device, the backend where the run's tensors will be, the processes torchrun started, the files the run will write;
-then the model config. A bad one exits with status 2 and one line naming the flag, before any work starts.
+"""The checks of `moeblaze train` that ask the machine, after cli/train_flags.py built the run's config from the
+flags alone: the device, the backend where the run's tensors will be, the processes torchrun started, the files the
+run will write. A bad one exits with status 2 and one line naming the flag, before any work starts.
 
-Memory: none beyond the parsed arguments.
+Memory: none beyond the config.
 """
 from __future__ import annotations
 
@@ -13,95 +13,98 @@ import torch
 from ..env import INTERPRET
 from ..distributed.ep import check_options
 from ..experts.dispatch import choose
-from ..nn import ModelConfig
 from . import UsageError, check_device, parallel
 from .checkpoint import (CheckpointError, check_header, probe_writable, probe_writable_folder,
                          sharded_checkpoint_path)
 from .graph_step import check_graphable
-from .train_flags import check_flags
+from .train_config import TrainConfig
 
 
-def check_args(args, val_len: int) -> ModelConfig:
-    """The model config of the flags, after every flag is checked (UsageError naming the flag otherwise): the
-    flags' own checks (train_flags.check_flags), then the machine's; fills --device, --save and the preset's
-    options left unset."""
-    cfg = check_flags(args)
+def check_run(config: TrainConfig, val_len: int) -> tuple[TrainConfig, str]:
+    """(config, note): the run after the machine's checks (UsageError naming the flag otherwise), with what the flags
+    left open decided: the device, the checkpoint path, the parallel layout (the note says what the rule chose)."""
     dist_run = parallel.launched()
-    if args.save is None:
-        args.save = "checkpoints/moeblaze-sharded" if dist_run else "checkpoints/moeblaze.pt"
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    explicit = [f for f, on in (("--fsdp-keep-gathered", args.fsdp_keep_gathered == "yes"),
-                                ("--fsdp-reduce-dtype bfloat16", args.fsdp_reduce_dtype == "bfloat16")) if on]
+    machine, par, out = config.machine, config.parallel, config.outputs
+    config = config.replace(
+        outputs=dict(save=out.save if out.save is not None else
+                     "checkpoints/moeblaze-sharded" if dist_run else "checkpoints/moeblaze.pt"),
+        machine=dict(device=machine.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+    explicit = [f for f, on in (("--fsdp-keep-gathered", par.keep_gathered == "yes"),
+                                ("--fsdp-reduce-dtype bfloat16", par.reduce_dtype == "bfloat16")) if on]
     if explicit and not dist_run:
         raise UsageError(f"{explicit[0]} sets FSDP2, which runs under torchrun (--nproc-per-node 1 or more)")
-    args.layout_note = parallel.choose_layout(args, cfg, dist_run)
+    config, note = parallel.choose_layout(config, dist_run)
     try:
-        if args.seq_len > val_len - 2:
+        if config.schedule.seq_len > val_len - 2:
             raise ValueError(f"--seq-len must be at most {val_len - 2} (the held-out text's length - 2), "
-                             f"got {args.seq_len}")
-        if args.ep > 1:  # the recipe expert parallelism runs
-            check_options(cfg.experts)
+                             f"got {config.schedule.seq_len}")
+        if config.parallel.ep > 1:  # the recipe expert parallelism runs
+            check_options(config.model.experts)
     except (TypeError, ValueError) as e:
         raise UsageError(str(e)) from None
-    experts = cfg.experts
-    check_device(args.device)
-    if args.cuda_graph:
-        check_graphable(args)
-    if args.compile and args.device != "cuda":
+    _check_machine(config)
+    _check_processes(config, dist_run)
+    _probe_outputs(config, dist_run)
+    return config, note
+
+
+def _check_machine(config: TrainConfig) -> None:
+    """UsageError unless the device runs what the run asks: graphs, compile, bf16, the backend."""
+    machine, experts = config.machine, config.model.experts
+    check_device(machine.device)
+    if machine.cuda_graph:
+        check_graphable(config)
+    if machine.compile and machine.device != "cuda":
         raise UsageError("--compile needs --device cuda (the interpreter's kernels do not compile)")
-    if args.dtype == "bfloat16" and args.device != "cuda":
+    if machine.bf16 and machine.device != "cuda":
         raise UsageError("--dtype bfloat16 needs --device cuda")
-    if experts.backend not in ("auto", "reference") and args.device != "cuda" and not INTERPRET:
+    if experts.backend not in ("auto", "reference") and machine.device != "cuda" and not INTERPRET:
         raise UsageError(f"--backend {experts.backend} runs the kernels: it needs --device cuda (or TRITON_INTERPRET=1 "
                          "set before the command starts)")
     try:  # the backend where the run's tensors will be: what the layer itself would refuse at its first call
-        choose(experts.backend, torch.device(args.device))
+        choose(experts.backend, torch.device(machine.device))
     except (RuntimeError, ValueError) as e:
         raise UsageError(f"--backend {experts.backend}: {e}") from None
-    _check_processes(args, experts, dist_run)
-    _probe_outputs(args, dist_run)
-    return cfg
 
 
-def _check_processes(args, experts, dist_run: bool) -> None:
+def _check_processes(config: TrainConfig, dist_run: bool) -> None:
     """UsageError unless the processes torchrun started (or not) run what the flags ask: FSDP2's flags under
     torchrun, --ep dividing the processes and the experts, expert parallelism on the kernels."""
-    fsdp_flags = [f for f, on in (("--fsdp-units model", args.fsdp_units != "blocks"),) if on]
-    if fsdp_flags and not dist_run:
-        raise UsageError(f"{fsdp_flags[0]} sets FSDP2, which runs under torchrun (--nproc-per-node 1 or more)")
-    if args.fsdp_reduce_dtype != "float32" and args.dtype != "bfloat16":
+    par, machine, experts = config.parallel, config.machine, config.model.experts
+    if par.units != "blocks" and not dist_run:
+        raise UsageError(f"--fsdp-units {par.units} sets FSDP2, which runs under torchrun (--nproc-per-node 1 or more)")
+    if par.reduce_dtype != "float32" and not machine.bf16:
         raise UsageError("--fsdp-reduce-dtype bfloat16 needs --dtype bfloat16 (float32 parameters reduce in float32)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if dist_run and world % args.ep == 0:  # (an --ep that doesn't divide the processes: refused below)
+    if dist_run and world % par.ep == 0:  # (an --ep that doesn't divide the processes: refused below)
         from ..distributed.fsdp import check_weight_cache
 
         try:
-            check_weight_cache(experts, world // args.ep, args.ep)
+            check_weight_cache(experts, world // par.ep, par.ep)
         except ValueError as e:
             raise UsageError(f"--fp8-weight-cache: {e}") from None
-    if args.ep > 1:
+    if par.ep > 1:
         if not dist_run:
-            raise UsageError(f"--ep {args.ep} needs {args.ep} or more processes: run under torchrun "
+            raise UsageError(f"--ep {par.ep} needs {par.ep} or more processes: run under torchrun "
                              "--nproc-per-node N")
-        if world % args.ep:
-            raise UsageError(f"--ep {args.ep} must divide the number of processes ({world})")
-        if args.num_experts % args.ep:
-            raise UsageError(f"--ep {args.ep} must divide --num-experts ({args.num_experts})")
+        if world % par.ep:
+            raise UsageError(f"--ep {par.ep} must divide the number of processes ({world})")
+        if config.model.num_experts % par.ep:
+            raise UsageError(f"--ep {par.ep} must divide --num-experts ({config.model.num_experts})")
         if experts.backend == "reference":
             raise UsageError("--ep runs the experts on the Triton kernels, not --backend reference")
-        if args.device != "cuda" and not INTERPRET:
+        if machine.device != "cuda" and not INTERPRET:
             raise UsageError("--ep runs the experts on the Triton kernels: --device cuda, or on the CPU "
                              "TRITON_INTERPRET=1 set before the command starts")
 
 
-def _probe_outputs(args, dist_run: bool) -> None:
+def _probe_outputs(config: TrainConfig, dist_run: bool) -> None:
     """UsageError unless every file the run will write can be written: the checkpoint, the loss log, the trace,
     the results file (a path that fails only when first written loses the run's work). A refusal takes away the
     folders the probes before it made."""
-    missing = [d for d in _missing_folders(args) if not os.path.exists(d)]
+    missing = [d for d in _missing_folders(config) if not os.path.exists(d)]
     try:
-        _probe_each(args, dist_run)
+        _probe_each(config, dist_run)
     except UsageError:
         for d in sorted(missing, key=len, reverse=True):  # deepest first; only those still empty
             if os.path.isdir(d) and not os.listdir(d):
@@ -109,10 +112,11 @@ def _probe_outputs(args, dist_run: bool) -> None:
         raise
 
 
-def _missing_folders(args) -> list[str]:
+def _missing_folders(config: TrainConfig) -> list[str]:
     """Every folder on the way to an output path (the probes make those missing)."""
-    out = []
-    for path in (args.save, args.loss_log, args.bench_trace, args.results and os.path.join(args.results, "x")):
+    out, bench = [], config.bench
+    for path in (config.outputs.save, config.outputs.loss_log, bench.trace,
+                 bench.results and os.path.join(bench.results, "x")):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         while folder and os.path.dirname(folder) != folder:
             out.append(folder)
@@ -120,18 +124,19 @@ def _missing_folders(args) -> list[str]:
     return out
 
 
-def _probe_each(args, dist_run: bool) -> None:
-    if args.overwrite and not args.save:
+def _probe_each(config: TrainConfig, dist_run: bool) -> None:
+    out, bench = config.outputs, config.bench
+    if out.overwrite and not out.save:
         raise UsageError("--overwrite replaces the checkpoint at --save, and --save '' saves none: leave one out")
-    if args.save and not args.bench_steps:
-        _check_existing(args, dist_run)
+    if out.save and not bench.steps:
+        _check_existing(out, dist_run)
         try:
-            (probe_writable_folder if sharded_save(args.save, dist_run) else probe_writable)(args.save)
+            (probe_writable_folder if sharded_save(out.save, dist_run) else probe_writable)(out.save)
         except CheckpointError as e:
             raise UsageError(f"--save: {e}") from None
-    outputs = [("--loss-log", args.loss_log, "loss log"), ("--bench-trace", args.bench_trace, "trace")]
-    if args.bench_steps:  # a folder: the results file goes in it
-        outputs.append(("--results", args.results and os.path.join(args.results, "results.probe"), "results file"))
+    outputs = [("--loss-log", out.loss_log, "loss log"), ("--bench-trace", bench.trace, "trace")]
+    if bench.steps:  # a folder: the results file goes in it
+        outputs.append(("--results", bench.results and os.path.join(bench.results, "results.probe"), "results file"))
     for flag, path, what in outputs:
         if path:
             try:
@@ -140,26 +145,26 @@ def _probe_each(args, dist_run: bool) -> None:
                 raise UsageError(f"{flag}: {e}") from None
 
 
-def _check_existing(args, dist_run: bool) -> None:
+def _check_existing(out, dist_run: bool) -> None:
     """A new run never replaces a checkpoint unasked (UsageError unless --resume or --overwrite says what to do with
     the one at --save); --resume's file must start as a checkpoint does, found before any work."""
-    sharded = sharded_checkpoint_path(args.save)
-    there = sharded is not None or os.path.isfile(args.save)
-    if os.path.isfile(args.save) and sharded is None and not args.resume:  # a checkpoint only if it starts as one
+    sharded = sharded_checkpoint_path(out.save)
+    there = sharded is not None or os.path.isfile(out.save)
+    if os.path.isfile(out.save) and sharded is None and not out.resume:  # a checkpoint only if it starts as one
         # (under --resume the header check below says so, as --resume's)
         try:
-            check_header(args.save)
+            check_header(out.save)
         except CheckpointError:
-            raise UsageError(f"--save: {args.save} is a file but not a moeblaze checkpoint: moeblaze replaces only "
+            raise UsageError(f"--save: {out.save} is a file but not a moeblaze checkpoint: moeblaze replaces only "
                              "its own checkpoints; give another path") from None
-    if args.overwrite and not there:
-        raise UsageError(f"--overwrite: there is no checkpoint at {args.save} to replace; leave --overwrite out")
-    if there and not (args.resume or args.overwrite):
-        raise UsageError(f"--save: {args.save} holds a checkpoint already: --resume continues it, --overwrite "
+    if out.overwrite and not there:
+        raise UsageError(f"--overwrite: there is no checkpoint at {out.save} to replace; leave --overwrite out")
+    if there and not (out.resume or out.overwrite):
+        raise UsageError(f"--save: {out.save} holds a checkpoint already: --resume continues it, --overwrite "
                          "replaces it, --save PATH writes another")
-    if args.resume and os.path.isfile(args.save) and not dist_run and sharded is None:
+    if out.resume and os.path.isfile(out.save) and not dist_run and sharded is None:
         try:
-            check_header(args.save)
+            check_header(out.save)
         except CheckpointError as e:
             raise UsageError(f"--resume: {e}") from None
 
@@ -170,9 +175,10 @@ def sharded_save(save: str, dist_run: bool) -> bool:
     return dist_run or sharded_checkpoint_path(save) is not None
 
 
-def precision_note(args, cfg) -> str:
+def precision_note(config: TrainConfig) -> str:
     """One line where --precision fp8 runs native precision (ExpertsConfig.at_call's rule on a training batch)."""
-    experts, call = cfg.experts, (args.batch_size * args.seq_len, cfg.top_k, cfg.num_experts)
+    cfg = config.model
+    experts, call = cfg.experts, (config.schedule.tokens, cfg.top_k, cfg.num_experts)
     if not experts.fp8 or experts.at_call(*call).fp8:
         return ""
     rows = experts.rows_per_call(*call[:2]) / cfg.num_experts
