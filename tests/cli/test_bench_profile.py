@@ -314,3 +314,11 @@ def test_profile_refuses_gluon_on_the_cpu_before_any_work(capsys):
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and "--backend gluon" in err[0] and "on the CPU use --backend triton" in err[0], err
     assert "moeblaze profile: on the CPU" not in captured.out
+
+
+def test_a_dispatch_sweep_that_is_not_integers_is_refused_by_its_flag(capsys):
+    """--dispatch-L/E/K are comma lists of positive integers, refused in one line before any work."""
+    for flag, value in (("--dispatch-L", "8k"), ("--dispatch-E", "8,,16"), ("--dispatch-K", "0")):
+        assert main(["bench", "--dispatch", flag, value]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"moeblaze bench: error: {flag}: expected a comma list of positive integers, got {value!r}"), err

@@ -52,7 +52,8 @@ def test_the_graphed_step_is_the_eager_step_under_fsdp2(tmp_path, monkeypatch, u
         monkeypatch.setenv(k, v)
     wrapped = []
     real = parallel.parallelize_model
-    monkeypatch.setattr(parallel, "parallelize_model", lambda *a, **k: wrapped.append(k["units"]) or real(*a, **k))
+    monkeypatch.setattr(parallel, "parallelize_model",
+                        lambda model, ranks, cfg: wrapped.append(cfg.parallel.units) or real(model, ranks, cfg))
     eager = _log(tmp_path, "eager", fsdp_units=units)
     graphed = _log(tmp_path, "graphed", cuda_graph=True, fsdp_units=units)
     assert wrapped == [units, units]  # both runs under FSDP2
