@@ -78,28 +78,31 @@ def choose_layout(config, dist_run: bool):
     cfg, par, machine = config.model, config.parallel, config.machine
     world = int(os.environ.get("WORLD_SIZE", "1")) if dist_run else 1
     chose = []
-    reduce_dtype, ep, keep = par.reduce_dtype, par.ep, par.keep_gathered
+    reduce_dtype = par.reduce_dtype
     if reduce_dtype == "auto":
         reduce_dtype = "bfloat16" if dist_run and machine.bf16 else "float32"
-        if dist_run:
-            chose.append(f"{reduce_dtype} gradient reductions")
-    weights = _experts_bytes(cfg, machine.dtype)
-    memory = _gpu_memory(machine.device)
+        chose += [f"{reduce_dtype} gradient reductions"] if dist_run else []
+    weights, memory = _experts_bytes(cfg, machine.dtype), _gpu_memory(machine.device)
     fits = memory is not None and weights <= memory / 8
+    ep = par.ep
     if ep is None:
-        splits = dist_run and world > 1 and cfg.num_experts % world == 0 and cfg.rounding is None
-        ep = world if splits and memory is not None and not fits else 1
-        if dist_run and world > 1:
+        ep = _ep_by_rule(cfg, world, memory is not None, fits)
+        if world > 1:
             chose.append(f"ep {ep}: the experts' weights, {weights / 2 ** 30:.1f} GiB, "
                          + ("fit" if fits else "don't fit" if memory is not None else "no GPU to fit")
                          + " in an eighth of the GPU's memory")
-    if keep == "auto":
-        keep = bool(dist_run and fits and world // ep > 1)
-        if dist_run and world // ep > 1:
-            chose.append("gathered weights kept to backward" if keep else "weights regathered")
-    else:
-        keep = keep in ("yes", True)
+    keep = par.keep_gathered in ("yes", True)
+    if par.keep_gathered == "auto":
+        keep = fits and world // ep > 1
+        chose += [("gathered weights kept to backward" if keep else "weights regathered")] if world // ep > 1 else []
     return config.replace(parallel=dict(ep=ep, keep_gathered=keep, reduce_dtype=reduce_dtype)), "; ".join(chose)
+
+
+def _ep_by_rule(cfg, world: int, gpu: bool, fits: bool) -> int:
+    """ep = N where the experts' gathered weights don't fit in an eighth of a GPU's memory and the experts split
+    evenly (and no token rounding, which expert parallelism does not run); 1 (FSDP2 alone) otherwise."""
+    splits = world > 1 and cfg.num_experts % world == 0 and cfg.rounding is None
+    return world if splits and gpu and not fits else 1
 
 
 def _experts_bytes(cfg, dtype: str) -> int:
@@ -259,39 +262,43 @@ def bench_row(config, ranks: Ranks | None, timer: StepTimer, loss: float, n_para
 
     from .bench import Recorder, run_env
 
-    sched, par, machine, bench = config.schedule, config.parallel, config.machine, config.bench
+    sched, machine, bench = config.schedule, config.machine, config.bench
     device = ranks.device if ranks else torch.device(machine.device)
     step_ms = statistics.median(timer.times_ms())
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else 0.0
     if ranks is not None:
         both = ranks.max(torch.tensor([step_ms, peak], dtype=torch.float64, device=device))
         step_ms, peak = float(both[0]), float(both[1])
-    world, ep = (ranks.world, ranks.ep) if ranks else (1, 1)
     tokens = sched.tokens
-    row = dict(mode="train", preset=config.preset, model=config.model.to_dict(), world=world, ep=ep,
-               efsdp=world // ep, dispatch=par.transport.dispatch if ep > 1 else "-",
-               transport=par.transport.transport if ep > 1 else "-",
+    row = dict(mode="train", preset=config.preset, model=config.model.to_dict(), **_layout(config, ranks),
                a2a_mb_per_step=round(timer.a2a_bytes / max(1, len(timer.marks)) / 2 ** 20, 2),
-               keep_gathered=bool(ranks and par.keep_gathered),
-               fsdp_units=par.units if ranks else "-", ep_chunks=par.transport.chunks, compiled=machine.compile,
-               reduce_dtype=par.reduce_dtype if ranks else "-",
-               cuda_graph=machine.cuda_graph,
-               dtype=machine.dtype, batch_per_gpu=sched.batch_size,
-               seq=sched.seq_len, tokens_per_gpu=tokens, params_m=round(n_params / 1e6, 1),
-               steps=bench.steps, warmup=bench.warmup, step_ms=round(step_ms, 3),
+               compiled=machine.compile, cuda_graph=machine.cuda_graph, dtype=machine.dtype,
+               batch_per_gpu=sched.batch_size, seq=sched.seq_len, tokens_per_gpu=tokens,
+               params_m=round(n_params / 1e6, 1), steps=bench.steps, warmup=bench.warmup, step_ms=round(step_ms, 3),
                tokens_s_per_gpu=round(tokens / step_ms * 1e3, 1), peak_gb=round(peak, 3), loss=loss,
                status="ok")
-    if ep > 1 and par.transport.dispatch == "capacity":
-        row.update(capacity_factor=par.transport.factor, on_overflow=par.on_overflow,
-                   capacity=ranks.tracker.capacity if ranks.tracker is not None else None)
     if profile_fns is not None:
         trace = bench.trace and bench.trace + (f".rank{ranks.rank}" if ranks and ranks.rank else "")
         row["split"] = profile_split(*profile_fns, device, trace)
-    launcher = f"torchrun --nproc-per-node {world} -m moeblaze.cli " if ranks else "moeblaze "
+    launcher = f"torchrun --nproc-per-node {row['world']} -m moeblaze.cli " if ranks else "moeblaze "
     env = run_env(device, launcher + shlex.join(sys.argv[1:]))
     if ranks is None or ranks.main:
         row = Recorder(bench.results, env).add(row)
     return row
+
+
+def _layout(config, ranks: Ranks | None) -> dict:
+    """A results row's fields of the parallel layout: processes, ep, the transport, FSDP2's settings."""
+    par = config.parallel
+    world, ep = (ranks.world, ranks.ep) if ranks else (1, 1)
+    fields = dict(world=world, ep=ep, efsdp=world // ep, dispatch=par.transport.dispatch if ep > 1 else "-",
+                  transport=par.transport.transport if ep > 1 else "-", keep_gathered=bool(ranks and par.keep_gathered),
+                  fsdp_units=par.units if ranks else "-", ep_chunks=par.transport.chunks,
+                  reduce_dtype=par.reduce_dtype if ranks else "-")
+    if ep > 1 and par.transport.dispatch == "capacity":
+        fields.update(capacity_factor=par.transport.factor, on_overflow=par.on_overflow,
+                      capacity=ranks.tracker.capacity if ranks.tracker is not None else None)
+    return fields
 
 
 def format_row(r: dict) -> str:

@@ -269,6 +269,14 @@ class _Run:
     def main(self) -> bool:
         return self.ranks is None or self.ranks.main
 
+    def evaluates_at(self, step: int) -> bool:
+        """Whether the run evaluates after `step` (every --eval-every steps and at the end; never when timing)."""
+        return not self.bench and (step % self.config.schedule.eval_every == 0 or step == self.last)
+
+    def saves_at(self, step: int) -> bool:
+        """Whether the run saves its checkpoint after `step` (every --save-every steps and at the end)."""
+        return bool(self.save) and (step % self.config.outputs.save_every == 0 or step == self.last)
+
     def say(self, text: str) -> None:
         if self.main:
             print(text)
@@ -381,52 +389,32 @@ def _loop(run: _Run, train, val, graphed, record, timer):
     from tqdm import tqdm
 
     sched, ranks, device, step = run.config.schedule, run.ranks, run.device, run.step
-    warmup, save_every = run.config.bench.warmup, run.config.outputs.save_every
-    biased = run.cfg.router.expert_bias  # routers to update after each step (no walk else)
+    warmup = run.config.bench.warmup
     val_loss, evals, saved_step, wrote = float("nan"), [], step, False  # saved_step: the resumed one's at first
     first_bad = torch.full((), -1, dtype=torch.long, device=device)  # the first step whose loss was not finite
     bar = tqdm(total=max(run.last, step), initial=step, desc="bench" if run.bench else "train", dynamic_ncols=True,
                disable=not run.main)
-    log = bar.write if run.main else _quiet
+    log = bar.write if run.main else _quiet  # (what the other ranks would say, the main one says)
     t_last, tokens = time.perf_counter(), 0
     loss = torch.full((), float("nan"), device=device)  # the last step's training loss (none when nothing trains)
     while step < run.last:
-        for g in run.opt.param_groups:
-            g["lr"] = run.lr_at(step)
         x, y = (t.to(device) for t in _batch(train, sched, run.gen, ranks))
-        timed = timer is not None and step >= warmup
-        if timed:
-            timer.start()
-        if graphed is not None:
-            loss, aux, total, grad_norm = graphed(x, y)
-        else:
-            loss, aux, total = parallel.until_no_overflow(ranks, functools.partial(run.train_step, x, y), log,
-                                                          run.model)
-            grad_norm = run.clip()
-        run.opt.step()
-        if biased:
-            update_expert_biases(run.model)  # the loads summed over every rank under torchrun
-        if timed:
-            timer.stop()
+        loss, aux, total, grad_norm = _step(run, step, x, y, graphed, log, timer if step >= warmup else None)
         step += 1
         record.step(loss, grad_norm, x)
         tokens += x.numel()
         bar.update(1)
         first_bad = torch.where((first_bad < 0) & ~torch.isfinite(total.detach()), step, first_bad)
-        evaluate_now = not run.bench and (step % sched.eval_every == 0 or step == run.last)
-        save_now = bool(run.save) and (step % save_every == 0 or step == run.last)
-        if step % 10 == 0 or evaluate_now or save_now or step == run.last:  # a host read: check before keeping
+        evaluate_now, save_now = run.evaluates_at(step), run.saves_at(step)
+        shown = step % 10 == 0 or step == run.last  # the progress bar's host read
+        if shown or evaluate_now or save_now:  # a host read: check before keeping
             _stop_if_diverged(run, first_bad, step, saved_step, bar)
-        if step % 10 == 0 or step == run.last:
-            shown = ranks.mean(torch.stack([loss.detach(), aux.detach()])) if ranks else torch.stack([loss, aux])
-            now = time.perf_counter()
-            bar.set_postfix(loss=f"{shown[0].item():.3f}", aux=f"{shown[1].item() / run.cfg.n_layers:.3f}",
-                            tok_s=f"{tokens * run.world / (now - t_last):,.0f}")
-            t_last, tokens = now, 0
+        if shown:
+            t_last, tokens = _show(run, bar, loss, aux, tokens, t_last), 0
         if evaluate_now:
             val_loss = _validate(run, val, graphed, log)
-            shown = float(ranks.mean(loss.detach())) if ranks else loss.item()
-            log(f"step {step}: train loss {shown:.3f}, val loss {val_loss:.3f} nats/byte")
+            log(f"step {step}: train loss {float(ranks.mean(loss.detach()) if ranks else loss):.3f}, val loss "
+                f"{val_loss:.3f} nats/byte")
             evals.append((step, val_loss))
         if save_now:
             _save(run, step)
@@ -434,6 +422,36 @@ def _loop(run: _Run, train, val, graphed, record, timer):
     bar.close()
     run.end_step = step
     return loss, val_loss, evals, saved_step if wrote else 0
+
+
+def _step(run: _Run, step: int, x, y, graphed, log, timer):
+    """Optimizer step `step` on (x, y), timed by timer where one is given: (loss, aux, total, the gradient norm
+    before clipping)."""
+    for g in run.opt.param_groups:
+        g["lr"] = run.lr_at(step)
+    if timer is not None:
+        timer.start()
+    if graphed is not None:
+        loss, aux, total, grad_norm = graphed(x, y)
+    else:
+        loss, aux, total = parallel.until_no_overflow(run.ranks, functools.partial(run.train_step, x, y), log,
+                                                      run.model)
+        grad_norm = run.clip()
+    run.opt.step()
+    if run.cfg.router.expert_bias:
+        update_expert_biases(run.model)  # the loads summed over every rank under torchrun
+    if timer is not None:
+        timer.stop()
+    return loss, aux, total, grad_norm
+
+
+def _show(run: _Run, bar, loss, aux, tokens: int, t_last: float) -> float:
+    """The progress bar's loss, balancing loss and tokens/s since t_last (a host read); the time now."""
+    shown = run.ranks.mean(torch.stack([loss.detach(), aux.detach()])) if run.ranks else torch.stack([loss, aux])
+    now = time.perf_counter()
+    bar.set_postfix(loss=f"{shown[0].item():.3f}", aux=f"{shown[1].item() / run.cfg.n_layers:.3f}",
+                    tok_s=f"{tokens * run.world / (now - t_last):,.0f}")
+    return now
 
 
 def _stop_if_diverged(run: _Run, first_bad, step: int, saved_step: int, bar) -> None:
