@@ -120,7 +120,7 @@ def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: st
     E_loc = w1.shape[0] // world
     ins = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
     config = recipe_config(checkpoint, backend)
-    out_all = moe_experts(ins[0], build_routing_index(idx, w1.shape[0]), ins[1], ins[2], ins[3], config=config)
+    out_all = moe_experts(ins[0], build_routing_index(idx, w1.shape[0]), ins[1], ins[2], ins[3], experts=config)
     g_all = torch.autograd.grad(out_all, ins, dy)
     mine, experts = slice(rank * L, (rank + 1) * L), slice(rank * E_loc, (rank + 1) * E_loc)
     local = [x[mine].clone().requires_grad_(), w[mine].clone().requires_grad_(),
@@ -131,10 +131,10 @@ def check(rank: int, world: int, L: int, case: str, backend: str, checkpoint: st
               if dispatch == "capacity" else  # "exact/G": G groups, pipelined
               EPConfig(chunks=int(dispatch.partition("/")[2] or 1), transport="pairs"))
     if dispatch == "capacity":  # no host sync anywhere in the layer's forward and backward
-        ep_experts(local[0], idx[mine], local[1], local[2], local[3], config=config, **kw)
+        ep_experts(local[0], idx[mine], local[1], local[2], local[3], experts=config, **kw)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
-    out = ep_experts(local[0], idx[mine], local[1], local[2], local[3], config=config, **kw)
+    out = ep_experts(local[0], idx[mine], local[1], local[2], local[3], experts=config, **kw)
     g = torch.autograd.grad(out, local, dy[mine])
     torch.cuda.set_sync_debug_mode(0)
     ran = sorted({b for (_, b) in launch_counts})
@@ -161,7 +161,7 @@ def captured(rank: int, world: int, L: int, backend: str, checkpoint: str, devic
                 dy[mine].bfloat16())
 
     kw = dict(ep_config=EPConfig("capacity", capacity=L * 4, on_overflow="drop", transport="pairs"),
-              config=recipe_config(checkpoint, backend))
+              experts=recipe_config(checkpoint, backend))
 
     def step(fn, x, idx, w, w1, w2, dy):
         out = fn(x, idx, w, w1, w2, **kw)
@@ -221,16 +221,16 @@ def agreement(rank: int, world: int, L: int, device) -> list[str]:
             xm = x[mine].bfloat16()
             config = ExpertsConfig(checkpoint="recompute" if case == "checkpoint" and odd else "preact")
             if case == "x_width_later":  # a call that agrees first: the refusal comes in the group's second call
-                ep_experts(xm, idx[mine], w[mine], w1[experts], w2[experts], group=group, config=config)
+                ep_experts(xm, idx[mine], w[mine], w1[experts], w2[experts], group=group, experts=config)
             if case.startswith("x_width") and odd:
                 xm = torch.randn(L, x.shape[1] + 8, device=device, dtype=torch.bfloat16)
             try:
                 if entry == "ep_experts":
                     ep_experts(xm, idx[mine], w[mine], w1[experts], w2[experts], group=group,
-                               config=config)
+                               experts=config)
                 else:
                     mesh = init_device_mesh("cuda", (world,))
-                    layer = Experts(x.shape[1], w2.shape[2], w1.shape[0], config=config).to(device, torch.bfloat16)
+                    layer = Experts(x.shape[1], w2.shape[2], w1.shape[0], experts=config).to(device, torch.bfloat16)
                     ExpertParallel(layer, mesh)(xm, idx[mine], w[mine])
                 said = "nothing raised"
             except ValueError as e:

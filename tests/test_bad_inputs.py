@@ -94,9 +94,9 @@ CASES = [
     ("moe_experts(x, routing, w, w1, w2, checkpoint='all')", ValueError),
     ("moe_experts(x, routing, w, w1, w2, precision='fp4')", ValueError),
     ("moe_experts(x, routing, w, w1, w2, chunk_tokens=0)", ValueError),
-    ("moe_experts(x, routing, w, w1, w2, config=ExpertsConfig(backend='triton'))  # CPU, TRITON_INTERPRET unset",
+    ("moe_experts(x, routing, w, w1, w2, experts=ExpertsConfig(backend='triton'))  # CPU, TRITON_INTERPRET unset",
      RuntimeError),
-    ("moe_experts(x.bfloat16(), routing, w, w1.bfloat16(), w2.bfloat16(), config=ExpertsConfig(backend='triton'))",
+    ("moe_experts(x.bfloat16(), routing, w, w1.bfloat16(), w2.bfloat16(), experts=ExpertsConfig(backend='triton'))",
      TypeError),
     ("ExpertsConfig(fp8_weight_cache=True)", ValueError),
     ("MoELayer(16, 32, 4, 2, router='deepseek')", TypeError),
@@ -118,7 +118,7 @@ CASES = [
     ("moe_experts(x, routing, w, w1, w2, b1=torch.zeros(4, 32))", ValueError),
     ("moe_experts(x, routing, w, w1, w2, b2=torch.zeros(4, 16).double())", TypeError),
     ("moe_experts(x.half(), routing, w, w1.half(), w2)", TypeError),  # float32 masters: only under precision='fp8'
-    ("moe_experts(x.half(), routing, w, w1, w2.half(), config=ExpertsConfig(precision='fp8'))", TypeError),  # all
+    ("moe_experts(x.half(), routing, w, w1, w2.half(), experts=ExpertsConfig(precision='fp8'))", TypeError),  # all
     ("moe_experts(x, routing, w, w1[:, :32], w2, activation='gelu', interleaved=True)", ValueError),
     ("round_to_index(logits, idx, w, 16, 'sr-f', max_experts=2, max_rows=40)", ValueError),
     ("round_to_index(logits[:5], idx, w, 16, max_experts=2, max_rows=40)", ValueError),
@@ -152,7 +152,7 @@ CASES = [
     ("EPConfig('capacity', on_overflow='ignore')", ValueError),
     ("EPConfig(capacity_factor=2.0)", ValueError),  # exact dispatch reads no capacity option
     ("EPConfig(chunks=0)", ValueError),
-    ("ep_experts(x, idx, w, w1, w2, config=ExpertsConfig(chunk_tokens=4))", ValueError),
+    ("ep_experts(x, idx, w, w1, w2, experts=ExpertsConfig(chunk_tokens=4))", ValueError),
     ("ep_experts(x, idx, w, w1, w2, dispatch='alltoall')", TypeError),  # keyword options: EPConfig holds them
     ("load_checkpoint(damaged)", ValueError),
     ("moeblaze train --steps -5", SystemExit),

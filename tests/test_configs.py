@@ -105,3 +105,28 @@ def test_fp8_min_rows_decides_each_calls_precision():
         ExpertsConfig(precision="fp8", fp8_min_rows=-1)
     with pytest.raises(TypeError, match="fp8_min_rows"):
         ExpertsConfig(precision="fp8", fp8_min_rows=2048.0)
+
+
+def test_the_recipe_is_experts_everywhere_and_config_its_deprecated_name():
+    """moe_experts, the reference, Experts and transformers' configure take the recipe as experts=; config=, its 0.2
+    name, gives the same result with a DeprecationWarning that names experts=; both at once are refused."""
+    import torch
+
+    from moeblaze import build_routing_index, moe_experts
+    from moeblaze.nn import Experts
+    from moeblaze.reference import moe_experts_reference
+
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(6, 8), torch.randn(3, 16, 8), torch.randn(3, 8, 8)
+    idx, w = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2], [1, 0], [2, 1]]), torch.rand(6, 2)
+    recipe = ExpertsConfig(backend="reference", checkpoint="recompute")
+    calls = {"moe_experts": lambda **k: moe_experts(x, build_routing_index(idx, 3), w, w1, w2, **k),
+             "moe_experts_reference": lambda **k: moe_experts_reference(x, idx, w, w1, w2, **k),
+             "Experts": lambda **k: Experts(8, 8, 3, **k).config}
+    for name, call in calls.items():
+        want = call(experts=recipe)
+        with pytest.warns(DeprecationWarning, match=rf"{name}\(config=\.\.\.\) is deprecated .* pass experts="):
+            got = call(config=recipe)
+        assert got == want if isinstance(want, ExpertsConfig) else torch.equal(got, want), name
+        with pytest.raises(TypeError, match="experts= only"):
+            call(experts=recipe, config=recipe)

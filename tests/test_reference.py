@@ -9,8 +9,8 @@ from helpers import random_problem, rel_err
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_reference_matches_dense_per_token(activation):
     x, w1, w2, idx, w = random_problem(23, 12, 10, 5, 2, activation, torch.float64)
-    assert rel_err(moe_experts_reference(x, idx, w, w1, w2, config=ExpertsConfig(activation=activation)),
-                   moe_experts_dense(x, idx, w, w1, w2, config=ExpertsConfig(activation=activation))) < 1e-12
+    assert rel_err(moe_experts_reference(x, idx, w, w1, w2, experts=ExpertsConfig(activation=activation)),
+                   moe_experts_dense(x, idx, w, w1, w2, experts=ExpertsConfig(activation=activation))) < 1e-12
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
@@ -18,7 +18,7 @@ def test_reference_gradcheck_fp64(activation):
     x, w1, w2, idx, w = random_problem(6, 5, 4, 3, 2, activation, torch.float64)
     w = w.double()
     args = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
-    fn = lambda x, w1, w2, w: moe_experts_reference(x, idx, w, w1, w2, config=ExpertsConfig(activation=activation))  # noqa: E731
+    fn = lambda x, w1, w2, w: moe_experts_reference(x, idx, w, w1, w2, experts=ExpertsConfig(activation=activation))  # noqa: E731
     assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-6)
 
 

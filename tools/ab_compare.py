@@ -48,7 +48,7 @@ def current_call(p, checkpoint, backend, precision):
     config = ExpertsConfig(activation=p.activation, checkpoint=checkpoint, backend=backend, precision=precision)
 
     def call(x, idx, w, w1, w2):
-        return moe_experts(x, build_routing_index(idx, p.E, check=False), w, w1, w2, config=config, check=False)
+        return moe_experts(x, build_routing_index(idx, p.E, check=False), w, w1, w2, experts=config, check=False)
     return call
 
 

@@ -76,7 +76,7 @@ def _one_process(toks, w1, w2, checkpoint, dropped=None):
         idx_all = torch.where(dropped, E, idx_all)
     ins = [t.clone().requires_grad_() for t in (x_all, w_all, w1, w2)]
     routing = build_routing_index(idx_all, E, sentinels=dropped is not None)
-    out_all = moe_experts(ins[0], routing, ins[1], ins[2], ins[3], config=_config(checkpoint, backend="triton"))
+    out_all = moe_experts(ins[0], routing, ins[1], ins[2], ins[3], experts=_config(checkpoint, backend="triton"))
     dy_all = torch.randn(out_all.shape, generator=torch.Generator().manual_seed(3)).to(out_all.dtype)
     return out_all, torch.autograd.grad(out_all, ins, dy_all), dy_all
 
@@ -103,10 +103,10 @@ def _ep(rank, world, toks, w1, w2, checkpoint, dy_all, **kw):
     if parts:
         H = local[2].shape[1] // 2
         gate, up = (local[2].detach()[:, s].clone().requires_grad_() for s in (slice(0, H), slice(H, None)))
-        out = call(local[0], idx, local[1], (gate, up), local[3], config=config, **kw)
+        out = call(local[0], idx, local[1], (gate, up), local[3], experts=config, **kw)
         dx, dw, dgate, dup, dw2 = torch.autograd.grad(out, [local[0], local[1], gate, up, local[3]], dy_all[mine])
         return out, (dx, dw, torch.cat((dgate, dup), 1), dw2), mine, experts
-    out = call(local[0], idx, local[1], local[2], local[3], config=config, **kw)
+    out = call(local[0], idx, local[1], local[2], local[3], experts=config, **kw)
     return out, torch.autograd.grad(out, local, dy_all[mine]), mine, experts
 
 
@@ -330,36 +330,36 @@ def _misuse(rank, world, errors):
     config = ExpertsConfig(backend="triton")
     mesh2d = init_device_mesh("cpu", (1, world))
     with pytest.raises(ValueError, match="must be 1-D"):
-        ExpertParallel(Experts(16, 16, 2 * world, config=config), mesh2d)
+        ExpertParallel(Experts(16, 16, 2 * world, experts=config), mesh2d)
     mesh = init_device_mesh("cpu", (world,))
     what = "every rank of the expert-parallel group must pass the same "
     with pytest.raises(ValueError, match=what + r"number of experts; the ranks hold \[4, 6\]"):
-        ExpertParallel(Experts(16, 16, 4 + 2 * rank, config=config), mesh)
+        ExpertParallel(Experts(16, 16, 4 + 2 * rank, experts=config), mesh)
     with pytest.raises(ValueError, match=what + "ExpertsConfig; the ranks hold"):  # different arithmetic, said first
-        ExpertParallel(Experts(16, 16, 4, config=config.replace(checkpoint=("preact", "recompute")[rank])), mesh)
+        ExpertParallel(Experts(16, 16, 4, experts=config.replace(checkpoint=("preact", "recompute")[rank])), mesh)
     with pytest.raises(ValueError, match=what + "EPConfig; the ranks hold"):  # different collectives
-        ExpertParallel(Experts(16, 16, 4, config=config), mesh,
+        ExpertParallel(Experts(16, 16, 4, experts=config), mesh,
                        ep_config=_pairs(("exact", "capacity")[rank]))
     with pytest.raises(TypeError, match="tracker must be a moeblaze CapacityTracker"):
-        ExpertParallel(Experts(16, 16, 4, config=config), mesh, ep_config=_pairs("capacity"), tracker=16)
+        ExpertParallel(Experts(16, 16, 4, experts=config), mesh, ep_config=_pairs("capacity"), tracker=16)
     # 7 experts split 4 + 3: w1_local of different sizes
     E_loc = 4 - rank
     torch.manual_seed(rank)
     x, idx = torch.randn(5, 16), torch.stack([torch.randperm(6)[:2] for _ in range(5)]).int()
     with pytest.raises(ValueError, match="same number of local experts"):
-        ep_experts(x, idx, torch.rand(5, 2), torch.randn(E_loc, 32, 16), torch.randn(E_loc, 16, 16), config=config)
+        ep_experts(x, idx, torch.rand(5, 2), torch.randn(E_loc, 32, 16), torch.randn(E_loc, 16, 16), experts=config)
     # an absurd capacity: named, not an allocation failure deep inside
     w1, w2 = torch.randn(3, 32, 16), torch.randn(3, 16, 16)
     with pytest.raises(ValueError, match="more rows than a receiver's index can address"):
-        ep_experts(x, idx, torch.rand(5, 2), w1, w2, config=config,
+        ep_experts(x, idx, torch.rand(5, 2), w1, w2, experts=config,
                    ep_config=_pairs("capacity", capacity_factor=1e30))
     # more groups than local experts
     with pytest.raises(ValueError, match=r"chunks=4\) groups the local experts, and this rank holds 3"):
-        ep_experts(x, idx, torch.rand(5, 2), w1, w2, config=config, ep_config=_pairs(chunks=4))
+        ep_experts(x, idx, torch.rand(5, 2), w1, w2, experts=config, ep_config=_pairs(chunks=4))
     # the per-pair transport's expert groups under capacity dispatch (one group: its fixed shapes)
     with pytest.raises(ValueError, match=r"transport 'pairs' pipelines under dispatch 'exact' only, and dispatch is "
                        "'capacity'"):
-        ep_experts(x, idx, torch.rand(5, 2), w1, w2, config=config, ep_config=_pairs("capacity", chunks=2))
+        ep_experts(x, idx, torch.rand(5, 2), w1, w2, experts=config, ep_config=_pairs("capacity", chunks=2))
 
 
 def _local_experts(rank, world, errors, split):

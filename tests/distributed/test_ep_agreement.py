@@ -31,7 +31,7 @@ def _mismatch(rank, world, case):
     x, idx, w = toks[rank]
     E_loc = w1.shape[0] // world
     odd = rank == world - 1
-    kw = dict(config=BASE, ep_config=EPConfig())
+    kw = dict(experts=BASE, ep_config=EPConfig())
     if case == "checkpoint":
         kw["config"] = BASE.replace(checkpoint="recompute" if odd else "preact")
     elif case == "precision":
@@ -69,7 +69,7 @@ def _one_process(world, dtype):
     toks, w1, w2 = _problem(world)
     x, idx, w = (torch.cat([t[i] for t in toks]) for i in range(3))
     x, w, w1, w2 = (t.to(dtype) for t in (x, w, w1, w2))
-    return moe_experts(x, build_routing_index(idx, w1.shape[0]), w, w1, w2, config=ExpertsConfig(backend="reference"))
+    return moe_experts(x, build_routing_index(idx, w1.shape[0]), w, w1, w2, experts=ExpertsConfig(backend="reference"))
 
 
 def _cases(rank, world, errors, cases):
@@ -91,7 +91,7 @@ def _cases(rank, world, errors, cases):
             E_loc = w1_all.shape[0] // world
             x, idx, w = toks[rank]
             out = ep_experts(x, idx, w, w1_all[rank * E_loc:(rank + 1) * E_loc],
-                             w2_all[rank * E_loc:(rank + 1) * E_loc], config=BASE)
+                             w2_all[rank * E_loc:(rank + 1) * E_loc], experts=BASE)
             lo = sum(len(t[0]) for t in toks[:rank])
             mine = slice(lo, lo + len(x))
             assert_within_torch_error(out, _one_process(world, torch.float32)[mine],
@@ -130,7 +130,7 @@ def _refused_after_construction(rank, world, errors):
     toks, w1, w2 = _problem(world)
     x, idx, w = toks[rank]
     mesh = init_device_mesh("cpu", (world,))
-    layer = ExpertParallel(Experts(x.shape[1], w2.shape[2], w1.shape[0], config=BASE), mesh)
+    layer = ExpertParallel(Experts(x.shape[1], w2.shape[2], w1.shape[0], experts=BASE), mesh)
     if rank == world - 1:
         x = torch.randn(x.shape[0], x.shape[1] + 1)
     try:
@@ -157,17 +157,17 @@ def _refused_later(rank, world, errors, ep_config):
     E_loc = w1.shape[0] // world
     x, idx, w = toks[rank]
     mine = w1[rank * E_loc:(rank + 1) * E_loc], w2[rank * E_loc:(rank + 1) * E_loc]
-    ep_experts(x, idx, w, *mine, config=BASE, ep_config=ep_config)  # agreed
+    ep_experts(x, idx, w, *mine, experts=BASE, ep_config=ep_config)  # agreed
     bad = torch.randn(x.shape[0], x.shape[1] + 1) if rank == world - 1 else x
     try:
-        ep_experts(bad, idx, w, *mine, config=BASE, ep_config=ep_config)
+        ep_experts(bad, idx, w, *mine, experts=BASE, ep_config=ep_config)
     except ValueError as e:
         want = "hidden size mismatch" if rank == world - 1 else REFUSED
         if want not in str(e):
             errors.put(f"rank {rank}, {ep_config}: {e}")
     else:
         errors.put(f"rank {rank}, {ep_config}: nothing raised")
-    out = ep_experts(x, idx, w, *mine, config=BASE, ep_config=ep_config)  # the group goes on
+    out = ep_experts(x, idx, w, *mine, experts=BASE, ep_config=ep_config)  # the group goes on
     lo = sum(len(t[0]) for t in toks[:rank])
     assert_within_torch_error(out, _one_process(world, torch.float32)[lo:lo + len(x)],
                               _one_process(world, torch.float64)[lo:lo + len(x)])

@@ -40,7 +40,7 @@ def _one_process(toks, w1, w2, dtype, backend, dropped=None):
         idx = torch.where(dropped, E, idx)
     ins = [t.to(dtype).requires_grad_() for t in (_all(toks, 0), _all(toks, 2), w1, w2)]
     routing = build_routing_index(idx, E, sentinels=dropped is not None)
-    out = moe_experts(ins[0], routing, ins[1], ins[2], ins[3], config=ExpertsConfig(backend=backend))
+    out = moe_experts(ins[0], routing, ins[1], ins[2], ins[3], experts=ExpertsConfig(backend=backend))
     dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     return (out, *torch.autograd.grad(out, ins, dy.to(dtype))), dy
 
@@ -63,7 +63,7 @@ def _ep(rank, world, toks, w1, w2, dy, ep_config, config=None, parts=False, comp
     if parts:
         H = local[2].shape[1] // 2
         w1_arg = tuple(local[2].detach()[:, s].clone().requires_grad_() for s in (slice(0, H), slice(H, None)))
-    out = call(local[0], idx, local[1], w1_arg, local[3], config=config, ep_config=ep_config, **kw)
+    out = call(local[0], idx, local[1], w1_arg, local[3], experts=config, ep_config=ep_config, **kw)
     if parts:
         dx, dw, dgate, dup, dw2 = torch.autograd.grad(out, [local[0], local[1], *w1_arg, local[3]],
                                                       dy[mine].to(out.dtype))
@@ -148,7 +148,7 @@ def _overflow(rank, world, mode):
     E_loc = w1.shape[0] // world
     if mode == "error":
         try:
-            ep_experts(x, idx, w, w1[:E_loc], w2[:E_loc], config=ExpertsConfig(backend="triton"),
+            ep_experts(x, idx, w, w1[:E_loc], w2[:E_loc], experts=ExpertsConfig(backend="triton"),
                        ep_config=EPConfig("capacity", capacity=small, transport="tokens"))
         except CapacityOverflow as e:
             assert "needs more than 8 rows" in str(e), str(e)

@@ -104,7 +104,7 @@ def test_a_backend_registered_alone_runs_its_stages(registered, activation, chec
     ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
     launch_counts.clear()
     cfg = ExpertsConfig(activation=activation, checkpoint=checkpoint, backend=NAME)
-    out = moe_experts(ins[0], build_routing_index(idx, E), ins[3], ins[1], ins[2], config=cfg)
+    out = moe_experts(ins[0], build_routing_index(idx, E), ins[3], ins[1], ins[2], experts=cfg)
     dy = torch.randn_like(out)
     got = (out, *torch.autograd.grad(out, ins, dy))
     up = 2 if checkpoint == "recompute" else 1
@@ -114,7 +114,7 @@ def test_a_backend_registered_alone_runs_its_stages(registered, activation, chec
 
     def ref(dtype):
         r = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w)]
-        o = moe_experts_reference(r[0], idx, r[3], r[1], r[2], config=ExpertsConfig(activation=activation))
+        o = moe_experts_reference(r[0], idx, r[3], r[1], r[2], experts=ExpertsConfig(activation=activation))
         return (o, *torch.autograd.grad(o, r, dy.to(dtype)))
     for g, same, exact in zip(got, ref(torch.float32), ref(torch.float64)):  # out, dx, dw1, dw2, dtopk_w
         assert_within_torch_error(g, same, exact)

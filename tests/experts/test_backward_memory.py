@@ -19,7 +19,7 @@ def _grads(retain: bool, activation="swiglu", calls=1, precision="native"):
     ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
     extra = dict(precision="fp8", fp8_min_rows=0) if fp8 else {}
     out = moe_experts(ins[0], build_routing_index(idx, 6), ins[3], ins[1], ins[2],
-                      config=ExpertsConfig(activation=activation, backend="triton", **extra))
+                      experts=ExpertsConfig(activation=activation, backend="triton", **extra))
     dy = torch.randn_like(out)
     return [torch.autograd.grad(out, ins, dy, retain_graph=retain or i < calls - 1) for i in range(calls)]
 

@@ -45,13 +45,13 @@ def test_triton_experts_match_the_reference(p):
     dy = torch.randn(L, D, generator=gen)
     ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
     cfg = ExpertsConfig(activation=act, checkpoint=p["checkpoint"], chunk_tokens=p["chunk_tokens"], backend="triton")
-    out = moe_experts(ins[0], build_routing_index(idx, E), ins[3], ins[1], ins[2], config=cfg)
+    out = moe_experts(ins[0], build_routing_index(idx, E), ins[3], ins[1], ins[2], experts=cfg)
     grads = torch.autograd.grad(out, ins, dy)
     ref_cfg = cfg.replace(checkpoint="preact-fp8" if p["checkpoint"] == "preact-fp8" else "preact")
 
     def reference(dtype):
         ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w)]
-        out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], config=ref_cfg)
+        out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], experts=ref_cfg)
         return (out, *torch.autograd.grad(out, ins, dy.to(dtype)))
 
     same, exact = reference(torch.float32), reference(torch.float64)

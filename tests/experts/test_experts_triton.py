@@ -18,7 +18,7 @@ def run_both(L, D, H, E, K, activation="swiglu", checkpoint="preact", dtype=torc
     routing = build_routing_index(idx, E)
     ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
     cfg = ExpertsConfig(activation=activation, checkpoint=checkpoint, backend="triton")
-    out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], config=cfg)
+    out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], experts=cfg)
     dy = torch.randn_like(out)
     grads = torch.autograd.grad(out, ins, dy)
     same, exact = (reference_step((x, w1, w2, w), idx, dy, activation, t) for t in (dtype, torch.float64))
@@ -28,7 +28,7 @@ def run_both(L, D, H, E, K, activation="swiglu", checkpoint="preact", dtype=torc
 def reference_step(inputs, idx, dy, activation, dtype):
     """The PyTorch reference's output and gradients (x, w1, w2, router weights) with everything in dtype."""
     ins = [t.to(dtype).requires_grad_() for t in inputs]
-    out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], config=ExpertsConfig(activation=activation))
+    out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], experts=ExpertsConfig(activation=activation))
     return (out,) + torch.autograd.grad(out, ins, dy.to(dtype))
 
 
@@ -71,7 +71,7 @@ def test_all_tokens_to_one_expert_top1(poison_alloc):
     x, w1, w2, _, w = random_problem(33, 16, 16, 4, 1)
     idx = torch.zeros(33, 1, dtype=torch.int32)
     w1.requires_grad_()
-    out = moe_experts(x, build_routing_index(idx, 4), w, w1, w2, config=ExpertsConfig(backend="triton"))
+    out = moe_experts(x, build_routing_index(idx, 4), w, w1, w2, experts=ExpertsConfig(backend="triton"))
     out.sum().backward()
     same, exact = (moe_experts_reference(x.to(d), idx, w.to(d), w1.detach().to(d), w2.to(d))
                    for d in (torch.float32, torch.float64))
@@ -85,7 +85,7 @@ def test_deterministic(poison_alloc):
     runs = []
     for _ in range(2):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
-        out = moe_experts(ins[0], r, ins[3], ins[1], ins[2], config=ExpertsConfig(backend="triton"))
+        out = moe_experts(ins[0], r, ins[3], ins[1], ins[2], experts=ExpertsConfig(backend="triton"))
         runs.append((out,) + torch.autograd.grad(out.square().sum(), ins))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
@@ -107,7 +107,7 @@ def test_bad_inputs_are_rejected(mutate, exc, match):
     mutate(a)
     with pytest.raises(exc, match=match):
         moe_experts(a["x"], build_routing_index(idx, 4), a["w"], a["w1"], a["w2"],
-                    config=ExpertsConfig(activation=a["activation"], checkpoint=a["checkpoint"], backend="triton"))
+                    experts=ExpertsConfig(activation=a["activation"], checkpoint=a["checkpoint"], backend="triton"))
 
 
 @pytest.mark.parametrize("checkpoint", ["preact", "recompute"])
@@ -118,7 +118,7 @@ def test_token_chunks_give_the_same_result(poison_alloc, checkpoint):
     for chunk in (None, 16):  # 16 does not divide 50: the last chunk is short
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
         cfg = ExpertsConfig(checkpoint=checkpoint, chunk_tokens=chunk, backend="triton")
-        out = moe_experts(ins[0], r, ins[3], ins[1], ins[2], config=cfg)
+        out = moe_experts(ins[0], r, ins[3], ins[1], ins[2], experts=cfg)
         runs.append((out,) + torch.autograd.grad(out, ins, torch.ones_like(out)))
     whole, chunked = runs
     for a, b in zip(whole[:2] + whole[4:], chunked[:2] + chunked[4:]):  # out, dx, dtopk_w: each token's own sums
@@ -212,9 +212,9 @@ def test_gluon_kernels_import_and_are_never_chosen_off_hopper():
         dispatch.resolve("gluon", cpu)
     x, w1, w2, idx, w = random_problem(8, 16, 8, 4, 2)
     with pytest.raises(ValueError, match="backend must be one of"):
-        moe_experts(x, build_routing_index(idx, 4), w, w1, w2, config=ExpertsConfig(backend="cuda"))
+        moe_experts(x, build_routing_index(idx, 4), w, w1, w2, experts=ExpertsConfig(backend="cuda"))
     with pytest.raises(ValueError, match="sm_90"):
-        moe_experts(x, build_routing_index(idx, 4), w, w1, w2, config=ExpertsConfig(backend="gluon"))
+        moe_experts(x, build_routing_index(idx, 4), w, w1, w2, experts=ExpertsConfig(backend="gluon"))
 
 
 def test_launch_counts_name_the_backend_of_every_stage():
@@ -224,7 +224,7 @@ def test_launch_counts_name_the_backend_of_every_stage():
     x, w1, w2, idx, w = random_problem(16, 16, 8, 4, 2)
     launch_counts.clear()
     out = moe_experts(x, build_routing_index(idx, 4), w.requires_grad_(), w1.requires_grad_(), w2,
-                      config=ExpertsConfig(backend="triton"))
+                      experts=ExpertsConfig(backend="triton"))
     out.sum().backward()
     assert dict(launch_counts) == {("up", "tl"): 1, ("down", "tl"): 1, ("down_bwd", "tl"): 1,
                                    ("weight_grad", "tl"): 2, ("dx_rows", "tl"): 1}

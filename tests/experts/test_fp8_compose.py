@@ -18,7 +18,7 @@ def _run(x, idx, w, w1, w2, b1, b2, dy, config, interleaved=False, transposed=Fa
     x_, w1_, w2_, w_, b1_, b2_ = leaves
     if transposed:  # gpt-oss stores (E, D, F) and (E, H, D): the op reads the transposed views in place
         w1_, w2_ = w1_.transpose(1, 2), w2_.transpose(1, 2)
-    out = moe_experts(x_, build_routing_index(idx, w1.shape[0]), w_, w1_, w2_, b1_, b2_, config=config,
+    out = moe_experts(x_, build_routing_index(idx, w1.shape[0]), w_, w1_, w2_, b1_, b2_, experts=config,
                       interleaved=interleaved)
     return [out, *torch.autograd.grad(out, leaves, dy)]
 
@@ -66,7 +66,7 @@ def test_fp8_chunks_equal_one_chunk():
 
     def run(config):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
-        out = moe_experts(ins[0], build_routing_index(idx, 4), ins[3], ins[1], ins[2], config=config)
+        out = moe_experts(ins[0], build_routing_index(idx, 4), ins[3], ins[1], ins[2], experts=config)
         return [out, *torch.autograd.grad(out, ins, dy)]
 
     whole, chunked = run(cfg), run(cfg.replace(chunk_tokens=16))
@@ -84,7 +84,7 @@ def test_fp8_nan_and_inf_reach_the_output_as_in_native_precision():
 
     def bad_rows(config):
         xi = x.clone().requires_grad_()
-        out = moe_experts(xi, routing, w, w1, w2, config=config)
+        out = moe_experts(xi, routing, w, w1, w2, experts=config)
         dy = torch.randn_like(out)
         dy[15, 2] = float("nan")
         out.backward(dy)

@@ -28,7 +28,7 @@ def _run(x, w1, w2, idx, w, dy, config, parts=False, cast=False):
     w1_, w2_ = (t.to(x.dtype) for t in leaves[1:3]) if cast else leaves[1:3]
     if parts:  # W1's gate and up rows apart, as torchtitan stores them
         w1_ = tuple(w1_.chunk(2, dim=1))
-    out = moe_experts(leaves[0], build_routing_index(idx, E), leaves[3], w1_, w2_, config=config)
+    out = moe_experts(leaves[0], build_routing_index(idx, E), leaves[3], w1_, w2_, experts=config)
     return [out, *torch.autograd.grad(out, leaves, dy)]
 
 
@@ -63,14 +63,14 @@ def test_native_calls_cast_the_masters_bitwise_as_the_caller_would(backend):
 def test_precision_native_refuses_masters():
     x, w1, w2, idx, w, _ = _problem()
     with pytest.raises(TypeError, match="master weights"):
-        moe_experts(x, build_routing_index(idx, E), w, w1, w2, config=ExpertsConfig(backend="triton"))
+        moe_experts(x, build_routing_index(idx, E), w, w1, w2, experts=ExpertsConfig(backend="triton"))
 
 
 def _saved_under_autocast(config):
     """(the layer's output, the dtypes and shapes of every tensor its forward saves for backward) under CPU autocast
     to float16, and the layer."""
     torch.manual_seed(7)
-    layer = Experts(128, 64, E, config=config)
+    layer = Experts(128, 64, E, experts=config)
     x, _, _, idx, w = random_problem(40, 128, 64, E, 2)
     saved = []
 
@@ -88,7 +88,7 @@ def test_experts_under_autocast_keep_no_half_copy_of_their_weights():
     shapes = {tuple(layer.w1.shape), tuple(layer.w2.shape)}
     assert not [s for s in saved if s[1] in shapes and s[0] == torch.float16]
     assert [s for s in saved if s[1] in shapes and s[0] == torch.float32]  # the masters themselves
-    want = moe_experts(x.half(), build_routing_index(idx, E), w, layer.w1, layer.w2, config=fp8)
+    want = moe_experts(x.half(), build_routing_index(idx, E), w, layer.w1, layer.w2, experts=fp8)
     assert torch.equal(out, want)
     out.float().sum().backward()
     assert layer.w1.grad.dtype == layer.w2.grad.dtype == torch.float32
@@ -110,7 +110,7 @@ def test_the_weight_cache_keys_on_the_parameters_under_autocast(monkeypatch, cac
     monkeypatch.setattr(quant, "quantize_blocks", lambda w, *a, **k: calls.append(k.get("both", False)) or
                         real(w, *a, **k))
     torch.manual_seed(8)
-    layer = Experts(128, 64, E, config=ExpertsConfig(precision="fp8", fp8_min_rows=0, backend="triton",
+    layer = Experts(128, 64, E, experts=ExpertsConfig(precision="fp8", fp8_min_rows=0, backend="triton",
                                                      fp8_weight_cache=cache))
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     x, _, _, idx, w = random_problem(40, 128, 64, E, 2)

@@ -31,7 +31,7 @@ def quantize_calls(monkeypatch):
 def _step(x, routing, w, w1, w2, dy, cache, interleaved=False):
     ins = [t.detach().clone().requires_grad_() for t in (x, w)]
     config = ExpertsConfig(precision="fp8", fp8_min_rows=0, fp8_weight_cache=cache, backend="triton")
-    out = moe_experts(ins[0], routing, ins[1], w1, w2, config=config, interleaved=interleaved)
+    out = moe_experts(ins[0], routing, ins[1], w1, w2, experts=config, interleaved=interleaved)
     return [out, *torch.autograd.grad(out, [*ins, w1, w2], dy)]
 
 
@@ -88,7 +88,7 @@ def test_an_inference_tensor_is_quantized_where_used(poison_alloc, quantize_call
         x, w1, w2, idx, w = random_problem(16, 128, 64, 2, 1)
         routing = build_routing_index(idx, 2)
         for _ in range(2):
-            moe_experts(x, routing, w, w1, w2, config=ExpertsConfig(precision="fp8", fp8_min_rows=0,
+            moe_experts(x, routing, w, w1, w2, experts=ExpertsConfig(precision="fp8", fp8_min_rows=0,
                                                                     fp8_weight_cache=True, backend="triton"))
     assert quantize_calls == [(tuple(w1.shape), False), (tuple(w2.shape), False)] * 2
 
@@ -96,7 +96,7 @@ def test_an_inference_tensor_is_quantized_where_used(poison_alloc, quantize_call
 def test_fp8_weight_cache_needs_fp8():
     x, w1, w2, idx, w = random_problem(8, 128, 64, 2, 1)
     with pytest.raises(ValueError, match="fp8_weight_cache"):
-        moe_experts(x, build_routing_index(idx, 2), w, w1, w2, config=ExpertsConfig(fp8_weight_cache=True,
+        moe_experts(x, build_routing_index(idx, 2), w, w1, w2, experts=ExpertsConfig(fp8_weight_cache=True,
                                                                                     backend="triton"))
     with pytest.raises(ValueError, match="fp8_weight_cache"):
         MoELayer(128, 64, 2, 1, experts=ExpertsConfig(fp8_weight_cache=True))

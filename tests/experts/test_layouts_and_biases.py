@@ -35,7 +35,7 @@ def run(L, D, H, E, K, activation="clamped_swiglu", interleaved=True, bias=True,
     tri = dict(zip(("x", "w1", "w2", "w", "b1", "b2"), ins + [None] * (6 - len(ins))))
     routing = build_routing_index(idx, E, sentinels=bool(sentinels))
     out = moe_experts(tri["x"], routing, tri["w"], tri["w1"], tri["w2"], tri["b1"], tri["b2"],
-                      config=ExpertsConfig(activation=activation, checkpoint=checkpoint, chunk_tokens=chunk_tokens,
+                      experts=ExpertsConfig(activation=activation, checkpoint=checkpoint, chunk_tokens=chunk_tokens,
                                            backend="triton"), interleaved=interleaved)
     dy = torch.randn_like(out)
     grads = torch.autograd.grad(out, ins, dy)
@@ -43,7 +43,7 @@ def run(L, D, H, E, K, activation="clamped_swiglu", interleaved=True, bias=True,
     ref = dict(zip(("x", "w1", "w2", "w", "b1", "b2"), ref_ins + [None] * (6 - len(ins))))
     keep = idx < E
     ref_out = moe_experts_reference(ref["x"], idx.clamp(max=E - 1), ref["w"] * keep, ref["w1"], ref["w2"], ref["b1"],
-                                    ref["b2"], config=ExpertsConfig(activation=activation), interleaved=interleaved)
+                                    ref["b2"], experts=ExpertsConfig(activation=activation), interleaved=interleaved)
     ref_grads = torch.autograd.grad(ref_out, ref_ins, dy.double())
     names = ["out", "dx", "dw1", "dw2", "dtopk_w", "db1", "db2"][:len(ins) + 1]
     errs = {n: rel_err(a, b) for n, a, b in zip(names, (out,) + grads, (ref_out,) + ref_grads)}
@@ -96,9 +96,9 @@ def test_reference_with_biases_matches_dense(interleaved):
     x, w1, w2, idx, w, b1, b2 = problem(23, 12, 10, 5, 2, "clamped_swiglu", True, True, 4.0)
     args = [t.double() for t in (x, w1, w2, w, b1, b2)]
     x, w1, w2, w, b1, b2 = args
-    assert rel_err(moe_experts_reference(x, idx, w, w1, w2, b1, b2, config=ExpertsConfig(activation="clamped_swiglu"),
+    assert rel_err(moe_experts_reference(x, idx, w, w1, w2, b1, b2, experts=ExpertsConfig(activation="clamped_swiglu"),
                                          interleaved=interleaved),
-                   moe_experts_dense(x, idx, w, w1, w2, b1, b2, config=ExpertsConfig(activation="clamped_swiglu"),
+                   moe_experts_dense(x, idx, w, w1, w2, b1, b2, experts=ExpertsConfig(activation="clamped_swiglu"),
                                      interleaved=interleaved)) < 1e-12
 
 
@@ -119,7 +119,7 @@ def test_bad_bias_or_layout_is_refused(bad, message):
     activation = bad.pop("activation", "swiglu")
     x, w1, w2, idx, w = random_problem(9, 32, 16, 5, 2, activation)
     with pytest.raises((ValueError, TypeError), match=message):
-        moe_experts(x, build_routing_index(idx, 5), w, w1, w2, config=ExpertsConfig(activation=activation), **bad)
+        moe_experts(x, build_routing_index(idx, 5), w, w1, w2, experts=ExpertsConfig(activation=activation), **bad)
 
 
 def test_zeroed_tail_covers_every_weight_gradient_row_block():
@@ -162,7 +162,7 @@ def test_w1_in_two_parts_equals_w1_whole(poison_alloc, checkpoint, chunk, backen
         leaves = [t.detach().clone().requires_grad_() for t in (x, w1[:, :H], w1[:, H:], w2, w)]
         xl, gate, up, w2l, wl = leaves
         w1_arg = (gate, up) if parts else torch.cat((gate, up), 1)
-        out = moe_experts(xl, routing, wl, w1_arg, w2l, config=config)
+        out = moe_experts(xl, routing, wl, w1_arg, w2l, experts=config)
         return [out, *torch.autograd.grad(out, leaves, dy)]
 
     for a, b in zip(grads(True), grads(False)):
@@ -190,7 +190,7 @@ def test_w1_in_two_parts_through_torch_compile():
     routing = build_routing_index(idx, E)
 
     def f(x, gate, up):
-        return moe_experts(x, routing, w, (gate, up), w2, config=ExpertsConfig(backend="triton"), check=False)
+        return moe_experts(x, routing, w, (gate, up), w2, experts=ExpertsConfig(backend="triton"), check=False)
 
     outs = [fn(x, gate, up) for fn in (torch.compile(f, fullgraph=True, backend="aot_eager"), f)]
     grads = [torch.autograd.grad(o.square().sum(), (gate, up)) for o in outs]

@@ -64,7 +64,7 @@ def test_the_experts_kernels_pass_the_sanitizer(activation, checkpoint, precisio
     launch_counts.clear()
     with interpreter_overflow_checks():
         routing = build_routing_index(idx, E, sentinels=dropped)
-        out = moe_experts(leaves[0], routing, leaves[3], leaves[1], leaves[2], b1, b2, config=cfg)
+        out = moe_experts(leaves[0], routing, leaves[3], leaves[1], leaves[2], b1, b2, experts=cfg)
         grads = torch.autograd.grad(out, leaves, dy)
     assert sum(launch_counts.values()) >= 6, launch_counts  # the kernels ran (forward and backward)
     fp8 = precision == "fp8"  # against the reference's emulation of e4m3, in fp32 (as test_preact_fp8), else fp64
@@ -72,7 +72,7 @@ def test_the_experts_kernels_pass_the_sanitizer(activation, checkpoint, precisio
     keep = idx < E  # a dropped pair: weight 0 in the reference
     ref = moe_experts_reference(ref_ins[0], idx.clamp(max=E - 1), ref_ins[3] * keep, ref_ins[1], ref_ins[2],
                                 *(None if b is None else b.to(ref_ins[0].dtype) for b in (b1, b2)),
-                                config=cfg.replace(backend="reference", chunk_tokens=None))
+                                experts=cfg.replace(backend="reference", chunk_tokens=None))
     ref_grads = torch.autograd.grad(ref, ref_ins, dy.to(ref_ins[0].dtype))
     tol = 1e-3 if fp8 else 1e-5
     for name, a, b in zip(("out", "dx", "dw1", "dw2", "dtopk_w"), (out, *grads), (ref, *ref_grads)):

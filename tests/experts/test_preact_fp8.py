@@ -78,9 +78,9 @@ def test_preact_fp8_kernels_match_the_reference(poison_alloc, activation):
         ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w)]
         cfg = ExpertsConfig(activation=activation, checkpoint=checkpoint, backend=impl)
         if impl == "reference":
-            out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], config=cfg)
+            out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], experts=cfg)
         else:
-            out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], config=cfg)
+            out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], experts=cfg)
         return [out, *torch.autograd.grad(out, ins, dy.to(dtype))]
 
     got = run("triton", "preact-fp8", torch.float32)
@@ -204,7 +204,7 @@ def test_preact_fp8_keeps_one_byte_per_element_and_a_scale_per_128():
     for checkpoint in ("preact", "preact-fp8"):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
         with SavedTensorCounter(exclude=ins) as c:
-            moe_experts(ins[0], routing, ins[3], ins[1], ins[2], config=ExpertsConfig(checkpoint=checkpoint,
+            moe_experts(ins[0], routing, ins[3], ins[1], ins[2], experts=ExpertsConfig(checkpoint=checkpoint,
                                                                                       backend="triton"))
         kept[checkpoint] = c.total_bytes
     R, F = 64 * 2, 192
@@ -228,7 +228,7 @@ def test_preact_fp8_under_compile_equals_eager(checkpoint, precision):
     def layer(x, counts, offsets, eti, slot, w, w1, w2):
         from moeblaze.routing import RoutingIndex
         return moe_experts(x, RoutingIndex(counts, offsets, eti, slot), w, w1, w2,
-                           config=ExpertsConfig(checkpoint=checkpoint, precision=precision,
+                           experts=ExpertsConfig(checkpoint=checkpoint, precision=precision,
                                                 backend="triton"), check=False)
 
     eager = step(layer)
@@ -255,7 +255,7 @@ def test_fp8_gemm_emulation_backward_is_autograd_without_quantization(monkeypatc
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w.double()) + ((b1, b2) if biases else ())]
         bb = ins[4:] if biases else (None, None)
         out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], *bb,
-                                    config=ExpertsConfig(activation=activation, **kw))
+                                    experts=ExpertsConfig(activation=activation, **kw))
         return [out, *torch.autograd.grad(out, ins, dy)]
 
     for a, b in zip(run(precision="fp8", fp8_min_rows=0, checkpoint="preact-fp8" if preact_fp8 else "preact"), run()):
@@ -270,7 +270,7 @@ def test_fp8_gemm_emulation_error_is_the_formats():
 
     def run(**kw):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w.double())]
-        out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], config=ExpertsConfig(**kw))
+        out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], experts=ExpertsConfig(**kw))
         return [out, *torch.autograd.grad(out, ins, dy)]
 
     for name, a, b in zip(("out", "dx", "dw1", "dw2", "dw"), run(precision="fp8", fp8_min_rows=0), run()):
@@ -323,7 +323,7 @@ def test_precision_fp8_kernels_match_the_emulation(poison_alloc, activation, che
     def run(**kw):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
         out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2],
-                          config=ExpertsConfig(activation=activation, checkpoint=checkpoint, **kw),
+                          experts=ExpertsConfig(activation=activation, checkpoint=checkpoint, **kw),
                           interleaved=interleaved)
         return [out, *torch.autograd.grad(out, ins, dy)]
 
@@ -349,7 +349,7 @@ def test_precision_fp8_runs_native_gemms_where_the_experts_get_too_few_rows(pois
     def run(**kw):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, w)]
         dispatch.launch_counts.clear()
-        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], config=ExpertsConfig(**kw))
+        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], experts=ExpertsConfig(**kw))
         grads = torch.autograd.grad(out, ins, dy)
         return [out, *grads], dispatch.launch_counts["fp8_rows", "tl"]
 
@@ -382,7 +382,7 @@ def test_precision_fp8_on_a_rounded_routing(poison_alloc):
     def run(impl):
         ins = [t.clone().requires_grad_() for t in (x, w1, w2, wk)]
         config = ExpertsConfig(precision="fp8", fp8_min_rows=0, backend=impl)
-        out = moe_experts(ins[0], index, ins[3], ins[1], ins[2], config=config)
+        out = moe_experts(ins[0], index, ins[3], ins[1], ins[2], experts=config)
         return [out, *torch.autograd.grad(out, ins, dy)]
 
     for name, g, e in zip(("out", "dx", "dw1", "dw2", "dw"), run("triton"), run("reference")):

@@ -113,9 +113,9 @@ def test_preact_fp8_bf16(backend):
     def run(dtype, **kw):
         ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2, w)]
         if kw.pop("kernels", False):
-            out = moe_experts(ins[0], build_routing_index(idx, E), ins[3], ins[1], ins[2], config=ExpertsConfig(**kw))
+            out = moe_experts(ins[0], build_routing_index(idx, E), ins[3], ins[1], ins[2], experts=ExpertsConfig(**kw))
         else:
-            out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], config=ExpertsConfig(**kw))
+            out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], experts=ExpertsConfig(**kw))
         return [out, *torch.autograd.grad(out, ins, dy.to(dtype))]
 
     want = run(torch.float32, checkpoint="preact-fp8")
@@ -145,7 +145,7 @@ def test_precision_fp8_bf16_against_the_emulation(checkpoint, backend, masters):
     def run(dtype, **kw):
         wdt = torch.float32 if masters else dtype
         ins = [t.to(d).requires_grad_() for t, d in ((x, dtype), (w1, wdt), (w2, wdt), (w, dtype))]
-        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], config=ExpertsConfig(checkpoint=checkpoint, **kw))
+        out = moe_experts(ins[0], routing, ins[3], ins[1], ins[2], experts=ExpertsConfig(checkpoint=checkpoint, **kw))
         return [out, *torch.autograd.grad(out, ins, dy.to(dtype))]
 
     want = run(torch.float32, backend="reference", precision="fp8", fp8_min_rows=0)
@@ -179,7 +179,7 @@ def test_fp8_weight_cache_and_the_dh_pass_quantizer_on_the_gpu(backend):
     def run(cache):
         ins = [t.bfloat16().requires_grad_() for t in (x, w)]
         cfg = ExpertsConfig(precision="fp8", fp8_min_rows=0, fp8_weight_cache=cache, backend=backend)
-        out = moe_experts(ins[0], routing, ins[1], w1, w2, config=cfg)
+        out = moe_experts(ins[0], routing, ins[1], w1, w2, experts=cfg)
         return [out, *torch.autograd.grad(out, [*ins, w1, w2], dy.bfloat16())]
 
     plain = run(False)
@@ -213,7 +213,7 @@ def test_fp8_nan_and_inf_reach_the_output_as_in_native_precision(backend, checkp
 
     def bad_rows(config):
         xi = x.clone().requires_grad_()
-        out = moe_experts(xi, routing, w, w1, w2, config=config)
+        out = moe_experts(xi, routing, w, w1, w2, experts=config)
         out.backward(dy)
         return [(~torch.isfinite(t)).any(1).nonzero().flatten().tolist() for t in (out, xi.grad)]
 

@@ -36,7 +36,7 @@ def _run(p, fn):
 
 def _ours(p, checkpoint, backend):
     return lambda x, idx, w, w1, w2: moe_experts(x, build_routing_index(idx, p.E), w, w1, w2,
-                                                 config=ExpertsConfig(activation=p.activation, checkpoint=checkpoint,
+                                                 experts=ExpertsConfig(activation=p.activation, checkpoint=checkpoint,
                                                                       backend=backend))
 
 
@@ -51,7 +51,7 @@ def test_configs_bf16_against_fp32_reference(name, backend):
     p = make_problem(*CONFIGS[name], dtype=torch.bfloat16, device="cuda")
     ref = reference_grads(p)
     torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2,
-                                                                         config=ExpertsConfig(activation=p.activation)))
+                                                                         experts=ExpertsConfig(activation=p.activation)))
     bound = {n: FACTOR * _rel(a, r) + 1e-4 for n, a, r in zip(NAMES, torch_bf16, ref)}
     del torch_bf16
     for checkpoint in ("preact", "recompute"):
@@ -71,7 +71,7 @@ def test_other_activations_bf16(activation, backend):
     p = make_problem(4096, 512, 384, 16, 2, activation, dtype=torch.bfloat16, device="cuda")
     ref = reference_grads(p)
     torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2,
-                                                                         config=ExpertsConfig(activation=activation)))
+                                                                         experts=ExpertsConfig(activation=activation)))
     launch_counts.clear()
     got = _run(p, _ours(p, "preact", backend))
     # the Gluon up-projection is SwiGLU only: the other activations' up runs on tl, the rest on the backend
@@ -88,7 +88,7 @@ def test_gluon_falls_back_to_tl_for_shapes_it_cannot_take():
     p = make_problem(2048, 200, 256, 8, 2, dtype=torch.bfloat16, device="cuda")
     ref = reference_grads(p)
     torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2,
-                                                                         config=ExpertsConfig(activation=p.activation)))
+                                                                         experts=ExpertsConfig(activation=p.activation)))
     launch_counts.clear()
     got = _run(p, _ours(p, "preact", "gluon"))
     assert ran_on({"up", "down_bwd"}) == {"tl"} and ran_on({"down", "dx_rows"}) == {"gluon"}, dict(launch_counts)
@@ -150,7 +150,7 @@ def test_every_autotune_config_compiled():
     p = make_problem(4096, 512, 384, 16, 2, dtype=torch.bfloat16, device="cuda")
     ref = reference_grads(p)
     torch_bf16 = _run(p, lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2,
-                                                                         config=ExpertsConfig(activation=p.activation)))
+                                                                         experts=ExpertsConfig(activation=p.activation)))
     bound = {n: FACTOR * _rel(a, r) + 1e-4 for n, a, r in zip(NAMES, torch_bf16, ref)}
     for name, kernel in TUNED_KERNELS.items():
         configs = kernel.configs
@@ -287,7 +287,7 @@ def test_w1_in_two_parts_equals_w1_whole(backend, checkpoint):
         xl, gate, up, w2l, wl = leaves
         launch_counts.clear()
         out = moe_experts(xl, build_routing_index(idx, E), wl, (gate, up) if parts else torch.cat((gate, up), 1),
-                          w2l, config=config)
+                          w2l, experts=config)
         grads = torch.autograd.grad(out, leaves, dy)
         assert ran_on() == {backend}, dict(launch_counts)
         return out, *grads

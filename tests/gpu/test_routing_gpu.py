@@ -96,7 +96,7 @@ def test_token_rounding_through_the_kernels_bf16(poison_alloc, backend, rule, ch
         index, wk, overflow = rounded_index(r.kept_LE, r.weights_LE, 4 * K, rounded_rows_bound(L, K, E, BLOCK_M, rule))
         assert not bool(overflow)
         ins = [t.to(dtype).requires_grad_() for t in (x, w1, w2)]
-        out = moe_experts(ins[0], index, wk, ins[1], ins[2], config=ExpertsConfig(checkpoint=checkpoint,
+        out = moe_experts(ins[0], index, wk, ins[1], ins[2], experts=ExpertsConfig(checkpoint=checkpoint,
                                                                                   backend=backend))
         grads = torch.autograd.grad(out, ins + [lg], dy.to(dtype))
         return [out] + list(grads)

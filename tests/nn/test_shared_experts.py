@@ -76,7 +76,7 @@ def test_token_rounding_layer_trains_rounded_and_evaluates_plain():
     index, w, over = round_to_index(r.logits, r.topk_idx, r.topk_weights, 16, "up", max_experts=4,
                                     max_rows=90 * 2 + 4 * 15)  # min(E, 4K) = 4
     want = moe_experts(x.reshape(-1, 16), index, w, layer.w1, layer.w2,
-                       config=ExpertsConfig(backend="triton")) + layer.shared(x.reshape(-1, 16))
+                       experts=ExpertsConfig(backend="triton")) + layer.shared(x.reshape(-1, 16))
     assert not over and torch.equal(got.reshape(-1, 16), want)
     rr = round_tokens(r.logits, r.topk_idx, r.topk_weights, 16, "up")
     index_ref, w_ref, _ = rounded_index(rr.kept_LE, rr.weights_LE, 4, 90 * 2 + 4 * 15)

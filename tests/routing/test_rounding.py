@@ -120,7 +120,7 @@ def test_rounded_routing_through_the_kernels(poison_alloc, rule, checkpoint):
     index, wk, overflow = rounded_index(r.kept_LE, r.weights_LE, 2 * K, L * K + E * M)
     assert not overflow and index.expert_token_idx.shape == (L * K + E * M + 1,)
     ins = [t.clone().requires_grad_() for t in (x, w1, w2)]
-    out = moe_experts(ins[0], index, wk, ins[1], ins[2], config=ExpertsConfig(checkpoint=checkpoint, backend="triton"))
+    out = moe_experts(ins[0], index, wk, ins[1], ins[2], experts=ExpertsConfig(checkpoint=checkpoint, backend="triton"))
     dy = torch.randn(L, D)
 
     def dense(dtype):  # the same sum in torch at dtype: its output and gradients (x, w1, w2, the logits)

@@ -66,7 +66,7 @@ def layer_cases(device, L=1024, d=1024, h=512, E=8, K=2):
     def run(**kw):
         ins = [t.to(device).requires_grad_() for t in (x, w1, w2, w.float())]
         out = moe_experts_reference(ins[0], idx.to(device), ins[3], ins[1], ins[2],
-                                    config=ExpertsConfig(activation="swiglu", **kw))
+                                    experts=ExpertsConfig(activation="swiglu", **kw))
         return [out, *torch.autograd.grad(out, ins, dy.to(device))]
 
     exact = run()

@@ -79,7 +79,7 @@ def moeblaze_call(p: Problem, policy: str, backend: str = "auto", precision: str
             torch.autograd.graph.increment_version(w1)
             torch.autograd.graph.increment_version(w2)
         r = build_routing_index(idx, p.E, check=False)
-        return moe_experts(x, r, w, w1, w2, config=config, check=False)
+        return moe_experts(x, r, w, w1, w2, experts=config, check=False)
     config = ExpertsConfig(activation=p.activation, checkpoint=checkpoint, backend="triton" if backend == "auto"
                            else backend, precision=precision, fp8_weight_cache=weight_cache,
                            fp8_min_rows=fp8_min_rows, chunk_tokens=chunk)
@@ -92,7 +92,7 @@ def _moeblaze_backend(backend: str):
 
 def _reference(p: Problem, policy: str):
     return lambda x, idx, w, w1, w2: moe_experts_reference(x, idx, w, w1, w2,
-                                                                                config=ExpertsConfig(p.activation))
+                                                                                experts=ExpertsConfig(p.activation))
 
 
 def _torch_gmm(p: Problem, policy: str):
@@ -249,7 +249,7 @@ def reference_grads(p: Problem, dtype: torch.dtype = torch.float32):
     x, idx, w, dy = p.sets[0]
     leaves = [t.detach().to(dtype).requires_grad_() for t in (x, p.w1, p.w2, w)]
     out = moe_experts_reference(leaves[0], idx, leaves[3], leaves[1], leaves[2],
-                                config=ExpertsConfig(p.activation))
+                                experts=ExpertsConfig(p.activation))
     return (out.detach(),) + tuple(g.detach() for g in torch.autograd.grad(out, leaves, dy.to(dtype)))
 
 

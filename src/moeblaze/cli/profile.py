@@ -162,7 +162,7 @@ def run(config: ProfileConfig) -> dict:
 
     def ours():
         routing = build_routing_index(r.topk_idx, E, check=False)
-        return (moe_experts(x, routing, routing_w, layer.w1, layer.w2, config=experts, check=False).float() * dy).sum()
+        return (moe_experts(x, routing, routing_w, layer.w1, layer.w2, experts=experts, check=False).float() * dy).sum()
 
     def conventional():
         return (torch_gmm_experts(x, r.topk_idx, routing_w, layer.w1, layer.w2, act).float() * dy).sum()

@@ -159,22 +159,29 @@ def fold_impl(impl: str, backend: str) -> str:
     return "triton" if (impl, backend) == ("triton", "auto") else backend
 
 
-def from_legacy(where: str, config: ExpertsConfig | None, legacy: dict) -> ExpertsConfig:
-    """The config of a call: `config` (None or DEFAULT: unset), or 0.1's form (its options as keyword arguments)
-    with a DeprecationWarning that names the new form. TypeError for a config of another type, an unknown keyword or
-    both forms at once."""
-    if config is DEFAULT:
-        config = None
-    if config is not None and not isinstance(config, ExpertsConfig):
-        raise TypeError(f"config must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
-    legacy = {k: v for k, v in legacy.items() if v is not None}  # None: unset, as 0.1's forms had it
+def from_legacy(where: str, experts: ExpertsConfig | None, legacy: dict) -> ExpertsConfig:
+    """The recipe of a call: `experts` (None or DEFAULT: unset); 0.2's name for it, config=, or 0.1's form (its
+    options as keyword arguments), each with a DeprecationWarning that names the new form. TypeError for a recipe of
+    another type, an unknown keyword or two forms at once."""
+    if experts is DEFAULT:
+        experts = None
+    old = legacy.get("config")
+    legacy = {k: v for k, v in legacy.items() if v is not None and k != "config"}  # None: unset, as 0.1's had it
+    if old is not None:
+        if experts is not None or legacy:
+            raise TypeError(f"{where}(): pass the recipe as experts= only, not also as config= (its 0.2 name)")
+        warnings.warn(f"{where}(config=...) is deprecated and goes in 0.3: pass experts=", DeprecationWarning,
+                      stacklevel=3)
+        experts = old
+    if experts is not None and not isinstance(experts, ExpertsConfig):
+        raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(experts).__name__}")
     if not legacy:
-        return config if config is not None else DEFAULT
+        return experts if experts is not None else DEFAULT
     unknown = sorted(set(legacy) - set(LEGACY))
     if unknown:
         raise TypeError(f"{where}() got unexpected keyword argument(s) {unknown}")
-    if config is not None:
-        raise TypeError(f"{where}(): pass the options in config=ExpertsConfig(...) only, not also as "
+    if experts is not None:
+        raise TypeError(f"{where}(): pass the options in experts=ExpertsConfig(...) only, not also as "
                         f"{sorted(legacy)}")
     fields = dict(legacy)
     if fields.pop("fp8_wgrad", False):
@@ -185,5 +192,5 @@ def from_legacy(where: str, config: ExpertsConfig | None, legacy: dict) -> Exper
     shown = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(new).items()
                       if v != getattr(ExpertsConfig, k))
     warnings.warn(f"{where}({', '.join(sorted(legacy))}=...) is deprecated and goes in 0.3: pass "
-                  f"config=moeblaze.ExpertsConfig({shown})", DeprecationWarning, stacklevel=3)
+                  f"experts=moeblaze.ExpertsConfig({shown})", DeprecationWarning, stacklevel=3)
     return new

@@ -32,7 +32,7 @@ def check_options(config: ExpertsConfig) -> None:
     """ValueError or TypeError naming the option unless expert parallelism runs this recipe: the kernels, as one
     call on the received rows (the dispatch's own options are EPConfig's to check)."""
     if not isinstance(config, ExpertsConfig):
-        raise TypeError(f"config must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
+        raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(config).__name__}")
     if config.backend == "reference":
         raise ValueError("expert parallelism runs the kernels: backend='reference' is not available under it")
     if config.chunk_tokens is not None:
@@ -89,15 +89,15 @@ def _check_local_experts(E_loc: int, group) -> None:
 
 def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                w1_local: torch.Tensor | tuple[torch.Tensor, torch.Tensor], w2_local: torch.Tensor, *, group=None,
-               config: ExpertsConfig = DEFAULT,
+               experts: ExpertsConfig = DEFAULT,
                ep_config: EPConfig | None = None, tracker: CapacityTracker | None = None,
-               dropped: torch.Tensor | None = None) -> torch.Tensor:
+               dropped: torch.Tensor | None = None, config: ExpertsConfig | None = None) -> torch.Tensor:
     """The experts' combined output (L, D) for this rank's tokens x (L, D), routed to global expert ids topk_idx
     (L, K) with weights (L, K), over the experts sharded across `group` (default: the world): this rank holds
     experts [rank · E_loc, (rank + 1) · E_loc) as w1_local (E_loc, F, D) (or its gate and up rows apart, as for
     moe_experts: read in place, no copy kept) and w2_local (E_loc, D, H). Every rank of
     the group must call it (a rank without tokens passes L = 0). Differentiable in x, topk_weights and the local
-    weights. config: the recipe, as for moe_experts (every precision and checkpoint policy; chunk_tokens is refused:
+    weights. experts: the recipe, as for moe_experts (every precision and checkpoint policy; chunk_tokens is refused:
     the received rows run as one call, and dispatch="capacity" bounds them; fp8_min_rows is judged on L·ep tokens,
     this rank's L as every rank's); the kernels run the experts (a GPU,
     or the interpreter on the CPU): backend "auto" is "triton" here, and "reference" is refused. Every rank must
@@ -120,16 +120,18 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
         topk_idx, topk_weights: (L, K) global expert ids (int) and their weights (float).
         w1_local, w2_local: (E_loc, F, D) (or the pair (gate rows, up rows)) and (E_loc, D, H), this rank's experts.
         group: the expert-parallel process group (None: the world).
-        config: the experts' moeblaze.ExpertsConfig.
+        experts: the experts' moeblaze.ExpertsConfig.
         ep_config: the dispatch, a moeblaze.EPConfig (None: exact).
         tracker: a CapacityTracker sizing capacity dispatch, or None.
         dropped: an int64 scalar tensor counting the rows this rank drops (on_overflow="drop"), or None.
+        config: 0.2's name for `experts` (a DeprecationWarning).
 
     Returns:
         (L, D) in x's dtype: this rank's tokens' combined expert outputs.
     """
     ep = dist.get_world_size(group)
-    config, ep_config, t = _checked(x, topk_idx, topk_weights, w1_local, w2_local, group, config, ep_config, tracker)
+    config, ep_config, t = _checked(x, topk_idx, topk_weights, w1_local, w2_local, group, experts, config, ep_config,
+                                    tracker)
     w1_local, w1_up = (w1_local, None) if isinstance(w1_local, torch.Tensor) else w1_local
     E_loc = w1_local.shape[0]
     if not torch.compiler.is_compiling():  # (agreed in eager mode: a trace runs what the eager calls ran)
@@ -159,13 +161,13 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     return out
 
 
-def _checked(x, topk_idx, topk_weights, w1_local, w2_local, group, config, ep_config, tracker):
+def _checked(x, topk_idx, topk_weights, w1_local, w2_local, group, experts, config, ep_config, tracker):
     """(config, ep_config, the transport) of an ep_experts call, after every check that reads this rank's
     arguments; a refusal raises on every rank (the group's first call agrees on the verdict; a later one makes the
     transport's first exchange with it set)."""
     ep = dist.get_world_size(group)
     try:
-        config = from_legacy("ep_experts", config, {})
+        config = from_legacy("ep_experts", experts, {"config": config})
         check_options(config)
         ep_config = check_config("ep_config", ep_config, EPConfig) or EPConfig()
         t = transport(ep_config.transport)

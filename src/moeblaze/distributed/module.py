@@ -90,9 +90,9 @@ class ExpertParallel(nn.Module):
     def forward(self, x_LD, topk_idx, topk_weights, routing=None):
         if routing is not None:
             raise NotImplementedError("a prebuilt routing index (token rounding) under expert parallelism")
-        across = functools.partial(ep_experts, group=self.group, config=self.config, ep_config=self.ep_config,
+        across = functools.partial(ep_experts, group=self.group, experts=self.config, ep_config=self.ep_config,
                                    tracker=self.tracker, dropped=self.dropped_rows)
-        return routed_call(x_LD, topk_idx, topk_weights, *self.weights(), config=self.config, across=across)
+        return routed_call(x_LD, topk_idx, topk_weights, *self.weights(), experts=self.config, across=across)
 
     def extra_repr(self) -> str:
         c = self.ep_config

@@ -94,7 +94,7 @@ def op_key(config: ExpertsConfig, backend: str, dropped: bool, interleaved: bool
 def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tensor,
                 w1: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                 w2: torch.Tensor, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, *,
-                config: ExpertsConfig = DEFAULT, interleaved: bool = False, check: bool = True,
+                experts: ExpertsConfig = DEFAULT, interleaved: bool = False, check: bool = True,
                 **legacy) -> torch.Tensor:
     """Combined expert outputs (L, D) for tokens x (L, D) routed by `routing` with weights topk_weights (L, K).
 
@@ -104,11 +104,11 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     come in two parts, (gate rows (E, H, D), up rows (E, H, D)), as torchtitan stores them: Hopper's kernels read
     them in place and write each part's gradient in place (bf16/fp16, H a multiple of 128); elsewhere (the portable
     kernels, precision="fp8") they are concatenated per call (a transient of W1's size, never kept).
-    Differentiable in x, w1 (or its parts), w2, topk_weights and the biases. config: the recipe
+    Differentiable in x, w1 (or its parts), w2, topk_weights and the biases. experts: the recipe
     (moeblaze.ExpertsConfig: activation, checkpoint policy, backend, precision, chunking); every combination it
     accepts runs here, on the kernels and on the reference (which keeps everything autograd needs, whatever the
     checkpoint policy, and emulates precision="fp8" and "preact-fp8"'s arithmetic). precision="fp8" runs e4m3
-    GEMMs where the call's experts average at least config.fp8_min_rows rows, native ones below (both paths).
+    GEMMs where the call's experts average at least experts.fp8_min_rows rows, native ones below (both paths).
     check=False skips the checks that read values (a host sync). 0.1's keyword options (activation=, impl=, ...)
     still work, with a DeprecationWarning.
 
@@ -122,7 +122,8 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
             float32.
         w2: (E, D, H), in w1's dtype.
         b1, b2: optional biases of the up-projection (E, F) and of the down-projection (E, D), in x's dtype.
-        config: a moeblaze.ExpertsConfig (keyword only).
+        experts: the recipe, a moeblaze.ExpertsConfig (keyword only; config=, its 0.2 name, works with a
+            DeprecationWarning).
         interleaved: gate and up rows of w1 alternate (gpt-oss's layout).
         check: validate the routing and the weights' values (a host sync).
 
@@ -130,9 +131,9 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
         (L, D) in x's dtype: sum over k of topk_weights[t, k] · expert(topk_idx[t, k])(x[t]).
     """
     if isinstance(b1, str):
-        raise TypeError("moe_experts(x, routing, topk_weights, w1, w2, b1=None, b2=None, *, config=ExpertsConfig(...)):"
-                        f" the options go in config, not positionally (got {b1!r} for b1)")
-    config = from_legacy("moe_experts", config, legacy)
+        raise TypeError("moe_experts(x, routing, topk_weights, w1, w2, b1=None, b2=None, *, "
+                        f"experts=ExpertsConfig(...)): the options go in experts, not positionally (got {b1!r} for b1)")
+    config = from_legacy("moe_experts", experts, legacy)
     check_expert_inputs(x, w1, w2, config.activation, b1, b2, interleaved, masters=config.fp8)
     w1, w1_up = (w1, None) if isinstance(w1, torch.Tensor) else w1
     if routing.num_tokens != x.shape[0] or routing.num_experts != w1.shape[0]:
@@ -146,7 +147,7 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
     w1, w1_up, w2 = call_weights(config.at_call(*call).fp8, x, w1, w1_up, w2)
     if backend == "reference":
         return moe_experts_reference(x, routing.topk_idx(), topk_weights, whole_w1(w1, w1_up), w2, b1, b2,
-                                     config=config, interleaved=interleaved)
+                                     experts=config, interleaved=interleaved)
     key = kernel_op_key(x, config, backend, routing.dropped, interleaved, call=call)
     chunk = config.chunk_tokens
     if chunk is not None and x.shape[0] > chunk:
@@ -161,7 +162,7 @@ def moe_experts(x: torch.Tensor, routing: RoutingIndex, topk_weights: torch.Tens
 def routed_call(x: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: torch.Tensor,
                    w1: torch.Tensor | tuple[torch.Tensor, torch.Tensor], w2: torch.Tensor,
                    b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, *,
-                   config: ExpertsConfig = DEFAULT, routing: RoutingIndex | None = None, sentinels: bool = False,
+                   experts: ExpertsConfig = DEFAULT, routing: RoutingIndex | None = None, sentinels: bool = False,
                    interleaved: bool = False, across=None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The routed-experts call every host makes (nn.Experts, distributed.ExpertParallel, the transformers,
     torchtitan and Megatron integrations), written once: x and the biases in autocast's dtype where it is on (like
@@ -172,7 +173,7 @@ def routed_call(x: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: to
         topk_idx: (L, K) expert ids (None where routing is given).
         topk_weights: (L, K) router weights.
         w1, w2, b1, b2: as moe_experts takes them (this rank's experts under expert parallelism).
-        config: the recipe, a moeblaze.ExpertsConfig.
+        experts: the recipe, a moeblaze.ExpertsConfig.
         routing: a prebuilt RoutingIndex (token rounding's) instead of one built from topk_idx.
         sentinels: ids >= the experts' count are pairs that add nothing (skipped) rather than errors.
         interleaved: gate and up rows of w1 alternate (gpt-oss's layout).
@@ -186,7 +187,7 @@ def routed_call(x: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: to
     """
     x_, b1, b2 = autocast_operands(x, b1, b2)
     parts = w1 if isinstance(w1, tuple) else (w1,)
-    *parts, w2 = autocast_weights(config, *parts, w2)
+    *parts, w2 = autocast_weights(experts, *parts, w2)
     w1 = tuple(parts) if len(parts) > 1 else parts[0]
     if across is not None:
         if b1 is not None or b2 is not None or routing is not None:
@@ -195,8 +196,8 @@ def routed_call(x: torch.Tensor, topk_idx: torch.Tensor | None, topk_weights: to
     else:
         if routing is None:
             E = parts[0].shape[0]
-            routing = build_routing_index(topk_idx, E, config.index_method, check=False, sentinels=sentinels)
-        out = moe_experts(x_, routing, topk_weights, w1, w2, b1, b2, config=config, interleaved=interleaved,
+            routing = build_routing_index(topk_idx, E, experts.index_method, check=False, sentinels=sentinels)
+        out = moe_experts(x_, routing, topk_weights, w1, w2, b1, b2, experts=experts, interleaved=interleaved,
                           check=False)
     return out if out_dtype is None else out.to(out_dtype)
 

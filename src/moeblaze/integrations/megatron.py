@@ -232,9 +232,9 @@ class MoeblazeSequentialMLP(SequentialMLP):
         across = None
         if group is not None:
             from ..distributed import ep_experts
-            across = functools.partial(ep_experts, group=group, config=config, ep_config=ep)
+            across = functools.partial(ep_experts, group=group, experts=config, ep_config=ep)
         with _restacked(dict(zip(operands, parts))):  # the operands as cast here: routed_call casts none again
-            return routed_call(x, ids_TK, weights, *operands, config=config, sentinels=sentinels, across=across,
+            return routed_call(x, ids_TK, weights, *operands, experts=config, sentinels=sentinels, across=across,
                                   out_dtype=x_TD.dtype)
 
     def forward(self, permuted_TD: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor,

@@ -102,7 +102,7 @@ class MoeblazeGroupedExperts(GroupedExperts):
         """sum_k scores[t, k] · expert_{ids[t, k]}(x[t]): (T, D) in x's dtype."""
         w1, w2, w3 = self.weights()
         return routed_call(x_TD, expert_ids_TK, scores_TK.to(torch.float32), (w1, w3), w2,
-                              config=self.moeblaze_config, out_dtype=x_TD.dtype)
+                              experts=self.moeblaze_config, out_dtype=x_TD.dtype)
 
     def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         """GroupedExperts' call on rows grouped by expert (what torchtitan's dispatchers hand over): each row
@@ -158,9 +158,9 @@ class MoeblazeRoutedExperts(RoutedExperts):
             raise RuntimeError(f"this rank holds {w1.shape[0]} of {inner.num_experts} experts over an EP mesh of "
                                f"{mesh.size()}: torchtitan's expert parallelism did not shard them (was the model "
                                "config's update_from_config called with the parallelism before building?)")
-        across = functools.partial(ep_experts, group=mesh.get_group(), config=inner.moeblaze_config,
+        across = functools.partial(ep_experts, group=mesh.get_group(), experts=inner.moeblaze_config,
                                    ep_config=self.ep)
-        return routed_call(x_TD, ids_TK, scores_TK.to(torch.float32), (w1, w3), w2, config=inner.moeblaze_config,
+        return routed_call(x_TD, ids_TK, scores_TK.to(torch.float32), (w1, w3), w2, experts=inner.moeblaze_config,
                               across=across, out_dtype=x_TD.dtype)
 
     def parallelize(self, parallel_dims) -> None:

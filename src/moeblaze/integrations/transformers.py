@@ -109,15 +109,16 @@ def _warn_when_nothing_runs(check):
     return checked
 
 
-def configure(model: torch.nn.Module, config: ExpertsConfig | None = None, **legacy) -> int:
-    """Run every experts module of `model` with the recipe `config` (moeblaze.ExpertsConfig, its activation left
+def configure(model: torch.nn.Module, experts: ExpertsConfig | None = None, **legacy) -> int:
+    """Run every experts module of `model` with the recipe `experts` (moeblaze.ExpertsConfig, its activation left
     unset: each module's own is read from it, as activation_of says, and another is refused); the number of experts
     modules set.
-    0.1's keyword options (checkpoint=, impl=, ...) still work, with a DeprecationWarning.
+    config= (0.2's name for `experts`) and 0.1's keyword options (checkpoint=, impl=, ...) still work, with a
+    DeprecationWarning.
 
     Args:
         model: a transformers model, or one experts module.
-        config: the recipe, a moeblaze.ExpertsConfig without an activation (None: the default recipe).
+        experts: the recipe, a moeblaze.ExpertsConfig without an activation (None: the default recipe).
 
     Returns:
         The number of experts modules that will run it (once the model runs experts_implementation "moeblaze").
@@ -125,7 +126,7 @@ def configure(model: torch.nn.Module, config: ExpertsConfig | None = None, **leg
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"configure takes a transformers model or experts module (a torch.nn.Module), got "
                         f"{type(model).__name__}")
-    config = from_legacy("configure", config, legacy)
+    config = from_legacy("configure", experts, legacy)
     if config.activation != DEFAULT.activation:
         raise ValueError(f"configure: activation={config.activation!r} would be ignored: each experts module's own "
                          "activation is read from the model (activation_of); leave the config's activation unset")
@@ -245,7 +246,7 @@ def experts_forward(module, hidden_states: torch.Tensor, top_k_index: torch.Tens
     # ids >= num_experts are expert parallelism's sentinels (skipped); a negative one is refused, as eager does
     fail_if((top_k_index < 0).any(), f"an expert id is negative: the ids must be in [0, {module.num_experts}), or "
             f">= {module.num_experts} for pairs another rank's experts take (skipped)")
-    return routed_call(hidden_states, top_k_index, top_k_weights, *_weights(module), config=config, sentinels=True,
+    return routed_call(hidden_states, top_k_index, top_k_weights, *_weights(module), experts=config, sentinels=True,
                           interleaved=interleaved, out_dtype=hidden_states.dtype)
 
 

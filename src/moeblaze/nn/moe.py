@@ -47,7 +47,8 @@ class Experts(nn.Module):
 
     Args:
         d_model, d_expert, num_experts: D, the expert width H, E.
-        config: the experts' moeblaze.ExpertsConfig (0.1's keyword form works with a DeprecationWarning).
+        experts: the experts' moeblaze.ExpertsConfig (config=, its 0.2 name, and 0.1's keyword form work with a
+            DeprecationWarning).
         device, dtype: of the parameters.
 
     Returns:
@@ -55,10 +56,10 @@ class Experts(nn.Module):
         dtype (autocast's where it is on).
     """
 
-    def __init__(self, d_model: int, d_expert: int, num_experts: int, *, config: ExpertsConfig = DEFAULT, device=None,
+    def __init__(self, d_model: int, d_expert: int, num_experts: int, *, experts: ExpertsConfig = DEFAULT, device=None,
                  dtype=None, **legacy):
         super().__init__()
-        self.config = from_legacy(type(self).__name__, config, legacy)
+        self.config = from_legacy(type(self).__name__, experts, legacy)
         self.d_model, self.d_expert, self.num_experts = d_model, d_expert, num_experts
         F = up_width(self.config.activation, d_expert)
         self.w1 = nn.Parameter(torch.empty(num_experts, F, d_model, device=device, dtype=dtype))
@@ -77,7 +78,7 @@ class Experts(nn.Module):
                 routing=None) -> torch.Tensor:
         """routing: a prebuilt RoutingIndex (token rounding's, with topk_weights in its table's layout) instead of
         one built from topk_idx."""
-        return routed_call(x_LD, topk_idx, topk_weights, *self.weights(), config=self.config, routing=routing)
+        return routed_call(x_LD, topk_idx, topk_weights, *self.weights(), experts=self.config, routing=routing)
 
     def extra_repr(self) -> str:
         return describe_experts(self)
@@ -101,7 +102,7 @@ class SharedExperts(Experts):
 
     Args:
         d_model, d_hidden, count: D, their width, S.
-        config: the routed experts' moeblaze.ExpertsConfig (run here in native precision with the dense index).
+        experts: the routed experts' moeblaze.ExpertsConfig (run here in native precision with the dense index).
         gated: a learned gate g (1, D) scales their output by σ(x·gᵀ).
         device, dtype: of the parameters.
 
@@ -110,13 +111,13 @@ class SharedExperts(Experts):
     """
 
 
-    def __init__(self, d_model: int, d_hidden: int, count: int, *, config: ExpertsConfig = DEFAULT,
+    def __init__(self, d_model: int, d_hidden: int, count: int, *, experts: ExpertsConfig = DEFAULT,
                  gated: bool = False, device=None, dtype=None):
         check_int("shared_experts", count)
         check_int("d_shared", d_hidden)
         # native precision and the dense index: the routed experts' fp8 recipe is theirs alone
-        config = config.native().replace(index_method="dense")
-        super().__init__(d_model, d_hidden, count, config=config, device=device, dtype=dtype)
+        experts = experts.native().replace(index_method="dense")
+        super().__init__(d_model, d_hidden, count, experts=experts, device=device, dtype=dtype)
         self.gate = nn.Parameter(torch.zeros(1, d_model, device=device, dtype=dtype)) if gated else None
 
     def forward(self, x_LD: torch.Tensor) -> torch.Tensor:
@@ -172,14 +173,14 @@ class MoELayer(nn.Module):
         check_layer(num_experts, top_k, router, rounding)
         self.d_model, self.num_experts, self.top_k = d_model, num_experts, top_k
         self.router = TopKRouter(d_model, num_experts, top_k, config=router, device=device)
-        self.experts = Experts(d_model, d_expert, num_experts, config=experts, device=device, dtype=dtype)
+        self.experts = Experts(d_model, d_expert, num_experts, experts=experts, device=device, dtype=dtype)
         if rounding is not None:
             rounding = rounding.replace(tile=rounding.tile or BLOCK_M,
                                         max_experts=rounding.max_experts or default_max_experts(num_experts, top_k))
         self.rounding = rounding
         self.shared = None
         if shared is not None:
-            self.shared = SharedExperts(d_model, shared.d_hidden or d_expert, shared.count, config=experts,
+            self.shared = SharedExperts(d_model, shared.d_hidden or d_expert, shared.count, experts=experts,
                                         gated=shared.gated, device=device, dtype=dtype)
         self.track_load = False
         self.register_buffer("routed_load", torch.zeros(num_experts, dtype=torch.int64, device=device),

@@ -35,18 +35,18 @@ from .fp8 import fake_quant_blocks, fake_quant_rows
 
 
 
-def _config(where: str, b1, config: ExpertsConfig, legacy: dict) -> ExpertsConfig:
+def _config(where: str, b1, experts: ExpertsConfig, legacy: dict) -> ExpertsConfig:
     """The call's config (0.1's keyword options accepted with a DeprecationWarning); TypeError for options passed
     positionally or a config of another type."""
     if isinstance(b1, str):
-        raise TypeError(f"{where}(x, topk_idx, topk_weights, w1, w2, b1=None, b2=None, *, config=ExpertsConfig(...)): "
-                        f"the options go in config, not positionally (got {b1!r} for b1)")
-    return from_legacy(where, config, legacy)
+        raise TypeError(f"{where}(x, topk_idx, topk_weights, w1, w2, b1=None, b2=None, *, experts=ExpertsConfig(...)): "
+                        f"the options go in experts, not positionally (got {b1!r} for b1)")
+    return from_legacy(where, experts, legacy)
 
 
 def moe_experts_reference(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_LK: torch.Tensor,
                           w1_EFD: torch.Tensor, w2_EDH: torch.Tensor, b1_EF: torch.Tensor | None = None,
-                          b2_ED: torch.Tensor | None = None, *, config: ExpertsConfig = DEFAULT,
+                          b2_ED: torch.Tensor | None = None, *, experts: ExpertsConfig = DEFAULT,
                           interleaved: bool = False, **legacy) -> torch.Tensor:
     """Expert outputs combined per token, in plain PyTorch: what moe_experts computes, for checks and the CPU.
 
@@ -58,14 +58,14 @@ def moe_experts_reference(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_
             activations, F = H otherwise.
         w2_EDH: (E, D, H).
         b1_EF, b2_ED: optional biases, in w1's and w2's row order.
-        config: a moeblaze.ExpertsConfig (its activation; precision="fp8" (where fp8_min_rows lets it run: as
+        experts: a moeblaze.ExpertsConfig (its activation; precision="fp8" (where fp8_min_rows lets it run: as
             moe_experts) and "preact-fp8" are emulated).
         interleaved: gate and up rows of w1 alternate.
 
     Returns:
         (L, D) in x's dtype, differentiable in x, the weights, topk_w and the biases.
     """
-    config = _config("moe_experts_reference", b1_EF, config, legacy).at_call(*topk_idx_LK.shape, w1_EFD.shape[0])
+    config = _config("moe_experts_reference", b1_EF, experts, legacy).at_call(*topk_idx_LK.shape, w1_EFD.shape[0])
     activation, fp8_gemms = config.activation, config.fp8
     preact_fp8 = config.checkpoint == "preact-fp8"
     L, D = x_LD.shape
@@ -178,19 +178,19 @@ def _tail(h, w2, b2, w, activation, interleaved, acc_dtype):
 
 def moe_experts_dense(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_LK: torch.Tensor, w1_EFD: torch.Tensor,
                       w2_EDH: torch.Tensor, b1_EF: torch.Tensor | None = None, b2_ED: torch.Tensor | None = None, *,
-                      config: ExpertsConfig = DEFAULT, interleaved: bool = False, **legacy) -> torch.Tensor:
+                      experts: ExpertsConfig = DEFAULT, interleaved: bool = False, **legacy) -> torch.Tensor:
     """The same function computed token by token with every expert's weights gathered per pair: an
     independent second oracle (O(L·K·F·D) weight memory), for tiny sizes in tests only. Native precision only.
 
     Args:
         x_LD, topk_idx_LK, topk_w_LK, w1_EFD, w2_EDH, b1_EF, b2_ED: as moe_experts_reference takes them.
-        config: the moeblaze.ExpertsConfig (native precision).
+        experts: the moeblaze.ExpertsConfig (native precision).
         interleaved: W1's gate and up rows alternate.
 
     Returns:
         (L, D) in x's dtype.
     """
-    config = _config("moe_experts_dense", b1_EF, config, legacy)
+    config = _config("moe_experts_dense", b1_EF, experts, legacy)
     if config.fp8 or config.checkpoint == "preact-fp8":
         raise ValueError("moe_experts_dense computes native precision only: use moe_experts_reference for the fp8 "
                          "emulation")
