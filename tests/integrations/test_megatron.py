@@ -112,10 +112,10 @@ def test_a_padding_mask_leaves_fewer_experts_and_they_add_nothing():
 
 
 def _biases(rank, world, found):
-    """Expert biases (add_bias_linear): Megatron-Core 0.16's SequentialMLP raises in its own forward here (an
-    in-place add of p · b2 to its row-parallel output, a view), so the kernels are held to moeblaze's reference,
-    whose expert is p · (W2 act(W1 x + b1) + b2) as Megatron's MLP computes it: the reference in fp64 is exact,
-    in fp32 the error torch makes."""
+    """Expert biases (add_bias_linear): Megatron-Core 0.16's SequentialMLP raises in its own backward here (an
+    in-place add of p · b2 to its row-parallel output, a view), so the gradients are held to moeblaze's reference,
+    whose expert is p · (W2 act(W1 x + b1) + b2) as Megatron's MLP computes it (in fp64 exact, in fp32 the error
+    torch makes), and the output to Megatron's own biased layer, run in fp64 without autograd."""
     mc.init(ep=world)
     config = mc.transformer_config(add_bias_linear=True)
     layers = [mc.build(mc.moeblaze_mlp(4, experts=ExpertsConfig(backend=b)), config, seed=i)
@@ -132,6 +132,16 @@ def _biases(rank, world, found):
     _within_torchs_error(found, rank, got, same, want)
     if not any("bias" in n for n in want[2]):
         found.put("no bias parameters")
+    stock = [mc.build(mc.stock_mlp(4), config, seed=3) for _ in range(2)]  # Megatron's biased layer: forward only
+    for layer in stock:
+        layer.load_state_dict(layers[0].state_dict())
+    with torch.no_grad():
+        stock32, _ = stock[0](x.float())
+        stock64, _ = stock[1].double()(x)
+    try:  # the kernels' output against Megatron's layer in fp64, within twice the error Megatron's makes in fp32
+        assert_within_torch_error(got[0], stock32, stock64)
+    except AssertionError as e:
+        found.put((rank, "out against Megatron's biased layer", str(e)))
     mc.destroy()
 
 
