@@ -33,11 +33,11 @@ def _mismatch(rank, world, case):
     odd = rank == world - 1
     kw = dict(experts=BASE, ep_config=EPConfig())
     if case == "checkpoint":
-        kw["config"] = BASE.replace(checkpoint="recompute" if odd else "preact")
+        kw["experts"] = BASE.replace(checkpoint="recompute" if odd else "preact")
     elif case == "precision":
-        kw["config"] = BASE.replace(precision="fp8", fp8_min_rows=0) if odd else BASE
+        kw["experts"] = BASE.replace(precision="fp8", fp8_min_rows=0) if odd else BASE
     elif case == "fp8_min_rows":
-        kw["config"] = BASE.replace(precision="fp8", fp8_min_rows=1 if odd else 2048)
+        kw["experts"] = BASE.replace(precision="fp8", fp8_min_rows=1 if odd else 2048)
     elif case == "dispatch":
         kw["ep_config"] = EPConfig("capacity" if odd else "exact")
     elif case == "transport":

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from moeblaze import ExpertsConfig
 from moeblaze.experts import moe_experts
 from moeblaze.configs import CHECKPOINTS
-from moeblaze.reference import ACTIVATIONS, moe_experts_reference, up_width
+from moeblaze.reference import ACTIVATIONS, apply_activation, moe_experts_reference, up_width
 from moeblaze.routing import build_routing_index
-from helpers import assert_within_torch_error
+from helpers import assert_within_torch_error, rel_err
 
 
 @st.composite
@@ -54,10 +54,20 @@ def test_triton_experts_match_the_reference(p):
         out = moe_experts_reference(ins[0], idx, ins[3], ins[1], ins[2], experts=ref_cfg)
         return (out, *torch.autograd.grad(out, ins, dy.to(dtype)))
 
+    def weight_grads_over_h(dtype):
+        """dtopk_w as the kernels sum it, <W2ᵀ dy, act(W1 x)> over the expert width, where the reference's autograd
+        sums <dy, W2 act(W1 x)> over d: two orders of the same sums, whose fp32 errors differ most on one short dot
+        with cancellation (L 1, D 17, H 9: 4.8e-7 against 6.2e-8)."""
+        xs, w1s, w2s, dys = (t.to(dtype) for t in (x, w1, w2, dy))
+        dA = torch.einsum("lkdh,ld->lkh", w2s[idx.long()], dys)
+        return (dA * apply_activation(torch.einsum("lkfd,ld->lkf", w1s[idx.long()], xs), act)).sum(-1)
+
     same, exact = reference(torch.float32), reference(torch.float64)
     for name, a, s, b in zip(("out", "dx", "dw1", "dw2", "dtopk_w"), (out, *grads), same, exact):
         assert a.shape == b.shape, name
         if b.numel() == 0 or b.abs().max() == 0:  # an empty batch, an expert with no rows: exact zeros
             assert torch.equal(a, b.to(a.dtype)), name
-        else:
-            assert_within_torch_error(a, s, b)
+            continue
+        if name == "dtopk_w" and p["checkpoint"] != "preact-fp8":  # torch's error: the larger of the two orders'
+            s = max(s, weight_grads_over_h(torch.float32), key=lambda t: rel_err(t, b))
+        assert_within_torch_error(a, s, b)

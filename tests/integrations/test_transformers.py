@@ -235,7 +235,7 @@ def test_settings_are_checked_and_reach_the_call(monkeypatch):
     mbt.configure(model, ExpertsConfig(checkpoint="recompute", chunk_tokens=5, backend="tl"))
     seen = []
     monkeypatch.setattr(moeblaze.experts, "moe_experts",
-                        lambda *a, **k: seen.append(k["config"]) or torch.zeros_like(a[0]))
+                        lambda *a, **k: seen.append(k["experts"]) or torch.zeros_like(a[0]))
     model.set_experts_implementation("moeblaze")
     model(torch.randint(0, 64, (1, 8)))
     assert seen and {(c.checkpoint, c.chunk_tokens, c.backend) for c in seen} == {("recompute", 5, "tl")}
