@@ -159,20 +159,23 @@ def fold_impl(impl: str, backend: str) -> str:
     return "triton" if (impl, backend) == ("triton", "auto") else backend
 
 
+def _renamed(where: str, experts: ExpertsConfig | None, old: ExpertsConfig | None, legacy: dict):
+    """`experts`, or `old` given as config= (0.2's name) with a DeprecationWarning; TypeError for both forms."""
+    if old is None:
+        return experts
+    if experts is not None or legacy:
+        raise TypeError(f"{where}(): pass the recipe as experts= only, not also as config= (its 0.2 name)")
+    warnings.warn(f"{where}(config=...) is deprecated and goes in 0.3: pass experts=", DeprecationWarning,
+                  stacklevel=4)
+    return old
+
+
 def from_legacy(where: str, experts: ExpertsConfig | None, legacy: dict) -> ExpertsConfig:
     """The recipe of a call: `experts` (None or DEFAULT: unset); 0.2's name for it, config=, or 0.1's form (its
     options as keyword arguments), each with a DeprecationWarning that names the new form. TypeError for a recipe of
     another type, an unknown keyword or two forms at once."""
-    if experts is DEFAULT:
-        experts = None
-    old = legacy.get("config")
-    legacy = {k: v for k, v in legacy.items() if v is not None and k != "config"}  # None: unset, as 0.1's had it
-    if old is not None:
-        if experts is not None or legacy:
-            raise TypeError(f"{where}(): pass the recipe as experts= only, not also as config= (its 0.2 name)")
-        warnings.warn(f"{where}(config=...) is deprecated and goes in 0.3: pass experts=", DeprecationWarning,
-                      stacklevel=3)
-        experts = old
+    legacy = {k: v for k, v in legacy.items() if v is not None}  # None: unset, as 0.1's had it
+    experts = _renamed(where, None if experts is DEFAULT else experts, legacy.pop("config", None), legacy)
     if experts is not None and not isinstance(experts, ExpertsConfig):
         raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(experts).__name__}")
     if not legacy:
