@@ -125,8 +125,10 @@ def test_the_recipe_is_experts_everywhere_and_config_its_deprecated_name():
              "Experts": lambda **k: Experts(8, 8, 3, **k).config}
     for name, call in calls.items():
         want = call(experts=recipe)
-        with pytest.warns(DeprecationWarning, match=rf"{name}\(config=\.\.\.\) is deprecated .* pass experts="):
+        said = rf"{name}\(config=\.\.\.\) is deprecated .* pass experts="
+        with pytest.warns(DeprecationWarning, match=said) as caught:
             got = call(config=recipe)
+        assert caught[0].filename == __file__, (name, caught[0].filename)  # said at the caller's line
         assert got == want if isinstance(want, ExpertsConfig) else torch.equal(got, want), name
         with pytest.raises(TypeError, match="experts= only"):
             call(experts=recipe, config=recipe)

@@ -18,6 +18,13 @@ class RunError(SystemExit):
     --on-overflow error, say): main prints `moeblaze <command>: error: ...` and returns 1, with no traceback."""
 
 
+def default_device(device: str | None) -> str:
+    """--device as given, or where it was left out, cuda where a GPU is available and cpu otherwise."""
+    import torch
+
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def check_device(device: str) -> None:
     """UsageError for --device cuda where no CUDA device is available (every command's first check)."""
     import torch

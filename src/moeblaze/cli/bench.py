@@ -19,7 +19,7 @@ import torch
 from ..bench.harness import (IMPLS, available_impls, make_problem, prepare, reference_grads, time_dispatch,
                              time_interleaved)
 from ..experts import launch_counts
-from . import UsageError, check_device
+from . import UsageError, check_device, default_device
 from .bench_flags import BenchConfig, Dispatch
 from .checkpoint import CheckpointError, probe_writable
 
@@ -177,7 +177,7 @@ def _impl_policies(config: BenchConfig, scale=False):
 def check_run(config: BenchConfig) -> BenchConfig:
     """The run after the machine's checks (UsageError naming the flag, before any work): the device, the results
     folder; with the device, warmup and iters the flags left to it decided."""
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(config.device)
     check_device(device)
     cpu = device == "cpu"
     config = dataclasses.replace(config, device=device,

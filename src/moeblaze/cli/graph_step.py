@@ -70,7 +70,7 @@ def check_graphable(config) -> None:
     """UsageError unless --cuda-graph can capture the step this run makes: a GPU, and nothing in the step that
     reads the device from the host or keeps Python state across steps."""
     par, machine = config.parallel, config.machine
-    if par.ep > 1 and par.transport.dispatch == "exact":
+    if par.ep > 1 and par.ep_config.dispatch == "exact":
         raise UsageError("--cuda-graph: --ep-dispatch exact reads each layer's split sizes on the host every step; "
                          "use --ep-dispatch capacity with --on-overflow drop")
     if par.ep > 1 and par.on_overflow in ("rerun", "error"):

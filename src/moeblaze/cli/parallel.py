@@ -140,9 +140,9 @@ def parallelize_model(model, ranks: Ranks, config):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce) if config.machine.bf16 else None
     ep_kwargs = {}
     if ranks.ep > 1:
-        ep_kwargs["ep_config"] = par.transport
-        if par.transport.dispatch == "capacity" and par.rerun:
-            ranks.tracker = CapacityTracker(initial_capacity(par.transport, config.schedule.tokens, cfg.top_k,
+        ep_kwargs["ep_config"] = par.ep_config
+        if par.ep_config.dispatch == "capacity" and par.rerun:
+            ranks.tracker = CapacityTracker(initial_capacity(par.ep_config, config.schedule.tokens, cfg.top_k,
                                                              cfg.num_experts, ranks.ep))
             ep_kwargs["tracker"] = ranks.tracker
     return parallelize(model, ranks.mesh, mp_policy=mp, reshard_after_forward=not par.keep_gathered,
@@ -291,12 +291,12 @@ def _layout(config, ranks: Ranks | None) -> dict:
     """A results row's fields of the parallel layout: processes, ep, the transport, FSDP2's settings."""
     par = config.parallel
     world, ep = (ranks.world, ranks.ep) if ranks else (1, 1)
-    fields = dict(world=world, ep=ep, efsdp=world // ep, dispatch=par.transport.dispatch if ep > 1 else "-",
-                  transport=par.transport.transport if ep > 1 else "-", keep_gathered=bool(ranks and par.keep_gathered),
-                  fsdp_units=par.units if ranks else "-", ep_chunks=par.transport.chunks,
+    fields = dict(world=world, ep=ep, efsdp=world // ep, dispatch=par.ep_config.dispatch if ep > 1 else "-",
+                  transport=par.ep_config.transport if ep > 1 else "-", keep_gathered=bool(ranks and par.keep_gathered),
+                  fsdp_units=par.units if ranks else "-", ep_chunks=par.ep_config.chunks,
                   reduce_dtype=par.reduce_dtype if ranks else "-")
-    if ep > 1 and par.transport.dispatch == "capacity":
-        fields.update(capacity_factor=par.transport.factor, on_overflow=par.on_overflow,
+    if ep > 1 and par.ep_config.dispatch == "capacity":
+        fields.update(capacity_factor=par.ep_config.factor, on_overflow=par.on_overflow,
                       capacity=ranks.tracker.capacity if ranks.tracker is not None else None)
     return fields
 

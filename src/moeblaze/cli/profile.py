@@ -18,7 +18,7 @@ from ..bench.memory import SavedTensorCounter
 from ..bench.stages import compiled_resources, stage_times
 from ..experts import moe_experts
 from ..env import INTERPRET
-from . import UsageError, check_device
+from . import UsageError, check_device, default_device
 from .profile_flags import ProfileConfig
 from ..nn import ModelConfig, MoELayer, MoEModel
 from ..routing import build_routing_index
@@ -100,7 +100,7 @@ def check_run(config: ProfileConfig) -> ProfileConfig:
     """The run after the device's checks (UsageError naming the flag), before any work, with what the flags left to
     the machine decided: the device, the sizes, the backend (on the CPU the kernels run under Triton's interpreter,
     which cli.main turns on; it says which path runs)."""
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(config.device)
     check_device(device)
     cpu = device == "cpu"
     backend = _cpu_backend(config.experts.backend) if cpu else config.experts.backend

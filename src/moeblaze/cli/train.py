@@ -126,7 +126,6 @@ def _quiet(*_args, **_kwargs) -> None:
 class _Run:
     """What set-up makes for the loop and the end: the run's model, optimizer, data generator and schedule."""
     config: TrainConfig
-    cfg: ModelConfig  # config.model
     ranks: object  # parallel.Ranks under torchrun, else None
     device: torch.device
     model: torch.nn.Module
@@ -139,6 +138,10 @@ class _Run:
     entropy: float
     step: int = 0  # the first step to train (the checkpoint's under --resume)
     end_step: int = 0  # the step the loop reached
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.config.model
 
     @property
     def bench(self) -> bool:
@@ -213,7 +216,7 @@ def _set_up(config: TrainConfig, note: str, train, val, ranks) -> _Run:
     opt = torch.optim.AdamW(model.parameters(), lr=sched.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=True)  # one kernel for every parameter (DTensors too; on the CPU 6x the loop's speed)
     save = "" if config.bench.steps > 0 else config.outputs.save
-    run = _Run(config, cfg, ranks, device, model, opt, torch.Generator().manual_seed(sched.seed),
+    run = _Run(config, ranks, device, model, opt, torch.Generator().manual_seed(sched.seed),
                functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16) if machine.bf16
                else contextlib.nullcontext,
                save, bool(save) and sharded_save(save, ranks is not None), n_params,
@@ -222,8 +225,8 @@ def _set_up(config: TrainConfig, note: str, train, val, ranks) -> _Run:
     run.say(_header(run, len(train) + len(val)))
     if note:
         run.say(f"layout by rule: {note}")
-    if note := precision_note(config):
-        run.say(note)
+    if fp8_note := precision_note(config):
+        run.say(fp8_note)
     run.say(f"unigram entropy of the corpus: {run.entropy:.3f} nats/byte (a model that ignores context)")
     return run
 
@@ -251,7 +254,7 @@ def _header(run: _Run, corpus: int) -> str:
     """The run's first line: the model, the corpus, the device and the layout."""
     cfg, ranks, par = run.cfg, run.ranks, run.config.parallel
     layout = "" if ranks is None else f", {run.world} processes (efsdp {run.world // ranks.ep} x ep {ranks.ep}" + (
-        f", {par.transport.dispatch} dispatch, {par.transport.transport} transport)" if ranks.ep > 1 else ")")
+        f", {par.ep_config.dispatch} dispatch, {par.ep_config.transport} transport)" if ranks.ep > 1 else ")")
     cpu = (f", {torch.get_num_threads()} CPU thread(s)"
            + (f" (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})" if "OMP_WAIT_POLICY" in os.environ else "")
            + f", experts on {experts_path(cfg, 1 if ranks is None else ranks.ep)}")

@@ -48,18 +48,14 @@ class Machine:
 class Parallel:
     """Expert parallelism and FSDP2 under torchrun. `ep` None, `keep_gathered` and `reduce_dtype` "auto": left to
     the layout's rule (cli/parallel.choose_layout). `on_overflow` "rerun" is the command's own (a CapacityTracker
-    and a rerun of the step); the transport's EPConfig then leaves the overflow unset."""
+    and a rerun of the step); ep_config then leaves the overflow unset. ep_config is the experts' EPConfig where ep
+    > 1 (the flags build it whatever --ep says: the layout's rule may choose ep = N)."""
     ep: int | None = None
-    transport: EPConfig = dataclasses.field(default_factory=EPConfig)
+    ep_config: EPConfig = dataclasses.field(default_factory=EPConfig)
     on_overflow: str = "rerun"
     keep_gathered: str | bool = "auto"
     reduce_dtype: str = "auto"
     units: str = "blocks"
-
-    @property
-    def ep_config(self) -> EPConfig | None:
-        """The experts' EPConfig (None at ep 1)."""
-        return self.transport if (self.ep or 1) > 1 else None
 
     @property
     def rerun(self) -> bool:

@@ -212,7 +212,7 @@ def train_config(args) -> TrainConfig:
                           eval_every=args.eval_every, eval_batches=args.eval_batches, seed=args.seed),
         machine=Machine(device=args.device, dtype=args.dtype, threads=args.threads, compile=args.compile,
                         cuda_graph=args.cuda_graph),
-        parallel=Parallel(ep=args.ep, transport=ep_config(args), on_overflow=args.on_overflow,
+        parallel=Parallel(ep=args.ep, ep_config=ep_config(args), on_overflow=args.on_overflow,
                           keep_gathered=args.fsdp_keep_gathered, reduce_dtype=args.fsdp_reduce_dtype,
                           units=args.fsdp_units),
         outputs=Outputs(save=args.save, save_every=args.save_every, resume=args.resume, overwrite=args.overwrite,

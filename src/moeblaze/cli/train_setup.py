@@ -13,7 +13,7 @@ import torch
 from ..env import INTERPRET
 from ..distributed.ep import check_options
 from ..experts.dispatch import choose
-from . import UsageError, check_device, parallel
+from . import UsageError, check_device, default_device, parallel
 from .checkpoint import (CheckpointError, check_header, probe_writable, probe_writable_folder,
                          sharded_checkpoint_path)
 from .graph_step import check_graphable
@@ -28,7 +28,7 @@ def check_run(config: TrainConfig, val_len: int) -> tuple[TrainConfig, str]:
     config = config.replace(
         outputs=dict(save=out.save if out.save is not None else
                      "checkpoints/moeblaze-sharded" if dist_run else "checkpoints/moeblaze.pt"),
-        machine=dict(device=machine.device or ("cuda" if torch.cuda.is_available() else "cpu")))
+        machine=dict(device=default_device(machine.device)))
     explicit = [f for f, on in (("--fsdp-keep-gathered", par.keep_gathered == "yes"),
                                 ("--fsdp-reduce-dtype bfloat16", par.reduce_dtype == "bfloat16")) if on]
     if explicit and not dist_run:

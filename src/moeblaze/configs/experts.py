@@ -159,23 +159,24 @@ def fold_impl(impl: str, backend: str) -> str:
     return "triton" if (impl, backend) == ("triton", "auto") else backend
 
 
-def _renamed(where: str, experts: ExpertsConfig | None, old: ExpertsConfig | None, legacy: dict):
+def _renamed(where: str, experts: ExpertsConfig | None, old: ExpertsConfig | None, legacy: dict, stacklevel: int):
     """`experts`, or `old` given as config= (0.2's name) with a DeprecationWarning; TypeError for both forms."""
     if old is None:
         return experts
     if experts is not None or legacy:
         raise TypeError(f"{where}(): pass the recipe as experts= only, not also as config= (its 0.2 name)")
     warnings.warn(f"{where}(config=...) is deprecated and goes in 0.3: pass experts=", DeprecationWarning,
-                  stacklevel=4)
+                  stacklevel=stacklevel + 1)
     return old
 
 
-def from_legacy(where: str, experts: ExpertsConfig | None, legacy: dict) -> ExpertsConfig:
+def from_legacy(where: str, experts: ExpertsConfig | None, legacy: dict, stacklevel: int = 3) -> ExpertsConfig:
     """The recipe of a call: `experts` (None or DEFAULT: unset); 0.2's name for it, config=, or 0.1's form (its
     options as keyword arguments), each with a DeprecationWarning that names the new form. TypeError for a recipe of
-    another type, an unknown keyword or two forms at once."""
+    another type, an unknown keyword or two forms at once. stacklevel: the warning's, as warnings.warn counts it
+    from here (3: the caller of the public function that called this)."""
     legacy = {k: v for k, v in legacy.items() if v is not None}  # None: unset, as 0.1's had it
-    experts = _renamed(where, None if experts is DEFAULT else experts, legacy.pop("config", None), legacy)
+    experts = _renamed(where, None if experts is DEFAULT else experts, legacy.pop("config", None), legacy, stacklevel)
     if experts is not None and not isinstance(experts, ExpertsConfig):
         raise TypeError(f"experts must be a moeblaze.ExpertsConfig, got {type(experts).__name__}")
     if not legacy:
@@ -195,5 +196,5 @@ def from_legacy(where: str, experts: ExpertsConfig | None, legacy: dict) -> Expe
     shown = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(new).items()
                       if v != getattr(ExpertsConfig, k))
     warnings.warn(f"{where}({', '.join(sorted(legacy))}=...) is deprecated and goes in 0.3: pass "
-                  f"experts=moeblaze.ExpertsConfig({shown})", DeprecationWarning, stacklevel=3)
+                  f"experts=moeblaze.ExpertsConfig({shown})", DeprecationWarning, stacklevel=stacklevel)
     return new

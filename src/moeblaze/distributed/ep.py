@@ -167,7 +167,7 @@ def _checked(x, topk_idx, topk_weights, w1_local, w2_local, group, experts, conf
     transport's first exchange with it set)."""
     ep = dist.get_world_size(group)
     try:
-        config = from_legacy("ep_experts", experts, {"config": config})
+        config = from_legacy("ep_experts", experts, {"config": config}, stacklevel=4)  # (from ep_experts' _checked)
         check_options(config)
         ep_config = check_config("ep_config", ep_config, EPConfig) or EPConfig()
         t = transport(ep_config.transport)

@@ -41,7 +41,7 @@ def _config(where: str, b1, experts: ExpertsConfig, legacy: dict) -> ExpertsConf
     if isinstance(b1, str):
         raise TypeError(f"{where}(x, topk_idx, topk_weights, w1, w2, b1=None, b2=None, *, experts=ExpertsConfig(...)): "
                         f"the options go in experts, not positionally (got {b1!r} for b1)")
-    return from_legacy(where, experts, legacy)
+    return from_legacy(where, experts, legacy, stacklevel=4)  # (called from the public function's _config)
 
 
 def moe_experts_reference(x_LD: torch.Tensor, topk_idx_LK: torch.Tensor, topk_w_LK: torch.Tensor,
