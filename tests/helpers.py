@@ -183,8 +183,8 @@ def run_ranks(body, world: int, *args, timeout_s: float = 600) -> None:
 
 
 def speed_up_triton_interpreter():
-    """Two lookups that Triton's interpreter (3.6 to 3.9) redoes at every step, made once; what they find is
-    unchanged. Only under the interpreter (TRITON_INTERPRET=1), and once per process.
+    """Work that Triton's interpreter (3.6 to 3.9) redoes at every step, done once; what it computes is unchanged.
+    Only under the interpreter (TRITON_INTERPRET=1), and once per process.
 
     - It patches triton.language's builtins on every call of a jit function, the kernel's helpers included, and
       finds them each time by inspect.getmembers over the whole module: a third of the interpreted kernels' time on
@@ -192,6 +192,11 @@ def speed_up_triton_interpreter():
       where it still holds a builtin, as inspect.getmembers would have found it).
     - It maps a Triton type to its numpy dtype by building a 19-entry dict at every call (a tenth of what is left):
       here each element type's answer is kept after its first call.
+    - It patches triton.language again at every call of a device function (a kernel's helper), though the launch
+      around it has patched the same modules and restores them only when it ends: the patches are the same
+      (none depends on the function), so a helper whose module sees no language module the launch's did not is
+      not patched again (a quarter of the interpreted kernels' time). The launch's own patching and its
+      restore are Triton's, untouched.
     And one computation that checked nothing is set aside: the integer-overflow sanitizer recomputes every int32
     add, sub and mul in int64 and compares it with the bounds (about half of what was left), then hands the result
     to device_assert, which without debug=True returns at once: no assertion ever ran. tests/experts/
@@ -232,7 +237,44 @@ def speed_up_triton_interpreter():
         return dtypes[key]
 
     interpreter._get_np_dtype = get_np_dtype
+    interpreter._patch_lang = _patch_lang_once_per_launch(interpreter)
     _set_overflow_checks(False)
+
+
+def _patch_lang_once_per_launch(interpreter):
+    """Triton's _patch_lang, which a launch calls (and restores its scope when it ends) and every device function
+    inside it calls again (its scope never restored): the inner calls are skipped where the launch has patched
+    every language module the function sees."""
+    tritons, tl = interpreter._patch_lang, interpreter.tl
+    langs_of, launch = {}, []  # the language modules each function sees; those the running launch patched
+
+    class Launch:
+        def __init__(self, scope):
+            self.scope = scope
+
+        def restore(self):
+            try:
+                self.scope.restore()
+            finally:
+                launch.clear()
+
+    class Nothing:
+        def restore(self):
+            pass
+
+    def patch_lang(fn):
+        if fn not in langs_of:
+            langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        if launch and langs_of[fn] <= launch[0]:
+            return Nothing()  # a device function: its modules are patched by the launch around it
+        scope = tritons(fn)
+        if launch:  # a device function that sees another module (Triton's own, as tl.core): patched as Triton
+            launch[0] |= langs_of[fn]  # does, never restored, so patched for the rest of the launch
+            return scope
+        launch.append(set(langs_of[fn]))
+        return Launch(scope)
+
+    return patch_lang
 
 
 def _set_overflow_checks(on: bool, debug: bool | None = None):
