@@ -335,9 +335,12 @@ def _misuse(rank, world, errors):
     what = "every rank of the expert-parallel group must pass the same "
     with pytest.raises(ValueError, match=what + r"number of experts; the ranks hold \[4, 6\]"):
         ExpertParallel(Experts(16, 16, 4 + 2 * rank, experts=config), mesh)
-    with pytest.raises(ValueError, match=what + "ExpertsConfig; the ranks hold"):  # different arithmetic, said first
+    # different arithmetic, said first
+    with pytest.raises(ValueError, match=what + "ExpertsConfig; the ranks hold ExpertsConfigs that differ in "
+                       r"checkpoint \('preact' on rank 0, 'recompute' on rank 1\)$"):
         ExpertParallel(Experts(16, 16, 4, experts=config.replace(checkpoint=("preact", "recompute")[rank])), mesh)
-    with pytest.raises(ValueError, match=what + "EPConfig; the ranks hold"):  # different collectives
+    with pytest.raises(ValueError, match=what + "EPConfig; the ranks hold EPConfigs that differ in dispatch "
+                       r"\('exact' on rank 0, 'capacity' on rank 1\)"):  # different collectives
         ExpertParallel(Experts(16, 16, 4, experts=config), mesh,
                        ep_config=_pairs(("exact", "capacity")[rank]))
     with pytest.raises(TypeError, match="tracker must be a moeblaze CapacityTracker"):

@@ -15,6 +15,7 @@ Dispatch modes (every transport):
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -63,23 +64,33 @@ def check_agreement(group, **fields) -> None:
     remembered, so a training loop pays it once). A rank whose inputs were refused passes its error as `inputs`, so
     that every rank raises it, not that rank alone while the others wait in the next collective."""
     pg = group if group is not None else dist.group.WORLD
-    key = tuple(fields.items())
+    key = tuple((name, repr(value) if dataclasses.is_dataclass(value) else value) for name, value in fields.items())
     if key in _AGREED.get(pg, ()):
         return
     held = [None] * dist.get_world_size(group)
-    dist.all_gather_object(held, key, group=group)
-    refusals = [f"rank {r}'s were refused ({dict(h)['inputs']})" for r, h in enumerate(held)
-                if dict(h).get("inputs", "ok") != "ok"]
+    dist.all_gather_object(held, fields, group=group)
+    refusals = [f"rank {r}'s were refused ({h['inputs']})" for r, h in enumerate(held) if h.get("inputs", "ok") != "ok"]
     if refusals:
         raise ValueError("every rank of the expert-parallel group stops: " + "; ".join(refusals))
     differ = []
     for name in fields:
-        values = [dict(h).get(name) for h in held]
+        values = [h.get(name) for h in held]
         if len({repr(v) for v in values}) > 1:
-            differ.append(f"the same {AGREED_FIELDS.get(name, name)}; the ranks hold {values}")
+            differ.append(f"the same {AGREED_FIELDS.get(name, name)}; the ranks hold {_differences(values)}")
     if differ:
         raise ValueError("every rank of the expert-parallel group must pass " + "; and ".join(differ))
     _AGREED.setdefault(pg, set()).add(key)
+
+
+def _differences(values: list) -> str:
+    """What the ranks hold: for configs of one dataclass, only the fields that differ, rank by rank."""
+    kind = type(values[0])
+    if not (dataclasses.is_dataclass(kind) and all(type(v) is kind for v in values)):
+        return str(values)
+    fields = [f.name for f in dataclasses.fields(kind)
+              if len({repr(getattr(v, f.name)) for v in values}) > 1]
+    return f"{kind.__name__}s that differ in " + "; ".join(
+        f + " (" + ", ".join(f"{getattr(v, f)!r} on rank {r}" for r, v in enumerate(values)) + ")" for f in fields)
 
 
 def _check_local_experts(E_loc: int, group) -> None:
@@ -138,8 +149,8 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
         check_agreement(group, entry="ep_experts", experts=E_loc,
                         weights=(tuple(w1_local.shape[1:]), tuple(w2_local.shape[1:]), str(w1_local.dtype),
                                  w1_up is not None),
-                        x=(x.shape[1], str(x.dtype)), top_k=topk_idx.shape[1], recipe=repr(config),
-                        ep_config=repr(ep_config), tracker=tracker is not None, inputs="ok")
+                        x=(x.shape[1], str(x.dtype)), top_k=topk_idx.shape[1], recipe=config,
+                        ep_config=ep_config, tracker=tracker is not None, inputs="ok")
         _LAST[group if group is not None else dist.group.WORLD] = (E_loc, ep_config, x.device)
     E = E_loc * ep
     L, K = topk_idx.shape

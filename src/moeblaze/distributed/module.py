@@ -65,7 +65,7 @@ class ExpertParallel(nn.Module):
         # before any collective of the forward: ranks that disagree on the shape or the recipe would run different
         # collectives (a hang or an abort) or different arithmetic (silently)
         check_agreement(ep_mesh.get_group(), num_experts=E, shape=(experts.d_model, experts.d_expert),
-                        recipe=repr(experts.config), ep_config=repr(ep_config), tracker=tracker is not None)
+                        recipe=experts.config, ep_config=ep_config, tracker=tracker is not None)
         if E % ep:
             raise ValueError(f"{E} experts do not split over ep = {ep} ranks")
         self.config, self.d_model, self.d_expert, self.num_experts = (experts.config, experts.d_model,

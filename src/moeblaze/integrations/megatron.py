@@ -211,7 +211,7 @@ class MoeblazeSequentialMLP(SequentialMLP):
         group = getattr(self, "ep_group", None)
         if group is not None and group.size() > 1:  # dispatchers that differ make different collectives: a hang
             from ..distributed.ep import check_agreement
-            check_agreement(group, dispatch=dispatch, recipe=repr(experts), experts=num_local_experts)
+            check_agreement(group, dispatch=dispatch, recipe=experts, experts=num_local_experts)
 
     def _parts(self) -> tuple:
         fc1 = [e.linear_fc1 for e in self.local_experts]
@@ -272,7 +272,7 @@ class MoeblazeMoELayer(MoELayer):
         self.ep = check_config("ep", ep, EPConfig)
         if self.ep_group.size() > 1:
             from ..distributed.ep import check_agreement, check_options
-            check_agreement(self.ep_group, ep_config=repr(self.ep or EPConfig()))
+            check_agreement(self.ep_group, ep_config=self.ep or EPConfig())
             check_options(self.experts.moeblaze_config)
             if self.config.add_bias_linear:
                 raise ValueError("moeblaze's layer: expert biases (add_bias_linear) under expert parallelism are not "
