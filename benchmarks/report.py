@@ -221,6 +221,12 @@ def _runs(rows: list[dict]) -> str:
     return "; ".join(f"run {k} (commit {r['git_sha']}, {r['date'][:16]}): `{r['command']}`" for k, r in runs.items())
 
 
+def _short_gpu(r: dict) -> str:
+    """The GPU's model as a heading names it (NVIDIA H100 80GB HBM3 -> one H100)."""
+    words = r["gpu"].split()
+    return "one " + (words[1] if len(words) > 1 and words[0] == "NVIDIA" else r["gpu"])
+
+
 def _layer_line(name: str, r: dict, baseline_ms: float | None, gmm_ms: float | None = None) -> str:
     """One table line of a layer row; its ratio columns are baseline_ms (and gmm_ms) / its step time."""
     if r["status"] != "ok":
@@ -278,7 +284,8 @@ def results_markdown(rows: list[dict]) -> str:
     disp = latest_rows(rows, "dispatch")
     if disp:
         r0 = disp[0]
-        out += ["", f"Routing index build, {r0['gpu']}, {_runs(disp)}.", "",
+        out += ["", f"## Routing index build ({_short_gpu(r0)}, {r0['date'][:10]})", "",
+                f"Routing index build, {r0['gpu']}, {_runs(disp)}.", "",
                 "| L | E | K | dense ms | sort ms | argsort+bincount+cumsum ms | sort / dense |",
                 "|---|---|---|---|---|---|---|"]
         for r in disp:
@@ -291,7 +298,8 @@ def results_markdown(rows: list[dict]) -> str:
     scale = latest_rows(rows, "scale")
     if scale:
         r0 = scale[0]
-        out += ["", f"Scaling, d,h,E,K = {r0['d']},{r0['h']},{r0['E']},{r0['K']}, {r0['gpu']}; {_runs(scale)}.", "",
+        out += ["", f"## Scaling with the token count ({_short_gpu(r0)}, {r0['date'][:10]})", "",
+                f"Scaling, d,h,E,K = {r0['d']},{r0['h']},{r0['E']},{r0['K']}, {r0['gpu']}; {_runs(scale)}.", "",
                 "| tokens | implementation | step ms | kept MB | peak MB | KB per token (peak) |",
                 "|---|---|---|---|---|---|"]
         for r in sorted(scale, key=lambda r: (_label(r), r["L"])):
