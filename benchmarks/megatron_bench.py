@@ -7,6 +7,9 @@ Variants (one Megatron spec each, the same weights and tokens, bf16 parameters a
 them, under Megatron's DistributedDataParallel with fp32 gradient buffers, NCCL world of one):
   megatron-sequential   Megatron's local spec: SequentialMLP (a loop over the experts) after its all-to-all
                         dispatcher's permute
+  megatron-grouped-mm   Megatron's own grouped-GEMM experts (GroupedMLP: the experts' weights as one stack, one
+                        grouped GEMM per projection) on torch._grouped_mm in place of the grouped_gemm package,
+                        which is a CUDA extension to build: what TEGroupedMLP computes, without TransformerEngine
   megatron-te-grouped   the TransformerEngine spec's TEGroupedMLP, where transformer_engine imports
   moeblaze              get_moeblaze_gpt_layer_spec: moeblaze's fused layer (checkpoint "preact")
   moeblaze-recompute    the same, ExpertsConfig(checkpoint="recompute")
@@ -34,15 +37,37 @@ from moeblaze import ExpertsConfig
 
 QWEN3_30B = dict(hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
                  ffn_hidden_size=6144, num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768)
-VARIANTS = ("megatron-sequential", "megatron-te-grouped", "moeblaze", "moeblaze-recompute", "moeblaze-in-megatron")
+VARIANTS = ("megatron-sequential", "megatron-grouped-mm", "megatron-te-grouped", "moeblaze", "moeblaze-recompute",
+            "moeblaze-in-megatron")
 
 
-def transformer_config(layers: int, te: bool):
+def grouped_gemm_on_torch() -> None:
+    """Megatron's grouped_gemm hook (megatron.core.transformer.moe.grouped_gemm_util: `gg.ops.gmm`, which
+    GroupedMLP calls) served by torch._grouped_mm, for this process: gmm(a (rows, k), b (E, k, n) or (E, n, k) with
+    trans_b, batch_sizes (E,)) -> (rows, n), the rows of expert e being the e-th run of batch_sizes[e] rows."""
+    try:
+        from megatron.core.transformer.moe import grouped_gemm_util as gg
+        from megatron.core.transformer.moe.experts import GroupedMLP  # noqa: F401  (gone in 0.17: TE's only)
+    except ImportError as e:
+        raise RuntimeError("megatron-grouped-mm runs Megatron's GroupedMLP, which megatron-core 0.17 removed (its "
+                           "grouped experts are TransformerEngine's since): run it on megatron-core 0.16") from e
+
+    class Ops:
+        @staticmethod
+        def gmm(a, b, batch_sizes, trans_b=False):
+            offs = torch.cumsum(batch_sizes.to(a.device), 0, dtype=torch.int32)
+            return torch._grouped_mm(a, b.transpose(1, 2) if trans_b else b, offs=offs)
+
+    gg.grouped_gemm, gg.ops = "torch._grouped_mm", Ops
+
+
+def transformer_config(layers: int, te: bool, grouped: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
     return TransformerConfig(num_layers=layers, **QWEN3_30B, gated_linear_unit=True, activation_func=F.silu,
                              add_bias_linear=False, normalization="RMSNorm", qk_layernorm=True,
                              moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
-                             moe_aux_loss_coeff=1e-3, moe_grouped_gemm=te, bf16=True, params_dtype=torch.bfloat16,
+                             moe_aux_loss_coeff=1e-3, moe_grouped_gemm=te or grouped, bf16=True,
+                             params_dtype=torch.bfloat16,
                              bias_activation_fusion=te, apply_rope_fusion=False, masked_softmax_fusion=False,
                              gradient_accumulation_fusion=False, persist_layer_norm=False)
 
@@ -52,8 +77,11 @@ def spec(variant: str):
 
     from moeblaze.integrations.megatron import get_moeblaze_gpt_layer_spec
     E = QWEN3_30B["num_moe_experts"]
-    if variant == "megatron-sequential":
-        return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=False, qk_layernorm=True)
+    if variant in ("megatron-sequential", "megatron-grouped-mm"):
+        grouped = variant == "megatron-grouped-mm"
+        if grouped:
+            grouped_gemm_on_torch()
+        return gpt_layer_specs.get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=grouped, qk_layernorm=True)
     if variant == "megatron-te-grouped":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=E, moe_grouped_gemm=True,
                                                                           qk_layernorm=True)
@@ -67,7 +95,7 @@ def build(what: str, variant: str, layers: int):
     gradients into its fp32 buffer, the parameters laid out in its buffer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-    cfg = transformer_config(layers, te=variant == "megatron-te-grouped")
+    cfg = transformer_config(layers, te=variant == "megatron-te-grouped", grouped=variant == "megatron-grouped-mm")
     s = spec(variant)
     torch.manual_seed(0)
     if what == "layer":

@@ -1,0 +1,78 @@
+"""benchmarks/megatron_bench.py's grouped-GEMM baseline on the CPU: Megatron's own GroupedMLP with its grouped_gemm
+hook served by torch._grouped_mm computes Megatron's SequentialMLP layer (the same weights, laid out as GroupedMLP
+keeps them): output, dx and every gradient within twice Megatron's own bf16 error against its layer in fp64."""
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from helpers import assert_within_torch_error, run_ranks  # noqa: E402
+import megatron_cpu as mc  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import megatron_bench  # noqa: E402  (outside the package)
+
+
+def _step(layer, x, dout, dtype):
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().to(dtype).requires_grad_()
+    out, bias = layer(x)
+    assert bias is None
+    out.backward(dout.to(dtype))
+    return out.detach(), x.grad
+
+
+def _as_grouped(layer, E, grad: bool):
+    """SequentialMLP's expert weights (or their gradients) as GroupedMLP keeps them: expert e's fc1 transposed at
+    weight1.view(E, hidden, 2F)[e], its fc2 transposed at weight2.view(E, F, hidden)[e]."""
+    experts = layer.experts.local_experts
+    fc1, fc2 = ([getattr(e, name).weight.grad if grad else getattr(e, name).weight for e in experts]
+                for name in ("linear_fc1", "linear_fc2"))
+    w1, w2 = torch.stack([w.t() for w in fc1]), torch.stack([w.t() for w in fc2])
+    return w1.reshape(w1.shape[1], -1), w2.reshape(-1, w2.shape[2])
+
+
+def _sequential_grads(layer, E):
+    return (layer.router.weight.grad, *_as_grouped(layer, E, grad=True))
+
+
+def _grouped_equals_sequential(rank, world, found):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    mc.init()
+    try:
+        megatron_bench.grouped_gemm_on_torch()
+        bf16 = dict(bf16=True, params_dtype=torch.bfloat16)
+        config = mc.transformer_config(**bf16)
+        E = config.num_moe_experts
+        stock = mc.build(mc.stock_mlp(E), config, seed=0)
+        grouped = mc.build(get_gpt_layer_local_spec(num_experts=E, moe_grouped_gemm=True).submodules.mlp,
+                           mc.transformer_config(moe_grouped_gemm=True, **bf16), seed=1)
+        assert type(grouped.experts).__name__ == "GroupedMLP", type(grouped.experts)
+        exact = mc.build(mc.stock_mlp(E), mc.transformer_config(), seed=2).double()
+        exact.load_state_dict({k: v.double() if torch.is_tensor(v) else v for k, v in stock.state_dict().items()})
+        with torch.no_grad():
+            grouped.router.weight.copy_(stock.router.weight)
+            w1, w2 = _as_grouped(stock, E, grad=False)
+            grouped.experts.weight1.copy_(w1)
+            grouped.experts.weight2.copy_(w2)
+        g = torch.Generator().manual_seed(3)
+        x, dout = (torch.randn(12, 2, config.hidden_size, generator=g, dtype=torch.float64) for _ in range(2))
+        want = _step(exact, x, dout, torch.float64) + _sequential_grads(exact, E)
+        same = _step(stock, x, dout, torch.bfloat16) + _sequential_grads(stock, E)
+        got = _step(grouped, x, dout, torch.bfloat16) + (grouped.router.weight.grad, grouped.experts.weight1.grad,
+                                                         grouped.experts.weight2.grad)
+        for name, a, b, w in zip(("out", "dx", "router", "fc1", "fc2"), got, same, want):
+            try:
+                assert_within_torch_error(a, b, w)
+            except AssertionError as e:
+                found.put((rank, name, str(e)))
+    finally:
+        mc.destroy()
+
+
+def test_grouped_gemm_baseline_computes_megatrons_sequential_layer():
+    run_ranks(_grouped_equals_sequential, 1)
