@@ -155,6 +155,9 @@ def child(args) -> None:
     torch.cuda.set_device(0)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 reads it undefined where TE does not import
+        moe_utils.te_general_gemm = None
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)
     try:
