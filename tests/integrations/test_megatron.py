@@ -388,3 +388,90 @@ def _disagreeing_layers(rank, world, found, field):
 def test_layers_that_differ_across_ranks_are_one_error_on_every_rank(world):
     for field in ("dispatch", "recipe", "ep_config"):
         run_ranks(_disagreeing_layers, world, field)
+
+
+def _block_model(spec, config, seed):
+    from megatron.core.models.gpt import GPTModel
+    torch.manual_seed(seed)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=T,
+                    position_embedding_type="rope")
+
+
+def _positions_and_mask(ids):
+    """GPTModel's position ids and causal mask (True: masked out; Megatron's default mask is made on CUDA)."""
+    t = ids.shape[1]
+    return torch.arange(t)[None].expand_as(ids), torch.ones(t, t, dtype=torch.bool).triu(1)[None, None]
+
+
+def _model_step(model, ids, dlogits, dtype):
+    """(logits, {name: grad}) of one forward and backward."""
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, *_positions_and_mask(ids))
+    logits.backward(dlogits.to(logits.dtype))
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _dense_then_moe(rank, world, found):
+    """A DeepSeek-V3-style GPTModel (first layer dense, MoE after) from moeblaze's block spec against Megatron's own
+    block spec: Megatron's dense layer, moeblaze's MoE layers; logits and every parameter's gradient within twice
+    Megatron's fp32 error against its model in fp64; and SGD steps lower the loss."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    from moeblaze.integrations.megatron import MoeblazeMoELayer, get_moeblaze_gpt_decoder_block_spec
+    mc.init()
+    # attention forks the CUDA RNG for its dropout (none here): Megatron's inference tracker, whose fork does nothing
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    try:
+        config = mc.transformer_config(num_layers=3, moe_layer_freq=[0, 1, 1], hidden_dropout=0.0,
+                                       attention_dropout=0.0)
+        ours = _block_model(get_moeblaze_gpt_decoder_block_spec(config, experts=ExpertsConfig(backend="triton")),
+                            config, 0)
+        stock_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        stock = _block_model(stock_spec, config, 1)
+        exact = _block_model(stock_spec, config, 2).double()
+        kinds = [type(layer.mlp).__name__ for layer in ours.decoder.layers]
+        assert kinds == ["MLP", "MoeblazeMoELayer", "MoeblazeMoELayer"], kinds
+        assert isinstance(ours.decoder.layers[1].mlp, MoeblazeMoELayer)
+        assert ours.state_dict().keys() == stock.state_dict().keys()
+        ours.load_state_dict(stock.state_dict())
+        exact.load_state_dict({k: v.double() if torch.is_tensor(v) else v for k, v in stock.state_dict().items()})
+        g = torch.Generator().manual_seed(5)
+        ids = torch.randint(0, 64, (B, T), generator=g)
+        dlogits = torch.randn(B, T, 64, generator=g, dtype=torch.float64)
+        (want, want_g), (same, same_g), (got, got_g) = (_model_step(m, ids, dlogits, dt) for m, dt in
+                                                        ((exact, torch.float64), (stock, None), (ours, None)))
+        for name, a, b, w in [("logits", got, same, want)] + [(n, got_g[n], same_g[n], want_g[n]) for n in want_g]:
+            try:
+                assert a is not None, "no gradient"
+                assert_within_torch_error(a, b, w)
+            except AssertionError as e:
+                found.put((rank, name, str(e)))
+        opt = torch.optim.SGD(ours.parameters(), lr=0.5)
+        losses = []
+        for _ in range(4):
+            opt.zero_grad()
+            logits = ours(ids[:, :-1], *_positions_and_mask(ids[:, :-1]))
+            loss = F.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1))
+            loss.backward()
+            opt.step()
+            losses.append(float(loss))
+        if not losses[-1] < losses[0]:
+            found.put((rank, "training", losses))
+    finally:
+        initialize_rng_tracker(force_reset=True)
+        mc.destroy()
+
+
+def test_a_block_with_a_dense_first_layer_equals_megatrons_and_trains():
+    run_ranks(_dense_then_moe, 1)
+
+
+def test_the_block_spec_refuses_what_it_cannot_build():
+    from moeblaze.integrations.megatron import get_moeblaze_gpt_decoder_block_spec
+    with pytest.raises(ValueError, match="num_moe_experts is not set"):
+        get_moeblaze_gpt_decoder_block_spec(mc.transformer_config(num_moe_experts=None, moe_ffn_hidden_size=None))
+    with pytest.raises(ValueError, match="moe_grouped_gemm=True"):
+        get_moeblaze_gpt_decoder_block_spec(mc.transformer_config(moe_grouped_gemm=True))
+    with pytest.raises(ValueError, match="applies to dispatch='moeblaze'"):
+        get_moeblaze_gpt_decoder_block_spec(mc.transformer_config(), dispatch="megatron", ep=EPConfig())

@@ -363,6 +363,12 @@ def get_moeblaze_gpt_layer_spec(num_experts: int, *, experts: ExpertsConfig = DE
     mlp = spec.submodules.mlp
     if not issubclass(_module(mlp), MoELayer):
         raise ValueError(f"Megatron's spec has {_module(mlp)!r} as the MLP: no MoE layer to put moeblaze in")
+    return _on_moeblaze(spec, experts, dispatch, ep)
+
+
+def _on_moeblaze(spec, experts: ExpertsConfig, dispatch: str, ep: EPConfig | None):
+    """A TransformerLayer spec of Megatron's whose MLP is its MoE layer, with that layer on moeblaze."""
+    mlp = spec.submodules.mlp
     subs = _submodules(mlp)
     if _module(subs.experts) is not SequentialMLP:
         raise ValueError(f"Megatron's spec has {_module(subs.experts).__qualname__} as the experts: moeblaze computes "
@@ -376,4 +382,39 @@ def get_moeblaze_gpt_layer_spec(num_experts: int, *, experts: ExpertsConfig = DE
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
 
 
-__all__ = ["MoeblazeMoELayer", "MoeblazeSequentialMLP", "check_megatron_config", "get_moeblaze_gpt_layer_spec"]
+def get_moeblaze_gpt_decoder_block_spec(config, *, experts: ExpertsConfig = DEFAULT, dispatch: str = "moeblaze",
+                                        ep: EPConfig | None = None, use_te: bool = False, **block_kwargs):
+    """Megatron's GPT decoder block spec (get_gpt_decoder_block_spec: dense and MoE layers as config.moe_layer_freq
+    lays them out, this pipeline stage's slice; block_kwargs go to it) with every MoE layer on moeblaze, the dense
+    layers Megatron's: for models whose first layers are dense (DeepSeek-V3's first three) or that interleave them.
+    Multi-token prediction: pass this block's last layer spec to Megatron's get_gpt_mtp_block_spec.
+
+    Args:
+        config: the model's TransformerConfig (num_layers, moe_layer_freq, num_moe_experts, ...).
+        experts, dispatch, ep, use_te: as for get_moeblaze_gpt_layer_spec.
+
+    Returns:
+        The TransformerBlockSubmodules, for GPTModel(transformer_layer_spec=...).
+    """
+    check_choice("dispatch", dispatch, DISPATCH)
+    check_config("experts", experts, ExpertsConfig)
+    if check_config("ep", ep, EPConfig) is not None and dispatch != "moeblaze":
+        raise ValueError("ep is moeblaze's expert-parallel dispatch: it applies to dispatch='moeblaze'")
+    if not config.num_moe_experts:
+        raise ValueError("config.num_moe_experts is not set: the block has no MoE layer to put moeblaze in (use "
+                         "Megatron's get_gpt_decoder_block_spec for a dense model)")
+    if config.moe_grouped_gemm:
+        raise ValueError("config.moe_grouped_gemm=True builds Megatron's grouped-GEMM experts (TEGroupedMLP, "
+                         "GroupedMLP), whose parameters moeblaze's layer doesn't compute: set it False")
+    if use_te and importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError("use_te=True starts from Megatron's TransformerEngine spec, and TransformerEngine is not "
+                         "installed: install it (pip install transformer-engine[pytorch]) or leave use_te out")
+    from megatron.core.models.gpt import gpt_layer_specs
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, **block_kwargs)
+    layers = [_on_moeblaze(s, experts, dispatch, ep) if issubclass(_module(s.submodules.mlp), MoELayer) else s
+              for s in block.layer_specs]
+    return dataclasses.replace(block, layer_specs=layers)
+
+
+__all__ = ["MoeblazeMoELayer", "MoeblazeSequentialMLP", "check_megatron_config", "get_moeblaze_gpt_decoder_block_spec",
+           "get_moeblaze_gpt_layer_spec"]
