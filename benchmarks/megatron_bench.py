@@ -1,7 +1,7 @@
 """Megatron-Core's MoE layer with its own experts and with moeblaze's, side by side in one process on one GPU:
 forward + backward time and peak memory of one MoE layer of Qwen3-30B-A3B's shape, then of a few-layer GPTModel.
 
-    python benchmarks/megatron_bench.py [--tokens 8192] [--layers 4] [--out DIR]
+    python benchmarks/megatron_bench.py [--tokens 8192] [--layers 4] [--dense-first 0] [--out DIR]
 
 Variants (one Megatron spec each, the same weights and tokens, bf16 parameters as Megatron's Float16Module keeps
 them, under Megatron's DistributedDataParallel with fp32 gradient buffers, NCCL world of one):
@@ -61,9 +61,12 @@ def grouped_gemm_on_torch() -> None:
     gg.grouped_gemm, gg.ops = "torch._grouped_mm", Ops
 
 
-def transformer_config(layers: int, te: bool, grouped: bool = False):
+def transformer_config(layers: int, te: bool, grouped: bool = False, dense_first: int = 0):
+    """dense_first: the model's first layers dense (DeepSeek-V3's layout), the rest MoE."""
     from megatron.core.transformer.transformer_config import TransformerConfig
-    return TransformerConfig(num_layers=layers, **QWEN3_30B, gated_linear_unit=True, activation_func=F.silu,
+    freq = [0] * dense_first + [1] * (layers - dense_first) if dense_first else 1
+    return TransformerConfig(num_layers=layers, **QWEN3_30B, moe_layer_freq=freq, gated_linear_unit=True,
+                             activation_func=F.silu,
                              add_bias_linear=False, normalization="RMSNorm", qk_layernorm=True,
                              moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
                              moe_aux_loss_coeff=1e-3, moe_grouped_gemm=te or grouped, bf16=True,
@@ -90,13 +93,28 @@ def spec(variant: str):
                                        dispatch="megatron" if variant == "moeblaze-in-megatron" else "moeblaze")
 
 
-def build(what: str, variant: str, layers: int):
+def block_spec(variant: str, cfg):
+    """The variant's decoder block spec (dense and MoE layers as cfg.moe_layer_freq lays them out)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    from moeblaze.integrations.megatron import get_moeblaze_gpt_decoder_block_spec
+    if variant.startswith("megatron-"):
+        if variant == "megatron-grouped-mm":
+            grouped_gemm_on_torch()
+        return gpt_layer_specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=variant == "megatron-te-grouped")
+    experts = ExpertsConfig(checkpoint="recompute" if variant == "moeblaze-recompute" else "preact")
+    return get_moeblaze_gpt_decoder_block_spec(cfg, experts=experts,
+                                               dispatch="megatron" if variant == "moeblaze-in-megatron" else "moeblaze")
+
+
+def build(what: str, variant: str, layers: int, dense_first: int = 0):
     """The variant's layer or model under Megatron's DistributedDataParallel (world of one), as Megatron trains:
     gradients into its fp32 buffer, the parameters laid out in its buffer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
-    cfg = transformer_config(layers, te=variant == "megatron-te-grouped", grouped=variant == "megatron-grouped-mm")
-    s = spec(variant)
+    cfg = transformer_config(layers, te=variant == "megatron-te-grouped", grouped=variant == "megatron-grouped-mm",
+                             dense_first=dense_first if what == "model" else 0)
+    s = block_spec(variant, cfg) if what == "model" and dense_first else spec(variant)
     torch.manual_seed(0)
     if what == "layer":
         mlp = s.submodules.mlp
@@ -125,7 +143,7 @@ def timed(step, warmup: int, iters: int) -> tuple[float, float]:
 
 
 def run(what: str, variant: str, args) -> dict:
-    model = build(what, variant, args.layers)
+    model = build(what, variant, args.layers, args.dense_first)
     g = torch.Generator(device="cuda").manual_seed(1)
     seq, batch = 4096, args.tokens // 4096
     if what == "layer":
@@ -172,6 +190,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8192, help="tokens a step (sequences of 4096)")
     ap.add_argument("--layers", type=int, default=4, help="the GPTModel's layers")
+    ap.add_argument("--dense-first", type=int, default=0,
+                    help="the GPTModel's first layers dense (DeepSeek-V3's layout; the decoder block spec)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--what", default="layer,model", help="layer, model or both")
     ap.add_argument("--warmup", type=int, default=3)
@@ -193,11 +213,13 @@ def main():
         for variant in args.variants.split(","):
             row = {"impl": f"megatron:{variant}", "bench": f"megatron-{what}", "L": args.tokens, "d": q["hidden_size"],
                    "h": q["moe_ffn_hidden_size"], "E": q["num_moe_experts"], "K": q["moe_router_topk"],
-                   "layers": 1 if what == "layer" else args.layers, **env}
+                   "layers": 1 if what == "layer" else args.layers,
+                   "dense_first": args.dense_first if what == "model" else 0, **env}
             # a process per variant: Megatron's DDP keeps a stock layer alive after its last reference goes (a CPU
             # check showed it), which would count in the next variant's peak
             r = subprocess.run([sys.executable, __file__, "--child", "--what", what, "--variants", variant,
-                                "--tokens", str(args.tokens), "--layers", str(args.layers), "--warmup",
+                                "--tokens", str(args.tokens), "--layers", str(args.layers), "--dense-first",
+                                str(args.dense_first), "--warmup",
                                 str(args.warmup), "--iters", str(args.iters)], capture_output=True, text=True)
             rows = [line[4:] for line in r.stdout.splitlines() if line.startswith("ROW ")]
             row.update(json.loads(rows[-1]) if rows else {"error": f"exit {r.returncode}: {r.stderr[-300:]}"})
