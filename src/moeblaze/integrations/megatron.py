@@ -345,17 +345,11 @@ def get_moeblaze_gpt_layer_spec(num_experts: int, *, experts: ExpertsConfig = DE
         The TransformerLayer spec, for GPTModel(transformer_layer_spec=...).
     """
     check_int("num_experts", num_experts)
-    check_choice("dispatch", dispatch, DISPATCH)
-    check_config("experts", experts, ExpertsConfig)
-    if check_config("ep", ep, EPConfig) is not None and dispatch != "moeblaze":
-        raise ValueError("ep is moeblaze's expert-parallel dispatch: it applies to dispatch='moeblaze'")
+    _check_spec_options(experts, dispatch, ep, use_te)
     if spec_kwargs.pop("moe_grouped_gemm", False):
         raise ValueError("moe_grouped_gemm=True builds Megatron's grouped-GEMM experts (TEGroupedMLP, GroupedMLP), "
                          "whose parameters moeblaze's layer doesn't compute: leave it out (moeblaze's experts are one "
                          "grouped launch over SequentialMLP's parameters)")
-    if use_te and importlib.util.find_spec("transformer_engine") is None:
-        raise ValueError("use_te=True starts from Megatron's TransformerEngine spec, and TransformerEngine is not "
-                         "installed: install it (pip install transformer-engine[pytorch]) or leave use_te out")
     from megatron.core.models.gpt import gpt_layer_specs
     make = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec if use_te
             else gpt_layer_specs.get_gpt_layer_local_spec)
@@ -364,6 +358,17 @@ def get_moeblaze_gpt_layer_spec(num_experts: int, *, experts: ExpertsConfig = DE
     if not issubclass(_module(mlp), MoELayer):
         raise ValueError(f"Megatron's spec has {_module(mlp)!r} as the MLP: no MoE layer to put moeblaze in")
     return _on_moeblaze(spec, experts, dispatch, ep)
+
+
+def _check_spec_options(experts, dispatch: str, ep, use_te: bool) -> None:
+    """The options both spec helpers take, checked once: the recipe, the dispatch, ep under it, TE where asked."""
+    check_choice("dispatch", dispatch, DISPATCH)
+    check_config("experts", experts, ExpertsConfig)
+    if check_config("ep", ep, EPConfig) is not None and dispatch != "moeblaze":
+        raise ValueError("ep is moeblaze's expert-parallel dispatch: it applies to dispatch='moeblaze'")
+    if use_te and importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError("use_te=True starts from Megatron's TransformerEngine spec, and TransformerEngine is not "
+                         "installed: install it (pip install transformer-engine[pytorch]) or leave use_te out")
 
 
 def _on_moeblaze(spec, experts: ExpertsConfig, dispatch: str, ep: EPConfig | None):
@@ -396,19 +401,13 @@ def get_moeblaze_gpt_decoder_block_spec(config, *, experts: ExpertsConfig = DEFA
     Returns:
         The TransformerBlockSubmodules, for GPTModel(transformer_layer_spec=...).
     """
-    check_choice("dispatch", dispatch, DISPATCH)
-    check_config("experts", experts, ExpertsConfig)
-    if check_config("ep", ep, EPConfig) is not None and dispatch != "moeblaze":
-        raise ValueError("ep is moeblaze's expert-parallel dispatch: it applies to dispatch='moeblaze'")
+    _check_spec_options(experts, dispatch, ep, use_te)
     if not config.num_moe_experts:
         raise ValueError("config.num_moe_experts is not set: the block has no MoE layer to put moeblaze in (use "
                          "Megatron's get_gpt_decoder_block_spec for a dense model)")
     if config.moe_grouped_gemm:
         raise ValueError("config.moe_grouped_gemm=True builds Megatron's grouped-GEMM experts (TEGroupedMLP, "
                          "GroupedMLP), whose parameters moeblaze's layer doesn't compute: set it False")
-    if use_te and importlib.util.find_spec("transformer_engine") is None:
-        raise ValueError("use_te=True starts from Megatron's TransformerEngine spec, and TransformerEngine is not "
-                         "installed: install it (pip install transformer-engine[pytorch]) or leave use_te out")
     from megatron.core.models.gpt import gpt_layer_specs
     block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, **block_kwargs)
     layers = [_on_moeblaze(s, experts, dispatch, ep) if issubclass(_module(s.submodules.mlp), MoELayer) else s
