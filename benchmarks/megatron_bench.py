@@ -88,9 +88,13 @@ def spec(variant: str):
     if variant == "megatron-te-grouped":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=E, moe_grouped_gemm=True,
                                                                           qk_layernorm=True)
-    experts = ExpertsConfig(checkpoint="recompute" if variant == "moeblaze-recompute" else "preact")
-    return get_moeblaze_gpt_layer_spec(E, experts=experts, qk_layernorm=True,
-                                       dispatch="megatron" if variant == "moeblaze-in-megatron" else "moeblaze")
+    return get_moeblaze_gpt_layer_spec(E, qk_layernorm=True, **_recipe(variant))
+
+
+def _recipe(variant: str) -> dict:
+    """A moeblaze variant's recipe and dispatch, as both spec helpers take them."""
+    return dict(experts=ExpertsConfig(checkpoint="recompute" if variant == "moeblaze-recompute" else "preact"),
+                dispatch="megatron" if variant == "moeblaze-in-megatron" else "moeblaze")
 
 
 def block_spec(variant: str, cfg):
@@ -102,9 +106,7 @@ def block_spec(variant: str, cfg):
         if variant == "megatron-grouped-mm":
             grouped_gemm_on_torch()
         return gpt_layer_specs.get_gpt_decoder_block_spec(cfg, use_transformer_engine=variant == "megatron-te-grouped")
-    experts = ExpertsConfig(checkpoint="recompute" if variant == "moeblaze-recompute" else "preact")
-    return get_moeblaze_gpt_decoder_block_spec(cfg, experts=experts,
-                                               dispatch="megatron" if variant == "moeblaze-in-megatron" else "moeblaze")
+    return get_moeblaze_gpt_decoder_block_spec(cfg, **_recipe(variant))
 
 
 def build(what: str, variant: str, layers: int, dense_first: int = 0):
@@ -144,17 +146,11 @@ def timed(step, warmup: int, iters: int) -> tuple[float, float]:
 
 def run(what: str, variant: str, args) -> dict:
     model = build(what, variant, args.layers, args.dense_first)
-    g = torch.Generator(device="cuda").manual_seed(1)
     seq, batch = 4096, args.tokens // 4096
     if what == "layer":
-        x = torch.randn(seq, batch, QWEN3_30B["hidden_size"], device="cuda", dtype=torch.bfloat16, generator=g,
-                        requires_grad=True)
-        dout = torch.randn_like(x)
-
-        def step():
-            out, _ = model(x)
-            out.backward(dout)
+        step = layer_step(model, args.tokens)
     else:
+        g = torch.Generator(device="cuda").manual_seed(1)
         ids = torch.randint(0, 32768, (batch, seq), device="cuda", generator=g)
         pos = torch.arange(seq, device="cuda")[None].expand(batch, -1)
 
@@ -165,10 +161,10 @@ def run(what: str, variant: str, args) -> dict:
     return {"step_ms": round(ms, 3), "peak_mb": round(peak, 1)}
 
 
-def child(args) -> None:
-    """One variant of one benchmark in this process (--child): its row on stdout."""
+def megatron_world(port: str = "29517") -> None:
+    """An NCCL world of one on GPU 0 and Megatron's parallel state over it (model-parallel sizes 1, seeded)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
+    os.environ.setdefault("MASTER_PORT", port)
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     from megatron.core import parallel_state
@@ -178,6 +174,24 @@ def child(args) -> None:
         moe_utils.te_general_gemm = None
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)
+
+
+def layer_step(model, tokens: int):
+    """One forward + backward of a layer on fixed random tokens (sequences of 4096) and output gradients."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(4096, tokens // 4096, QWEN3_30B["hidden_size"], device="cuda", dtype=torch.bfloat16,
+                    generator=g, requires_grad=True)
+    dout = torch.randn_like(x)
+
+    def step():
+        out, _ = model(x)
+        out.backward(dout)
+    return step
+
+
+def child(args) -> None:
+    """One variant of one benchmark in this process (--child): its row on stdout."""
+    megatron_world()
     try:
         row = run(args.what, args.variants, args)
     except Exception as e:  # noqa: BLE001 - the row records why the variant did not run

@@ -15,16 +15,7 @@ import megatron_bench as mb  # noqa: E402
 
 
 def profile(variant: str, tokens: int, top: int) -> None:
-    model = mb.build("layer", variant, 1)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(4096, tokens // 4096, mb.QWEN3_30B["hidden_size"], device="cuda", dtype=torch.bfloat16,
-                    generator=g, requires_grad=True)
-    dout = torch.randn_like(x)
-
-    def step():
-        out, _ = model(x)
-        out.backward(dout)
-
+    step = mb.layer_step(mb.build("layer", variant, 1), tokens)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -48,17 +39,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--top", type=int, default=14)
     args = ap.parse_args()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29518")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.moe import moe_utils
-    if not hasattr(moe_utils, "te_general_gemm"):  # as megatron_bench's child stands it in
-        moe_utils.te_general_gemm = None
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
+    mb.megatron_world("29518")
     for variant in args.variants.split(","):
         profile(variant, args.tokens, args.top)
     dist.destroy_process_group()
