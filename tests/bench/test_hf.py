@@ -24,7 +24,9 @@ def test_backends_train_alike_and_the_table_renders(monkeypatch):
     assert [r["backend"] for r in rows] == ["skip"] + backends and reported == rows  # each row reported as measured
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 and len(r["losses"]) == 3 for r in rows)
     losses = [r["losses"] for r in rows[1:]]
-    for other in losses[1:]:  # the same seed and batches: the same loss curve within bf16 noise
+    # the same seed and batches: the same loss curve within bf16 noise, under two bf16 ulps (2^-5) of a loss near
+    # ln 64, whose logits each backend sums in another order
+    for other in losses[1:]:
         assert max(abs(a - b) for a, b in zip(other, losses[0])) < 0.05
     assert all(0 <= r["experts_share"] < 1 for r in rows[1:])
     assert all(r["max_batch"] == 4 for r in rows[1:])  # no limit on the CPU but the one given

@@ -40,7 +40,8 @@ def test_layer_bench_rows_schema_and_plot(tmp_path):
         assert r["status"] == "ok" and r["step_ms"] > 0 and r["fwd_ms"] > 0 and r["kept_mb"] > 0
         assert 0 < r["host_ms"] <= r["step_ms"]  # on the CPU it is timed inside the step's own window
         assert set(r["rel_err"]) == {"out", "dx", "dw1", "dw2", "dtopk_w"}
-        assert max(r["rel_err"].values()) < 1e-5  # fp32 on the CPU
+        # fp32 on the CPU against the fp32 reference: sums of at most 32 terms in another order (a few ulps, 2^-23)
+        assert max(r["rel_err"].values()) < 1e-5
         assert r["tflops"] == pytest.approx(18 * 48 * 2 * 32 * 16 / (r["step_ms"] * 1e-3) / 1e12)
     # preact keeps H (L·K x 2h fp32) beyond the index; recompute keeps the index only
     kept = {r["policy"]: r["kept_mb"] * 2 ** 20 for r in rows if r["impl"] == "moeblaze"}

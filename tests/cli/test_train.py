@@ -316,7 +316,8 @@ def test_presets_of_today_s_routing_train(tmp_path):
     state = ck["model"]
     assert "blocks.0.moe.up.weight" in state and "blocks.1.moe.shared.w1" in state
     bias = state["blocks.1.moe.router.expert_bias"]
-    assert bias.abs().sum() > 0 and abs(float(bias.sum())) < 1e-5  # moved, and centred
+    # moved, and centred in fp32: E values each rounded once, summing to E · 2^-24 of their size, far below 1e-5
+    assert bias.abs().sum() > 0 and abs(float(bias.sum())) < 1e-5
     assert state["blocks.1.moe.router.expert_load"].abs().sum() == 0  # counted since the last update: nothing
     res = train.run(args_for(tmp_path, steps=4, eval_every=4, save="", preset="qwen3-next-small", **shape))
     assert math.isfinite(res["val_loss"])

@@ -37,7 +37,8 @@ def test_shared_experts_match_a_dense_computation(poison_alloc, impl, checkpoint
     r = refs[1].router(xs[2].reshape(-1, 16))
     routed = refs[1].experts(xs[2].reshape(-1, 16), r.topk_idx, r.topk_weights)
     hand = routed + _dense_shared(xs[2].reshape(-1, 16), refs[1].shared)
-    assert rel_err(want.out.reshape(-1, 16), hand) < 1e-12  # the fp64 layer is the hand computation
+    # the fp64 layer is the hand computation: the same fp64 sums in another order, a few ulps (2^-52) apart
+    assert rel_err(want.out.reshape(-1, 16), hand) < 1e-12
     assert_within_torch_error(got.out, same.out, want.out)
     dy = torch.randn(x.shape)
     for y, t in zip((got, same, want), (torch.float32, torch.float32, torch.float64)):
@@ -82,6 +83,7 @@ def test_token_rounding_layer_trains_rounded_and_evaluates_plain():
     index_ref, w_ref, _ = rounded_index(rr.kept_LE, rr.weights_LE, 4, 90 * 2 + 4 * 15)
     assert torch.equal(index.token_slot, index_ref.token_slot)
     assert torch.equal(index.expert_token_idx, index_ref.expert_token_idx)
+    # fp32 both ways, a top-k renormalisation's few roundings in another order: within 8 ulps (2^-23 each)
     torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=0)
     assert not torch.equal(got, plain(x).out)  # rounding changed the routing
     layer.eval()

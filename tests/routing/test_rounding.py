@@ -279,10 +279,12 @@ def test_round_to_index_equals_rounding_then_index(poison_alloc, scoring):
         for f in ("expert_counts", "expert_offsets", "expert_token_idx", "token_slot"):
             assert torch.equal(getattr(got[0], f), getattr(want[0], f)), (f, case)
         assert bool(got[2]) == bool(want[2]) is False
+        # fp32 both ways, a top-k renormalisation's few roundings in another order: within 8 ulps (2^-23 each)
         torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
         dw = torch.randn(L, cap)
         g_want = torch.autograd.grad((want[1] * dw).sum(), logits, retain_graph=True)[0]
         g_got = torch.autograd.grad((got[1] * dw).sum(), logits)[0]
+        # the same fp32 backward through weights 8 ulps apart: a norm-wise 1e-5 is 80 ulps of it
         assert float((g_got - g_want).norm()) <= 1e-5 * float(g_want.norm()), case
 
 
@@ -303,6 +305,7 @@ def test_round_to_index_breaks_ties_as_the_reference():
         got = round_to_index(logits, idx, w, 16, rule, "sigmoid_topk", max_experts=cap, max_rows=300 * 2 + 8 * 16)
         for f in ("expert_counts", "expert_token_idx", "token_slot"):
             assert torch.equal(getattr(got[0], f), getattr(want[0], f)), (f, rule)
+        # fp32 both ways, a top-k renormalisation's few roundings in another order: within 8 ulps (2^-23 each)
         torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0)
 
 

@@ -30,6 +30,7 @@ def test_entries_take_medians_and_measure_against_the_matching_one_gpu_run(tmp_p
     one = es[("small", False, 1, "-")]
     assert (one["runs"], one["step_ms"], one["efficiency"]) == (3, 12.0, 1.0)
     fsdp2 = es[("small", False, 2, "FSDP2 (ep 1)")]
+    # efficiencies are one or two float divisions of the rows' times: equal to a few ulps (2^-52), 1e-12 holds them
     assert fsdp2["runs"] == 2 and fsdp2["step_ms"] == 14.0 and abs(fsdp2["efficiency"] - 12 / 14) < 1e-12
     assert abs(es[("small", False, 4, "FSDP2 (ep 1)")]["efficiency"] - 0.75) < 1e-12
     assert abs(es[("small", False, 2, "ep N, capacity 1.25")]["efficiency"] - 0.5) < 1e-12
