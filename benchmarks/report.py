@@ -1,8 +1,12 @@
-"""Charts and the results page's generated section, made from `moeblaze bench`'s JSON lines (outside the
-package: plotting is the lab's, not the library's).
+"""Charts and the docs' generated sections, made from `moeblaze bench`'s JSON lines (outside the package:
+plotting is the lab's, not the library's).
 
-    python benchmarks/report.py RESULTS_DIR --plot                 PNG charts of the latest run, beside its rows
-    python benchmarks/report.py RESULTS_DIR --report docs/results.md   that page's generated results and charts
+    python benchmarks/report.py RESULTS_DIR --plot                   PNG charts of the latest run, beside its rows
+    python benchmarks/report.py RESULTS_DIR --report docs/results.md   a page's generated sections, and the charts
+
+A page's generated sections lie between markers `<!-- NAME:start -->` and `<!-- NAME:end -->`: "results" (every
+layer row of the run that measured SonicMoE, the routing and scaling tables) and "standing" (the headline run's
+summary table, docs/performance.md).
 """
 from __future__ import annotations
 
@@ -12,7 +16,6 @@ import json
 import os
 from collections import defaultdict
 
-START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
 def load_rows(results_dir: str) -> list[dict]:
@@ -196,20 +199,6 @@ def latest_rows(rows: list[dict], mode: str) -> list[dict]:
     return [r for r in rs if best[(_cfg_key(r), r["gpu"])] == r["run_id"]]
 
 
-def _elsewhere(rows: list[dict], shown: list[dict]) -> list[tuple[dict, dict | None]]:
-    """[(row, torch_gmm row of its run or None)]: per config of `shown` and GPU, the newest row of every
-    implementation that `shown` lacks there (a peer too slow to tune in the same run, say)."""
-    have = {(_cfg(r), r["gpu"], _label(r)) for r in shown}
-    newest = {}
-    for r in sorted((r for r in rows if r.get("mode") == "layer" and r.get("gpu") != "cpu"), key=lambda r: r["date"]):
-        key = (_cfg(r), r["gpu"], _label(r))
-        if key not in have and any(k[:2] == key[:2] for k in have):
-            newest[key] = r
-    picked = sorted(newest.values(), key=lambda r: (_cfg_order(_cfg(r)), _label(r)))
-    return [(r, next((b for b in rows if b.get("run_id") == r["run_id"] and b.get("impl") == "torch_gmm"
-                      and _cfg(b) == _cfg(r) and b["status"] == "ok"), None)) for r in picked]
-
-
 def _cfg_key(r: dict) -> str:
     return f"{r['L']},{r['E']},{r['K']}" if r.get("mode") == "dispatch" else _cfg(r)
 
@@ -273,14 +262,6 @@ def results_markdown(rows: list[dict]) -> str:
             for k, r in repeats:
                 name = f"{cfg} (repeat {k + 1})" if max(seen.values()) > 1 else cfg
                 out.append(_layer_line(name, r, sonic.get(k), gmm.get(k)))
-    others = _elsewhere(rows, layer)
-    if others:
-        out += ["", "Implementations the runs above did not measure, each from the newest run that did, beside "
-                "`torch_gmm` of that same run (`vs gmm`: its step time / this one): "
-                f"{_runs([r for r, _ in others])}.", "",
-                "| config (L,d,h,E,K) | implementation | fwd ms | step ms | host ms | GPU busy ms | vs sonic | vs gmm "
-                "| TF/s | kept MB | peak MB | err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        out += [_layer_line(_cfg(r), r, None, base["step_ms"] if base else None) for r, base in others]
     disp = latest_rows(rows, "dispatch")
     if disp:
         r0 = disp[0]
@@ -311,36 +292,75 @@ def results_markdown(rows: list[dict]) -> str:
     return "\n".join(out) if out else "No GPU results recorded yet."
 
 
+def standing_markdown(rows: list[dict]) -> str:
+    """The headline run's summary (headline_run): per config, the step time of each headline series with the
+    kernels' own time in brackets, and their peaks; the fp8 cell says where the rule ran bf16 (no e4m3 launch)."""
+    run = headline_run(rows)
+    if not run:
+        return "(no run has measured every headline series yet)"
+
+    def row(c, impl, policy):
+        return next(r for r in run if _cfg(r) == c and (r["impl"], r["policy"]) == (impl, policy))
+
+    def ms(r):
+        busy = f" ({r['gpu_busy_ms']:.2f})" if r.get("gpu_busy_ms") is not None else ""
+        return f"{r['step_ms']:.2f}{busy}"
+
+    from moeblaze.bench.names import CONFIGS
+
+    names = {",".join(map(str, v)): k for k, v in CONFIGS.items()}
+    r0 = run[0]
+    out = [f"One run, every implementation in the same process: {r0['gpu']}, torch {r0['torch']}, triton "
+           f"{r0['triton']}, {_runs(run)}; all columns in [results](results.md). Step time (CUDA-event median, in "
+           "turns) with the kernels' own time (`GPU busy`) in brackets, and the step's peak memory above its inputs.",
+           "", "| config | moeblaze bf16 ms | SonicMoE ms | torch grouped_mm ms | moeblaze `precision=\"fp8\"` ms | "
+           "peak MB: moeblaze / SonicMoE / grouped_mm / fp8 |", "|---|---|---|---|---|---|"]
+    for c in sorted({_cfg(r) for r in run}, key=_cfg_order):
+        ours, sonic, gmm, fp8 = (row(c, "moeblaze", "preact"), row(c, "sonicmoe", "-"), row(c, "torch_gmm", "-"),
+                                 row(c, "moeblaze-fp8", "preact"))
+        e4m3 = any(x.startswith("fp8_rows") for x in fp8.get("launches") or [])
+        fp8_cell = ms(fp8) if e4m3 else f"{fp8['step_ms']:.2f} (bf16 by the rule)"
+        out.append(f"| {names.get(c, c)} | {ms(ours)} | {ms(sonic)} | {ms(gmm)} | {fp8_cell} | "
+                   f"{ours['peak_mb']:.0f} / {sonic['peak_mb']:.0f} / {gmm['peak_mb']:.0f} / {fp8['peak_mb']:.0f} |")
+    return "\n".join(out)
+
+
+SECTIONS = {"results": results_markdown, "standing": standing_markdown}  # a page's generated sections, by marker
+
+
 def update_report(report: str, results_dir: str) -> None:
-    """Rewrite the generated part of a results page (between its markers), and the charts it shows, from the
-    results folder."""
+    """Rewrite the generated sections of a docs page (between their markers: SECTIONS), and the charts the results
+    page shows, from the results folder."""
     rows = load_rows(results_dir)
-    if headline := plot_headline(rows, os.path.join(results_dir, "headline.png")):
-        print(f"plot: {headline}")
-    for gpu in sorted({r["gpu"] for r in rows if r.get("gpu") != "cpu"}):
-        mine = [r for r in rows if r["gpu"] == gpu]
-        for mode in ("scale",):  # the layer rows' chart is the headline's
-            sel = latest_rows(mine, mode)
-            if sel:
-                path = plot_run(sel, results_dir, name=f"{slug(gpu)}-{mode}")[0]
-                print(f"plot: {path}")
     text = open(report).read()
-    if START not in text or END not in text:
-        raise SystemExit(f"{report} has no {START} ... {END} section")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    text = head + START + "\n" + results_markdown(rows) + "\n" + END + tail  # all computed before the write
+    found = [name for name in SECTIONS if f"<!-- {name}:start -->" in text and f"<!-- {name}:end -->" in text]
+    if not found:
+        raise SystemExit(f"{report} has no generated section (<!-- NAME:start --> ... <!-- NAME:end -->, NAME one "
+                         f"of {', '.join(SECTIONS)})")
+    if "results" in found:
+        if headline := plot_headline(rows, os.path.join(results_dir, "headline.png")):
+            print(f"plot: {headline}")
+        for gpu in sorted({r["gpu"] for r in rows if r.get("gpu") != "cpu"}):
+            sel = latest_rows([r for r in rows if r["gpu"] == gpu], "scale")  # the layer rows' chart: the headline
+            if sel:
+                print(f"plot: {plot_run(sel, results_dir, name=f'{slug(gpu)}-scale')[0]}")
+    for name in found:
+        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+        head, rest = text.split(start, 1)
+        _, tail = rest.split(end, 1)
+        text = head + start + "\n" + SECTIONS[name](rows) + "\n" + end + tail  # all computed before the write
     with open(report, "w") as f:
         f.write(text)
-    print(f"updated the generated results of {report}")
+    print(f"updated the generated {', '.join(found)} of {report}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", help="the folder of moeblaze bench's rows (its --out)")
     ap.add_argument("--plot", action="store_true", help="PNG charts of the latest run's rows, beside them")
-    ap.add_argument("--report", metavar="docs/results.md",
-                    help="regenerate that page's generated results (between its markers) and the charts it shows")
+    ap.add_argument("--report", metavar="PAGE", action="append", default=[],
+                    help="regenerate a docs page's generated sections (between their markers) and the charts the "
+                         "results page shows; repeatable")
     args = ap.parse_args(argv)
     if not (args.plot or args.report):
         ap.error("say --plot, --report FILE or both")
@@ -349,8 +369,8 @@ def main(argv=None) -> int:
         run_id = max(rows, key=lambda r: r["date"])["run_id"] if rows else None  # the newest run, any GPU's file
         for path in plot_run([r for r in rows if r.get("run_id") == run_id], args.results):
             print(f"plot: {path}")
-    if args.report:
-        update_report(args.report, args.results)
+    for page in args.report:
+        update_report(page, args.results)
     return 0
 
 

@@ -14,7 +14,9 @@ from moeblaze.cli import main
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import report  # noqa: E402  (benchmarks/report.py: the charts and the results page, outside the package)
-from report import START, END, results_markdown, update_report  # noqa: E402
+from report import results_markdown, update_report  # noqa: E402
+
+START, END = "<!-- results:start -->", "<!-- results:end -->"  # the results page's markers
 
 ROW_FIELDS = {"impl", "policy", "L", "d", "h", "E", "K", "activation", "dtype", "fwd_ms", "step_ms", "host_ms",
               "kept_mb", "peak_mb", "tflops", "rel_err", "gpu", "torch", "triton", "git_sha", "run_id", "command",
@@ -201,6 +203,37 @@ def test_the_headline_comes_from_the_newest_run_with_every_series(tmp_path):
     assert plot_headline(whole + partial, str(tmp_path / "h.png")) == str(tmp_path / "h.png")
     assert os.path.getsize(tmp_path / "h.png") > 0
     assert plot_headline(partial, str(tmp_path / "none.png")) is None
+
+
+def test_the_performance_page_s_table_is_the_headline_run_s(tmp_path):
+    """docs/performance.md's summary (the "standing" section): the headline run's steps, kernel times and peaks;
+    the fp8 cell says where the rule ran bf16 (no e4m3 launch); a page with no section is refused by name."""
+    from report import HEADLINE
+
+    def row(i, p, step, busy, peak, L=64, launches=()):
+        return dict(mode="layer", impl=i, policy=p, L=L, d=32, h=16, E=4, K=2, dtype="bfloat16", gpu="G", torch="t",
+                    triton="tr", git_sha="abc", run_id="r1", command="moeblaze bench", date="2026-01-01",
+                    step_ms=step, gpu_busy_ms=busy, kept_mb=1.0, peak_mb=peak, status="ok", launches=list(launches))
+    rows = []
+    for L, fp8_launch in ((64, ["fp8_rows:gluon"]), (128, ["up:gluon"])):
+        for n, ((i, p), _) in enumerate(HEADLINE):
+            rows.append(row(i, p, 10.0 + n, 9.0 + n, 100.0 * (n + 1), L, fp8_launch if i == "moeblaze-fp8" else ()))
+    (tmp_path / "res").mkdir()
+    with open(tmp_path / "res" / "g.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    page = tmp_path / "performance.md"
+    page.write_text("# p\n<!-- standing:start -->\nold\n<!-- standing:end -->\ntail\n")
+    update_report(str(page), str(tmp_path / "res"))
+    text = page.read_text()
+    assert "old" not in text and "run r1 (commit abc" in text and text.endswith("<!-- standing:end -->\ntail\n")
+    # HEADLINE's order: torch_gmm, sonicmoe, moeblaze bf16, moeblaze-fp8, recompute
+    assert ("| 64,32,16,4,2 | 12.00 (11.00) | 11.00 (10.00) | 10.00 (9.00) | 13.00 (12.00) | 300 / 200 / 100 / 400 |"
+            in text)
+    assert "| 128,32,16,4,2 | 12.00 (11.00) | 11.00 (10.00) | 10.00 (9.00) | 13.00 (bf16 by the rule) |" in text
+    assert not os.path.exists(tmp_path / "res" / "headline.png")  # charts belong to the results page
+    page.write_text("# no markers\n")
+    with pytest.raises(SystemExit, match="no generated section"):
+        update_report(str(page), str(tmp_path / "res"))
 
 
 def test_profile_layer_compares_with_conventional(capsys):
