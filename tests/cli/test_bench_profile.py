@@ -311,20 +311,20 @@ def test_results_compare_each_repeat_with_sonicmoe_of_the_same_repeat():
     ]
 
 
-def test_results_list_peers_from_other_runs_beside_their_own_baseline():
+def test_results_show_one_run_and_no_older_rows_of_other_implementations():
+    """The layer table is the rows of one run per config (the newest beside SonicMoE): an implementation only an
+    older run measured is not listed beside it (its numbers are of other code)."""
 
     def row(impl, run, date, step, policy="-"):
         return dict(mode="layer", impl=impl, policy=policy, L=64, d=32, h=16, E=4, K=2, activation="swiglu",
                     dtype="bfloat16", gpu="G", torch="t", triton="t", git_sha="s", command="c", run_id=run, date=date,
                     fwd_ms=1.0, step_ms=step, tflops=1.0, kept_mb=1.0, peak_mb=1.0, rel_err=None, status="ok")
-    rows = [row("liger", "old", "2026-01-01", 9.0, "pinned"), row("torch_gmm", "old", "2026-01-01", 9.0),
-            row("liger", "peer", "2026-01-02", 8.0, "pinned"), row("torch_gmm", "peer", "2026-01-02", 4.0),
+    rows = [row("liger", "peer", "2026-01-02", 8.0, "pinned"), row("torch_gmm", "peer", "2026-01-02", 4.0),
             row("moeblaze", "main", "2026-01-03", 2.0, "preact"), row("sonicmoe", "main", "2026-01-03", 1.0),
             row("torch_gmm", "main", "2026-01-03", 3.0)]
     text = results_markdown(rows)
-    # the newest run, with its own baseline
-    assert "| 64,32,16,4,2 | liger/pinned | 1.00 | 8.00 | - | - | - | 0.50 | 1 | 1 | 1 | - |" in text
-    assert "9.00" not in text and text.count("liger/pinned") == 1  # the older liger row is left out
+    assert "run main" in text and "run peer" not in text and "liger" not in text
+    assert "| 64,32,16,4,2 | moeblaze/preact | 1.00 | 2.00 | - | - | 0.50 | 1.50 | 1 | 1 | 1 | - |" in text
 
 
 def test_results_rows_record_no_absolute_paths():
