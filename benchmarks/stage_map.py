@@ -236,12 +236,14 @@ def stage_metrics(row: dict) -> dict:
     """{stage: (ms, TF/s or None, GB/s, share of its floor)} of one result row."""
     L, d, h, E, K = row["shape"]
     hbm = row["roofs"]["hbm_gbs"] * 1e9
-    out = {}
-    for s, ms in stage_ms(row).items():
+    out, times = {}, stage_ms(row)
+    # the e4m3 GEMMs of precision="fp8" against the e4m3 rate (the weight gradients stay in bf16), where the step
+    # ran e4m3: a step the fp8_min_rows rule ran in native precision has no quantizer and is held to the bf16 rate
+    e4m3 = "fp8" in row["impl"] and times.get("quant", 0) > 0
+    for s, ms in times.items():
         if ms <= 0:
             continue
-        # the e4m3 GEMMs of precision="fp8" against the e4m3 rate (the weight gradients stay in bf16)
-        fp8 = "fp8" in row["impl"] and s in FP8_GEMMS
+        fp8 = e4m3 and s in FP8_GEMMS
         mma = row["roofs"].get("fp8_mma_tflops" if fp8 else "mma_tflops", float("inf")) * 1e12  # inf: not measured
         flops = GEMM_FLOPS.get(s, 0) * L * K * d * h
         nbytes = stage_bytes(s, L, d, h, E, K)

@@ -44,3 +44,16 @@ def test_share_of_limit_is_floor_over_time():
     nbytes = stage_map.stage_bytes("dx", L, d, h, E, K)
     assert m["dx"][3] == pytest.approx(nbytes / 1e12 / 1e-3)  # 1 ms against 1000 GB/s
     assert m["dx"][1] is None and "down" not in m
+
+
+def test_an_fp8_step_the_rule_ran_in_bf16_is_held_to_the_bf16_rate():
+    """precision="fp8" below fp8_min_rows runs native GEMMs (no quantizer in the step): its GEMMs' share is of the
+    bf16 rate, not the e4m3 one; a step that quantized is held to the e4m3 rate."""
+    L, d, h, E, K = 1024, 512, 256, 8, 2
+    flops = 4 * L * K * d * h
+    roofs = {"mma_tflops": 100.0, "fp8_mma_tflops": 200.0, "hbm_gbs": 1e9}  # bytes never the floor here
+    up = [["k", flops / 100e12 * 1e3]]  # the bf16 rate's time
+    native = dict(shape=[L, d, h, E, K], impl="moeblaze-fp8", roofs=roofs, kernels={"up": up})
+    e4m3 = dict(native, kernels={"up": up, "quant": [["q", 0.01]]})
+    assert stage_map.stage_metrics(native)["up"][3] == pytest.approx(1.0)
+    assert stage_map.stage_metrics(e4m3)["up"][3] == pytest.approx(0.5)
