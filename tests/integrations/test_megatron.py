@@ -475,3 +475,41 @@ def test_the_block_spec_refuses_what_it_cannot_build():
         get_moeblaze_gpt_decoder_block_spec(mc.transformer_config(moe_grouped_gemm=True))
     with pytest.raises(ValueError, match="applies to dispatch='moeblaze'"):
         get_moeblaze_gpt_decoder_block_spec(mc.transformer_config(), dispatch="megatron", ep=EPConfig())
+
+
+def _explicit_groups(rank, world, found):
+    """M1: a TransformerLayer built with an explicit pg_collection (expert parallelism over both ranks) while
+    Megatron's global parallel state has none: Megatron-Core 0.16 hands the collection only to its own MLP classes,
+    so moeblaze's MoE layer took the global state (8 local experts of 8 where stock builds 4), unsaid. Now it gets
+    the layer's groups as stock's does: the same local experts, its expert-parallel group the collection's."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer.spec_utils import build_module
+
+    from moeblaze.integrations.megatron import get_moeblaze_gpt_layer_spec
+    mc.init(ep=1)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    try:
+        everyone = torch.distributed.new_group(list(range(world)))
+        alone = [torch.distributed.new_group([r]) for r in range(world)][rank]
+        pgc = ProcessGroupCollection.use_mpu_process_groups()
+        pgc.ep = pgc.tp_ep = everyone
+        pgc.expt_tp, pgc.expt_dp = alone, alone
+        config = mc.transformer_config(num_moe_experts=8)
+        layers = {}
+        for name, spec in (("stock", get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)),
+                           ("moeblaze", get_moeblaze_gpt_layer_spec(8))):
+            layers[name] = build_module(spec, config=config, pg_collection=pgc).mlp
+        counts = {n: len(m.experts.local_experts) for n, m in layers.items()}
+        if counts != {"stock": 4, "moeblaze": 4}:
+            found.put((rank, "local experts", counts))
+        if layers["moeblaze"].ep_group.size() != world:
+            found.put((rank, "ep group", layers["moeblaze"].ep_group.size()))
+    finally:
+        initialize_rng_tracker(force_reset=True)
+        mc.destroy()
+
+
+def test_an_explicit_pg_collection_reaches_the_moe_layer_as_stocks():
+    run_ranks(_explicit_groups, 2)

@@ -41,9 +41,11 @@ parameters: saved-tensor hooks), so nothing of the weights' size lives between f
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import importlib.util
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +59,7 @@ try:
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer
 except ImportError as e:  # pragma: no cover - the message is the point
     raise ImportError("moeblaze.integrations.megatron needs Megatron-Core 0.16-0.19: pip install megatron-core") from e
 
@@ -247,6 +250,25 @@ class MoeblazeSequentialMLP(SequentialMLP):
         return self.routed(permuted_TD, ids[:, None], permuted_probs[:, None]), None
 
 
+_LAYER_GROUPS = contextvars.ContextVar("moeblaze_layer_groups", default=None)  # a layer's pg_collection, built
+
+
+class MoeblazeTransformerLayer(TransformerLayer):
+    """Megatron's TransformerLayer whose process groups (its pg_collection) reach moeblaze's MoE layer as they reach
+    Megatron's own: Megatron-Core 0.16's TransformerLayer hands them only to the MLP classes it names (MoELayer
+    itself, not a subclass), so moeblaze's layer would take the global parallel state (another expert-parallel size
+    than the model's, unsaid). The spec helpers build the layer with it; everything else is TransformerLayer's."""
+
+    def __init__(self, *args, **kwargs):
+        groups = inspect.signature(TransformerLayer.__init__).bind(self, *args, **kwargs).arguments.get(
+            "pg_collection")
+        token = _LAYER_GROUPS.set(groups)
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            _LAYER_GROUPS.reset(token)
+
+
 class MoeblazeMoELayer(MoELayer):
     """Megatron's MoELayer with permute -> experts -> unpermute (and, under expert parallelism, its dispatcher)
     replaced by moeblaze's op on the routing index (the module header). Megatron's spec builds it
@@ -264,6 +286,8 @@ class MoeblazeMoELayer(MoELayer):
     def __init__(self, config, *args, moeblaze: ExpertsConfig = DEFAULT, ep: EPConfig | None = None, **kwargs):
         check_megatron_config(config, "moeblaze")
         _experts_config(moeblaze, config)
+        if kwargs.get("pg_collection") is None and len(args) < 3:  # not handed over: the layer's (see above)
+            kwargs["pg_collection"] = _LAYER_GROUPS.get()
         super().__init__(config, *args, **kwargs)
         if not isinstance(self.experts, MoeblazeSequentialMLP):
             raise ValueError(f"the experts module is {type(self.experts).__qualname__}: moeblaze's layer computes "
@@ -382,6 +406,8 @@ def _on_moeblaze(spec, experts: ExpertsConfig, dispatch: str, ep: EPConfig | Non
                                                    dispatch=dispatch))
     if dispatch == "moeblaze":
         mlp = _swap(mlp, MoeblazeMoELayer, subs, moeblaze=experts, ep=ep)
+        if spec.module is TransformerLayer:  # its process groups reach the MoE layer (MoeblazeTransformerLayer)
+            spec = dataclasses.replace(spec, module=MoeblazeTransformerLayer)
     else:
         mlp = _swap(mlp, _module(mlp), subs)
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
