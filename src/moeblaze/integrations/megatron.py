@@ -11,7 +11,8 @@ The spec is Megatron's own (get_gpt_layer_local_spec, or the TransformerEngine o
 layer's MLP swapped: Megatron's router (its probs, routing map and auxiliary-loss hooks), its shared experts and its
 experts module (SequentialMLP: the same parameters, names, sharded_state_dict and dist-checkpointing, so a
 checkpoint saved with moeblaze loads in stock Megatron and back) stay; what runs between the router and the shared
-experts' sum is moeblaze's:
+experts' sum is moeblaze's (under dispatch="moeblaze" the layer is MoeblazeTransformerLayer, Megatron's with its
+process groups handed to the MoE layer, which 0.16's hands only to Megatron's own MLP classes):
 
   dispatch="moeblaze" (default)  MoeblazeMoELayer: permute -> experts -> unpermute replaced by one moe_experts call on
                                  the routing index built from Megatron's routing map (no permuted copy of the
