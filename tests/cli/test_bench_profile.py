@@ -251,7 +251,7 @@ def test_profile_numbers(capsys):
     p = argparse.ArgumentParser()
     profile_flags.add_arguments(p)
     args = p.parse_args(["--tokens", "64", "--d-model", "32", "--d-expert", "32", "--num-experts", "4",
-                         "--impl", "triton"])
+                         "--backend", "triton"])
     res = profile.run(profile_flags.check_flags(args))
     ours, conv = res["moeblaze"], res["torch_gmm"]
     # moeblaze keeps H (64·2 pairs x 64 fp32), three index arrays (token ids and slots of the 128 pairs,
@@ -263,7 +263,7 @@ def test_profile_numbers(capsys):
 
 def test_profile_model(capsys):
     assert main(["profile", "--target", "model", "--tokens", "64", "--d-model", "32", "--d-expert", "32",
-                 "--num-experts", "4", "--impl", "reference"]) == 0
+                 "--num-experts", "4", "--backend", "reference"]) == 0
     assert "MoEModel" in capsys.readouterr().out
 
 

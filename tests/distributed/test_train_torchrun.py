@@ -20,7 +20,7 @@ from moeblaze.cli import main
 from moeblaze.cli.checkpoint import MANIFEST, CheckpointError, verify_sharded
 
 TINY = ["--seq-len", "16", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--num-experts", "4",
-        "--d-expert", "32", "--impl", "triton", "--aux-loss-coef", "0"]
+        "--d-expert", "32", "--backend", "triton", "--aux-loss-coef", "0"]
 TOL = 1e-5
 CLI = str(Path(__file__).parents[1] / "moeblaze_cli.py")  # the command line, kernels interpreted as in this process
 
