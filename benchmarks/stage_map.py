@@ -25,6 +25,7 @@ import datetime
 import functools
 import json
 import os
+import shlex
 import subprocess
 import sys
 from collections import defaultdict
@@ -192,8 +193,11 @@ def run(args) -> None:
         label_sonicmoe()
     sha = os.environ.get("MOEBLAZE_GIT_SHA") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    from moeblaze.cli.bench import run_env  # the command as the bench records it: no machine's absolute paths
+
     meta = dict(gpu=dev_name, torch=torch.__version__, triton=triton.__version__, sha=sha,
-                date=datetime.date.today().isoformat(), command="python " + " ".join(sys.argv))
+                date=datetime.date.today().isoformat(),
+                command=run_env(torch.device("cuda"), "python " + shlex.join(sys.argv))["command"])
     if "sonicmoe" in impls:
         import importlib.metadata as md
         meta["sonicmoe"] = md.version("sonic-moe")
