@@ -111,6 +111,17 @@ def moeblaze_mlp(num_experts: int, **kwargs):
     return get_moeblaze_gpt_layer_spec(num_experts, **kwargs).submodules.mlp
 
 
+def layer_step(layer, x, dout, dtype, mask=None):
+    """(out, dx, {name: grad}) of one forward and backward of a Megatron MoE layer in dtype (its bias output None;
+    mask: a padding mask)."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().to(dtype).requires_grad_()
+    out, bias = layer(x) if mask is None else layer(x, padding_mask=mask)
+    assert bias is None
+    out.backward(dout.to(dtype))
+    return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
 def lay_out_in_one_buffer(module, reverse: bool) -> None:
     """Every parameter of `module` moved into one flat buffer, back to back (reverse: the last parameter first, as
     Megatron's DistributedDataParallel lays them in its buffer), values unchanged: parameters as views of one

@@ -27,16 +27,6 @@ def _inputs(seed: int, dtype=torch.float32, padding: bool = False):
     return x, dout, mask
 
 
-def _step(layer, x, dout, mask, dtype):
-    """(out, dx, {name: grad}) of one forward and backward in dtype."""
-    layer.zero_grad(set_to_none=True)
-    x = x.detach().to(dtype).requires_grad_()
-    out, bias = layer(x) if mask is None else layer(x, padding_mask=mask)
-    assert bias is None
-    out.backward(dout.to(dtype))
-    return out.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
-
-
 def _within_torchs_error(found, rank, got, same, want) -> None:
     """Output, dx and every parameter's gradient of the step `got` within twice the error of the same computation
     `same` (torch's, at got's precision) against `want` (fp64); each that is not goes on found."""
@@ -67,9 +57,9 @@ def _parity(rank, world, found, config_kw, ours_kw, seed, padding=False, layout=
         mc.lay_out_in_one_buffer(ours, reverse=layout == "reversed")
     exact.load_state_dict({k: v.double() if torch.is_tensor(v) else v for k, v in stock.state_dict().items()})
     x, dout, mask = _inputs(seed + rank, padding=padding)
-    want = _step(exact, x, dout, mask, torch.float64)
-    same = _step(stock, x, dout, mask, torch.float32)
-    got = _step(ours, x, dout, mask, torch.float32)
+    want = mc.layer_step(exact, x, dout, torch.float64, mask)
+    same = mc.layer_step(stock, x, dout, torch.float32, mask)
+    got = mc.layer_step(ours, x, dout, torch.float32, mask)
     _within_torchs_error(found, rank, got, same, want)
     mc.destroy()
 
@@ -126,9 +116,9 @@ def _biases(rank, world, found):
     layers[2].load_state_dict(layers[0].state_dict())
     layers[2].double()
     x, dout, _ = _inputs(7)
-    want = _step(layers[2], x, dout, None, torch.float64)
-    same = _step(layers[1], x, dout, None, torch.float32)
-    got = _step(layers[0], x, dout, None, torch.float32)
+    want = mc.layer_step(layers[2], x, dout, torch.float64)
+    same = mc.layer_step(layers[1], x, dout, torch.float32)
+    got = mc.layer_step(layers[0], x, dout, torch.float32)
     _within_torchs_error(found, rank, got, same, want)
     if not any("bias" in n for n in want[2]):
         found.put("no bias parameters")

@@ -16,15 +16,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmar
 import megatron_bench  # noqa: E402  (outside the package)
 
 
-def _step(layer, x, dout, dtype):
-    layer.zero_grad(set_to_none=True)
-    x = x.detach().to(dtype).requires_grad_()
-    out, bias = layer(x)
-    assert bias is None
-    out.backward(dout.to(dtype))
-    return out.detach(), x.grad
-
-
 def _as_grouped(layer, E, grad: bool):
     """SequentialMLP's expert weights (or their gradients) as GroupedMLP keeps them: expert e's fc1 transposed at
     weight1.view(E, hidden, 2F)[e], its fc2 transposed at weight2.view(E, F, hidden)[e]."""
@@ -61,10 +52,10 @@ def _grouped_equals_sequential(rank, world, found):
             grouped.experts.weight2.copy_(w2)
         g = torch.Generator().manual_seed(3)
         x, dout = (torch.randn(12, 2, config.hidden_size, generator=g, dtype=torch.float64) for _ in range(2))
-        want = _step(exact, x, dout, torch.float64) + _sequential_grads(exact, E)
-        same = _step(stock, x, dout, torch.bfloat16) + _sequential_grads(stock, E)
-        got = _step(grouped, x, dout, torch.bfloat16) + (grouped.router.weight.grad, grouped.experts.weight1.grad,
-                                                         grouped.experts.weight2.grad)
+        want = mc.layer_step(exact, x, dout, torch.float64)[:2] + _sequential_grads(exact, E)
+        same = mc.layer_step(stock, x, dout, torch.bfloat16)[:2] + _sequential_grads(stock, E)
+        got = mc.layer_step(grouped, x, dout, torch.bfloat16)[:2] + (
+            grouped.router.weight.grad, grouped.experts.weight1.grad, grouped.experts.weight2.grad)
         for name, a, b, w in zip(("out", "dx", "router", "fc1", "fc2"), got, same, want):
             try:
                 assert_within_torch_error(a, b, w)
