@@ -30,6 +30,13 @@ def assert_within_torch_error(got: torch.Tensor, torch_same: torch.Tensor, exact
 # values of these problems stay below 1e-3 of a norm; a wrong operand, scale or row errs by e4m3's own 2-8%.
 FP8_VS_EMULATION = 1e-3
 
+# Routing weights of two implementations of one rule (a rounded index against its torch path, a layer against its
+# parts), fp32 both ways: a top-k renormalisation's few roundings in another order, within 8 ulps (2^-23 each).
+ROUTING_WEIGHTS_RTOL = 1e-6
+# The logits' gradient through those weights, the same fp32 backward through inputs 8 ulps apart: a norm-wise 1e-5
+# is 80 ulps of it.
+ROUTING_GRAD_RTOL = 1e-5
+
 
 def random_routing(L: int, E: int, K: int, skew: str = "uniform", gen=None) -> torch.Tensor:
     """(L, K) int32 distinct expert ids per token. skew: "uniform", "one" (every token's first choice
