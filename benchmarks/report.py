@@ -17,7 +17,6 @@ import os
 from collections import defaultdict
 
 
-
 def load_rows(results_dir: str) -> list[dict]:
     rows = []
     for path in sorted(glob.glob(os.path.join(results_dir, "*.jsonl"))):
@@ -328,12 +327,17 @@ def standing_markdown(rows: list[dict]) -> str:
 SECTIONS = {"results": results_markdown, "standing": standing_markdown}  # a page's generated sections, by marker
 
 
+def _markers(name: str) -> tuple[str, str]:
+    """A generated section's start and end markers."""
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
 def update_report(report: str, results_dir: str) -> None:
     """Rewrite the generated sections of a docs page (between their markers: SECTIONS), and the charts the results
     page shows, from the results folder."""
     rows = load_rows(results_dir)
     text = open(report).read()
-    found = [name for name in SECTIONS if f"<!-- {name}:start -->" in text and f"<!-- {name}:end -->" in text]
+    found = [name for name in SECTIONS if all(m in text for m in _markers(name))]
     if not found:
         raise SystemExit(f"{report} has no generated section (<!-- NAME:start --> ... <!-- NAME:end -->, NAME one "
                          f"of {', '.join(SECTIONS)})")
@@ -345,7 +349,7 @@ def update_report(report: str, results_dir: str) -> None:
             if sel:
                 print(f"plot: {plot_run(sel, results_dir, name=f'{slug(gpu)}-scale')[0]}")
     for name in found:
-        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+        start, end = _markers(name)
         head, rest = text.split(start, 1)
         _, tail = rest.split(end, 1)
         text = head + start + "\n" + SECTIONS[name](rows) + "\n" + end + tail  # all computed before the write

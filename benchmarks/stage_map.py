@@ -26,7 +26,6 @@ import functools
 import json
 import os
 import shlex
-import subprocess
 import sys
 from collections import defaultdict
 
@@ -191,13 +190,11 @@ def run(args) -> None:
     label_moeblaze()
     if "sonicmoe" in impls:
         label_sonicmoe()
-    sha = os.environ.get("MOEBLAZE_GIT_SHA") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    from moeblaze.cli.bench import run_env  # the command as the bench records it: no machine's absolute paths
+    from moeblaze.cli.bench import run_env  # the commit and the command as the bench records them
 
-    meta = dict(gpu=dev_name, torch=torch.__version__, triton=triton.__version__, sha=sha,
-                date=datetime.date.today().isoformat(),
-                command=run_env(torch.device("cuda"), "python " + shlex.join(sys.argv))["command"])
+    env = run_env(torch.device("cuda"), "python " + shlex.join(sys.argv))
+    meta = dict(gpu=dev_name, torch=torch.__version__, triton=triton.__version__, sha=env["git_sha"],
+                date=datetime.date.today().isoformat(), command=env["command"])
     if "sonicmoe" in impls:
         import importlib.metadata as md
         meta["sonicmoe"] = md.version("sonic-moe")
