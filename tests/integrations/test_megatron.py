@@ -6,6 +6,7 @@ against its layer in fp64; the parameter names and state dicts are Megatron's, a
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moeblaze.experts  # routed_call's moe_experts: what the integrations' calls reach
 
@@ -269,9 +270,10 @@ def test_a_recipe_the_megatron_config_contradicts_is_refused():
 
 
 def _stacked_storages_outlive_forward(rank, world, found, restack: bool):
-    """Whether a stacked copy of the experts' weights is alive between forward and backward: with the layer's
-    saved-tensor hooks (restack) none is, what autograd saved restacks from the parameters in backward; without
-    them (the control) autograd keeps the copies."""
+    """Whether a stacked copy of the experts' weights is alive between forward and backward, where the parameters
+    are laid out so that the layer stacks them (last first, as Megatron's DDP buffer): with the layer's saved-tensor
+    hooks (restack) none is, what autograd saved restacks from the parameters in backward; without them (the
+    control) autograd keeps the copies."""
     import contextlib
     import gc
 
@@ -281,6 +283,7 @@ def _stacked_storages_outlive_forward(rank, world, found, restack: bool):
 
     mc.init(ep=world)
     ours = mc.build(mc.moeblaze_mlp(4, experts=ExpertsConfig(backend="triton")), mc.transformer_config())
+    mc.lay_out_in_one_buffer(ours, reverse=True)
     made, stack, hooks = [], megatron._stack, megatron._restacked
 
     def recorded(parts):
@@ -307,6 +310,56 @@ def _stacked_storages_outlive_forward(rank, world, found, restack: bool):
 @pytest.mark.parametrize("restack", [True, False], ids=["the-layer", "control-without-its-hooks"])
 def test_no_stacked_copy_of_the_weights_lives_from_forward_to_backward(restack):
     run_ranks(_stacked_storages_outlive_forward, 1, restack)
+
+
+class _NewStorages(TorchDispatchMode):
+    """The out-of-place ops that make a new storage of at least `numel` elements outside `known` (storage
+    addresses; in-place ops make none: Triton's interpreter copies its kernels' results back with them)."""
+
+    def __init__(self, numel: int, known: set):
+        super().__init__()
+        self.numel, self.known, self.made = numel, known, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}  # a view's output shares its input's storage
+        for t in torch.utils._pytree.tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and not func._schema.is_mutable and t.numel() >= self.numel
+                    and t.untyped_storage().data_ptr() not in self.known | inputs):
+                self.made.append(str(func))
+        return out
+
+
+def _weight_sized_storages(rank, world, found, layout, convert):
+    """The new storages of at least one kind of expert weight (E·D·H elements: the activations here are smaller)
+    that the layer's forward makes: none where the layer lays its experts out (as built, and after a dtype
+    conversion, which makes each parameter anew), a stacked copy per kind where they are laid out otherwise."""
+    mc.init(ep=world)
+    config = mc.transformer_config()
+    ours = mc.build(mc.moeblaze_mlp(4, experts=ExpertsConfig(backend="triton")), config)
+    if convert:
+        ours.double().float()  # each parameter made anew twice
+    if layout is not None:
+        mc.lay_out_in_one_buffer(ours, reverse=layout == "reversed")
+    x = torch.randn(T, B, D, dtype=next(ours.parameters()).dtype, requires_grad=True)
+    known = {p.untyped_storage().data_ptr() for p in ours.parameters()}
+    with _NewStorages(4 * D * config.moe_ffn_hidden_size, known) as mode:
+        out, _ = ours(x)
+    out.sum().backward()
+    want = 2 if layout == "reversed" else 0
+    if len(mode.made) != want:
+        found.put((layout, convert, mode.made))
+    fc1 = {e.linear_fc1.weight.untyped_storage().data_ptr() for e in ours.experts.local_experts}
+    if layout is None and len(fc1) != 1:
+        found.put(("fc1's weights in", len(fc1), "storages"))
+    mc.destroy()
+
+
+@pytest.mark.parametrize("layout,convert", [(None, False), (None, True), ("reversed", False)],
+                         ids=["as-built", "after-dtype-conversions", "control-laid-out-last-first"])
+def test_the_layer_reads_its_experts_weights_in_place(layout, convert):
+    run_ranks(_weight_sized_storages, 1, layout, convert)
 
 
 def _restored(rank, world, found):

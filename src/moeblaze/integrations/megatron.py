@@ -35,9 +35,12 @@ moe_shared_expert_overlap (a dispatcher feature), the flex dispatcher (moeblaze 
 parallelism > 1, and biases under expert parallelism.
 
 Memory contract: per layer call, the routing index (O(T·K) int32) and what moe_experts keeps under the checkpoint
-policy. Megatron keeps each expert's weights apart; the op's (E, F, D) and (E, D, H) operands are stacked per call
-(a transient of the local experts' size) and saved for backward as a recipe, not a copy (restacked there from the
-parameters: saved-tensor hooks), so nothing of the weights' size lives between forward and backward.
+policy. The experts keep SequentialMLP's parameters, each expert's apart, but laid out back to back in one storage
+per kind (when built, and again after .to()/.cuda()/.bfloat16()): the op's (E, F, D) and (E, D, H) operands are
+that storage, read in place, so nothing of the weights' size is made per call. Where something lays them out
+otherwise (Megatron's distributed optimizer moves them into its buffer, last first) the operands are stacked per
+call (a transient of the local experts' size) and saved for backward as a recipe, not a copy (restacked there from
+the parameters: saved-tensor hooks), so nothing of the weights' size lives between forward and backward.
 """
 from __future__ import annotations
 
@@ -150,9 +153,42 @@ def _experts_config(experts: ExpertsConfig | None, megatron_config) -> ExpertsCo
     return dataclasses.replace(experts, activation=activation)
 
 
+def _joined(parts: tuple) -> bool:
+    """Whether the parts are contiguous views of one storage, back to back in order: (E, ...) without a copy."""
+    first = parts[0]
+    base, step = first.data_ptr(), first.numel() * first.element_size()
+    storage = first.untyped_storage().data_ptr()
+    return all(p.is_contiguous() and p.dtype == first.dtype and p.shape == first.shape
+               and p.untyped_storage().data_ptr() == storage and p.data_ptr() == base + i * step
+               for i, p in enumerate(parts))
+
+
+def _join(parts: tuple) -> None:
+    """The parameters `parts` moved into one new storage, back to back in order (values unchanged)."""
+    with torch.no_grad():
+        whole = torch.stack([p.detach() for p in parts])
+        for p, view in zip(parts, whole):
+            p.data = view
+
+
+class _InPlace(torch.autograd.Function):
+    """Joined parts as the one (E, ...) tensor over their storage; the gradient splits back into each part."""
+
+    @staticmethod
+    def forward(ctx, *parts):
+        first = parts[0]
+        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (len(parts), *first.shape),
+                                       (first.numel(), *first.stride()))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.unbind(0)
+
+
 def _stack(parts: tuple) -> torch.Tensor:
-    """The experts' parameters as one operand (E, ...): a copy, differentiable in each part."""
-    return torch.stack(parts)
+    """The experts' parameters as one operand (E, ...), differentiable in each part: their own storage where they
+    are joined (_joined), else a copy."""
+    return _InPlace.apply(*parts) if _joined(parts) else torch.stack(parts)
 
 
 @contextlib.contextmanager
@@ -212,10 +248,22 @@ class MoeblazeSequentialMLP(SequentialMLP):
         experts = _experts_config(moeblaze, config)
         super().__init__(num_local_experts, config, *args, **kwargs)
         self.moeblaze_config = experts
+        self._join_parts()
         group = getattr(self, "ep_group", None)
         if group is not None and group.size() > 1:  # dispatchers that differ make different collectives: a hang
             from ..distributed.ep import check_agreement
             check_agreement(group, dispatch=dispatch, recipe=experts, experts=num_local_experts)
+
+    def _join_parts(self) -> None:
+        """Each kind of parameter (fc1's weights, fc2's, each bias) in one storage, expert after expert."""
+        for parts in self._parts():
+            if parts is not None and not _joined(parts):
+                _join(parts)
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .bfloat16() make each parameter anew: join them again
+        out = super()._apply(fn, *args, **kwargs)
+        self._join_parts()
+        return out
 
     def _parts(self) -> tuple:
         fc1 = [e.linear_fc1 for e in self.local_experts]
@@ -237,7 +285,9 @@ class MoeblazeSequentialMLP(SequentialMLP):
         if group is not None:
             from ..distributed import ep_experts
             across = functools.partial(ep_experts, group=group, experts=config, ep_config=ep)
-        with _restacked(dict(zip(operands, parts))):  # the operands as cast here: routed_call casts none again
+        copies = {o: p for o, p in zip(operands, parts)  # the operands stacked or cast here, not read in place
+                  if o.untyped_storage().data_ptr() != p[0].untyped_storage().data_ptr()}
+        with _restacked(copies):  # routed_call casts none again
             return routed_call(x, ids_TK, weights, *operands, experts=config, sentinels=sentinels, across=across,
                                   out_dtype=x_TD.dtype)
 
