@@ -1,7 +1,8 @@
-"""`moeblaze train` under torchrun on CPU processes (gloo; the kernels under the interpreter): a few steps on 2
-ranks with expert parallelism and FSDP2 (both dispatch modes; capacity dispatch with a capacity too small, so that
-the step is rerun with a larger one) end at the training loss of one process over the same global batch (FSDP2
-alone: tests/distributed/test_fsdp.py);
+"""`moeblaze train` under torchrun on CPU processes (gloo; the kernels under the interpreter, the reference experts
+where no expert parallelism runs and the subject is the run, not the experts): a few steps on 2 ranks with expert
+parallelism and FSDP2 (both dispatch modes; capacity dispatch with a capacity too small, so that the step is rerun
+with a larger one) end at the training loss of one process over the same global batch (FSDP2 alone:
+tests/distributed/test_fsdp.py);
 a sharded checkpoint written at ep = 2 resumes at ep = 1 and in one process with the same weights (and one process
 goes on training and saving it), and a damaged one is refused; a rank SIGKILLed during sharded saves leaves a
 checkpoint that resumes; --on-overflow drop counts what it drops."""
@@ -21,6 +22,7 @@ from moeblaze.cli.checkpoint import MANIFEST, CheckpointError, verify_sharded
 
 TINY = ["--seq-len", "16", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--num-experts", "4",
         "--d-expert", "32", "--backend", "triton", "--aux-loss-coef", "0"]
+REFERENCE = ["--backend", "reference"]  # (a later flag overrides TINY's)
 TOL = 1e-5
 CLI = str(Path(__file__).parents[1] / "moeblaze_cli.py")  # the command line, kernels interpreted as in this process
 
@@ -68,7 +70,7 @@ def test_two_ranks_train_like_one_process(tmp_path):
 def test_one_process_under_torchrun_is_fsdp2_on_one_rank(tmp_path):
     """torchrun at one process runs what it runs at N (FSDP2, a sharded checkpoint), on a one-rank group, with the
     plain process's validation loss: one GPU's measure of FSDP2's own cost."""
-    common = ["--batch-size", "2", "--steps", "2", "--eval-every", "2", "--eval-batches", "2"]
+    common = [*REFERENCE, "--batch-size", "2", "--steps", "2", "--eval-every", "2", "--eval-batches", "2"]
     plain = _run(tmp_path, 1, *common, "--save", "")
     one_rank = _run(tmp_path, 1, *common, "--save", "ck", torchrun=True)
     assert "1 processes (efsdp 1 x ep 1)" in one_rank and "processes" not in plain, one_rank[-2000:]
@@ -104,45 +106,54 @@ def test_sharded_checkpoint_resumes_at_another_mesh_and_refuses_damage(tmp_path)
     assert p.returncode != 0 and "corrupted" in p.stderr, p.stderr[-2000:]
 
 
-def test_a_rerun_step_leaves_the_state_of_one_that_never_overflowed(tmp_path):
+def _capacity_run(folder: Path, factor: str, *flags) -> tuple[str, list[dict], dict]:
+    """Three steps at ep 2 under capacity dispatch at `factor`, DeepSeek-V3's expert-bias balancing: (the output,
+    each step's loss-log row, the saved expert biases)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    log, ck = folder / f"loss-{factor}.jsonl", folder / f"ck-{factor}"
+    out = _run(folder, 2, "--batch-size", "2", "--ep", "2", "--ep-dispatch", "capacity", "--capacity-factor", factor,
+               "--router", "deepseek-v3", "--num-experts", "8", "--steps", "3", "--eval-every", "100",
+               "--eval-batches", "1", "--save", str(ck), "--loss-log", str(log), *flags)
+    rows = [json.loads(line) for line in open(log) if "grad_norm" in line]
+    dcp_to_torch_save(str(ck), str(folder / f"{factor}.pt"))
+    state = torch.load(folder / f"{factor}.pt", weights_only=False)["model"]
+    return out, rows, {k: v for k, v in state.items() if k.endswith("expert_bias")}
+
+
+@pytest.fixture(scope="module")
+def roomy(tmp_path_factory):
+    """A capacity large enough from the start: nothing overflows, so what --on-overflow says to do never happens
+    (drop here) and the run is every policy's."""
+    return _capacity_run(tmp_path_factory.mktemp("roomy"), "8", "--on-overflow", "drop")
+
+
+def test_a_rerun_step_leaves_the_state_of_one_that_never_overflowed(tmp_path, roomy):
     """Capacity dispatch with a capacity too small at the first step (rerun once, grown) against one large enough
     from the start, with DeepSeek-V3's expert-bias balancing: every step's loss and per-layer load, and so the
     expert biases that steer the next steps' routing, are those of the run that never overflowed (the discarded
     pass once added its loads to the counters)."""
     import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    logs, biases = {}, {}
-    for factor in ("0.25", "8"):
-        log, ck = tmp_path / f"loss-{factor}.jsonl", tmp_path / f"ck-{factor}"
-        out = _run(tmp_path, 2, "--batch-size", "2", "--ep", "2", "--ep-dispatch", "capacity", "--capacity-factor",
-                   factor, "--router", "deepseek-v3", "--num-experts", "8", "--steps", "3", "--eval-every", "100",
-                   "--eval-batches", "1", "--save", str(ck), "--loss-log", str(log))
-        assert out.count("capacity overflow") == (1 if factor == "0.25" else 0), out
-        logs[factor] = [json.loads(line) for line in open(log) if "grad_norm" in line]
-        dcp_to_torch_save(str(ck), str(tmp_path / f"{factor}.pt"))
-        state = torch.load(tmp_path / f"{factor}.pt", weights_only=False)["model"]
-        biases[factor] = {k: v for k, v in state.items() if k.endswith("expert_bias")}
-    rerun, never = logs["0.25"], logs["8"]
+    out, rerun, biases = _capacity_run(tmp_path, "0.25")
+    assert out.count("capacity overflow") == 1, out
+    assert roomy[0].count("capacity overflow") == 0, roomy[0]
+    never, roomy_biases = roomy[1], roomy[2]
     assert len(rerun) == len(never) == 3
     for a, b in zip(rerun, never):
         assert abs(a["loss"] - b["loss"]) <= TOL * b["loss"], (a, b)
         assert a["load_max_mean"] == b["load_max_mean"], (a, b)
-    assert biases["8"] and biases["0.25"].keys() == biases["8"].keys()
-    for k, v in biases["8"].items():
-        assert torch.equal(biases["0.25"][k], v), (k, biases["0.25"][k], v)
+    assert roomy_biases and biases.keys() == roomy_biases.keys()
+    for k, v in roomy_biases.items():
+        assert torch.equal(biases[k], v), (k, biases[k], v)
         assert v.abs().sum() > 0, k  # the biases did move
 
 
-def test_dropped_rows_are_counted_and_said(tmp_path):
+def test_dropped_rows_are_counted_and_said(tmp_path, roomy):
     """--on-overflow drop with a capacity too small: the loss log has each step's dropped rows (all ranks'), and
     the run ends saying how many it dropped; with a capacity large enough, none."""
-    for factor, some in (("0.25", True), ("8", False)):
-        log = tmp_path / f"loss-{factor}.jsonl"
-        out = _run(tmp_path, 2, "--batch-size", "2", "--ep", "2", "--ep-dispatch", "capacity", "--capacity-factor",
-                   factor, "--on-overflow", "drop", "--steps", "3", "--eval-every", "100", "--eval-batches", "1",
-                   "--loss-log", str(log), "--save", "")
-        rows = [json.loads(line) for line in open(log) if "grad_norm" in line]
+    for (out, rows, _), some in ((_capacity_run(tmp_path, "0.25", "--on-overflow", "drop"), True), (roomy, False)):
         assert len(rows) == 3 and all(isinstance(r["dropped_rows"], int) for r in rows), rows
         total = sum(r["dropped_rows"] for r in rows)
         assert (total > 0) == some, rows
@@ -175,7 +186,8 @@ def test_sigkill_of_one_rank_during_sharded_saves_leaves_a_checkpoint_that_resum
     ck = str(tmp_path / "ck")
     manifest = os.path.join(ck, MANIFEST)
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    common = ["--batch-size", "2", "--eval-every", "100000", "--eval-batches", "1", "--save", ck, "--save-every", "1"]
+    common = [*REFERENCE, "--batch-size", "2", "--eval-every", "100000", "--eval-batches", "1", "--save", ck,
+              "--save-every", "1"]
     held = [0]
     for delay in (0.0, 0.6):
         started = time.time_ns()
