@@ -13,6 +13,9 @@ them, under Megatron's DistributedDataParallel with fp32 gradient buffers, NCCL 
   megatron-te-grouped   the TransformerEngine spec's TEGroupedMLP, where transformer_engine imports
   moeblaze              get_moeblaze_gpt_layer_spec: moeblaze's fused layer (checkpoint "preact")
   moeblaze-recompute    the same, ExpertsConfig(checkpoint="recompute")
+  moeblaze-stacked      moeblaze with the experts' parameters laid out last first in one buffer (as Megatron's
+                        distributed optimizer lays them), where the layer stacks them per call instead of reading
+                        them in place: what reading them in place saves
   moeblaze-in-megatron  dispatch="megatron": Megatron's dispatcher, moeblaze's op on its permuted rows
 step_ms: the median of --iters steps after --warmup (CUDA events around each); peak_mb: the allocator's peak over
 the timed steps, weights and their gradients included. Each variant runs in a process of its own (Megatron's DDP
@@ -38,7 +41,7 @@ from moeblaze import ExpertsConfig
 QWEN3_30B = dict(hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
                  ffn_hidden_size=6144, num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768)
 VARIANTS = ("megatron-sequential", "megatron-grouped-mm", "megatron-te-grouped", "moeblaze", "moeblaze-recompute",
-            "moeblaze-in-megatron")
+            "moeblaze-stacked", "moeblaze-in-megatron")
 
 
 def grouped_gemm_on_torch() -> None:
@@ -125,7 +128,22 @@ def build(what: str, variant: str, layers: int, dense_first: int = 0):
         from megatron.core.models.gpt import GPTModel
         model = GPTModel(config=cfg, transformer_layer_spec=s, vocab_size=32768, max_sequence_length=4096,
                          position_embedding_type="rope").cuda()
+    if variant == "moeblaze-stacked":
+        lay_out_last_first(model)
     return DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+
+
+def lay_out_last_first(model) -> None:
+    """Each moeblaze experts module's parameters moved into one buffer, last first (values unchanged)."""
+    from moeblaze.integrations.megatron import MoeblazeSequentialMLP
+    for module in model.modules():
+        if isinstance(module, MoeblazeSequentialMLP):
+            params = list(module.parameters())[::-1]
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            at = 0
+            for p in params:
+                p.data = flat[at:at + p.numel()].view_as(p)
+                at += p.numel()
 
 
 def timed(step, warmup: int, iters: int) -> tuple[float, float]:
