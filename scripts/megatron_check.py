@@ -3,13 +3,14 @@ dispatcher), expert parallelism over all ranks, then a dist-checkpointing round 
 
     torchrun --nproc-per-node N scripts/megatron_check.py [--out DIR]
 
-Each check: moeblaze's layer (dispatch="moeblaze", its parameters as allocated and in one buffer as Megatron's
-DistributedDataParallel lays them, read in place; and "megatron": Megatron's dispatcher, moeblaze's op on its
-rows) and Megatron's, the same weights, one forward and backward on fresh random tokens; Megatron's layer again in
-fp64 is the exact result. Output, dx and every gradient (relative, Frobenius) within twice Megatron's own error
-against it at the same precision (fp32, bf16) plus two of that precision's epsilons: the tests' rule, a bound
-that moves with the machine's rounding. (Megatron's own fp32 error is 6-8e-7 at this shape, so a fixed 1e-6 would
-be under twice it.) Then moeblaze's sharded state dict saved
+Each check: moeblaze's layer (dispatch="moeblaze", its parameters as built, read in place, and in one buffer last
+first as Megatron's distributed optimizer lays them, stacked per call; and "megatron": Megatron's dispatcher,
+moeblaze's op on its rows) and Megatron's, the same weights, one forward and backward on fresh random tokens;
+Megatron's layer again in fp64 is the exact result. Output, dx and every gradient (relative, Frobenius) within twice
+Megatron's own error against it at the same precision (fp32, bf16) plus two of that precision's epsilons: the tests'
+rule, a bound that moves with the machine's rounding. (Megatron's own fp32 error is 6-8e-7 at this shape, so a fixed
+1e-6 would be under twice it.)
+Then moeblaze's sharded state dict saved
 with Megatron's dist-checkpointing loads into stock Megatron's layer and back, values bitwise equal. Rank 0 prints
 one line per check and writes them to DIR/megatron_check.txt; the exit status is non-zero if any check fails.
 """
@@ -68,7 +69,8 @@ def step(layer, x, dout, dtype):
 
 def one_buffer(module) -> None:
     """module's parameters moved into one buffer, last first, values unchanged: as Megatron's
-    DistributedDataParallel lays them out (the layout moeblaze's layer reads in place)."""
+    DistributedDataParallel lays them out with its distributed optimizer (where moeblaze's layer stacks the
+    experts' weights per call; as built, it reads them in place)."""
     params = list(module.parameters())
     flat, at = params[0].new_empty(sum(p.numel() for p in params)), 0
     for p in params[::-1]:
@@ -139,6 +141,9 @@ def main():
     dist.init_process_group("nccl")
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 reads it undefined where TE does not import
+        moe_utils.te_general_gemm = None
     world = dist.get_world_size()
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
     model_parallel_cuda_manual_seed(0)

@@ -17,8 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_megatron_layer_equals_megatrons_own(gpus, tmp_path):
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} GPUs")
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}",
-                        "--master-port=0" if gpus == 1 else "--master-port=29519",
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpus}", "--standalone",
                         os.path.join(ROOT, "scripts", "megatron_check.py"), "--out", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
