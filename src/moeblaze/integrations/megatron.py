@@ -148,8 +148,8 @@ def _experts_config(experts: ExpertsConfig | None, megatron_config) -> ExpertsCo
         raise ValueError(f"experts=ExpertsConfig(activation={experts.activation!r}), but the Megatron config's "
                          f"experts compute {activation!r}: the activation is the Megatron config's, leave it unset")
     if experts.fp8_weight_cache:
-        raise ValueError("fp8_weight_cache=True: Megatron keeps each expert's weights apart, and the stacked copy "
-                         "is new every call; use precision='fp8' without it")
+        raise ValueError("fp8_weight_cache=True: Megatron keeps each expert's weights apart, and the experts' "
+                         "operand over them is a new tensor every call; use precision='fp8' without it")
     return dataclasses.replace(experts, activation=activation)
 
 
