@@ -334,30 +334,36 @@ class _NewStorages(TorchDispatchMode):
 def _weight_sized_storages(rank, world, found, layout, convert):
     """The new storages of at least one kind of expert weight (E·D·H elements: the activations here are smaller)
     that the layer's forward makes: none where the layer lays its experts out (as built, and after a dtype
-    conversion, which makes each parameter anew), a stacked copy per kind where they are laid out otherwise."""
+    conversion, which makes each parameter anew), a stacked copy per kind where they are laid out otherwise (also
+    when that happens after a call that read them in place, with the same output)."""
     mc.init(ep=world)
     config = mc.transformer_config()
     ours = mc.build(mc.moeblaze_mlp(4, experts=ExpertsConfig(backend="triton")), config)
     if convert:
         ours.double().float()  # each parameter made anew twice
-    if layout is not None:
-        mc.lay_out_in_one_buffer(ours, reverse=layout == "reversed")
     x = torch.randn(T, B, D, dtype=next(ours.parameters()).dtype, requires_grad=True)
+    before = ours(x)[0].detach() if layout == "reversed-after-a-call" else None
+    if layout is not None:
+        mc.lay_out_in_one_buffer(ours, reverse=layout.startswith("reversed"))
     known = {p.untyped_storage().data_ptr() for p in ours.parameters()}
     with _NewStorages(4 * D * config.moe_ffn_hidden_size, known) as mode:
         out, _ = ours(x)
     out.sum().backward()
-    want = 2 if layout == "reversed" else 0
+    want = 2 if layout is not None and layout.startswith("reversed") else 0
     if len(mode.made) != want:
         found.put((layout, convert, mode.made))
+    if before is not None and not torch.equal(before, out.detach()):  # the same values, read from the new layout
+        found.put((layout, "another output"))
     fc1 = {e.linear_fc1.weight.untyped_storage().data_ptr() for e in ours.experts.local_experts}
     if layout is None and len(fc1) != 1:
         found.put(("fc1's weights in", len(fc1), "storages"))
     mc.destroy()
 
 
-@pytest.mark.parametrize("layout,convert", [(None, False), (None, True), ("reversed", False)],
-                         ids=["as-built", "after-dtype-conversions", "control-laid-out-last-first"])
+@pytest.mark.parametrize("layout,convert", [(None, False), (None, True), ("reversed", False),
+                                            ("reversed-after-a-call", False)],
+                         ids=["as-built", "after-dtype-conversions", "control-laid-out-last-first",
+                              "laid-out-last-first-after-a-call"])
 def test_the_layer_reads_its_experts_weights_in_place(layout, convert):
     run_ranks(_weight_sized_storages, 1, layout, convert)
 

@@ -186,9 +186,8 @@ class _InPlace(torch.autograd.Function):
 
 
 def _stack(parts: tuple) -> torch.Tensor:
-    """The experts' parameters as one operand (E, ...), differentiable in each part: their own storage where they
-    are joined (_joined), else a copy."""
-    return _InPlace.apply(*parts) if _joined(parts) else torch.stack(parts)
+    """The experts' parameters as one operand (E, ...), a copy, differentiable in each part."""
+    return torch.stack(parts)
 
 
 @contextlib.contextmanager
@@ -256,9 +255,19 @@ class MoeblazeSequentialMLP(SequentialMLP):
 
     def _join_parts(self) -> None:
         """Each kind of parameter (fc1's weights, fc2's, each bias) in one storage, expert after expert."""
+        self._layouts = {}  # kind -> ((dtype, addresses), joined) of the layout last checked in full
         for parts in self._parts():
             if parts is not None and not _joined(parts):
                 _join(parts)
+
+    def _operand(self, kind: int, parts: tuple) -> torch.Tensor:
+        """One kind of the experts' parameters as the op's (E, ...) operand: their storage, read in place, where they
+        are joined (checked in full once per layout, known again by its addresses), else a stacked copy."""
+        seen = (parts[0].dtype, [p.data_ptr() for p in parts])
+        last = self._layouts.get(kind)
+        if last is None or last[0] != seen:
+            last = self._layouts[kind] = (seen, _joined(parts))
+        return _InPlace.apply(*parts) if last[1] else _stack(parts)
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), .bfloat16() make each parameter anew: join them again
         out = super()._apply(fn, *args, **kwargs)
@@ -278,7 +287,7 @@ class MoeblazeSequentialMLP(SequentialMLP):
         w1s, w2s, b1s, b2s = self._parts()
         config, weights = self.moeblaze_config, weights_TK.to(torch.float32)
         parts = [w1s, w2s] + ([b1s, b2s] if b1s is not None else [])
-        stacked = [_stack(p) for p in parts]
+        stacked = [self._operand(kind, p) for kind, p in enumerate(parts)]
         x, *biases = autocast_operands(x_TD, *stacked[2:])
         operands = [*autocast_weights(config, *stacked[:2]), *biases]  # fp8: float32 stacks stay float32
         across = None
