@@ -35,12 +35,10 @@ moe_shared_expert_overlap (a dispatcher feature), the flex dispatcher (moeblaze 
 parallelism > 1, and biases under expert parallelism.
 
 Memory contract: per layer call, the routing index (O(T·K) int32) and what moe_experts keeps under the checkpoint
-policy. The experts keep SequentialMLP's parameters, each expert's apart, but laid out back to back in one storage
-per kind (when built, and again after .to()/.cuda()/.bfloat16()): the op's (E, F, D) and (E, D, H) operands are
-that storage, read in place, so nothing of the weights' size is made per call. Where something lays them out
-otherwise (Megatron's distributed optimizer moves them into its buffer, last first) the operands are stacked per
-call (a transient of the local experts' size) and saved for backward as a recipe, not a copy (restacked there from
-the parameters: saved-tensor hooks), so nothing of the weights' size lives between forward and backward.
+policy. The experts' parameters (SequentialMLP's, each expert's apart) sit back to back in one storage per kind,
+laid out when built and after .to()/.cuda(): the op reads its (E, F, D) and (E, D, H) operands there in place. Laid
+out otherwise (Megatron's distributed optimizer's buffer, last first), they are stacked per call and saved for
+backward as a recipe (saved-tensor hooks restack them there): nothing of the weights' size outlives forward.
 """
 from __future__ import annotations
 
@@ -155,11 +153,9 @@ def _experts_config(experts: ExpertsConfig | None, megatron_config) -> ExpertsCo
 
 def _joined(parts: tuple) -> bool:
     """Whether the parts are contiguous views of one storage, back to back in order: (E, ...) without a copy."""
-    first = parts[0]
-    base, step = first.data_ptr(), first.numel() * first.element_size()
-    storage = first.untyped_storage().data_ptr()
-    return all(p.is_contiguous() and p.dtype == first.dtype and p.shape == first.shape
-               and p.untyped_storage().data_ptr() == storage and p.data_ptr() == base + i * step
+    first, step = parts[0], parts[0].numel() * parts[0].element_size()
+    return all(p.is_contiguous() and p.dtype == first.dtype and p.shape == first.shape and p.data_ptr() ==
+               first.data_ptr() + i * step and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
                for i, p in enumerate(parts))
 
 
@@ -275,8 +271,7 @@ class MoeblazeSequentialMLP(SequentialMLP):
         return out
 
     def _parts(self) -> tuple:
-        fc1 = [e.linear_fc1 for e in self.local_experts]
-        fc2 = [e.linear_fc2 for e in self.local_experts]
+        fc1, fc2 = [e.linear_fc1 for e in self.local_experts], [e.linear_fc2 for e in self.local_experts]
         biases = tuple(None if fc[0].bias is None else tuple(f.bias for f in fc) for fc in (fc1, fc2))
         return tuple(f.weight for f in fc1), tuple(f.weight for f in fc2), *biases
 
@@ -294,9 +289,8 @@ class MoeblazeSequentialMLP(SequentialMLP):
         if group is not None:
             from ..distributed import ep_experts
             across = functools.partial(ep_experts, group=group, experts=config, ep_config=ep)
-        copies = {o: p for o, p in zip(operands, parts)  # the operands stacked or cast here, not read in place
-                  if o.untyped_storage().data_ptr() != p[0].untyped_storage().data_ptr()}
-        with _restacked(copies):  # routed_call casts none again
+        with _restacked({o: p for o, p in zip(operands, parts)  # stacked or cast here (routed_call casts none)
+                         if o.untyped_storage().data_ptr() != p[0].untyped_storage().data_ptr()}):
             return routed_call(x, ids_TK, weights, *operands, experts=config, sentinels=sentinels, across=across,
                                   out_dtype=x_TD.dtype)
 
