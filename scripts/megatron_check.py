@@ -9,10 +9,9 @@ moeblaze's op on its rows) and Megatron's, the same weights, one forward and bac
 Megatron's layer again in fp64 is the exact result. Output, dx and every gradient (relative, Frobenius) within twice
 Megatron's own error against it at the same precision (fp32, bf16) plus two of that precision's epsilons: the tests'
 rule, a bound that moves with the machine's rounding. (Megatron's own fp32 error is 6-8e-7 at this shape, so a fixed
-1e-6 would be under twice it.)
-Then moeblaze's sharded state dict saved
-with Megatron's dist-checkpointing loads into stock Megatron's layer and back, values bitwise equal. Rank 0 prints
-one line per check and writes them to DIR/megatron_check.txt; the exit status is non-zero if any check fails.
+1e-6 would be under twice it.) Then moeblaze's sharded state dict saved with Megatron's dist-checkpointing loads
+into stock Megatron's layer and back, values bitwise equal. Rank 0 prints one line per check and writes them to
+DIR/megatron_check.txt; the exit status is non-zero if any check fails.
 """
 from __future__ import annotations
 
