@@ -9,9 +9,11 @@ moeblaze's op on its rows) and Megatron's, the same weights, one forward and bac
 Megatron's layer again in fp64 is the exact result. Output, dx and every gradient (relative, Frobenius) within twice
 Megatron's own error against it at the same precision (fp32, bf16) plus two of that precision's epsilons: the tests'
 rule, a bound that moves with the machine's rounding. (Megatron's own fp32 error is 6-8e-7 at this shape, so a fixed
-1e-6 would be under twice it.) Then moeblaze's sharded state dict saved with Megatron's dist-checkpointing loads
-into stock Megatron's layer and back, values bitwise equal. Rank 0 prints one line per check and writes them to
-DIR/megatron_check.txt; the exit status is non-zero if any check fails.
+1e-6 would be under twice it.) Then the layer under Megatron's DistributedDataParallel: its experts' gradients
+added into DDP's buffer by the layer, bitwise equal to DDP's own per-parameter adds. Then moeblaze's sharded state
+dict saved with Megatron's dist-checkpointing loads into stock Megatron's layer and back, values bitwise equal.
+Rank 0 prints one line per check and writes them to DIR/megatron_check.txt; the exit status is non-zero if any
+check fails.
 """
 from __future__ import annotations
 
@@ -105,6 +107,40 @@ def parity(name, ours_kw, dtype, T=1024, B=2, seed=0, ddp_layout=False) -> tuple
                 f"{r:.2f} of the bound), {len(pairs)} tensors")
 
 
+def ddp_main_grads(dtype, T=1024, B=2) -> tuple[bool, str]:
+    """moeblaze's layer under Megatron's DistributedDataParallel (float32 gradient buffer), two micro-batches: its
+    experts' gradients added into the buffer by the layer, one launch per kind, against DDP's hooks adding each
+    (the layer's adds turned off): every main_grad bitwise equal, the experts' flagged as added."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from moeblaze.integrations import megatron_weights
+    cfg = config()
+    grads, add, state = [], megatron_weights.add_into_main_grads, None
+    for fused in (True, False):
+        layer = build(mlps(cfg.num_moe_experts)[1], cfg, 0).to(dtype)
+        if state is None:  # Megatron draws each build's expert weights anew: the second loads the first's
+            state = layer.state_dict()
+        else:
+            layer.load_state_dict(state)
+        ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), layer)
+        if not fused:
+            megatron_weights.add_into_main_grads = lambda params, grad: False
+        try:
+            g = torch.Generator(device="cuda").manual_seed(dist.get_rank())
+            for _ in range(2):
+                x = torch.randn(T, B, cfg.hidden_size, generator=g, device="cuda", dtype=dtype)
+                out, _ = ddp(x)
+                out.backward(torch.randn(out.shape, generator=g, device="cuda", dtype=dtype))
+        finally:
+            megatron_weights.add_into_main_grads = add
+        grads.append({n: (p.main_grad.clone(), p.grad_added_to_main_grad) for n, p in layer.named_parameters()})
+    flagged = sum(added for _, added in grads[0].values())
+    experts = sum("local_experts" in n for n in grads[0])
+    ok = flagged == experts and all(torch.equal(m, grads[1][n][0]) for n, (m, _) in grads[0].items())
+    return ok, (f"DDP main_grads {str(dtype)[6:]}: the layer's adds against DDP's hooks, two micro-batches, "
+                f"{len(grads[0])} tensors bitwise; {flagged} of {experts} expert parameters added by the layer")
+
+
 def round_trip(path) -> tuple[bool, str]:
     from megatron.core import dist_checkpointing
     cfg = config(moe_shared_expert_intermediate_size=1024)
@@ -164,6 +200,10 @@ def main():
             ok, line = parity(name, kw, dtype, ddp_layout=ddp_layout)
             failed += not ok
             say(("ok   " if ok else "FAIL ") + line)
+    for dtype in (torch.float32, torch.bfloat16):
+        ok, line = ddp_main_grads(dtype)
+        failed += not ok
+        say(("ok   " if ok else "FAIL ") + line)
     with tempfile.TemporaryDirectory(dir=args.out if dist.get_rank() == 0 else None) as tmp:
         path = [tmp]
         dist.broadcast_object_list(path)

@@ -368,6 +368,71 @@ def test_the_layer_reads_its_experts_weights_in_place(layout, convert):
     run_ranks(_weight_sized_storages, 1, layout, convert)
 
 
+def _megatron_ddp_grads(layer, order: str) -> list:
+    """Megatron DistributedDataParallel's gradient protocol on the CPU, without its buffers' collectives: each
+    parameter's float32 main_grad in one buffer (order "last-first", DDP's own; "first-first"), or each in its own
+    ("apart"), grad_added_to_main_grad False, and DDP's own backward hook (its _make_backward_post_hook, bound to a
+    stand-in holding what the hook reads). Returns the grad accumulators the hooks hang on (keep them alive)."""
+    import types
+
+    from megatron.core.distributed import DistributedDataParallel
+    params = [p for p in layer.parameters() if p.requires_grad]
+    ddp = types.SimpleNamespace(param_to_bucket_group=dict.fromkeys(params),
+                                ddp_config=types.SimpleNamespace(overlap_grad_reduce=False))
+    buffer, at, accs = torch.zeros(sum(p.numel() for p in params)), 0, []
+    for p in params[::-1] if order == "last-first" else params:
+        p.main_grad = torch.zeros(p.shape) if order == "apart" else buffer[at:at + p.numel()].view(p.shape)
+        at += p.numel()
+        p.grad_added_to_main_grad = False
+        accs.append(p.expand_as(p).grad_fn.next_functions[0][0])
+        accs[-1].register_hook(DistributedDataParallel._make_backward_post_hook(ddp, p))
+    return accs
+
+
+def _main_grads(rank, world, found, order, weights):
+    """Two micro-batches through the layer under DDP's protocol: the main_grads equal those of DDP's hooks adding
+    each parameter's gradient (the layer's adds turned off), bitwise; the experts' flagged as added where they sit a
+    fixed distance apart, not flagged where they don't; every parameter's .grad dropped by the hook."""
+    from moeblaze.integrations import megatron_weights
+    mc.init(ep=world)
+    config = mc.transformer_config()
+    x, dout, _ = _inputs(7)
+    results = []
+    for fused in (True, False):
+        layer = mc.build(mc.moeblaze_mlp(4, experts=ExpertsConfig(backend="triton")), config, seed=3)
+        if weights == "last-first":
+            mc.lay_out_in_one_buffer(layer, reverse=True)  # the layer stacks its weights per call
+        accs = _megatron_ddp_grads(layer, order)
+        add = megatron_weights.add_into_main_grads
+        if not fused:
+            megatron_weights.add_into_main_grads = lambda params, grad: False
+        try:
+            for i in range(2):
+                out, _ = layer(x.float() + i)
+                out.backward(dout.float())
+        finally:
+            megatron_weights.add_into_main_grads = add
+        results.append({n: (p.main_grad.clone(), p.grad_added_to_main_grad, p.grad) for n, p in
+                        layer.named_parameters()})
+        del accs
+    fused, hooks = results
+    for name, (main, added, grad) in fused.items():
+        expert = "local_experts" in name
+        if not torch.equal(main, hooks[name][0]):
+            found.put((order, weights, name, "main_grad differs", (main - hooks[name][0]).abs().max().item()))
+        if added != (expert and order != "apart") or hooks[name][1]:
+            found.put((order, weights, name, "flagged added", added))
+        if grad is not None or not main.abs().sum():
+            found.put((order, weights, name, "the hook's .grad left, or no gradient"))
+    mc.destroy()
+
+
+@pytest.mark.parametrize("order", ["last-first", "first-first", "apart"])
+@pytest.mark.parametrize("weights", ["as-built", "last-first"])
+def test_the_experts_gradients_go_into_megatrons_buffer_in_one_launch_per_kind(order, weights):
+    run_ranks(_main_grads, 1, order, weights)
+
+
 def _restored(rank, world, found):
     real = {name: getattr(torch.cuda, name) for name in mc._CUDA}
     mc.init(ep=world)

@@ -1,11 +1,13 @@
 """Where one Megatron MoE layer's step goes, per variant of benchmarks/megatron_bench.py: the GPU kernels of three
-steps after warmup (torch.profiler), summed by name, the largest first, and the share they take of the step.
+steps after warmup (torch.profiler), summed by name, the largest first, and the share they take of the step; with
+--host also the step's wall time and the host's costliest operators (self time).
 
-    python benchmarks/experiments/megatron/layer_profile.py --variants megatron-grouped-mm,moeblaze
+    python benchmarks/experiments/megatron/layer_profile.py --variants megatron-grouped-mm,moeblaze [--host]
 """
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -14,12 +16,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import megatron_bench as mb  # noqa: E402
 
 
-def profile(variant: str, tokens: int, top: int) -> None:
+def profile(variant: str, tokens: int, top: int, host: bool) -> None:
     step = mb.layer_step(mb.build("layer", variant, 1), tokens)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    start = time.perf_counter()
+    for _ in range(10):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / 10 * 1e3
+    activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if host else [])
+    with torch.profiler.profile(activities=activities) as prof:
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -28,9 +36,11 @@ def profile(variant: str, tokens: int, top: int) -> None:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total / 3 / 1000  # ms a step
     total = sum(kernels.values())
-    print(f"== {variant}: GPU kernels {total:.2f} ms a step")
+    print(f"== {variant}: GPU kernels {total:.2f} ms a step; the step's wall time {wall:.2f} ms (10 steps)")
     for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
         print(f"{ms:8.3f} ms {100 * ms / total:5.1f}%  {name[:110]}")
+    if host:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
 
 
 def main():
@@ -38,10 +48,11 @@ def main():
     ap.add_argument("--variants", default="megatron-grouped-mm,moeblaze")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--host", action="store_true", help="also the host's costliest operators")
     args = ap.parse_args()
     mb.megatron_world("29518")
     for variant in args.variants.split(","):
-        profile(variant, args.tokens, args.top)
+        profile(variant, args.tokens, args.top, args.host)
     dist.destroy_process_group()
 
 

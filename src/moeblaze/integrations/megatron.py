@@ -38,11 +38,12 @@ Memory contract: per layer call, the routing index (O(T·K) int32) and what moe_
 policy. The experts' parameters (SequentialMLP's, each expert's apart) sit back to back in one storage per kind,
 laid out when built and after .to()/.cuda(): the op reads its (E, F, D) and (E, D, H) operands there in place. Laid
 out otherwise (Megatron's distributed optimizer's buffer, last first), they are stacked per call and saved for
-backward as a recipe (saved-tensor hooks restack them there): nothing of the weights' size outlives forward.
+backward as a recipe (saved-tensor hooks restack them there): nothing of the weights' size outlives forward. Under
+Megatron's DistributedDataParallel their gradients are added into its buffer in one launch per kind
+(megatron_weights).
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -55,6 +56,7 @@ import torch.nn.functional as F
 from ..args import check_choice, check_int
 from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config
 from ..experts import autocast_operands, autocast_weights, routed_call
+from .megatron_weights import _InPlace, _join, _joined, _restacked, _stack
 
 try:
     from megatron.core.activations import squared_relu
@@ -149,76 +151,6 @@ def _experts_config(experts: ExpertsConfig | None, megatron_config) -> ExpertsCo
         raise ValueError("fp8_weight_cache=True: Megatron keeps each expert's weights apart, and the experts' "
                          "operand over them is a new tensor every call; use precision='fp8' without it")
     return dataclasses.replace(experts, activation=activation)
-
-
-def _joined(parts: tuple) -> bool:
-    """Whether the parts are contiguous views of one storage, back to back in order: (E, ...) without a copy."""
-    first, step = parts[0], parts[0].numel() * parts[0].element_size()
-    return all(p.is_contiguous() and p.dtype == first.dtype and p.shape == first.shape and p.data_ptr() ==
-               first.data_ptr() + i * step and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-               for i, p in enumerate(parts))
-
-
-def _join(parts: tuple) -> None:
-    """The parameters `parts` moved into one new storage, back to back in order (values unchanged)."""
-    with torch.no_grad():
-        whole = torch.stack([p.detach() for p in parts])
-        for p, view in zip(parts, whole):
-            p.data = view
-
-
-class _InPlace(torch.autograd.Function):
-    """Joined parts as the one (E, ...) tensor over their storage; the gradient splits back into each part."""
-
-    @staticmethod
-    def forward(ctx, *parts):
-        first = parts[0]
-        return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (len(parts), *first.shape),
-                                       (first.numel(), *first.stride()))
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.unbind(0)
-
-
-def _stack(parts: tuple) -> torch.Tensor:
-    """The experts' parameters as one operand (E, ...), a copy, differentiable in each part."""
-    return torch.stack(parts)
-
-
-@contextlib.contextmanager
-def _restacked(stacks: dict):
-    """Saved-tensor hooks under which a tensor sharing storage with one of `stacks` ({stacked tensor: the
-    parameters it stacks}) is saved as the parameters and a view, and restacked where backward reads it. The hooks
-    hold no stacked tensor (autograd keeps them with what they saved, until backward): storages by address."""
-    storages = {s.untyped_storage().data_ptr(): (s.untyped_storage().nbytes(), parts, s.dtype)
-                for s, parts in stacks.items()}
-
-    def pack(t):
-        hit = storages.get(t.untyped_storage().data_ptr())
-        if hit is None or t.untyped_storage().nbytes() != hit[0]:
-            return t
-        return _Recipe(hit[1], t.size(), t.stride(), t.storage_offset(), hit[2])
-
-    def unpack(p):
-        return p.restack() if isinstance(p, _Recipe) else p
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
-
-
-@dataclasses.dataclass(frozen=True)
-class _Recipe:
-    parts: tuple
-    size: torch.Size
-    stride: tuple
-    offset: int
-    dtype: torch.dtype
-
-    def restack(self) -> torch.Tensor:
-        with torch.no_grad():
-            whole = torch.stack([p.to(self.dtype) for p in self.parts])
-        return whole.as_strided(self.size, self.stride, self.offset)
 
 
 class MoeblazeSequentialMLP(SequentialMLP):
