@@ -1,7 +1,7 @@
 """Megatron-Core's MoE layer with its own experts and with moeblaze's, side by side in one process on one GPU:
 forward + backward time and peak memory of one MoE layer of Qwen3-30B-A3B's shape, then of a few-layer GPTModel.
 
-    python benchmarks/megatron_bench.py [--tokens 8192] [--layers 4] [--dense-first 0] [--out DIR]
+    python benchmarks/megatron_bench.py [--tokens 8192] [--layers 4] [--dense-first 0] [--ep 1] [--out DIR]
 
 Variants (one Megatron spec each, the same weights and tokens, bf16 parameters as Megatron's Float16Module keeps
 them, under Megatron's DistributedDataParallel with fp32 gradient buffers, NCCL world of one):
@@ -13,15 +13,19 @@ them, under Megatron's DistributedDataParallel with fp32 gradient buffers, NCCL 
   megatron-te-grouped   the TransformerEngine spec's TEGroupedMLP, where transformer_engine imports
   moeblaze              get_moeblaze_gpt_layer_spec: moeblaze's fused layer (checkpoint "preact")
   moeblaze-recompute    the same, ExpertsConfig(checkpoint="recompute")
+  moeblaze-capacity     the same, under --ep its capacity dispatch (EPConfig("capacity", on_overflow="drop"): no
+                        host sync; at top-8 on 2 ranks a token's rows fit the capacity, so nothing drops)
   moeblaze-stacked      moeblaze with the experts' parameters laid out last first in one buffer (as Megatron's
                         distributed optimizer lays them), where the layer stacks them per call instead of reading
                         them in place: what reading them in place saves
   moeblaze-in-megatron  dispatch="megatron": Megatron's dispatcher, moeblaze's op on its permuted rows
 step_ms: the median of --iters steps after --warmup (CUDA events around each); peak_mb: the allocator's peak over
-the timed steps, weights and their gradients included. Each variant runs in a process of its own (Megatron's DDP
-keeps a stock layer alive in its process after the last reference to it goes, which would count in the next
-variant's peak). One JSON row per variant (moeblaze bench's fields) to stdout and DIR/<gpu>.jsonl; a variant that
-fails records its error instead.
+the timed steps, weights and their gradients included. --ep N runs each variant on N GPUs (torchrun, Megatron's
+expert parallelism over them, each GPU its own --tokens, the step ending in DDP's gradient sync): step_ms and
+peak_mb are the largest over the ranks, tokens_per_s_per_gpu = --tokens / step. Each variant runs in a process
+(or torchrun) of its own (Megatron's DDP keeps a stock layer alive in its process after the last reference to it
+goes, which would count in the next variant's peak). One JSON row per variant (moeblaze bench's fields) to stdout
+and DIR/<gpu>.jsonl; a variant that fails records its error instead.
 """
 from __future__ import annotations
 
@@ -36,12 +40,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moeblaze import ExpertsConfig
+from moeblaze import EPConfig, ExpertsConfig
 
 QWEN3_30B = dict(hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
                  ffn_hidden_size=6144, num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768)
 VARIANTS = ("megatron-sequential", "megatron-grouped-mm", "megatron-te-grouped", "moeblaze", "moeblaze-recompute",
-            "moeblaze-stacked", "moeblaze-in-megatron")
+            "moeblaze-capacity", "moeblaze-stacked", "moeblaze-in-megatron")
 
 
 def grouped_gemm_on_torch() -> None:
@@ -95,9 +99,10 @@ def spec(variant: str):
 
 
 def _recipe(variant: str) -> dict:
-    """A moeblaze variant's recipe and dispatch, as both spec helpers take them."""
+    """A moeblaze variant's recipe, dispatch and expert-parallel config, as both spec helpers take them."""
     return dict(experts=ExpertsConfig(checkpoint="recompute" if variant == "moeblaze-recompute" else "preact"),
-                dispatch="megatron" if variant == "moeblaze-in-megatron" else "moeblaze")
+                dispatch="megatron" if variant == "moeblaze-in-megatron" else "moeblaze",
+                ep=EPConfig("capacity", on_overflow="drop") if variant == "moeblaze-capacity" else None)
 
 
 def block_spec(variant: str, cfg):
@@ -165,38 +170,50 @@ def timed(step, warmup: int, iters: int) -> tuple[float, float]:
 def run(what: str, variant: str, args) -> dict:
     model = build(what, variant, args.layers, args.dense_first)
     seq, batch = 4096, args.tokens // 4096
+    seed = 1 + dist.get_rank()  # each rank its own tokens
     if what == "layer":
-        step = layer_step(model, args.tokens)
+        fwd_bwd = layer_step(model, args.tokens, seed)
     else:
-        g = torch.Generator(device="cuda").manual_seed(1)
+        g = torch.Generator(device="cuda").manual_seed(seed)
         ids = torch.randint(0, 32768, (batch, seq), device="cuda", generator=g)
         pos = torch.arange(seq, device="cuda")[None].expand(batch, -1)
 
-        def step():
+        def fwd_bwd():
             logits = model(ids, pos, attention_mask=None)
             logits.float().square().mean().backward()
+    step = fwd_bwd
+    if dist.get_world_size() > 1:
+        def step():  # the gradients of what every rank holds reduced, as a training step must
+            fwd_bwd()
+            model.finish_grad_sync()
     ms, peak = timed(step, args.warmup, args.iters)
-    return {"step_ms": round(ms, 3), "peak_mb": round(peak, 1)}
+    worst = torch.tensor([ms, peak], device="cuda", dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    ms, peak = worst.tolist()
+    return {"step_ms": round(ms, 3), "peak_mb": round(peak, 1),
+            "tokens_per_s_per_gpu": round(args.tokens / ms * 1e3)}
 
 
 def megatron_world(port: str = "29517") -> None:
-    """An NCCL world of one on GPU 0 and Megatron's parallel state over it (model-parallel sizes 1, seeded)."""
+    """An NCCL world (torchrun's, else one process on GPU 0) and Megatron's parallel state over it: tensor and
+    pipeline parallel sizes 1, expert parallelism over the whole world, seeded."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", port)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", rank=int(os.environ.get("RANK", 0)),
+                            world_size=int(os.environ.get("WORLD_SIZE", 1)))
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe import moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):  # megatron-core 0.16 reads it undefined where TE does not import
         moe_utils.te_general_gemm = None
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=dist.get_world_size())
     model_parallel_cuda_manual_seed(0)
 
 
-def layer_step(model, tokens: int):
+def layer_step(model, tokens: int, seed: int = 1):
     """One forward + backward of a layer on fixed random tokens (sequences of 4096) and output gradients."""
-    g = torch.Generator(device="cuda").manual_seed(1)
+    g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(4096, tokens // 4096, QWEN3_30B["hidden_size"], device="cuda", dtype=torch.bfloat16,
                     generator=g, requires_grad=True)
     dout = torch.randn_like(x)
@@ -208,13 +225,17 @@ def layer_step(model, tokens: int):
 
 
 def child(args) -> None:
-    """One variant of one benchmark in this process (--child): its row on stdout."""
+    """One variant of one benchmark in this process (--child; on each rank under --ep): its row on stdout."""
     megatron_world()
     try:
         row = run(args.what, args.variants, args)
     except Exception as e:  # noqa: BLE001 - the row records why the variant did not run
-        row = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    print("ROW " + json.dumps(row), flush=True)
+        print("ROW " + json.dumps({"error": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
+        if dist.get_world_size() > 1:
+            raise  # this rank's exit ends the others (torchrun), which may wait on it in a collective
+        row = None
+    if row is not None and dist.get_rank() == 0:
+        print("ROW " + json.dumps(row), flush=True)
     dist.destroy_process_group()
 
 
@@ -226,6 +247,7 @@ def main():
                     help="the GPTModel's first layers dense (DeepSeek-V3's layout; the decoder block spec)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--what", default="layer,model", help="layer, model or both")
+    ap.add_argument("--ep", type=int, default=1, help="GPUs, Megatron's expert parallelism over them (torchrun)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default="benchmarks/results")
@@ -246,12 +268,15 @@ def main():
             row = {"impl": f"megatron:{variant}", "bench": f"megatron-{what}", "L": args.tokens, "d": q["hidden_size"],
                    "h": q["moe_ffn_hidden_size"], "E": q["num_moe_experts"], "K": q["moe_router_topk"],
                    "layers": 1 if what == "layer" else args.layers,
-                   "dense_first": args.dense_first if what == "model" else 0, **env}
+                   "dense_first": args.dense_first if what == "model" else 0, "ep": args.ep, "gpus": args.ep,
+                   **env}
             # a process per variant: Megatron's DDP keeps a stock layer alive after its last reference goes (a CPU
             # check showed it), which would count in the next variant's peak
-            r = subprocess.run([sys.executable, __file__, "--child", "--what", what, "--variants", variant,
+            launch = [sys.executable] + (["-m", "torch.distributed.run", "--standalone",
+                                          f"--nproc-per-node={args.ep}"] if args.ep > 1 else [])
+            r = subprocess.run(launch + [__file__, "--child", "--what", what, "--variants", variant,
                                 "--tokens", str(args.tokens), "--layers", str(args.layers), "--dense-first",
-                                str(args.dense_first), "--warmup",
+                                str(args.dense_first), "--ep", str(args.ep), "--warmup",
                                 str(args.warmup), "--iters", str(args.iters)], capture_output=True, text=True)
             rows = [line[4:] for line in r.stdout.splitlines() if line.startswith("ROW ")]
             row.update(json.loads(rows[-1]) if rows else {"error": f"exit {r.returncode}: {r.stderr[-300:]}"})
