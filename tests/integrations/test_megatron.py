@@ -427,9 +427,10 @@ def _main_grads(rank, world, found, order, weights):
     mc.destroy()
 
 
-@pytest.mark.parametrize("order", ["last-first", "first-first", "apart"])
-@pytest.mark.parametrize("weights", ["as-built", "last-first"])
-def test_the_experts_gradients_go_into_megatrons_buffer_in_one_launch_per_kind(order, weights):
+@pytest.mark.parametrize("weights,order", [("as-built", "last-first"), ("as-built", "first-first"),
+                                           ("as-built", "apart"), ("last-first", "last-first")],
+                         ids=["read-in-place", "buffer-first-first", "control-main-grads-apart", "stacked"])
+def test_the_experts_gradients_go_into_megatrons_buffer_in_one_launch_per_kind(weights, order):
     run_ranks(_main_grads, 1, order, weights)
 
 
