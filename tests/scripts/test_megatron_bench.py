@@ -66,4 +66,8 @@ def _grouped_equals_sequential(rank, world, found):
 
 
 def test_grouped_gemm_baseline_computes_megatrons_sequential_layer():
+    try:
+        from megatron.core.transformer.moe.experts import GroupedMLP  # noqa: F401
+    except ImportError:
+        pytest.skip("megatron-core 0.17 removed GroupedMLP, the baseline this checks (megatron_bench refuses it)")
     run_ranks(_grouped_equals_sequential, 1)

@@ -337,6 +337,12 @@ def _module(builder):
     return builder.module if isinstance(builder, ModuleSpec) else builder.func
 
 
+def _is_moe(builder) -> bool:
+    """Whether a spec's MLP builder makes an MoE layer (0.19 builds dense MLPs through a classmethod, not a class)."""
+    module = _module(builder)
+    return isinstance(module, type) and issubclass(module, MoELayer)
+
+
 def get_moeblaze_gpt_layer_spec(num_experts: int, *, experts: ExpertsConfig = DEFAULT, dispatch: str = "moeblaze",
                                 ep: EPConfig | None = None, use_te: bool = False, **spec_kwargs):
     """Megatron's GPT layer spec (get_gpt_layer_local_spec, or with use_te get_gpt_layer_with_transformer_engine_spec;
@@ -365,7 +371,7 @@ def get_moeblaze_gpt_layer_spec(num_experts: int, *, experts: ExpertsConfig = DE
             else gpt_layer_specs.get_gpt_layer_local_spec)
     spec = make(num_experts=num_experts, moe_grouped_gemm=False, **spec_kwargs)
     mlp = spec.submodules.mlp
-    if not issubclass(_module(mlp), MoELayer):
+    if not _is_moe(mlp):
         raise ValueError(f"Megatron's spec has {_module(mlp)!r} as the MLP: no MoE layer to put moeblaze in")
     return _on_moeblaze(spec, experts, dispatch, ep)
 
@@ -422,7 +428,7 @@ def get_moeblaze_gpt_decoder_block_spec(config, *, experts: ExpertsConfig = DEFA
                          "GroupedMLP), whose parameters moeblaze's layer doesn't compute: set it False")
     from megatron.core.models.gpt import gpt_layer_specs
     block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, **block_kwargs)
-    layers = [_on_moeblaze(s, experts, dispatch, ep) if issubclass(_module(s.submodules.mlp), MoELayer) else s
+    layers = [_on_moeblaze(s, experts, dispatch, ep) if _is_moe(s.submodules.mlp) else s
               for s in block.layer_specs]
     return dataclasses.replace(block, layer_specs=layers)
 
