@@ -434,6 +434,28 @@ def test_the_experts_gradients_go_into_megatrons_buffer_in_one_launch_per_kind(w
     run_ranks(_main_grads, 1, order, weights)
 
 
+def test_the_main_grads_layout_is_checked_again_when_ddp_makes_them_anew():
+    """add_into_main_grads knows a kind's main_grads by identity after one full check: main_grads made anew (another
+    buffer, or one apart from the rest) are checked again, and the sums land where they now are."""
+    from moeblaze.integrations.megatron_weights import add_into_main_grads
+    params = [torch.nn.Parameter(torch.zeros(3, 5)) for _ in range(4)]
+
+    def lay_out(last_first: bool, apart: int | None = None):
+        buffer = torch.randn(len(params) * 15 + 7)
+        for e, p in enumerate(params):
+            at = 7 + 15 * (len(params) - 1 - e if last_first else e)
+            p.main_grad = torch.randn(3, 5) if e == apart else buffer[at:at + 15].view(3, 5)
+            p.grad_added_to_main_grad = False
+        return [p.main_grad.clone() for p in params]
+
+    for last_first, apart, fused in [(True, None, True), (True, None, True), (False, None, True), (False, 2, False),
+                                     (True, None, True)]:
+        before, grad = lay_out(last_first, apart), torch.randn(len(params), 3, 5)
+        assert add_into_main_grads(params, grad) is fused
+        for p, b, g in zip(params, before, grad):
+            assert torch.equal(p.main_grad, b + g if fused else b) and p.grad_added_to_main_grad is fused
+
+
 def _restored(rank, world, found):
     real = {name: getattr(torch.cuda, name) for name in mc._CUDA}
     mc.init(ep=world)
