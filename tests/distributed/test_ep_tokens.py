@@ -112,6 +112,34 @@ def _fp8(rank, world, checkpoint, dispatch):
         assert (a - b).abs().max() <= 8 * torch.finfo(torch.float32).eps * b.abs().max().clamp_min(1), name
 
 
+def _wire(rank, world, checkpoint, dispatch, parts=1):
+    """EPConfig(wire="e4m3"): x's rows and dy's cross as e4m3 with their scales. The receiver runs the op on
+    dequant(q(x)) and dequant(q(dy)), so the run equals the same transport with native rows on x' and dy' so
+    quantized in one process, bit for bit (dx answering for x); it sends fewer bytes than native rows, and its dW1
+    (from the quantized rows) is not the native run's on x."""
+    from moeblaze.experts.quant import dequantize_rows, quantize_rows
+
+    toks, w1, w2 = _problem(world, "uniform")
+    _, dy = _one_process(toks, w1, w2, torch.float64, "reference")
+    config = ExpertsConfig(backend="triton", precision="fp8", fp8_min_rows=0, checkpoint=checkpoint)
+    capacity = dict(capacity=64) if dispatch == "capacity" else {}
+
+    def run(wire, toks, dy):
+        Traffic.reset()
+        got, _, _ = _ep(rank, world, toks, w1, w2, dy, EPConfig(dispatch, wire=wire, chunks=parts, **capacity), config)
+        return got, Traffic.reset()
+
+    def crossed(t):
+        return dequantize_rows(*quantize_rows(t.float().contiguous()), torch.float32)
+    got, wire_bytes = run("e4m3", toks, dy)
+    want, native_bytes = run("native", [(crossed(x), idx, w) for x, idx, w in toks], crossed(dy))
+    plain, _ = run("native", toks, dy)
+    for name, a, b in zip(("out", "dx", "dtopk_w", "dw1", "dw2"), got, want):
+        assert torch.equal(a, b), name
+    assert not torch.equal(got[3], plain[3]), "dW1 took x's own rows"
+    assert wire_bytes < native_bytes, (wire_bytes, native_bytes)
+
+
 def _traffic(rank, world, parts=1):
     """Both transports' bytes, counted as they send, summed over the ranks: "tokens" sends each (token, rank) row
     once (in `parts` parts: the same rows), "pairs" each pair; each equals the count from the routing itself."""
@@ -198,7 +226,7 @@ def _cases(rank, world, errors, cases):
         try:
             kind, *args = case
             {"compare": _compare, "fp8": _fp8, "traffic": _traffic, "overflow": _overflow,
-             "parts_traced": _parts_traced}[kind](rank, world, *args)
+             "parts_traced": _parts_traced, "wire": _wire}[kind](rank, world, *args)
         except AssertionError as e:
             errors.put(f"rank {rank}, {case}: {e}")
 
@@ -220,6 +248,33 @@ def test_tokens_transport_equals_one_process_at_4_and_8_ranks():
 
 def test_tokens_transport_fp8_matches_the_pair_transport():
     run_ranks(_cases, 2, [("fp8", "preact", "exact"), ("fp8", "recompute", "capacity")])
+
+
+def test_tokens_transport_sends_e4m3_rows_where_asked():
+    run_ranks(_cases, 2, [("wire", "preact", "exact"), ("wire", "recompute", "capacity"),
+                          ("wire", "preact", "exact", 2)])
+
+
+def test_a_wire_no_transport_sends_is_refused_by_name():
+    import pytest
+
+    from moeblaze.distributed.ep import check_ep
+    with pytest.raises(ValueError, match="wire"):
+        EPConfig(wire="e5m2")
+    with pytest.raises(ValueError, match="wire='e4m3'.*'pairs'"):
+        check_ep(EPConfig(transport="pairs", wire="e4m3"), None)
+    assert check_ep(EPConfig(wire="e4m3"), None)[0].wire == "e4m3"
+
+
+def test_e4m3_rows_quantize_again_to_themselves_in_bf16():
+    """What wire="e4m3" relies on for precision="fp8": bf16 rows dequantized where they arrive quantize again to
+    the same e4m3 values and scales, so the receiver's e4m3 GEMMs read what the sender's would."""
+    from moeblaze.experts.quant import dequantize_rows, quantize_rows
+
+    x = (torch.randn(64, 300) * torch.rand(64, 1) * 10).bfloat16()
+    q, s = quantize_rows(x)
+    q2, s2 = quantize_rows(dequantize_rows(q, s, torch.bfloat16))
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
 
 
 def test_tokens_transport_overflow_is_never_silent():

@@ -13,8 +13,8 @@ import sys
 
 from ..args import check_choice, check_int
 from ..configs import (ACTIVATIONS, BACKENDS, CHECKPOINTS, DISPATCHES, INDEX_METHODS, OVERFLOW, PRECISIONS, ROUTERS,
-                       RULES, UNITS, EPConfig, ExpertsConfig, ModelConfig, RouterConfig, flat_rounding, flat_shared,
-                       fold_impl)
+                       RULES, UNITS, WIRES, EPConfig, ExpertsConfig, ModelConfig, RouterConfig, flat_rounding,
+                       flat_shared, fold_impl)
 from . import UsageError
 from .presets import EXTRAS, PRESETS, SHAPE
 from .train_config import Bench, Machine, Outputs, Parallel, Schedule, TrainConfig
@@ -147,6 +147,9 @@ def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ep-transport", default="tokens",
                    help="how rows cross: tokens (one row per (token, rank), equal to one GPU within the op's "
                         "rounding; default) or pairs (one row per (token, expert) pair, bitwise equal to one GPU)")
+    g.add_argument("--ep-wire", default="native", choices=WIRES,
+                   help="tokens: e4m3 sends x's and dy's rows as e4m3 with their scales, half a bf16 row's bytes "
+                        "(dW1 and dW2 then take the quantized rows); native: in the model's dtype (default)")
     g.add_argument("--ep-chunks", type=int, default=1,
                    help="the all-to-alls in this many parts, each part's under another part's GEMMs (tokens: each "
                         "rank's rows split; pairs, exact dispatch: the local experts grouped; default 1: no overlap)")
@@ -240,11 +243,12 @@ def ep_config(args) -> EPConfig:
                          "use")
     config = EPConfig(args.ep_dispatch, args.capacity_factor,
                       on_overflow=None if args.on_overflow == "rerun" else args.on_overflow, chunks=args.ep_chunks,
-                      transport=args.ep_transport)
+                      transport=args.ep_transport, wire=args.ep_wire)
     if (args.ep or 1) == 1:
         given = [flag for flag, set_ in ((f"--ep-dispatch {args.ep_dispatch}", args.ep_dispatch != "exact"),
                                          (f"--ep-chunks {args.ep_chunks}", args.ep_chunks != 1),
-                                         (f"--ep-transport {args.ep_transport}", args.ep_transport != "tokens"))
+                                         (f"--ep-transport {args.ep_transport}", args.ep_transport != "tokens"),
+                                         (f"--ep-wire {args.ep_wire}", args.ep_wire != "native"))
                  if set_]
         if given:
             raise ValueError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --ep > 1"

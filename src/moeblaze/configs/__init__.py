@@ -17,10 +17,10 @@ Memory: none (frozen dataclasses of a few fields).
 from .experts import (ACTIVATIONS, BACKENDS, CHECKPOINTS, DEFAULT, GATED, INDEX_METHODS,  # noqa: F401
                       LAUNCH_BACKENDS, LEGACY, PLAIN, PRECISIONS, ExpertsConfig, fold_impl, from_legacy)
 from .layer import (AUX_LOSSES, DEFAULT_CAPACITY_FACTOR, DISPATCHES, OVERFLOW, ROUTERS, RULES,  # noqa: F401
-                    SCORINGS, UNITS, EPConfig, RoundingConfig, RouterConfig, SharedConfig, check_config, check_heads,
-                    check_layer, layer_configs)
+                    SCORINGS, UNITS, WIRES, EPConfig, RoundingConfig, RouterConfig, SharedConfig, check_config,
+                    check_heads, check_layer, layer_configs)
 from .model import ModelConfig, flat_rounding, flat_shared  # noqa: F401
 
 __all__ = ["ACTIVATIONS", "AUX_LOSSES", "BACKENDS", "CHECKPOINTS", "DISPATCHES", "INDEX_METHODS", "OVERFLOW",
-           "PRECISIONS", "ROUTERS", "RULES", "SCORINGS", "UNITS", "EPConfig", "ExpertsConfig", "ModelConfig",
+           "PRECISIONS", "ROUTERS", "RULES", "SCORINGS", "UNITS", "WIRES", "EPConfig", "ExpertsConfig", "ModelConfig",
            "RoundingConfig", "RouterConfig", "SharedConfig"]

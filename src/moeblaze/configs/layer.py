@@ -14,6 +14,7 @@ SCORINGS = ("softmax_topk", "topk_softmax", "sigmoid_topk")  # RouterConfig.scor
 AUX_LOSSES = ("switch", "sequence", "global", "none")  # RouterConfig.aux_loss
 RULES = ("nr-f", "up", "down")  # RoundingConfig.rule
 DISPATCHES = ("exact", "capacity")  # EPConfig.dispatch
+WIRES = ("native", "e4m3")  # EPConfig.wire: the dtype the tokens' rows and their gradients cross in
 OVERFLOW = ("error", "drop")  # EPConfig.on_overflow: what capacity dispatch does with rows past the capacity
 UNITS = ("blocks", "model")  # FSDP2's units (moeblaze.distributed.fsdp)
 DEFAULT_CAPACITY_FACTOR = 1.25  # EPConfig.capacity_factor when unset
@@ -155,6 +156,12 @@ class EPConfig:
             experts there gathering it: a quarter of the pairs' bytes at top-8 over 128 experts on 2 ranks, equal to
             one GPU within the op's rounding; default) or "pairs" (one row per (token, expert) pair, bitwise equal to
             one GPU).
+        wire: "native" (rows cross in x's dtype, default) or "e4m3" (transport "tokens": each row of x forward and
+            of dy backward crosses as e4m3 with its 1 x 128 float32 scales, half the bytes of a bf16 row, and is
+            dequantized where it arrives; the partial sums return in x's dtype). The experts then see those rows
+            as dequant(q(x)) and dequant(q(dy)): under precision="fp8" the e4m3 GEMMs read what one GPU reads (the
+            same quantization), while dW1 and dW2, which one GPU computes from x and dy in their own precision,
+            take the quantized rows; under "native" every product does.
 
     Returns:
         A frozen value; ValueError or TypeError naming the field for a choice it refuses, or for a capacity option
@@ -166,9 +173,11 @@ class EPConfig:
     on_overflow: str | None = None
     chunks: int = 1
     transport: str = "tokens"
+    wire: str = "native"
 
     def __post_init__(self):
         check_choice("dispatch", self.dispatch, DISPATCHES)
+        check_choice("wire", self.wire, WIRES)
         check_int("chunks", self.chunks)
         if not isinstance(self.transport, str) or not self.transport:
             raise TypeError(f"transport must be a transport's name (a str), got {self.transport!r}")

@@ -164,7 +164,7 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     fail = ep_config.overflow == "error" and tracker is None  # an overflow an error on every rank: a host read
     _check_chunks(t, ep_config, E_loc)
     out, needed = t.run(EPCall(x, topk_idx, topk_weights, w1_local, w2_local, w1_up, _group_name(group), key, C, fail,
-                               ep_config.chunks, config.index_method, E))
+                               ep_config.chunks, config.index_method, E, ep_config.wire))
     if tracker is not None:
         tracker.record(needed)
     if dropped is not None and C is not None and ep_config.overflow == "drop" and tracker is None:
@@ -180,13 +180,7 @@ def _checked(x, topk_idx, topk_weights, w1_local, w2_local, group, experts, conf
     try:
         config = from_legacy("ep_experts", experts, {"config": config}, stacklevel=4)  # (from ep_experts' _checked)
         check_options(config)
-        ep_config = check_config("ep_config", ep_config, EPConfig) or EPConfig()
-        t = transport(ep_config.transport)
-        if tracker is not None and not isinstance(tracker, CapacityTracker):
-            raise TypeError(f"tracker must be a moeblaze CapacityTracker or None, got {type(tracker).__name__}")
-        if tracker is not None and ep_config.dispatch != "capacity":
-            raise ValueError("a CapacityTracker sizes capacity dispatch: it needs "
-                             "ep_config=EPConfig(dispatch='capacity')")
+        ep_config, t = check_ep(ep_config, tracker)
         check_expert_inputs(x, w1_local, w2_local, config.activation, masters=config.fp8)
         check_topk_idx(topk_idx, (w1_local if isinstance(w1_local, torch.Tensor) else w1_local[0]).shape[0] * ep)
         check_topk_weights(topk_weights, topk_idx)
@@ -202,6 +196,22 @@ def _checked(x, topk_idx, topk_weights, w1_local, w2_local, group, experts, conf
         # every rank's first call makes this one: all raise
         check_agreement(group, entry="ep_experts", inputs=f"{type(e).__name__}: {e}")
     return config, ep_config, t
+
+
+def check_ep(ep_config: EPConfig | None, tracker: CapacityTracker | None):
+    """(the EPConfig, None made the default; its transport) after the checks between them and a tracker: a
+    transport registered under the name, a wire it sends, a tracker only for capacity dispatch. TypeError or
+    ValueError naming the field."""
+    ep_config = check_config("ep_config", ep_config, EPConfig) or EPConfig()
+    t = transport(ep_config.transport)
+    if ep_config.wire not in t.wires:
+        raise ValueError(f"EPConfig(wire={ep_config.wire!r}): transport {ep_config.transport!r} sends rows in "
+                         f"{' or '.join(map(repr, t.wires))} only")
+    if tracker is not None and not isinstance(tracker, CapacityTracker):
+        raise TypeError(f"tracker must be a moeblaze CapacityTracker or None, got {type(tracker).__name__}")
+    if tracker is not None and ep_config.dispatch != "capacity":
+        raise ValueError("a CapacityTracker sizes capacity dispatch: it needs ep_config=EPConfig(dispatch='capacity')")
+    return ep_config, t
 
 
 def _capacity(t, ep_config: EPConfig, tracker, L: int, K: int, ep: int, E_loc: int) -> int | None:

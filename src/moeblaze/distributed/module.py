@@ -16,12 +16,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..configs import EPConfig, check_config
+from ..configs import EPConfig
 from ..experts import routed_call
 from ..nn import Experts, SharedExperts
 from ..nn.moe import describe_experts
-from .ep import check_agreement, check_options, ep_experts
-from .transports import transport
+from .ep import check_agreement, check_ep, check_options, ep_experts
 from .plan import CapacityTracker
 
 
@@ -47,13 +46,7 @@ class ExpertParallel(nn.Module):
         if not isinstance(experts, Experts) or isinstance(experts, (SharedExperts, ExpertParallel)):
             raise TypeError(f"ExpertParallel wraps a routed moeblaze.nn.Experts module, got {type(experts).__name__}")
         check_options(experts.config)
-        ep_config = check_config("ep_config", ep_config, EPConfig) or EPConfig()
-        transport(ep_config.transport)  # a name no transport is registered under: refused here, by name
-        if tracker is not None and not isinstance(tracker, CapacityTracker):
-            raise TypeError(f"tracker must be a moeblaze CapacityTracker or None, got {type(tracker).__name__}")
-        if tracker is not None and ep_config.dispatch != "capacity":
-            raise ValueError("a CapacityTracker sizes capacity dispatch: it needs ep_config=EPConfig(dispatch="
-                             "'capacity')")
+        ep_config, _ = check_ep(ep_config, tracker)  # refused here, by name, before any collective
         if not isinstance(ep_mesh, DeviceMesh):
             raise TypeError(f"ep_mesh must be a 1-D torch DeviceMesh (e.g. init_device_mesh(device, (ep,))), got "
                             f"{type(ep_mesh).__name__}")

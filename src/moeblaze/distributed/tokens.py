@@ -18,14 +18,16 @@ Backward mirrors it: dy crosses once per (token, rank), the op's backward return
 per pair (column k of the row), which go back; dx is the sender's sum of the partial sums, and the router weights'
 gradient a gather. Under checkpoint="recompute" the rows cross again in backward, once. The results equal one GPU
 within the op's rounding (the partial sums round to x's dtype before they are added), not bit for bit: the per-pair
-transport is the bitwise reference.
+transport is the bitwise reference. EPConfig(wire="e4m3"): the rows of x and of dy cross as e4m3 with their
+1 x 128 float32 scales (experts.quant, one pass each side) and are dequantized into the receive buffer as each part
+arrives; the partial sums return in x's dtype. The op then runs on those rows as they arrived.
 Autograd: its own custom-op pair, moeblaze::ep_tokens_fwd / _bwd (distributed.ep_op), schemas and fakes
 from TokenInputs and TokenKept; torch.compile traces it under capacity dispatch (fixed shapes).
 
 Memory kept per layer: the plan, O(S + L·K + R·K) int32 (send tokens, each pair's row and combine slot, the
 receiver's index and its router weights in float32); under checkpoint="preact" the received rows R·D (R <= the
 per-pair transport's rows) and the pre-activation (pairs·F); under "recompute" neither. Transient: the send and
-return buffers, S·D each.
+return buffers, S·D each (under wire="e4m3" also their e4m3 rows and scales, S·D bytes and R·D bytes).
 
 Legend: ep ranks, E_loc experts a rank, L tokens and K experts per token on this rank, S rows sent, R received, D
 hidden.
@@ -38,8 +40,10 @@ import torch
 import torch.distributed as dist
 
 from ..experts.op import Kept, OpInputs, experts_backward, experts_forward, kept_like, parse
+from ..experts.quant import dequantize_rows, quantize_rows
 from ..experts.stages import combine_slots
 from ..launch import ensure_context
+from ..reference.fp8 import FP8
 from ..routing import RoutingIndex, build_routing_index
 from .ep_op import EPOptions, declare_ep_op, run_ep_op
 from .plan import REFUSED, _all_to_all, capacity_checks, exchange, resolve_group, wait
@@ -214,17 +218,25 @@ class TokenPlan:
             return rows_LD.new_zeros((self.sent,) + tuple(rows_LD.shape[1:]))
         return rows_LD[self.send_tok]
 
-    def dispatch_parts(self, rows: torch.Tensor) -> tuple[torch.Tensor, list]:
+    def dispatch_parts(self, rows: torch.Tensor, wire: str = "native") -> tuple[torch.Tensor, list]:
         """A send buffer's rows to their ranks, part by part, each all-to-all issued without waiting where there
         are several parts: the receive buffer and a handle per part (wait on it before reading its block; keep
-        rows until then)."""
+        rows until then). wire="e4m3": the rows cross as quantize_rows's (e4m3, 1 x 128 scales) and a part's
+        handle dequantizes its block into the receive buffer, in rows' dtype, when waited on."""
+        if wire == "e4m3":
+            q, scales = quantize_rows(rows)
+            q_out, q_handles = self.dispatch_parts(q.view(torch.uint8))
+            s_out, s_handles = self.dispatch_parts(scales)
+            out = rows.new_empty((self.received, rows.shape[1]))
+            return out, [_Dequantized(q_out[b], s_out[b], out[b], (hq, hs), (q, scales))
+                         for b, hq, hs in zip(self.recv_blocks, q_handles, s_handles)]
         out = rows.new_empty((self.received,) + tuple(rows.shape[1:]))
         later = self.parts > 1
         return out, [_all_to_all(out[r], rows[s], o, i, self.group, later)
                      for r, s, i, o in zip(self.recv_blocks, self.send_blocks, self.in_splits, self.out_splits)]
 
-    def dispatch(self, rows: torch.Tensor) -> torch.Tensor:
-        out, handles = self.dispatch_parts(rows)
+    def dispatch(self, rows: torch.Tensor, wire: str = "native") -> torch.Tensor:
+        out, handles = self.dispatch_parts(rows, wire)
         wait(handles)
         return out
 
@@ -246,6 +258,19 @@ class TokenPlan:
         return padded[self.row_LK.long().clamp(max=S), k.expand_as(self.row_LK)]
 
 
+class _Dequantized:
+    """A part of e4m3 rows on its way (EPConfig.wire="e4m3"): wait() waits on its all-to-alls (handles), then
+    writes q · scales into the receive buffer's block; keep: the send buffers, alive until then."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, handles, keep):
+        self.q, self.scales, self.out, self.handles, self.keep = q, scales, out, handles, keep
+
+    def wait(self) -> None:
+        wait(self.handles)
+        dequantize_rows(self.q.view(FP8), self.scales, self.out.dtype, out=self.out)
+        self.keep = ()
+
+
 def _op_inputs(rows: torch.Tensor, recv_w: torch.Tensor, recv: RoutingIndex, inputs: TokenInputs) -> OpInputs:
     return OpInputs.of(rows, inputs.w1, inputs.w2, recv_w, recv, w1_up=inputs.w1_up)
 
@@ -258,7 +283,7 @@ def tokens_forward(inputs: TokenInputs, o: EPOptions) -> tuple[torch.Tensor, tor
     plan = TokenPlan(inputs.topk_idx, inputs.topk_w, E_loc, group, o.capacity, o.fail_on_overflow, o.chunks)
     meta, meta_arrived = plan.dispatch_parts(plan.meta)
     sending = plan.send(x)
-    recv_x, arrived = plan.dispatch_parts(sending)
+    recv_x, arrived = plan.dispatch_parts(sending, o.wire)
     ret = x.new_empty((plan.sent, x.shape[1]))
     recvs, weights, kept, back = [], [], [], []
     for p, block in enumerate(plan.recv_blocks):
@@ -284,9 +309,9 @@ def tokens_backward(dout: torch.Tensor, inputs: TokenInputs, saved: TokenKept, o
     x, topk_w = inputs.x, inputs.topk_w
     key = o.key
     plan, recvs = TokenPlan.restore(resolve_group(o.group_name), saved.plan)
-    recv_x = saved.recv_x if parse(key).checkpoint != "recompute" else plan.dispatch(plan.send(x))
+    recv_x = saved.recv_x if parse(key).checkpoint != "recompute" else plan.dispatch(plan.send(x), o.wire)
     sending = plan.send(dout)
-    dy_recv, arrived = plan.dispatch_parts(sending)
+    dy_recv, arrived = plan.dispatch_parts(sending, o.wire)
     dx_ret = dout.new_empty((plan.sent, dout.shape[1]))
     ds_ret = torch.empty(plan.sent, topk_w.shape[1], dtype=torch.float32, device=dout.device)
     dw, back = None, []

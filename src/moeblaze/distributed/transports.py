@@ -26,7 +26,8 @@ class EPCall(NamedTuple):
     """One expert-parallel layer call, checked (distributed.ep): x (L, D), global expert ids topk_idx (L, K) and
     their weights topk_w, this rank's experts (w1 or its gate rows, w2, w1_up or None), the group's name, the op's
     key, the capacity (rows per pair of ranks; None: exact dispatch), whether an overflow is an error on every
-    rank, the groups of local experts (chunks), the routing index's builder and the experts over all ranks (E)."""
+    rank, the groups of local experts (chunks), the routing index's builder, the experts over all ranks (E) and the
+    dtype rows cross in (wire: EPConfig.wire)."""
     x: torch.Tensor
     topk_idx: torch.Tensor
     topk_w: torch.Tensor
@@ -40,6 +41,7 @@ class EPCall(NamedTuple):
     chunks: int
     index_method: str
     num_experts: int
+    wire: str = "native"
 
 
 class Transport(NamedTuple):
@@ -51,7 +53,8 @@ class Transport(NamedTuple):
     the dispatch modes in which it takes EPConfig.chunks (chunks: the all-to-alls pipelined under the GEMMs) and
     whether those chunks group the local experts (so that there can be no more of them than local experts), and
     the shape of its first exchange, first_exchange(ep, E_loc, capacity) (plan.exchange: a rank that refuses its
-    inputs makes it, so that the others stop with it; None: that rank raises alone)."""
+    inputs makes it, so that the others stop with it; None: that rank raises alone), and the EPConfig.wire values
+    it sends rows in (wires)."""
     run: Callable
     mean_rows: Callable[[int, int, int], float]
     max_rows: Callable[[int, int, int], float]
@@ -61,6 +64,7 @@ class Transport(NamedTuple):
     chunks: tuple[str, ...] = ()
     expert_chunks: bool = False
     first_exchange: Callable | None = None
+    wires: tuple[str, ...] = ("native",)
 
 
 def _hit_fraction(K: int, ep: int, E_loc: int) -> float:
@@ -76,7 +80,8 @@ TRANSPORTS: dict[str, Transport] = {
     "pairs": Transport(pairs.run, lambda K, ep, E_loc: K / ep, lambda L, K, E_loc: math.inf, pairs.rows_sent,
                        lambda K: 1, chunks=("exact",), expert_chunks=True, first_exchange=pairs.first_exchange),
     "tokens": Transport(tokens.run, _hit_fraction, lambda L, K, E_loc: L, tokens.rows_sent, lambda K: K,
-                        sentinels=True, chunks=("exact", "capacity"), first_exchange=tokens.first_exchange),
+                        sentinels=True, chunks=("exact", "capacity"), first_exchange=tokens.first_exchange,
+                        wires=("native", "e4m3")),
 }
 
 
