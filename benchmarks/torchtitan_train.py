@@ -27,8 +27,8 @@ NAME+DISPATCH/P the all-to-alls in P parts, each under another part's GEMMs (ep_
 rows split; @pairs: exact dispatch's local experts in P groups);
 NAME+capacity-drop capacity dispatch with on_overflow="drop" (no host read of an overflow flag); a suffix
 @TRANSPORT names EPConfig's transport (NAME+exact@pairs: a row per (token, expert) pair; the default, tokens: one
-per (token, rank)). Rows of moeblaze's own EP carry a2a_mb_per_step, this rank's all-to-all megabytes to other
-ranks per timed step.
+per (token, rank)), and a last suffix :WIRE its wire (NAME+capacity-drop:e4m3: the tokens' rows cross as e4m3).
+Rows of moeblaze's own EP carry a2a_mb_per_step, this rank's all-to-all megabytes to other ranks per timed step.
 On the CPU (no GPU): gloo, fp32 without autocast, no memory figures; a check of the code path, not a benchmark.
 
 torchtitan 0.3.0's models import two FSDP names that torch 2.11 lacks; tests/titan.py (which builds the models
@@ -69,12 +69,14 @@ def model_config(name: str, layers: int, variant: str):
     family, flavor = FLAVORS[name]
     registry = importlib.import_module(f"torchtitan.models.{family}").model_registry
     base, _, ep_dispatch = variant.partition("+")
+    ep_dispatch, _, wire = ep_dispatch.partition(":")
     ep_dispatch, _, transport = ep_dispatch.partition("@")
     ep_dispatch, _, chunks = ep_dispatch.partition("/")
     ep_dispatch, _, overflow = ep_dispatch.partition("-")  # capacity-drop: on_overflow="drop", no host read
     options = VARIANTS[base]
     ep = None if not ep_dispatch else EPConfig(dispatch=ep_dispatch, chunks=int(chunks or 1),
-                                               transport=transport or "tokens", on_overflow=overflow or None)
+                                               transport=transport or "tokens", on_overflow=overflow or None,
+                                               wire=wire or "native")
     converters = None if options is None else [MoeblazeConverter.Config(experts=ExpertsConfig(**options), ep=ep)]
     config = registry(flavor, converters=converters).model
     config.layers = config.layers[:layers]
