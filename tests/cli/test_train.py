@@ -580,3 +580,12 @@ def test_the_header_names_the_kernels_expert_parallelism_runs():
     assert experts_path(cfg, 1).startswith("the PyTorch reference")
     assert experts_path(cfg, 2).startswith("the Triton kernels")
     assert experts_path(replace(cfg, experts=ExpertsConfig(backend="reference")), 2).startswith("the PyTorch reference")
+
+
+def test_ep_wire_reaches_the_ep_config_and_needs_ep():
+    p = argparse.ArgumentParser()
+    train_flags.add_arguments(p)
+    assert train_flags.ep_config(p.parse_args(["--ep", "2", "--ep-wire", "e4m3"])).wire == "e4m3"
+    assert train_flags.ep_config(p.parse_args(["--ep", "2"])).wire == "native"
+    with pytest.raises(ValueError, match="--ep-wire e4m3 needs --ep > 1"):
+        train_flags.ep_config(p.parse_args(["--ep", "1", "--ep-wire", "e4m3"]))
