@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..env import INTERPRET
+from ..launch import cdiv, launch
 
 BLOCK = 2048
 
@@ -54,7 +55,7 @@ def _step(params, grad: torch.Tensor) -> int | None:
             and all(r() is m for r, m in zip(known[1], mains))):
         return known[2] if grad.is_contiguous() and grad.shape[1:] == mains[0].shape else None
     step = _full_step(params, mains, grad)
-    if None not in mains and grad.is_contiguous():  # the verdict, either way, is the main_grads'
+    if all(m is not None for m in mains) and grad.is_contiguous():  # the verdict, either way, is the main_grads'
         key = id(params[0])
         first = weakref.ref(params[0], lambda ref: _STEPS.pop(key) if _STEPS.get(key, (None,))[0] is ref else None)
         _STEPS[key] = (first, tuple(weakref.ref(m) for m in mains), step)
@@ -94,7 +95,7 @@ def add_into_main_grads(params, grad: torch.Tensor) -> bool:
         return False
     E, n = grad.shape[0], grad[0].numel()
     if n:
-        _add_into[(E, triton.cdiv(n, BLOCK))](params[0].main_grad, grad, n, step, BLOCK=BLOCK)
+        launch(_add_into, (E, cdiv(n, BLOCK)), params[0].main_grad, grad, n, step, BLOCK=BLOCK)
     for p in params:
         p.grad_added_to_main_grad = True
     return True
