@@ -11,6 +11,7 @@ torch.compile(fullgraph=True) and captured in a CUDA graph (replayed on new inpu
     torchrun --nproc-per-node 4 scripts/ep_check.py --only-overflow   # the overflow check alone
     torchrun --nproc-per-node 4 scripts/ep_check.py --checks-only --dispatches exact/2,exact/4   # pipelined groups
     torchrun --nproc-per-node 2 scripts/ep_check.py --agreement   # mismatches and refused inputs: errors on every rank
+                                                                  # (ep_experts, ExpertParallel, torchtitan's model)
 
 The bitwise checks run the per-pair transport (EPConfig(transport="pairs")), the bitwise reference; --agreement
 checks the other transport's first calls too. The tl kernels are pinned to their first autotune config (each process
@@ -20,6 +21,7 @@ per check and writes them to DIR/ep_check.txt.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import time
@@ -246,6 +248,54 @@ def agreement(rank: int, world: int, L: int, device) -> list[str]:
     return lines
 
 
+def titan_agreement(rank: int, world: int, device) -> list[str]:
+    """torchtitan's Qwen3 debug model (2 layers, torchtitan's own expert-parallel build) with moeblaze's experts on
+    its EP mesh (MoeblazeConverter(ep=EPConfig())), the last rank differing: (a) its recipe another checkpoint
+    policy; (b) its forward under float16 autocast where the others' is under bfloat16, so that its experts get x
+    in another dtype. Each an error on every rank at the first forward, never an abort or a hang; then, in (b),
+    every rank runs the agreeing forward."""
+    import sys
+    from pathlib import Path
+
+    from torchtitan.config import ParallelismConfig
+
+    from moeblaze.integrations.torchtitan import MoeblazeConverter
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import titan
+
+    odd, lines = rank == world - 1, []
+    for case in ("checkpoint", "x_dtype"):
+        recipe = ExpertsConfig(checkpoint="recompute" if case == "checkpoint" and odd else "preact")
+        config = titan.model_config("qwen3", [MoeblazeConverter.Config(experts=recipe, ep=EPConfig())])
+        parallelism = ParallelismConfig(data_parallel_shard_degree=world, expert_parallel_degree=world,
+                                        spmd_backend="partial_dtensor")
+        model, dims = titan.parallel_build(config, parallelism, world, "cuda")  # a fresh mesh: nothing agreed
+        model.parallelize(dims)
+        model.to_empty(device=device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=device)
+        tokens = torch.randint(0, 256, (2, 64), device=device)
+        dtype = torch.float16 if case == "x_dtype" and odd else torch.bfloat16
+        try:
+            with torch.autocast("cuda", dtype=dtype):
+                model(tokens)
+            said = "nothing raised"
+        except ValueError as e:
+            said = f"ValueError: {str(e)[:150]}"
+        ran = True
+        if case == "x_dtype":  # the group goes on: every rank's forward in bfloat16
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                ran = bool(torch.isfinite(model(tokens).float()).all())
+        torch.cuda.synchronize()
+        ok = torch.tensor([said.startswith("ValueError") and ran], device=device, dtype=torch.int32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        lines.append(f"ep={world} torchtitan's model, {case} on rank {world - 1}: rank {rank} {said}; "
+                     + ("every rank raised" + (", then ran the agreeing forward" if case == "x_dtype" else "")
+                        if ok.item() else "FAILED"))
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
@@ -271,6 +321,8 @@ def main():
         return uneven(rank, world, args.tokens, device)
     if args.agreement:
         lines = agreement(rank, world, args.tokens, device)
+        if importlib.util.find_spec("torchtitan") is not None:
+            lines += titan_agreement(rank, world, device)
         print("\n".join(lines), flush=True)
         dist.destroy_process_group()
         return 1 if any("FAILED" in line for line in lines) else 0

@@ -1,5 +1,6 @@
 """moeblaze's Megatron-Core layer on GPUs (NCCL): against Megatron's own MoE layer (SequentialMLP over its all-to-all
-dispatcher), expert parallelism over all ranks, then a dist-checkpointing round trip. Run with
+dispatcher), expert parallelism over all ranks, then a dist-checkpointing round trip; first, under expert
+parallelism, a layer spec and a layer's dtype that differ on one rank, each one error on every rank. Run with
 
     torchrun --nproc-per-node N scripts/megatron_check.py [--out DIR]
 
@@ -162,6 +163,40 @@ def round_trip(path) -> tuple[bool, str]:
     return ok, "dist-checkpointing: moeblaze -> stock Megatron -> moeblaze, every tensor bitwise"
 
 
+def agreement() -> list[tuple[bool, str]]:
+    """Under expert parallelism, the last rank differing, in the expert-parallel group's first calls (so run before
+    the other checks): (a) its layer spec with Megatron's dispatch where the others' has moeblaze's: one ValueError
+    on every rank when the layer is built; (b) its layer in float32 where the others' are in bf16 (its experts get
+    x and weights in another dtype): one ValueError on every rank at the first forward, after which every rank runs
+    the agreeing forward. Never an abort or a hang."""
+    cfg, world = config(), dist.get_world_size()
+    odd, results = dist.get_rank() == world - 1, []
+    _, theirs = mlps(cfg.num_moe_experts, dispatch="megatron" if odd else "moeblaze")
+    try:
+        build(theirs, cfg, 0)
+        said = "built"
+    except ValueError as e:
+        said = f"ValueError: {str(e)[:120]}"
+    results.append((said.startswith("ValueError"), f"agreement: Megatron's dispatch on rank {world - 1} only, when "
+                                                    f"built: rank {dist.get_rank()} {said}"))
+    _, ours = mlps(cfg.num_moe_experts)
+    layer = build(ours, cfg, 0).to(torch.float32 if odd else torch.bfloat16)
+    x = torch.randn(256, 2, cfg.hidden_size, device="cuda", dtype=torch.float32 if odd else torch.bfloat16)
+    try:
+        layer(x)
+        said = "nothing raised"
+    except ValueError as e:
+        said = f"ValueError: {str(e)[:120]}"
+    layer.bfloat16()
+    out, _ = layer(x.bfloat16())  # the group goes on
+    ran = bool(torch.isfinite(out.float()).all())
+    then = "then ran the agreeing forward" if ran else "the next forward FAILED"
+    results.append((said.startswith("ValueError") and ran, f"agreement: the layer in float32 on rank {world - 1} "
+                                                           f"only, at the first forward: rank {dist.get_rank()} "
+                                                           f"{said}; {then}"))
+    return results
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="out")
@@ -192,6 +227,12 @@ def main():
     say(f"megatron-core {megatron.core.__version__}, torch {torch.__version__}, {world} x "
         f"{torch.cuda.get_device_name()}, EP {world}")
     failed = 0
+    for ok, line in agreement() if world > 1 else ():  # the group's first calls
+        flag = torch.tensor([int(ok)], device="cuda")
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank raised
+        failed += not flag.item()
+        print(("ok   " if flag.item() else "FAIL ") + line, flush=True)  # each rank's own line
+        lines.append(("ok   " if flag.item() else "FAIL ") + line)
     checks = [("moeblaze", dict(), False), ("moeblaze-ddp-layout", dict(), True),
               ("moeblaze-recompute", dict(experts=ExpertsConfig(checkpoint="recompute")), False),
               ("megatron-dispatch", dict(dispatch="megatron"), False)]

@@ -8,6 +8,9 @@ variant's validation loss against the study's baseline and its curves.
                    fp8_min_rows=0) and checkpoint="preact-fp8";
                    whether each ends inside the baseline's seed band, and the late relative gap of the training
                    loss (its mean over the last 10% of steps against the baseline's); the gradient norm over training
+  --study wire     expert parallelism over 2 GPUs (torchrun, --ep 2) under precision="fp8": the tokens' rows crossing
+                   in bf16 (the baseline) and as e4m3 with their scales (--ep-wire e4m3: the receiver's experts and
+                   their weight gradients see the quantized rows); also bf16 without and with the e4m3 wire
 
     python scripts/train_compare.py run [--study routing] [--out DIR] [--seeds 0,1,2] [--jobs 6] [--steps N]  (GPU)
                                         [--shapes small] [--variants top-k,rounding] [--cpu]
@@ -55,6 +58,14 @@ STUDIES = {
         variants={"bf16": [], "fp8": ["--precision", "fp8", "--fp8-min-rows", "0"],
                   "preact-fp8": ["--checkpoint-policy", "preact-fp8"]},
         curve=("grad_norm", "gradient norm before clipping")),
+    "wire": dict(
+        baseline="fp8",
+        launch=["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+        shapes={"small": ["--ep", "2"]},
+        variants={"fp8": ["--precision", "fp8", "--fp8-min-rows", "0"],
+                  "fp8-e4m3-wire": ["--precision", "fp8", "--fp8-min-rows", "0", "--ep-wire", "e4m3"],
+                  "bf16": [], "bf16-e4m3-wire": ["--ep-wire", "e4m3"]},
+        curve=("grad_norm", "gradient norm before clipping")),
 }
 
 
@@ -63,6 +74,8 @@ STEPS = {"small": 3000}  # other shapes: 1000
 
 def run(args) -> int:
     study, jobs = STUDIES[args.study], []
+    if args.cpu and "launch" in study:
+        raise SystemExit(f"--study {args.study} runs under torchrun on GPUs: it has no --cpu proxy")
     device = ["--device", "cpu", "--dtype", "float32", "--impl", "reference"] if args.cpu else ["--dtype", "bfloat16"]
     for shape, shape_args in study["shapes"].items():
         if args.shapes and shape not in args.shapes.split(","):
@@ -74,14 +87,15 @@ def run(args) -> int:
             for seed in args.seeds.split(","):
                 log = os.path.join(args.out, shape, f"{variant}-s{seed}.jsonl")
                 steps = args.steps or STEPS.get(shape, 1000)
-                jobs.append([sys.executable, "-m", "moeblaze.cli", "train", "--steps", str(steps), "--seed", seed,
+                jobs.append([sys.executable, *study.get("launch", []), "-m", "moeblaze.cli", "train",
+                             "--steps", str(steps), "--seed", seed,
                              *device, "--save", "", "--loss-log", log, *shape_args, *variant_args])
 
     def one(cmd):
         p = subprocess.run(cmd, capture_output=True, text=True)
         tail = (p.stdout + p.stderr).strip().splitlines()[-1:] or [""]
-        print(("ok  " if p.returncode == 0 else f"rc {p.returncode} ") + " ".join(cmd[3:]) + "\n    " + tail[0],
-              flush=True)
+        said = " ".join(cmd[cmd.index("train") + 1:])
+        print(("ok  " if p.returncode == 0 else f"rc {p.returncode} ") + said + "\n    " + tail[0], flush=True)
         return p.returncode
 
     if not args.cpu:  # compile the kernels once, before the jobs share the cache
