@@ -151,7 +151,7 @@ def _refused_later(rank, world, errors, ep_config):
     """After the group has agreed (a first call that ran), a call whose inputs one rank refuses: that rank makes the
     transport's first exchange with its verdict set, so every rank stops there (the refused rank with its own error,
     the others with the transport's), and the next agreeing call runs."""
-    from moeblaze.distributed.plan import REFUSED
+    from moeblaze.distributed.stops import REFUSED
 
     toks, w1, w2 = _problem(world)
     E_loc = w1.shape[0] // world
@@ -182,3 +182,49 @@ def test_inputs_refused_after_the_group_agreed_stop_every_rank(ep_config):
     run_ranks(_refused_later, 2, ep_config, timeout_s=300)
     if ep_config.transport == "tokens" and ep_config.dispatch == "exact":
         run_ranks(_refused_later, 4, ep_config, timeout_s=300)
+
+
+def _sets_agreed_then_mixed(rank, world, errors, ep_config, case):
+    """After the group's first call, a call's values ride on the transport's first exchange as their signature. Ranks
+    that agreed on float32 calls and on float16 ones and then pass one each ("both_agreed": each rank's own set was
+    agreed before), or that agreed on float32 calls when one passes float16 ("one_new"): every rank stops at that
+    exchange with one error naming the dtypes that differ, never an abort, and runs the next agreeing call."""
+    import torch.distributed as dist
+
+    toks, w1, w2 = _problem(world)
+    E_loc = w1.shape[0] // world
+    x, idx, w = toks[rank]
+    mine = w1[rank * E_loc:(rank + 1) * E_loc], w2[rank * E_loc:(rank + 1) * E_loc]
+
+    def call(dtype):
+        return ep_experts(x.to(dtype), idx, w.to(dtype), *(t.to(dtype) for t in mine), experts=BASE,
+                          ep_config=ep_config)
+
+    for dtype in (torch.float32, torch.float16) if case == "both_agreed" else (torch.float32,):
+        call(dtype)
+    try:
+        call(torch.float16 if rank == world - 1 else torch.float32)
+    except ValueError as e:
+        said = [None] * world
+        dist.all_gather_object(said, str(e))
+        want = ("every rank of the expert-parallel group must pass the same expert weights' shapes and dtype",
+                "; and the same width and dtype of x; the ranks hold [" + ", ".join(
+                    f"(16, 'torch.float{16 if r == world - 1 else 32}')" for r in range(world)) + "]")
+        if not (str(e).startswith(want[0]) and str(e).endswith(want[1]) and len(set(said)) == 1):
+            errors.put(f"rank {rank}, {case}, {ep_config}: {said}")
+    else:
+        errors.put(f"rank {rank}, {case}, {ep_config}: nothing raised")
+    lo = sum(len(t[0]) for t in toks[:rank])
+    assert_within_torch_error(call(torch.float32), _one_process(world, torch.float32)[lo:lo + len(x)],
+                              _one_process(world, torch.float64)[lo:lo + len(x)])
+
+
+@pytest.mark.parametrize("ep_config", [EPConfig(), EPConfig("capacity", capacity=32, on_overflow="drop"),
+                                       EPConfig(transport="pairs"), EPConfig("capacity", capacity=32,
+                                                                             transport="pairs")],
+                         ids=["tokens-exact", "tokens-drop", "pairs-exact", "pairs-capacity"])
+def test_values_that_differ_after_the_first_call_stop_every_rank(ep_config):
+    for case in ("both_agreed", "one_new"):
+        run_ranks(_sets_agreed_then_mixed, 2, ep_config, case, timeout_s=300)
+    if ep_config.transport == "tokens" and ep_config.dispatch == "exact":
+        run_ranks(_sets_agreed_then_mixed, 4, ep_config, "both_agreed", timeout_s=300)

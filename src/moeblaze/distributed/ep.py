@@ -16,6 +16,7 @@ Dispatch modes (every transport):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 
 import torch
@@ -25,7 +26,8 @@ from ..configs import DEFAULT, EPConfig, ExpertsConfig, check_config, from_legac
 from ..experts import call_weights, kernel_op_key
 from ..experts.dispatch import choose
 from ..routing.checks import check_expert_inputs, check_topk_idx, check_topk_weights
-from .plan import CapacityTracker, refuse
+from .plan import CapacityTracker
+from .stops import Disagreed, refuse, signature
 from .transports import EPCall, capacity_rows, transport
 
 
@@ -58,15 +60,17 @@ AGREED_FIELDS = {"experts": "number of local experts (w1_local.shape[0])",
                  "entry": "entry point"}
 
 
-def check_agreement(group, **fields) -> None:
+def check_agreement(group, _again: bool = False, **fields) -> int:
     """ValueError on every rank of `group`, naming each field (AGREED_FIELDS) that differs and what each rank holds,
     unless every rank passes the same values: one collective per group and set of values (a set agreed once is
-    remembered, so a training loop pays it once). A rank whose inputs were refused passes its error as `inputs`, so
-    that every rank raises it, not that rank alone while the others wait in the next collective."""
+    remembered, so a training loop pays it once; _again: gather even so). A rank whose inputs were refused passes
+    its error as `inputs`, so that every rank raises it, not that rank alone while the others wait in the next
+    collective. Returns the values' signature (stops.signature), which the transport's first exchange carries: ranks
+    that each pass a set agreed before, but not the same one, stop there (stops.Disagreed)."""
+    key = _key(fields)
+    if key in _AGREED.get(group if group is not None else dist.group.WORLD, ()) and not _again:
+        return signature(key)
     pg = group if group is not None else dist.group.WORLD
-    key = tuple((name, repr(value) if dataclasses.is_dataclass(value) else value) for name, value in fields.items())
-    if key in _AGREED.get(pg, ()):
-        return
     held = [None] * dist.get_world_size(group)
     dist.all_gather_object(held, fields, group=group)
     refusals = [f"rank {r}'s were refused ({h['inputs']})" for r, h in enumerate(held) if h.get("inputs", "ok") != "ok"]
@@ -80,6 +84,12 @@ def check_agreement(group, **fields) -> None:
     if differ:
         raise ValueError("every rank of the expert-parallel group must pass " + "; and ".join(differ))
     _AGREED.setdefault(pg, set()).add(key)
+    return signature(key)
+
+
+def _key(fields: dict) -> tuple:
+    """The values of an agreement as a hashable tuple (dataclasses by their repr)."""
+    return tuple((name, repr(value) if dataclasses.is_dataclass(value) else value) for name, value in fields.items())
 
 
 def _differences(values: list) -> str:
@@ -145,13 +155,21 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
                                     tracker)
     w1_local, w1_up = (w1_local, None) if isinstance(w1_local, torch.Tensor) else w1_local
     E_loc = w1_local.shape[0]
-    if not torch.compiler.is_compiling():  # (agreed in eager mode: a trace runs what the eager calls ran)
-        check_agreement(group, entry="ep_experts", experts=E_loc,
-                        weights=(tuple(w1_local.shape[1:]), tuple(w2_local.shape[1:]), str(w1_local.dtype),
-                                 w1_up is not None),
-                        x=(x.shape[1], str(x.dtype)), top_k=topk_idx.shape[1], recipe=config,
-                        ep_config=ep_config, tracker=tracker is not None, inputs="ok")
-        _LAST[group if group is not None else dist.group.WORLD] = (E_loc, ep_config, x.device)
+    agreement = dict(entry="ep_experts", experts=E_loc,
+                     weights=(tuple(w1_local.shape[1:]), tuple(w2_local.shape[1:]), str(w1_local.dtype),
+                              w1_up is not None),
+                     x=(x.shape[1], str(x.dtype)), top_k=topk_idx.shape[1], recipe=config, ep_config=ep_config,
+                     tracker=tracker is not None, inputs="ok")
+    pg = group if group is not None else dist.group.WORLD
+    if torch.compiler.is_compiling():  # agreed in eager mode: a trace runs what the eager calls ran
+        agreed = 0
+    elif _past_first_call(pg) and t.first_exchange is not None:
+        # this call's values ride on the transport's first exchange as their signature: a difference stops every rank
+        agreed = signature(_key(agreement))
+    else:
+        agreed = check_agreement(group, **agreement)
+    if not torch.compiler.is_compiling():
+        _LAST[pg] = (E_loc, ep_config, x.device)
     E = E_loc * ep
     L, K = topk_idx.shape
     C = _capacity(t, ep_config, tracker, L, K, ep, E_loc)
@@ -163,8 +181,17 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     w1_local, w1_up, w2_local = call_weights(config.at_call(*call).fp8, x, w1_local, w1_up, w2_local)
     fail = ep_config.overflow == "error" and tracker is None  # an overflow an error on every rank: a host read
     _check_chunks(t, ep_config, E_loc)
-    out, needed = t.run(EPCall(x, topk_idx, topk_weights, w1_local, w2_local, w1_up, _group_name(group), key, C, fail,
-                               ep_config.chunks, config.index_method, E, ep_config.wire))
+    run = functools.partial(t.run, EPCall(x, topk_idx, topk_weights, w1_local, w2_local, w1_up, _group_name(group),
+                                          key, C, fail, ep_config.chunks, config.index_method, E, ep_config.wire,
+                                          agreed))
+    if agreed == 0:
+        out, needed = run()
+    else:
+        try:
+            out, needed = run()
+        except Disagreed:  # every rank is here: gather the values once more, to name what differs
+            check_agreement(group, _again=True, **agreement)
+            raise
     if tracker is not None:
         tracker.record(needed)
     if dropped is not None and C is not None and ep_config.overflow == "drop" and tracker is None:
@@ -186,10 +213,10 @@ def _checked(x, topk_idx, topk_weights, w1_local, w2_local, group, experts, conf
         check_topk_weights(topk_weights, topk_idx)
     except (TypeError, ValueError) as e:
         pg = group if group is not None else dist.group.WORLD
-        if any(dict(k).get("entry") == "ep_experts" for k in _AGREED.get(pg, ())):
+        if _past_first_call(pg):
             # the others, past a first ep_experts call in this group, make no agreement collective here: this rank
             # makes their transport's first exchange, as the group's last call made it, with its verdict set, so
-            # that they stop there with it (plan.REFUSED). Another entry's agreement in the group (ExpertParallel's,
+            # that they stop there with it (stops.REFUSED). Another entry's agreement in the group (ExpertParallel's,
             # a Megatron layer's, when built) doesn't count: the others' first ep_experts call makes the one below
             _refuse(group, pg, ep)
             raise
@@ -238,6 +265,12 @@ def _check_chunks(t, ep_config: EPConfig, E_loc: int) -> None:
     if ep_config.chunks > E_loc and t.expert_chunks:
         raise ValueError(f"EPConfig(chunks={ep_config.chunks}) groups the local experts, and this rank holds "
                          f"{E_loc}: chunks must be at most that")
+
+
+def _past_first_call(pg) -> bool:
+    """Whether an ep_experts call in process group pg agreed (one collective) already: every rank of the group is
+    past its first call alike."""
+    return any(dict(k).get("entry") == "ep_experts" for k in _AGREED.get(pg, ()))
 
 
 def _refuse(group, pg, ep: int) -> None:

@@ -19,13 +19,15 @@ from ..declare import Op
 class EPOptions(NamedTuple):
     """A transport op's non-tensor options: the process group by name, the experts op's key (experts.op.OpKey),
     capacity dispatch's rows per (source, destination) pair (None: exact dispatch), whether an overflow raises, the
-    parts the transport pipelines, and the dtype rows cross in (EPConfig.wire)."""
+    parts the transport pipelines, the dtype rows cross in (EPConfig.wire) and the signature of what the ranks agreed
+    on (stops.exchange)."""
     group_name: str
     key: str
     capacity: int | None
     fail_on_overflow: bool
     chunks: int
     wire: str = "native"
+    agreed: int = 0
 
 
 def declare_ep_op(name: str, inputs: type, kept: type, forward: Callable, backward: Callable,
@@ -41,5 +43,6 @@ def run_ep_op(op: Op, inputs, call) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, needed) of a transport's op on its inputs, with the options of an EPCall (distributed.transports):
     capacity dispatch traced whole under torch.compile (fixed shapes); otherwise eagerly (exact dispatch reads its
     row counts on the host)."""
-    options = EPOptions(call.group_name, call.key, call.capacity, call.fail_on_overflow, call.chunks, call.wire)
+    options = EPOptions(call.group_name, call.key, call.capacity, call.fail_on_overflow, call.chunks, call.wire,
+                        call.agreed)
     return op(inputs, options, traced=call.capacity is not None and torch.compiler.is_compiling())

@@ -107,7 +107,8 @@ def ep_forward(inputs: EPInputs, o: EPOptions) -> tuple[torch.Tensor, torch.Tens
     group's go back."""
     group, key = resolve_group(o.group_name), o.key
     x = inputs.x
-    plan = make_plan(inputs.routing, dist.get_world_size(group), group, o.capacity, o.fail_on_overflow, o.chunks)
+    plan = make_plan(inputs.routing, dist.get_world_size(group), group, o.capacity, o.fail_on_overflow, o.chunks,
+                     o.agreed)
     sending = plan.send(x)
     recv_x, arrived = plan.dispatch_groups(sending)
     ones = recv_x.new_ones(recv_x.shape[0], 1, dtype=torch.float32)
@@ -202,7 +203,7 @@ EP = declare_ep_op("ep", EPInputs, EPKept, ep_forward, ep_backward, _forward_fak
 
 
 def first_exchange(ep: int, E_loc: int, capacity: int | None) -> tuple[int, ...]:
-    """The shape of this transport's first exchange (plan.refuse): the per-expert counts, and capacity dispatch's
+    """The shape of this transport's first exchange (stops.refuse): the per-expert counts, and capacity dispatch's
     capacity."""
     return (ep, E_loc) if capacity is None else (ep, E_loc + 1)
 

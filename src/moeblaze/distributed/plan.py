@@ -27,6 +27,7 @@ from ..args import check_int
 from ..experts.stages import combine_slots
 from ..routing import RoutingIndex, build_routing_index
 from ..routing.index import pair_experts
+from .stops import assert_none, exchange, stop_if_any
 
 
 def receiver_index(counts_SE: torch.Tensor, rows: int | None = None) -> RoutingIndex:
@@ -112,23 +113,6 @@ def _all_to_all(out: torch.Tensor, t: torch.Tensor, out_splits: list[int] | None
     handle where async_op (wait on it before reading out or letting t go), else None. Counted in Traffic."""
     _count(t, in_splits, group)
     return dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group, async_op=async_op)
-
-
-REFUSED = ("every rank of the expert-parallel group stops: a rank refused its inputs in this call (its own error "
-           "names them)")
-
-
-def exchange(send: torch.Tensor, group, refused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer call's first exchange, the counts every transport sends ahead of its rows: send (ep, ...) int64 to
-    the ranks (row d to rank d), with a verdict beside each row (1: this rank refused its inputs, and sends nothing
-    after this); (what arrived, shaped as send; the verdicts (ep,) from each rank). A rank that refuses its inputs
-    makes this exchange, so that the others, which make it anyway, stop with it (the REFUSED error) instead of
-    waiting for its rows."""
-    ep = send.shape[0]
-    both = torch.cat([send.reshape(ep, -1), send.new_full((ep, 1), int(refused))], 1)
-    got = torch.empty_like(both)
-    dist.all_to_all_single(got, both, group=group)
-    return got[:, :-1].reshape(send.shape), got[:, -1]
 
 
 def wait(handles) -> None:
@@ -235,12 +219,12 @@ class Transport(Protocol):
 
 
 def make_plan(routing: RoutingIndex, ep: int, group, capacity: int | None, fail_on_overflow: bool,
-              chunks: int = 1) -> Transport:
+              chunks: int = 1, agreed: int = 0) -> Transport:
     """The transport of one forward call: exact dispatch (capacity None) in `chunks` groups, or capacity dispatch
-    with C = capacity."""
+    with C = capacity; agreed: the call's signature (stops.exchange)."""
     if capacity is None:
-        return ExactPlan(routing, ep, group, chunks)
-    return CapacityPlan(routing, ep, group, capacity, fail_on_overflow)
+        return ExactPlan(routing, ep, group, chunks, agreed)
+    return CapacityPlan(routing, ep, group, capacity, fail_on_overflow, agreed)
 
 
 def restore_plan(routing: RoutingIndex, group, saved: PlanTensors) -> Transport:
@@ -307,15 +291,14 @@ class ExactPlan(_Rows):
     module header): the send buffer group-major (send_pos) and the pairs' slots with it; else the slots are the
     routing's own."""
 
-    def __init__(self, routing: RoutingIndex, ep: int, group, chunks: int = 1):
+    def __init__(self, routing: RoutingIndex, ep: int, group, chunks: int = 1, agreed: int = 0):
         self.routing, self.group = routing, group
         send_counts = routing.expert_counts.view(ep, -1).to(torch.int64)
-        recv_counts, verdicts = exchange(send_counts, group)
+        recv_counts, stops = exchange(send_counts, group, agreed)
         bounds = expert_groups(send_counts.shape[1], chunks)
         per_group = [torch.stack([c[:, a:b].sum(1) for a, b in bounds]) for c in (send_counts, recv_counts)]
-        host = torch.cat([torch.stack(per_group).flatten(), verdicts]).cpu()  # the one host sync
-        if host[-ep:].any():
-            raise ValueError(REFUSED)
+        host = torch.cat([torch.stack(per_group).flatten(), stops]).cpu()  # the one host sync
+        stop_if_any(host[-ep:])
         self.splits = host[:-ep].view(2, len(bounds), ep)  # (2, groups, ep)
         rows = self.splits[1].sum(1).tolist()
         recvs = [receiver_index(recv_counts[:, a:b], n) for (a, b), n in zip(bounds, rows)]
@@ -387,7 +370,8 @@ class CapacityPlan(_Rows):
     on_overflow="error": fail_on_overflow); a destination's rows past C in its expert order are dropped (or the
     call fails, every rank together), the receiver's padding rows are dropped pairs of its index."""
 
-    def __init__(self, routing: RoutingIndex, ep: int, group, capacity: int, fail_on_overflow: bool):
+    def __init__(self, routing: RoutingIndex, ep: int, group, capacity: int, fail_on_overflow: bool,
+                 agreed: int = 0):
         self.routing, self.group = routing, group
         E = routing.num_experts
         E_loc, P, dev = E // ep, routing.expert_token_idx.shape[0], routing.token_slot.device
@@ -399,10 +383,10 @@ class CapacityPlan(_Rows):
         # each destination gets this rank's capacity with its counts: the row all-to-all's equal splits need the
         # same C on every rank, which a capacity sized from each rank's own token count breaks on uneven batches
         sent = torch.cat([kept_counts, kept_counts.new_full((ep, 1), capacity)], 1).to(torch.int64)
-        got, verdicts = exchange(sent, group)
+        got, stops = exchange(sent, group, agreed)
         recv_counts = got[:, :E_loc]
         self.needed = (per_dest.max() if P else per_dest.new_zeros(())).to(torch.int64)
-        capacity_checks(got[:, E_loc] != capacity, self.needed, capacity, fail_on_overflow, group, verdicts)
+        capacity_checks(got[:, E_loc] != capacity, self.needed, capacity, fail_on_overflow, group, stops)
         self.splits = torch.empty(0, dtype=torch.int64, device=dev)
         first = routing.expert_offsets[:-1].view(ep, E_loc)[:, 0].to(torch.int64)  # each destination's first row
         j = torch.arange(capacity, device=dev)
@@ -443,19 +427,17 @@ class CapacityOverflow(RuntimeError):
 
 
 def capacity_checks(mismatch: torch.Tensor, needed: torch.Tensor, capacity: int, fail_on_overflow: bool,
-                    group, verdicts: torch.Tensor) -> None:
-    """Capacity dispatch's checks, before any row is sent, as errors on every rank together (fail_if_any): no rank
-    refused its inputs (verdicts, from exchange), the ranks' capacities agree (mismatch: this rank got another
-    capacity from some rank), and under on_overflow="error" (fail_on_overflow) no destination needs more than
-    `capacity` rows (needed: the most one needs from this rank)."""
-    # every rank holds every rank's verdict: checked without a collective, which the refusing rank no longer makes;
+                    group, stops: torch.Tensor) -> None:
+    """Capacity dispatch's checks, before any row is sent, as errors on every rank together (fail_if_any): every
+    rank's call agrees with this one's and none refused its inputs (stops, from stops.exchange), the ranks'
+    capacities agree (mismatch: this rank got another capacity from some rank), and under on_overflow="error"
+    (fail_on_overflow) no destination needs more than `capacity` rows (needed: the most one needs from this rank)."""
+    # every rank holds every rank's code: checked without a collective, which a refusing rank no longer makes;
     # read on the host where that is free or made anyway, else a device-side assert (the program stops)
-    refused = verdicts.ne(0).any()
-    if verdicts.device.type == "cpu" or fail_on_overflow:
-        if refused:
-            raise ValueError(REFUSED)
+    if stops.device.type == "cpu" or fail_on_overflow:
+        stop_if_any(stops)
     else:
-        torch._assert_async(~refused, REFUSED)
+        assert_none(stops)
     checks = [(mismatch.any(), "capacity dispatch: the ranks use different capacities (this rank "
                f"{capacity} rows per pair): with different token counts per rank, pass the same capacity= on every "
                "rank or a CapacityTracker instead of sizing it by capacity_factor", ValueError)]
@@ -486,9 +468,3 @@ def fail_if_any(checks: list, group, sync: bool = False) -> None:
     for flag, (_, message, error) in zip(flags.tolist(), checks):
         if flag:
             raise error(message)
-
-
-def refuse(group, shape: tuple[int, ...], device) -> None:
-    """A rank that refused its inputs: its side of the call's first exchange (send of `shape`, zeros, verdict 1),
-    so that the other ranks stop there with it (exchange)."""
-    exchange(torch.zeros(shape, dtype=torch.int64, device=device), group, refused=True)

@@ -46,7 +46,8 @@ from ..launch import ensure_context
 from ..reference.fp8 import FP8
 from ..routing import RoutingIndex, build_routing_index
 from .ep_op import EPOptions, declare_ep_op, run_ep_op
-from .plan import REFUSED, _all_to_all, capacity_checks, exchange, resolve_group, wait
+from .plan import _all_to_all, capacity_checks, resolve_group, wait
+from .stops import exchange, stop_if_any
 
 
 class TokenInputs(NamedTuple):
@@ -86,7 +87,7 @@ class TokenKept(NamedTuple):
 
 
 def first_exchange(ep: int, E_loc: int, capacity: int | None) -> tuple[int, ...]:
-    """The shape of this transport's first exchange (plan.refuse): the counts, and capacity dispatch's capacity."""
+    """The shape of this transport's first exchange (stops.refuse): the counts, and capacity dispatch's capacity."""
     return (ep,) if capacity is None else (ep, 2)
 
 
@@ -115,7 +116,7 @@ class TokenPlan:
     backward from its tensors without communicating."""
 
     def __init__(self, topk_idx: torch.Tensor, topk_w: torch.Tensor, E_loc: int, group, capacity: int | None,
-                 fail_on_overflow: bool, parts: int = 1):
+                 fail_on_overflow: bool, parts: int = 1, agreed: int = 0):
         self.group, self.parts = group, parts
         ep = dist.get_world_size(group)
         L, K = topk_idx.shape
@@ -126,17 +127,16 @@ class TokenPlan:
         within = hit.cumsum(0) - hit  # each (token, destination)'s place among that destination's rows
         self.needed = counts.max() if L else counts.new_zeros(())
         if capacity is None:
-            got, verdicts = exchange(counts, group)
-            host = torch.stack([counts, got, verdicts]).cpu()  # the one host sync
-            if host[2].any():
-                raise ValueError(REFUSED)
+            got, stops = exchange(counts, group, agreed)
+            host = torch.stack([counts, got, stops]).cpu()  # the one host sync
+            stop_if_any(host[2])
             self.splits = host[:2]  # (2, ep)
             block = counts  # each destination's rows
             keep = hit.bool()
         else:
             sent = torch.stack([counts.clamp(max=capacity), counts.new_full((ep,), capacity)], 1)
-            got, verdicts = exchange(sent, group)
-            capacity_checks(got[:, 1] != capacity, self.needed, capacity, fail_on_overflow, group, verdicts)
+            got, stops = exchange(sent, group, agreed)
+            capacity_checks(got[:, 1] != capacity, self.needed, capacity, fail_on_overflow, group, stops)
             self.splits = torch.empty(0, dtype=torch.int64, device=dev)
             block = counts.new_full((ep,), capacity)
             keep = hit.bool() & (within < capacity)
@@ -280,7 +280,8 @@ def tokens_forward(inputs: TokenInputs, o: EPOptions) -> tuple[torch.Tensor, tor
     several parts, part p's experts run while part p + 1's rows arrive and part p - 1's partial sums go back."""
     group, key = resolve_group(o.group_name), o.key
     x, E_loc = inputs.x, inputs.w1.shape[0]
-    plan = TokenPlan(inputs.topk_idx, inputs.topk_w, E_loc, group, o.capacity, o.fail_on_overflow, o.chunks)
+    plan = TokenPlan(inputs.topk_idx, inputs.topk_w, E_loc, group, o.capacity, o.fail_on_overflow, o.chunks,
+                     o.agreed)
     meta, meta_arrived = plan.dispatch_parts(plan.meta)
     sending = plan.send(x)
     recv_x, arrived = plan.dispatch_parts(sending, o.wire)

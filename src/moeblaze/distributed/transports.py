@@ -26,8 +26,9 @@ class EPCall(NamedTuple):
     """One expert-parallel layer call, checked (distributed.ep): x (L, D), global expert ids topk_idx (L, K) and
     their weights topk_w, this rank's experts (w1 or its gate rows, w2, w1_up or None), the group's name, the op's
     key, the capacity (rows per pair of ranks; None: exact dispatch), whether an overflow is an error on every
-    rank, the groups of local experts (chunks), the routing index's builder, the experts over all ranks (E) and the
-    dtype rows cross in (wire: EPConfig.wire)."""
+    rank, the groups of local experts (chunks), the routing index's builder, the experts over all ranks (E), the
+    dtype rows cross in (wire: EPConfig.wire) and the signature of the values the ranks agreed on (agreed:
+    stops.signature; the transport's first exchange, stops.exchange, carries it)."""
     x: torch.Tensor
     topk_idx: torch.Tensor
     topk_w: torch.Tensor
@@ -42,6 +43,7 @@ class EPCall(NamedTuple):
     index_method: str
     num_experts: int
     wire: str = "native"
+    agreed: int = 0
 
 
 class Transport(NamedTuple):
@@ -52,7 +54,7 @@ class Transport(NamedTuple):
     in the receiver's index (pairs_per_row(K)), whether that index always holds dropped pairs (sentinels), and
     the dispatch modes in which it takes EPConfig.chunks (chunks: the all-to-alls pipelined under the GEMMs) and
     whether those chunks group the local experts (so that there can be no more of them than local experts), and
-    the shape of its first exchange, first_exchange(ep, E_loc, capacity) (plan.exchange: a rank that refuses its
+    the shape of its first exchange, first_exchange(ep, E_loc, capacity) (stops.exchange: a rank that refuses its
     inputs makes it, so that the others stop with it; None: that rank raises alone), and the EPConfig.wire values
     it sends rows in (wires)."""
     run: Callable
