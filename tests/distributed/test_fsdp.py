@@ -160,3 +160,43 @@ def test_expert_parallel_under_autocast_hands_fp8_its_float32_shards():
     """precision="fp8" under autocast at ep = world: ExpertParallel passes the local shards of the float32
     parameters (experts.autocast_weights), no half-precision copies; their gradients come back float32."""
     run_ranks(_masters_under_autocast, 2)
+
+
+def _disagreeing_wraps(rank, world, errors):
+    """parallelize where the last rank wraps differently (its resharding, mixed precision, units or model): one
+    ValueError on every rank naming what differs, before any FSDP2 collective; then an agreeing parallelize and a
+    step run on every rank."""
+    import pytest
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    odd = rank == world - 1
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("efsdp", "ep"))
+    cases = {"reshard_after_forward": (dict(reshard_after_forward=not odd), "reshard_after_forward"),
+             "mixed_precision": (dict(mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if odd else None)),
+                                 "MixedPrecisionPolicy; the ranks hold MixedPrecisionPolicys that differ in "
+                                 "reduce_dtype"),
+             "units": (dict(units="model" if odd else "blocks"), "FSDP2 units"),
+             "parameters": ({}, "model parameters")}
+    for case, (kw, named) in cases.items():
+        model = _model()
+        if case == "parameters" and odd:
+            model = MoEModel(ModelConfig(vocab_size=32, max_seq_len=8, d_model=16, n_layers=3, n_heads=2,
+                                         num_experts=4, top_k=2, d_expert=16, experts=ExpertsConfig(backend="triton")))
+        with pytest.raises(ValueError) as caught:
+            parallelize(model, mesh, **kw)
+        said = [None] * world
+        dist.all_gather_object(said, str(caught.value))
+        if not (said[rank].startswith("every rank of the data-parallel group must pass the same " + named)
+                and len(set(said)) == 1):
+            errors.put(f"rank {rank}, {case}: {said}")
+    model = parallelize(_model(), mesh)  # the group goes on
+    loss = _loss(model, torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(rank)))
+    loss.backward()
+    if not torch.isfinite(loss):
+        errors.put(f"rank {rank}: the agreeing step's loss is {float(loss)}")
+
+
+def test_ranks_that_wrap_differently_are_one_error_on_every_rank():
+    run_ranks(_disagreeing_wraps, 2)
+    run_ranks(_disagreeing_wraps, 4)

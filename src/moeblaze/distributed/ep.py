@@ -57,16 +57,20 @@ AGREED_FIELDS = {"experts": "number of local experts (w1_local.shape[0])",
                  "tracker": "CapacityTracker (given or not)", "inputs": "inputs' checks",
                  "num_experts": "number of experts", "shape": "d_model and d_expert",
                  "dispatch": "Megatron layer's dispatch (get_moeblaze_gpt_layer_spec's dispatch=)",
+                 "mesh": "device mesh (shape and dimension names)", "mixed_precision": "MixedPrecisionPolicy",
+                 "reshard_after_forward": "reshard_after_forward", "units": "FSDP2 units (parallelize's units=)",
+                 "parameters": "model parameters (their names, shapes and dtypes)",
                  "entry": "entry point"}
 
 
-def check_agreement(group, _again: bool = False, **fields) -> int:
+def check_agreement(group, _again: bool = False, _of: str = "expert-parallel group", **fields) -> int:
     """ValueError on every rank of `group`, naming each field (AGREED_FIELDS) that differs and what each rank holds,
     unless every rank passes the same values: one collective per group and set of values (a set agreed once is
-    remembered, so a training loop pays it once; _again: gather even so). A rank whose inputs were refused passes
-    its error as `inputs`, so that every rank raises it, not that rank alone while the others wait in the next
-    collective. Returns the values' signature (stops.signature), which the transport's first exchange carries: ranks
-    that each pass a set agreed before, but not the same one, stop there (stops.Disagreed)."""
+    remembered, so a training loop pays it once; _again: gather even so; _of: what the error calls the group). A
+    rank whose inputs were refused passes its error as `inputs`, so that every rank raises it, not that rank alone
+    while the others wait in the next collective. Returns the values' signature (stops.signature), which the
+    transport's first exchange carries: ranks that each pass a set agreed before, but not the same one, stop there
+    (stops.Disagreed)."""
     key = _key(fields)
     if key in _AGREED.get(group if group is not None else dist.group.WORLD, ()) and not _again:
         return signature(key)
@@ -75,14 +79,14 @@ def check_agreement(group, _again: bool = False, **fields) -> int:
     dist.all_gather_object(held, fields, group=group)
     refusals = [f"rank {r}'s were refused ({h['inputs']})" for r, h in enumerate(held) if h.get("inputs", "ok") != "ok"]
     if refusals:
-        raise ValueError("every rank of the expert-parallel group stops: " + "; ".join(refusals))
+        raise ValueError(f"every rank of the {_of} stops: " + "; ".join(refusals))
     differ = []
     for name in fields:
         values = [h.get(name) for h in held]
         if len({repr(v) for v in values}) > 1:
             differ.append(f"the same {AGREED_FIELDS.get(name, name)}; the ranks hold {_differences(values)}")
     if differ:
-        raise ValueError("every rank of the expert-parallel group must pass " + "; and ".join(differ))
+        raise ValueError(f"every rank of the {_of} must pass " + "; and ".join(differ))
     _AGREED.setdefault(pg, set()).add(key)
     return signature(key)
 

@@ -11,6 +11,10 @@ every block a unit on the whole data-parallel group, the root last. FSDP2 compos
 tensor parallelism: an expert weight is then a DTensor on the 2-D mesh, and torch.distributed.checkpoint saves and
 loads it (at another mesh shape too) like any other.
 
+parallelize first checks, in one collective, that every rank passes the same mesh, mixed precision, resharding,
+units and model parameters: ranks that wrap differently would make different collectives (a hang), so a
+difference is one ValueError on every rank, naming it.
+
 Gradient scale (pytorch #160285): expert gradients already sum over the ep group (each rank's experts see every
 rank's tokens), while FSDP2 would average over efsdp only. So every unit sums (set_gradient_divide_factor(1.0),
 set_force_sum_reduction_for_comms(True)) and the loss is divided by the data-parallel size: every gradient is
@@ -21,6 +25,8 @@ and 1 / world of the dense weights; a unit's full weights exist only while it ru
 """
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -29,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..configs import UNITS
+from .ep import check_agreement
 from .module import routed_experts, shard_experts
 
 
@@ -78,8 +85,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
     if units not in UNITS:
         raise ValueError(f"units must be one of {UNITS}, got {units!r}")
     mp = mp_policy or MixedPrecisionPolicy()
-    shard_experts(model, mesh["ep"], **ep_kwargs)
     dp = init_device_mesh(mesh.device_type, (mesh.size(),), mesh_dim_names=("dp",))
+    # ranks that wrap differently make different collectives (FSDP2's all-gathers and reduce-scatters): one error on
+    # every rank, naming what differs, before any of them
+    check_agreement(dp.get_group(), _of="data-parallel group", entry="parallelize",
+                    mesh=(tuple(mesh.shape), mesh.mesh_dim_names), mixed_precision=mp,
+                    reshard_after_forward=reshard_after_forward, units=units, parameters=_parameters(model))
+    shard_experts(model, mesh["ep"], **ep_kwargs)
     efsdp = mesh["efsdp"]
     whole = units == "model"
     sharded, ignored = [], set()
@@ -100,6 +112,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPol
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _parameters(model: nn.Module) -> str:
+    """The model's parameters as the ranks compare them: their count and elements, and a CRC of their names,
+    shapes and dtypes."""
+    params = list(model.named_parameters())
+    crc = zlib.crc32(repr([(n, tuple(p.shape), str(p.dtype)) for n, p in params]).encode())
+    return f"{len(params)} tensors, {sum(p.numel() for _, p in params):,} elements, CRC {crc:08x}"
 
 
 def clip_grad_norm_(parameters, max_norm: float, group=None) -> torch.Tensor:
