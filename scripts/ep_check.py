@@ -11,7 +11,8 @@ torch.compile(fullgraph=True) and captured in a CUDA graph (replayed on new inpu
     torchrun --nproc-per-node 4 scripts/ep_check.py --only-overflow   # the overflow check alone
     torchrun --nproc-per-node 4 scripts/ep_check.py --checks-only --dispatches exact/2,exact/4   # pipelined groups
     torchrun --nproc-per-node 2 scripts/ep_check.py --agreement   # mismatches and refused inputs: errors on every rank
-                                                                  # (ep_experts, ExpertParallel, torchtitan's model)
+                                                                  # (ep_experts, ExpertParallel, parallelize,
+                                                                  # torchtitan's model)
 
 The bitwise checks run the per-pair transport (EPConfig(transport="pairs")), the bitwise reference; --agreement
 checks the other transport's first calls too. The tl kernels are pinned to their first autotune config (each process
@@ -296,6 +297,46 @@ def titan_agreement(rank: int, world: int, device) -> list[str]:
     return lines
 
 
+def fsdp_agreement(rank: int, world: int, device) -> list[str]:
+    """parallelize (FSDP2 with expert parallelism over all ranks) where the last rank wraps differently (its
+    resharding, or its mixed precision): one error on every rank before any FSDP2 collective, never an abort or a
+    hang; then the agreeing parallelize and a forward and backward run on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from moeblaze import ModelConfig, MoEModel
+    from moeblaze.distributed import parallelize
+
+    def model():
+        torch.manual_seed(0)
+        return MoEModel(ModelConfig(vocab_size=256, max_seq_len=16, d_model=64, n_layers=2, n_heads=4,
+                                    num_experts=4 * world, top_k=2, d_expert=64,
+                                    experts=ExpertsConfig(backend="triton"))).to(device)
+
+    odd, lines = rank == world - 1, []
+    mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("efsdp", "ep"))
+    cases = {"reshard_after_forward": dict(reshard_after_forward=not odd),
+             "mixed_precision": dict(mp_policy=MixedPrecisionPolicy(
+                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if odd else torch.bfloat16))}
+    for case, kw in cases.items():
+        try:
+            parallelize(model(), mesh, **kw)
+            said = "nothing raised"
+        except ValueError as e:
+            said = f"ValueError: {str(e)[:150]}"
+        ok = torch.tensor([said.startswith("ValueError")], device=device, dtype=torch.int32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        lines.append(f"ep={world} parallelize, {case} on rank {world - 1}: rank {rank} {said}; "
+                     + ("every rank raised" if ok.item() else "FAILED"))
+    m = parallelize(model(), mesh)  # the group goes on
+    logits, _, _ = m(torch.randint(0, 256, (2, 16), device=device))
+    logits.float().square().mean().backward()
+    ok = torch.tensor([bool(torch.isfinite(logits).all())], device=device, dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    lines.append(f"ep={world} parallelize, agreeing: rank {rank} " + ("ran a step" if ok.item() else "FAILED"))
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
@@ -321,6 +362,7 @@ def main():
         return uneven(rank, world, args.tokens, device)
     if args.agreement:
         lines = agreement(rank, world, args.tokens, device)
+        lines += fsdp_agreement(rank, world, device)
         if importlib.util.find_spec("torchtitan") is not None:
             lines += titan_agreement(rank, world, device)
         print("\n".join(lines), flush=True)
