@@ -34,14 +34,18 @@ def signature(key) -> int:
 
 def exchange(send: torch.Tensor, group, agreed: int = 0, refused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer call's first exchange: send (ep, ...) int64 to the ranks (row d to rank d), each row with this rank's
-    code beside it (agreed: its call's signature; refused: the refusal's code); (what arrived, shaped as send; the
-    stops (ep,) by source rank: 0 where its call agrees with this one's, 1 where it refused, 2 where it differs)."""
+    code beside it (agreed: its call's signature, 0 for none; refused: the refusal's code); (what arrived, shaped as
+    send; the stops (ep,) by source rank: 0 where its call agrees with this one's or either carries no signature, 1
+    where it refused, 2 where it differs)."""
     ep = send.shape[0]
     both = torch.cat([send.reshape(ep, -1), send.new_full((ep, 1), _REFUSED_CODE if refused else agreed)], 1)
     got = torch.empty_like(both)
     dist.all_to_all_single(got, both, group=group)
     code = got[:, -1]
-    stops = torch.where(code == _REFUSED_CODE, 1, (code != agreed).to(torch.int64) * 2)
+    # 0: a call that carries no signature (under torch.compile; its values were agreed in eager mode), on either
+    # side: nothing to compare
+    differ = (code != agreed) & (code != 0) if agreed else torch.zeros_like(code, dtype=torch.bool)
+    stops = torch.where(code == _REFUSED_CODE, 1, differ.to(torch.int64) * 2)
     return got[:, :-1].reshape(send.shape), stops
 
 
