@@ -16,7 +16,6 @@ Dispatch modes (every transport):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import weakref
 
 import torch
@@ -47,7 +46,7 @@ def check_options(config: ExpertsConfig) -> None:
 # comes back with the next group after destroy_process_group, and a signature agreed in the old one proves nothing)
 _AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # process group -> its last agreed ep_experts call's (local experts, EPConfig, device): what a rank refusing its inputs
-# in a later call shapes the transport's first exchange by (_refuse)
+# in a later call shapes the transport's first exchange by (_refuse); a group here is past its first call
 _LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # what every rank of an expert-parallel group must pass alike, as the error names it
@@ -71,10 +70,9 @@ def check_agreement(group, _again: bool = False, _of: str = "expert-parallel gro
     while the others wait in the next collective. Returns the values' signature (stops.signature), which the
     transport's first exchange carries: ranks that each pass a set agreed before, but not the same one, stop there
     (stops.Disagreed)."""
-    key = _key(fields)
-    if key in _AGREED.get(group if group is not None else dist.group.WORLD, ()) and not _again:
+    pg, key = group if group is not None else dist.group.WORLD, _key(fields)
+    if key in _AGREED.get(pg, ()) and not _again:
         return signature(key)
-    pg = group if group is not None else dist.group.WORLD
     held = [None] * dist.get_world_size(group)
     dist.all_gather_object(held, fields, group=group)
     refusals = [f"rank {r}'s were refused ({h['inputs']})" for r, h in enumerate(held) if h.get("inputs", "ok") != "ok"]
@@ -167,12 +165,9 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     pg = group if group is not None else dist.group.WORLD
     if torch.compiler.is_compiling():  # agreed in eager mode: a trace runs what the eager calls ran
         agreed = 0
-    elif _past_first_call(pg) and t.first_exchange is not None:
-        # this call's values ride on the transport's first exchange as their signature: a difference stops every rank
-        agreed = signature(_key(agreement))
-    else:
-        agreed = check_agreement(group, **agreement)
-    if not torch.compiler.is_compiling():
+    else:  # past the group's first call, the values ride on the transport's first exchange as their signature
+        agreed = (signature(_key(agreement)) if _past_first_call(pg) and t.first_exchange is not None
+                  else check_agreement(group, **agreement))
         _LAST[pg] = (E_loc, ep_config, x.device)
     E = E_loc * ep
     L, K = topk_idx.shape
@@ -185,17 +180,12 @@ def ep_experts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     w1_local, w1_up, w2_local = call_weights(config.at_call(*call).fp8, x, w1_local, w1_up, w2_local)
     fail = ep_config.overflow == "error" and tracker is None  # an overflow an error on every rank: a host read
     _check_chunks(t, ep_config, E_loc)
-    run = functools.partial(t.run, EPCall(x, topk_idx, topk_weights, w1_local, w2_local, w1_up, _group_name(group),
-                                          key, C, fail, ep_config.chunks, config.index_method, E, ep_config.wire,
-                                          agreed))
-    if agreed == 0:
-        out, needed = run()
-    else:
-        try:
-            out, needed = run()
-        except Disagreed:  # every rank is here: gather the values once more, to name what differs
-            check_agreement(group, _again=True, **agreement)
-            raise
+    try:
+        out, needed = t.run(EPCall(x, topk_idx, topk_weights, w1_local, w2_local, w1_up, _group_name(group), key, C,
+                                   fail, ep_config.chunks, config.index_method, E, ep_config.wire, agreed))
+    except Disagreed:  # every rank is here (a signature differed): gather the values once more, to name them
+        check_agreement(group, _again=True, **agreement)
+        raise
     if tracker is not None:
         tracker.record(needed)
     if dropped is not None and C is not None and ep_config.overflow == "drop" and tracker is None:
@@ -273,8 +263,9 @@ def _check_chunks(t, ep_config: EPConfig, E_loc: int) -> None:
 
 def _past_first_call(pg) -> bool:
     """Whether an ep_experts call in process group pg agreed (one collective) already: every rank of the group is
-    past its first call alike."""
-    return any(dict(k).get("entry") == "ep_experts" for k in _AGREED.get(pg, ()))
+    past its first call alike (another entry's agreement in the group, ExpertParallel's or a Megatron layer's when
+    built, doesn't count)."""
+    return pg in _LAST
 
 
 def _refuse(group, pg, ep: int) -> None:

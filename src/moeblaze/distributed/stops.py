@@ -2,8 +2,8 @@
 (exchange) carry each rank's code beside them, 1 where that rank refused its inputs (refuse: it makes the exchange
 and nothing after), else the signature of the values its call agreed on (distributed.ep.check_agreement). Each
 rank then holds every rank's code and stops on the same verdict without a collective more: REFUSED where one
-refused, Disagreed where the signatures differ (each rank remembers the sets its group agreed on, so ranks that
-agreed on two sets and then pass one each would otherwise go on into collectives that don't match).
+refused, Disagreed where the signatures differ (a group's calls after its first are checked here only: ranks that
+passed values each agreed before, but not the same ones, would otherwise go on into collectives that don't match).
 
 Memory: one int64 column beside the counts.
 """
