@@ -204,6 +204,23 @@ def captured(rank: int, world: int, L: int, backend: str, checkpoint: str, devic
             f"{'bitwise equal to eager' if flags.item() else 'DIFFERS'} on every rank (new inputs, skewed routing)")
 
 
+def _said(fn, *args, **kwargs) -> str:
+    """What fn(*args, **kwargs), meant to be refused, said: "ValueError: " and its first 150 characters, or "nothing
+    raised"."""
+    try:
+        fn(*args, **kwargs)
+    except ValueError as e:
+        return f"ValueError: {str(e)[:150]}"
+    return "nothing raised"
+
+
+def _on_every_rank(ok: bool, device) -> bool:
+    """Whether ok holds on every rank (one all-reduce)."""
+    flag = torch.tensor([int(ok)], device=device, dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def agreement(rank: int, world: int, L: int, device) -> list[str]:
     """Each entry's first call in a fresh group, with the last rank disagreeing (a checkpoint policy) or passing
     inputs it refuses (x one column wider), and ep_experts' second call with such inputs (x_width_later): an error on
@@ -241,11 +258,9 @@ def agreement(rank: int, world: int, L: int, device) -> list[str]:
             out = ep_experts(x[mine].bfloat16(), idx[mine], w[mine], w1[experts], w2[experts],
                              group=group)
             torch.cuda.synchronize()
-            ok = torch.tensor([said.startswith("ValueError") and bool(torch.isfinite(out.float()).all())],
-                              device=device, dtype=torch.int32)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+            ok = _on_every_rank(said.startswith("ValueError") and bool(torch.isfinite(out.float()).all()), device)
             lines.append(f"ep={world} {entry}, {case} on rank {world - 1}: rank {rank} {said}; "
-                         + ("every rank raised, then ran the agreeing call" if ok.item() else "FAILED"))
+                         + ("every rank raised, then ran the agreeing call" if ok else "FAILED"))
     return lines
 
 
@@ -278,22 +293,17 @@ def titan_agreement(rank: int, world: int, device) -> list[str]:
             model.init_weights(buffer_device=device)
         tokens = torch.randint(0, 256, (2, 64), device=device)
         dtype = torch.float16 if case == "x_dtype" and odd else torch.bfloat16
-        try:
-            with torch.autocast("cuda", dtype=dtype):
-                model(tokens)
-            said = "nothing raised"
-        except ValueError as e:
-            said = f"ValueError: {str(e)[:150]}"
+        with torch.autocast("cuda", dtype=dtype):
+            said = _said(model, tokens)
         ran = True
         if case == "x_dtype":  # the group goes on: every rank's forward in bfloat16
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 ran = bool(torch.isfinite(model(tokens).float()).all())
         torch.cuda.synchronize()
-        ok = torch.tensor([said.startswith("ValueError") and ran], device=device, dtype=torch.int32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        ok = _on_every_rank(said.startswith("ValueError") and ran, device)
         lines.append(f"ep={world} torchtitan's model, {case} on rank {world - 1}: rank {rank} {said}; "
                      + ("every rank raised" + (", then ran the agreeing forward" if case == "x_dtype" else "")
-                        if ok.item() else "FAILED"))
+                        if ok else "FAILED"))
     return lines
 
 
@@ -319,21 +329,14 @@ def fsdp_agreement(rank: int, world: int, device) -> list[str]:
              "mixed_precision": dict(mp_policy=MixedPrecisionPolicy(
                  param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if odd else torch.bfloat16))}
     for case, kw in cases.items():
-        try:
-            parallelize(model(), mesh, **kw)
-            said = "nothing raised"
-        except ValueError as e:
-            said = f"ValueError: {str(e)[:150]}"
-        ok = torch.tensor([said.startswith("ValueError")], device=device, dtype=torch.int32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        said = _said(parallelize, model(), mesh, **kw)
         lines.append(f"ep={world} parallelize, {case} on rank {world - 1}: rank {rank} {said}; "
-                     + ("every rank raised" if ok.item() else "FAILED"))
+                     + ("every rank raised" if _on_every_rank(said.startswith("ValueError"), device) else "FAILED"))
     m = parallelize(model(), mesh)  # the group goes on
     logits, _, _ = m(torch.randint(0, 256, (2, 16), device=device))
     logits.float().square().mean().backward()
-    ok = torch.tensor([bool(torch.isfinite(logits).all())], device=device, dtype=torch.int32)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    lines.append(f"ep={world} parallelize, agreeing: rank {rank} " + ("ran a step" if ok.item() else "FAILED"))
+    ran = _on_every_rank(bool(torch.isfinite(logits).all()), device)
+    lines.append(f"ep={world} parallelize, agreeing: rank {rank} " + ("ran a step" if ran else "FAILED"))
     return lines
 
 
