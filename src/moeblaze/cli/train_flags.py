@@ -148,7 +148,7 @@ def _add_parallel_arguments(p: argparse.ArgumentParser) -> None:
                    help="how rows cross: tokens (one row per (token, rank), equal to one GPU within the op's "
                         "rounding; default) or pairs (one row per (token, expert) pair, bitwise equal to one GPU)")
     g.add_argument("--ep-wire", default="native", choices=WIRES,
-                   help="tokens: e4m3 sends x's and dy's rows as e4m3 with their scales, half a bf16 row's bytes "
+                   help="tokens: e4m3 sends x's and dy's rows as e4m3 with their scales, about half a bf16 row's bytes "
                         "(dW1 and dW2 then take the quantized rows); native: in the model's dtype (default)")
     g.add_argument("--ep-chunks", type=int, default=1,
                    help="the all-to-alls in this many parts, each part's under another part's GEMMs (tokens: each "

@@ -157,7 +157,7 @@ class EPConfig:
             one GPU within the op's rounding; default) or "pairs" (one row per (token, expert) pair, bitwise equal to
             one GPU).
         wire: "native" (rows cross in x's dtype, default) or "e4m3" (transport "tokens": each row of x forward and
-            of dy backward crosses as e4m3 with its 1 x 128 float32 scales, half the bytes of a bf16 row, and is
+            of dy backward crosses as e4m3 with its 1 x 128 float32 scales, about half a bf16 row's bytes, and is
             dequantized where it arrives; the partial sums return in x's dtype). The experts then see those rows
             as dequant(q(x)) and dequant(q(dy)): under precision="fp8" the e4m3 GEMMs read what one GPU reads (the
             same quantization), while dW1 and dW2, which one GPU computes from x and dy in their own precision,
