@@ -8,6 +8,7 @@ torch.compile(fullgraph=True) and captured in a CUDA graph (replayed on new inpu
 
     torchrun --nproc-per-node 2 scripts/ep_check.py [--tokens 4096] [--out DIR]
     torchrun --nproc-per-node 2 scripts/ep_check.py --uneven   # must stop every rank with the capacity message
+    torchrun --nproc-per-node 2 scripts/ep_check.py --later-drop   # must end every rank (a device-side assert)
     torchrun --nproc-per-node 4 scripts/ep_check.py --only-overflow   # the overflow check alone
     torchrun --nproc-per-node 4 scripts/ep_check.py --checks-only --dispatches exact/2,exact/4   # pipelined groups
     torchrun --nproc-per-node 2 scripts/ep_check.py --agreement   # mismatches and refused inputs: errors on every rank
@@ -261,7 +262,70 @@ def agreement(rank: int, world: int, L: int, device) -> list[str]:
             ok = _on_every_rank(said.startswith("ValueError") and bool(torch.isfinite(out.float()).all()), device)
             lines.append(f"ep={world} {entry}, {case} on rank {world - 1}: rank {rank} {said}; "
                          + ("every rank raised, then ran the agreeing call" if ok else "FAILED"))
+    lines += later_agreement(rank, world, L, device)
     return lines
+
+
+def later_agreement(rank: int, world: int, L: int, device, dtypes=(torch.bfloat16, torch.float16)) -> list[str]:
+    """ep_experts after a group's first call: the values ride on the transport's first exchange as their signature.
+    The ranks agree on calls in each of dtypes (bf16, fp16), then the last rank passes the second where the others
+    pass the first
+    (each rank's own values were agreed before): one error naming the dtypes on every rank, then the agreeing call
+    runs; for each transport that reads the exchange on the host (tokens exact, pairs exact, pairs capacity)."""
+    (x, idx, w, _), w1, w2 = problem(rank, world, L, "uniform", device)
+    E_loc = w1.shape[0] // world
+    mine, experts = slice(rank * L, (rank + 1) * L), slice(rank * E_loc, (rank + 1) * E_loc)
+    odd, lines = rank == world - 1, []
+    for ep_config in (EPConfig(), EPConfig(transport="pairs"),
+                      EPConfig("capacity", capacity=4 * L, transport="pairs")):
+        group = dist.new_group(list(range(world)))
+
+        def call(dtype, group=group, ep_config=ep_config):
+            return ep_experts(x[mine].to(dtype), idx[mine], w[mine].to(dtype), w1[experts].to(dtype),
+                              w2[experts].to(dtype), group=group, ep_config=ep_config)
+
+        call(dtypes[0]), call(dtypes[1])
+        try:
+            call(dtypes[odd])
+            said, named = "nothing raised", False
+        except ValueError as e:
+            said, named = f"ValueError: {str(e)[:150]}", all(f"'{dtype}'" in str(e) for dtype in dtypes)
+        out = call(dtypes[0])
+        torch.cuda.synchronize()
+        ok = _on_every_rank(said.startswith("ValueError") and named and bool(torch.isfinite(out.float()).all()),
+                            device)
+        what = f"{ep_config.transport} {ep_config.dispatch}"
+        lines.append(f"ep={world} ep_experts {what}, a third call in {dtypes[1]} on rank {world - 1} (calls in "
+                     f"{dtypes[0]} and in {dtypes[1]} agreed before): rank {rank} {said}; "
+                     + ("every rank raised naming the dtypes, then ran the agreeing call" if ok else "FAILED"))
+    return lines
+
+
+def later_drop(rank: int, world: int, L: int, device, dtypes=(torch.bfloat16, torch.float16)) -> int:
+    """The same later-call mismatch under capacity dispatch with on_overflow="drop", which never reads the device
+    on the host: every rank must end (a device-side assert, stops.assert_none) rather than hang or go on with
+    collectives that don't match. Prints what each rank saw; the process is expected to die."""
+    (x, idx, w, _), w1, w2 = problem(rank, world, L, "uniform", device)
+    E_loc = w1.shape[0] // world
+    mine, experts = slice(rank * L, (rank + 1) * L), slice(rank * E_loc, (rank + 1) * E_loc)
+    ep_config = EPConfig("capacity", capacity=2 * L, on_overflow="drop")
+
+    def call(dtype):
+        return ep_experts(x[mine].to(dtype), idx[mine], w[mine].to(dtype), w1[experts].to(dtype),
+                          w2[experts].to(dtype), ep_config=ep_config)
+
+    call(dtypes[0]), call(dtypes[1])
+    torch.cuda.synchronize()
+    print(f"rank {rank}: calls in {dtypes[0]} and in {dtypes[1]} agreed; a third in {dtypes[rank == world - 1]}",
+          flush=True)
+    try:
+        out = call(dtypes[rank == world - 1])
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 (what the rank saw is the output)
+        print(f"rank {rank}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+        raise SystemExit(3) from e
+    print(f"rank {rank}: FAILED: nothing raised (finite {bool(torch.isfinite(out.float()).all())})", flush=True)
+    return 1
 
 
 def titan_agreement(rank: int, world: int, device) -> list[str]:
@@ -352,6 +416,9 @@ def main():
                     help="only the bitwise checks (no bandwidth sweep, overflow, compile or CUDA graph)")
     ap.add_argument("--agreement", action="store_true",
                     help="only the agreement checks: a mismatch and a refused input, an error on every rank")
+    ap.add_argument("--later-drop", action="store_true",
+                    help="only a later call's mismatch under capacity dispatch with on_overflow='drop': every rank "
+                         "must end (a device-side assert)")
     ap.add_argument("--uneven", action="store_true",
                     help="only capacity_factor sizing on ranks of different token counts: every rank must stop")
     args = ap.parse_args()
@@ -363,6 +430,8 @@ def main():
         kernel.configs = kernel.configs[:1]
     if args.uneven:
         return uneven(rank, world, args.tokens, device)
+    if args.later_drop:
+        return later_drop(rank, world, args.tokens, device)
     if args.agreement:
         lines = agreement(rank, world, args.tokens, device)
         lines += fsdp_agreement(rank, world, device)
