@@ -228,3 +228,18 @@ def test_values_that_differ_after_the_first_call_stop_every_rank(ep_config):
         run_ranks(_sets_agreed_then_mixed, 2, ep_config, case, timeout_s=300)
     if ep_config.transport == "tokens" and ep_config.dispatch == "exact":
         run_ranks(_sets_agreed_then_mixed, 4, ep_config, "both_agreed", timeout_s=300)
+
+
+def test_every_device_side_assert_message_fits_cudas_limit():
+    """CUDA refuses a device-side assert whose message is over 254 bytes, at the call ("Message length must be
+    smaller than 255"): capacity dispatch under on_overflow="drop" on a GPU stopped at every call so, with the stops'
+    message (270 bytes). Every message that can become one is held to the limit on the CPU too."""
+    from moeblaze.distributed.stops import assert_none
+    from moeblaze.routing.checks import fail_if
+
+    with pytest.raises(RuntimeError, match="over 254 bytes"):
+        fail_if(torch.tensor(False), "x" * 255)
+    fail_if(torch.tensor(False), "\u00e9" * 127)  # 254 bytes
+    assert_none(torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="expert-parallel group stops"):
+        assert_none(torch.tensor([0, 2]))

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ..args import check_int
 from ..experts.stages import combine_slots
 from ..routing import RoutingIndex, build_routing_index
+from ..routing.checks import device_message, fail_if
 from ..routing.index import pair_experts
 from .stops import assert_none, exchange, stop_if_any
 
@@ -460,9 +461,11 @@ def fail_if_any(checks: list, group, sync: bool = False) -> None:
     no host sync; the program stops, and the other ranks with it (on_overflow "drop" and a tracker's capacity
     check, which must not sync)."""
     if checks[0][0].device.type != "cpu" and not sync:
-        for bad, message, _ in checks:
-            torch._assert_async(~bad, message)
+        for bad, message, error in checks:
+            fail_if(bad, message, error)
         return
+    for _, message, _ in checks:  # the same messages as on the device path
+        device_message(message)
     flags = torch.stack([bad.reshape(()) for bad, _, _ in checks]).to(torch.int32)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
     for flag, (_, message, error) in zip(flags.tolist(), checks):

@@ -14,10 +14,14 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from ..routing.checks import fail_if
+
 REFUSED = ("every rank of the expert-parallel group stops: a rank refused its inputs in this call (its own error "
            "names them)")
 DIFFER = ("every rank of the expert-parallel group stops: the ranks' calls differ in what must agree (the recipe, "
           "the EPConfig, the dtypes and shapes), though each rank's was agreed in an earlier call")
+STOPPED = ("every rank of the expert-parallel group stops: a rank refused its inputs in this call, or the ranks' "
+           "calls differ in what must agree (the recipe, the EPConfig, the dtypes and shapes)")  # on the device
 _REFUSED_CODE = 1
 
 
@@ -60,7 +64,7 @@ def stop_if_any(stops: torch.Tensor) -> None:
 
 def assert_none(stops: torch.Tensor) -> None:
     """The stops of exchange, checked on the device (no host sync): a device-side assert, which ends the program."""
-    torch._assert_async(stops.eq(0).all(), REFUSED + "; or " + DIFFER[DIFFER.index("the ranks' calls"):])
+    fail_if(stops.ne(0).any(), STOPPED)
 
 
 def refuse(group, shape: tuple[int, ...], device) -> None:

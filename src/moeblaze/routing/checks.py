@@ -15,8 +15,22 @@ import torch
 from ..configs import check_layer
 
 
+DEVICE_MESSAGE_BYTES = 254  # the longest message a CUDA device-side assert takes (torch._assert_async refuses more)
+
+
+def device_message(message: str) -> str:
+    """message, checked to fit a device-side assert on every device (so that a CPU test finds one a GPU would
+    refuse at the call)."""
+    if len(message.encode()) > DEVICE_MESSAGE_BYTES:
+        raise RuntimeError(f"internal: a device-side assert's message is over {DEVICE_MESSAGE_BYTES} bytes: "
+                           f"{message!r}")
+    return message
+
+
 def fail_if(bad: torch.Tensor, message: str, error: type[Exception] = ValueError) -> None:
-    """Raise `error` (CPU, eager) or assert on the device (accelerators, compile) when `bad` holds True."""
+    """Raise `error` (CPU, eager) or assert on the device (accelerators, compile) when `bad` holds True; message at
+    most DEVICE_MESSAGE_BYTES bytes."""
+    device_message(message)
     if bad.device.type == "cpu" and not torch.compiler.is_compiling():
         if bool(bad):
             raise error(message)
