@@ -15,10 +15,10 @@ torch.compile(fullgraph=True) and captured in a CUDA graph (replayed on new inpu
                                                                   # (ep_experts, ExpertParallel, parallelize,
                                                                   # torchtitan's model)
 
-The bitwise checks run the per-pair transport (EPConfig(transport="pairs")), the bitwise reference; --agreement
-checks the other transport's first calls too. The tl kernels are pinned to their first autotune config (each process
-would otherwise tune on its own and may pick another); the Gluon kernels are not autotuned. Rank 0 prints one line
-per check and writes them to DIR/ep_check.txt.
+The bitwise checks run the per-pair transport (EPConfig(transport="pairs")), the bitwise reference, with the tl
+kernels pinned to their first autotune config (each process would otherwise tune on its own and may pick another;
+the Gluon kernels are not autotuned); --agreement checks the other transport too. Rank 0 prints one line per check
+and writes them to DIR/ep_check.txt.
 """
 from __future__ import annotations
 
@@ -426,8 +426,6 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
-    for kernel in TUNED_KERNELS.values():  # one config in every process
-        kernel.configs = kernel.configs[:1]
     if args.uneven:
         return uneven(rank, world, args.tokens, device)
     if args.later_drop:
@@ -445,6 +443,8 @@ def main():
         print(line, flush=True)
         dist.destroy_process_group()
         return 1 if "FAILED" in line else 0
+    for kernel in TUNED_KERNELS.values():  # one config in every process (the bitwise checks)
+        kernel.configs = kernel.configs[:1]
     lines = []
     if rank == 0:
         lines.append(subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True).stdout)
