@@ -23,6 +23,7 @@ and writes them to DIR/ep_check.txt.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib.util
 import os
 import subprocess
@@ -416,6 +417,8 @@ def main():
                     help="only the bitwise checks (no bandwidth sweep, overflow, compile or CUDA graph)")
     ap.add_argument("--agreement", action="store_true",
                     help="only the agreement checks: a mismatch and a refused input, an error on every rank")
+    ap.add_argument("--bound", type=int, default=240,
+                    help="--agreement: seconds after which a rank still running prints its stack and exits")
     ap.add_argument("--later-drop", action="store_true",
                     help="only a later call's mismatch under capacity dispatch with on_overflow='drop': every rank "
                          "must end (a device-side assert)")
@@ -430,12 +433,16 @@ def main():
         return uneven(rank, world, args.tokens, device)
     if args.later_drop:
         return later_drop(rank, world, args.tokens, device)
-    if args.agreement:
-        lines = agreement(rank, world, args.tokens, device)
-        lines += fsdp_agreement(rank, world, device)
+    if args.agreement:  # each part's lines as it ends; a rank still waiting after the bound prints where
+        faulthandler.dump_traceback_later(args.bound, exit=True)
+        parts = [lambda: agreement(rank, world, args.tokens, device), lambda: fsdp_agreement(rank, world, device)]
         if importlib.util.find_spec("torchtitan") is not None:
-            lines += titan_agreement(rank, world, device)
-        print("\n".join(lines), flush=True)
+            parts.append(lambda: titan_agreement(rank, world, device))
+        lines = []
+        for part in parts:
+            said = part()
+            print("\n".join(said), flush=True)
+            lines += said
         dist.destroy_process_group()
         return 1 if any("FAILED" in line for line in lines) else 0
     if args.only_overflow:
