@@ -1,7 +1,8 @@
 """Megatron-Core's MoE layer with its own experts and with moeblaze's, side by side in one process on one GPU:
 forward + backward time and peak memory of one MoE layer of Qwen3-30B-A3B's shape, then of a few-layer GPTModel.
 
-    python benchmarks/megatron_bench.py [--tokens 8192] [--layers 4] [--dense-first 0] [--ep 1] [--out DIR]
+    python benchmarks/megatron_bench.py [--tokens 8192] [--layers 4] [--dense-first 0] [--ep 1]
+                                        [--attention flash] [--out DIR]
 
 Variants (one Megatron spec each, the same weights and tokens, bf16 parameters as Megatron's Float16Module keeps
 them, under Megatron's DistributedDataParallel with fp32 gradient buffers, NCCL world of one):
@@ -19,6 +20,10 @@ them, under Megatron's DistributedDataParallel with fp32 gradient buffers, NCCL 
                         distributed optimizer lays them), where the layer stacks them per call instead of reading
                         them in place: what reading them in place saves
   moeblaze-in-megatron  dispatch="megatron": Megatron's dispatcher, moeblaze's op on its permuted rows
+The model's attention (the same in every variant): --attention flash (default) runs each layer's core attention as
+torch's scaled_dot_product_attention (a fused flash kernel, causal, grouped queries: the kind of kernel Megatron's
+users train with, TransformerEngine's fused attention, which does not install here); --attention local keeps the
+local spec's DotProductAttention, which forms each head's 4096 x 4096 scores (the rows before 2026-11-30).
 step_ms: the median of --iters steps after --warmup (CUDA events around each); peak_mb: the allocator's peak over
 the timed steps, weights and their gradients included. --ep N runs each variant on N GPUs (torchrun, Megatron's
 expert parallelism over them, each GPU its own --tokens, the step ending in DDP's gradient sync): step_ms and
@@ -30,6 +35,7 @@ and DIR/<gpu>.jsonl; a variant that fails records its error instead.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -44,6 +50,7 @@ from moeblaze import EPConfig, ExpertsConfig
 
 QWEN3_30B = dict(hidden_size=2048, num_attention_heads=32, num_query_groups=4, kv_channels=128,
                  ffn_hidden_size=6144, num_moe_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768)
+ATTENTION = ("flash", "local")
 VARIANTS = ("megatron-sequential", "megatron-grouped-mm", "megatron-te-grouped", "moeblaze", "moeblaze-recompute",
             "moeblaze-capacity", "moeblaze-stacked", "moeblaze-in-megatron")
 
@@ -117,14 +124,47 @@ def block_spec(variant: str, cfg):
     return get_moeblaze_gpt_decoder_block_spec(cfg, **_recipe(variant))
 
 
-def build(what: str, variant: str, layers: int, dense_first: int = 0):
+@functools.cache
+def flash_attention():
+    """Megatron's DotProductAttention with its forward on torch's scaled_dot_product_attention (its constructor,
+    parameters, dropout and checkpoint layout unchanged): causal self-attention, key/value groups shared by the
+    queries."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    class FlashAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            kind = attn_mask_type or self.attn_mask_type
+            if (kind != AttnMaskType.causal or attention_mask is not None or attention_bias is not None
+                    or packed_seq_params is not None):
+                raise ValueError("the benchmark's flash attention runs causal self-attention without a mask, bias "
+                                 "or packed sequences")
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, n, d] -> [b, n, s, d]
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                 dropout_p=self.attention_dropout.p if self.training else 0.0,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+    return FlashAttention
+
+
+def with_attention(s, attention: str):
+    """The layer or block spec s with each layer's core attention as --attention names it."""
+    if attention == "local":
+        return s
+    for layer in getattr(s, "layer_specs", None) or [s]:
+        layer.submodules.self_attention.submodules.core_attention = flash_attention()
+    return s
+
+
+def build(what: str, variant: str, layers: int, dense_first: int = 0, attention: str = "local"):
     """The variant's layer or model under Megatron's DistributedDataParallel (world of one), as Megatron trains:
     gradients into its fp32 buffer, the parameters laid out in its buffer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
     cfg = transformer_config(layers, te=variant == "megatron-te-grouped", grouped=variant == "megatron-grouped-mm",
                              dense_first=dense_first if what == "model" else 0)
-    s = block_spec(variant, cfg) if what == "model" and dense_first else spec(variant)
+    s = with_attention(block_spec(variant, cfg) if what == "model" and dense_first else spec(variant), attention)
     torch.manual_seed(0)
     if what == "layer":
         mlp = s.submodules.mlp
@@ -168,7 +208,7 @@ def timed(step, warmup: int, iters: int) -> tuple[float, float]:
 
 
 def run(what: str, variant: str, args) -> dict:
-    model = build(what, variant, args.layers, args.dense_first)
+    model = build(what, variant, args.layers, args.dense_first, args.attention)
     seq, batch = 4096, args.tokens // 4096
     seed = 1 + dist.get_rank()  # each rank its own tokens
     if what == "layer":
@@ -245,6 +285,8 @@ def main():
     ap.add_argument("--layers", type=int, default=4, help="the GPTModel's layers")
     ap.add_argument("--dense-first", type=int, default=0,
                     help="the GPTModel's first layers dense (DeepSeek-V3's layout; the decoder block spec)")
+    ap.add_argument("--attention", choices=ATTENTION, default="flash",
+                    help="the model's core attention in every variant (the module header)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--what", default="layer,model", help="layer, model or both")
     ap.add_argument("--ep", type=int, default=1, help="GPUs, Megatron's expert parallelism over them (torchrun)")
@@ -268,7 +310,8 @@ def main():
             row = {"impl": f"megatron:{variant}", "bench": f"megatron-{what}", "L": args.tokens, "d": q["hidden_size"],
                    "h": q["moe_ffn_hidden_size"], "E": q["num_moe_experts"], "K": q["moe_router_topk"],
                    "layers": 1 if what == "layer" else args.layers,
-                   "dense_first": args.dense_first if what == "model" else 0, "ep": args.ep, "gpus": args.ep,
+                   "dense_first": args.dense_first if what == "model" else 0,
+                   "attention": args.attention if what == "model" else None, "ep": args.ep, "gpus": args.ep,
                    **env}
             # a process per variant: Megatron's DDP keeps a stock layer alive after its last reference goes (a CPU
             # check showed it), which would count in the next variant's peak
@@ -276,7 +319,7 @@ def main():
                                           f"--nproc-per-node={args.ep}"] if args.ep > 1 else [])
             r = subprocess.run(launch + [__file__, "--child", "--what", what, "--variants", variant,
                                 "--tokens", str(args.tokens), "--layers", str(args.layers), "--dense-first",
-                                str(args.dense_first), "--ep", str(args.ep), "--warmup",
+                                str(args.dense_first), "--attention", args.attention, "--ep", str(args.ep), "--warmup",
                                 str(args.warmup), "--iters", str(args.iters)], capture_output=True, text=True)
             rows = [line[4:] for line in r.stdout.splitlines() if line.startswith("ROW ")]
             row.update(json.loads(rows[-1]) if rows else {"error": f"exit {r.returncode}: {r.stderr[-300:]}"})

@@ -1,6 +1,7 @@
 """benchmarks/megatron_bench.py's grouped-GEMM baseline on the CPU: Megatron's own GroupedMLP with its grouped_gemm
 hook served by torch._grouped_mm computes Megatron's SequentialMLP layer (the same weights, laid out as GroupedMLP
 keeps them): output, dx and every gradient within twice Megatron's own bf16 error against its layer in fp64."""
+import contextlib
 import os
 import sys
 
@@ -71,3 +72,55 @@ def test_grouped_gemm_baseline_computes_megatrons_sequential_layer():
     except ImportError:
         pytest.skip("megatron-core 0.17 removed GroupedMLP, the baseline this checks (megatron_bench refuses it)")
     run_ranks(_grouped_equals_sequential, 1)
+
+
+def _flash_equals_local(rank, world, found):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    import megatron.core.fusions.fused_softmax as fused_softmax
+
+    from megatron.core import tensor_parallel
+
+    mc.init()
+    real_mask = fused_softmax.get_default_causal_mask  # Megatron makes its causal mask on CUDA
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+    tracker = tensor_parallel.get_cuda_rng_tracker()  # and forks its CUDA generator around the (here no) dropout
+    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    try:
+        config = mc.transformer_config(num_attention_heads=4, num_query_groups=2, kv_channels=8, attention_dropout=0.0)
+        made = {}
+        for name, cls in (("local", DotProductAttention), ("flash", megatron_bench.flash_attention())):
+            made[name] = cls(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                             attention_type="self").eval()
+        g = torch.Generator().manual_seed(4)
+        s, b = 12, 2
+        qkv = [torch.randn(s, b, n, 8, generator=g, dtype=torch.float64) for n in (4, 2, 2)]
+        dout = torch.randn(s, b, 32, generator=g, dtype=torch.float64)
+
+        def step(layer, dtype):
+            ins = [t.to(dtype).clone().requires_grad_() for t in qkv]
+            out = layer(*ins, attention_mask=None)
+            out.backward(dout.to(dtype))
+            return [out.detach(), *(t.grad for t in ins)]
+        exact, same, got = step(made["local"], torch.float64), step(made["local"], torch.float32), step(
+            made["flash"], torch.float32)
+        for what, a, b_, w in zip(("out", "dq", "dk", "dv"), got, same, exact):
+            try:
+                assert_within_torch_error(a, b_, w)
+            except AssertionError as e:
+                found.put((rank, what, str(e)))
+        try:
+            made["flash"](*qkv, attention_mask=torch.ones(s, s, dtype=torch.bool))
+            found.put((rank, "mask", "a mask passed where the flash attention can't apply it"))
+        except ValueError:
+            pass
+    finally:
+        fused_softmax.get_default_causal_mask = real_mask
+        del tracker.fork
+        mc.destroy()
+
+
+def test_flash_attention_computes_megatrons_local_attention():
+    """The benchmark's --attention flash against the local spec's DotProductAttention (causal, grouped queries):
+    output and the query, key and value gradients within twice its own fp32 error against it in fp64."""
+    run_ranks(_flash_equals_local, 1)
