@@ -207,7 +207,8 @@ def timed(step, warmup: int, iters: int) -> tuple[float, float]:
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**20
 
 
-def run(what: str, variant: str, args) -> dict:
+def make_step(what: str, variant: str, args):
+    """One training step of the variant's layer or model (forward, backward, and under --ep the gradient sync)."""
     model = build(what, variant, args.layers, args.dense_first, args.attention)
     seq, batch = 4096, args.tokens // 4096
     seed = 1 + dist.get_rank()  # each rank its own tokens
@@ -221,12 +222,17 @@ def run(what: str, variant: str, args) -> dict:
         def fwd_bwd():
             logits = model(ids, pos, attention_mask=None)
             logits.float().square().mean().backward()
-    step = fwd_bwd
-    if dist.get_world_size() > 1:
-        def step():  # the gradients of what every rank holds reduced, as a training step must
-            fwd_bwd()
-            model.finish_grad_sync()
-    ms, peak = timed(step, args.warmup, args.iters)
+    if dist.get_world_size() == 1:
+        return fwd_bwd
+
+    def step():  # the gradients of what every rank holds reduced, as a training step must
+        fwd_bwd()
+        model.finish_grad_sync()
+    return step
+
+
+def run(what: str, variant: str, args) -> dict:
+    ms, peak = timed(make_step(what, variant, args), args.warmup, args.iters)
     worst = torch.tensor([ms, peak], device="cuda", dtype=torch.float64)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     ms, peak = worst.tolist()
