@@ -153,6 +153,15 @@ def _experts_config(experts: ExpertsConfig | None, megatron_config) -> ExpertsCo
     return dataclasses.replace(experts, activation=activation)
 
 
+def _param(module, name: str):
+    """module.<name>: its registered parameter, else the attribute (a plain tensor or None)."""
+    p = module._parameters.get(name, _UNREGISTERED)
+    return getattr(module, name) if p is _UNREGISTERED else p
+
+
+_UNREGISTERED = object()
+
+
 class MoeblazeSequentialMLP(SequentialMLP):
     """Megatron's SequentialMLP (its parameters, names and sharded_state_dict) computed by moeblaze's op: called by
     Megatron's dispatcher on the permuted rows (dispatch="megatron"), or by MoeblazeMoELayer on the tokens and the
@@ -203,9 +212,13 @@ class MoeblazeSequentialMLP(SequentialMLP):
         return out
 
     def _parts(self) -> tuple:
-        fc1, fc2 = [e.linear_fc1 for e in self.local_experts], [e.linear_fc2 for e in self.local_experts]
-        biases = tuple(None if fc[0].bias is None else tuple(f.bias for f in fc) for fc in (fc1, fc2))
-        return tuple(f.weight for f in fc1), tuple(f.weight for f in fc2), *biases
+        """(fc1's weights, fc2's, fc1's biases or None, fc2's or None), expert by expert: read from the modules'
+        own tables (nn.Module's attribute lookup costs ~0.5 ms a call over 128 experts' 512 names)."""
+        experts = self.local_experts._modules.values()
+        fc1, fc2 = [e._modules["linear_fc1"] for e in experts], [e._modules["linear_fc2"] for e in experts]
+        biases = tuple(None if _param(fc[0], "bias") is None else tuple(_param(f, "bias") for f in fc)
+                       for fc in (fc1, fc2))
+        return tuple(_param(f, "weight") for f in fc1), tuple(_param(f, "weight") for f in fc2), *biases
 
     def routed(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, group=None,
                ep: EPConfig | None = None, sentinels: bool = False) -> torch.Tensor:
