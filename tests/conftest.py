@@ -7,7 +7,7 @@ import pytest
 def pytest_configure(config):
     # The Triton kernels run under the interpreter on the CPU; it must be set before triton is imported.
     # `pytest -m gpu` (tests/gpu, on a CUDA machine) runs the compiled kernels instead.
-    # One torch thread per test process (pytest -n runs about one process per core; more threads would wait on each
+    # One torch thread per test process (pytest -n runs one process per core; more threads would wait on each
     # other at every barrier): for this process and the commands the tests start.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     markexpr = config.getoption("-m") or ""
