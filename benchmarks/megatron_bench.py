@@ -41,6 +41,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -157,7 +158,7 @@ def with_attention(s, attention: str):
     return s
 
 
-def build(what: str, variant: str, layers: int, dense_first: int = 0, attention: str = "local"):
+def build(what: str, variant: str, layers: int, dense_first: int, attention: str):
     """The variant's layer or model under Megatron's DistributedDataParallel (world of one), as Megatron trains:
     gradients into its fp32 buffer, the parameters laid out in its buffer."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -189,6 +190,33 @@ def lay_out_last_first(model) -> None:
             for p in params:
                 p.data = flat[at:at + p.numel()].view_as(p)
                 at += p.numel()
+
+
+def wall_and_issue(step, warmup: int, iters: int, warm=None) -> tuple[float, float]:
+    """(wall ms, the host's ms to issue it) a step over `iters` steps, each synchronized, after `warmup` steps and
+    then warm() (where given): where the two near each other, the host paces the step."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    if warm is not None:
+        warm()
+    issue, start = 0.0, time.perf_counter()
+    for _ in range(iters):
+        at = time.perf_counter()
+        step()
+        issue += time.perf_counter() - at
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e3, issue / iters * 1e3
+
+
+def step_args(ap) -> None:
+    """The flags make_step reads beside --what: the tokens, the model's layers and attention."""
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens a step (sequences of 4096)")
+    ap.add_argument("--layers", type=int, default=4, help="the GPTModel's layers")
+    ap.add_argument("--dense-first", type=int, default=0,
+                    help="the GPTModel's first layers dense (DeepSeek-V3's layout; the decoder block spec)")
+    ap.add_argument("--attention", choices=ATTENTION, default="flash",
+                    help="the model's core attention in every variant (the module header)")
 
 
 def timed(step, warmup: int, iters: int) -> tuple[float, float]:
@@ -287,12 +315,7 @@ def child(args) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=8192, help="tokens a step (sequences of 4096)")
-    ap.add_argument("--layers", type=int, default=4, help="the GPTModel's layers")
-    ap.add_argument("--dense-first", type=int, default=0,
-                    help="the GPTModel's first layers dense (DeepSeek-V3's layout; the decoder block spec)")
-    ap.add_argument("--attention", choices=ATTENTION, default="flash",
-                    help="the model's core attention in every variant (the module header)")
+    step_args(ap)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--what", default="layer,model", help="layer, model or both")
     ap.add_argument("--ep", type=int, default=1, help="GPUs, Megatron's expert parallelism over them (torchrun)")

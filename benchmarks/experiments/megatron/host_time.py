@@ -64,29 +64,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", default="moeblaze")
     ap.add_argument("--what", choices=("layer", "model"), default="layer")
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dense-first", type=int, default=0)
-    ap.add_argument("--attention", choices=mb.ATTENTION, default="flash")
+    mb.step_args(ap)
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
     mb.megatron_world("29520")
     wrap_all()
     step = mb.make_step(args.what, args.variant, args)
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    SECONDS.clear()
-    CALLS.clear()
-    issue, start = 0.0, time.perf_counter()
-    for _ in range(args.steps):
-        at = time.perf_counter()
-        step()
-        issue += time.perf_counter() - at
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / args.steps * 1e3
+    wall, issue = mb.wall_and_issue(step, 5, args.steps, warm=lambda: (SECONDS.clear(), CALLS.clear()))
     print(f"== {args.variant} {args.what} ({args.attention} attention): wall {wall:.2f} ms, the host's time to issue "
-          f"it {issue / args.steps * 1e3:.2f} ms a step")
+          f"it {issue:.2f} ms a step")
     for label, s in sorted(SECONDS.items(), key=lambda kv: -kv[1]):
         print(f"{s / args.steps * 1e3:8.3f} ms  {CALLS[label] / args.steps:7.1f} calls  {label}")
 

@@ -10,7 +10,6 @@ operators (self time).
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -22,16 +21,7 @@ import megatron_bench as mb  # noqa: E402
 def profile(variant: str, args) -> None:
     step = mb.make_step(args.what, variant, args)
     top, host = args.top, args.host
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    issue, start = 0.0, time.perf_counter()
-    for _ in range(10):
-        at = time.perf_counter()
-        step()
-        issue += time.perf_counter() - at
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / 10 * 1e3
+    wall, issue = mb.wall_and_issue(step, 3, 10)
     activities = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if host else [])
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(3):
@@ -43,7 +33,7 @@ def profile(variant: str, args) -> None:
             kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total / 3 / 1000  # ms a step
     total = sum(kernels.values())
     print(f"== {variant} {args.what}: GPU kernels {total:.2f} ms a step; the step's wall time {wall:.2f} ms, "
-          f"the host's time to issue it {issue / 10 * 1e3:.2f} ms (10 steps, each synchronized)")
+          f"the host's time to issue it {issue:.2f} ms (10 steps, each synchronized)")
     for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
         print(f"{ms:8.3f} ms {100 * ms / total:5.1f}%  {name[:110]}")
     if host:
@@ -53,11 +43,8 @@ def profile(variant: str, args) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variants", default="megatron-grouped-mm,moeblaze")
-    ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--what", choices=("layer", "model"), default="layer")
-    ap.add_argument("--layers", type=int, default=4, help="the model's layers")
-    ap.add_argument("--dense-first", type=int, default=0)
-    ap.add_argument("--attention", choices=mb.ATTENTION, default="flash")
+    mb.step_args(ap)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--host", action="store_true", help="also the host's costliest operators")
     args = ap.parse_args()

@@ -153,13 +153,13 @@ def _experts_config(experts: ExpertsConfig | None, megatron_config) -> ExpertsCo
     return dataclasses.replace(experts, activation=activation)
 
 
+_UNREGISTERED = object()
+
+
 def _param(module, name: str):
     """module.<name>: its registered parameter, else the attribute (a plain tensor or None)."""
     p = module._parameters.get(name, _UNREGISTERED)
     return getattr(module, name) if p is _UNREGISTERED else p
-
-
-_UNREGISTERED = object()
 
 
 class MoeblazeSequentialMLP(SequentialMLP):
