@@ -20,8 +20,9 @@ With --ep N: torchtitan's expert parallelism instead, by its own code (the model
 the parallelism, then the model's parallelize: the experts sharded over the EP mesh, its all-to-all dispatcher
 wired); FSDP2 is not applied then (torchtitan shards experts and the rest over different meshes per parameter,
 which torch 2.11's FSDP2 can't take): the other parameters are replicated in fp32 under bf16 autocast, as on one
-GPU, their gradients averaged over the ranks after backward, the experts' divided by the number of ranks (each
-rank's experts computed every rank's tokens), which is the gradient of the mean loss over all ranks' tokens.
+GPU, their gradients averaged over the ranks as backward makes them (in bf16 under --reduce-dtype bfloat16), the
+experts' divided by the number of ranks (each rank's experts computed every rank's tokens), which is the gradient of
+the mean loss over all ranks' tokens.
 A variant NAME+exact or NAME+capacity runs moeblaze's own expert parallelism on that mesh (ep_dispatch), and
 NAME+DISPATCH/P the all-to-alls in P parts, each under another part's GEMMs (ep_chunks: the tokens transport's
 rows split; @pairs: exact dispatch's local experts in P groups);
@@ -99,10 +100,13 @@ class GradientAverage:
     overlaps its all-reduces with backward (an async all-reduce per parameter from its post-accumulate hook, on a
     process group of its own; the LM head's, whose gradients accumulate over the loss chunks, issued once they are
     done, under the body's backward); the experts' (EP shards, which computed every rank's tokens) divided by the
-    number of ranks. finish() waits for them before the optimizer step."""
+    number of ranks. finish() waits for them before the optimizer step. reduce_dtype bfloat16: each fp32 gradient
+    crosses as a bf16 copy and the average is written back in fp32 (DDP's bf16_compress_hook; FSDP2's
+    reduce_dtype under --reduce-dtype): half the bytes, the largest of which, the embedding's, are the last
+    gradient backward makes and have nothing left to hide under."""
 
-    def __init__(self, model):
-        self.world, self.pending = dist.get_world_size(), []
+    def __init__(self, model, reduce_dtype: torch.dtype = torch.float32):
+        self.world, self.pending, self.dtype = dist.get_world_size(), [], reduce_dtype
         # a communicator of its own, as DDP's: NCCL runs it beside the EP all-to-alls, not queued behind them
         self.group = dist.new_group(list(range(self.world)))
         head = {id(p) for p in model.lm_head.parameters()}
@@ -114,7 +118,8 @@ class GradientAverage:
 
     def _reduce(self, p):
         op = dist.ReduceOp.AVG if DEVICE == "cuda" else dist.ReduceOp.SUM  # gloo has no AVG
-        self.pending.append((p, dist.all_reduce(p.grad, op=op, group=self.group, async_op=True)))
+        grad = p.grad.to(self.dtype)  # p.grad itself where the dtypes agree
+        self.pending.append((p, grad, dist.all_reduce(grad, op=op, group=self.group, async_op=True)))
 
     def head_done(self):
         for p in self.head:
@@ -122,10 +127,12 @@ class GradientAverage:
                 self._reduce(p)
 
     def finish(self):
-        for p, work in self.pending:
+        for p, grad, work in self.pending:
             work.wait()
             if DEVICE != "cuda":
-                p.grad.div_(self.world)
+                grad.div_(self.world)
+            if grad is not p.grad:
+                p.grad.copy_(grad)
         self.pending = []
         for p in self.shards:
             if p.grad is not None:
@@ -142,7 +149,7 @@ def build(config, ep: int = 1, keep_gathered: bool = False, reduce_dtype: str = 
             for p in model.parameters():  # the replicated parameters start equal on every rank
                 if not hasattr(p, "to_local"):
                     dist.broadcast(p, 0)
-        model.gradient_average = GradientAverage(model)
+        model.gradient_average = GradientAverage(model, getattr(torch, reduce_dtype))
         return model
     with torch.device("meta"):
         model = config.build()
@@ -309,8 +316,9 @@ def main():
                    help="FSDP2 (torchrun without --ep): each block keeps its gathered weights from forward to backward "
                         "(reshard_after_forward=False), one all-gather per block and step")
     p.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="FSDP2's gradient reduction dtype (MixedPrecisionPolicy.reduce_dtype; torchtitan 0.3's "
-                        "mixed_precision_reduce allows float32 only)")
+                   help="the gradient reductions' dtype: FSDP2's (MixedPrecisionPolicy.reduce_dtype; torchtitan 0.3's "
+                        "mixed_precision_reduce allows float32 only), or under --ep the replicated parameters' "
+                        "all-reduces")
     p.add_argument("--fsdp-prefetch", type=int, default=0,
                    help="FSDP2: each unit's forward (backward) issues the all-gathers of the next (previous) N units "
                         "explicitly; 0: FSDP2's implicit prefetch (torchtitan's)")
@@ -328,10 +336,11 @@ def main():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if args.ep > 1 and not (dist.is_initialized() and dist.get_world_size() == args.ep):
         p.error(f"--ep {args.ep} runs under torchrun with {args.ep} processes (expert parallelism over every rank)")
-    for flag, on in (("--keep-gathered", args.keep_gathered), ("--reduce-dtype", args.reduce_dtype != "float32"),
-                     ("--fsdp-prefetch", args.fsdp_prefetch != 0)):
+    for flag, on in (("--keep-gathered", args.keep_gathered), ("--fsdp-prefetch", args.fsdp_prefetch != 0)):
         if on and (args.ep > 1 or not dist.is_initialized()):
             p.error(f"{flag} applies to FSDP2: under torchrun, without --ep")
+    if args.reduce_dtype != "float32" and not dist.is_initialized():
+        p.error("--reduce-dtype applies to the gradients' reductions: under torchrun")
     say = print if not dist.is_initialized() or dist.get_rank() == 0 else (lambda *a, **k: None)
 
     import shlex
