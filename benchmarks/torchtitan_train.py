@@ -8,7 +8,11 @@ The model is torchtitan's flavor (model_registry) cut to --layers layers, built 
 (meta device, to_empty, init_weights), attention on torch's SDPA (causal; torchtitan 0.3's FlexAttention mask
 builder needs a newer torch than 2.11), fp32 parameters under bf16 autocast (torchtitan's mixed precision without
 FSDP), AdamW (fused), the cross-entropy chunked over the sequence as torchtitan's trainer does, on random tokens
-(the same seed and batches for every variant).
+(the same seed and batches for every variant). Variants: torchtitan's experts (default) or moeblaze's with
+checkpoint preact, recompute, fp8 (recompute, precision="fp8" as a user gets it: e4m3 where the experts get
+fp8_min_rows rows each) or e4m3 (preact, e4m3 GEMMs at every size); each row counts the experts' e4m3 GEMMs a step
+(e4m3_gemms_per_step: 0 where fp8 ran native). --float8-dense adds torchtitan's float8 converter (torchao) on the
+dense Linear layers of every variant.
 Each variant runs in this process after the last one's memory is freed; peak memory is torch's allocator peak
 over the timed steps. One JSON line per variant goes to stdout and to --results.
 Under torchrun (several GPUs): FSDP2 as torchtitan applies it (each block, then the root; bf16 parameters, fp32
@@ -58,10 +62,11 @@ import titan  # noqa: E402  (tests/titan.py: torchtitan's models as the tests bu
 FLAVORS = {"qwen3-30b-a3b": ("qwen3", "30B-A3B"), "deepseek-v3-16b": ("deepseek_v3", "16B"),
            "qwen3-debug": ("qwen3", "debugmodel_moe"), "deepseek-v3-debug": ("deepseek_v3", "debugmodel")}
 VARIANTS = {"default": None, "preact": dict(checkpoint="preact"), "recompute": dict(checkpoint="recompute"),
-            "fp8": dict(checkpoint="recompute", precision="fp8")}
+            "fp8": dict(checkpoint="recompute", precision="fp8"),
+            "e4m3": dict(checkpoint="preact", precision="fp8", fp8_min_rows=0)}  # e4m3 GEMMs at every size
 
 
-def model_config(name: str, layers: int, variant: str):
+def model_config(name: str, layers: int, variant: str, float8_dense: bool = False):
     import importlib
 
     from moeblaze import EPConfig, ExpertsConfig
@@ -78,8 +83,13 @@ def model_config(name: str, layers: int, variant: str):
     ep = None if not ep_dispatch else EPConfig(dispatch=ep_dispatch, chunks=int(chunks or 1),
                                                transport=transport or "tokens", on_overflow=overflow or None,
                                                wire=wire or "native")
-    converters = None if options is None else [MoeblazeConverter.Config(experts=ExpertsConfig(**options), ep=ep)]
-    config = registry(flavor, converters=converters).model
+    converters = [] if options is None else [MoeblazeConverter.Config(experts=ExpertsConfig(**options), ep=ep)]
+    if float8_dense:  # torchtitan's float8 converter (torchao's Float8Linear, rowwise) on every Linear but the router's
+        from torchtitan.components.quantization import Float8LinearConverter
+
+        converters.insert(0, Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["router"],
+                                                          emulate=DEVICE != "cuda"))
+    config = registry(flavor, converters=converters or None).model
     config.layers = config.layers[:layers]
     return titan.sdpa(config)
 
@@ -211,6 +221,7 @@ def synchronize():
 
 def train(model, opt, vocab, batch, seq, steps, warmup, ep: int = 1):
     from moeblaze.distributed.plan import Traffic
+    from moeblaze.experts import launch_counts
 
     losses, t0 = [], None
     fsdp = dist.is_initialized() and ep == 1
@@ -221,6 +232,7 @@ def train(model, opt, vocab, batch, seq, steps, warmup, ep: int = 1):
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             Traffic.reset()
+            launch_counts.clear()
         average = model.gradient_average if ep > 1 else None
         loss = chunked_loss_step(model, x, y, fsdp=fsdp, head_done=average and average.head_done)
         if ep > 1:
@@ -233,6 +245,8 @@ def train(model, opt, vocab, batch, seq, steps, warmup, ep: int = 1):
     synchronize()
     dt = time.perf_counter() - t0
     train.a2a_bytes = Traffic.reset()  # the timed steps' moeblaze all-to-all bytes to other ranks
+    # the experts' e4m3 GEMMs the timed steps ran: 0 where precision="fp8" ran native GEMMs (fp8_min_rows)
+    train.e4m3_gemms = sum(n for (stage, _backend), n in launch_counts.items() if stage == "fp8_rows")
     return dt, [float(v) for v in losses]
 
 
@@ -265,7 +279,7 @@ def comm_split(model, opt, vocab, batch, seq, ep: int, trace: str | None = None)
 
 
 def run(args, variant: str, batch: int, steps: int, warmup: int):
-    config = model_config(args.model, args.layers, variant)
+    config = model_config(args.model, args.layers, variant, args.float8_dense)
     model = build(config, args.ep, args.keep_gathered, args.reduce_dtype, args.fsdp_prefetch)
     sharded = [p for p in model.parameters() if hasattr(p, "to_local")]  # the EP shards (DTensors) under --ep
     plain = [p for p in model.parameters() if not hasattr(p, "to_local")]
@@ -280,7 +294,8 @@ def run(args, variant: str, batch: int, steps: int, warmup: int):
         row = dict(variant=variant, batch=batch, seq=args.seq, steps=steps, world=world, ep=args.ep,
                    tokens_per_s=round(world * batch * args.seq * steps / dt), step_ms=round(1000 * dt / steps, 1),
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else None,
-                   a2a_mb_per_step=round(train.a2a_bytes / steps / 2**20, 2), loss_first=round(losses[0], 4),
+                   a2a_mb_per_step=round(train.a2a_bytes / steps / 2**20, 2),
+                   e4m3_gemms_per_step=train.e4m3_gemms / steps, loss_first=round(losses[0], 4),
                    loss_last=round(losses[-1], 4))
         if args.comm_split and DEVICE == "cuda":
             trace = args.trace and f"{args.trace}-{variant}-rank{dist.get_rank() if dist.is_initialized() else 0}.json"
@@ -322,6 +337,9 @@ def main():
     p.add_argument("--fsdp-prefetch", type=int, default=0,
                    help="FSDP2: each unit's forward (backward) issues the all-gathers of the next (previous) N units "
                         "explicitly; 0: FSDP2's implicit prefetch (torchtitan's)")
+    p.add_argument("--float8-dense", action="store_true",
+                   help="torchtitan's float8 converter (torchao's Float8Linear, rowwise scales) on the dense Linear "
+                        "layers (attention, the LM head; not the router), beside every variant's experts")
     p.add_argument("--trace", default=None, help="with --comm-split: keep the profiled step's chrome trace, "
                                                  "TRACE-VARIANT-rankR.json")
     p.add_argument("--comm-split", action="store_true",
@@ -350,7 +368,7 @@ def main():
     head = dict(**run_env(torch.device(DEVICE), "python benchmarks/torchtitan_train.py " + shlex.join(sys.argv[1:])),
                 torchtitan=version("torchtitan"),
                 model=args.model, layers=args.layers, stubbed=titan.STUBBED, keep_gathered=args.keep_gathered,
-                reduce_dtype=args.reduce_dtype, fsdp_prefetch=args.fsdp_prefetch)
+                reduce_dtype=args.reduce_dtype, fsdp_prefetch=args.fsdp_prefetch, float8_dense=args.float8_dense)
     say(json.dumps(head), flush=True)
     rows = []
     for variant in args.variants.split(","):
