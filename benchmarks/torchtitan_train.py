@@ -12,7 +12,7 @@ FSDP), AdamW (fused), the cross-entropy chunked over the sequence as torchtitan'
 checkpoint preact, recompute, fp8 (recompute, precision="fp8" as a user gets it: e4m3 where the experts get
 fp8_min_rows rows each) or e4m3 (preact, e4m3 GEMMs at every size); each row counts the experts' e4m3 GEMMs a step
 (e4m3_gemms_per_step: 0 where fp8 ran native). --float8-dense adds torchtitan's float8 converter (torchao) on the
-dense Linear layers of every variant.
+blocks' dense Linear layers of every variant, --compile compiles each block (torchtitan's apply_compile).
 Each variant runs in this process after the last one's memory is freed; peak memory is torch's allocator peak
 over the timed steps. One JSON line per variant goes to stdout and to --results.
 Under torchrun (several GPUs): FSDP2 as torchtitan applies it (each block, then the root; bf16 parameters, fp32
@@ -84,10 +84,11 @@ def model_config(name: str, layers: int, variant: str, float8_dense: bool = Fals
                                                transport=transport or "tokens", on_overflow=overflow or None,
                                                wire=wire or "native")
     converters = [] if options is None else [MoeblazeConverter.Config(experts=ExpertsConfig(**options), ep=ep)]
-    if float8_dense:  # torchtitan's float8 converter (torchao's Float8Linear, rowwise) on every Linear but the router's
+    if float8_dense:  # torchtitan's float8 converter (torchao's Float8Linear, rowwise) on the blocks' dense Linear
+        # layers, not the router's nor the LM head (as torchtitan's own MoE float8 recipe, deepseek_v3's, filters them)
         from torchtitan.components.quantization import Float8LinearConverter
 
-        converters.insert(0, Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["router"],
+        converters.insert(0, Float8LinearConverter.Config(recipe_name="rowwise", filter_fqns=["lm_head", "router"],
                                                           emulate=DEVICE != "cuda"))
     config = registry(flavor, converters=converters or None).model
     config.layers = config.layers[:layers]
@@ -281,6 +282,10 @@ def comm_split(model, opt, vocab, batch, seq, ep: int, trace: str | None = None)
 def run(args, variant: str, batch: int, steps: int, warmup: int):
     config = model_config(args.model, args.layers, variant, args.float8_dense)
     model = build(config, args.ep, args.keep_gathered, args.reduce_dtype, args.fsdp_prefetch)
+    if args.compile:  # torchtitan's apply_compile: each block on its own, whole graphs
+        torch._dynamo.config.capture_scalar_outputs = True
+        for name, block in model.layers.named_children():
+            model.layers.register_module(name, torch.compile(block, fullgraph=True))
     sharded = [p for p in model.parameters() if hasattr(p, "to_local")]  # the EP shards (DTensors) under --ep
     plain = [p for p in model.parameters() if not hasattr(p, "to_local")]
     groups = [{"params": g} for g in (sharded, plain) if g]  # one fused AdamW call per group: no DTensor mixing
@@ -338,8 +343,10 @@ def main():
                    help="FSDP2: each unit's forward (backward) issues the all-gathers of the next (previous) N units "
                         "explicitly; 0: FSDP2's implicit prefetch (torchtitan's)")
     p.add_argument("--float8-dense", action="store_true",
-                   help="torchtitan's float8 converter (torchao's Float8Linear, rowwise scales) on the dense Linear "
-                        "layers (attention, the LM head; not the router), beside every variant's experts")
+                   help="torchtitan's float8 converter (torchao's Float8Linear, rowwise scales) on the blocks' dense "
+                        "Linear layers (attention; not the router nor the LM head), beside every variant's experts")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer block (fullgraph), as torchtitan's apply_compile; one GPU")
     p.add_argument("--trace", default=None, help="with --comm-split: keep the profiled step's chrome trace, "
                                                  "TRACE-VARIANT-rankR.json")
     p.add_argument("--comm-split", action="store_true",
@@ -357,6 +364,8 @@ def main():
     for flag, on in (("--keep-gathered", args.keep_gathered), ("--fsdp-prefetch", args.fsdp_prefetch != 0)):
         if on and (args.ep > 1 or not dist.is_initialized()):
             p.error(f"{flag} applies to FSDP2: under torchrun, without --ep")
+    if args.compile and dist.is_initialized():
+        p.error("--compile runs on one GPU (no torchrun)")
     if args.reduce_dtype != "float32" and not dist.is_initialized():
         p.error("--reduce-dtype applies to the gradients' reductions: under torchrun")
     say = print if not dist.is_initialized() or dist.get_rank() == 0 else (lambda *a, **k: None)
@@ -368,7 +377,8 @@ def main():
     head = dict(**run_env(torch.device(DEVICE), "python benchmarks/torchtitan_train.py " + shlex.join(sys.argv[1:])),
                 torchtitan=version("torchtitan"),
                 model=args.model, layers=args.layers, stubbed=titan.STUBBED, keep_gathered=args.keep_gathered,
-                reduce_dtype=args.reduce_dtype, fsdp_prefetch=args.fsdp_prefetch, float8_dense=args.float8_dense)
+                reduce_dtype=args.reduce_dtype, fsdp_prefetch=args.fsdp_prefetch, float8_dense=args.float8_dense,
+                compiled=args.compile)
     say(json.dumps(head), flush=True)
     rows = []
     for variant in args.variants.split(","):
