@@ -16,38 +16,38 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmar
 
 
 def _model():
+    """The same weights on every rank."""
+    torch.manual_seed(0)
     model = torch.nn.Module()
     model.body = torch.nn.Linear(16, 16)
     model.lm_head = torch.nn.Linear(16, 8, bias=False)
     return model
 
 
+def _tokens(rank):
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(rank + 1))
+
+
 def _grads(rank):
-    """This rank's gradients: the same weights everywhere, the rank's own inputs."""
-    torch.manual_seed(0)
+    """Rank `rank`'s own gradients."""
     model = _model()
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank + 1))
-    model.lm_head(model.body(x)).square().sum().backward()
-    return model, [p.grad.clone() for p in model.parameters()]
+    model.lm_head(model.body(_tokens(rank))).square().sum().backward()
+    return [p.grad for p in model.parameters()]
 
 
 def _average(rank, world, errors, dtype):
     import torchtitan_train
 
-    model, _ = _grads(rank)
-    for p in model.parameters():
-        p.grad = None
+    model = _model()
     average = torchtitan_train.GradientAverage(model, getattr(torch, dtype))
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank + 1))
-    h = model.body(x)
+    h = model.body(_tokens(rank))
     h_leaf = h.detach().requires_grad_()
     model.lm_head(h_leaf).square().sum().backward()  # the head's gradients first, as the chunked loss makes them
     average.head_done()
     h.backward(h_leaf.grad)
     average.finish()
-    per_rank = [_grads(r)[1] for r in range(world)]
-    for name, p, gs in zip([n for n, _ in model.named_parameters()], model.parameters(), zip(*per_rank)):
-        t = getattr(torch, dtype)
+    per_rank, t = [_grads(r) for r in range(world)], getattr(torch, dtype)
+    for (name, p), gs in zip(model.named_parameters(), zip(*per_rank)):
         want = (sum(g.to(t) for g in gs) / world).float()
         if p.grad.dtype != torch.float32 or not torch.equal(p.grad, want):
             errors.put(f"{dtype} {name}: {(p.grad - want).abs().max()}")
