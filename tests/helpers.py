@@ -135,16 +135,29 @@ def free_port() -> int:
 _POOLS: dict = {}  # world -> (processes, their job queues, the results queue)
 
 
-def _pool(world: int):
-    """This test process's `world` spawned ranks, started at first use and kept: each spawn imports torch and the
-    test's modules (seconds), which a test's steps take less than."""
+# What the fork server imports once, before the processes the tests start from it are forked: a spawned process
+# took ~5 CPU-seconds importing these, and the suite starts ~30 ranks and ~15 snippets.
+PRELOAD = ["helpers", "torch", "torch.distributed", "triton", "moeblaze.experts", "moeblaze.distributed"]
+
+
+def preloaded_processes():
+    """multiprocessing's fork-server context, its server (one per test process, started at first use: a fresh
+    interpreter, so no test's state reaches it) having imported PRELOAD; a process started from it imports the
+    module of the function it runs, where it first unpickles it."""
     import multiprocessing
 
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _pool(world: int):
+    """This test process's `world` ranks (preloaded_processes), started at first use and kept."""
     pool = _POOLS.get(world)
     if pool is None or not all(p.is_alive() for p in pool[0]):
         if pool is not None:
             _close(world)
-        ctx = multiprocessing.get_context("spawn")
+        ctx = preloaded_processes()
         jobs, results = [ctx.SimpleQueue() for _ in range(world)], ctx.Queue()
         procs = [ctx.Process(target=_rank_loop, args=(r, world, jobs[r], results), daemon=True) for r in range(world)]
         for p in procs:
@@ -211,6 +224,11 @@ def speed_up_triton_interpreter():
       (none depends on the function), so a helper whose module sees no language module the launch's did not is
       not patched again (a quarter of the interpreted kernels' time). The launch's own patching and its
       restore are Triton's, untouched.
+    - Every value a kernel computes is built through block_type's and tensor's constructors, which recompute the
+      same shape objects each time (the shape unwrapped, validated and named; each dimension wrapped again as a
+      constexpr): a third of what was left. Here each (element type, shape) computes them once and the values of
+      that shape share them (nothing changes them in place), where the shared objects equal what Triton's own
+      constructors make for a sample (_share_shapes).
     And one computation that checked nothing is set aside: the integer-overflow sanitizer recomputes every int32
     add, sub and mul in int64 and compares it with the bounds (about half of what was left), then hands the result
     to device_assert, which without debug=True returns at once: no assertion ever ran. tests/experts/
@@ -252,7 +270,62 @@ def speed_up_triton_interpreter():
 
     interpreter._get_np_dtype = get_np_dtype
     interpreter._patch_lang = _patch_lang_once_per_launch(interpreter)
+    _share_shapes(interpreter.tl.core)
     _set_overflow_checks(False)
+
+
+def _share_shapes(core):
+    """block_type and tensor of triton.language.core built with shape objects shared by every value of one (element
+    type, shape): patched only if a sample of each equals, attribute by attribute, what Triton's constructors make."""
+    import builtins
+    import math
+
+    block_init, tensor_init = core.block_type.__init__, core.tensor.__init__
+    blocks, tensors = {}, {}
+
+    def block_type_init(self, element_ty, shape):
+        try:
+            key = (element_ty, builtins.tuple(shape))
+            known = blocks.get(key)
+        except TypeError:  # a pointer element type is unhashable: Triton's own constructor
+            return block_init(self, element_ty, shape)
+        if known is None:
+            block_init(self, element_ty, shape)
+            blocks[key] = (self.shape, self.numel, self.name)
+        else:
+            self.element_ty = element_ty
+            self.shape, self.numel, self.name = known
+
+    def tensor_init_shared(self, handle, type):
+        self.handle, self.type, self.dtype = handle, type, type.scalar
+        dims = builtins.tuple(type.shape) if type.is_block() else ()
+        known = tensors.get(dims)
+        if known is None:
+            known = tensors[dims] = (core.tuple([core.constexpr(d) for d in dims]), core.constexpr(math.prod(dims)))
+        self.shape, self.numel = known
+
+    def made(init, cls, *args):
+        obj = cls.__new__(cls)
+        init(obj, *args)
+        return obj
+
+    def seen(obj):  # the attributes, with tuples and constexprs by their values
+        def plain(v):
+            if isinstance(v, core.tuple):
+                return ("tuple", [plain(x) for x in v.values])
+            return ("constexpr", v.value) if isinstance(v, core.constexpr) else (type(v), v)
+        return {k: plain(v) for k, v in vars(obj).items()}
+
+    samples = [(core.float32, [16, 32]), (core.int64, core.tuple([core.constexpr(8)]))]
+    for elt, shape in samples * 2:  # twice: the second builds from what the first kept
+        ours, theirs = made(block_type_init, core.block_type, elt, shape), made(block_init, core.block_type, elt, shape)
+        if seen(ours) != seen(theirs) or seen(made(tensor_init_shared, core.tensor, None, ours)) != seen(
+                made(tensor_init, core.tensor, None, theirs)):
+            return  # another Triton: its own constructors
+    if seen(made(tensor_init_shared, core.tensor, None, core.float32)) != seen(
+            made(tensor_init, core.tensor, None, core.float32)):
+        return
+    core.block_type.__init__, core.tensor.__init__ = block_type_init, tensor_init_shared
 
 
 def _patch_lang_once_per_launch(interpreter):

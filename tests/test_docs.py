@@ -1,10 +1,13 @@
-"""The documentation as a user meets it: every Python snippet in the README and docs/ runs as pasted (in a fresh
-interpreter, in an empty folder; on this machine's CPU, as each snippet picks its device), and every relative link
-in a Markdown file of the repository points to a file that exists."""
+"""The documentation as a user meets it: every Python snippet in the README and docs/ runs as pasted (as the main
+module of a process of its own, in an empty folder; on this machine's CPU, as each snippet picks its device), and
+every relative link in a Markdown file of the repository points to a file that exists.
+
+The snippets' processes are forked from a server that has imported torch, Triton and moeblaze's kernels once
+(helpers.preloaded_processes: ~5 CPU-seconds a snippet otherwise); what a snippet imports beyond those (moeblaze's
+integrations, which register themselves, transformers, Megatron, torchtitan) it imports itself."""
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
@@ -23,14 +26,36 @@ def snippets():
             yield pytest.param(m.group(1), id=f"{path.relative_to(ROOT)}-{i}")
 
 
+def _as_main(code: str, folder: str, output: str) -> None:
+    """Run code as `python -c` would (a fresh __main__, argv ["-c"]) in folder, its output into the file output, with
+    nothing of torchrun's in the environment (RANK, WORLD_SIZE, MASTER_*), as a user pastes it into `python`, and
+    a DeprecationWarning that moeblaze's top-level module raises made an error."""
+    import warnings
+
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.chdir(folder)
+    for name in TORCHRUN_ENV:
+        os.environ.pop(name, None)
+    warnings.filterwarnings("error", category=DeprecationWarning, module=r"moeblaze\Z")
+    sys.argv = ["-c"]
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+
+
 @pytest.mark.parametrize("code", list(snippets()))
 def test_snippet_runs_as_pasted(code, tmp_path):
-    # as a user pastes it into `python`: nothing of torchrun's (RANK, WORLD_SIZE, MASTER_*) in the environment
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="error::DeprecationWarning:moeblaze")
-    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    from helpers import preloaded_processes
+
+    output = tmp_path / "output"
+    p = preloaded_processes().Process(target=_as_main, args=(code, str(tmp_path / "cwd"), str(output)))
+    (tmp_path / "cwd").mkdir()
+    p.start()
+    p.join(600)
+    if p.exitcode is None:
+        p.kill()
+        p.join()
+    assert p.exitcode == 0, output.read_text()[-3000:]
 
 
 def markdown_files():
