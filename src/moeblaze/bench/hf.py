@@ -99,6 +99,7 @@ def build(name: str, backend: str, layers: int | None, device: torch.device, see
     import transformers
 
     import moeblaze.integrations.transformers as mbt
+    from moeblaze import ExpertsConfig
 
     implementation, policy = _implementation(backend)
     torch.manual_seed(seed)
@@ -106,7 +107,7 @@ def build(name: str, backend: str, layers: int | None, device: torch.device, see
         model = transformers.AutoModelForCausalLM.from_config(model_config(name, layers), dtype=torch.bfloat16,
                                                               experts_implementation=implementation)
     if policy is not None:
-        mbt.configure(model, checkpoint=policy)
+        mbt.configure(model, ExpertsConfig(checkpoint=policy))
     model.train()
     return model
 
